@@ -1,0 +1,467 @@
+//! The node <-> agent protocol.
+//!
+//! One unix-socket connection carries one request. The node sends a [`Request`] as a JSON
+//! frame, followed by `Data` frames and an `Eof` frame when the request takes input
+//! (stdin, file upload, tar upload). The agent answers with frames as listed on each
+//! variant and closes the connection. An [`Reply::Error`] may replace any reply.
+//!
+//! Exec output shape (streaming or not): `Started`, then `Stdout`/`Stderr` data frames,
+//! then `Exited`. Without `stream` the agent keeps only the last `output_limit` bytes per
+//! stream in a ring and sends them after exit; with `stream` it forwards output live.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::ApiError;
+
+/// Version string the agent reports in `Pong`; bumped on incompatible protocol changes.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Default cap on recorded output per stream (4 MiB).
+pub const DEFAULT_OUTPUT_LIMIT: u64 = 4 * 1024 * 1024;
+
+/// What to run: an argv vector (`["ls","-l"]`) or a shell string (`"ls | wc -l"`, run by
+/// `/bin/sh -c`). In JSON an array is argv, a string is a shell command.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Command {
+    /// Program and arguments, executed directly (looked up in PATH).
+    Argv(Vec<String>),
+    /// A shell command line for `/bin/sh -c`.
+    Shell(String),
+}
+
+impl Command {
+    /// The argv that the agent executes.
+    pub fn to_argv(&self) -> Vec<String> {
+        match self {
+            Command::Argv(v) => v.clone(),
+            Command::Shell(s) => vec!["/bin/sh".into(), "-c".into(), s.clone()],
+        }
+    }
+
+    /// A short human-readable rendering.
+    pub fn display(&self) -> String {
+        match self {
+            Command::Argv(v) => v.join(" "),
+            Command::Shell(s) => s.clone(),
+        }
+    }
+}
+
+/// A one-shot command execution.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecSpec {
+    /// What to run.
+    pub cmd: Command,
+    /// Extra environment variables (added to the sandbox's defaults).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Working directory inside the sandbox; default `/`.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// If true, the node sends stdin as `Data` frames then `Eof` after the request.
+    /// Otherwise stdin is `/dev/null`.
+    #[serde(default)]
+    pub stdin: bool,
+    /// Kill the whole process group after this many milliseconds.
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    /// Forward output live instead of keeping a ring and sending it at exit.
+    #[serde(default)]
+    pub stream: bool,
+    /// Ring size per stream for non-streaming exec; default [`DEFAULT_OUTPUT_LIMIT`].
+    #[serde(default)]
+    pub output_limit: Option<u64>,
+}
+
+/// How a process ended.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExitInfo {
+    /// Exit code if the process exited normally.
+    pub exit_code: Option<i32>,
+    /// Signal number if it was killed by a signal.
+    pub signal: Option<i32>,
+    /// Wall time from spawn to exit.
+    pub duration_ms: u64,
+    /// True if the agent killed it because `timeout_ms` elapsed.
+    pub timed_out: bool,
+    /// Total bytes the process wrote to stdout (including any dropped by the ring).
+    pub stdout_bytes: u64,
+    /// Total bytes the process wrote to stderr.
+    pub stderr_bytes: u64,
+    /// True if stdout output was dropped because it exceeded the ring.
+    pub stdout_truncated: bool,
+    /// True if stderr output was dropped because it exceeded the ring.
+    pub stderr_truncated: bool,
+}
+
+/// Terminal size for a PTY.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PtySize {
+    /// Rows.
+    pub rows: u16,
+    /// Columns.
+    pub cols: u16,
+}
+
+/// A background process.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProcessSpec {
+    /// What to run.
+    pub cmd: Command,
+    /// Extra environment variables.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Working directory; default `/`.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Run under a PTY of this size (stdout and stderr merge into stdout).
+    #[serde(default)]
+    pub pty: Option<PtySize>,
+    /// A caller-chosen label to find the process again.
+    #[serde(default)]
+    pub tag: Option<String>,
+    /// Ring size per stream; default [`DEFAULT_OUTPUT_LIMIT`].
+    #[serde(default)]
+    pub output_limit: Option<u64>,
+    /// Kill the process group after this many milliseconds.
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+}
+
+/// State of a background process.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessInfo {
+    /// Process id inside the sandbox.
+    pub pid: u32,
+    /// Caller's label.
+    pub tag: Option<String>,
+    /// The command as given.
+    pub cmd: Command,
+    /// Whether it runs under a PTY.
+    pub pty: bool,
+    /// Exit information once it ended; `None` while running.
+    pub exit: Option<ExitInfo>,
+    /// Total stdout bytes so far (the next offset to read from).
+    pub stdout_bytes: u64,
+    /// Total stderr bytes so far.
+    pub stderr_bytes: u64,
+}
+
+/// Information about a shell session.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionInfo {
+    /// Session id.
+    pub session: String,
+    /// Pid of the session's shell.
+    pub pid: u32,
+    /// Whether a command is running in it now.
+    pub busy: bool,
+}
+
+/// Result of one command in a session.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionResult {
+    /// Merged stdout and stderr of the command (lossy UTF-8).
+    pub output: String,
+    /// Exit code of the command (`$?`); 130 after an interrupt.
+    pub exit_code: i32,
+    /// True if the per-command timeout fired and the command was interrupted.
+    pub timed_out: bool,
+    /// True if output beyond the cap was dropped.
+    pub truncated: bool,
+    /// Wall time of the command.
+    pub duration_ms: u64,
+}
+
+/// Kind of a file system entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FileKind {
+    /// Regular file.
+    File,
+    /// Directory.
+    Dir,
+    /// Symbolic link (not followed).
+    Symlink,
+    /// Anything else (fifo, socket, device).
+    Other,
+}
+
+/// Metadata of one file system entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileInfo {
+    /// Base name.
+    pub name: String,
+    /// Absolute path inside the sandbox.
+    pub path: String,
+    /// Entry kind.
+    pub kind: FileKind,
+    /// Size in bytes.
+    pub size: u64,
+    /// Permission bits (e.g. 0o644).
+    pub mode: u32,
+    /// Modification time, seconds since the epoch.
+    pub mtime: i64,
+    /// Owner uid.
+    pub uid: u32,
+    /// Owner gid.
+    pub gid: u32,
+    /// Target of a symlink.
+    pub symlink_target: Option<String>,
+}
+
+/// A request from node to agent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Request {
+    /// Liveness. Reply: `Pong`.
+    Ping,
+    /// Run a command. Reply: `Started`, output frames, `Exited`.
+    Exec(ExecSpec),
+    /// Start a persistent bash session. Reply: `SessionCreated`.
+    SessionCreate {
+        /// Session id chosen by the caller.
+        session: String,
+        /// Environment for the shell.
+        #[serde(default)]
+        env: BTreeMap<String, String>,
+        /// Initial working directory.
+        #[serde(default)]
+        cwd: Option<String>,
+    },
+    /// Run one command in a session. Reply: `SessionResult`.
+    SessionRun {
+        /// Session id.
+        session: String,
+        /// Command line, interpreted by the session's bash.
+        command: String,
+        /// Interrupt the command (SIGINT, then SIGKILL of its group) after this long.
+        #[serde(default)]
+        timeout_ms: Option<u64>,
+    },
+    /// Send SIGINT to the command running in a session. Reply: `Ok`.
+    SessionInterrupt {
+        /// Session id.
+        session: String,
+    },
+    /// Kill a session's shell. Reply: `Ok`.
+    SessionClose {
+        /// Session id.
+        session: String,
+    },
+    /// Reply: `Sessions`.
+    SessionList,
+    /// Start a background process. Reply: `ProcessStarted`.
+    ProcessStart(ProcessSpec),
+    /// Reply: `Processes`.
+    ProcessList,
+    /// Read a process's recorded output from byte offsets. Reply: `OutputStart`, then
+    /// output frames; with `follow`, live output until the process exits; then `Exited`
+    /// if it has exited, or `OutputEnd` if it still runs.
+    ProcessOutput {
+        /// Process id.
+        pid: u32,
+        /// First stdout byte wanted (0 = from the beginning of what the ring holds).
+        #[serde(default)]
+        stdout_offset: u64,
+        /// First stderr byte wanted.
+        #[serde(default)]
+        stderr_offset: u64,
+        /// Keep streaming until the process exits.
+        #[serde(default)]
+        follow: bool,
+    },
+    /// Write to a process's stdin: `Data` frames follow, then `Eof`. If `close` is set,
+    /// stdin is closed after the data. Reply: `Ok`.
+    ProcessStdin {
+        /// Process id.
+        pid: u32,
+        /// Close stdin after writing.
+        #[serde(default)]
+        close: bool,
+    },
+    /// Send a signal to a process's group. Reply: `Ok`.
+    ProcessSignal {
+        /// Process id.
+        pid: u32,
+        /// Signal number.
+        signal: i32,
+    },
+    /// Resize a process's PTY. Reply: `Ok`.
+    ProcessResize {
+        /// Process id.
+        pid: u32,
+        /// New size.
+        size: PtySize,
+    },
+    /// Read a file. Reply: `File` (its metadata), then `Data` frames, then `Eof`.
+    FileRead {
+        /// Path inside the sandbox.
+        path: String,
+        /// Start offset.
+        #[serde(default)]
+        offset: u64,
+        /// Maximum bytes to read; default to the end.
+        #[serde(default)]
+        length: Option<u64>,
+    },
+    /// Write a file from `Data` frames ending with `Eof`. Reply: `Written`.
+    /// The file is written to a temporary name and renamed into place, so a failed or
+    /// interrupted upload leaves the old file intact.
+    FileWrite {
+        /// Path inside the sandbox.
+        path: String,
+        /// Permission bits for a new file; default 0o644.
+        #[serde(default)]
+        mode: Option<u32>,
+        /// Create missing parent directories.
+        #[serde(default)]
+        create_parents: bool,
+    },
+    /// List a directory. Reply: `Entries`.
+    FileList {
+        /// Directory path.
+        path: String,
+    },
+    /// Stat a path without following a final symlink. Reply: `File`.
+    FileStat {
+        /// Path.
+        path: String,
+    },
+    /// Create a directory and its parents (`mkdir -p`). Reply: `Ok`.
+    FileMkdir {
+        /// Path.
+        path: String,
+    },
+    /// Remove a file or directory. Reply: `Ok`.
+    FileRemove {
+        /// Path.
+        path: String,
+        /// Remove a non-empty directory recursively.
+        #[serde(default)]
+        recursive: bool,
+    },
+    /// Rename within the sandbox. Reply: `Ok`.
+    FileRename {
+        /// Source path.
+        from: String,
+        /// Destination path.
+        to: String,
+    },
+    /// Download a directory as a tar stream. Reply: `Data` frames, then `Eof`.
+    TarDownload {
+        /// Directory path.
+        path: String,
+    },
+    /// Extract a tar stream (`Data` frames then `Eof`) into a directory, which is created
+    /// if missing. Entries that would land outside it are rejected. Reply: `Written`.
+    TarUpload {
+        /// Destination directory.
+        path: String,
+    },
+}
+
+/// A reply from agent to node (JSON frames).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "snake_case")]
+pub enum Reply {
+    /// Answer to `Ping`.
+    Pong {
+        /// [`PROTOCOL_VERSION`].
+        version: u32,
+        /// The agent's pid inside the sandbox (1 when it is init).
+        pid: u32,
+    },
+    /// The process was spawned.
+    Started {
+        /// Its pid inside the sandbox.
+        pid: u32,
+    },
+    /// The process ended; last frame of an exec or of a followed output stream.
+    Exited(ExitInfo),
+    /// A session was created.
+    SessionCreated {
+        /// Session id.
+        session: String,
+        /// Shell pid.
+        pid: u32,
+    },
+    /// Result of `SessionRun`.
+    SessionResult(SessionResult),
+    /// Answer to `SessionList`.
+    Sessions {
+        /// Open sessions.
+        sessions: Vec<SessionInfo>,
+    },
+    /// A background process was started.
+    ProcessStarted(ProcessInfo),
+    /// Answer to `ProcessList`.
+    Processes {
+        /// Known processes, running and exited.
+        processes: Vec<ProcessInfo>,
+    },
+    /// Start of `ProcessOutput`: where the returned bytes begin. If the requested
+    /// offset fell out of the ring, the data starts later and `*_truncated` is set.
+    OutputStart {
+        /// Offset of the first stdout byte that follows.
+        stdout_offset: u64,
+        /// Offset of the first stderr byte that follows.
+        stderr_offset: u64,
+        /// Requested stdout bytes were lost to the ring.
+        stdout_truncated: bool,
+        /// Requested stderr bytes were lost to the ring.
+        stderr_truncated: bool,
+    },
+    /// End of a non-following `ProcessOutput` on a running process.
+    OutputEnd {
+        /// Next stdout offset to ask for.
+        stdout_offset: u64,
+        /// Next stderr offset to ask for.
+        stderr_offset: u64,
+    },
+    /// Metadata of one file.
+    File(FileInfo),
+    /// Directory listing.
+    Entries {
+        /// Entries sorted by name.
+        entries: Vec<FileInfo>,
+    },
+    /// Bytes written by an upload.
+    Written {
+        /// Count of bytes.
+        bytes: u64,
+    },
+    /// Success without data.
+    Ok,
+    /// The request failed.
+    Error(ApiError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn command_json_forms() {
+        let argv: Command = serde_json::from_str(r#"["ls","-l"]"#).expect("argv");
+        assert_eq!(argv.to_argv(), vec!["ls", "-l"]);
+        let shell: Command = serde_json::from_str(r#""echo hi | wc""#).expect("shell");
+        assert_eq!(shell.to_argv(), vec!["/bin/sh", "-c", "echo hi | wc"]);
+    }
+
+    #[test]
+    fn request_is_tagged_and_strict() {
+        let r: Request = serde_json::from_str(r#"{"op":"file_stat","path":"/etc"}"#).expect("ok");
+        assert_eq!(r, Request::FileStat { path: "/etc".into() });
+        let bad = serde_json::from_str::<Request>(r#"{"op":"file_stat","path":"/","x":1}"#);
+        assert!(bad.is_err(), "unknown fields must be rejected");
+        let ping = serde_json::to_string(&Request::Ping).expect("ser");
+        assert_eq!(ping, r#"{"op":"ping"}"#);
+    }
+}

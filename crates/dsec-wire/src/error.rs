@@ -1,0 +1,86 @@
+//! Typed errors that travel on the wire: a stable machine-readable code plus a message.
+
+use serde::{Deserialize, Serialize};
+
+/// Stable error codes. Clients switch on these; never rename one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// The request is malformed or a field is out of range.
+    BadRequest,
+    /// Missing or invalid API key.
+    Unauthorized,
+    /// No such sandbox, image, session, process or file.
+    NotFound,
+    /// The sandbox existed but its lifetime ran out and it was removed.
+    Expired,
+    /// The sandbox failed (creation error, its init died); the message says why.
+    Failed,
+    /// The sandbox is not in a state that allows the call (e.g. still creating, stopped).
+    Conflict,
+    /// The named image is unknown.
+    ImageNotFound,
+    /// The node has no capacity for the request; retry later or elsewhere.
+    Capacity,
+    /// The operation did not finish in time.
+    Timeout,
+    /// A path escapes the sandbox root or is otherwise invalid.
+    InvalidPath,
+    /// The sandbox's disk or a size limit was exceeded.
+    NoSpace,
+    /// The request body is too large.
+    PayloadTooLarge,
+    /// The sandbox is paused.
+    Paused,
+    /// The in-sandbox agent could not be reached.
+    AgentUnavailable,
+    /// An unexpected server-side error.
+    Internal,
+}
+
+impl ErrorCode {
+    /// The HTTP status this code maps to.
+    pub fn http_status(self) -> u16 {
+        match self {
+            ErrorCode::BadRequest | ErrorCode::InvalidPath => 400,
+            ErrorCode::Unauthorized => 401,
+            ErrorCode::NotFound | ErrorCode::ImageNotFound => 404,
+            ErrorCode::Conflict | ErrorCode::Paused => 409,
+            ErrorCode::Expired => 410,
+            ErrorCode::PayloadTooLarge => 413,
+            ErrorCode::NoSpace => 507,
+            ErrorCode::Capacity => 503,
+            ErrorCode::Timeout => 504,
+            ErrorCode::Failed | ErrorCode::AgentUnavailable | ErrorCode::Internal => 500,
+        }
+    }
+
+    /// Whether the same request may succeed if retried later.
+    pub fn retryable(self) -> bool {
+        matches!(self, ErrorCode::Capacity | ErrorCode::Timeout | ErrorCode::AgentUnavailable)
+    }
+}
+
+/// The JSON body of every error response: `{"error": {"code": ..., "message": ...}}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{code:?}: {message}")]
+pub struct ApiError {
+    /// Stable code.
+    pub code: ErrorCode,
+    /// Human-readable explanation, saying what to do where possible.
+    pub message: String,
+}
+
+impl ApiError {
+    /// Builds an error from a code and message.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self { code, message: message.into() }
+    }
+}
+
+/// Envelope used in HTTP error bodies.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// The error.
+    pub error: ApiError,
+}

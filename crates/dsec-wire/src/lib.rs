@@ -1,0 +1,15 @@
+//! Wire types of dsec.
+//!
+//! This crate owns every type that crosses a process boundary:
+//! - [`v1`]: the public HTTP/JSON API served by `dsec serve` (and later the apiserver);
+//! - [`agent`]: the node <-> in-sandbox agent protocol, and its frame codec ([`frame`]).
+//!
+//! Architecture invariant: no I/O here. Types are plain serde structs; the codec works on
+//! byte buffers. Transports (axum, unix sockets) live in other crates.
+
+pub mod agent;
+pub mod error;
+pub mod frame;
+pub mod v1;
+
+pub use error::{ApiError, ErrorCode};

@@ -1,0 +1,426 @@
+//! The public HTTP/JSON API, version 1 (`/v1/...`).
+//!
+//! Request bodies reject unknown fields so a typo is an error, not a silent default.
+//! Times are unix milliseconds; durations name their unit in the field name.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+pub use crate::agent::{Command, ExitInfo, FileInfo, FileKind, ProcessInfo, PtySize, SessionInfo, SessionResult};
+use crate::error::ApiError;
+
+/// Header that carries the API key (`Authorization: Bearer KEY` is accepted too).
+pub const API_KEY_HEADER: &str = "x-api-key";
+
+/// Default sandbox lifetime when the caller gives none: one hour.
+pub const DEFAULT_TIMEOUT_S: u64 = 3600;
+/// Longest lifetime one call may ask for: 7 days.
+pub const MAX_TIMEOUT_S: u64 = 7 * 24 * 3600;
+
+/// Sandbox backend. Only `container` exists today.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    /// Linux namespaces + cgroups, run by the node directly.
+    #[default]
+    Container,
+}
+
+/// Network mode of a sandbox.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NetworkMode {
+    /// Own network namespace with only loopback.
+    #[default]
+    None,
+}
+
+/// Resource limits. Absent fields take the node's defaults.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Resources {
+    /// CPU limit in cores (e.g. 0.5, 2). Default 1.
+    #[serde(default)]
+    pub cpu: Option<f64>,
+    /// Memory limit in MiB. Default 512.
+    #[serde(default)]
+    pub memory_mb: Option<u64>,
+    /// Maximum number of processes/threads. Default 512.
+    #[serde(default)]
+    pub pids: Option<u64>,
+}
+
+/// Encoding of an inline file's `content`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ContentEncoding {
+    /// UTF-8 text.
+    #[default]
+    Utf8,
+    /// Base64 of arbitrary bytes.
+    Base64,
+}
+
+/// A file to place in the sandbox before it is reported ready.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InitFile {
+    /// Absolute path inside the sandbox; parents are created.
+    pub path: String,
+    /// File content.
+    pub content: String,
+    /// How `content` is encoded.
+    #[serde(default)]
+    pub encoding: ContentEncoding,
+    /// Permission bits; default 0o644.
+    #[serde(default)]
+    pub mode: Option<u32>,
+}
+
+/// `POST /v1/sandboxes`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSandboxRequest {
+    /// Image name (`base`, `debian:bookworm`, ...) or `sha256:` digest. Default `base`.
+    #[serde(default)]
+    pub image: Option<String>,
+    /// Backend; default `container`.
+    #[serde(default)]
+    pub backend: Backend,
+    /// Resource limits.
+    #[serde(default)]
+    pub resources: Resources,
+    /// Lifetime in seconds from creation; default [`DEFAULT_TIMEOUT_S`].
+    #[serde(default)]
+    pub timeout_s: Option<u64>,
+    /// Delete the sandbox after this many seconds without API activity.
+    #[serde(default)]
+    pub idle_timeout_s: Option<u64>,
+    /// Environment variables for every command in the sandbox.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Free-form labels, filterable in list.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Files to place before the sandbox is ready.
+    #[serde(default)]
+    pub files: Vec<InitFile>,
+    /// Network mode; default `none`.
+    #[serde(default)]
+    pub network: NetworkMode,
+    /// Default working directory for commands; default `/`.
+    #[serde(default)]
+    pub workdir: Option<String>,
+}
+
+/// Lifecycle state of a sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SandboxState {
+    /// Being set up.
+    Creating,
+    /// The agent answers; commands may run.
+    Ready,
+    /// Being torn down.
+    Stopping,
+    /// Creation failed or the sandbox died; `failure` says why.
+    Failed,
+}
+
+/// Effective resource limits of a sandbox.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EffectiveResources {
+    /// CPU limit in cores.
+    pub cpu: f64,
+    /// Memory limit in MiB.
+    pub memory_mb: u64,
+    /// Process limit.
+    pub pids: u64,
+}
+
+/// A sandbox as the API reports it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sandbox {
+    /// Sandbox id (also its hostname).
+    pub id: String,
+    /// Lifecycle state.
+    pub state: SandboxState,
+    /// Image name as requested.
+    pub image: String,
+    /// Content digest of the image layer.
+    pub image_digest: String,
+    /// Backend.
+    pub backend: Backend,
+    /// Effective limits.
+    pub resources: EffectiveResources,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+    /// Creation time (unix ms).
+    pub created_at: u64,
+    /// When the sandbox will be deleted (unix ms).
+    pub expires_at: u64,
+    /// Idle timeout in seconds, if any.
+    pub idle_timeout_s: Option<u64>,
+    /// Last API activity (unix ms).
+    pub last_active_at: u64,
+    /// Why the sandbox failed, for `failed`.
+    pub failure: Option<String>,
+    /// Node that runs it.
+    pub node: String,
+}
+
+/// `GET /v1/sandboxes`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxList {
+    /// Sandboxes, oldest first.
+    pub sandboxes: Vec<Sandbox>,
+}
+
+/// `POST /v1/sandboxes/{id}/timeout`: the sandbox now expires `timeout_s` from now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SetTimeoutRequest {
+    /// New remaining lifetime in seconds.
+    pub timeout_s: u64,
+}
+
+/// `POST /v1/sandboxes/{id}/exec` (and `/exec/stream`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecRequest {
+    /// Argv array or shell string.
+    pub cmd: Command,
+    /// Extra environment variables.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Working directory.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Text fed to stdin (then closed).
+    #[serde(default)]
+    pub stdin: Option<String>,
+    /// Kill the process tree after this many seconds.
+    #[serde(default)]
+    pub timeout_s: Option<f64>,
+    /// Cap on recorded output per stream, bytes.
+    #[serde(default)]
+    pub output_limit: Option<u64>,
+}
+
+/// Result of a non-streaming exec.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecResult {
+    /// Stdout (lossy UTF-8; the last `output_limit` bytes if truncated).
+    pub stdout: String,
+    /// Stderr.
+    pub stderr: String,
+    /// How the process ended.
+    #[serde(flatten)]
+    pub exit: ExitInfo,
+    /// True if the sandbox's memory limit killed the process.
+    pub oom_killed: bool,
+}
+
+/// One line of an NDJSON exec or process-output stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ExecEvent {
+    /// The process started.
+    Started {
+        /// Pid inside the sandbox.
+        pid: u32,
+    },
+    /// Stdout chunk (UTF-8; invalid sequences replaced).
+    Stdout {
+        /// Text.
+        data: String,
+    },
+    /// Stderr chunk.
+    Stderr {
+        /// Text.
+        data: String,
+    },
+    /// The process ended; last event.
+    Exit {
+        /// Exit details.
+        #[serde(flatten)]
+        exit: ExitInfo,
+        /// True if the memory limit killed it.
+        oom_killed: bool,
+    },
+    /// Output position at the end of a non-following read of a running process.
+    End {
+        /// Next stdout offset.
+        stdout_offset: u64,
+        /// Next stderr offset.
+        stderr_offset: u64,
+    },
+    /// The stream failed.
+    Error {
+        /// Why.
+        error: ApiError,
+    },
+}
+
+/// `POST /v1/sandboxes/{id}/sessions`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSessionRequest {
+    /// Session id; generated if absent.
+    #[serde(default)]
+    pub session: Option<String>,
+    /// Environment for the shell.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Initial working directory.
+    #[serde(default)]
+    pub cwd: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{id}/sessions/{session}/run`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SessionRunRequest {
+    /// Command line for the session's bash.
+    pub command: String,
+    /// Interrupt after this many seconds; the session stays usable.
+    #[serde(default)]
+    pub timeout_s: Option<f64>,
+}
+
+/// `GET /v1/sandboxes/{id}/sessions`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionList {
+    /// Open sessions.
+    pub sessions: Vec<SessionInfo>,
+}
+
+/// `POST /v1/sandboxes/{id}/processes`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StartProcessRequest {
+    /// Argv array or shell string.
+    pub cmd: Command,
+    /// Extra environment variables.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Working directory.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Run under a PTY of this size.
+    #[serde(default)]
+    pub pty: Option<PtySize>,
+    /// Caller's label.
+    #[serde(default)]
+    pub tag: Option<String>,
+    /// Kill after this many seconds.
+    #[serde(default)]
+    pub timeout_s: Option<f64>,
+}
+
+/// `GET /v1/sandboxes/{id}/processes`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessList {
+    /// Processes.
+    pub processes: Vec<ProcessInfo>,
+}
+
+/// `POST /v1/sandboxes/{id}/processes/{pid}/signal`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SignalRequest {
+    /// Signal name (`SIGINT`, `TERM`) or number.
+    pub signal: String,
+}
+
+/// `POST /v1/sandboxes/{id}/processes/{pid}/stdin`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StdinRequest {
+    /// Text to write.
+    #[serde(default)]
+    pub data: String,
+    /// Close stdin afterwards.
+    #[serde(default)]
+    pub close: bool,
+}
+
+/// `GET /v1/sandboxes/{id}/files/list`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileList {
+    /// Entries sorted by name.
+    pub entries: Vec<FileInfo>,
+}
+
+/// `POST /v1/sandboxes/{id}/files/mkdir`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MkdirRequest {
+    /// Directory to create with parents.
+    pub path: String,
+}
+
+/// `POST /v1/sandboxes/{id}/files/rename`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RenameRequest {
+    /// Source.
+    pub from: String,
+    /// Destination.
+    pub to: String,
+}
+
+/// `PUT /v1/sandboxes/{id}/files` answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WriteResult {
+    /// Bytes written.
+    pub bytes: u64,
+}
+
+/// An image known to the node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Image {
+    /// Name (`base`, `python:3.11`).
+    pub name: String,
+    /// `sha256:` digest of the EROFS layer.
+    pub digest: String,
+    /// Size of the EROFS blob in bytes.
+    pub size_bytes: u64,
+    /// Import time (unix ms).
+    pub created_at: u64,
+    /// Where it was imported from.
+    pub source: String,
+}
+
+/// `GET /v1/images`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageList {
+    /// Images sorted by name.
+    pub images: Vec<Image>,
+}
+
+/// `POST /v1/images`: import from a path on the server's machine.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImportImageRequest {
+    /// Name to give the image.
+    pub name: String,
+    /// A directory, or a `.tar`, `.tar.gz`/`.tgz` file, on the server host.
+    pub source: String,
+}
+
+/// `GET /v1/health`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Health {
+    /// Always `ok` when answered.
+    pub status: String,
+    /// Server version.
+    pub version: String,
+    /// Node name.
+    pub node: String,
+    /// `v1` or `v2`.
+    pub cgroup: String,
+    /// Live sandboxes.
+    pub sandboxes: u64,
+}
