@@ -1,0 +1,126 @@
+//! The public API as a transport-free trait.
+//!
+//! Every method corresponds to one `/v1` route. Errors are [`ApiError`]s with stable
+//! codes; transports map them onto their own status codes exactly once.
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use dsec_wire::v1::{
+    CreateSandboxRequest, CreateSessionRequest, ExecEvent, ExecRequest, ExecResult, FileInfo,
+    FileList, Health, Image, ImageList, ImportImageRequest, MkdirRequest, ProcessInfo,
+    ProcessList, PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList,
+    SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest,
+    StdinRequest, WriteResult,
+};
+use dsec_wire::ApiError;
+use futures::stream::BoxStream;
+
+/// A stream of bytes (file contents, tar archives), failing with an [`ApiError`].
+pub type ByteStream = BoxStream<'static, Result<Bytes, ApiError>>;
+
+/// A stream of exec/process events; the last item is `Exit`, `End` or `Error`.
+pub type EventStream = BoxStream<'static, ExecEvent>;
+
+/// Result type of the API.
+pub type ApiResult<T> = Result<T, ApiError>;
+
+/// The dsec API. Implemented by the control plane; called by transports.
+#[async_trait::async_trait]
+pub trait SandboxApi: Send + Sync + 'static {
+    /// Checks an API key; `None` when the request carried none.
+    fn authenticate(&self, key: Option<&str>) -> ApiResult<()>;
+
+    /// `GET /v1/health`.
+    async fn health(&self) -> ApiResult<Health>;
+
+    /// `POST /v1/sandboxes`: returns once the sandbox is ready.
+    async fn create_sandbox(&self, req: CreateSandboxRequest) -> ApiResult<Sandbox>;
+    /// `GET /v1/sandboxes/{id}`.
+    async fn get_sandbox(&self, id: &str) -> ApiResult<Sandbox>;
+    /// `GET /v1/sandboxes?label=k=v`: sandboxes whose labels include all of `labels`.
+    async fn list_sandboxes(&self, labels: BTreeMap<String, String>) -> ApiResult<SandboxList>;
+    /// `DELETE /v1/sandboxes/{id}`.
+    async fn delete_sandbox(&self, id: &str) -> ApiResult<()>;
+    /// `POST /v1/sandboxes/{id}/timeout`.
+    async fn set_timeout(&self, id: &str, req: SetTimeoutRequest) -> ApiResult<Sandbox>;
+
+    /// `POST /v1/sandboxes/{id}/exec`.
+    async fn exec(&self, id: &str, req: ExecRequest) -> ApiResult<ExecResult>;
+    /// `POST /v1/sandboxes/{id}/exec/stream` (NDJSON of [`dsec_wire::v1::ExecEvent`]).
+    async fn exec_stream(&self, id: &str, req: ExecRequest) -> ApiResult<EventStream>;
+
+    /// `POST /v1/sandboxes/{id}/sessions`.
+    async fn create_session(&self, id: &str, req: CreateSessionRequest) -> ApiResult<SessionInfo>;
+    /// `GET /v1/sandboxes/{id}/sessions`.
+    async fn list_sessions(&self, id: &str) -> ApiResult<SessionList>;
+    /// `POST /v1/sandboxes/{id}/sessions/{session}/run`.
+    async fn run_in_session(
+        &self,
+        id: &str,
+        session: &str,
+        req: SessionRunRequest,
+    ) -> ApiResult<SessionResult>;
+    /// `POST /v1/sandboxes/{id}/sessions/{session}/interrupt`.
+    async fn interrupt_session(&self, id: &str, session: &str) -> ApiResult<()>;
+    /// `DELETE /v1/sandboxes/{id}/sessions/{session}`.
+    async fn close_session(&self, id: &str, session: &str) -> ApiResult<()>;
+
+    /// `POST /v1/sandboxes/{id}/processes`.
+    async fn start_process(&self, id: &str, req: StartProcessRequest) -> ApiResult<ProcessInfo>;
+    /// `GET /v1/sandboxes/{id}/processes`.
+    async fn list_processes(&self, id: &str) -> ApiResult<ProcessList>;
+    /// `GET /v1/sandboxes/{id}/processes/{pid}/output`.
+    async fn process_output(
+        &self,
+        id: &str,
+        pid: u32,
+        stdout_offset: u64,
+        stderr_offset: u64,
+        follow: bool,
+    ) -> ApiResult<EventStream>;
+    /// `POST /v1/sandboxes/{id}/processes/{pid}/stdin`.
+    async fn process_stdin(&self, id: &str, pid: u32, req: StdinRequest) -> ApiResult<()>;
+    /// `POST /v1/sandboxes/{id}/processes/{pid}/signal`.
+    async fn signal_process(&self, id: &str, pid: u32, req: SignalRequest) -> ApiResult<()>;
+    /// `POST /v1/sandboxes/{id}/processes/{pid}/resize`.
+    async fn resize_process(&self, id: &str, pid: u32, size: PtySize) -> ApiResult<()>;
+
+    /// `GET /v1/sandboxes/{id}/files?path=&offset=&length=`.
+    async fn read_file(
+        &self,
+        id: &str,
+        path: &str,
+        offset: u64,
+        length: Option<u64>,
+    ) -> ApiResult<(FileInfo, ByteStream)>;
+    /// `PUT /v1/sandboxes/{id}/files?path=&mode=`: the body is the file's bytes.
+    async fn write_file(
+        &self,
+        id: &str,
+        path: &str,
+        mode: Option<u32>,
+        body: ByteStream,
+    ) -> ApiResult<WriteResult>;
+    /// `GET /v1/sandboxes/{id}/files/list?path=`.
+    async fn list_files(&self, id: &str, path: &str) -> ApiResult<FileList>;
+    /// `GET /v1/sandboxes/{id}/files/stat?path=`.
+    async fn stat_file(&self, id: &str, path: &str) -> ApiResult<FileInfo>;
+    /// `POST /v1/sandboxes/{id}/files/mkdir`.
+    async fn mkdir(&self, id: &str, req: MkdirRequest) -> ApiResult<()>;
+    /// `DELETE /v1/sandboxes/{id}/files?path=&recursive=`.
+    async fn remove_file(&self, id: &str, path: &str, recursive: bool) -> ApiResult<()>;
+    /// `POST /v1/sandboxes/{id}/files/rename`.
+    async fn rename_file(&self, id: &str, req: RenameRequest) -> ApiResult<()>;
+    /// `GET /v1/sandboxes/{id}/files/tar?path=`: a tar stream of the directory.
+    async fn download_tar(&self, id: &str, path: &str) -> ApiResult<ByteStream>;
+    /// `PUT /v1/sandboxes/{id}/files/tar?path=`: extract the tar body into the directory.
+    async fn upload_tar(&self, id: &str, path: &str, body: ByteStream) -> ApiResult<WriteResult>;
+
+    /// `GET /v1/images`.
+    async fn list_images(&self) -> ApiResult<ImageList>;
+    /// `POST /v1/images`.
+    async fn import_image(&self, req: ImportImageRequest) -> ApiResult<Image>;
+    /// `DELETE /v1/images/{name}`.
+    async fn delete_image(&self, name: &str) -> ApiResult<()>;
+}
