@@ -10,6 +10,7 @@
 pub mod agent;
 pub mod error;
 pub mod frame;
+pub mod init;
 pub mod v1;
 
 pub use error::{ApiError, ErrorCode};

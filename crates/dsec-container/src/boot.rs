@@ -1,0 +1,86 @@
+//! The boot sequence: join cgroups, unshare namespaces, fork PID 1, build the root,
+//! harden, report.
+
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::os::fd::OwnedFd;
+
+use nix::sched::{unshare, CloneFlags};
+use nix::unistd::{fork, ForkResult};
+
+use crate::{harden, net, rootfs, InitSpec};
+
+/// A step of the boot sequence failed; the message names the step and path.
+#[derive(Debug, thiserror::Error)]
+pub enum BootError {
+    /// Joining a cgroup failed.
+    #[error("join cgroup {path}: {source}")]
+    JoinCgroup {
+        /// The cgroup.procs file.
+        path: String,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// A namespace could not be created.
+    #[error("unshare namespaces: {0}")]
+    Unshare(nix::Error),
+    /// fork failed.
+    #[error("fork: {0}")]
+    Fork(nix::Error),
+    /// Building the root file system failed.
+    #[error("rootfs: {0}")]
+    Rootfs(#[from] rootfs::RootfsError),
+    /// Dropping privileges or installing seccomp failed.
+    #[error("harden: {0}")]
+    Harden(#[from] harden::HardenError),
+    /// Setting up the network namespace failed.
+    #[error("network: {0}")]
+    Net(std::io::Error),
+    /// Setting the hostname failed.
+    #[error("sethostname: {0}")]
+    Hostname(nix::Error),
+}
+
+/// Namespaces every container sandbox gets.
+pub const NAMESPACES: CloneFlags = CloneFlags::CLONE_NEWNS
+    .union(CloneFlags::CLONE_NEWUTS)
+    .union(CloneFlags::CLONE_NEWIPC)
+    .union(CloneFlags::CLONE_NEWNET)
+    .union(CloneFlags::CLONE_NEWCGROUP)
+    .union(CloneFlags::CLONE_NEWPID);
+
+/// Turns the calling process into the sandbox's PID 1.
+///
+/// Writes `pid <host-pid>` to `status` from the intermediate process, which then exits;
+/// returns in the new PID 1 once the sandbox is built (the caller writes `ready` and
+/// starts serving). Errors are returned in the child (or the intermediate process if they
+/// happen before the fork); the caller reports them on `status` and exits.
+pub fn boot(spec: &InitSpec, status: &OwnedFd) -> Result<(), BootError> {
+    for path in &spec.cgroup_procs {
+        join_cgroup(path)?;
+    }
+    unshare(NAMESPACES).map_err(BootError::Unshare)?;
+    // SAFETY: the process is single-threaded here (init runs this before any thread or
+    // runtime starts), so the child may run arbitrary code after fork.
+    match unsafe { fork() }.map_err(BootError::Fork)? {
+        ForkResult::Parent { child } => {
+            let line = format!("pid {}\n", child.as_raw());
+            // SAFETY: `status` is a valid open fd for the duration of this call.
+            let _ = nix::unistd::write(status, line.as_bytes());
+            // The intermediate process has no further role; the sandbox's PID 1 is
+            // re-parented to the node (a child subreaper) or the host's init.
+            std::process::exit(0);
+        }
+        ForkResult::Child => {}
+    }
+    rootfs::build(spec)?;
+    nix::unistd::sethostname(&spec.sandbox_id).map_err(BootError::Hostname)?;
+    net::loopback_up().map_err(BootError::Net)?;
+    harden::apply()?;
+    Ok(())
+}
+
+fn join_cgroup(path: &str) -> Result<(), BootError> {
+    let res = OpenOptions::new().write(true).open(path).and_then(|mut f| f.write_all(b"0"));
+    res.map_err(|source| BootError::JoinCgroup { path: path.to_string(), source })
+}

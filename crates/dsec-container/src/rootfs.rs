@@ -1,0 +1,226 @@
+//! The sandbox's root file system: overlayfs over the shared read-only layers, a minimal
+//! `/dev`, `/proc` with sensitive paths masked, read-only `/sys`, then `pivot_root`.
+//!
+//! All mounts are made inside the sandbox's own mount namespace, so they vanish with it:
+//! the node never has per-sandbox mounts to clean up.
+
+use std::fs;
+use std::os::unix::fs::{symlink, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+use nix::sys::stat::{makedev, mknod, Mode, SFlag};
+
+use crate::InitSpec;
+
+/// A mount or file operation of the root file system failed.
+#[derive(Debug, thiserror::Error)]
+#[error("{op} {path}: {source}")]
+pub struct RootfsError {
+    /// What was attempted.
+    pub op: &'static str,
+    /// The path it was attempted on.
+    pub path: String,
+    /// OS error.
+    pub source: std::io::Error,
+}
+
+fn err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(nix::Error) -> RootfsError + 'a {
+    move |e| RootfsError { op, path: path.display().to_string(), source: e.into() }
+}
+
+fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> RootfsError + 'a {
+    move |source| RootfsError { op, path: path.display().to_string(), source }
+}
+
+/// Device nodes created in `/dev`: name, major, minor.
+pub const DEVICES: &[(&str, u64, u64)] = &[
+    ("null", 1, 3),
+    ("zero", 1, 5),
+    ("full", 1, 7),
+    ("random", 1, 8),
+    ("urandom", 1, 9),
+    ("tty", 5, 0),
+];
+
+/// Paths hidden from the sandbox (a directory gets an empty read-only tmpfs, a file is
+/// covered with `/dev/null`). They leak host or kernel information, or crash kernels when
+/// read in bulk (`grep -r /`).
+pub const MASKED_PATHS: &[&str] = &[
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/proc/kallsyms",
+    "/proc/kmsg",
+    "/proc/kpagecgroup",
+    "/proc/kpagecount",
+    "/proc/kpageflags",
+    "/proc/pagetypeinfo",
+    "/proc/sysrq-trigger",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
+    "/sys/kernel/debug",
+    "/sys/kernel/tracing",
+];
+
+/// Paths made read-only inside the sandbox.
+pub const READONLY_PATHS: &[&str] =
+    &["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys"];
+
+/// Builds the root and pivots into it. Must run in a fresh mount namespace and, for the
+/// `/proc` mount to show the sandbox's own processes, in its new pid namespace.
+pub fn build(spec: &InitSpec) -> Result<(), RootfsError> {
+    let root = PathBuf::from(&spec.rootfs);
+    // Nothing we mount may propagate back to the host.
+    mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>)
+        .map_err(err("make-rprivate", Path::new("/")))?;
+
+    let opts = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        spec.lower_dirs.join(":"),
+        spec.upper_dir,
+        spec.work_dir
+    );
+    // nodev: device nodes shipped in an image or created in the upper are inert; the
+    // sandbox's devices live on the separate /dev tmpfs below.
+    mount(Some("overlay"), &root, Some("overlay"), MsFlags::MS_NODEV, Some(opts.as_str()))
+        .map_err(err("mount overlay", &root))?;
+
+    mount_proc(&root)?;
+    mount_dev(&root)?;
+    let sys = ensure_dir(&root, "sys")?;
+    let ro = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    mount(Some("sysfs"), &sys, Some("sysfs"), ro, None::<&str>).map_err(err("mount sysfs", &sys))?;
+    let tmp = ensure_dir(&root, "tmp")?;
+    let _ = fs::set_permissions(&tmp, fs::Permissions::from_mode(0o1777));
+
+    pivot(&root)?;
+    mask_paths()?;
+    Ok(())
+}
+
+fn ensure_dir(root: &Path, rel: &str) -> Result<PathBuf, RootfsError> {
+    let p = root.join(rel);
+    // A symlink planted in a writable layer must not redirect our mounts to the host:
+    // refuse anything that is not a real directory.
+    match fs::symlink_metadata(&p) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            return Err(RootfsError {
+                op: "expect directory",
+                path: p.display().to_string(),
+                source: std::io::Error::from_raw_os_error(libc::ENOTDIR),
+            })
+        }
+        Err(_) => fs::create_dir_all(&p).map_err(io_err("mkdir", &p))?,
+    }
+    Ok(p)
+}
+
+fn mount_proc(root: &Path) -> Result<(), RootfsError> {
+    let proc_dir = ensure_dir(root, "proc")?;
+    let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    mount(Some("proc"), &proc_dir, Some("proc"), flags, None::<&str>).map_err(err("mount proc", &proc_dir))
+}
+
+fn mount_dev(root: &Path) -> Result<(), RootfsError> {
+    let dev = ensure_dir(root, "dev")?;
+    mount(
+        Some("tmpfs"),
+        &dev,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_STRICTATIME,
+        Some("mode=755,size=65536k"),
+    )
+    .map_err(err("mount /dev tmpfs", &dev))?;
+    for (name, major, minor) in DEVICES {
+        let p = dev.join(name);
+        mknod(&p, SFlag::S_IFCHR, Mode::from_bits_truncate(0o666), makedev(*major, *minor))
+            .map_err(err("mknod", &p))?;
+        // mknod honours the umask; devices must be world-usable.
+        fs::set_permissions(&p, fs::Permissions::from_mode(0o666)).map_err(io_err("chmod", &p))?;
+    }
+    let pts = dev.join("pts");
+    fs::create_dir(&pts).map_err(io_err("mkdir", &pts))?;
+    mount(
+        Some("devpts"),
+        &pts,
+        Some("devpts"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("newinstance,ptmxmode=0666,mode=0620,gid=5"),
+    )
+    .map_err(err("mount devpts", &pts))?;
+    let shm = dev.join("shm");
+    fs::create_dir(&shm).map_err(io_err("mkdir", &shm))?;
+    mount(
+        Some("shm"),
+        &shm,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        Some("mode=1777,size=65536k"),
+    )
+    .map_err(err("mount /dev/shm", &shm))?;
+    for (link, target) in [
+        ("ptmx", "pts/ptmx"),
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        let p = dev.join(link);
+        symlink(target, &p).map_err(io_err("symlink", &p))?;
+    }
+    Ok(())
+}
+
+fn pivot(root: &Path) -> Result<(), RootfsError> {
+    nix::unistd::chdir(root).map_err(err("chdir", root))?;
+    // pivot_root(".", ".") stacks the old root on top of the new one; detaching it then
+    // leaves only the new root, with no directory needed for the old one.
+    nix::unistd::pivot_root(".", ".").map_err(err("pivot_root", root))?;
+    umount2(".", MntFlags::MNT_DETACH).map_err(err("detach old root", root))?;
+    nix::unistd::chdir("/").map_err(err("chdir", Path::new("/")))
+}
+
+fn mask_paths() -> Result<(), RootfsError> {
+    for p in MASKED_PATHS {
+        let path = Path::new(p);
+        let Ok(meta) = fs::symlink_metadata(path) else { continue };
+        if meta.is_dir() {
+            mount(
+                Some("tmpfs"),
+                path,
+                Some("tmpfs"),
+                MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+                Some("size=0"),
+            )
+            .map_err(err("mask dir", path))?;
+        } else {
+            mount(Some("/dev/null"), path, None::<&str>, MsFlags::MS_BIND, None::<&str>)
+                .map_err(err("mask file", path))?;
+        }
+    }
+    for p in READONLY_PATHS {
+        let path = Path::new(p);
+        if fs::symlink_metadata(path).is_err() {
+            continue;
+        }
+        mount(Some(path), path, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
+            .map_err(err("bind read-only path", path))?;
+        let flags = MsFlags::MS_BIND
+            | MsFlags::MS_REMOUNT
+            | MsFlags::MS_RDONLY
+            | MsFlags::MS_NOSUID
+            | MsFlags::MS_NODEV
+            | MsFlags::MS_NOEXEC;
+        mount(None::<&str>, path, None::<&str>, flags, None::<&str>)
+            .map_err(err("remount read-only", path))?;
+    }
+    Ok(())
+}

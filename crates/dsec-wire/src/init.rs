@@ -1,0 +1,37 @@
+//! The node -> sandbox-init contract.
+//!
+//! The node starts `dsec-agent init` with an [`InitSpec`] as JSON on stdin, the agent's
+//! listening socket as fd 3 and a status pipe as fd 4. Init reports on the status pipe, one
+//! line each: `pid <host-pid>` (the sandbox's PID 1 as the host sees it), then either
+//! `ready` or `error <message>`.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// File descriptor number of the agent's listening socket in `dsec-agent init`.
+pub const LISTEN_FD: i32 = 3;
+/// File descriptor number of the status pipe in `dsec-agent init`.
+pub const STATUS_FD: i32 = 4;
+
+/// Everything init needs to build the sandbox around itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InitSpec {
+    /// Sandbox id; becomes the hostname.
+    pub sandbox_id: String,
+    /// Host paths of the read-only layer mounts, topmost first (overlayfs `lowerdir` order).
+    pub lower_dirs: Vec<String>,
+    /// Host path of the sandbox's writable upper directory.
+    pub upper_dir: String,
+    /// Host path of overlayfs's work directory (same file system as `upper_dir`).
+    pub work_dir: String,
+    /// Host path of the (empty) directory where the root file system is assembled.
+    pub rootfs: String,
+    /// `cgroup.procs` files to join before unsharing the cgroup namespace.
+    pub cgroup_procs: Vec<String>,
+    /// Environment for commands run by the agent.
+    pub env: BTreeMap<String, String>,
+    /// Default working directory of commands.
+    pub workdir: String,
+}
