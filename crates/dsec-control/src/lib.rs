@@ -1,9 +1,16 @@
 //! The dsec control plane.
 //!
 //! [`SandboxApi`] is the whole public API as one trait: the HTTP transport (`dsec-http`)
-//! turns requests into calls on it and never sees the node, and the control plane
-//! implements it on top of a node trait.
+//! turns requests into calls on it and never sees the node. [`ControlPlane`] implements
+//! it over a [`dsec_node::NodeApi`] and a [`dsec_state::StateStore`]: it validates
+//! requests, keeps sandbox records and lifetimes, and translates API calls into the agent
+//! protocol on connections the node opens.
 
 pub mod api;
+pub mod auth;
+mod convert;
+pub mod plane;
+mod validate;
 
-pub use api::{ByteStream, EventStream, SandboxApi};
+pub use api::{ApiResult, ByteStream, EventStream, SandboxApi};
+pub use plane::{ControlConfig, ControlPlane};

@@ -1,0 +1,60 @@
+//! `dsec-agent init`: the sandbox's PID 1.
+//!
+//! Started by the node with the [`InitSpec`] on stdin, the agent's listening socket on fd
+//! [`LISTEN_FD`] and a status pipe on fd [`STATUS_FD`]. Builds the sandbox around itself
+//! with [`dsec_container::boot`], reports `ready` (or `error ...`) on the status pipe and
+//! then serves the agent protocol for the sandbox's whole life.
+
+use std::io::Read;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::net::UnixListener;
+
+use dsec_agent::AgentConfig;
+use dsec_wire::init::{InitSpec, LISTEN_FD, STATUS_FD};
+
+fn report(status: &OwnedFd, line: &str) {
+    let _ = nix::unistd::write(status, format!("{line}\n").as_bytes());
+}
+
+/// Runs init; returns only on failure (after reporting it on the status pipe).
+pub fn init() -> Result<(), Box<dyn std::error::Error>> {
+    // SAFETY: the node guarantees fd 4 is the write end of the status pipe, owned by us.
+    let status = unsafe { OwnedFd::from_raw_fd(STATUS_FD) };
+    let mut raw = Vec::new();
+    if let Err(e) = std::io::stdin().read_to_end(&mut raw) {
+        report(&status, &format!("error reading init spec: {e}"));
+        return Err(e.into());
+    }
+    let spec: InitSpec = match serde_json::from_slice(&raw) {
+        Ok(s) => s,
+        Err(e) => {
+            report(&status, &format!("error invalid init spec: {e}"));
+            return Err(e.into());
+        }
+    };
+    if let Err(e) = dsec_container::boot(&spec, &status) {
+        report(&status, &format!("error {e}"));
+        return Err(e.into());
+    }
+    // Now PID 1 inside the sandbox. Nothing we start may inherit the listener or the pipe.
+    for fd in [LISTEN_FD, STATUS_FD] {
+        // SAFETY: fcntl on fds we own.
+        unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+    }
+    // SAFETY: the node guarantees fd 3 is a bound, listening unix socket, owned by us.
+    let listener = unsafe { UnixListener::from_raw_fd(LISTEN_FD) };
+    // stdin was the spec pipe; point it at /dev/null inside the sandbox.
+    if let Ok(null) = std::fs::File::open("/dev/null") {
+        let _ = nix::unistd::dup2(std::os::fd::AsRawFd::as_raw_fd(&null), 0);
+    }
+    let cfg = AgentConfig {
+        root: "/".into(),
+        default_env: spec.env.clone(),
+        default_cwd: spec.workdir.clone(),
+        is_init: true,
+    };
+    report(&status, "ready");
+    drop(status);
+    dsec_agent::run(listener, cfg)?;
+    Ok(())
+}

@@ -1,0 +1,108 @@
+//! `dsec serve`: the embedded single-node default. Runs the control plane and the node
+//! runtime in one process, state in an embedded redb file, HTTP API on loopback.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use dsec_control::{ControlConfig, ControlPlane};
+use dsec_node::{LocalNode, NodeApi, NodeConfig};
+use dsec_state::RedbStore;
+
+use crate::cli::ServeArgs;
+
+/// Finds the agent binary: the flag, `DSEC_AGENT_BIN`, or `dsec-agent` next to `dsec`.
+fn agent_bin(args: &ServeArgs) -> anyhow::Result<PathBuf> {
+    let candidate = match (&args.agent_bin, std::env::var_os("DSEC_AGENT_BIN")) {
+        (Some(p), _) => p.clone(),
+        (None, Some(p)) => PathBuf::from(p),
+        (None, None) => std::env::current_exe()
+            .context("locating the dsec executable")?
+            .with_file_name("dsec-agent"),
+    };
+    if !candidate.is_file() {
+        bail!(
+            "agent binary {} not found: build it (`cargo build --release -p dsec-agent`) or pass --agent-bin",
+            candidate.display()
+        );
+    }
+    Ok(candidate)
+}
+
+/// Raises the soft open-files limit to the hard limit: every sandbox holds a few fds.
+fn raise_nofile() {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit with a valid rlimit struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}
+
+/// Runs the server until SIGINT or SIGTERM.
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("dsec serve must run as root: it creates namespaces, mounts and cgroups");
+    }
+    raise_nofile();
+    let agent_bin = agent_bin(&args)?;
+    let name = match &args.node_name {
+        Some(n) => n.clone(),
+        None => nix::unistd::gethostname()
+            .ok()
+            .and_then(|h| h.into_string().ok())
+            .unwrap_or_else(|| "local".into()),
+    };
+    let node_cfg = NodeConfig {
+        name,
+        state_dir: args.state_dir.clone(),
+        run_dir: args.run_dir.clone(),
+        agent_bin,
+        create_timeout: Duration::from_secs(30),
+    };
+    let node = LocalNode::open(node_cfg).await.context("starting the node runtime")?;
+    let key_path = args.state_dir.join("api-key");
+    let (key, created) = dsec_control::auth::load_or_create_key(&key_path)
+        .with_context(|| format!("reading or creating the API key at {}", key_path.display()))?;
+    if created {
+        println!("generated API key {key}");
+        println!("  (saved to {}, mode 0600; clients read it from there or DSEC_API_KEY)", key_path.display());
+    } else {
+        println!("API key in {}", key_path.display());
+    }
+    let store = Arc::new(
+        RedbStore::open(&args.state_dir.join("state.redb")).context("opening the state store")?,
+    );
+    let node_api: Arc<dyn NodeApi> = node;
+    let plane = ControlPlane::open(ControlConfig::with_key(key), node_api, store)
+        .await
+        .map_err(|e| anyhow::anyhow!("starting the control plane: {}", e.message))?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    println!("dsec listening on http://{}", listener.local_addr()?);
+    let shutdown = async {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => return std::future::pending().await,
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("shutting down; sandboxes keep running and are re-adopted on the next start");
+    };
+    dsec_http::serve(listener, plane, shutdown).await.context("serving HTTP")?;
+    Ok(())
+}

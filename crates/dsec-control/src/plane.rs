@@ -1,0 +1,815 @@
+//! [`ControlPlane`]: records, lifetimes and API-to-agent translation.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use base64::Engine;
+use bytes::Bytes;
+use dsec_node::{AgentConn, NodeApi, NodeCreateSpec};
+use dsec_state::StateStore;
+use dsec_wire::agent::{self, ExecSpec, ProcessSpec, Reply, Request};
+use dsec_wire::frame::{Frame, DATA_CHUNK};
+use dsec_wire::v1::*;
+use dsec_wire::{ApiError, ErrorCode};
+use futures::StreamExt;
+use rand::Rng;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::api::{ApiResult, ByteStream, EventStream, SandboxApi};
+use crate::convert::{error_event, Converted, EventConverter};
+use crate::validate;
+
+const NS_SANDBOXES: &str = "sandboxes";
+const NS_TOMBSTONES: &str = "tombstones";
+/// How long `expired` is remembered for a sandbox the reaper removed.
+const TOMBSTONE_TTL_MS: u64 = 24 * 3600 * 1000;
+
+/// Defaults and knobs of the control plane.
+#[derive(Debug, Clone)]
+pub struct ControlConfig {
+    /// The API key requests must carry.
+    pub api_key: String,
+    /// Default CPU limit, cores.
+    pub default_cpu: f64,
+    /// Default memory limit, MiB.
+    pub default_memory_mb: u64,
+    /// Default process limit.
+    pub default_pids: u64,
+    /// Image used when a create names none.
+    pub default_image: String,
+    /// How often the reaper looks for expired sandboxes.
+    pub reap_interval: Duration,
+}
+
+impl ControlConfig {
+    /// Defaults with the given key.
+    pub fn with_key(api_key: String) -> Self {
+        Self {
+            api_key,
+            default_cpu: 1.0,
+            default_memory_mb: 512,
+            default_pids: 512,
+            default_image: "base".into(),
+            reap_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Persisted record of a sandbox (the API view plus what create needs to remember).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Record {
+    sandbox: Sandbox,
+}
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Tombstone {
+    reason: String,
+    at: u64,
+}
+
+/// The control plane over one node.
+#[derive(Debug)]
+pub struct ControlPlane {
+    cfg: ControlConfig,
+    node: Arc<dyn NodeApi>,
+    store: Arc<dyn StateStore>,
+    /// Cache of the store's sandbox records (the store is written on every change).
+    records: Mutex<HashMap<String, Sandbox>>,
+    tombstones: Mutex<HashMap<String, Tombstone>>,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    ApiError::new(ErrorCode::Internal, e.to_string())
+}
+
+fn new_id() -> String {
+    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+    let mut rng = rand::thread_rng();
+    let suffix: String = (0..12).map(|_| ALPHABET[rng.gen_range(0..ALPHABET.len())] as char).collect();
+    format!("sb-{suffix}")
+}
+
+fn unexpected(reply: Reply) -> ApiError {
+    ApiError::new(ErrorCode::Internal, format!("unexpected agent reply: {reply:?}"))
+}
+
+fn ms_from_s(field: &str, s: Option<f64>) -> ApiResult<Option<u64>> {
+    s.map(|v| validate::seconds(field, v)).transpose()
+}
+
+impl ControlPlane {
+    /// Opens the control plane: loads records, reconciles them with what the node runs
+    /// (records without a sandbox fail, sandboxes without a record are destroyed), and
+    /// starts the lifetime reaper.
+    pub async fn open(
+        cfg: ControlConfig,
+        node: Arc<dyn NodeApi>,
+        store: Arc<dyn StateStore>,
+    ) -> ApiResult<Arc<Self>> {
+        let mut records = HashMap::new();
+        for (id, bytes) in store.list(NS_SANDBOXES).map_err(internal)? {
+            match serde_json::from_slice::<Record>(&bytes) {
+                Ok(r) => {
+                    records.insert(id, r.sandbox);
+                }
+                Err(e) => tracing::warn!(%id, error = %e, "dropping unreadable sandbox record"),
+            }
+        }
+        let mut tombstones = HashMap::new();
+        for (id, bytes) in store.list(NS_TOMBSTONES).map_err(internal)? {
+            if let Ok(t) = serde_json::from_slice::<Tombstone>(&bytes) {
+                tombstones.insert(id, t);
+            }
+        }
+        let running: HashMap<String, bool> =
+            node.list().await.into_iter().map(|s| (s.id, s.alive)).collect();
+        for (id, alive) in &running {
+            if !records.contains_key(id) {
+                tracing::info!(%id, "destroying sandbox without a record");
+                node.destroy(id).await.map_err(ApiError::from)?;
+            } else if !alive {
+                tracing::info!(%id, "sandbox died while the server was down");
+            }
+        }
+        let now = now_ms();
+        let plane = Arc::new(Self {
+            cfg,
+            node,
+            store,
+            records: Mutex::new(HashMap::new()),
+            tombstones: Mutex::new(tombstones),
+        });
+        for (id, mut sb) in records {
+            match running.get(&id) {
+                Some(true) => {
+                    // Activity is not persisted (it would cost a write per call): a restart
+                    // counts as activity.
+                    sb.last_active_at = now;
+                }
+                Some(false) | None if sb.state == SandboxState::Creating => {
+                    tracing::info!(%id, "removing half-created sandbox");
+                    let _ = plane.node.destroy(&id).await;
+                    plane.store.delete(NS_SANDBOXES, &id).map_err(internal)?;
+                    continue;
+                }
+                _ => {
+                    sb.state = SandboxState::Failed;
+                    sb.failure.get_or_insert_with(|| "sandbox is no longer running on its node".into());
+                    let _ = plane.node.destroy(&id).await;
+                }
+            }
+            plane.persist(&sb)?;
+            plane.lock().insert(id, sb);
+        }
+        plane.clone().spawn_reaper();
+        Ok(plane)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Sandbox>> {
+        self.records.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn persist(&self, sb: &Sandbox) -> ApiResult<()> {
+        let bytes = serde_json::to_vec(&Record { sandbox: sb.clone() }).map_err(internal)?;
+        self.store.put(NS_SANDBOXES, &sb.id, &bytes).map_err(internal)
+    }
+
+    fn spawn_reaper(self: Arc<Self>) {
+        let weak = Arc::downgrade(&self);
+        let interval = self.cfg.reap_interval;
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            loop {
+                tick.tick().await;
+                let Some(plane) = weak.upgrade() else { return };
+                plane.reap_once().await;
+            }
+        });
+    }
+
+    /// One reaper pass: delete sandboxes past their lifetime or idle timeout, mark dead
+    /// ones failed, forget old tombstones.
+    async fn reap_once(&self) {
+        let now = now_ms();
+        let candidates: Vec<(String, &'static str)> = self
+            .lock()
+            .values()
+            .filter(|s| s.state == SandboxState::Ready || s.state == SandboxState::Failed)
+            .filter_map(|s| {
+                if now >= s.expires_at {
+                    Some((s.id.clone(), "lifetime (timeout_s) ended"))
+                } else if s.state == SandboxState::Ready
+                    && s.idle_timeout_s.is_some_and(|t| now.saturating_sub(s.last_active_at) >= t * 1000)
+                {
+                    Some((s.id.clone(), "idle timeout reached"))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        for (id, reason) in candidates {
+            tracing::info!(%id, reason, "reaping sandbox");
+            if let Err(e) = self.remove(&id, Some(reason)).await {
+                tracing::warn!(%id, error = %e.message, "reaping failed; will retry");
+            }
+        }
+        let alive: HashMap<String, bool> =
+            self.node.list().await.into_iter().map(|s| (s.id, s.alive)).collect();
+        let died: Vec<Sandbox> = {
+            let mut recs = self.lock();
+            recs.values_mut()
+                .filter(|s| s.state == SandboxState::Ready && alive.get(&s.id) == Some(&false))
+                .map(|s| {
+                    s.state = SandboxState::Failed;
+                    s.failure = Some("the sandbox's init process exited".into());
+                    s.clone()
+                })
+                .collect()
+        };
+        for sb in died {
+            tracing::warn!(id = %sb.id, "sandbox died");
+            let _ = self.persist(&sb);
+        }
+        let expired: Vec<String> = self
+            .tombstones
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|(_, t)| now.saturating_sub(t.at) > TOMBSTONE_TTL_MS)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for id in expired {
+            self.tombstones.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            let _ = self.store.delete(NS_TOMBSTONES, &id);
+        }
+    }
+
+    /// Destroys a sandbox and forgets it; with `expired_reason`, remembers why.
+    async fn remove(&self, id: &str, expired_reason: Option<&str>) -> ApiResult<()> {
+        {
+            let mut recs = self.lock();
+            let Some(sb) = recs.get_mut(id) else {
+                return Err(self.missing(id));
+            };
+            sb.state = SandboxState::Stopping;
+        }
+        self.node.destroy(id).await.map_err(ApiError::from)?;
+        if let Some(reason) = expired_reason {
+            let t = Tombstone { reason: reason.to_string(), at: now_ms() };
+            let bytes = serde_json::to_vec(&t).map_err(internal)?;
+            self.store.put(NS_TOMBSTONES, id, &bytes).map_err(internal)?;
+            self.tombstones.lock().unwrap_or_else(|p| p.into_inner()).insert(id.to_string(), t);
+        }
+        self.store.delete(NS_SANDBOXES, id).map_err(internal)?;
+        self.lock().remove(id);
+        Ok(())
+    }
+
+    /// The error for an id with no record: `expired` if the reaper removed it.
+    fn missing(&self, id: &str) -> ApiError {
+        if let Some(t) = self.tombstones.lock().unwrap_or_else(|p| p.into_inner()).get(id) {
+            return ApiError::new(ErrorCode::Expired, format!("sandbox {id} expired and was removed: {}", t.reason));
+        }
+        ApiError::new(ErrorCode::NotFound, format!("sandbox {id} not found"))
+    }
+
+    /// Checks that a sandbox can take calls, and records the activity.
+    fn ready(&self, id: &str) -> ApiResult<()> {
+        let mut recs = self.lock();
+        let Some(sb) = recs.get_mut(id) else {
+            drop(recs);
+            return Err(self.missing(id));
+        };
+        match sb.state {
+            SandboxState::Ready => {
+                sb.last_active_at = now_ms();
+                Ok(())
+            }
+            SandboxState::Creating => Err(ApiError::new(ErrorCode::Conflict, format!("sandbox {id} is still being created"))),
+            SandboxState::Stopping => Err(ApiError::new(ErrorCode::Conflict, format!("sandbox {id} is being deleted"))),
+            SandboxState::Failed => Err(ApiError::new(
+                ErrorCode::Failed,
+                format!("sandbox {id} failed: {}", sb.failure.clone().unwrap_or_default()),
+            )),
+        }
+    }
+
+    async fn conn(&self, id: &str) -> ApiResult<AgentConn> {
+        self.ready(id)?;
+        self.node.connect(id).await.map_err(ApiError::from)
+    }
+
+    async fn call(&self, id: &str, req: Request) -> ApiResult<Reply> {
+        self.conn(id).await?.request(&req).await
+    }
+
+    async fn call_ok(&self, id: &str, req: Request) -> ApiResult<()> {
+        match self.call(id, req).await? {
+            Reply::Ok => Ok(()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Sends `body` as Data frames then Eof on `conn`.
+    async fn pump(conn: &mut AgentConn, mut body: ByteStream) -> ApiResult<()> {
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk?;
+            for piece in chunk.chunks(DATA_CHUNK) {
+                conn.send(&Frame::Data(piece.to_vec())).await?;
+            }
+        }
+        conn.send(&Frame::Eof).await?;
+        conn.flush().await
+    }
+
+    /// Turns the Data frames of `conn` (until Eof) into a byte stream.
+    fn data_stream(mut conn: AgentConn) -> ByteStream {
+        let (tx, rx) = mpsc::channel::<Result<Bytes, ApiError>>(8);
+        tokio::spawn(async move {
+            loop {
+                let item = match conn.recv().await {
+                    Ok(Some(Frame::Data(b))) => Ok(Bytes::from(b)),
+                    Ok(Some(Frame::Eof)) => return,
+                    Ok(Some(Frame::Json(j))) => match serde_json::from_slice::<Reply>(&j) {
+                        Ok(Reply::Error(e)) => Err(e),
+                        _ => Err(internal("unexpected frame in data stream")),
+                    },
+                    Ok(Some(_)) => Err(internal("unexpected frame in data stream")),
+                    Ok(None) => Err(ApiError::new(ErrorCode::AgentUnavailable, "agent closed the stream early")),
+                    Err(e) => Err(e),
+                };
+                let stop = item.is_err();
+                if tx.send(item).await.is_err() || stop {
+                    return;
+                }
+            }
+        });
+        ReceiverStream::new(rx).boxed()
+    }
+
+    /// Converts the frames of an exec or output stream into events.
+    fn event_stream(&self, id: &str, mut conn: AgentConn, oom_before: u64) -> EventStream {
+        let (tx, rx) = mpsc::channel::<ExecEvent>(16);
+        let node = self.node.clone();
+        let id = id.to_string();
+        tokio::spawn(async move {
+            let mut conv = EventConverter::default();
+            loop {
+                let frame = match conn.recv().await {
+                    Ok(Some(f)) => f,
+                    Ok(None) => {
+                        let _ = tx.send(error_event("agent closed the stream early".into())).await;
+                        return;
+                    }
+                    Err(e) => {
+                        let _ = tx.send(ExecEvent::Error { error: e }).await;
+                        return;
+                    }
+                };
+                let oom = oom_check(&node, &id, oom_before, &frame).await;
+                let (events, done) = match conv.frame(frame, || oom) {
+                    Converted::Events(e) => (e, false),
+                    Converted::Done(e) => (e, true),
+                };
+                for ev in events {
+                    // The caller went away: dropping the connection stops the exec.
+                    if tx.send(ev).await.is_err() {
+                        return;
+                    }
+                }
+                if done {
+                    return;
+                }
+            }
+        });
+        ReceiverStream::new(rx).boxed()
+    }
+
+    fn exec_spec(req: &ExecRequest, stream: bool) -> ApiResult<ExecSpec> {
+        validate::exec(req)?;
+        Ok(ExecSpec {
+            cmd: req.cmd.clone(),
+            env: req.env.clone(),
+            cwd: req.cwd.clone(),
+            stdin: req.stdin.is_some(),
+            timeout_ms: ms_from_s("timeout_s", req.timeout_s)?,
+            stream,
+            output_limit: req.output_limit,
+        })
+    }
+
+    async fn start_exec(&self, id: &str, req: &ExecRequest, stream: bool) -> ApiResult<(AgentConn, u64)> {
+        let spec = Self::exec_spec(req, stream)?;
+        let mut conn = self.conn(id).await?;
+        let oom_before = self.node.oom_kill_count(id).await.unwrap_or(0);
+        conn.send(&Frame::json(&Request::Exec(spec))).await?;
+        if let Some(stdin) = &req.stdin {
+            for piece in stdin.as_bytes().chunks(DATA_CHUNK) {
+                conn.send(&Frame::Data(piece.to_vec())).await?;
+            }
+            conn.send(&Frame::Eof).await?;
+        }
+        conn.flush().await?;
+        Ok((conn, oom_before))
+    }
+
+    async fn place_files(&self, id: &str, files: &[InitFile]) -> ApiResult<()> {
+        for f in files {
+            let bytes = match f.encoding {
+                ContentEncoding::Utf8 => f.content.as_bytes().to_vec(),
+                ContentEncoding::Base64 => base64::engine::general_purpose::STANDARD
+                    .decode(&f.content)
+                    .map_err(|e| ApiError::new(ErrorCode::BadRequest, format!("files: {}: invalid base64: {e}", f.path)))?,
+            };
+            let mut conn = self.node.connect(id).await.map_err(ApiError::from)?;
+            conn.send(&Frame::json(&Request::FileWrite { path: f.path.clone(), mode: f.mode, create_parents: true }))
+                .await?;
+            let body: ByteStream = futures::stream::iter([Ok(Bytes::from(bytes))]).boxed();
+            Self::pump(&mut conn, body).await?;
+            match conn.recv_reply().await? {
+                Reply::Written { .. } => {}
+                other => return Err(unexpected(other)),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether an exit by SIGKILL came from the memory limit.
+async fn oom_check(node: &Arc<dyn NodeApi>, id: &str, before: u64, frame: &Frame) -> bool {
+    let Frame::Json(bytes) = frame else { return false };
+    match serde_json::from_slice::<Reply>(bytes) {
+        Ok(Reply::Exited(info)) if info.signal == Some(9) => {
+            node.oom_kill_count(id).await.map(|n| n > before).unwrap_or(false)
+        }
+        _ => false,
+    }
+}
+
+#[async_trait::async_trait]
+impl SandboxApi for ControlPlane {
+    fn authenticate(&self, key: Option<&str>) -> ApiResult<()> {
+        match key {
+            Some(k) if crate::auth::keys_equal(k, &self.cfg.api_key) => Ok(()),
+            Some(_) => Err(ApiError::new(ErrorCode::Unauthorized, "invalid API key")),
+            None => Err(ApiError::new(
+                ErrorCode::Unauthorized,
+                "missing API key: send it in the x-api-key header (or Authorization: Bearer)",
+            )),
+        }
+    }
+
+    async fn health(&self) -> ApiResult<Health> {
+        Ok(Health {
+            status: "ok".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            node: self.node.name().into(),
+            cgroup: self.node.cgroup_version().into(),
+            sandboxes: self.lock().len() as u64,
+        })
+    }
+
+    async fn create_sandbox(&self, req: CreateSandboxRequest) -> ApiResult<Sandbox> {
+        validate::create(&req)?;
+        let now = now_ms();
+        let id = new_id();
+        let image = req.image.clone().unwrap_or_else(|| self.cfg.default_image.clone());
+        let cpu = req.resources.cpu.unwrap_or(self.cfg.default_cpu);
+        let memory_mb = req.resources.memory_mb.unwrap_or(self.cfg.default_memory_mb);
+        let pids = req.resources.pids.unwrap_or(self.cfg.default_pids);
+        let timeout_s = req.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S);
+        let mut sb = Sandbox {
+            id: id.clone(),
+            state: SandboxState::Creating,
+            image: image.clone(),
+            image_digest: String::new(),
+            backend: req.backend,
+            resources: EffectiveResources { cpu, memory_mb, pids },
+            labels: req.labels.clone(),
+            created_at: now,
+            expires_at: now + timeout_s * 1000,
+            idle_timeout_s: req.idle_timeout_s,
+            last_active_at: now,
+            failure: None,
+            node: self.node.name().to_string(),
+        };
+        self.persist(&sb)?;
+        self.lock().insert(id.clone(), sb.clone());
+        let mut env = BTreeMap::from([
+            ("PATH".to_string(), "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string()),
+            ("HOME".to_string(), "/root".to_string()),
+            ("LANG".to_string(), "C.UTF-8".to_string()),
+            ("TERM".to_string(), "xterm".to_string()),
+            ("HOSTNAME".to_string(), id.clone()),
+        ]);
+        env.extend(req.env.clone());
+        let spec = NodeCreateSpec {
+            id: id.clone(),
+            image,
+            cpu_millis: (cpu * 1000.0).round() as u64,
+            memory_bytes: memory_mb * 1024 * 1024,
+            pids_max: pids,
+            env,
+            workdir: req.workdir.clone().unwrap_or_else(|| "/".into()),
+        };
+        let created = match self.node.create(spec).await {
+            Ok(c) => c,
+            Err(e) => {
+                self.lock().remove(&id);
+                let _ = self.store.delete(NS_SANDBOXES, &id);
+                return Err(e.into());
+            }
+        };
+        sb.image_digest = created.image_digest;
+        sb.state = SandboxState::Ready;
+        self.lock().insert(id.clone(), sb.clone());
+        if let Err(e) = self.place_files(&id, &req.files).await {
+            let _ = self.remove(&id, None).await;
+            return Err(e);
+        }
+        self.persist(&sb)?;
+        Ok(sb)
+    }
+
+    async fn get_sandbox(&self, id: &str) -> ApiResult<Sandbox> {
+        let found = self.lock().get(id).cloned();
+        found.ok_or_else(|| self.missing(id))
+    }
+
+    async fn list_sandboxes(&self, labels: BTreeMap<String, String>) -> ApiResult<SandboxList> {
+        let mut sandboxes: Vec<Sandbox> = self
+            .lock()
+            .values()
+            .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(v)))
+            .cloned()
+            .collect();
+        sandboxes.sort_by(|a, b| a.created_at.cmp(&b.created_at).then(a.id.cmp(&b.id)));
+        Ok(SandboxList { sandboxes })
+    }
+
+    async fn delete_sandbox(&self, id: &str) -> ApiResult<()> {
+        self.remove(id, None).await
+    }
+
+    async fn set_timeout(&self, id: &str, req: SetTimeoutRequest) -> ApiResult<Sandbox> {
+        if req.timeout_s == 0 || req.timeout_s > MAX_TIMEOUT_S {
+            return Err(ApiError::new(ErrorCode::BadRequest, format!("timeout_s must be in [1, {MAX_TIMEOUT_S}]")));
+        }
+        self.ready(id)?;
+        let sb = {
+            let mut recs = self.lock();
+            let sb = recs.get_mut(id).ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("sandbox {id} not found")))?;
+            sb.expires_at = now_ms() + req.timeout_s * 1000;
+            sb.clone()
+        };
+        self.persist(&sb)?;
+        Ok(sb)
+    }
+
+    async fn exec(&self, id: &str, req: ExecRequest) -> ApiResult<ExecResult> {
+        let (mut conn, oom_before) = self.start_exec(id, &req, false).await?;
+        let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+        loop {
+            match conn.recv_some().await? {
+                Frame::Stdout(b) => stdout.extend_from_slice(&b),
+                Frame::Stderr(b) => stderr.extend_from_slice(&b),
+                Frame::Json(bytes) => match serde_json::from_slice::<Reply>(&bytes).map_err(internal)? {
+                    Reply::Started { .. } => {}
+                    Reply::Exited(exit) => {
+                        let oom_killed = exit.signal == Some(9)
+                            && self.node.oom_kill_count(id).await.map(|n| n > oom_before).unwrap_or(false);
+                        return Ok(ExecResult {
+                            stdout: String::from_utf8_lossy(&stdout).into_owned(),
+                            stderr: String::from_utf8_lossy(&stderr).into_owned(),
+                            exit,
+                            oom_killed,
+                        });
+                    }
+                    Reply::Error(e) => return Err(e),
+                    other => return Err(unexpected(other)),
+                },
+                Frame::Data(_) | Frame::Eof => {}
+            }
+        }
+    }
+
+    async fn exec_stream(&self, id: &str, req: ExecRequest) -> ApiResult<EventStream> {
+        let (conn, oom_before) = self.start_exec(id, &req, true).await?;
+        Ok(self.event_stream(id, conn, oom_before))
+    }
+
+    async fn create_session(&self, id: &str, req: CreateSessionRequest) -> ApiResult<SessionInfo> {
+        validate::env(&req.env)?;
+        let session = req.session.unwrap_or_else(|| format!("s-{:08x}", rand::thread_rng().gen::<u32>()));
+        if session.is_empty() || session.len() > 128 || !session.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+            return Err(ApiError::new(ErrorCode::BadRequest, "session id must be 1-128 characters of [A-Za-z0-9._-]"));
+        }
+        match self.call(id, Request::SessionCreate { session, env: req.env, cwd: req.cwd }).await? {
+            Reply::SessionCreated { session, pid } => Ok(SessionInfo { session, pid, busy: false }),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn list_sessions(&self, id: &str) -> ApiResult<SessionList> {
+        match self.call(id, Request::SessionList).await? {
+            Reply::Sessions { sessions } => Ok(SessionList { sessions }),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn run_in_session(&self, id: &str, session: &str, req: SessionRunRequest) -> ApiResult<SessionResult> {
+        let timeout_ms = ms_from_s("timeout_s", req.timeout_s)?;
+        let r = Request::SessionRun { session: session.to_string(), command: req.command, timeout_ms };
+        match self.call(id, r).await? {
+            Reply::SessionResult(res) => Ok(res),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn interrupt_session(&self, id: &str, session: &str) -> ApiResult<()> {
+        self.call_ok(id, Request::SessionInterrupt { session: session.to_string() }).await
+    }
+
+    async fn close_session(&self, id: &str, session: &str) -> ApiResult<()> {
+        self.call_ok(id, Request::SessionClose { session: session.to_string() }).await
+    }
+
+    async fn start_process(&self, id: &str, req: StartProcessRequest) -> ApiResult<ProcessInfo> {
+        let as_exec = ExecRequest {
+            cmd: req.cmd.clone(),
+            env: req.env.clone(),
+            cwd: req.cwd.clone(),
+            stdin: None,
+            timeout_s: req.timeout_s,
+            output_limit: None,
+        };
+        validate::exec(&as_exec)?;
+        let spec = ProcessSpec {
+            cmd: req.cmd,
+            env: req.env,
+            cwd: req.cwd,
+            pty: req.pty,
+            tag: req.tag,
+            output_limit: None,
+            timeout_ms: ms_from_s("timeout_s", req.timeout_s)?,
+        };
+        match self.call(id, Request::ProcessStart(spec)).await? {
+            Reply::ProcessStarted(info) => Ok(info),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn list_processes(&self, id: &str) -> ApiResult<ProcessList> {
+        match self.call(id, Request::ProcessList).await? {
+            Reply::Processes { processes } => Ok(ProcessList { processes }),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn process_output(
+        &self,
+        id: &str,
+        pid: u32,
+        stdout_offset: u64,
+        stderr_offset: u64,
+        follow: bool,
+    ) -> ApiResult<EventStream> {
+        let mut conn = self.conn(id).await?;
+        conn.send_request(&Request::ProcessOutput { pid, stdout_offset, stderr_offset, follow }).await?;
+        Ok(self.event_stream(id, conn, u64::MAX))
+    }
+
+    async fn process_stdin(&self, id: &str, pid: u32, req: StdinRequest) -> ApiResult<()> {
+        let mut conn = self.conn(id).await?;
+        conn.send(&Frame::json(&Request::ProcessStdin { pid, close: req.close })).await?;
+        let body: ByteStream = futures::stream::iter([Ok(Bytes::from(req.data.into_bytes()))]).boxed();
+        Self::pump(&mut conn, body).await?;
+        match conn.recv_reply().await? {
+            Reply::Ok => Ok(()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn signal_process(&self, id: &str, pid: u32, req: SignalRequest) -> ApiResult<()> {
+        let signal = validate::signal(&req.signal)?;
+        self.call_ok(id, Request::ProcessSignal { pid, signal }).await
+    }
+
+    async fn resize_process(&self, id: &str, pid: u32, size: PtySize) -> ApiResult<()> {
+        if size.rows == 0 || size.cols == 0 {
+            return Err(ApiError::new(ErrorCode::BadRequest, "rows and cols must be positive"));
+        }
+        self.call_ok(id, Request::ProcessResize { pid, size }).await
+    }
+
+    async fn read_file(&self, id: &str, path: &str, offset: u64, length: Option<u64>) -> ApiResult<(FileInfo, ByteStream)> {
+        validate::sandbox_path("path", path)?;
+        let mut conn = self.conn(id).await?;
+        conn.send_request(&Request::FileRead { path: path.to_string(), offset, length }).await?;
+        match conn.recv_reply().await? {
+            Reply::File(info) => Ok((info, Self::data_stream(conn))),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn write_file(&self, id: &str, path: &str, mode: Option<u32>, body: ByteStream) -> ApiResult<WriteResult> {
+        validate::sandbox_path("path", path)?;
+        let mut conn = self.conn(id).await?;
+        conn.send(&Frame::json(&Request::FileWrite { path: path.to_string(), mode, create_parents: true })).await?;
+        if let Err(e) = Self::pump(&mut conn, body).await {
+            // The agent may already have refused (e.g. no space): prefer its reason.
+            if let Ok(Reply::Error(agent_err)) | Err(agent_err) = conn.recv_reply().await {
+                return Err(agent_err);
+            }
+            return Err(e);
+        }
+        match conn.recv_reply().await? {
+            Reply::Written { bytes } => Ok(WriteResult { bytes }),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn list_files(&self, id: &str, path: &str) -> ApiResult<FileList> {
+        validate::sandbox_path("path", path)?;
+        match self.call(id, Request::FileList { path: path.to_string() }).await? {
+            Reply::Entries { entries } => Ok(FileList { entries }),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn stat_file(&self, id: &str, path: &str) -> ApiResult<FileInfo> {
+        validate::sandbox_path("path", path)?;
+        match self.call(id, Request::FileStat { path: path.to_string() }).await? {
+            Reply::File(info) => Ok(info),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn mkdir(&self, id: &str, req: MkdirRequest) -> ApiResult<()> {
+        validate::sandbox_path("path", &req.path)?;
+        self.call_ok(id, Request::FileMkdir { path: req.path }).await
+    }
+
+    async fn remove_file(&self, id: &str, path: &str, recursive: bool) -> ApiResult<()> {
+        validate::sandbox_path("path", path)?;
+        self.call_ok(id, Request::FileRemove { path: path.to_string(), recursive }).await
+    }
+
+    async fn rename_file(&self, id: &str, req: RenameRequest) -> ApiResult<()> {
+        validate::sandbox_path("from", &req.from)?;
+        validate::sandbox_path("to", &req.to)?;
+        self.call_ok(id, Request::FileRename { from: req.from, to: req.to }).await
+    }
+
+    async fn download_tar(&self, id: &str, path: &str) -> ApiResult<ByteStream> {
+        validate::sandbox_path("path", path)?;
+        let mut conn = self.conn(id).await?;
+        conn.send_request(&Request::TarDownload { path: path.to_string() }).await?;
+        Ok(Self::data_stream(conn))
+    }
+
+    async fn upload_tar(&self, id: &str, path: &str, body: ByteStream) -> ApiResult<WriteResult> {
+        validate::sandbox_path("path", path)?;
+        let mut conn = self.conn(id).await?;
+        conn.send(&Frame::json(&Request::TarUpload { path: path.to_string() })).await?;
+        if let Err(e) = Self::pump(&mut conn, body).await {
+            if let Ok(Reply::Error(agent_err)) | Err(agent_err) = conn.recv_reply().await {
+                return Err(agent_err);
+            }
+            return Err(e);
+        }
+        match conn.recv_reply().await? {
+            Reply::Written { bytes } => Ok(WriteResult { bytes }),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn list_images(&self) -> ApiResult<ImageList> {
+        let mut images = self.node.list_images().await.map_err(ApiError::from)?;
+        images.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(ImageList { images })
+    }
+
+    async fn import_image(&self, req: ImportImageRequest) -> ApiResult<Image> {
+        let source = PathBuf::from(&req.source);
+        if !source.is_absolute() {
+            return Err(ApiError::new(ErrorCode::BadRequest, format!("source {:?} must be an absolute path on the server", req.source)));
+        }
+        self.node.import_image(&req.name, &source).await.map_err(ApiError::from)
+    }
+
+    async fn delete_image(&self, name: &str) -> ApiResult<()> {
+        self.node.remove_image(name).await.map_err(ApiError::from)
+    }
+}
+
+/// Keeps `agent` in the dependency graph explicit for readers: the protocol version this
+/// control plane speaks.
+pub const AGENT_PROTOCOL: u32 = agent::PROTOCOL_VERSION;

@@ -1,0 +1,37 @@
+//! Node configuration.
+
+use std::path::PathBuf;
+
+/// Where the node keeps things and how it starts sandboxes.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// Node name (reported in the API).
+    pub name: String,
+    /// Persistent state: images, sandbox upper directories, runtime records.
+    pub state_dir: PathBuf,
+    /// Volatile state: agent sockets.
+    pub run_dir: PathBuf,
+    /// The `dsec-agent` binary started as each sandbox's init.
+    pub agent_bin: PathBuf,
+    /// How long a create may take before it is abandoned.
+    pub create_timeout: std::time::Duration,
+}
+
+impl NodeConfig {
+    /// Directory holding the image store.
+    pub fn images_dir(&self) -> PathBuf {
+        self.state_dir.join("images")
+    }
+    /// Directory of one sandbox's persistent state.
+    pub fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.state_dir.join("sandboxes").join(id)
+    }
+    /// Directory of one sandbox's volatile state (its agent socket).
+    pub fn sandbox_run_dir(&self, id: &str) -> PathBuf {
+        self.run_dir.join("sandboxes").join(id)
+    }
+    /// The agent socket of a sandbox.
+    pub fn agent_socket(&self, id: &str) -> PathBuf {
+        self.sandbox_run_dir(id).join("agent.sock")
+    }
+}

@@ -1,0 +1,301 @@
+//! The container backend: the node starts `dsec-agent init`, which builds the sandbox
+//! around itself (see `dsec-container`) and becomes its PID 1.
+//!
+//! Per sandbox, on the host: `state_dir/sandboxes/ID/{runtime.json,upper,work,rootfs,agent.log}`,
+//! `run_dir/sandboxes/ID/agent.sock`, and cgroup `dsec/ID`. Nothing else: mounts live in
+//! the sandbox's mount namespace, the shared layer mount belongs to the image store.
+
+use std::fs;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::net::UnixListener;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use dsec_cgroups::{Cgroup, CgroupRoot, Limits};
+use dsec_wire::init::{InitSpec, LISTEN_FD, STATUS_FD};
+use nix::fcntl::OFlag;
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+
+use crate::backend::{Backend, RuntimeRecord};
+use crate::{NodeConfig, NodeCreateSpec, NodeError};
+
+/// Parent of every sandbox cgroup.
+pub const CGROUP_PARENT: &str = "dsec";
+
+/// The container backend.
+#[derive(Debug)]
+pub struct ContainerBackend {
+    cfg: NodeConfig,
+    cgroups: CgroupRoot,
+}
+
+fn create_err(id: &str, reason: impl std::fmt::Display) -> NodeError {
+    NodeError::Create { id: id.to_string(), reason: reason.to_string() }
+}
+
+impl ContainerBackend {
+    /// A backend over the host's cgroup hierarchy.
+    pub fn new(cfg: NodeConfig, cgroups: CgroupRoot) -> Self {
+        Self { cfg, cgroups }
+    }
+
+    fn cgroup_path(id: &str) -> String {
+        format!("{CGROUP_PARENT}/{id}")
+    }
+
+    fn create_inner(
+        &self,
+        spec: &NodeCreateSpec,
+        digest: &str,
+        lower: &Path,
+    ) -> Result<RuntimeRecord, NodeError> {
+        let id = &spec.id;
+        let dir = self.cfg.sandbox_dir(id);
+        let run = self.cfg.sandbox_run_dir(id);
+        let mut builder = fs::DirBuilder::new();
+        builder.recursive(true).mode(0o700);
+        for d in [&dir, &run] {
+            builder.create(d).map_err(NodeError::io("mkdir", d))?;
+        }
+        for sub in ["upper", "work", "rootfs"] {
+            let p = dir.join(sub);
+            fs::DirBuilder::new().mode(0o755).create(&p).map_err(NodeError::io("mkdir", &p))?;
+        }
+        let limits = Limits {
+            cpu_millis: Some(spec.cpu_millis),
+            memory_bytes: Some(spec.memory_bytes),
+            pids_max: Some(spec.pids_max),
+        };
+        let cgroup = Cgroup::create(&self.cgroups, &Self::cgroup_path(id), &limits)?;
+
+        let socket = self.cfg.agent_socket(id);
+        let listener = UnixListener::bind(&socket).map_err(NodeError::io("bind", &socket))?;
+        let init = InitSpec {
+            sandbox_id: id.clone(),
+            lower_dirs: vec![lower.display().to_string()],
+            upper_dir: dir.join("upper").display().to_string(),
+            work_dir: dir.join("work").display().to_string(),
+            rootfs: dir.join("rootfs").display().to_string(),
+            cgroup_procs: cgroup.procs_paths().iter().map(|p| p.display().to_string()).collect(),
+            env: spec.env.clone(),
+            workdir: spec.workdir.clone(),
+        };
+        let (pid, start_time) = self.spawn_init(id, &init, &listener, &dir)?;
+        drop(listener);
+        let rec = RuntimeRecord {
+            id: id.clone(),
+            image_digest: digest.to_string(),
+            pid,
+            pid_start_time: start_time,
+            cgroup: Self::cgroup_path(id),
+            agent_socket: socket,
+        };
+        let json = serde_json::to_vec_pretty(&rec).map_err(|e| create_err(id, e))?;
+        let rec_path = dir.join("runtime.json");
+        let tmp = dir.join("runtime.json.tmp");
+        fs::write(&tmp, json).map_err(NodeError::io("write", &tmp))?;
+        fs::rename(&tmp, &rec_path).map_err(NodeError::io("rename", &rec_path))?;
+        Ok(rec)
+    }
+
+    /// Starts `dsec-agent init` and waits for its `pid`/`ready` report.
+    fn spawn_init(
+        &self,
+        id: &str,
+        init: &InitSpec,
+        listener: &UnixListener,
+        dir: &Path,
+    ) -> Result<(i32, u64), NodeError> {
+        let (status_r, status_w): (OwnedFd, OwnedFd) =
+            nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| create_err(id, format!("pipe: {e}")))?;
+        let log_path = dir.join("agent.log");
+        let log = fs::File::create(&log_path).map_err(NodeError::io("create", &log_path))?;
+        let listen_fd = listener.as_raw_fd();
+        let status_fd = status_w.as_raw_fd();
+        let mut cmd = Command::new(&self.cfg.agent_bin);
+        // argv[0] without the host path: /proc/1/cmdline is readable inside.
+        cmd.arg0("dsec-agent").arg("init").stdin(Stdio::piped()).stdout(Stdio::null()).stderr(Stdio::from(log));
+        // SAFETY: the closure only calls async-signal-safe functions (fcntl, dup2, setsid).
+        unsafe {
+            cmd.pre_exec(move || {
+                // Move both fds out of the way first so neither dup2 clobbers the other.
+                let l = libc::fcntl(listen_fd, libc::F_DUPFD_CLOEXEC, 10);
+                let s = libc::fcntl(status_fd, libc::F_DUPFD_CLOEXEC, 10);
+                if l < 0 || s < 0 || libc::dup2(l, LISTEN_FD) < 0 || libc::dup2(s, STATUS_FD) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // A sandbox must not share the node's session: a terminal's ^C to
+                // `dsec serve` must not reach sandboxes.
+                libc::setsid();
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().map_err(|e| {
+            create_err(id, format!("start {}: {e}", self.cfg.agent_bin.display()))
+        })?;
+        drop(status_w);
+        let json = serde_json::to_vec(init).map_err(|e| create_err(id, e))?;
+        if let Some(mut stdin) = child.stdin.take() {
+            stdin.write_all(&json).map_err(|e| create_err(id, format!("send init spec: {e}")))?;
+        }
+        let report = read_status(&status_r, self.cfg.create_timeout);
+        // The intermediate process exits right after the fork; reap it.
+        let _ = child.wait();
+        let report = report.map_err(|e| create_err(id, e))?;
+        let mut pid = None;
+        let mut ready = false;
+        for line in report.lines() {
+            if let Some(p) = line.strip_prefix("pid ") {
+                pid = p.trim().parse::<i32>().ok();
+            } else if line == "ready" {
+                ready = true;
+            } else if let Some(msg) = line.strip_prefix("error ") {
+                return Err(create_err(id, msg));
+            }
+        }
+        let Some(pid) = pid else {
+            let log = fs::read_to_string(&log_path).unwrap_or_default();
+            return Err(create_err(id, format!("init did not start: {}", log.trim())));
+        };
+        if !ready {
+            return Err(create_err(id, "init exited before the sandbox was ready"));
+        }
+        let start = pid_start_time(pid).ok_or_else(|| create_err(id, "init died right after start"))?;
+        Ok((pid, start))
+    }
+
+    fn remove_dirs(&self, id: &str) -> Result<(), NodeError> {
+        for d in [self.cfg.sandbox_run_dir(id), self.cfg.sandbox_dir(id)] {
+            match fs::remove_dir_all(&d) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(NodeError::Io { op: "remove", path: d.display().to_string(), source: e }),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Reads the status pipe until EOF or the deadline.
+fn read_status(fd: &OwnedFd, timeout: Duration) -> Result<String, String> {
+    let deadline = Instant::now() + timeout;
+    let mut out = Vec::new();
+    let mut file = fs::File::from(fd.try_clone().map_err(|e| e.to_string())?);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!("init did not report within {timeout:?}"));
+        }
+        let ms = u16::try_from(left.as_millis()).unwrap_or(u16::MAX);
+        let mut fds = [PollFd::new(std::os::fd::AsFd::as_fd(fd), PollFlags::POLLIN)];
+        match poll(&mut fds, PollTimeout::from(ms)) {
+            Ok(0) => continue,
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(format!("poll status pipe: {e}")),
+        }
+        let mut buf = [0u8; 512];
+        match file.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(format!("read status pipe: {e}")),
+        }
+    }
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// Start time (clock ticks since boot) of a pid, or `None` if it does not exist.
+pub fn pid_start_time(pid: i32) -> Option<u64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may contain spaces and parentheses: split after the last ')'.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    // Fields after the name start at field 3; starttime is field 22.
+    rest.split_whitespace().nth(22 - 3)?.parse().ok()
+}
+
+impl Backend for ContainerBackend {
+    fn create(&self, spec: &NodeCreateSpec, digest: &str, lower: &Path) -> Result<RuntimeRecord, NodeError> {
+        let res = self.create_inner(spec, digest, lower);
+        if res.is_err() {
+            if let Err(e) = self.destroy(&spec.id) {
+                tracing::warn!(id = %spec.id, error = %e, "cleanup after failed create");
+            }
+        }
+        res
+    }
+
+    fn destroy(&self, id: &str) -> Result<(), NodeError> {
+        match Cgroup::open(&self.cgroups, &Self::cgroup_path(id)) {
+            Ok(cg) => cg.destroy()?,
+            Err(dsec_cgroups::CgroupError::NotFound(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+        self.remove_dirs(id)
+    }
+
+    fn recover(&self) -> Result<Vec<RuntimeRecord>, NodeError> {
+        let root = self.cfg.state_dir.join("sandboxes");
+        let mut alive = Vec::new();
+        let entries = match fs::read_dir(&root) {
+            Ok(e) => e.filter_map(Result::ok).collect::<Vec<_>>(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(NodeError::Io { op: "read_dir", path: root.display().to_string(), source: e }),
+        };
+        for entry in entries {
+            let id = entry.file_name().to_string_lossy().into_owned();
+            let rec: Option<RuntimeRecord> = fs::read(entry.path().join("runtime.json"))
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok());
+            match rec {
+                Some(rec) if self.is_alive(&rec) && rec.agent_socket.exists() => {
+                    tracing::info!(%id, pid = rec.pid, "re-adopting live sandbox");
+                    alive.push(rec);
+                }
+                _ => {
+                    tracing::info!(%id, "cleaning up dead or half-created sandbox");
+                    self.destroy(&id)?;
+                }
+            }
+        }
+        // Cgroups with no sandbox directory: left by a crash between cgroup creation and
+        // the directory, or by an earlier cleanup that failed.
+        let known: std::collections::HashSet<&str> = alive.iter().map(|r| r.id.as_str()).collect();
+        for child in Cgroup::list_children(&self.cgroups, CGROUP_PARENT)? {
+            let id = child.rsplit('/').next().unwrap_or(&child).to_string();
+            if !known.contains(id.as_str()) {
+                tracing::info!(cgroup = %child, "removing orphaned cgroup");
+                self.destroy(&id)?;
+            }
+        }
+        // Stray socket directories.
+        if let Ok(entries) = fs::read_dir(self.cfg.run_dir.join("sandboxes")) {
+            for e in entries.filter_map(Result::ok) {
+                let id = e.file_name().to_string_lossy().into_owned();
+                if !known.contains(id.as_str()) {
+                    let _ = fs::remove_dir_all(e.path());
+                }
+            }
+        }
+        Ok(alive)
+    }
+
+    fn is_alive(&self, rec: &RuntimeRecord) -> bool {
+        pid_start_time(rec.pid) == Some(rec.pid_start_time) && !is_zombie(rec.pid)
+    }
+
+    fn oom_kill_count(&self, id: &str) -> Result<u64, NodeError> {
+        Ok(Cgroup::open(&self.cgroups, &Self::cgroup_path(id))?.oom_kill_count()?)
+    }
+}
+
+fn is_zombie(pid: i32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rfind(')').map(|i| s[i + 2..].starts_with('Z')))
+        .unwrap_or(true)
+}

@@ -1,0 +1,78 @@
+//! Node errors and their mapping onto API error codes.
+
+use dsec_wire::{ApiError, ErrorCode};
+
+/// A node operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// No sandbox with this id on the node.
+    #[error("sandbox {0} not found on this node")]
+    NotFound(String),
+    /// The image is unknown or unusable.
+    #[error("image: {0}")]
+    Image(#[from] dsec_image::ImageError),
+    /// A cgroup operation failed.
+    #[error("cgroup: {0}")]
+    Cgroup(#[from] dsec_cgroups::CgroupError),
+    /// Sandbox creation failed; the message says at which step.
+    #[error("create sandbox {id}: {reason}")]
+    Create {
+        /// Sandbox id.
+        id: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The sandbox's agent cannot be reached (its init died?).
+    #[error("agent of sandbox {id} unreachable: {source}")]
+    Agent {
+        /// Sandbox id.
+        id: String,
+        /// Connect error.
+        source: std::io::Error,
+    },
+    /// Local I/O failed.
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// What was attempted.
+        op: &'static str,
+        /// On which path.
+        path: String,
+        /// OS error.
+        source: std::io::Error,
+    },
+}
+
+impl NodeError {
+    pub(crate) fn io<'a>(op: &'static str, path: &'a std::path::Path) -> impl FnOnce(std::io::Error) -> NodeError + 'a {
+        move |source| NodeError::Io { op, path: path.display().to_string(), source }
+    }
+
+    /// The API error this maps to.
+    pub fn to_api(&self) -> ApiError {
+        let code = match self {
+            NodeError::NotFound(_) => ErrorCode::NotFound,
+            NodeError::Image(e) => image_code(e),
+            NodeError::Agent { .. } => ErrorCode::AgentUnavailable,
+            NodeError::Create { .. } => ErrorCode::Failed,
+            NodeError::Cgroup(_) | NodeError::Io { .. } => ErrorCode::Internal,
+        };
+        ApiError::new(code, self.to_string())
+    }
+}
+
+impl From<NodeError> for ApiError {
+    fn from(e: NodeError) -> Self {
+        e.to_api()
+    }
+}
+
+fn image_code(e: &dsec_image::ImageError) -> ErrorCode {
+    use dsec_image::ImageError as E;
+    match e {
+        E::NotFound(_) => ErrorCode::ImageNotFound,
+        E::InvalidName { .. } | E::InvalidDigest(_) | E::UnsupportedSource(_) | E::Archive { .. } | E::UnsafeEntry { .. } | E::NotErofs(_) => {
+            ErrorCode::BadRequest
+        }
+        _ => ErrorCode::Internal,
+    }
+}

@@ -1,0 +1,85 @@
+//! The node runtime ("edge"): everything that runs sandboxes on one machine.
+//!
+//! [`NodeApi`] is what the control plane sees of a node: create, destroy, list, connect
+//! to a sandbox's agent, images. [`LocalNode`] implements it in-process (the single-node
+//! `dsec serve`); a remote implementation over HTTP changes transport, not logic.
+//!
+//! Architecture invariants:
+//! - the node is the source of truth for what runs on its machine; each sandbox's
+//!   directory holds a `runtime.json` with which a restarted node re-adopts it;
+//! - each backend sits behind [`backend::Backend`]; only `container` exists today;
+//! - no per-sandbox mounts in the host mount namespace: the overlay lives in the
+//!   sandbox's own namespace; shared layer mounts are refcounted by the image store.
+
+pub mod agent_conn;
+pub mod backend;
+pub mod config;
+pub mod container;
+pub mod error;
+pub mod local;
+
+use std::collections::BTreeMap;
+
+pub use agent_conn::AgentConn;
+pub use config::NodeConfig;
+pub use error::NodeError;
+pub use local::LocalNode;
+
+use dsec_wire::v1::Image;
+
+/// What the control plane asks a node to create.
+#[derive(Debug, Clone)]
+pub struct NodeCreateSpec {
+    /// Sandbox id (already validated, unique).
+    pub id: String,
+    /// Image name or digest.
+    pub image: String,
+    /// CPU limit in millicores.
+    pub cpu_millis: u64,
+    /// Memory limit in bytes.
+    pub memory_bytes: u64,
+    /// Process limit.
+    pub pids_max: u64,
+    /// Environment of commands.
+    pub env: BTreeMap<String, String>,
+    /// Default working directory.
+    pub workdir: String,
+}
+
+/// A sandbox as the node knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeSandbox {
+    /// Sandbox id.
+    pub id: String,
+    /// Digest of its image layer.
+    pub image_digest: String,
+    /// Host pid of its init (the agent).
+    pub pid: i32,
+    /// Whether its init is still running.
+    pub alive: bool,
+}
+
+/// The node as the control plane sees it.
+#[async_trait::async_trait]
+pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
+    /// Node name.
+    fn name(&self) -> &str;
+    /// `v1` or `v2`.
+    fn cgroup_version(&self) -> &'static str;
+    /// Creates a sandbox; returns once its agent answers.
+    async fn create(&self, spec: NodeCreateSpec) -> Result<NodeSandbox, NodeError>;
+    /// Destroys a sandbox and releases everything it held. Idempotent.
+    async fn destroy(&self, id: &str) -> Result<(), NodeError>;
+    /// Sandboxes on this node.
+    async fn list(&self) -> Vec<NodeSandbox>;
+    /// Opens a connection to a sandbox's agent (one request per connection).
+    async fn connect(&self, id: &str) -> Result<AgentConn, NodeError>;
+    /// Number of OOM kills in the sandbox so far.
+    async fn oom_kill_count(&self, id: &str) -> Result<u64, NodeError>;
+    /// Images on this node.
+    async fn list_images(&self) -> Result<Vec<Image>, NodeError>;
+    /// Imports an image from a path on this machine.
+    async fn import_image(&self, name: &str, source: &std::path::Path) -> Result<Image, NodeError>;
+    /// Removes an image name.
+    async fn remove_image(&self, name: &str) -> Result<(), NodeError>;
+}

@@ -1,0 +1,215 @@
+//! [`LocalNode`]: the node runtime in-process, over the container backend and the local
+//! image store.
+
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use dsec_cgroups::{CgroupRoot, CgroupVersion};
+use dsec_image::ImageStore;
+use dsec_wire::v1::Image;
+use tokio::net::UnixStream;
+
+use crate::backend::{Backend, RuntimeRecord};
+use crate::container::ContainerBackend;
+use crate::{AgentConn, NodeApi, NodeConfig, NodeCreateSpec, NodeError, NodeSandbox};
+
+/// The node runtime of this machine.
+#[derive(Debug)]
+pub struct LocalNode {
+    cfg: NodeConfig,
+    cgroup_version: CgroupVersion,
+    images: Arc<ImageStore>,
+    backend: Arc<dyn Backend>,
+    sandboxes: Mutex<HashMap<String, RuntimeRecord>>,
+}
+
+fn join_err(e: tokio::task::JoinError) -> NodeError {
+    NodeError::Io { op: "blocking task", path: String::new(), source: std::io::Error::other(e) }
+}
+
+impl LocalNode {
+    /// Opens the node: prepares directories, then re-adopts live sandboxes and cleans up
+    /// whatever an earlier run left half-done.
+    pub async fn open(cfg: NodeConfig) -> Result<Arc<Self>, NodeError> {
+        for d in [&cfg.state_dir, &cfg.run_dir] {
+            std::fs::create_dir_all(d).map_err(NodeError::io("mkdir", d))?;
+        }
+        let cgroups = CgroupRoot::detect()?;
+        let images = Arc::new(ImageStore::open(&cfg.images_dir())?);
+        let backend: Arc<dyn Backend> = Arc::new(ContainerBackend::new(cfg.clone(), cgroups.clone()));
+        // Sandbox inits are re-parented to us when their intermediate process exits, so
+        // that we can reap them (and notice their death) instead of the host's init.
+        // SAFETY: prctl with integer arguments.
+        unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+
+        let b = backend.clone();
+        let recovered = tokio::task::spawn_blocking(move || b.recover()).await.map_err(join_err)??;
+        let mut refs: HashMap<String, usize> = HashMap::new();
+        let mut table = HashMap::new();
+        for rec in recovered {
+            *refs.entry(rec.image_digest.clone()).or_default() += 1;
+            table.insert(rec.id.clone(), rec);
+        }
+        for (digest, n) in &refs {
+            images.set_refcount(digest, *n)?;
+        }
+        images.cleanup_unused(&refs.keys().cloned().collect::<HashSet<_>>())?;
+        let node = Arc::new(Self {
+            cfg,
+            cgroup_version: cgroups.version(),
+            images,
+            backend,
+            sandboxes: Mutex::new(table),
+        });
+        node.clone().spawn_reaper();
+        Ok(node)
+    }
+
+    /// Reaps sandbox inits that are our children when they exit.
+    fn spawn_reaper(self: Arc<Self>) {
+        let weak = Arc::downgrade(&self);
+        tokio::spawn(async move {
+            let Ok(mut sigchld) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child()) else {
+                return;
+            };
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(2));
+            loop {
+                tokio::select! {
+                    _ = sigchld.recv() => {}
+                    _ = tick.tick() => {}
+                }
+                let Some(node) = weak.upgrade() else { return };
+                let pids: Vec<i32> = node.lock().values().map(|r| r.pid).collect();
+                for pid in pids {
+                    // Only reap pids we track, so other child processes (image builds)
+                    // keep their own wait semantics.
+                    let _ = nix::sys::wait::waitpid(
+                        nix::unistd::Pid::from_raw(pid),
+                        Some(nix::sys::wait::WaitPidFlag::WNOHANG),
+                    );
+                }
+            }
+        });
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, RuntimeRecord>> {
+        self.sandboxes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn record(&self, id: &str) -> Result<RuntimeRecord, NodeError> {
+        self.lock().get(id).cloned().ok_or_else(|| NodeError::NotFound(id.to_string()))
+    }
+
+    /// The image store.
+    pub fn images(&self) -> &ImageStore {
+        &self.images
+    }
+}
+
+#[async_trait::async_trait]
+impl NodeApi for LocalNode {
+    fn name(&self) -> &str {
+        &self.cfg.name
+    }
+
+    fn cgroup_version(&self) -> &'static str {
+        match self.cgroup_version {
+            CgroupVersion::V1 => "v1",
+            CgroupVersion::V2 => "v2",
+        }
+    }
+
+    async fn create(&self, spec: NodeCreateSpec) -> Result<NodeSandbox, NodeError> {
+        let resolved = self.images.resolve(&spec.image)?;
+        let digest = resolved.digest.clone();
+        let lower = self.images.acquire(&digest)?;
+        let backend = self.backend.clone();
+        let spec2 = spec.clone();
+        let digest2 = digest.clone();
+        let res = tokio::task::spawn_blocking(move || backend.create(&spec2, &digest2, &lower))
+            .await
+            .map_err(join_err)
+            .and_then(|r| r);
+        let rec = match res {
+            Ok(rec) => rec,
+            Err(e) => {
+                let _ = self.images.release(&digest);
+                return Err(e);
+            }
+        };
+        self.lock().insert(rec.id.clone(), rec.clone());
+        // Ready means the agent answers.
+        let ping = async {
+            let conn = self.connect(&rec.id).await?;
+            conn.request(&dsec_wire::agent::Request::Ping)
+                .await
+                .map_err(|e| NodeError::Create { id: rec.id.clone(), reason: e.message })
+        };
+        if let Err(e) = ping.await {
+            let _ = self.destroy(&rec.id).await;
+            return Err(e);
+        }
+        Ok(NodeSandbox { id: rec.id, image_digest: rec.image_digest, pid: rec.pid, alive: true })
+    }
+
+    async fn destroy(&self, id: &str) -> Result<(), NodeError> {
+        let rec = self.lock().get(id).cloned();
+        let backend = self.backend.clone();
+        let id2 = id.to_string();
+        tokio::task::spawn_blocking(move || backend.destroy(&id2)).await.map_err(join_err)??;
+        if let Some(rec) = rec {
+            let _ = nix::sys::wait::waitpid(
+                nix::unistd::Pid::from_raw(rec.pid),
+                Some(nix::sys::wait::WaitPidFlag::WNOHANG),
+            );
+            self.lock().remove(id);
+            self.images.release(&rec.image_digest)?;
+        }
+        Ok(())
+    }
+
+    async fn list(&self) -> Vec<NodeSandbox> {
+        let recs: Vec<RuntimeRecord> = self.lock().values().cloned().collect();
+        recs.into_iter()
+            .map(|r| NodeSandbox {
+                alive: self.backend.is_alive(&r),
+                id: r.id,
+                image_digest: r.image_digest,
+                pid: r.pid,
+            })
+            .collect()
+    }
+
+    async fn connect(&self, id: &str) -> Result<AgentConn, NodeError> {
+        let rec = self.record(id)?;
+        let stream = UnixStream::connect(&rec.agent_socket)
+            .await
+            .map_err(|source| NodeError::Agent { id: id.to_string(), source })?;
+        Ok(AgentConn::new(stream))
+    }
+
+    async fn oom_kill_count(&self, id: &str) -> Result<u64, NodeError> {
+        self.record(id)?;
+        self.backend.oom_kill_count(id)
+    }
+
+    async fn list_images(&self) -> Result<Vec<Image>, NodeError> {
+        Ok(self.images.list()?)
+    }
+
+    async fn import_image(&self, name: &str, source: &Path) -> Result<Image, NodeError> {
+        let images = self.images.clone();
+        let name = name.to_string();
+        let source = source.to_path_buf();
+        let img = tokio::task::spawn_blocking(move || images.import(&name, &source, &|_| {}))
+            .await
+            .map_err(join_err)??;
+        Ok(img)
+    }
+
+    async fn remove_image(&self, name: &str) -> Result<(), NodeError> {
+        self.images.remove(name)?;
+        Ok(())
+    }
+}
