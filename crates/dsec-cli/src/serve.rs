@@ -32,7 +32,10 @@ fn agent_bin(args: &ServeArgs) -> anyhow::Result<PathBuf> {
 
 /// Raises the soft open-files limit to the hard limit: every sandbox holds a few fds.
 fn raise_nofile() {
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: getrlimit/setrlimit with a valid rlimit struct.
     unsafe {
         if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
@@ -71,13 +74,18 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         agent_bin,
         create_timeout: Duration::from_secs(30),
     };
-    let node = LocalNode::open(node_cfg).await.context("starting the node runtime")?;
+    let node = LocalNode::open(node_cfg)
+        .await
+        .context("starting the node runtime")?;
     let key_path = args.state_dir.join("api-key");
     let (key, created) = dsec_control::auth::load_or_create_key(&key_path)
         .with_context(|| format!("reading or creating the API key at {}", key_path.display()))?;
     if created {
         println!("generated API key {key}");
-        println!("  (saved to {}, mode 0600; clients read it from there or DSEC_API_KEY)", key_path.display());
+        println!(
+            "  (saved to {}, mode 0600; clients read it from there or DSEC_API_KEY)",
+            key_path.display()
+        );
     } else {
         println!("API key in {}", key_path.display());
     }
@@ -93,16 +101,21 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("binding {}", args.listen))?;
     println!("dsec listening on http://{}", listener.local_addr()?);
     let shutdown = async {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(_) => return std::future::pending().await,
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => return std::future::pending().await,
+            };
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}
         }
-        tracing::info!("shutting down; sandboxes keep running and are re-adopted on the next start");
+        tracing::info!(
+            "shutting down; sandboxes keep running and are re-adopted on the next start"
+        );
     };
-    dsec_http::serve(listener, plane, shutdown).await.context("serving HTTP")?;
+    dsec_http::serve(listener, plane, shutdown)
+        .await
+        .context("serving HTTP")?;
     Ok(())
 }

@@ -1,0 +1,500 @@
+//! Command-line syntax: the clap definitions and the small value parsers they use.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+/// dsec: sandboxes for AI-agent training.
+#[derive(Debug, Parser)]
+#[command(name = "dsec", version, about, propagate_version = true)]
+pub struct Cli {
+    /// Server URL.
+    #[arg(long, global = true, env = "DSEC_URL", default_value = dsec_client::DEFAULT_URL)]
+    pub url: String,
+    /// API key (default: $DSEC_API_KEY_FILE or /var/lib/dsec/api-key if readable).
+    #[arg(long, global = true, env = "DSEC_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Machine-readable JSON output.
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Top-level commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the dsec server (API + node) on this machine.
+    Serve(ServeArgs),
+    /// Create, inspect, use and remove sandboxes.
+    #[command(subcommand, visible_alias = "sb")]
+    Sandbox(SandboxCommand),
+    /// Manage images.
+    #[command(subcommand)]
+    Image(ImageCommand),
+}
+
+/// `dsec serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    pub listen: SocketAddr,
+    /// Persistent state: database, images, API key.
+    #[arg(long, default_value = "/var/lib/dsec")]
+    pub state_dir: PathBuf,
+    /// Runtime state: sandbox roots, sockets.
+    #[arg(long, default_value = "/run/dsec")]
+    pub run_dir: PathBuf,
+    /// The in-sandbox agent binary (default: found next to this executable).
+    #[arg(long)]
+    pub agent_bin: Option<PathBuf>,
+    /// Node name reported by the API (default: the host name).
+    #[arg(long)]
+    pub node_name: Option<String>,
+}
+
+/// `dsec sandbox ...`.
+#[derive(Debug, Subcommand)]
+pub enum SandboxCommand {
+    /// Create a sandbox and print its id.
+    Create(CreateArgs),
+    /// List sandboxes.
+    #[command(visible_alias = "list")]
+    Ls {
+        /// Only sandboxes with this label (repeatable; all must match).
+        #[arg(long = "label", value_name = "K=V", value_parser = parse_key_value)]
+        labels: Vec<(String, String)>,
+    },
+    /// Show one sandbox.
+    Get {
+        /// Sandbox id.
+        id: String,
+    },
+    /// Remove sandboxes.
+    #[command(visible_alias = "delete")]
+    Rm {
+        /// Sandbox ids.
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
+    /// Run a command, streaming its output; exits with the command's exit code.
+    Exec(ExecArgs),
+    /// An interactive line-based shell session in a sandbox.
+    Shell {
+        /// Sandbox id.
+        id: String,
+        /// Interrupt a command after this long (e.g. 30s, 5m).
+        #[arg(long, value_parser = parse_duration)]
+        timeout: Option<Duration>,
+    },
+    /// Copy files or directories: one side is ID:/path, the other a local path.
+    Cp {
+        /// Source: LOCAL or ID:/PATH.
+        #[arg(value_parser = parse_cp_side)]
+        src: CpSide,
+        /// Destination: LOCAL or ID:/PATH.
+        #[arg(value_parser = parse_cp_side)]
+        dst: CpSide,
+    },
+    /// Print the output of a background process.
+    Logs {
+        /// Sandbox id.
+        id: String,
+        /// Process id inside the sandbox.
+        pid: u32,
+        /// Keep streaming until the process exits.
+        #[arg(short, long)]
+        follow: bool,
+    },
+    /// Set a sandbox's remaining lifetime (e.g. 3600, 90m, 2h).
+    Timeout {
+        /// Sandbox id.
+        id: String,
+        /// New remaining lifetime.
+        #[arg(value_parser = parse_duration)]
+        duration: Duration,
+    },
+}
+
+/// `dsec sandbox create`.
+#[derive(Debug, Args)]
+pub struct CreateArgs {
+    /// Image name or sha256: digest (server default: base).
+    #[arg(long)]
+    pub image: Option<String>,
+    /// CPU limit in cores (server default: 1).
+    #[arg(long)]
+    pub cpu: Option<f64>,
+    /// Memory limit in MiB (server default: 512).
+    #[arg(long)]
+    pub memory_mb: Option<u64>,
+    /// Process limit (server default: 512).
+    #[arg(long)]
+    pub pids: Option<u64>,
+    /// Lifetime (e.g. 3600, 90m, 1h; server default: 1h).
+    #[arg(long, value_parser = parse_duration)]
+    pub timeout: Option<Duration>,
+    /// Delete after this long without API activity.
+    #[arg(long, value_parser = parse_duration)]
+    pub idle_timeout: Option<Duration>,
+    /// Environment variable for every command (repeatable).
+    #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_key_value)]
+    pub env: Vec<(String, String)>,
+    /// Label (repeatable).
+    #[arg(long = "label", short = 'l', value_name = "K=V", value_parser = parse_key_value)]
+    pub labels: Vec<(String, String)>,
+    /// Local file to place in the sandbox before it is ready (repeatable).
+    #[arg(long = "file", value_name = "LOCAL:/REMOTE", value_parser = parse_file_mapping)]
+    pub files: Vec<(PathBuf, String)>,
+    /// Default working directory for commands.
+    #[arg(long)]
+    pub workdir: Option<String>,
+}
+
+/// `dsec sandbox exec`.
+#[derive(Debug, Args)]
+pub struct ExecArgs {
+    /// Sandbox id.
+    pub id: String,
+    /// Extra environment variable (repeatable).
+    #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_key_value)]
+    pub env: Vec<(String, String)>,
+    /// Working directory.
+    #[arg(long)]
+    pub cwd: Option<String>,
+    /// Kill the command after this long (e.g. 30s, 5m).
+    #[arg(long, value_parser = parse_duration)]
+    pub timeout: Option<Duration>,
+    /// Send this program's stdin (UTF-8 text, read to EOF) to the command.
+    #[arg(long)]
+    pub stdin: bool,
+    /// The command and its arguments (after `--`).
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub cmd: Vec<String>,
+}
+
+/// `dsec image ...`.
+#[derive(Debug, Subcommand)]
+pub enum ImageCommand {
+    /// Import an image from a directory or .tar/.tar.gz on the server's machine.
+    Import {
+        /// Name to give the image (e.g. python:3.11).
+        name: String,
+        /// Directory or tarball path (made absolute; must be readable by the server).
+        source: PathBuf,
+    },
+    /// List images.
+    #[command(visible_alias = "list")]
+    Ls,
+    /// Remove an image.
+    #[command(visible_alias = "delete")]
+    Rm {
+        /// Image name.
+        name: String,
+    },
+}
+
+/// One side of `dsec sandbox cp`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CpSide {
+    /// A path on this machine.
+    Local(PathBuf),
+    /// A path in a sandbox.
+    Remote {
+        /// Sandbox id.
+        id: String,
+        /// Absolute path inside it.
+        path: String,
+    },
+}
+
+/// Parses `LOCAL` or `ID:/PATH`. A string starting with `/` or `.`, or without `:`, is
+/// local; otherwise the part before the first `:` is a sandbox id.
+pub fn parse_cp_side(s: &str) -> Result<CpSide, String> {
+    if s.is_empty() {
+        return Err("empty path".into());
+    }
+    if s.starts_with('/') || s.starts_with('.') {
+        return Ok(CpSide::Local(PathBuf::from(s)));
+    }
+    match s.split_once(':') {
+        Some((id, _)) if id.contains('/') => Ok(CpSide::Local(PathBuf::from(s))),
+        Some((id, path)) => {
+            if path.is_empty() {
+                return Err(format!("{s:?}: missing path after {id}:"));
+            }
+            if !path.starts_with('/') {
+                return Err(format!(
+                    "{s:?}: the sandbox path must be absolute ({id}:/{path})"
+                ));
+            }
+            Ok(CpSide::Remote {
+                id: id.to_owned(),
+                path: path.to_owned(),
+            })
+        }
+        None => Ok(CpSide::Local(PathBuf::from(s))),
+    }
+}
+
+/// Parses `KEY=VALUE` (the value may contain `=`; the key must be non-empty).
+pub fn parse_key_value(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
+        _ => Err(format!("{s:?}: expected KEY=VALUE")),
+    }
+}
+
+/// Parses `LOCAL:/REMOTE` for `--file` (split at the first `:` followed by `/`).
+pub fn parse_file_mapping(s: &str) -> Result<(PathBuf, String), String> {
+    match s.find(":/") {
+        Some(i) if i > 0 => Ok((PathBuf::from(&s[..i]), s[i + 1..].to_owned())),
+        _ => Err(format!("{s:?}: expected LOCAL:/ABSOLUTE/REMOTE/PATH")),
+    }
+}
+
+/// Parses a duration: plain seconds (`90`, `1.5`) or numbers with units `ms`, `s`, `m`,
+/// `h`, `d`, possibly combined (`1h30m`).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let err = || format!("{s:?}: expected a duration like 90, 90s, 15m, 1h or 1h30m");
+    let s = s.trim();
+    if s.is_empty() {
+        return Err(err());
+    }
+    let mut total = 0f64;
+    let mut rest = s;
+    while !rest.is_empty() {
+        let num_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        if num_len == 0 {
+            return Err(err());
+        }
+        let value: f64 = rest[..num_len].parse().map_err(|_| err())?;
+        rest = &rest[num_len..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let factor = match &rest[..unit_len] {
+            "" if num_len == s.len() => 1.0,
+            "ms" => 0.001,
+            "s" | "sec" | "secs" => 1.0,
+            "m" | "min" | "mins" => 60.0,
+            "h" | "hr" | "hour" | "hours" => 3600.0,
+            "d" | "day" | "days" => 86400.0,
+            _ => return Err(err()),
+        };
+        rest = &rest[unit_len..];
+        total += value * factor;
+    }
+    Duration::try_from_secs_f64(total).map_err(|_| err())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("dsec").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("90"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("15m"), Ok(Duration::from_secs(900)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+        assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("2d"), Ok(Duration::from_secs(172_800)));
+        for bad in ["", "h", "1x", "1h 30m", "-5", "5 s", "1..2"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?} should fail");
+        }
+    }
+
+    #[test]
+    fn key_values() {
+        assert_eq!(parse_key_value("A=b"), Ok(("A".into(), "b".into())));
+        assert_eq!(parse_key_value("A=b=c"), Ok(("A".into(), "b=c".into())));
+        assert_eq!(parse_key_value("A="), Ok(("A".into(), String::new())));
+        assert!(parse_key_value("A").is_err());
+        assert!(parse_key_value("=b").is_err());
+    }
+
+    #[test]
+    fn file_mappings() {
+        assert_eq!(
+            parse_file_mapping("./a.py:/work/a.py"),
+            Ok(("./a.py".into(), "/work/a.py".into()))
+        );
+        assert_eq!(
+            parse_file_mapping("/x/y:/z"),
+            Ok(("/x/y".into(), "/z".into()))
+        );
+        assert!(parse_file_mapping("a.py").is_err());
+        assert!(parse_file_mapping("a.py:rel").is_err());
+        assert!(parse_file_mapping(":/z").is_err());
+    }
+
+    #[test]
+    fn cp_sides() {
+        let remote = |id: &str, path: &str| CpSide::Remote {
+            id: id.into(),
+            path: path.into(),
+        };
+        assert_eq!(
+            parse_cp_side("sb-123:/work/out"),
+            Ok(remote("sb-123", "/work/out"))
+        );
+        assert_eq!(parse_cp_side("./a:b"), Ok(CpSide::Local("./a:b".into())));
+        assert_eq!(parse_cp_side("/tmp/x"), Ok(CpSide::Local("/tmp/x".into())));
+        assert_eq!(
+            parse_cp_side("file.txt"),
+            Ok(CpSide::Local("file.txt".into()))
+        );
+        assert_eq!(
+            parse_cp_side("dir/a:b"),
+            Ok(CpSide::Local("dir/a:b".into()))
+        );
+        assert!(parse_cp_side("sb:").is_err());
+        assert!(parse_cp_side("sb:rel/path").is_err());
+    }
+
+    #[test]
+    fn create_parses() {
+        let cli = parse(&[
+            "sandbox",
+            "create",
+            "--image",
+            "python:3.11",
+            "--cpu",
+            "0.5",
+            "--memory-mb",
+            "1024",
+            "--timeout",
+            "15m",
+            "--env",
+            "A=1",
+            "-e",
+            "B=2",
+            "--label",
+            "team=rl",
+            "--file",
+            "./x.py:/work/x.py",
+            "--json",
+        ])
+        .expect("parses");
+        assert!(cli.json);
+        let Command::Sandbox(SandboxCommand::Create(a)) = cli.command else {
+            panic!("wrong command: {:?}", cli.command)
+        };
+        assert_eq!(a.image.as_deref(), Some("python:3.11"));
+        assert_eq!(a.cpu, Some(0.5));
+        assert_eq!(a.memory_mb, Some(1024));
+        assert_eq!(a.timeout, Some(Duration::from_secs(900)));
+        assert_eq!(a.env, [("A".into(), "1".into()), ("B".into(), "2".into())]);
+        assert_eq!(a.labels, [("team".into(), "rl".into())]);
+        assert_eq!(a.files, [("./x.py".into(), "/work/x.py".into())]);
+        assert!(parse(&["sandbox", "create", "--timeout", "soon"]).is_err());
+        assert!(parse(&["sandbox", "create", "--env", "NOEQUALS"]).is_err());
+    }
+
+    #[test]
+    fn exec_parses_command_after_dashes() {
+        let cli = parse(&[
+            "sandbox",
+            "exec",
+            "sb1",
+            "--cwd",
+            "/w",
+            "--timeout",
+            "30s",
+            "--",
+            "ls",
+            "-l",
+            "--all",
+        ])
+        .expect("parses");
+        let Command::Sandbox(SandboxCommand::Exec(a)) = cli.command else {
+            panic!("wrong command")
+        };
+        assert_eq!(a.id, "sb1");
+        assert_eq!(a.cwd.as_deref(), Some("/w"));
+        assert_eq!(a.timeout, Some(Duration::from_secs(30)));
+        assert_eq!(a.cmd, ["ls", "-l", "--all"]);
+        assert!(!a.stdin);
+        assert!(parse(&["sandbox", "exec", "sb1"]).is_err());
+    }
+
+    #[test]
+    fn cp_and_logs_and_timeout_parse() {
+        let cli = parse(&["sb", "cp", "./local", "abc:/remote"]).expect("parses");
+        let Command::Sandbox(SandboxCommand::Cp { src, dst }) = cli.command else {
+            panic!("wrong command")
+        };
+        assert_eq!(src, CpSide::Local("./local".into()));
+        assert_eq!(
+            dst,
+            CpSide::Remote {
+                id: "abc".into(),
+                path: "/remote".into()
+            }
+        );
+
+        let cli = parse(&["sandbox", "logs", "abc", "42", "-f"]).expect("parses");
+        assert!(matches!(
+            cli.command,
+            Command::Sandbox(SandboxCommand::Logs {
+                pid: 42,
+                follow: true,
+                ..
+            })
+        ));
+        let cli = parse(&["sandbox", "timeout", "abc", "2h"]).expect("parses");
+        assert!(matches!(
+            cli.command,
+            Command::Sandbox(SandboxCommand::Timeout { duration, .. }) if duration == Duration::from_secs(7200)
+        ));
+        assert!(parse(&["sandbox", "logs", "abc", "notapid"]).is_err());
+    }
+
+    #[test]
+    fn serve_defaults() {
+        let cli = parse(&["serve"]).expect("parses");
+        let Command::Serve(a) = cli.command else {
+            panic!("wrong command")
+        };
+        assert_eq!(a.listen, "127.0.0.1:7070".parse().expect("addr"));
+        assert_eq!(a.state_dir, PathBuf::from("/var/lib/dsec"));
+        assert_eq!(a.run_dir, PathBuf::from("/run/dsec"));
+        assert!(a.agent_bin.is_none() && a.node_name.is_none());
+    }
+
+    #[test]
+    fn global_flags_anywhere() {
+        let cli = parse(&[
+            "image",
+            "ls",
+            "--json",
+            "--url",
+            "http://h:1",
+            "--api-key",
+            "k",
+        ])
+        .expect("parses");
+        assert!(cli.json);
+        assert_eq!(cli.url, "http://h:1");
+        assert_eq!(cli.api_key.as_deref(), Some("k"));
+    }
+
+    #[test]
+    fn clap_definition_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,81 @@
+//! `dsec image ...`.
+
+use std::io::IsTerminal;
+use std::time::Duration;
+
+use anyhow::Context;
+use dsec_client::Client;
+use dsec_wire::v1::ImportImageRequest;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::cli::ImageCommand;
+use crate::output::{self, print_json, Table};
+
+/// Runs an image command.
+pub async fn run(client: &Client, cmd: ImageCommand, json: bool) -> anyhow::Result<()> {
+    match cmd {
+        ImageCommand::Import { name, source } => {
+            let source = std::path::absolute(&source)
+                .with_context(|| format!("resolving {}", source.display()))?;
+            let source = source
+                .to_str()
+                .with_context(|| format!("{} is not valid UTF-8", source.display()))?
+                .to_owned();
+            let spinner = (!json && std::io::stderr().is_terminal()).then(|| {
+                let pb = ProgressBar::new_spinner();
+                let style = ProgressStyle::with_template("{spinner} importing {msg} ({elapsed})")
+                    .unwrap_or_else(|_| ProgressStyle::default_spinner());
+                pb.set_style(style);
+                pb.set_message(format!("{name} from {source}"));
+                pb.enable_steady_tick(Duration::from_millis(100));
+                pb
+            });
+            let started = std::time::Instant::now();
+            let result = client
+                .import_image(ImportImageRequest { name, source })
+                .await;
+            if let Some(pb) = spinner {
+                pb.finish_and_clear();
+            }
+            let image = result?;
+            if json {
+                print_json(&image)?;
+            } else {
+                println!(
+                    "imported {} {} ({}) in {:.1}s",
+                    image.name,
+                    image.digest,
+                    output::bytes(image.size_bytes),
+                    started.elapsed().as_secs_f64()
+                );
+            }
+        }
+        ImageCommand::Ls => {
+            let list = client.list_images().await?;
+            if json {
+                return print_json(&list);
+            }
+            let mut t = Table::new(&["NAME", "DIGEST", "SIZE", "CREATED", "SOURCE"]);
+            for i in &list.images {
+                let digest = i.digest.strip_prefix("sha256:").unwrap_or(&i.digest);
+                t.row(vec![
+                    i.name.clone(),
+                    digest.chars().take(12).collect(),
+                    output::bytes(i.size_bytes),
+                    output::ago(i.created_at),
+                    i.source.clone(),
+                ]);
+            }
+            print!("{}", t.render());
+        }
+        ImageCommand::Rm { name } => {
+            client.delete_image(&name).await?;
+            if json {
+                print_json(&serde_json::json!({ "deleted": name }))?;
+            } else {
+                println!("removed {name}");
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,76 @@
+//! `dsec`: the command line of the dsec sandbox platform.
+//!
+//! `dsec serve` runs the server; `dsec sandbox ...` and `dsec image ...` talk to it over
+//! HTTP through [`dsec_client::Client`]. Every command prints readable text by default and
+//! JSON with `--json`. Failures print `error: ...` with a hint and exit with code 1;
+//! `dsec sandbox exec` exits with the command's own exit code.
+
+mod cli;
+mod image;
+mod output;
+mod sandbox;
+mod serve;
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Parser;
+use dsec_client::{Client, ClientError};
+use dsec_wire::ErrorCode;
+
+use crate::cli::{Cli, Command};
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let url = cli.url.clone();
+    match run(cli).await {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            if let Some(hint) = hint(&err, &url) {
+                eprintln!("hint: {hint}");
+            }
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Runs a command; returns the process exit code.
+async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let client = || -> anyhow::Result<Client> {
+        let key = match cli.api_key.clone() {
+            Some(k) => Some(k),
+            None => dsec_client::api_key_from_env()?,
+        };
+        Client::new(&cli.url, key).context("configuring the client")
+    };
+    match cli.command {
+        Command::Serve(args) => serve::run(args).await.map(|()| ExitCode::SUCCESS),
+        Command::Sandbox(cmd) => sandbox::run(&client()?, cmd, cli.json).await,
+        Command::Image(cmd) => image::run(&client()?, cmd, cli.json)
+            .await
+            .map(|()| ExitCode::SUCCESS),
+    }
+}
+
+/// A hint for well-known failures: a missing/wrong key, no server listening.
+fn hint(err: &anyhow::Error, url: &str) -> Option<String> {
+    let client_err = err.chain().find_map(|e| e.downcast_ref::<ClientError>())?;
+    if client_err.is_connect() {
+        return Some(format!(
+            "is `dsec serve` running at {url}? (set --url or DSEC_URL)"
+        ));
+    }
+    match client_err.code()? {
+        ErrorCode::Unauthorized => Some(
+            "pass --api-key or set DSEC_API_KEY; the key is in /var/lib/dsec/api-key".to_owned(),
+        ),
+        ErrorCode::ImageNotFound => Some("list images with `dsec image ls`".to_owned()),
+        ErrorCode::Expired => Some(
+            "the sandbox's lifetime ran out; extend lifetimes with `dsec sandbox timeout`"
+                .to_owned(),
+        ),
+        _ => None,
+    }
+}

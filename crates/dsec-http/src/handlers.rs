@@ -1,0 +1,524 @@
+//! One handler per `/v1` route: extract, call [`SandboxApi`], respond. No logic lives here
+//! beyond decoding query strings and encoding streams.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use dsec_control::{ByteStream, EventStream, SandboxApi};
+use dsec_wire::v1::{
+    CreateSandboxRequest, CreateSessionRequest, ExecRequest, FileInfo, ImportImageRequest,
+    MkdirRequest, PtySize, RenameRequest, SessionRunRequest, SetTimeoutRequest, SignalRequest,
+    StartProcessRequest, StdinRequest,
+};
+use dsec_wire::{ApiError, ErrorCode};
+use futures::StreamExt;
+use serde::Deserialize;
+
+use crate::error::HttpError;
+use crate::extract::{Json, Path, Query};
+
+/// Header of `GET /files` that carries the file's [`FileInfo`] as JSON (ASCII-only).
+pub const FILE_INFO_HEADER: &str = "x-dsec-file-info";
+
+/// Content type of exec/process event streams.
+pub const NDJSON: &str = "application/x-ndjson";
+
+type Api = State<Arc<dyn SandboxApi>>;
+type HttpResult<T> = Result<T, HttpError>;
+
+// ---------------------------------------------------------------- responses
+
+fn json<T: serde::Serialize>(v: T) -> Response {
+    axum::Json(v).into_response()
+}
+
+fn created<T: serde::Serialize>(v: T) -> Response {
+    (StatusCode::CREATED, axum::Json(v)).into_response()
+}
+
+fn no_content(_: ()) -> Response {
+    StatusCode::NO_CONTENT.into_response()
+}
+
+/// NDJSON, one [`dsec_wire::v1::ExecEvent`] per line; each event is its own body chunk,
+/// so hyper flushes it as soon as it is produced.
+fn ndjson(events: EventStream) -> Response {
+    let body = Body::from_stream(events.map(|ev| {
+        let mut line = serde_json::to_vec(&ev).unwrap_or_else(|e| {
+            // Unreachable for these plain types; keep the stream well-formed anyway.
+            format!(r#"{{"type":"error","error":{{"code":"internal","message":"{e}"}}}}"#)
+                .into_bytes()
+        });
+        line.push(b'\n');
+        Ok::<_, Infallible>(Bytes::from(line))
+    }));
+    ([(header::CONTENT_TYPE, NDJSON)], body).into_response()
+}
+
+/// A streamed binary body; a mid-stream error aborts the response.
+fn bytes_body(stream: ByteStream, content_type: &'static str) -> Response {
+    (
+        [(header::CONTENT_TYPE, content_type)],
+        Body::from_stream(stream),
+    )
+        .into_response()
+}
+
+/// The request body as the trait's [`ByteStream`], not buffered and not size-limited.
+fn body_stream(body: Body) -> ByteStream {
+    body.into_data_stream()
+        .map(|r| {
+            r.map_err(|e| {
+                ApiError::new(ErrorCode::BadRequest, format!("reading request body: {e}"))
+            })
+        })
+        .boxed()
+}
+
+/// JSON with every non-ASCII character escaped as `\uXXXX`, so it fits in a header value
+/// that any client can read as a string.
+fn ascii_json<T: serde::Serialize>(v: &T) -> Result<String, serde_json::Error> {
+    let s = serde_json::to_string(v)?;
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if c.is_ascii() {
+            out.push(c);
+        } else {
+            let mut buf = [0u16; 2];
+            for unit in c.encode_utf16(&mut buf) {
+                out.push_str(&format!("\\u{unit:04x}"));
+            }
+        }
+    }
+    Ok(out)
+}
+
+// ---------------------------------------------------------------- query strings
+
+/// `?path=` of the file routes.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PathQuery {
+    /// Path inside the sandbox.
+    pub path: String,
+}
+
+/// `GET /files?path=&offset=&length=`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReadQuery {
+    /// Path inside the sandbox.
+    pub path: String,
+    /// First byte to read.
+    #[serde(default)]
+    pub offset: u64,
+    /// Bytes to read; to the end when absent.
+    #[serde(default)]
+    pub length: Option<u64>,
+}
+
+/// `PUT /files?path=&mode=`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WriteQuery {
+    /// Path inside the sandbox.
+    pub path: String,
+    /// Permission bits; see [`parse_mode`].
+    #[serde(default)]
+    pub mode: Option<String>,
+}
+
+/// `DELETE /files?path=&recursive=`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RemoveQuery {
+    /// Path inside the sandbox.
+    pub path: String,
+    /// Remove directories with their contents.
+    #[serde(default)]
+    pub recursive: bool,
+}
+
+/// `GET /processes/{pid}/output?stdout_offset=&stderr_offset=&follow=`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputQuery {
+    /// Stdout offset to start from.
+    #[serde(default)]
+    pub stdout_offset: u64,
+    /// Stderr offset to start from.
+    #[serde(default)]
+    pub stderr_offset: u64,
+    /// Keep streaming until the process exits.
+    #[serde(default)]
+    pub follow: bool,
+}
+
+/// Parses a file mode: octal when written with a leading `0` or `0o` (`0644`, `0o755`),
+/// decimal otherwise (`420`). At most `0o7777`.
+pub fn parse_mode(s: &str) -> Result<u32, HttpError> {
+    let parsed = if let Some(oct) = s.strip_prefix("0o").or_else(|| s.strip_prefix("0O")) {
+        u32::from_str_radix(oct, 8)
+    } else if s.len() > 1 && s.starts_with('0') {
+        u32::from_str_radix(&s[1..], 8)
+    } else {
+        s.parse::<u32>()
+    };
+    match parsed {
+        Ok(m) if m <= 0o7777 => Ok(m),
+        _ => Err(HttpError::bad_request(format!(
+            "invalid mode {s:?}: expected octal like 0644 or a decimal number up to 4095"
+        ))),
+    }
+}
+
+/// Turns repeated `label=k=v` query pairs into a map; any other key, or a label without
+/// `=`, is a `bad_request`.
+pub fn parse_labels(pairs: Vec<(String, String)>) -> Result<BTreeMap<String, String>, HttpError> {
+    let mut labels = BTreeMap::new();
+    for (key, value) in pairs {
+        if key != "label" {
+            return Err(HttpError::bad_request(format!(
+                "unknown query parameter {key:?}; only label=KEY=VALUE is accepted"
+            )));
+        }
+        let Some((k, v)) = value.split_once('=') else {
+            return Err(HttpError::bad_request(format!(
+                "label filter {value:?} must be KEY=VALUE"
+            )));
+        };
+        labels.insert(k.to_owned(), v.to_owned());
+    }
+    Ok(labels)
+}
+
+// ---------------------------------------------------------------- fallbacks
+
+/// Unknown route.
+pub async fn not_found(method: Method, uri: Uri) -> HttpError {
+    HttpError::new(
+        ErrorCode::NotFound,
+        format!("no route for {method} {}", uri.path()),
+    )
+}
+
+/// Known path, wrong method.
+pub async fn method_not_allowed(method: Method, uri: Uri) -> HttpError {
+    HttpError::new(
+        ErrorCode::NotFound,
+        format!("method {method} is not supported on {}", uri.path()),
+    )
+}
+
+// ---------------------------------------------------------------- health, sandboxes
+
+/// `GET /v1/health` (no API key needed).
+pub async fn health(State(api): Api) -> HttpResult<Response> {
+    Ok(json(api.health().await?))
+}
+
+/// `POST /v1/sandboxes`.
+pub async fn create_sandbox(
+    State(api): Api,
+    Json(req): Json<CreateSandboxRequest>,
+) -> HttpResult<Response> {
+    Ok(created(api.create_sandbox(req).await?))
+}
+
+/// `GET /v1/sandboxes?label=k=v...`.
+pub async fn list_sandboxes(
+    State(api): Api,
+    Query(pairs): Query<Vec<(String, String)>>,
+) -> HttpResult<Response> {
+    Ok(json(api.list_sandboxes(parse_labels(pairs)?).await?))
+}
+
+/// `GET /v1/sandboxes/{id}`.
+pub async fn get_sandbox(State(api): Api, Path(id): Path<String>) -> HttpResult<Response> {
+    Ok(json(api.get_sandbox(&id).await?))
+}
+
+/// `DELETE /v1/sandboxes/{id}`.
+pub async fn delete_sandbox(State(api): Api, Path(id): Path<String>) -> HttpResult<Response> {
+    Ok(no_content(api.delete_sandbox(&id).await?))
+}
+
+/// `POST /v1/sandboxes/{id}/timeout`.
+pub async fn set_timeout(
+    State(api): Api,
+    Path(id): Path<String>,
+    Json(req): Json<SetTimeoutRequest>,
+) -> HttpResult<Response> {
+    Ok(json(api.set_timeout(&id, req).await?))
+}
+
+// ---------------------------------------------------------------- exec, sessions
+
+/// `POST /v1/sandboxes/{id}/exec`.
+pub async fn exec(
+    State(api): Api,
+    Path(id): Path<String>,
+    Json(req): Json<ExecRequest>,
+) -> HttpResult<Response> {
+    Ok(json(api.exec(&id, req).await?))
+}
+
+/// `POST /v1/sandboxes/{id}/exec/stream` (NDJSON).
+pub async fn exec_stream(
+    State(api): Api,
+    Path(id): Path<String>,
+    Json(req): Json<ExecRequest>,
+) -> HttpResult<Response> {
+    Ok(ndjson(api.exec_stream(&id, req).await?))
+}
+
+/// `POST /v1/sandboxes/{id}/sessions`.
+pub async fn create_session(
+    State(api): Api,
+    Path(id): Path<String>,
+    Json(req): Json<CreateSessionRequest>,
+) -> HttpResult<Response> {
+    Ok(created(api.create_session(&id, req).await?))
+}
+
+/// `GET /v1/sandboxes/{id}/sessions`.
+pub async fn list_sessions(State(api): Api, Path(id): Path<String>) -> HttpResult<Response> {
+    Ok(json(api.list_sessions(&id).await?))
+}
+
+/// `POST /v1/sandboxes/{id}/sessions/{session}/run`.
+pub async fn run_in_session(
+    State(api): Api,
+    Path((id, session)): Path<(String, String)>,
+    Json(req): Json<SessionRunRequest>,
+) -> HttpResult<Response> {
+    Ok(json(api.run_in_session(&id, &session, req).await?))
+}
+
+/// `POST /v1/sandboxes/{id}/sessions/{session}/interrupt`.
+pub async fn interrupt_session(
+    State(api): Api,
+    Path((id, session)): Path<(String, String)>,
+) -> HttpResult<Response> {
+    Ok(no_content(api.interrupt_session(&id, &session).await?))
+}
+
+/// `DELETE /v1/sandboxes/{id}/sessions/{session}`.
+pub async fn close_session(
+    State(api): Api,
+    Path((id, session)): Path<(String, String)>,
+) -> HttpResult<Response> {
+    Ok(no_content(api.close_session(&id, &session).await?))
+}
+
+// ---------------------------------------------------------------- processes
+
+/// `POST /v1/sandboxes/{id}/processes`.
+pub async fn start_process(
+    State(api): Api,
+    Path(id): Path<String>,
+    Json(req): Json<StartProcessRequest>,
+) -> HttpResult<Response> {
+    Ok(created(api.start_process(&id, req).await?))
+}
+
+/// `GET /v1/sandboxes/{id}/processes`.
+pub async fn list_processes(State(api): Api, Path(id): Path<String>) -> HttpResult<Response> {
+    Ok(json(api.list_processes(&id).await?))
+}
+
+/// `GET /v1/sandboxes/{id}/processes/{pid}/output` (NDJSON).
+pub async fn process_output(
+    State(api): Api,
+    Path((id, pid)): Path<(String, u32)>,
+    Query(q): Query<OutputQuery>,
+) -> HttpResult<Response> {
+    let events = api.process_output(&id, pid, q.stdout_offset, q.stderr_offset, q.follow);
+    Ok(ndjson(events.await?))
+}
+
+/// `POST /v1/sandboxes/{id}/processes/{pid}/stdin`.
+pub async fn process_stdin(
+    State(api): Api,
+    Path((id, pid)): Path<(String, u32)>,
+    Json(req): Json<StdinRequest>,
+) -> HttpResult<Response> {
+    Ok(no_content(api.process_stdin(&id, pid, req).await?))
+}
+
+/// `POST /v1/sandboxes/{id}/processes/{pid}/signal`.
+pub async fn signal_process(
+    State(api): Api,
+    Path((id, pid)): Path<(String, u32)>,
+    Json(req): Json<SignalRequest>,
+) -> HttpResult<Response> {
+    Ok(no_content(api.signal_process(&id, pid, req).await?))
+}
+
+/// `POST /v1/sandboxes/{id}/processes/{pid}/resize`.
+pub async fn resize_process(
+    State(api): Api,
+    Path((id, pid)): Path<(String, u32)>,
+    Json(size): Json<PtySize>,
+) -> HttpResult<Response> {
+    Ok(no_content(api.resize_process(&id, pid, size).await?))
+}
+
+// ---------------------------------------------------------------- files
+
+/// `GET /v1/sandboxes/{id}/files?path=&offset=&length=`: the bytes, with the
+/// [`FileInfo`] in the `x-dsec-file-info` header.
+pub async fn read_file(
+    State(api): Api,
+    Path(id): Path<String>,
+    Query(q): Query<ReadQuery>,
+) -> HttpResult<Response> {
+    let (info, stream): (FileInfo, _) = api.read_file(&id, &q.path, q.offset, q.length).await?;
+    let info_json = ascii_json(&info)
+        .map_err(|e| HttpError::new(ErrorCode::Internal, format!("encoding file info: {e}")))?;
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    if let Ok(v) = HeaderValue::from_str(&info_json) {
+        headers.insert(HeaderName::from_static(FILE_INFO_HEADER), v);
+    }
+    if q.offset == 0 && q.length.is_none() {
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(info.size));
+    }
+    Ok((headers, Body::from_stream(stream)).into_response())
+}
+
+/// `PUT /v1/sandboxes/{id}/files?path=&mode=`: the body (streamed) is the file's bytes.
+pub async fn write_file(
+    State(api): Api,
+    Path(id): Path<String>,
+    Query(q): Query<WriteQuery>,
+    body: Body,
+) -> HttpResult<Response> {
+    let mode = q.mode.as_deref().map(parse_mode).transpose()?;
+    Ok(json(
+        api.write_file(&id, &q.path, mode, body_stream(body))
+            .await?,
+    ))
+}
+
+/// `DELETE /v1/sandboxes/{id}/files?path=&recursive=`.
+pub async fn remove_file(
+    State(api): Api,
+    Path(id): Path<String>,
+    Query(q): Query<RemoveQuery>,
+) -> HttpResult<Response> {
+    Ok(no_content(
+        api.remove_file(&id, &q.path, q.recursive).await?,
+    ))
+}
+
+/// `GET /v1/sandboxes/{id}/files/list?path=`.
+pub async fn list_files(
+    State(api): Api,
+    Path(id): Path<String>,
+    Query(q): Query<PathQuery>,
+) -> HttpResult<Response> {
+    Ok(json(api.list_files(&id, &q.path).await?))
+}
+
+/// `GET /v1/sandboxes/{id}/files/stat?path=`.
+pub async fn stat_file(
+    State(api): Api,
+    Path(id): Path<String>,
+    Query(q): Query<PathQuery>,
+) -> HttpResult<Response> {
+    Ok(json(api.stat_file(&id, &q.path).await?))
+}
+
+/// `POST /v1/sandboxes/{id}/files/mkdir`.
+pub async fn mkdir(
+    State(api): Api,
+    Path(id): Path<String>,
+    Json(req): Json<MkdirRequest>,
+) -> HttpResult<Response> {
+    Ok(no_content(api.mkdir(&id, req).await?))
+}
+
+/// `POST /v1/sandboxes/{id}/files/rename`.
+pub async fn rename_file(
+    State(api): Api,
+    Path(id): Path<String>,
+    Json(req): Json<RenameRequest>,
+) -> HttpResult<Response> {
+    Ok(no_content(api.rename_file(&id, req).await?))
+}
+
+/// `GET /v1/sandboxes/{id}/files/tar?path=`: a streamed tar of the directory.
+pub async fn download_tar(
+    State(api): Api,
+    Path(id): Path<String>,
+    Query(q): Query<PathQuery>,
+) -> HttpResult<Response> {
+    Ok(bytes_body(
+        api.download_tar(&id, &q.path).await?,
+        "application/x-tar",
+    ))
+}
+
+/// `PUT /v1/sandboxes/{id}/files/tar?path=`: the (streamed) tar body is extracted there.
+pub async fn upload_tar(
+    State(api): Api,
+    Path(id): Path<String>,
+    Query(q): Query<PathQuery>,
+    body: Body,
+) -> HttpResult<Response> {
+    Ok(json(api.upload_tar(&id, &q.path, body_stream(body)).await?))
+}
+
+// ---------------------------------------------------------------- images
+
+/// `GET /v1/images`.
+pub async fn list_images(State(api): Api) -> HttpResult<Response> {
+    Ok(json(api.list_images().await?))
+}
+
+/// `POST /v1/images`.
+pub async fn import_image(
+    State(api): Api,
+    Json(req): Json<ImportImageRequest>,
+) -> HttpResult<Response> {
+    Ok(created(api.import_image(req).await?))
+}
+
+/// `DELETE /v1/images/{name}`.
+pub async fn delete_image(State(api): Api, Path(name): Path<String>) -> HttpResult<Response> {
+    Ok(no_content(api.delete_image(&name).await?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes() {
+        assert_eq!(parse_mode("0644").ok(), Some(0o644));
+        assert_eq!(parse_mode("0o755").ok(), Some(0o755));
+        assert_eq!(parse_mode("420").ok(), Some(0o644));
+        assert_eq!(parse_mode("0").ok(), Some(0));
+        assert!(parse_mode("0999").is_err());
+        assert!(parse_mode("99999").is_err());
+        assert!(parse_mode("rw").is_err());
+    }
+
+    #[test]
+    fn ascii_json_escapes_non_ascii() {
+        let s = ascii_json(&"héllo 🦀").expect("serializes");
+        assert!(s.is_ascii());
+        let back: String = serde_json::from_str(&s).expect("parses");
+        assert_eq!(back, "héllo 🦀");
+    }
+}

@@ -1,0 +1,165 @@
+//! HTTP transport of dsec: an axum [`Router`] that serves the `/v1` API by calling a
+//! [`SandboxApi`].
+//!
+//! Like Firecracker's API server, HTTP never reaches the core: each handler extracts its
+//! inputs, calls one trait method and turns the result into a response. Everything
+//! HTTP-specific lives here and nowhere else:
+//!
+//! - **Auth**: every route except `GET /v1/health` passes the key from `x-api-key` (or
+//!   `Authorization: Bearer KEY`) to [`SandboxApi::authenticate`].
+//! - **Errors**: one `IntoResponse` ([`error::HttpError`]) maps an [`ApiError`] to the status
+//!   of its code and the body `{"error":{"code":"...","message":"..."}}`. Malformed JSON,
+//!   query strings and path parameters are `bad_request` in the same shape; unknown routes
+//!   are `not_found`.
+//! - **Bodies**: JSON bodies up to 64 MiB; file and tar uploads are streamed to the API
+//!   without a size limit; downloads are streamed back.
+//! - **Streams**: exec and process output are NDJSON (`application/x-ndjson`), one
+//!   [`dsec_wire::v1::ExecEvent`] per line, each flushed as it happens.
+//! - **Safety net**: a panic in a handler becomes a 500 `internal` error instead of taking
+//!   the server down; every request is traced with `tracing`.
+//!
+//! [`ApiError`]: dsec_wire::ApiError
+
+pub mod error;
+pub mod extract;
+pub mod handlers;
+
+use std::any::Any;
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::extract::DefaultBodyLimit;
+use axum::middleware;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use dsec_control::SandboxApi;
+use dsec_wire::ErrorCode;
+use tower_http::catch_panic::CatchPanicLayer;
+use tower_http::trace::TraceLayer;
+
+pub use error::HttpError;
+pub use handlers::{FILE_INFO_HEADER, NDJSON};
+
+/// Largest accepted JSON request body (64 MiB; inline files in a create request count).
+pub const JSON_BODY_LIMIT: usize = 64 * 1024 * 1024;
+
+/// Builds the router for the whole `/v1` API on top of `api`.
+pub fn router(api: Arc<dyn SandboxApi>) -> Router {
+    use handlers as h;
+
+    // Streamed uploads are not size-limited here; the API enforces disk quotas.
+    let unlimited = || DefaultBodyLimit::disable();
+
+    let authed = Router::new()
+        .route("/sandboxes", post(h::create_sandbox).get(h::list_sandboxes))
+        .route(
+            "/sandboxes/{id}",
+            get(h::get_sandbox).delete(h::delete_sandbox),
+        )
+        .route("/sandboxes/{id}/timeout", post(h::set_timeout))
+        .route("/sandboxes/{id}/exec", post(h::exec))
+        .route("/sandboxes/{id}/exec/stream", post(h::exec_stream))
+        .route(
+            "/sandboxes/{id}/sessions",
+            post(h::create_session).get(h::list_sessions),
+        )
+        .route(
+            "/sandboxes/{id}/sessions/{session}",
+            axum::routing::delete(h::close_session),
+        )
+        .route(
+            "/sandboxes/{id}/sessions/{session}/run",
+            post(h::run_in_session),
+        )
+        .route(
+            "/sandboxes/{id}/sessions/{session}/interrupt",
+            post(h::interrupt_session),
+        )
+        .route(
+            "/sandboxes/{id}/processes",
+            post(h::start_process).get(h::list_processes),
+        )
+        .route(
+            "/sandboxes/{id}/processes/{pid}/output",
+            get(h::process_output),
+        )
+        .route(
+            "/sandboxes/{id}/processes/{pid}/stdin",
+            post(h::process_stdin),
+        )
+        .route(
+            "/sandboxes/{id}/processes/{pid}/signal",
+            post(h::signal_process),
+        )
+        .route(
+            "/sandboxes/{id}/processes/{pid}/resize",
+            post(h::resize_process),
+        )
+        .route(
+            "/sandboxes/{id}/files",
+            get(h::read_file)
+                .put(h::write_file)
+                .delete(h::remove_file)
+                .layer(unlimited()),
+        )
+        .route("/sandboxes/{id}/files/list", get(h::list_files))
+        .route("/sandboxes/{id}/files/stat", get(h::stat_file))
+        .route("/sandboxes/{id}/files/mkdir", post(h::mkdir))
+        .route("/sandboxes/{id}/files/rename", post(h::rename_file))
+        .route(
+            "/sandboxes/{id}/files/tar",
+            get(h::download_tar).put(h::upload_tar).layer(unlimited()),
+        )
+        .route("/images", get(h::list_images).post(h::import_image))
+        .route("/images/{name}", axum::routing::delete(h::delete_image))
+        .route_layer(middleware::from_fn_with_state(
+            api.clone(),
+            extract::require_api_key,
+        ));
+
+    let v1 = Router::new().route("/health", get(h::health)).merge(authed);
+
+    Router::new()
+        .nest("/v1", v1)
+        .fallback(h::not_found)
+        .method_not_allowed_fallback(h::method_not_allowed)
+        .layer(DefaultBodyLimit::max(JSON_BODY_LIMIT))
+        .layer(TraceLayer::new_for_http())
+        .layer(CatchPanicLayer::custom(panic_response))
+        .with_state(api)
+}
+
+/// Serves [`router`] on `listener` until `shutdown` completes, then drains open requests.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    api: Arc<dyn SandboxApi>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "dsec API listening");
+    }
+    axum::serve(listener, router(api))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// Turns a handler panic into a 500 `internal` error with the panic message.
+fn panic_response(panic: Box<dyn Any + Send + 'static>) -> Response {
+    let detail = if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else {
+        "unknown panic".to_owned()
+    };
+    tracing::error!(%detail, "request handler panicked");
+    HttpError::new(
+        ErrorCode::Internal,
+        format!("internal error: handler panicked: {detail}"),
+    )
+    .into_response()
+}
+
+#[cfg(test)]
+mod tests;

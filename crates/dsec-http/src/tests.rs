@@ -1,0 +1,518 @@
+//! Transport-only tests.
+//!
+//! These exercise HTTP behaviour that needs no sandbox: auth, the error body shape,
+//! JSON/query rejections, label parsing, unknown routes, panics and stream encoding. The
+//! [`Stub`] API below is a test double that fails (or echoes) everything; end-to-end tests
+//! against the real control plane live elsewhere.
+
+use std::collections::BTreeMap;
+
+use axum::body::Body;
+use axum::http::{header, Request, StatusCode};
+use bytes::Bytes;
+use dsec_control::api::ApiResult;
+use dsec_control::{ByteStream, EventStream};
+use dsec_wire::error::ErrorBody;
+use dsec_wire::v1::*;
+use dsec_wire::ApiError;
+use futures::StreamExt;
+use tower::ServiceExt;
+
+use super::*;
+
+const KEY: &str = "test-key";
+
+/// Test double: accepts [`KEY`], answers health, echoes a few inputs inside errors so the
+/// tests can see what the transport decoded, and fails everything else with `not_found`.
+struct Stub;
+
+fn stub_err<T>(what: &str) -> ApiResult<T> {
+    Err(ApiError::new(ErrorCode::NotFound, format!("stub: {what}")))
+}
+
+fn file_info(size: u64) -> FileInfo {
+    FileInfo {
+        name: "ünï.txt".into(),
+        path: "/tmp/ünï.txt".into(),
+        kind: FileKind::File,
+        size,
+        mode: 0o644,
+        mtime: 0,
+        uid: 0,
+        gid: 0,
+        symlink_target: None,
+    }
+}
+
+#[async_trait::async_trait]
+impl SandboxApi for Stub {
+    fn authenticate(&self, key: Option<&str>) -> ApiResult<()> {
+        match key {
+            Some(KEY) => Ok(()),
+            Some(_) => Err(ApiError::new(ErrorCode::Unauthorized, "invalid API key")),
+            None => Err(ApiError::new(ErrorCode::Unauthorized, "missing API key")),
+        }
+    }
+    async fn health(&self) -> ApiResult<Health> {
+        Ok(Health {
+            status: "ok".into(),
+            version: "test".into(),
+            node: "stub".into(),
+            cgroup: "v2".into(),
+            sandboxes: 0,
+        })
+    }
+    async fn create_sandbox(&self, _: CreateSandboxRequest) -> ApiResult<Sandbox> {
+        stub_err("create_sandbox")
+    }
+    async fn get_sandbox(&self, id: &str) -> ApiResult<Sandbox> {
+        if id == "panic" {
+            panic!("boom");
+        }
+        stub_err(&format!("get_sandbox {id}"))
+    }
+    async fn list_sandboxes(&self, labels: BTreeMap<String, String>) -> ApiResult<SandboxList> {
+        stub_err(&format!("labels {labels:?}"))
+    }
+    async fn delete_sandbox(&self, _: &str) -> ApiResult<()> {
+        Ok(())
+    }
+    async fn set_timeout(&self, _: &str, _: SetTimeoutRequest) -> ApiResult<Sandbox> {
+        stub_err("set_timeout")
+    }
+    async fn exec(&self, _: &str, _: ExecRequest) -> ApiResult<ExecResult> {
+        stub_err("exec")
+    }
+    async fn exec_stream(&self, _: &str, _: ExecRequest) -> ApiResult<EventStream> {
+        let events = vec![
+            ExecEvent::Started { pid: 7 },
+            ExecEvent::Stdout {
+                data: "hi\n".into(),
+            },
+            ExecEvent::Exit {
+                exit: ExitInfo {
+                    exit_code: Some(3),
+                    ..Default::default()
+                },
+                oom_killed: false,
+            },
+        ];
+        Ok(futures::stream::iter(events).boxed())
+    }
+    async fn create_session(&self, _: &str, _: CreateSessionRequest) -> ApiResult<SessionInfo> {
+        stub_err("create_session")
+    }
+    async fn list_sessions(&self, _: &str) -> ApiResult<SessionList> {
+        stub_err("list_sessions")
+    }
+    async fn run_in_session(
+        &self,
+        _: &str,
+        _: &str,
+        _: SessionRunRequest,
+    ) -> ApiResult<SessionResult> {
+        stub_err("run_in_session")
+    }
+    async fn interrupt_session(&self, _: &str, _: &str) -> ApiResult<()> {
+        stub_err("interrupt_session")
+    }
+    async fn close_session(&self, _: &str, _: &str) -> ApiResult<()> {
+        stub_err("close_session")
+    }
+    async fn start_process(&self, _: &str, _: StartProcessRequest) -> ApiResult<ProcessInfo> {
+        stub_err("start_process")
+    }
+    async fn list_processes(&self, _: &str) -> ApiResult<ProcessList> {
+        stub_err("list_processes")
+    }
+    async fn process_output(
+        &self,
+        _: &str,
+        pid: u32,
+        so: u64,
+        se: u64,
+        follow: bool,
+    ) -> ApiResult<EventStream> {
+        stub_err(&format!("output {pid} {so} {se} {follow}"))
+    }
+    async fn process_stdin(&self, _: &str, _: u32, _: StdinRequest) -> ApiResult<()> {
+        stub_err("process_stdin")
+    }
+    async fn signal_process(&self, _: &str, _: u32, req: SignalRequest) -> ApiResult<()> {
+        stub_err(&format!("signal {}", req.signal))
+    }
+    async fn resize_process(&self, _: &str, _: u32, _: PtySize) -> ApiResult<()> {
+        stub_err("resize_process")
+    }
+    async fn read_file(
+        &self,
+        _: &str,
+        _: &str,
+        _: u64,
+        _: Option<u64>,
+    ) -> ApiResult<(FileInfo, ByteStream)> {
+        let chunks = vec![
+            Ok(Bytes::from_static(b"hello ")),
+            Ok(Bytes::from_static(b"world")),
+        ];
+        Ok((file_info(11), futures::stream::iter(chunks).boxed()))
+    }
+    async fn write_file(
+        &self,
+        _: &str,
+        path: &str,
+        mode: Option<u32>,
+        mut body: ByteStream,
+    ) -> ApiResult<WriteResult> {
+        let mut n = 0u64;
+        while let Some(chunk) = body.next().await {
+            n += chunk?.len() as u64;
+        }
+        stub_err(&format!("write {path} {mode:?} {n}"))
+    }
+    async fn list_files(&self, _: &str, _: &str) -> ApiResult<FileList> {
+        stub_err("list_files")
+    }
+    async fn stat_file(&self, _: &str, _: &str) -> ApiResult<FileInfo> {
+        stub_err("stat_file")
+    }
+    async fn mkdir(&self, _: &str, _: MkdirRequest) -> ApiResult<()> {
+        stub_err("mkdir")
+    }
+    async fn remove_file(&self, _: &str, _: &str, _: bool) -> ApiResult<()> {
+        stub_err("remove_file")
+    }
+    async fn rename_file(&self, _: &str, _: RenameRequest) -> ApiResult<()> {
+        stub_err("rename_file")
+    }
+    async fn download_tar(&self, _: &str, _: &str) -> ApiResult<ByteStream> {
+        stub_err("download_tar")
+    }
+    async fn upload_tar(&self, _: &str, _: &str, _: ByteStream) -> ApiResult<WriteResult> {
+        stub_err("upload_tar")
+    }
+    async fn list_images(&self) -> ApiResult<ImageList> {
+        stub_err("list_images")
+    }
+    async fn import_image(&self, _: ImportImageRequest) -> ApiResult<Image> {
+        stub_err("import_image")
+    }
+    async fn delete_image(&self, name: &str) -> ApiResult<()> {
+        stub_err(&format!("delete_image {name}"))
+    }
+}
+
+fn app() -> Router {
+    router(Arc::new(Stub))
+}
+
+fn req(method: &str, uri: &str) -> axum::http::request::Builder {
+    Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("x-api-key", KEY)
+}
+
+async fn send(r: Request<Body>) -> (StatusCode, axum::http::HeaderMap, Bytes) {
+    let resp = app().oneshot(r).await.expect("router is infallible");
+    let status = resp.status();
+    let headers = resp.headers().clone();
+    let body = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .expect("body");
+    (status, headers, body)
+}
+
+/// Sends the request and decodes the error body, checking its shape.
+async fn send_err(r: Request<Body>) -> (StatusCode, ApiError) {
+    let (status, headers, body) = send(r).await;
+    assert_eq!(headers[header::CONTENT_TYPE], "application/json");
+    let parsed: ErrorBody = serde_json::from_slice(&body).unwrap_or_else(|e| {
+        panic!(
+            "not an error body ({e}): {}",
+            String::from_utf8_lossy(&body)
+        )
+    });
+    assert_eq!(status.as_u16(), parsed.error.code.http_status());
+    (status, parsed.error)
+}
+
+fn post_json(uri: &str, json: &str) -> Request<Body> {
+    req("POST", uri)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(json.to_owned()))
+        .expect("request")
+}
+
+#[tokio::test]
+async fn health_needs_no_key() {
+    let r = Request::get("/v1/health")
+        .body(Body::empty())
+        .expect("request");
+    let (status, _, body) = send(r).await;
+    assert_eq!(status, StatusCode::OK);
+    let h: Health = serde_json::from_slice(&body).expect("health json");
+    assert_eq!(h.status, "ok");
+}
+
+#[tokio::test]
+async fn missing_or_wrong_key_is_401() {
+    let r = Request::get("/v1/sandboxes")
+        .body(Body::empty())
+        .expect("request");
+    let (status, e) = send_err(r).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(e.code, ErrorCode::Unauthorized);
+    assert_eq!(e.message, "missing API key");
+
+    let r = Request::get("/v1/images")
+        .header("x-api-key", "nope")
+        .body(Body::empty())
+        .expect("request");
+    let (_, e) = send_err(r).await;
+    assert_eq!(e.message, "invalid API key");
+}
+
+#[tokio::test]
+async fn bearer_key_is_accepted() {
+    let r = Request::get("/v1/images")
+        .header(header::AUTHORIZATION, format!("Bearer {KEY}"))
+        .body(Body::empty())
+        .expect("request");
+    let (_, e) = send_err(r).await;
+    assert_eq!(e.message, "stub: list_images");
+}
+
+#[tokio::test]
+async fn api_errors_keep_code_and_message() {
+    let r = req("GET", "/v1/sandboxes/abc")
+        .body(Body::empty())
+        .expect("request");
+    let (status, e) = send_err(r).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        e,
+        ApiError::new(ErrorCode::NotFound, "stub: get_sandbox abc")
+    );
+}
+
+#[tokio::test]
+async fn unit_results_are_204() {
+    let r = req("DELETE", "/v1/sandboxes/abc")
+        .body(Body::empty())
+        .expect("request");
+    let (status, _, body) = send(r).await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    assert!(body.is_empty());
+}
+
+#[tokio::test]
+async fn bad_json_is_bad_request() {
+    let (status, e) = send_err(post_json("/v1/sandboxes", "{not json")).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(e.code, ErrorCode::BadRequest);
+}
+
+#[tokio::test]
+async fn unknown_field_is_bad_request_with_serde_message() {
+    let (_, e) = send_err(post_json("/v1/sandboxes", r#"{"imag":"base"}"#)).await;
+    assert_eq!(e.code, ErrorCode::BadRequest);
+    assert!(e.message.contains("unknown field `imag`"), "{}", e.message);
+}
+
+#[tokio::test]
+async fn wrong_type_is_bad_request() {
+    let (_, e) = send_err(post_json(
+        "/v1/sandboxes/x/timeout",
+        r#"{"timeout_s":"soon"}"#,
+    ))
+    .await;
+    assert_eq!(e.code, ErrorCode::BadRequest);
+    assert!(e.message.contains("invalid type"), "{}", e.message);
+}
+
+#[tokio::test]
+async fn missing_content_type_is_bad_request() {
+    let r = req("POST", "/v1/images")
+        .body(Body::from(r#"{"name":"a","source":"/b"}"#))
+        .expect("request");
+    let (status, e) = send_err(r).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(
+        e.message.to_lowercase().contains("content-type"),
+        "{}",
+        e.message
+    );
+}
+
+#[tokio::test]
+async fn json_body_reaches_the_api() {
+    let (_, e) = send_err(post_json(
+        "/v1/sandboxes/x/processes/12/signal",
+        r#"{"signal":"SIGTERM"}"#,
+    ))
+    .await;
+    assert_eq!(e.message, "stub: signal SIGTERM");
+}
+
+#[tokio::test]
+async fn bad_pid_is_bad_request() {
+    let (status, e) = send_err(post_json(
+        "/v1/sandboxes/x/processes/abc/signal",
+        r#"{"signal":"TERM"}"#,
+    ))
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(e.code, ErrorCode::BadRequest);
+}
+
+#[tokio::test]
+async fn labels_are_parsed_from_repeated_params() {
+    let r = req("GET", "/v1/sandboxes?label=team=a&label=run=x%3Dy")
+        .body(Body::empty())
+        .expect("request");
+    let (_, e) = send_err(r).await;
+    assert_eq!(e.message, r#"stub: labels {"run": "x=y", "team": "a"}"#);
+
+    let r = req("GET", "/v1/sandboxes")
+        .body(Body::empty())
+        .expect("request");
+    let (_, e) = send_err(r).await;
+    assert_eq!(e.message, "stub: labels {}");
+}
+
+#[tokio::test]
+async fn label_without_equals_is_bad_request() {
+    let r = req("GET", "/v1/sandboxes?label=team")
+        .body(Body::empty())
+        .expect("request");
+    let (_, e) = send_err(r).await;
+    assert_eq!(e.code, ErrorCode::BadRequest);
+    let r = req("GET", "/v1/sandboxes?colour=red")
+        .body(Body::empty())
+        .expect("request");
+    let (_, e) = send_err(r).await;
+    assert_eq!(e.code, ErrorCode::BadRequest);
+}
+
+#[tokio::test]
+async fn query_errors_are_bad_request() {
+    let r = req("GET", "/v1/sandboxes/x/processes/1/output?follow=maybe")
+        .body(Body::empty())
+        .expect("request");
+    let (_, e) = send_err(r).await;
+    assert_eq!(e.code, ErrorCode::BadRequest);
+    let r = req("GET", "/v1/sandboxes/x/files/stat")
+        .body(Body::empty())
+        .expect("request");
+    let (_, e) = send_err(r).await;
+    assert_eq!(e.code, ErrorCode::BadRequest);
+    assert!(e.message.contains("path"), "{}", e.message);
+
+    let r = req(
+        "GET",
+        "/v1/sandboxes/x/processes/1/output?stdout_offset=5&follow=true",
+    )
+    .body(Body::empty())
+    .expect("request");
+    let (_, e) = send_err(r).await;
+    assert_eq!(e.message, "stub: output 1 5 0 true");
+}
+
+#[tokio::test]
+async fn unknown_route_and_method_are_not_found_json() {
+    let r = req("GET", "/v1/nope").body(Body::empty()).expect("request");
+    let (status, e) = send_err(r).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(e.code, ErrorCode::NotFound);
+    let r = Request::get("/").body(Body::empty()).expect("request");
+    let (_, e) = send_err(r).await;
+    assert_eq!(e.code, ErrorCode::NotFound);
+    let r = req("PATCH", "/v1/sandboxes")
+        .body(Body::empty())
+        .expect("request");
+    let (_, e) = send_err(r).await;
+    assert_eq!(e.code, ErrorCode::NotFound);
+}
+
+#[tokio::test]
+async fn panics_become_internal_errors() {
+    let r = req("GET", "/v1/sandboxes/panic")
+        .body(Body::empty())
+        .expect("request");
+    let (status, e) = send_err(r).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(e.code, ErrorCode::Internal);
+    assert!(e.message.contains("boom"));
+}
+
+#[tokio::test]
+async fn exec_stream_is_ndjson() {
+    let (status, headers, body) = send(post_json(
+        "/v1/sandboxes/x/exec/stream",
+        r#"{"cmd":["true"]}"#,
+    ))
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers[header::CONTENT_TYPE], NDJSON);
+    let text = String::from_utf8(body.to_vec()).expect("utf8");
+    let events: Vec<ExecEvent> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("event line"))
+        .collect();
+    assert_eq!(events.len(), 3);
+    assert_eq!(events[0], ExecEvent::Started { pid: 7 });
+    assert!(matches!(&events[2], ExecEvent::Exit { exit, .. } if exit.exit_code == Some(3)));
+    assert!(text.ends_with('\n'));
+}
+
+#[tokio::test]
+async fn read_file_sends_info_header_and_length() {
+    let r = req("GET", "/v1/sandboxes/x/files?path=/tmp/a")
+        .body(Body::empty())
+        .expect("request");
+    let (status, headers, body) = send(r).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(&body[..], b"hello world");
+    assert_eq!(headers[header::CONTENT_TYPE], "application/octet-stream");
+    assert_eq!(headers[header::CONTENT_LENGTH], "11");
+    let info: FileInfo =
+        serde_json::from_slice(headers[FILE_INFO_HEADER].as_bytes()).expect("file info header");
+    assert_eq!(info, file_info(11));
+}
+
+#[tokio::test]
+async fn write_file_streams_body_and_parses_mode() {
+    let big = vec![7u8; 3 * 1024 * 1024];
+    let r = req("PUT", "/v1/sandboxes/x/files?path=/a&mode=0755")
+        .body(Body::from(big))
+        .expect("request");
+    let (_, e) = send_err(r).await;
+    assert_eq!(
+        e.message,
+        format!("stub: write /a Some(493) {}", 3 * 1024 * 1024)
+    );
+
+    let r = req("PUT", "/v1/sandboxes/x/files?path=/a&mode=rwx")
+        .body(Body::empty())
+        .expect("request");
+    let (_, e) = send_err(r).await;
+    assert_eq!(e.code, ErrorCode::BadRequest);
+}
+
+#[tokio::test]
+async fn path_segments_are_decoded() {
+    let r = req("DELETE", "/v1/images/python%3A3.11")
+        .body(Body::empty())
+        .expect("request");
+    let (_, e) = send_err(r).await;
+    assert_eq!(e.message, "stub: delete_image python:3.11");
+}
+
+#[tokio::test]
+async fn json_bodies_above_axum_default_limit_are_accepted() {
+    let content = "x".repeat(3 * 1024 * 1024);
+    let body = format!(r#"{{"files":[{{"path":"/a","content":"{content}"}}]}}"#);
+    let (_, e) = send_err(post_json("/v1/sandboxes", &body)).await;
+    assert_eq!(e.message, "stub: create_sandbox");
+}
