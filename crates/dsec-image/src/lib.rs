@@ -1,0 +1,1058 @@
+//! Minimal image store of dsec: content-addressed, read-only EROFS layers plus named refs,
+//! and node-wide shared, refcounted, file-backed mounts of those layers.
+//!
+//! Layout under the store root (e.g. `/var/lib/dsec/images`):
+//!
+//! ```text
+//! blobs/sha256/<hex>.erofs   one layer each, mode 0444, named by the sha256 of its bytes
+//! refs.json                  {"version":1,"refs":{name: {digest,size,created_at,source}}}
+//! mnt/<hex>/                 mount point of a layer while some sandbox uses it
+//! tmp/                       imports in progress (removed on every failure path)
+//! .lock                      flock(2) serialising refs.json updates across processes
+//! ```
+//!
+//! Today an image is exactly one layer. Layers are addressed by digest and names are only refs,
+//! so multi-layer images (a ref pointing to a list of layer digests), OCI import and lazy
+//! loading (a FUSE-backed blob file mounted the same way) can be added without changing the
+//! mount side.
+//!
+//! Layers are built with `mkfs.erofs -zlz4hc` (erofs-utils) reproducibly: fixed UUID and a
+//! fixed `SOURCE_DATE_EPOCH` far in the future (which keeps per-file mtimes), so the same tree
+//! gives the same digest.
+//!
+//! Mounts use `mount(2)` with the blob file as source (a true file-backed EROFS mount, no loop
+//! device), `MS_RDONLY | MS_NODEV | MS_NOSUID`.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest as _, Sha256};
+
+pub use dsec_wire::v1::Image;
+
+mod extract;
+pub mod mountinfo;
+
+/// Default store root on a node.
+pub const DEFAULT_ROOT: &str = "/var/lib/dsec/images";
+
+/// UUID given to every built layer (reproducible builds).
+const LAYER_UUID: &str = "00000000-0000-0000-0000-000000000000";
+/// `SOURCE_DATE_EPOCH` for mkfs.erofs: 2100-01-01. erofs-utils 1.5 clamps file mtimes to it
+/// and uses it as build time, so a far-future value fixes the build time without losing mtimes.
+const SOURCE_DATE_EPOCH: &str = "4102444800";
+/// EROFS superblock magic at byte offset 1024.
+const EROFS_MAGIC: u32 = 0xE0F5_E1E2;
+
+/// Errors of this crate. I/O errors name the path that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    /// A filesystem operation failed.
+    #[error("{op} {}: {source}", path.display())]
+    Io {
+        /// What was attempted.
+        op: &'static str,
+        /// The path that failed.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// The image name is not acceptable.
+    #[error("invalid image name {name:?}: {reason} (allowed: [a-z0-9][a-z0-9._:/-]{{0,127}}, not starting with `sha256:`)")]
+    InvalidName {
+        /// The name as given.
+        name: String,
+        /// Why it was rejected.
+        reason: &'static str,
+    },
+    /// A digest string is malformed.
+    #[error("invalid digest {0:?}: expected sha256:<64 lowercase hex>")]
+    InvalidDigest(String),
+    /// No image with that name or digest.
+    #[error("image not found: {0}")]
+    NotFound(String),
+    /// The import source is neither a directory nor a (gzipped) tar.
+    #[error("unsupported image source {}: expected a directory, .tar, .tar.gz or .tgz", .0.display())]
+    UnsupportedSource(PathBuf),
+    /// A tar archive could not be read or unpacked.
+    #[error("archive {}: {message}", path.display())]
+    Archive {
+        /// The archive.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+    /// A tar entry would land outside the extraction directory.
+    #[error("archive {}: entry {} escapes the image root", archive.display(), entry.display())]
+    UnsafeEntry {
+        /// The archive.
+        archive: PathBuf,
+        /// The offending entry path.
+        entry: PathBuf,
+    },
+    /// `mkfs.erofs` is not installed.
+    #[error("mkfs.erofs not found: install erofs-utils")]
+    MkfsMissing,
+    /// `mkfs.erofs` failed.
+    #[error("mkfs.erofs failed ({status}) building {}: {stderr}", dir.display())]
+    MkfsFailed {
+        /// Directory being packed.
+        dir: PathBuf,
+        /// Exit status.
+        status: String,
+        /// Its stderr (tail).
+        stderr: String,
+    },
+    /// A file given to [`ImageStore::import_blob`] is not an EROFS image.
+    #[error("{} is not an EROFS image (bad superblock magic)", .0.display())]
+    NotErofs(PathBuf),
+    /// `refs.json` is corrupt.
+    #[error("parse {}: {source}", path.display())]
+    Refs {
+        /// The refs file.
+        path: PathBuf,
+        /// The JSON error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// mount(2) / umount(2) failed.
+    #[error("{op} {} on {}: {errno}", source_path.display(), target.display())]
+    Mount {
+        /// `mount` or `umount`.
+        op: &'static str,
+        /// The blob file (for mount) or mount point (for umount).
+        source_path: PathBuf,
+        /// The mount point.
+        target: PathBuf,
+        /// The error.
+        errno: nix::errno::Errno,
+    },
+    /// [`ImageStore::release`] of a layer that is not acquired.
+    #[error("layer {0} is not acquired")]
+    NotAcquired(String),
+}
+
+impl ImageError {
+    pub(crate) fn io(op: &'static str, path: &Path, source: io::Error) -> Self {
+        ImageError::Io {
+            op,
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+}
+
+/// Result alias of this crate.
+pub type Result<T, E = ImageError> = std::result::Result<T, E>;
+
+/// Phase of an import, for progress display.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImportPhase {
+    /// Unpacking a tar; bytes are of the (compressed) archive file.
+    Extracting,
+    /// Running mkfs.erofs; `bytes_done` is the image size written so far, total unknown.
+    Building,
+    /// Hashing the built image.
+    Hashing,
+    /// Moving the blob into place and updating refs.
+    Storing,
+}
+
+/// One progress report of [`ImageStore::import`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImportProgress {
+    /// Current phase.
+    pub phase: ImportPhase,
+    /// Bytes processed in this phase.
+    pub bytes_done: u64,
+    /// Bytes this phase will process, when known.
+    pub bytes_total: Option<u64>,
+}
+
+/// Result of [`ImageStore::resolve`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedImage {
+    /// The ref name; for a digest lookup the first ref (by name) pointing at it, or the digest
+    /// itself if no ref does.
+    pub name: String,
+    /// `sha256:<hex>`.
+    pub digest: String,
+    /// The blob file.
+    pub blob_path: PathBuf,
+}
+
+/// Result of [`ImageStore::remove`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Removed {
+    /// The ref that was removed.
+    pub image: Image,
+    /// Whether the blob was deleted too (no other ref, not mounted).
+    pub blob_deleted: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct RefEntry {
+    digest: String,
+    size: u64,
+    created_at: u64,
+    source: String,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct RefsFile {
+    version: u32,
+    refs: BTreeMap<String, RefEntry>,
+}
+
+impl RefEntry {
+    fn to_image(&self, name: &str) -> Image {
+        Image {
+            name: name.to_string(),
+            digest: self.digest.clone(),
+            size_bytes: self.size,
+            created_at: self.created_at,
+            source: self.source.clone(),
+        }
+    }
+}
+
+/// Check an image name: `[a-z0-9][a-z0-9._:/-]{0,127}`, and not `sha256:...` (that is how
+/// digests are written).
+pub fn validate_name(name: &str) -> Result<()> {
+    let bad = |reason| {
+        Err(ImageError::InvalidName {
+            name: name.to_string(),
+            reason,
+        })
+    };
+    let b = name.as_bytes();
+    let Some(first) = b.first() else {
+        return bad("empty");
+    };
+    if b.len() > 128 {
+        return bad("longer than 128 characters");
+    }
+    if !(first.is_ascii_lowercase() || first.is_ascii_digit()) {
+        return bad("must start with a lowercase letter or digit");
+    }
+    if !b
+        .iter()
+        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || b"._:/-".contains(c))
+    {
+        return bad("contains a character other than a-z 0-9 . _ : / -");
+    }
+    if name.starts_with("sha256:") {
+        return bad("`sha256:` prefix is reserved for digests");
+    }
+    Ok(())
+}
+
+/// Parse `sha256:<hex>` or a bare 64-char lowercase hex into the hex part.
+pub fn parse_digest(digest: &str) -> Result<String> {
+    let hex = digest.strip_prefix("sha256:").unwrap_or(digest);
+    if hex.len() == 64
+        && hex
+            .bytes()
+            .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
+    {
+        Ok(hex.to_string())
+    } else {
+        Err(ImageError::InvalidDigest(digest.to_string()))
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Holds `.lock` exclusively while alive.
+struct RefsLock(#[allow(dead_code)] nix::fcntl::Flock<File>);
+
+/// The image store. Cheap operations only touch small files; `import` runs mkfs.erofs.
+/// Thread-safe: mount refcounts sit behind a mutex, refs.json updates behind `flock(2)`.
+#[derive(Debug)]
+pub struct ImageStore {
+    root: PathBuf,
+    /// Layer hex digest -> number of holders of its mount.
+    mounts: Mutex<HashMap<String, usize>>,
+}
+
+impl ImageStore {
+    /// Open (creating if needed) the store rooted at `root`.
+    pub fn open(root: impl AsRef<Path>) -> Result<Self> {
+        let root = root.as_ref();
+        for d in [
+            root.to_path_buf(),
+            root.join("blobs/sha256"),
+            root.join("mnt"),
+            root.join("tmp"),
+        ] {
+            std::fs::create_dir_all(&d).map_err(|e| ImageError::io("mkdir", &d, e))?;
+        }
+        let root =
+            std::fs::canonicalize(root).map_err(|e| ImageError::io("canonicalize", root, e))?;
+        Ok(Self {
+            root,
+            mounts: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The (canonical) store root.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Path of the blob of layer `hex`.
+    pub fn blob_path(&self, hex: &str) -> PathBuf {
+        self.root.join("blobs/sha256").join(format!("{hex}.erofs"))
+    }
+
+    /// Mount point of layer `hex`.
+    pub fn mount_path(&self, hex: &str) -> PathBuf {
+        self.root.join("mnt").join(hex)
+    }
+
+    fn refs_path(&self) -> PathBuf {
+        self.root.join("refs.json")
+    }
+
+    fn lock_refs(&self) -> Result<RefsLock> {
+        let p = self.root.join(".lock");
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&p)
+            .map_err(|e| ImageError::io("open", &p, e))?;
+        let l = nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, e)| ImageError::io("flock", &p, e.into()))?;
+        Ok(RefsLock(l))
+    }
+
+    fn read_refs(&self) -> Result<RefsFile> {
+        let p = self.refs_path();
+        match std::fs::read(&p) {
+            Ok(b) => {
+                serde_json::from_slice(&b).map_err(|e| ImageError::Refs { path: p, source: e })
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(RefsFile {
+                version: 1,
+                refs: BTreeMap::new(),
+            }),
+            Err(e) => Err(ImageError::io("read", &p, e)),
+        }
+    }
+
+    /// Write refs.json atomically: temp file, fsync, rename, fsync dir.
+    fn write_refs(&self, refs: &RefsFile) -> Result<()> {
+        let p = self.refs_path();
+        let tmp = self
+            .root
+            .join(format!(".refs.json.{:016x}", rand::random::<u64>()));
+        let res = (|| {
+            let mut f = File::create(&tmp).map_err(|e| ImageError::io("create", &tmp, e))?;
+            let data = serde_json::to_vec_pretty(refs).map_err(|e| ImageError::Refs {
+                path: p.clone(),
+                source: e,
+            })?;
+            f.write_all(&data)
+                .map_err(|e| ImageError::io("write", &tmp, e))?;
+            f.sync_all().map_err(|e| ImageError::io("fsync", &tmp, e))?;
+            std::fs::rename(&tmp, &p).map_err(|e| ImageError::io("rename", &p, e))?;
+            if let Ok(d) = File::open(&self.root) {
+                let _ = d.sync_all();
+            }
+            Ok(())
+        })();
+        if res.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        res
+    }
+
+    /// Import `source` (a directory, `.tar`, `.tar.gz` or `.tgz`) as image `name`, replacing an
+    /// existing ref of that name. Returns the stored image.
+    ///
+    /// Archives are extracted into a temp dir under the store root; mkfs.erofs packs the tree;
+    /// the result is hashed and moved into `blobs/` (or dropped if an identical blob exists).
+    /// All temp files are removed on success and on every failure.
+    pub fn import(
+        &self,
+        name: &str,
+        source: &Path,
+        progress: &dyn Fn(ImportProgress),
+    ) -> Result<Image> {
+        validate_name(name)?;
+        let meta = std::fs::metadata(source).map_err(|e| ImageError::io("stat", source, e))?;
+        let work = self.tempdir("import-")?;
+        let src_dir = if meta.is_dir() {
+            source.to_path_buf()
+        } else {
+            let kind = extract::sniff(source)?
+                .ok_or_else(|| ImageError::UnsupportedSource(source.to_path_buf()))?;
+            let rootfs = work.path().join("rootfs");
+            std::fs::create_dir(&rootfs).map_err(|e| ImageError::io("mkdir", &rootfs, e))?;
+            std::fs::set_permissions(&rootfs, std::fs::Permissions::from_mode(0o755))
+                .map_err(|e| ImageError::io("chmod", &rootfs, e))?;
+            let had_root_entry = extract::extract(source, kind, &rootfs, progress)?;
+            if !had_root_entry {
+                // Without a `./` entry the root keeps the extraction time; pin it for reproducibility.
+                extract::set_mtime(&rootfs, 0)?;
+            }
+            rootfs
+        };
+        let layer = work.path().join("layer.erofs");
+        build_erofs(&src_dir, &layer, work.path(), progress)?;
+        let source_str = std::fs::canonicalize(source)
+            .unwrap_or_else(|_| source.to_path_buf())
+            .display()
+            .to_string();
+        let img = self.store_layer(name, &layer, &source_str, progress)?;
+        drop(work);
+        Ok(img)
+    }
+
+    /// Import an already built EROFS file as image `name` (the file is copied, not moved).
+    pub fn import_blob(&self, name: &str, erofs_file: &Path) -> Result<Image> {
+        validate_name(name)?;
+        check_erofs_magic(erofs_file)?;
+        let work = self.tempdir("blob-")?;
+        let layer = work.path().join("layer.erofs");
+        std::fs::copy(erofs_file, &layer).map_err(|e| ImageError::io("copy", erofs_file, e))?;
+        let source_str = std::fs::canonicalize(erofs_file)
+            .unwrap_or_else(|_| erofs_file.to_path_buf())
+            .display()
+            .to_string();
+        let img = self.store_layer(name, &layer, &source_str, &|_| {})?;
+        drop(work);
+        Ok(img)
+    }
+
+    fn tempdir(&self, prefix: &str) -> Result<tempfile::TempDir> {
+        let tmp = self.root.join("tmp");
+        std::fs::create_dir_all(&tmp).map_err(|e| ImageError::io("mkdir", &tmp, e))?;
+        tempfile::Builder::new()
+            .prefix(prefix)
+            .tempdir_in(&tmp)
+            .map_err(|e| ImageError::io("mkdtemp", &tmp, e))
+    }
+
+    /// Hash `layer`, move it into blobs/ (dedup), point `name` at it.
+    fn store_layer(
+        &self,
+        name: &str,
+        layer: &Path,
+        source: &str,
+        progress: &dyn Fn(ImportProgress),
+    ) -> Result<Image> {
+        let (hex, size) = hash_file(layer, progress)?;
+        progress(ImportProgress {
+            phase: ImportPhase::Storing,
+            bytes_done: 0,
+            bytes_total: Some(size),
+        });
+        let blob = self.blob_path(&hex);
+        if blob.exists() {
+            tracing::debug!(digest = %hex, "identical layer already stored");
+        } else {
+            std::fs::set_permissions(layer, std::fs::Permissions::from_mode(0o444))
+                .map_err(|e| ImageError::io("chmod", layer, e))?;
+            File::open(layer)
+                .and_then(|f| f.sync_all())
+                .map_err(|e| ImageError::io("fsync", layer, e))?;
+            std::fs::rename(layer, &blob).map_err(|e| ImageError::io("rename", &blob, e))?;
+        }
+        let entry = RefEntry {
+            digest: format!("sha256:{hex}"),
+            size,
+            created_at: now_ms(),
+            source: source.to_string(),
+        };
+        let img = entry.to_image(name);
+        let _lock = self.lock_refs()?;
+        let mut refs = self.read_refs()?;
+        let old = refs.refs.insert(name.to_string(), entry);
+        self.write_refs(&refs)?;
+        if let Some(old) = old {
+            if old.digest != img.digest {
+                if let Ok(old_hex) = parse_digest(&old.digest) {
+                    self.gc_blob(&refs, &old_hex)?;
+                }
+            }
+        }
+        progress(ImportProgress {
+            phase: ImportPhase::Storing,
+            bytes_done: size,
+            bytes_total: Some(size),
+        });
+        tracing::info!(name, digest = %img.digest, size, "image stored");
+        Ok(img)
+    }
+
+    /// Delete blob `hex` if no ref points at it and it is not mounted. Caller holds the refs lock.
+    fn gc_blob(&self, refs: &RefsFile, hex: &str) -> Result<bool> {
+        let digest = format!("sha256:{hex}");
+        if refs.refs.values().any(|r| r.digest == digest) {
+            return Ok(false);
+        }
+        let mounts = self.lock_mounts();
+        if mounts.get(hex).copied().unwrap_or(0) > 0 {
+            return Ok(false);
+        }
+        let mnt = self.mount_path(hex);
+        if mountinfo::is_mounted(&mnt).map_err(|e| ImageError::io("read mountinfo for", &mnt, e))? {
+            return Ok(false);
+        }
+        let blob = self.blob_path(hex);
+        match std::fs::remove_file(&blob) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(ImageError::io("unlink", &blob, e)),
+        }
+        let _ = std::fs::remove_dir(&mnt);
+        Ok(true)
+    }
+
+    /// Resolve an image name or `sha256:<hex>` digest.
+    pub fn resolve(&self, name_or_digest: &str) -> Result<ResolvedImage> {
+        let refs = self.read_refs()?;
+        if name_or_digest.starts_with("sha256:") {
+            let hex = parse_digest(name_or_digest)?;
+            let blob = self.blob_path(&hex);
+            if !blob.exists() {
+                return Err(ImageError::NotFound(name_or_digest.to_string()));
+            }
+            let digest = format!("sha256:{hex}");
+            let name = refs
+                .refs
+                .iter()
+                .find(|(_, r)| r.digest == digest)
+                .map(|(n, _)| n.clone())
+                .unwrap_or_else(|| digest.clone());
+            return Ok(ResolvedImage {
+                name,
+                digest,
+                blob_path: blob,
+            });
+        }
+        let r = refs
+            .refs
+            .get(name_or_digest)
+            .ok_or_else(|| ImageError::NotFound(name_or_digest.to_string()))?;
+        let hex = parse_digest(&r.digest)?;
+        Ok(ResolvedImage {
+            name: name_or_digest.to_string(),
+            digest: r.digest.clone(),
+            blob_path: self.blob_path(&hex),
+        })
+    }
+
+    /// Describe an image by name or digest. A digest with no ref is described with its digest
+    /// as name, its blob's size and mtime, and an empty source.
+    pub fn image_info(&self, name_or_digest: &str) -> Result<Image> {
+        let refs = self.read_refs()?;
+        if let Some(r) = refs.refs.get(name_or_digest) {
+            return Ok(r.to_image(name_or_digest));
+        }
+        let res = self.resolve(name_or_digest)?;
+        if let Some(r) = refs.refs.get(&res.name) {
+            return Ok(r.to_image(&res.name));
+        }
+        let meta = std::fs::metadata(&res.blob_path)
+            .map_err(|e| ImageError::io("stat", &res.blob_path, e))?;
+        let created_at = meta
+            .modified()
+            .ok()
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        Ok(Image {
+            name: res.name,
+            digest: res.digest,
+            size_bytes: meta.len(),
+            created_at,
+            source: String::new(),
+        })
+    }
+
+    /// All images (refs), sorted by name.
+    pub fn list(&self) -> Result<Vec<Image>> {
+        Ok(self
+            .read_refs()?
+            .refs
+            .iter()
+            .map(|(n, r)| r.to_image(n))
+            .collect())
+    }
+
+    /// Remove the ref `name`. Its blob is deleted too unless another ref points at it or it
+    /// is mounted.
+    pub fn remove(&self, name: &str) -> Result<Removed> {
+        let _lock = self.lock_refs()?;
+        let mut refs = self.read_refs()?;
+        let entry = refs
+            .refs
+            .remove(name)
+            .ok_or_else(|| ImageError::NotFound(name.to_string()))?;
+        self.write_refs(&refs)?;
+        let hex = parse_digest(&entry.digest)?;
+        let blob_deleted = self.gc_blob(&refs, &hex)?;
+        tracing::info!(name, digest = %entry.digest, blob_deleted, "image removed");
+        Ok(Removed {
+            image: entry.to_image(name),
+            blob_deleted,
+        })
+    }
+
+    /// Remove leftovers in `tmp/` older than `age` (imports interrupted by a crash).
+    pub fn clean_tmp(&self, age: Duration) -> Result<usize> {
+        let tmp = self.root.join("tmp");
+        let mut n = 0;
+        let rd = std::fs::read_dir(&tmp).map_err(|e| ImageError::io("read_dir", &tmp, e))?;
+        for ent in rd.flatten() {
+            let old = ent
+                .metadata()
+                .ok()
+                .and_then(|m| m.modified().ok())
+                .and_then(|t| t.elapsed().ok())
+                .is_some_and(|e| e >= age);
+            if old {
+                let p = ent.path();
+                let r = if p.is_dir() {
+                    std::fs::remove_dir_all(&p)
+                } else {
+                    std::fs::remove_file(&p)
+                };
+                r.map_err(|e| ImageError::io("remove", &p, e))?;
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    fn lock_mounts(&self) -> std::sync::MutexGuard<'_, HashMap<String, usize>> {
+        self.mounts.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Mount `hex` at its mount point unless something already is mounted there
+    /// (re-adoption after a restart). Caller holds the mounts mutex.
+    fn ensure_mounted(&self, hex: &str) -> Result<PathBuf> {
+        let blob = self.blob_path(hex);
+        let mnt = self.mount_path(hex);
+        if !blob.exists() {
+            return Err(ImageError::NotFound(format!("sha256:{hex}")));
+        }
+        std::fs::create_dir_all(&mnt).map_err(|e| ImageError::io("mkdir", &mnt, e))?;
+        if mountinfo::is_mounted(&mnt).map_err(|e| ImageError::io("read mountinfo for", &mnt, e))? {
+            tracing::debug!(digest = %hex, "reusing existing layer mount");
+            return Ok(mnt);
+        }
+        use nix::mount::MsFlags;
+        nix::mount::mount(
+            Some(&blob),
+            &mnt,
+            Some("erofs"),
+            MsFlags::MS_RDONLY | MsFlags::MS_NODEV | MsFlags::MS_NOSUID,
+            None::<&str>,
+        )
+        .map_err(|errno| ImageError::Mount {
+            op: "mount",
+            source_path: blob.clone(),
+            target: mnt.clone(),
+            errno,
+        })?;
+        tracing::debug!(digest = %hex, mnt = %mnt.display(), "layer mounted");
+        Ok(mnt)
+    }
+
+    /// Unmount `hex`'s mount point (all stacked mounts) and remove the directory.
+    /// Not mounted is fine. A busy mount is detached lazily.
+    fn unmount(&self, hex: &str) -> Result<()> {
+        use nix::mount::MntFlags;
+        let mnt = self.mount_path(hex);
+        for _ in 0..16 {
+            if !mountinfo::is_mounted(&mnt)
+                .map_err(|e| ImageError::io("read mountinfo for", &mnt, e))?
+            {
+                break;
+            }
+            match nix::mount::umount2(&mnt, MntFlags::empty()) {
+                Ok(()) => {}
+                Err(nix::errno::Errno::EINVAL) => break,
+                Err(nix::errno::Errno::EBUSY) => {
+                    tracing::warn!(mnt = %mnt.display(), "layer mount busy; detaching lazily");
+                    nix::mount::umount2(&mnt, MntFlags::MNT_DETACH).map_err(|errno| {
+                        ImageError::Mount {
+                            op: "umount",
+                            source_path: mnt.clone(),
+                            target: mnt.clone(),
+                            errno,
+                        }
+                    })?;
+                }
+                Err(errno) => {
+                    return Err(ImageError::Mount {
+                        op: "umount",
+                        source_path: mnt.clone(),
+                        target: mnt.clone(),
+                        errno,
+                    })
+                }
+            }
+        }
+        let _ = std::fs::remove_dir(&mnt);
+        tracing::debug!(digest = %hex, "layer unmounted");
+        Ok(())
+    }
+
+    /// Take a reference on the shared read-only mount of layer `digest` (`sha256:<hex>` or hex),
+    /// mounting it on first use. Returns the mount point. Pair with [`ImageStore::release`].
+    pub fn acquire(&self, digest: &str) -> Result<PathBuf> {
+        let hex = parse_digest(digest)?;
+        let mut m = self.lock_mounts();
+        let n = m.get(&hex).copied().unwrap_or(0);
+        let mnt = if n == 0 {
+            self.ensure_mounted(&hex)?
+        } else {
+            self.mount_path(&hex)
+        };
+        m.insert(hex, n + 1);
+        Ok(mnt)
+    }
+
+    /// Drop a reference taken by [`ImageStore::acquire`]; the last one unmounts the layer.
+    pub fn release(&self, digest: &str) -> Result<()> {
+        let hex = parse_digest(digest)?;
+        let mut m = self.lock_mounts();
+        let n = m.get(&hex).copied().unwrap_or(0);
+        match n {
+            0 => Err(ImageError::NotAcquired(format!("sha256:{hex}"))),
+            1 => {
+                m.remove(&hex);
+                self.unmount(&hex)
+            }
+            _ => {
+                m.insert(hex, n - 1);
+                Ok(())
+            }
+        }
+    }
+
+    /// Set the reference count of layer `digest` to `n` (re-adoption after a daemon restart:
+    /// `n` = number of surviving sandboxes using it). `n > 0` mounts the layer if needed,
+    /// reusing an existing mount; `n == 0` unmounts it.
+    pub fn set_refcount(&self, digest: &str, n: usize) -> Result<()> {
+        let hex = parse_digest(digest)?;
+        let mut m = self.lock_mounts();
+        if n == 0 {
+            m.remove(&hex);
+            return self.unmount(&hex);
+        }
+        self.ensure_mounted(&hex)?;
+        m.insert(hex, n);
+        Ok(())
+    }
+
+    /// Current reference count of layer `digest` in this process.
+    pub fn refcount(&self, digest: &str) -> Result<usize> {
+        let hex = parse_digest(digest)?;
+        Ok(self.lock_mounts().get(&hex).copied().unwrap_or(0))
+    }
+
+    /// After a crash: unmount every layer mount under `mnt/` that is neither in `in_use`
+    /// (digests, `sha256:<hex>` or hex) nor referenced in this process, and remove stale empty
+    /// mount point directories. Returns the digests unmounted.
+    pub fn cleanup_unused(&self, in_use: &HashSet<String>) -> Result<Vec<String>> {
+        let keep: HashSet<String> = in_use.iter().filter_map(|d| parse_digest(d).ok()).collect();
+        let m = self.lock_mounts();
+        let mnt_root = self.root.join("mnt");
+        let entries = mountinfo::read()
+            .map_err(|e| ImageError::io("read", Path::new("/proc/self/mountinfo"), e))?;
+        let mut mounted: Vec<String> = entries
+            .iter()
+            .filter(|e| e.mount_point.parent() == Some(mnt_root.as_path()))
+            .filter_map(|e| {
+                e.mount_point
+                    .file_name()
+                    .and_then(|s| s.to_str())
+                    .map(str::to_string)
+            })
+            .filter(|h| parse_digest(h).is_ok())
+            .collect();
+        mounted.sort();
+        mounted.dedup();
+        let mut out = Vec::new();
+        for hex in mounted {
+            if keep.contains(&hex) || m.get(&hex).copied().unwrap_or(0) > 0 {
+                continue;
+            }
+            self.unmount(&hex)?;
+            out.push(format!("sha256:{hex}"));
+        }
+        // Empty mount point dirs left behind.
+        if let Ok(rd) = std::fs::read_dir(&mnt_root) {
+            for ent in rd.flatten() {
+                let name = ent.file_name().to_string_lossy().into_owned();
+                if keep.contains(&name) || m.get(&name).copied().unwrap_or(0) > 0 {
+                    continue;
+                }
+                if !mountinfo::is_mounted(&ent.path()).unwrap_or(true) {
+                    let _ = std::fs::remove_dir(ent.path());
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Whether something is mounted exactly at `path` (per `/proc/self/mountinfo`).
+pub fn is_mounted(path: &Path) -> Result<bool> {
+    mountinfo::is_mounted(path).map_err(|e| ImageError::io("read mountinfo for", path, e))
+}
+
+fn check_erofs_magic(path: &Path) -> Result<()> {
+    let mut f = File::open(path).map_err(|e| ImageError::io("open", path, e))?;
+    let mut buf = [0u8; 1028];
+    f.read_exact(&mut buf)
+        .map_err(|_| ImageError::NotErofs(path.to_path_buf()))?;
+    let magic = u32::from_le_bytes([buf[1024], buf[1025], buf[1026], buf[1027]]);
+    if magic != EROFS_MAGIC {
+        return Err(ImageError::NotErofs(path.to_path_buf()));
+    }
+    Ok(())
+}
+
+fn find_mkfs() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(
+            [
+                "/usr/sbin",
+                "/sbin",
+                "/usr/bin",
+                "/bin",
+                "/usr/local/bin",
+                "/usr/local/sbin",
+            ]
+            .map(PathBuf::from),
+        )
+        .map(|d| d.join("mkfs.erofs"))
+        .find(|p| p.is_file())
+}
+
+/// Run `mkfs.erofs -zlz4hc out dir`, reporting the growing output size.
+fn build_erofs(
+    dir: &Path,
+    out: &Path,
+    work: &Path,
+    progress: &dyn Fn(ImportProgress),
+) -> Result<()> {
+    let mkfs = find_mkfs().ok_or(ImageError::MkfsMissing)?;
+    let errlog = work.join("mkfs.stderr");
+    let errfile = File::create(&errlog).map_err(|e| ImageError::io("create", &errlog, e))?;
+    progress(ImportProgress {
+        phase: ImportPhase::Building,
+        bytes_done: 0,
+        bytes_total: None,
+    });
+    let mut child = Command::new(&mkfs)
+        .arg("--quiet")
+        .arg("-zlz4hc")
+        .arg(format!("-U{LAYER_UUID}"))
+        .arg(out)
+        .arg(dir)
+        .env("SOURCE_DATE_EPOCH", SOURCE_DATE_EPOCH)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(errfile)
+        .spawn()
+        .map_err(|e| {
+            if e.kind() == io::ErrorKind::NotFound {
+                ImageError::MkfsMissing
+            } else {
+                ImageError::io("spawn", &mkfs, e)
+            }
+        })?;
+    let mut poll = Duration::from_millis(5);
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(st)) => break st,
+            Ok(None) => {
+                let sz = std::fs::metadata(out).map(|m| m.len()).unwrap_or(0);
+                progress(ImportProgress {
+                    phase: ImportPhase::Building,
+                    bytes_done: sz,
+                    bytes_total: None,
+                });
+                std::thread::sleep(poll);
+                poll = (poll * 2).min(Duration::from_millis(200));
+            }
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(ImageError::io("wait for", &mkfs, e));
+            }
+        }
+    };
+    if !status.success() {
+        let stderr = std::fs::read_to_string(&errlog).unwrap_or_default();
+        let tail: String = stderr
+            .lines()
+            .rev()
+            .take(10)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect::<Vec<_>>()
+            .join("\n");
+        return Err(ImageError::MkfsFailed {
+            dir: dir.to_path_buf(),
+            status: status.to_string(),
+            stderr: tail,
+        });
+    }
+    let sz = std::fs::metadata(out)
+        .map_err(|e| ImageError::io("stat", out, e))?
+        .len();
+    progress(ImportProgress {
+        phase: ImportPhase::Building,
+        bytes_done: sz,
+        bytes_total: Some(sz),
+    });
+    Ok(())
+}
+
+/// sha256 of a file as lowercase hex, and its size.
+fn hash_file(path: &Path, progress: &dyn Fn(ImportProgress)) -> Result<(String, u64)> {
+    let mut f = File::open(path).map_err(|e| ImageError::io("open", path, e))?;
+    let total = f
+        .metadata()
+        .map_err(|e| ImageError::io("stat", path, e))?
+        .len();
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut done = 0u64;
+    let mut reported = 0u64;
+    progress(ImportProgress {
+        phase: ImportPhase::Hashing,
+        bytes_done: 0,
+        bytes_total: Some(total),
+    });
+    loop {
+        let n = match f.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(ImageError::io("read", path, e)),
+        };
+        h.update(&buf[..n]);
+        done += n as u64;
+        if done - reported >= 16 << 20 {
+            reported = done;
+            progress(ImportProgress {
+                phase: ImportPhase::Hashing,
+                bytes_done: done,
+                bytes_total: Some(total),
+            });
+        }
+    }
+    progress(ImportProgress {
+        phase: ImportPhase::Hashing,
+        bytes_done: done,
+        bytes_total: Some(total),
+    });
+    Ok((hex::encode(h.finalize()), done))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        for ok in [
+            "base",
+            "debian:bookworm",
+            "python:3.11",
+            "a",
+            "0",
+            "my/img-1_x.y",
+            &"a".repeat(128),
+        ] {
+            assert!(validate_name(ok).is_ok(), "{ok:?} rejected");
+        }
+        for bad in [
+            "",
+            "Base",
+            "-x",
+            ".x",
+            "_x",
+            "a b",
+            "a\n",
+            "a@b",
+            "ä",
+            "sha256:abc",
+            &"a".repeat(129),
+            "/x",
+        ] {
+            assert!(
+                matches!(validate_name(bad), Err(ImageError::InvalidName { .. })),
+                "{bad:?} accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn digests() {
+        let hex = "a".repeat(64);
+        assert_eq!(
+            parse_digest(&format!("sha256:{hex}")).ok(),
+            Some(hex.clone())
+        );
+        assert_eq!(parse_digest(&hex).ok(), Some(hex.clone()));
+        for bad in [
+            "sha256:",
+            "sha256:xyz",
+            &"A".repeat(64),
+            &"a".repeat(63),
+            "sha512:aa",
+        ] {
+            assert!(parse_digest(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn refs_roundtrip_format() {
+        let mut r = RefsFile {
+            version: 1,
+            refs: BTreeMap::new(),
+        };
+        r.refs.insert(
+            "base".into(),
+            RefEntry {
+                digest: format!("sha256:{}", "b".repeat(64)),
+                size: 5,
+                created_at: 7,
+                source: "/x.tar".into(),
+            },
+        );
+        let s = serde_json::to_string(&r).unwrap_or_default();
+        assert!(
+            s.contains("\"refs\":{\"base\":{\"digest\":\"sha256:"),
+            "{s}"
+        );
+        let back: RefsFile = serde_json::from_str(&s).unwrap_or_default();
+        assert_eq!(back.refs["base"].size, 5);
+    }
+}
