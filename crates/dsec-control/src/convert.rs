@@ -51,7 +51,7 @@ pub enum Converted {
 }
 
 impl EventConverter {
-    /// Converts one frame. `oom` says whether an exit by SIGKILL was an OOM kill.
+    /// Converts one frame. `oom` says whether the memory limit killed a process meanwhile.
     pub fn frame(&mut self, frame: Frame, oom: impl FnOnce() -> bool) -> Converted {
         match frame {
             Frame::Stdout(b) => Converted::Events(text_event(self.stdout.push(&b), true)),
@@ -66,7 +66,7 @@ impl EventConverter {
                     Reply::OutputStart { .. } => Converted::Events(vec![]),
                     Reply::Exited(exit) => {
                         let mut ev = self.flush();
-                        let oom_killed = exit.signal == Some(libc_sigkill()) && oom();
+                        let oom_killed = oom();
                         ev.push(ExecEvent::Exit { exit, oom_killed });
                         Converted::Done(ev)
                     }
@@ -88,10 +88,6 @@ impl EventConverter {
         ev.extend(text_event(self.stderr.finish(), false));
         ev
     }
-}
-
-fn libc_sigkill() -> i32 {
-    9
 }
 
 fn text_event(text: String, stdout: bool) -> Vec<ExecEvent> {

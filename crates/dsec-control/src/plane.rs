@@ -442,13 +442,11 @@ impl ControlPlane {
     }
 }
 
-/// Whether an exit by SIGKILL came from the memory limit.
+/// Whether the memory limit killed a process while this exec ran.
 async fn oom_check(node: &Arc<dyn NodeApi>, id: &str, before: u64, frame: &Frame) -> bool {
     let Frame::Json(bytes) = frame else { return false };
     match serde_json::from_slice::<Reply>(bytes) {
-        Ok(Reply::Exited(info)) if info.signal == Some(9) => {
-            node.oom_kill_count(id).await.map(|n| n > before).unwrap_or(false)
-        }
+        Ok(Reply::Exited(_)) => node.oom_kill_count(id).await.map(|n| n > before).unwrap_or(false),
         _ => false,
     }
 }
@@ -583,8 +581,9 @@ impl SandboxApi for ControlPlane {
                 Frame::Json(bytes) => match serde_json::from_slice::<Reply>(&bytes).map_err(internal)? {
                     Reply::Started { .. } => {}
                     Reply::Exited(exit) => {
-                        let oom_killed = exit.signal == Some(9)
-                            && self.node.oom_kill_count(id).await.map(|n| n > oom_before).unwrap_or(false);
+                        // A shell reports its OOM-killed child as exit 137, not as a
+                        // signal: the cgroup's OOM counter is the reliable witness.
+                        let oom_killed = self.node.oom_kill_count(id).await.map(|n| n > oom_before).unwrap_or(false);
                         return Ok(ExecResult {
                             stdout: String::from_utf8_lossy(&stdout).into_owned(),
                             stderr: String::from_utf8_lossy(&stderr).into_owned(),

@@ -202,7 +202,15 @@ impl NodeApi for LocalNode {
         let images = self.images.clone();
         let name = name.to_string();
         let source = source.to_path_buf();
-        let img = tokio::task::spawn_blocking(move || images.import(&name, &source, &|_| {}))
+        // A ready EROFS blob is stored as is; directories and tarballs are built.
+        let is_blob = source.extension().is_some_and(|e| e == "erofs");
+        let img = tokio::task::spawn_blocking(move || {
+            if is_blob {
+                images.import_blob(&name, &source)
+            } else {
+                images.import(&name, &source, &|_| {})
+            }
+        })
             .await
             .map_err(join_err)??;
         Ok(img)

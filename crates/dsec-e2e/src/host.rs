@@ -1,0 +1,62 @@
+//! Scans of the host for what a sandbox may leave behind: mounts, cgroups, processes,
+//! directories.
+
+use std::path::Path;
+
+/// Cgroup directories named after the sandbox, in any hierarchy (v1 and v2).
+pub fn cgroup_dirs(id: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/sys/fs/cgroup") else { return out };
+    for e in entries.flatten() {
+        for candidate in [e.path().join("dsec").join(id), Path::new("/sys/fs/cgroup/dsec").join(id)] {
+            if candidate.exists() {
+                out.push(candidate.display().to_string());
+            }
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Mount points (in this mount namespace) whose path or source mention the sandbox.
+pub fn mounts(id: &str) -> Vec<String> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(id))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Host pids whose cgroup membership mentions the sandbox.
+pub fn processes(id: &str) -> Vec<i32> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else { return out };
+    for e in entries.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        if let Ok(cg) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) {
+            if cg.contains(&format!("/dsec/{id}")) {
+                out.push(pid);
+            }
+        }
+    }
+    out
+}
+
+/// SIGKILLs every process in the sandbox's cgroups and removes them (test cleanup).
+pub fn kill_sandbox_cgroup(id: &str) {
+    for pid in processes(id) {
+        // SAFETY: kill with a pid we read from /proc.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    for _ in 0..50 {
+        if processes(id).is_empty() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    for d in cgroup_dirs(id) {
+        let _ = std::fs::remove_dir(d);
+    }
+}

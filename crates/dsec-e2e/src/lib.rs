@@ -1,0 +1,276 @@
+//! End-to-end test infrastructure (cloud-hypervisor's `test_infra` in spirit).
+//!
+//! [`Server`] starts the real `dsec serve` binary on a free loopback port with its own
+//! state and run directories, imports the base image, and stops it on drop (sandboxes
+//! are deleted through the API first). [`require_root`] makes privileged tests fail loudly
+//! under `CI=true` and skip with a message elsewhere. [`host`] scans the host for what a
+//! sandbox may leave behind.
+
+use std::path::{Path, PathBuf};
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use dsec_client::Client;
+
+pub mod host;
+
+/// Whether privileged tests can run here. Under `CI=true` a missing prerequisite panics:
+/// CI must never skip silently.
+pub fn require_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let have_erofs = std::fs::read_to_string("/proc/filesystems").map(|s| s.contains("erofs")).unwrap_or(false);
+    let ok = root && have_erofs && which("mkfs.erofs");
+    if !ok {
+        let msg = format!("e2e tests need root, EROFS and mkfs.erofs (root={root}, erofs={have_erofs})");
+        if std::env::var("CI").as_deref() == Ok("true") {
+            panic!("{msg}");
+        }
+        eprintln!("SKIPPED: {msg}");
+    }
+    ok
+}
+
+fn which(bin: &str) -> bool {
+    std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join(bin).is_file()))
+        .unwrap_or(false)
+}
+
+/// The workspace's target directory (where `dsec` and `dsec-agent` were built).
+pub fn target_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("CARGO_TARGET_DIR") {
+        return PathBuf::from(d);
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target")
+}
+
+/// The `dsec` binary under test (`DSEC_BIN` or `target/debug/dsec`).
+pub fn dsec_bin() -> PathBuf {
+    std::env::var_os("DSEC_BIN").map(PathBuf::from).unwrap_or_else(|| target_dir().join("debug/dsec"))
+}
+
+/// The base image rootfs tarball (`DSEC_BASE_TAR` or the build script's default path).
+pub fn base_tar() -> PathBuf {
+    std::env::var_os("DSEC_BASE_TAR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/cache/dsec/base-bookworm.tar"))
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// Polls `f` until it returns `Some` or the timeout passes.
+pub async fn wait_until<T, F, Fut>(timeout: Duration, mut f: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return Some(v);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A running `dsec serve`.
+#[derive(Debug)]
+pub struct Server {
+    /// Its state directory.
+    pub state_dir: PathBuf,
+    /// Its run directory.
+    pub run_dir: PathBuf,
+    /// Base URL.
+    pub url: String,
+    /// API key.
+    pub key: String,
+    child: Option<Child>,
+    root: PathBuf,
+}
+
+impl Server {
+    /// Starts a server in `/tmp/dsec-e2e/NAME`. With `fresh`, the directory is wiped
+    /// first; otherwise an earlier run's state (images, leftover sandboxes) is reused and
+    /// the server's own recovery cleans it.
+    pub async fn start(name: &str, fresh: bool) -> anyhow::Result<Self> {
+        let root = std::env::temp_dir().join("dsec-e2e").join(name);
+        if fresh && root.exists() {
+            kill_leftovers(&root.join("state"));
+            let _ = std::fs::remove_dir_all(&root);
+        }
+        std::fs::create_dir_all(&root)?;
+        let mut s = Server {
+            state_dir: root.join("state"),
+            run_dir: root.join("run"),
+            url: String::new(),
+            key: String::new(),
+            child: None,
+            root,
+        };
+        s.spawn().await?;
+        Ok(s)
+    }
+
+    /// Starts (or restarts) the server process on a new port with the same directories.
+    pub async fn spawn(&mut self) -> anyhow::Result<()> {
+        let port = free_port()?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.root.join("serve.log"))?;
+        let mut cmd = Command::new(dsec_bin());
+        // SAFETY: prctl is async-signal-safe. The server dies with the thread that
+        // started it (see `Server::shared`), so no test run leaves a server behind.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let child = cmd
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+            .arg("--state-dir")
+            .arg(&self.state_dir)
+            .arg("--run-dir")
+            .arg(&self.run_dir)
+            .stdout(Stdio::from(log.try_clone()?))
+            .stderr(Stdio::from(log))
+            .spawn()
+            .with_context(|| format!("starting {}", dsec_bin().display()))?;
+        self.child = Some(child);
+        self.url = format!("http://127.0.0.1:{port}");
+        let key_path = self.state_dir.join("api-key");
+        let url = self.url.clone();
+        let up = wait_until(Duration::from_secs(30), || {
+            let url = url.clone();
+            let key_path = key_path.clone();
+            async move {
+                let key = std::fs::read_to_string(&key_path).ok()?;
+                let c = Client::new(&url, Some(key.trim().to_string())).ok()?;
+                c.health().await.ok().map(|_| key.trim().to_string())
+            }
+        })
+        .await;
+        match up {
+            Some(key) => {
+                self.key = key;
+                Ok(())
+            }
+            None => bail!("dsec serve did not come up; log: {}", self.log()),
+        }
+    }
+
+    /// The server shared by all tests of one test binary, started on first use with the
+    /// base image imported and no sandboxes. It lives on a thread that never exits, so it
+    /// is killed exactly when the test process ends.
+    pub fn shared(name: &'static str) -> &'static Server {
+        static SHARED: OnceLock<Server> = OnceLock::new();
+        SHARED.get_or_init(|| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = tx.send(Err(anyhow::anyhow!(e)));
+                        return;
+                    }
+                };
+                let res = rt.block_on(async {
+                    let s = Server::start(name, false).await?;
+                    s.ensure_base(None).await?;
+                    s.delete_all().await;
+                    Ok::<_, anyhow::Error>(s)
+                });
+                let _ = tx.send(res);
+                loop {
+                    std::thread::park();
+                }
+            });
+            match rx.recv() {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => panic!("starting the shared dsec server: {e:#}"),
+                Err(e) => panic!("starting the shared dsec server: {e}"),
+            }
+        })
+    }
+
+    /// Kills the server process (SIGKILL: a crash, not a clean stop). Sandboxes survive.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// The server's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.root.join("serve.log")).unwrap_or_default()
+    }
+
+    /// A client with the server's key.
+    pub fn client(&self) -> Client {
+        Client::new(&self.url, Some(self.key.clone())).expect("client")
+    }
+
+    /// Imports the base image as `base` unless already present; `blob_from` reuses the
+    /// EROFS blob of another server (fast) instead of building from the tarball.
+    pub async fn ensure_base(&self, blob_from: Option<&Server>) -> anyhow::Result<()> {
+        let c = self.client();
+        if c.list_images().await?.images.iter().any(|i| i.name == "base") {
+            return Ok(());
+        }
+        let source = match blob_from {
+            Some(other) => {
+                let img = other.client().list_images().await?;
+                let digest = img.images.iter().find(|i| i.name == "base").context("no base image")?.digest.clone();
+                let hex = digest.trim_start_matches("sha256:");
+                other.state_dir.join(format!("images/blobs/sha256/{hex}.erofs"))
+            }
+            None => base_tar(),
+        };
+        if !source.exists() {
+            bail!("{} missing: run scripts/build-base-image.sh {}", source.display(), source.display());
+        }
+        c.import_image(dsec_wire::v1::ImportImageRequest { name: "base".into(), source: source.display().to_string() })
+            .await?;
+        Ok(())
+    }
+
+    /// Deletes every sandbox through the API.
+    pub async fn delete_all(&self) {
+        let c = self.client();
+        if let Ok(list) = c.list_sandboxes(Default::default()).await {
+            for sb in list.sandboxes {
+                let _ = c.delete_sandbox(&sb.id).await;
+            }
+        }
+    }
+}
+
+/// Kills the processes of every sandbox recorded under a state directory.
+fn kill_leftovers(state_dir: &Path) {
+    if let Ok(entries) = std::fs::read_dir(state_dir.join("sandboxes")) {
+        for e in entries.flatten() {
+            host::kill_sandbox_cgroup(&e.file_name().to_string_lossy());
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // Tests delete their sandboxes; this is the safety net for failed ones.
+        self.kill();
+        kill_leftovers(&self.state_dir);
+        let _ = std::fs::remove_dir_all(&self.run_dir);
+    }
+}
