@@ -1,0 +1,294 @@
+//! `dsec-bench`: dsec against the container runtimes a user would otherwise pick, in one
+//! run on one machine, on the same root file system (the base image's EROFS layer).
+//!
+//! Measured intervals:
+//! - **create → first exec**: dsec `POST /v1/sandboxes` + `POST /exec true` over HTTP,
+//!   vs `crun run` / `runc run` of `true` (which create, run and delete a container);
+//! - **exec round trip** on a running sandbox: dsec `POST /exec true` vs `crun exec`.
+//!
+//! The process runs in a private mount namespace with the cgroup2 mount hidden: crun 1.8
+//! refuses this host's hybrid cgroup layout otherwise (PROBE.md). dsec does not need it.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use dsec_e2e::Server;
+use dsec_wire::v1::{CreateSandboxRequest, ExecRequest};
+
+/// Command line.
+#[derive(Debug, Parser)]
+#[command(about = "dsec vs crun/runc, side by side")]
+struct Args {
+    /// Fewer iterations (a smoke run in well under a minute).
+    #[arg(long)]
+    quick: bool,
+    /// Iterations per measurement (default 40, quick 10).
+    #[arg(long)]
+    iterations: Option<usize>,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// Summary of one measurement, in milliseconds.
+#[derive(Debug, Clone)]
+struct Stats {
+    name: String,
+    samples: Vec<f64>,
+    note: Option<String>,
+}
+
+impl Stats {
+    fn pct(&self, p: f64) -> f64 {
+        if self.samples.is_empty() {
+            return f64::NAN;
+        }
+        let mut s = self.samples.clone();
+        s.sort_by(|a, b| a.total_cmp(b));
+        let idx = ((p / 100.0) * (s.len() - 1) as f64).round() as usize;
+        s[idx.min(s.len() - 1)]
+    }
+    fn na(name: &str, why: String) -> Self {
+        Stats { name: name.into(), samples: vec![], note: Some(why) }
+    }
+}
+
+fn enter_private_mount_ns() -> anyhow::Result<()> {
+    use nix::mount::{mount, umount2, MntFlags, MsFlags};
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).context("unshare mount namespace")?;
+    mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>)
+        .context("make / private")?;
+    if Path::new("/sys/fs/cgroup/unified").exists() {
+        let _ = umount2("/sys/fs/cgroup/unified", MntFlags::MNT_DETACH);
+    }
+    Ok(())
+}
+
+fn time_cmd(cmd: &mut Command) -> anyhow::Result<f64> {
+    let t = Instant::now();
+    let out = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).output()?;
+    let ms = t.elapsed().as_secs_f64() * 1000.0;
+    if !out.status.success() {
+        bail!("{:?} failed: {}", cmd, String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(ms)
+}
+
+/// An OCI bundle whose root is the base image's EROFS layer, mounted read-only.
+struct Bundle {
+    dir: PathBuf,
+    rootfs: PathBuf,
+}
+
+impl Bundle {
+    fn new(dir: &Path, blob: &Path) -> anyhow::Result<Self> {
+        use nix::mount::{mount, MsFlags};
+        let _ = std::fs::remove_dir_all(dir);
+        let rootfs = dir.join("rootfs");
+        std::fs::create_dir_all(&rootfs)?;
+        mount(Some(blob), &rootfs, Some("erofs"), MsFlags::MS_RDONLY, None::<&str>)
+            .with_context(|| format!("mounting {}", blob.display()))?;
+        Ok(Bundle { dir: dir.to_path_buf(), rootfs })
+    }
+
+    /// Writes config.json (from `crun spec`) running `args`.
+    fn configure(&self, args: &[&str]) -> anyhow::Result<()> {
+        let cfg = self.dir.join("config.json");
+        let _ = std::fs::remove_file(&cfg);
+        let st = Command::new("crun").arg("spec").current_dir(&self.dir).status()?;
+        if !st.success() {
+            bail!("crun spec failed");
+        }
+        let mut spec: serde_json::Value = serde_json::from_slice(&std::fs::read(&cfg)?)?;
+        spec["process"]["terminal"] = false.into();
+        spec["process"]["args"] = serde_json::json!(args);
+        spec["root"]["path"] = self.rootfs.display().to_string().into();
+        spec["root"]["readonly"] = true.into();
+        std::fs::write(&cfg, serde_json::to_vec_pretty(&spec)?)?;
+        Ok(())
+    }
+}
+
+impl Drop for Bundle {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.rootfs, nix::mount::MntFlags::MNT_DETACH);
+    }
+}
+
+fn runtime_run(runtime: &str, bundle: &Bundle, n: usize) -> Stats {
+    let name = format!("{runtime} run true");
+    if Command::new(runtime).arg("--version").output().is_err() {
+        return Stats::na(&name, format!("{runtime} not installed"));
+    }
+    let mut samples = Vec::new();
+    for i in 0..n + 2 {
+        let id = format!("dsec-bench-{runtime}-{}-{i}", std::process::id());
+        let r = time_cmd(Command::new(runtime).args(["run", "--bundle"]).arg(&bundle.dir).arg(&id));
+        match r {
+            Ok(ms) if i >= 2 => samples.push(ms), // two warm-up runs
+            Ok(_) => {}
+            Err(e) => return Stats::na(&name, format!("{e:#}")),
+        }
+    }
+    Stats { name, samples, note: Some("create+start+run+delete of a container".into()) }
+}
+
+fn crun_exec(bundle: &Bundle, n: usize) -> Stats {
+    let name = "crun exec true".to_string();
+    let id = format!("dsec-bench-exec-{}", std::process::id());
+    if let Err(e) = bundle.configure(&["sleep", "3600"]) {
+        return Stats::na(&name, format!("{e:#}"));
+    }
+    let started = Command::new("crun")
+        .args(["run", "--detach", "--bundle"])
+        .arg(&bundle.dir)
+        .arg(&id)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    if !matches!(started, Ok(s) if s.success()) {
+        return Stats::na(&name, "crun run --detach failed".into());
+    }
+    let mut samples = Vec::new();
+    for i in 0..n + 2 {
+        match time_cmd(Command::new("crun").args(["exec", &id, "true"])) {
+            Ok(ms) if i >= 2 => samples.push(ms),
+            Ok(_) => {}
+            Err(e) => {
+                samples.clear();
+                let _ = Command::new("crun").args(["delete", "--force", &id]).status();
+                return Stats::na(&name, format!("{e:#}"));
+            }
+        }
+    }
+    let _ = Command::new("crun").args(["delete", "--force", &id]).stdout(Stdio::null()).status();
+    Stats { name, samples, note: None }
+}
+
+fn sh(cmd: &str) -> ExecRequest {
+    ExecRequest {
+        cmd: dsec_wire::v1::Command::Shell(cmd.into()),
+        env: Default::default(),
+        cwd: None,
+        stdin: None,
+        timeout_s: None,
+        output_limit: None,
+    }
+}
+
+fn argv_true() -> ExecRequest {
+    ExecRequest { cmd: dsec_wire::v1::Command::Argv(vec!["true".into()]), ..sh("") }
+}
+
+async fn dsec_measurements(server: &Server, n: usize) -> anyhow::Result<(Stats, Stats, Stats)> {
+    let c = server.client();
+    let mut create_exec = Vec::new();
+    let mut create_only = Vec::new();
+    for i in 0..n + 2 {
+        let t = Instant::now();
+        let sb = c.create_sandbox(CreateSandboxRequest::default()).await?;
+        let created = t.elapsed();
+        let r = c.exec(&sb.id, argv_true()).await?;
+        let total = t.elapsed();
+        if r.exit.exit_code != Some(0) {
+            bail!("exec true failed: {r:?}");
+        }
+        c.delete_sandbox(&sb.id).await?;
+        if i >= 2 {
+            create_exec.push(total.as_secs_f64() * 1000.0);
+            create_only.push(created.as_secs_f64() * 1000.0);
+        }
+    }
+    let sb = c.create_sandbox(CreateSandboxRequest::default()).await?;
+    let mut exec = Vec::new();
+    for i in 0..(n * 5) + 5 {
+        let t = Instant::now();
+        c.exec(&sb.id, argv_true()).await?;
+        if i >= 5 {
+            exec.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
+    }
+    c.delete_sandbox(&sb.id).await?;
+    Ok((
+        Stats { name: "dsec create + exec true".into(), samples: create_exec, note: Some("HTTP API, until the exec returns".into()) },
+        Stats { name: "dsec create (ready)".into(), samples: create_only, note: Some("HTTP API, agent answering".into()) },
+        Stats { name: "dsec exec true".into(), samples: exec, note: Some("HTTP API on a running sandbox".into()) },
+    ))
+}
+
+fn print_table(title: &str, rows: &[Stats], baseline: &str) {
+    println!("\n## {title}\n");
+    println!("| measurement | n | p50 ms | p99 ms | min ms | max ms | p50 vs {baseline} | note |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let base = rows.iter().find(|r| r.name == baseline).map(|r| r.pct(50.0));
+    for r in rows {
+        if r.samples.is_empty() {
+            println!("| {} | 0 | n/a | n/a | n/a | n/a | n/a | {} |", r.name, r.note.clone().unwrap_or_default());
+            continue;
+        }
+        let ratio = match base {
+            Some(b) if b.is_finite() => format!("{:.2}x", r.pct(50.0) / b),
+            _ => "n/a".into(),
+        };
+        println!(
+            "| {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} |",
+            r.name,
+            r.samples.len(),
+            r.pct(50.0),
+            r.pct(99.0),
+            r.pct(0.0),
+            r.pct(100.0),
+            ratio,
+            r.note.clone().unwrap_or_default()
+        );
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let n = args.iterations.unwrap_or(if args.quick { 10 } else { 40 });
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("run as root (scripts/bench)");
+    }
+    // Before any thread exists: everything this process starts shares the namespace.
+    enter_private_mount_ns()?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(async move {
+        let server = Server::start("bench", false).await?;
+        server.ensure_base(None).await?;
+        server.delete_all().await;
+        let images = server.client().list_images().await?;
+        let digest = images.images.iter().find(|i| i.name == "base").context("base image")?.digest.clone();
+        let blob = server.state_dir.join(format!("images/blobs/sha256/{}.erofs", digest.trim_start_matches("sha256:")));
+        let bundle = Bundle::new(&std::env::temp_dir().join("dsec-bench-bundle"), &blob)?;
+        bundle.configure(&["true"])?;
+
+        println!("# dsec benchmark ({} iterations, {} cores, kernel {})", n, std::thread::available_parallelism().map(|p| p.get()).unwrap_or(0),
+            std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim());
+        let crun = runtime_run("crun", &bundle, n);
+        let runc = runtime_run("runc", &bundle, n);
+        let (dsec_tti, dsec_create, dsec_exec) = dsec_measurements(&server, n).await?;
+        let crun_exec = crun_exec(&bundle, n * 5);
+        let tti = vec![crun.clone(), runc, dsec_tti, dsec_create];
+        let exec = vec![crun_exec, dsec_exec];
+        print_table("time to interactive (create -> first command done)", &tti, "crun run true");
+        print_table("exec round trip on a running sandbox", &exec, "crun exec true");
+        if let Some(path) = args.json {
+            let rows: Vec<serde_json::Value> = tti
+                .iter()
+                .chain(exec.iter())
+                .map(|r| serde_json::json!({"name": r.name, "n": r.samples.len(), "p50_ms": r.pct(50.0), "p99_ms": r.pct(99.0),
+                    "min_ms": r.pct(0.0), "max_ms": r.pct(100.0), "note": r.note}))
+                .collect();
+            std::fs::write(&path, serde_json::to_vec_pretty(&rows)?)?;
+        }
+        drop(bundle);
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok(())
+}

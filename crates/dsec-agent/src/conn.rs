@@ -1,0 +1,190 @@
+//! Frame I/O over one node connection: a [`FrameReader`] and a [`FrameWriter`] on the two
+//! halves of a tokio `UnixStream`, so input (stdin, uploads, disconnect detection) and
+//! output can proceed concurrently.
+
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::Duration;
+
+use dsec_wire::agent::Reply;
+use dsec_wire::frame::{Frame, DATA_CHUNK};
+use dsec_wire::ApiError;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::UnixStream;
+
+use crate::sys;
+
+/// Reads frames from the node.
+#[derive(Debug)]
+pub struct FrameReader {
+    inner: BufReader<OwnedReadHalf>,
+    fd: RawFd,
+}
+
+/// Writes frames to the node.
+#[derive(Debug)]
+pub struct FrameWriter {
+    inner: OwnedWriteHalf,
+}
+
+/// Which output frame kind to send data as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataKind {
+    /// `Frame::Stdout`.
+    Stdout,
+    /// `Frame::Stderr`.
+    Stderr,
+    /// `Frame::Data`.
+    Data,
+}
+
+/// Splits a connection into its reader and writer.
+pub fn split(stream: UnixStream) -> (FrameReader, FrameWriter) {
+    let fd = stream.as_raw_fd();
+    let (rd, wr) = stream.into_split();
+    (
+        FrameReader {
+            inner: BufReader::with_capacity(64 * 1024, rd),
+            fd,
+        },
+        FrameWriter { inner: wr },
+    )
+}
+
+impl FrameReader {
+    /// The next frame; `Ok(None)` when the node closed its side at a frame boundary.
+    pub async fn next(&mut self) -> io::Result<Option<Frame>> {
+        let mut header = [0u8; 5];
+        let mut got = 0;
+        while got < header.len() {
+            let n = self.inner.read(&mut header[got..]).await?;
+            if n == 0 {
+                if got == 0 {
+                    return Ok(None);
+                }
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            got += n;
+        }
+        let (tag, len) = Frame::parse_header(header)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        let mut payload = vec![0u8; len];
+        self.inner.read_exact(&mut payload).await?;
+        Frame::from_parts(tag, payload)
+            .map(Some)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+    }
+
+    /// Reads and discards input frames up to and including `Eof`. Returns false if the
+    /// node went away first.
+    pub async fn drain_input(&mut self) -> bool {
+        loop {
+            match self.next().await {
+                Ok(Some(Frame::Eof)) => return true,
+                Ok(Some(_)) => continue,
+                Ok(None) | Err(_) => return false,
+            }
+        }
+    }
+
+    /// Resolves once the node has fully closed the connection. Extra frames are ignored.
+    /// A half-close (the node shut down only its write side) does not count: it is
+    /// re-checked every half second until the node closes completely.
+    pub async fn closed(&mut self) {
+        loop {
+            match self.next().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => break,
+                Err(_) => return,
+            }
+        }
+        while !sys::peer_hung_up(self.fd) {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+}
+
+impl FrameWriter {
+    /// Sends one frame.
+    pub async fn send(&mut self, frame: &Frame) -> io::Result<()> {
+        let bytes = frame.to_bytes();
+        self.inner.write_all(&bytes).await
+    }
+
+    /// Sends a JSON reply.
+    pub async fn reply(&mut self, reply: &Reply) -> io::Result<()> {
+        self.send(&Frame::json(reply)).await
+    }
+
+    /// Sends an error reply.
+    pub async fn error(&mut self, err: ApiError) -> io::Result<()> {
+        tracing::debug!(code = ?err.code, message = %err.message, "request failed");
+        self.reply(&Reply::Error(err)).await
+    }
+
+    /// Sends `data` as frames of `kind`, split into chunks of at most `DATA_CHUNK`.
+    pub async fn data(&mut self, kind: DataKind, data: &[u8]) -> io::Result<()> {
+        for chunk in data.chunks(DATA_CHUNK) {
+            let tag: u8 = match kind {
+                DataKind::Stdout => 1,
+                DataKind::Stderr => 2,
+                DataKind::Data => 3,
+            };
+            let len = u32::try_from(chunk.len() + 1).unwrap_or(u32::MAX);
+            let mut header = [0u8; 5];
+            header[..4].copy_from_slice(&len.to_be_bytes());
+            header[4] = tag;
+            self.inner.write_all(&header).await?;
+            self.inner.write_all(chunk).await?;
+        }
+        Ok(())
+    }
+
+    /// Sends an `Eof` frame.
+    pub async fn eof(&mut self) -> io::Result<()> {
+        self.send(&Frame::Eof).await
+    }
+
+    /// Flushes and shuts down the write side.
+    pub async fn finish(mut self) {
+        let _ = self.inner.flush().await;
+        let _ = self.inner.shutdown().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn data_frames_match_the_codec() {
+        let (a, b) = UnixStream::pair().expect("pair");
+        let (_ra, mut wa) = split(a);
+        let (mut rb, _wb) = split(b);
+        let big = vec![7u8; DATA_CHUNK + 10];
+        // Write concurrently with reading: the socket buffer is smaller than the data.
+        let writer = async {
+            wa.data(DataKind::Stderr, &big).await.expect("send");
+            wa.data(DataKind::Data, b"x").await.expect("send");
+            wa.data(DataKind::Stdout, b"y").await.expect("send");
+            wa.eof().await.expect("eof");
+        };
+        let reader = async {
+            let mut frames = Vec::new();
+            for _ in 0..5 {
+                frames.push(rb.next().await.expect("frame"));
+            }
+            frames
+        };
+        let ((), frames) = tokio::join!(writer, reader);
+        let want = vec![
+            Some(Frame::Stderr(vec![7; DATA_CHUNK])),
+            Some(Frame::Stderr(vec![7; 10])),
+            Some(Frame::Data(b"x".to_vec())),
+            Some(Frame::Stdout(b"y".to_vec())),
+            Some(Frame::Eof),
+        ];
+        assert_eq!(frames, want);
+    }
+}

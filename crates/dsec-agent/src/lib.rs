@@ -1,0 +1,80 @@
+//! dsec-agent: the only dsec code inside a sandbox.
+//!
+//! The agent serves the node <-> agent protocol of [`dsec_wire::agent`] on a unix socket:
+//! one connection carries one request. It runs commands ([`exec`]), persistent bash
+//! sessions ([`session`]), background processes with re-attachable output ([`process`]),
+//! and file and tar transfers confined to the sandbox root ([`files`], [`tar`],
+//! [`pathsafe`]).
+//!
+//! Architecture: a single-threaded tokio runtime (thousands of idle sandboxes per node must
+//! stay cheap) with a `LocalSet`, so shared state is `Rc`/`RefCell`. Children are spawned
+//! with `std::process::Command` and reaped by one central [`reaper`], because as PID 1 the
+//! agent must reap every orphan too.
+
+use std::collections::BTreeMap;
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+
+pub mod conn;
+pub mod error;
+pub mod exec;
+pub mod fdio;
+pub mod files;
+pub mod pathsafe;
+pub mod process;
+pub mod reaper;
+pub mod ring;
+pub mod server;
+pub mod session;
+pub mod spawn;
+pub mod sys;
+pub mod tar;
+
+pub use error::AgentError;
+
+/// The `PATH` given to processes when the configuration names none.
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Configuration of one agent.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Directory that every file operation is confined to (`/` inside a sandbox).
+    /// Processes are not chrooted: they see the real file system, which inside a sandbox
+    /// is the same tree.
+    pub root: PathBuf,
+    /// Environment of every process, session and exec (requests add to it).
+    pub default_env: BTreeMap<String, String>,
+    /// Working directory when a request names none; relative request paths are resolved
+    /// against it too.
+    pub default_cwd: String,
+    /// True when the agent is PID 1 of the sandbox and must reap orphans.
+    pub is_init: bool,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        let mut default_env = BTreeMap::new();
+        default_env.insert("PATH".to_string(), DEFAULT_PATH.to_string());
+        default_env.insert("HOME".to_string(), "/root".to_string());
+        default_env.insert("LANG".to_string(), "C.UTF-8".to_string());
+        Self {
+            root: PathBuf::from("/"),
+            default_env,
+            default_cwd: "/".to_string(),
+            is_init: false,
+        }
+    }
+}
+
+/// Serves the agent protocol on `listener` forever, on a current-thread tokio runtime.
+///
+/// Returns only if the agent cannot start (runtime, root directory, signal handler) or the
+/// listener fails for good.
+pub fn run(listener: UnixListener, cfg: AgentConfig) -> Result<(), AgentError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(AgentError::Runtime)?;
+    let local = tokio::task::LocalSet::new();
+    local.block_on(&rt, server::serve(listener, cfg))
+}

@@ -1,0 +1,109 @@
+//! The `dsec-agent` binary.
+//!
+//! Subcommands:
+//! - `serve`: bind a unix socket and serve the agent protocol (tests, debugging, or an
+//!   agent started by a container runtime).
+//!
+//! - `init`: PID 1 of a container sandbox: `dsec-container` builds the sandbox around the
+//!   process, then it serves with `is_init = true`.
+
+use std::collections::BTreeMap;
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+mod init;
+
+use clap::{Args, Parser, Subcommand};
+use dsec_agent::AgentConfig;
+
+/// The dsec in-sandbox agent.
+#[derive(Debug, Parser)]
+#[command(name = "dsec-agent", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Serve the agent protocol on a unix socket.
+    Serve(ServeArgs),
+    /// Run as a container sandbox's PID 1 (started by the node; see `init.rs`).
+    Init,
+}
+
+/// Options of `serve` (shared with a future `init`).
+#[derive(Debug, Args)]
+struct ServeArgs {
+    /// Path of the unix socket to listen on (a stale file there is removed).
+    #[arg(long)]
+    socket: PathBuf,
+    /// Directory that file operations are confined to.
+    #[arg(long, default_value = "/")]
+    root: PathBuf,
+    /// Default working directory of processes and of relative paths.
+    #[arg(long, default_value = "/")]
+    cwd: String,
+    /// Extra environment for every process, as KEY=VALUE (repeatable).
+    #[arg(long = "env", value_parser = parse_env)]
+    env: Vec<(String, String)>,
+}
+
+impl ServeArgs {
+    /// The agent configuration these options describe.
+    fn config(&self) -> AgentConfig {
+        let mut cfg = AgentConfig {
+            root: self.root.clone(),
+            default_cwd: self.cwd.clone(),
+            is_init: std::process::id() == 1,
+            ..AgentConfig::default()
+        };
+        let extra: BTreeMap<String, String> = self.env.iter().cloned().collect();
+        cfg.default_env.extend(extra);
+        cfg
+    }
+}
+
+fn parse_env(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => Err(format!("expected KEY=VALUE, got {s:?}")),
+    }
+}
+
+fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
+    match std::fs::remove_file(&args.socket) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            return Err(format!("removing stale socket {}: {e}", args.socket.display()).into())
+        }
+    }
+    let listener = UnixListener::bind(&args.socket)
+        .map_err(|e| format!("binding {}: {e}", args.socket.display()))?;
+    dsec_agent::run(listener, args.config())?;
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("DSEC_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let res = match &cli.cmd {
+        Cmd::Serve(args) => serve(args),
+        Cmd::Init => init::init(),
+    };
+    match res {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("dsec-agent: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

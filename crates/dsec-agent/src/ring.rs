@@ -1,0 +1,138 @@
+//! A fixed-capacity byte ring that remembers the last `cap` bytes of a stream together with
+//! the absolute offset of every byte, so readers can resume from an offset.
+//!
+//! Memory grows lazily up to `cap`, so small outputs cost little.
+
+/// The last `cap` bytes written, plus the total count ever written.
+#[derive(Debug)]
+pub struct Ring {
+    buf: Vec<u8>,
+    cap: usize,
+    /// Index of the oldest byte once `buf` is full; 0 while it is still growing.
+    head: usize,
+    total: u64,
+}
+
+impl Ring {
+    /// An empty ring holding at most `cap` bytes.
+    pub fn new(cap: usize) -> Self {
+        Self {
+            buf: Vec::new(),
+            cap,
+            head: 0,
+            total: 0,
+        }
+    }
+
+    /// Appends bytes, dropping the oldest ones beyond the capacity.
+    pub fn push(&mut self, mut data: &[u8]) {
+        self.total += data.len() as u64;
+        if self.cap == 0 || data.is_empty() {
+            return;
+        }
+        if data.len() >= self.cap {
+            data = &data[data.len() - self.cap..];
+            self.buf.clear();
+            self.buf.extend_from_slice(data);
+            self.head = 0;
+            return;
+        }
+        let free = self.cap - self.buf.len();
+        if free > 0 {
+            let n = free.min(data.len());
+            self.buf.extend_from_slice(&data[..n]);
+            data = &data[n..];
+        }
+        while !data.is_empty() {
+            let n = (self.cap - self.head).min(data.len());
+            self.buf[self.head..self.head + n].copy_from_slice(&data[..n]);
+            self.head = (self.head + n) % self.cap;
+            data = &data[n..];
+        }
+    }
+
+    /// Total bytes ever pushed (the offset of the next byte).
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// Offset of the oldest byte still held.
+    pub fn start(&self) -> u64 {
+        self.total - self.buf.len() as u64
+    }
+
+    /// True if bytes were dropped.
+    pub fn truncated(&self) -> bool {
+        self.start() > 0
+    }
+
+    /// The held bytes from absolute offset `from` (clamped into the held range), as up to
+    /// two slices in order, and the offset where they actually start.
+    pub fn slices_from(&self, from: u64) -> (u64, &[u8], &[u8]) {
+        let start = self.start();
+        let from = from.clamp(start, self.total);
+        let skip = (from - start) as usize;
+        let (a, b) = if self.buf.len() < self.cap || self.head == 0 {
+            (&self.buf[..], &[][..])
+        } else {
+            (&self.buf[self.head..], &self.buf[..self.head])
+        };
+        if skip < a.len() {
+            (from, &a[skip..], b)
+        } else {
+            (from, &b[skip - a.len()..], &[][..])
+        }
+    }
+
+    /// Up to `max` bytes from offset `from` (clamped) as a new vector, and their offset.
+    pub fn read_from(&self, from: u64, max: usize) -> (u64, Vec<u8>) {
+        let (at, a, b) = self.slices_from(from);
+        let mut out = Vec::with_capacity(max.min(a.len() + b.len()));
+        let na = a.len().min(max);
+        out.extend_from_slice(&a[..na]);
+        let nb = b.len().min(max - na);
+        out.extend_from_slice(&b[..nb]);
+        (at, out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all(r: &Ring) -> Vec<u8> {
+        r.read_from(0, usize::MAX).1
+    }
+
+    #[test]
+    fn keeps_last_bytes_and_offsets() {
+        let mut r = Ring::new(5);
+        r.push(b"abc");
+        assert_eq!(all(&r), b"abc");
+        assert!(!r.truncated());
+        r.push(b"defg");
+        assert_eq!(all(&r), b"cdefg");
+        assert_eq!(r.start(), 2);
+        assert_eq!(r.total(), 7);
+        assert_eq!(r.read_from(4, 10), (4, b"efg".to_vec()));
+        assert_eq!(r.read_from(0, 2), (2, b"cd".to_vec()));
+        r.push(b"0123456789");
+        assert_eq!(all(&r), b"56789");
+        r.push(b"x");
+        assert_eq!(all(&r), b"6789x");
+        assert_eq!(r.read_from(100, 10), (18, Vec::new()));
+        for _ in 0..13 {
+            r.push(b"yz");
+        }
+        assert_eq!(all(&r), b"zyzyz");
+        assert_eq!(r.total(), 44);
+    }
+
+    #[test]
+    fn zero_capacity_counts_only() {
+        let mut r = Ring::new(0);
+        r.push(b"abc");
+        assert_eq!(r.total(), 3);
+        assert!(all(&r).is_empty());
+    }
+}

@@ -1,0 +1,197 @@
+//! The accept loop and request dispatch.
+//!
+//! [`Agent`] holds the state shared by all connections: configuration, the sandbox root,
+//! the reaper, the session table and the process table. Each accepted connection is
+//! handled by one local task that reads the request frame and answers it.
+
+use std::os::unix::net::UnixListener as StdUnixListener;
+use std::rc::Rc;
+use std::time::Duration;
+
+use dsec_wire::agent::{Reply, Request, PROTOCOL_VERSION};
+use dsec_wire::frame::Frame;
+use tokio::net::UnixStream;
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::conn::{self, FrameReader, FrameWriter};
+use crate::error::{bad_request, AgentError};
+use crate::pathsafe::Root;
+use crate::process::ProcessTable;
+use crate::reaper::Reaper;
+use crate::session::Sessions;
+use crate::{exec, files, process, session, tar, AgentConfig};
+
+/// State shared by all connections of one agent.
+#[derive(Debug)]
+pub struct Agent {
+    /// The configuration.
+    pub cfg: AgentConfig,
+    /// The sandbox root for file operations.
+    pub root: Root,
+    /// The child reaper.
+    pub reaper: Rc<Reaper>,
+    /// Open shell sessions.
+    pub sessions: Sessions,
+    /// Background processes.
+    pub procs: ProcessTable,
+}
+
+/// Serves connections until the listener fails. Must run inside a `LocalSet`.
+pub async fn serve(listener: StdUnixListener, cfg: AgentConfig) -> Result<(), AgentError> {
+    let root = Root::new(&cfg.root, &cfg.default_cwd).map_err(|source| AgentError::Root {
+        path: cfg.root.clone(),
+        source,
+    })?;
+    // Install the SIGCHLD handler before any child can exist.
+    let sigchld = signal(SignalKind::child()).map_err(AgentError::Signal)?;
+    let reaper = Reaper::new();
+    tokio::task::spawn_local(reaper.clone().run(sigchld));
+
+    listener
+        .set_nonblocking(true)
+        .map_err(AgentError::Listener)?;
+    let listener = tokio::net::UnixListener::from_std(listener).map_err(AgentError::Listener)?;
+    let agent = Rc::new(Agent {
+        cfg,
+        root,
+        reaper,
+        sessions: Sessions::default(),
+        procs: ProcessTable::default(),
+    });
+    tracing::info!(pid = std::process::id(), "agent serving");
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                tokio::task::spawn_local(handle(agent.clone(), stream));
+            }
+            Err(err) => {
+                // EMFILE and friends: back off instead of spinning.
+                tracing::warn!(%err, "accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// Handles one connection: one request.
+async fn handle(agent: Rc<Agent>, stream: UnixStream) {
+    let (mut rd, mut wr) = conn::split(stream);
+    let req = match rd.next().await {
+        Ok(Some(Frame::Json(bytes))) => match serde_json::from_slice::<Request>(&bytes) {
+            Ok(req) => req,
+            Err(err) => {
+                let _ = wr
+                    .error(bad_request(format!("invalid request: {err}")))
+                    .await;
+                wr.finish().await;
+                return;
+            }
+        },
+        Ok(Some(_)) => {
+            let _ = wr.error(bad_request("expected a JSON request frame")).await;
+            wr.finish().await;
+            return;
+        }
+        Ok(None) => return,
+        Err(err) => {
+            let _ = wr
+                .error(bad_request(format!("reading request: {err}")))
+                .await;
+            wr.finish().await;
+            return;
+        }
+    };
+    tracing::debug!(?req, "request");
+    dispatch(&agent, req, &mut rd, &mut wr).await;
+    wr.finish().await;
+}
+
+async fn dispatch(agent: &Rc<Agent>, req: Request, rd: &mut FrameReader, wr: &mut FrameWriter) {
+    // Write errors mean the node went away; there is nobody left to tell.
+    let _ = match req {
+        Request::Ping => {
+            wr.reply(&Reply::Pong {
+                version: PROTOCOL_VERSION,
+                pid: std::process::id(),
+            })
+            .await
+        }
+        Request::Exec(spec) => exec::exec(agent, spec, rd, wr).await,
+        Request::SessionCreate { session, env, cwd } => {
+            let r = session::create(agent, session, env, cwd);
+            respond(wr, r).await
+        }
+        Request::SessionRun {
+            session,
+            command,
+            timeout_ms,
+        } => {
+            let r = session::run(agent, &session, &command, timeout_ms).await;
+            respond(wr, r.map(Reply::SessionResult)).await
+        }
+        Request::SessionInterrupt { session } => {
+            respond(wr, session::interrupt(agent, &session).map(|()| Reply::Ok)).await
+        }
+        Request::SessionClose { session } => {
+            respond(wr, session::close(agent, &session).map(|()| Reply::Ok)).await
+        }
+        Request::SessionList => {
+            wr.reply(&Reply::Sessions {
+                sessions: agent.sessions.list(),
+            })
+            .await
+        }
+        Request::ProcessStart(spec) => {
+            respond(wr, process::start(agent, spec).map(Reply::ProcessStarted)).await
+        }
+        Request::ProcessList => {
+            wr.reply(&Reply::Processes {
+                processes: agent.procs.list(),
+            })
+            .await
+        }
+        Request::ProcessOutput {
+            pid,
+            stdout_offset,
+            stderr_offset,
+            follow,
+        } => process::output(agent, pid, stdout_offset, stderr_offset, follow, rd, wr).await,
+        Request::ProcessStdin { pid, close } => process::stdin(agent, pid, close, rd, wr).await,
+        Request::ProcessSignal { pid, signal } => {
+            respond(wr, process::signal(agent, pid, signal).map(|()| Reply::Ok)).await
+        }
+        Request::ProcessResize { pid, size } => {
+            respond(wr, process::resize(agent, pid, size).map(|()| Reply::Ok)).await
+        }
+        Request::FileRead {
+            path,
+            offset,
+            length,
+        } => files::read(agent, &path, offset, length, wr).await,
+        Request::FileWrite {
+            path,
+            mode,
+            create_parents,
+        } => files::write(agent, &path, mode, create_parents, rd, wr).await,
+        Request::FileList { path } => respond(wr, files::list(agent, &path)).await,
+        Request::FileStat { path } => respond(wr, files::stat(agent, &path)).await,
+        Request::FileMkdir { path } => respond(wr, files::mkdir(agent, &path)).await,
+        Request::FileRemove { path, recursive } => {
+            respond(wr, files::remove(agent, &path, recursive)).await
+        }
+        Request::FileRename { from, to } => respond(wr, files::rename(agent, &from, &to)).await,
+        Request::TarDownload { path } => tar::download(agent, &path, wr).await,
+        Request::TarUpload { path } => tar::upload(agent, &path, rd, wr).await,
+    };
+}
+
+/// Sends a reply or the error that replaced it.
+pub async fn respond(
+    wr: &mut FrameWriter,
+    r: Result<Reply, dsec_wire::ApiError>,
+) -> std::io::Result<()> {
+    match r {
+        Ok(reply) => wr.reply(&reply).await,
+        Err(err) => wr.error(err).await,
+    }
+}

@@ -1,0 +1,50 @@
+# Shared setup for scripts/quickstart and scripts/test. Sourced, not run.
+# Installs what dsec needs on a fresh Debian 12 machine, idempotently.
+
+log() { printf '\033[1m[dsec]\033[0m %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+repo_root() { cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd; }
+
+# Debian packages: erofs-utils (mkfs.erofs), mmdebstrap (base image), and the OCI
+# runtimes the benchmark compares against.
+APT_PACKAGES="erofs-utils mmdebstrap crun runc python3 ca-certificates"
+
+ensure_packages() {
+  local missing=()
+  for p in $APT_PACKAGES; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "installing Debian packages: ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+}
+
+ensure_root() {
+  [ "$(id -u)" -eq 0 ] || die "run as root: dsec creates namespaces, mounts and cgroups"
+}
+
+ensure_toolchain() {
+  command -v cargo >/dev/null || die "cargo not found: install the Rust toolchain (rustup)"
+}
+
+# The default base image rootfs tarball (cached across runs).
+BASE_TAR="${DSEC_BASE_TAR:-/var/cache/dsec/base-bookworm.tar}"
+
+ensure_base_tar() {
+  mkdir -p "$(dirname "$BASE_TAR")"
+  "$(repo_root)/scripts/build-base-image.sh" "$BASE_TAR"
+}
+
+# Builds the in-sandbox agent as a static binary (glibc static-pie: no extra toolchain).
+STATIC_AGENT_TARGET="x86_64-unknown-linux-gnu"
+static_agent_path() { echo "$(repo_root)/target/$STATIC_AGENT_TARGET/release/dsec-agent"; }
+
+build_static_agent() {
+  log "building the static dsec-agent"
+  (cd "$(repo_root)" && RUSTFLAGS="-C target-feature=+crt-static" \
+    cargo build --release --locked -p dsec-agent --target "$STATIC_AGENT_TARGET")
+  file "$(static_agent_path)" 2>/dev/null | grep -q "static" || log "warning: agent is not static"
+}
