@@ -11,7 +11,6 @@
 
 use std::cell::Cell;
 use std::os::fd::OwnedFd;
-use std::process::Stdio;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
@@ -25,7 +24,7 @@ use crate::fdio::{FdReader, FdWriter};
 use crate::reaper::Exit;
 use crate::ring::Ring;
 use crate::server::Agent;
-use crate::spawn::{spawn, SpawnSpec};
+use crate::spawn::spawn_piped;
 use crate::sys;
 
 /// How long the pipes may stay silent after the main process exited before the exec ends.
@@ -93,25 +92,14 @@ pub async fn exec(
     let limit =
         usize::try_from(spec.output_limit.unwrap_or(DEFAULT_OUTPUT_LIMIT)).unwrap_or(usize::MAX);
     let started = Instant::now();
-    let child = spawn(
+    let child = spawn_piped(
         &agent.cfg,
-        SpawnSpec {
-            argv: &argv,
-            env: &spec.env,
-            cwd: spec.cwd.as_deref(),
-            stdin: if spec.stdin {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            },
-            stdout: Stdio::piped(),
-            stderr: Stdio::piped(),
-            ctty: false,
-            fd3: None,
-            fallback_env: &[],
-        },
+        &argv,
+        &spec.env,
+        spec.cwd.as_deref(),
+        spec.stdin,
     );
-    let mut child = match child {
+    let child = match child {
         Ok(c) => c,
         Err(err) => {
             if spec.stdin {
@@ -120,7 +108,7 @@ pub async fn exec(
             return wr.error(err).await;
         }
     };
-    let pid = child.id() as i32;
+    let pid = child.pid as i32;
     let exit_rx = agent.reaper.watch(pid);
     // From here on, make sure the group dies if we bail out early.
     let kill_guard = KillOnDrop(Cell::new(Some(pid)));
@@ -128,19 +116,16 @@ pub async fn exec(
     let (tx, mut rx) = mpsc::channel::<(DataKind, Vec<u8>)>(8);
     let mut tasks = TaskGuard::default();
     for (fd, kind) in [
-        (child.stdout.take().map(OwnedFd::from), DataKind::Stdout),
-        (child.stderr.take().map(OwnedFd::from), DataKind::Stderr),
+        (child.stdout, DataKind::Stdout),
+        (child.stderr, DataKind::Stderr),
     ] {
-        if let Some(fd) = fd {
-            tasks.0.push(pipe_reader(fd, kind, tx.clone())?);
-        }
+        tasks.0.push(pipe_reader(fd, kind, tx.clone())?);
     }
     drop(tx);
-    let stdin = match child.stdin.take() {
-        Some(s) => Some(FdWriter::new(OwnedFd::from(s))?),
+    let stdin = match child.stdin {
+        Some(fd) => Some(FdWriter::new(fd)?),
         None => None,
     };
-    drop(child);
 
     let timed_out = Rc::new(Cell::new(false));
     if let Some(ms) = spec.timeout_ms {

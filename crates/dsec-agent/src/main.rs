@@ -87,14 +87,15 @@ fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("DSEC_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    // `init` is on every sandbox's start path: a fixed level, no EnvFilter to parse.
+    let fmt = tracing_subscriber::fmt().with_writer(std::io::stderr);
+    match (&cli.cmd, std::env::var("DSEC_LOG")) {
+        (Cmd::Serve(_), Ok(spec)) => fmt
+            .with_env_filter(tracing_subscriber::EnvFilter::new(spec))
+            .init(),
+        _ => fmt.with_max_level(tracing::Level::INFO).init(),
+    }
     let res = match &cli.cmd {
         Cmd::Serve(args) => serve(args),
         Cmd::Init => init::init(),

@@ -6,8 +6,10 @@
 //! (the agent's defaults plus the request's additions).
 
 use std::collections::BTreeMap;
+use std::ffi::CString;
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -74,10 +76,18 @@ pub fn spawn(cfg: &AgentConfig, spec: SpawnSpec<'_>) -> Result<Child, ApiError> 
     }
     let ctty = spec.ctty;
     let fd3 = spec.fd3;
-    // SAFETY: the closure only makes async-signal-safe syscalls (see sys::child_setup) and
-    // captures plain integers.
-    unsafe {
-        cmd.pre_exec(move || sys::child_setup(ctty, fd3));
+    if !ctty && fd3.is_none() {
+        // The common case (exec, background processes without a PTY): a new process group
+        // is all the tree-kill needs, and without a pre_exec hook std can use
+        // posix_spawn (vfork semantics) instead of fork, which is most of an exec's cost.
+        // Handlers reset on exec; std resets SIGPIPE and the signal mask.
+        cmd.process_group(0);
+    } else {
+        // SAFETY: the closure only makes async-signal-safe syscalls (see sys::child_setup)
+        // and captures plain integers.
+        unsafe {
+            cmd.pre_exec(move || sys::child_setup(ctty, fd3));
+        }
     }
     cmd.spawn().map_err(|err| spawn_error(&err, program, &cwd))
 }
@@ -98,4 +108,165 @@ fn spawn_error(err: &io::Error, program: &str, cwd: &std::path::Path) -> ApiErro
     let mut e = io_err(err, "spawn", program);
     e.message = what;
     e
+}
+
+/// A child started by [`spawn_piped`]: its pid and the parent's ends of its pipes.
+#[derive(Debug)]
+pub struct Piped {
+    /// Process id (also its process group id).
+    pub pid: u32,
+    /// Write end of its stdin, if stdin was piped.
+    pub stdin: Option<OwnedFd>,
+    /// Read end of its stdout.
+    pub stdout: OwnedFd,
+    /// Read end of its stderr.
+    pub stderr: OwnedFd,
+}
+
+fn pipe_cloexec() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two fds into the array on success.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both fds were just created and are owned by nobody else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Looks `program` up in the child's PATH (as execvp would in the child).
+fn resolve_program(program: &str, path: Option<&str>) -> Option<PathBuf> {
+    if program.contains('/') {
+        return Some(PathBuf::from(program));
+    }
+    let path = path.unwrap_or(crate::DEFAULT_PATH);
+    path.split(':')
+        .filter(|d| !d.is_empty())
+        .map(|d| PathBuf::from(d).join(program))
+        .find(|p| {
+            let Ok(c) = CString::new(p.as_os_str().as_bytes()) else {
+                return false;
+            };
+            // SAFETY: access with a valid C string.
+            unsafe { libc::access(c.as_ptr(), libc::X_OK) == 0 }
+        })
+}
+
+fn cstr(s: &str) -> Result<CString, ApiError> {
+    CString::new(s).map_err(|_| bad_request("arguments and environment must not contain NUL bytes"))
+}
+
+/// Spawns a child with piped stdout/stderr (and stdin if `stdin_piped`, else /dev/null)
+/// in a new process group, with glibc's `posix_spawn` (vfork semantics: no page-table
+/// copy of the agent). This is the exec hot path; std's `Command` would fall back to
+/// fork in a static binary because it finds `posix_spawn_file_actions_addchdir_np` by
+/// dlsym.
+pub fn spawn_piped(
+    cfg: &AgentConfig,
+    argv: &[String],
+    env: &BTreeMap<String, String>,
+    cwd: Option<&str>,
+    stdin_piped: bool,
+) -> Result<Piped, ApiError> {
+    let Some(program) = argv.first().filter(|p| !p.is_empty()) else {
+        return Err(bad_request("empty command"));
+    };
+    let cwd = resolve_cwd(cfg, cwd);
+    let mut full_env: BTreeMap<&str, &str> = cfg
+        .default_env
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    full_env.extend(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    full_env.entry("PATH").or_insert(crate::DEFAULT_PATH);
+    let not_found = || {
+        let err = io::Error::from_raw_os_error(libc::ENOENT);
+        spawn_error(&err, program, &cwd)
+    };
+    let exe = resolve_program(program, full_env.get("PATH").copied()).ok_or_else(not_found)?;
+    let exe_c =
+        CString::new(exe.as_os_str().as_bytes()).map_err(|_| bad_request("NUL in program path"))?;
+    let argv_c = argv
+        .iter()
+        .map(|a| cstr(a))
+        .collect::<Result<Vec<_>, _>>()?;
+    let env_c = full_env
+        .iter()
+        .map(|(k, v)| cstr(&format!("{k}={v}")))
+        .collect::<Result<Vec<_>, _>>()?;
+    let cwd_c = CString::new(cwd.as_os_str().as_bytes()).map_err(|_| bad_request("NUL in cwd"))?;
+    let mut argv_p: Vec<*const libc::c_char> = argv_c.iter().map(|c| c.as_ptr()).collect();
+    argv_p.push(std::ptr::null());
+    let mut env_p: Vec<*const libc::c_char> = env_c.iter().map(|c| c.as_ptr()).collect();
+    env_p.push(std::ptr::null());
+
+    let io_fail = |e: io::Error| io_err(&e, "creating pipes for", program);
+    let (out_r, out_w) = pipe_cloexec().map_err(io_fail)?;
+    let (err_r, err_w) = pipe_cloexec().map_err(io_fail)?;
+    let stdin_pipe = if stdin_piped {
+        Some(pipe_cloexec().map_err(io_fail)?)
+    } else {
+        None
+    };
+    let devnull = c"/dev/null";
+
+    // SAFETY: standard posix_spawn usage: attr and file actions are initialised before use
+    // and destroyed after; every pointer passed stays valid for the duration of the call.
+    unsafe {
+        let mut attr: libc::posix_spawnattr_t = std::mem::zeroed();
+        let mut fa: libc::posix_spawn_file_actions_t = std::mem::zeroed();
+        libc::posix_spawnattr_init(&mut attr);
+        libc::posix_spawn_file_actions_init(&mut fa);
+        // Handlers reset on exec by themselves; only ignored signals survive it, and the
+        // agent ignores just SIGPIPE (the Rust runtime does). Defaulting the full set
+        // would cost ~64 rt_sigaction calls, each through seccomp, on every exec.
+        let mut ignored: libc::sigset_t = std::mem::zeroed();
+        let mut none: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut ignored);
+        libc::sigaddset(&mut ignored, libc::SIGPIPE);
+        libc::sigemptyset(&mut none);
+        libc::posix_spawnattr_setsigdefault(&mut attr, &ignored);
+        libc::posix_spawnattr_setsigmask(&mut attr, &none);
+        libc::posix_spawnattr_setpgroup(&mut attr, 0);
+        let flags = libc::POSIX_SPAWN_SETPGROUP
+            | libc::POSIX_SPAWN_SETSIGDEF
+            | libc::POSIX_SPAWN_SETSIGMASK;
+        libc::posix_spawnattr_setflags(&mut attr, flags as libc::c_short);
+        match &stdin_pipe {
+            Some((r, _)) => libc::posix_spawn_file_actions_adddup2(&mut fa, r.as_raw_fd(), 0),
+            None => libc::posix_spawn_file_actions_addopen(
+                &mut fa,
+                0,
+                devnull.as_ptr(),
+                libc::O_RDONLY,
+                0,
+            ),
+        };
+        libc::posix_spawn_file_actions_adddup2(&mut fa, out_w.as_raw_fd(), 1);
+        libc::posix_spawn_file_actions_adddup2(&mut fa, err_w.as_raw_fd(), 2);
+        libc::posix_spawn_file_actions_addchdir_np(&mut fa, cwd_c.as_ptr());
+        let mut pid: libc::pid_t = 0;
+        let rc = libc::posix_spawn(
+            &mut pid,
+            exe_c.as_ptr(),
+            &fa,
+            &attr,
+            argv_p.as_ptr() as *const *mut libc::c_char,
+            env_p.as_ptr() as *const *mut libc::c_char,
+        );
+        libc::posix_spawn_file_actions_destroy(&mut fa);
+        libc::posix_spawnattr_destroy(&mut attr);
+        if rc != 0 {
+            return Err(spawn_error(
+                &io::Error::from_raw_os_error(rc),
+                program,
+                &cwd,
+            ));
+        }
+        Ok(Piped {
+            pid: pid as u32,
+            stdin: stdin_pipe.map(|(_, w)| w),
+            stdout: out_r,
+            stderr: err_r,
+        })
+    }
 }

@@ -31,16 +31,40 @@ pub const CGROUP_PARENT: &str = "dsec";
 pub struct ContainerBackend {
     cfg: NodeConfig,
     cgroups: CgroupRoot,
+    /// Open cgroup handles of live sandboxes (opening one resolves every hierarchy).
+    open: std::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<Cgroup>>>,
 }
 
 fn create_err(id: &str, reason: impl std::fmt::Display) -> NodeError {
-    NodeError::Create { id: id.to_string(), reason: reason.to_string() }
+    NodeError::Create {
+        id: id.to_string(),
+        reason: reason.to_string(),
+    }
 }
 
 impl ContainerBackend {
     /// A backend over the host's cgroup hierarchy.
     pub fn new(cfg: NodeConfig, cgroups: CgroupRoot) -> Self {
-        Self { cfg, cgroups }
+        Self {
+            cfg,
+            cgroups,
+            open: Default::default(),
+        }
+    }
+
+    fn handles(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, std::sync::Arc<Cgroup>>> {
+        self.open.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn cgroup(&self, id: &str) -> Result<std::sync::Arc<Cgroup>, NodeError> {
+        if let Some(cg) = self.handles().get(id) {
+            return Ok(cg.clone());
+        }
+        let cg = std::sync::Arc::new(Cgroup::open(&self.cgroups, &Self::cgroup_path(id))?);
+        self.handles().insert(id.to_string(), cg.clone());
+        Ok(cg)
     }
 
     fn cgroup_path(id: &str) -> String {
@@ -53,6 +77,7 @@ impl ContainerBackend {
         digest: &str,
         lower: &Path,
     ) -> Result<RuntimeRecord, NodeError> {
+        let started = Instant::now();
         let id = &spec.id;
         let dir = self.cfg.sandbox_dir(id);
         let run = self.cfg.sandbox_run_dir(id);
@@ -63,7 +88,10 @@ impl ContainerBackend {
         }
         for sub in ["upper", "work", "rootfs"] {
             let p = dir.join(sub);
-            fs::DirBuilder::new().mode(0o755).create(&p).map_err(NodeError::io("mkdir", &p))?;
+            fs::DirBuilder::new()
+                .mode(0o755)
+                .create(&p)
+                .map_err(NodeError::io("mkdir", &p))?;
         }
         let limits = Limits {
             cpu_millis: Some(spec.cpu_millis),
@@ -80,12 +108,21 @@ impl ContainerBackend {
             upper_dir: dir.join("upper").display().to_string(),
             work_dir: dir.join("work").display().to_string(),
             rootfs: dir.join("rootfs").display().to_string(),
-            cgroup_procs: cgroup.procs_paths().iter().map(|p| p.display().to_string()).collect(),
+            cgroup_procs: cgroup
+                .procs_paths()
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect(),
             env: spec.env.clone(),
             workdir: spec.workdir.clone(),
         };
+        let prepared = Instant::now();
         let (pid, start_time) = self.spawn_init(id, &init, &listener, &dir)?;
         drop(listener);
+        tracing::debug!(%id, prepare_us = (prepared - started).as_micros() as u64,
+            init_us = prepared.elapsed().as_micros() as u64, "sandbox started");
+        self.handles()
+            .insert(id.clone(), std::sync::Arc::new(cgroup));
         let rec = RuntimeRecord {
             id: id.clone(),
             image_digest: digest.to_string(),
@@ -110,15 +147,19 @@ impl ContainerBackend {
         listener: &UnixListener,
         dir: &Path,
     ) -> Result<(i32, u64), NodeError> {
-        let (status_r, status_w): (OwnedFd, OwnedFd) =
-            nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| create_err(id, format!("pipe: {e}")))?;
+        let (status_r, status_w): (OwnedFd, OwnedFd) = nix::unistd::pipe2(OFlag::O_CLOEXEC)
+            .map_err(|e| create_err(id, format!("pipe: {e}")))?;
         let log_path = dir.join("agent.log");
         let log = fs::File::create(&log_path).map_err(NodeError::io("create", &log_path))?;
         let listen_fd = listener.as_raw_fd();
         let status_fd = status_w.as_raw_fd();
         let mut cmd = Command::new(&self.cfg.agent_bin);
         // argv[0] without the host path: /proc/1/cmdline is readable inside.
-        cmd.arg0("dsec-agent").arg("init").stdin(Stdio::piped()).stdout(Stdio::null()).stderr(Stdio::from(log));
+        cmd.arg0("dsec-agent")
+            .arg("init")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log));
         // SAFETY: the closure only calls async-signal-safe functions (fcntl, dup2, setsid).
         unsafe {
             cmd.pre_exec(move || {
@@ -134,13 +175,15 @@ impl ContainerBackend {
                 Ok(())
             });
         }
-        let mut child = cmd.spawn().map_err(|e| {
-            create_err(id, format!("start {}: {e}", self.cfg.agent_bin.display()))
-        })?;
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| create_err(id, format!("start {}: {e}", self.cfg.agent_bin.display())))?;
         drop(status_w);
         let json = serde_json::to_vec(init).map_err(|e| create_err(id, e))?;
         if let Some(mut stdin) = child.stdin.take() {
-            stdin.write_all(&json).map_err(|e| create_err(id, format!("send init spec: {e}")))?;
+            stdin
+                .write_all(&json)
+                .map_err(|e| create_err(id, format!("send init spec: {e}")))?;
         }
         let report = read_status(&status_r, self.cfg.create_timeout);
         // The intermediate process exits right after the fork; reap it.
@@ -159,12 +202,16 @@ impl ContainerBackend {
         }
         let Some(pid) = pid else {
             let log = fs::read_to_string(&log_path).unwrap_or_default();
-            return Err(create_err(id, format!("init did not start: {}", log.trim())));
+            return Err(create_err(
+                id,
+                format!("init did not start: {}", log.trim()),
+            ));
         };
         if !ready {
             return Err(create_err(id, "init exited before the sandbox was ready"));
         }
-        let start = pid_start_time(pid).ok_or_else(|| create_err(id, "init died right after start"))?;
+        let start =
+            pid_start_time(pid).ok_or_else(|| create_err(id, "init died right after start"))?;
         Ok((pid, start))
     }
 
@@ -173,7 +220,13 @@ impl ContainerBackend {
             match fs::remove_dir_all(&d) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(NodeError::Io { op: "remove", path: d.display().to_string(), source: e }),
+                Err(e) => {
+                    return Err(NodeError::Io {
+                        op: "remove",
+                        path: d.display().to_string(),
+                        source: e,
+                    })
+                }
             }
         }
         Ok(())
@@ -219,7 +272,12 @@ pub fn pid_start_time(pid: i32) -> Option<u64> {
 }
 
 impl Backend for ContainerBackend {
-    fn create(&self, spec: &NodeCreateSpec, digest: &str, lower: &Path) -> Result<RuntimeRecord, NodeError> {
+    fn create(
+        &self,
+        spec: &NodeCreateSpec,
+        digest: &str,
+        lower: &Path,
+    ) -> Result<RuntimeRecord, NodeError> {
         let res = self.create_inner(spec, digest, lower);
         if res.is_err() {
             if let Err(e) = self.destroy(&spec.id) {
@@ -230,6 +288,7 @@ impl Backend for ContainerBackend {
     }
 
     fn destroy(&self, id: &str) -> Result<(), NodeError> {
+        self.handles().remove(id);
         match Cgroup::open(&self.cgroups, &Self::cgroup_path(id)) {
             Ok(cg) => cg.destroy()?,
             Err(dsec_cgroups::CgroupError::NotFound(_)) => {}
@@ -244,7 +303,13 @@ impl Backend for ContainerBackend {
         let entries = match fs::read_dir(&root) {
             Ok(e) => e.filter_map(Result::ok).collect::<Vec<_>>(),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => return Err(NodeError::Io { op: "read_dir", path: root.display().to_string(), source: e }),
+            Err(e) => {
+                return Err(NodeError::Io {
+                    op: "read_dir",
+                    path: root.display().to_string(),
+                    source: e,
+                })
+            }
         };
         for entry in entries {
             let id = entry.file_name().to_string_lossy().into_owned();
@@ -289,7 +354,7 @@ impl Backend for ContainerBackend {
     }
 
     fn oom_kill_count(&self, id: &str) -> Result<u64, NodeError> {
-        Ok(Cgroup::open(&self.cgroups, &Self::cgroup_path(id))?.oom_kill_count()?)
+        Ok(self.cgroup(id)?.oom_kill_count()?)
     }
 }
 
