@@ -52,15 +52,25 @@ impl Stats {
         s[idx.min(s.len() - 1)]
     }
     fn na(name: &str, why: String) -> Self {
-        Stats { name: name.into(), samples: vec![], note: Some(why) }
+        Stats {
+            name: name.into(),
+            samples: vec![],
+            note: Some(why),
+        }
     }
 }
 
 fn enter_private_mount_ns() -> anyhow::Result<()> {
     use nix::mount::{mount, umount2, MntFlags, MsFlags};
     nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).context("unshare mount namespace")?;
-    mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>)
-        .context("make / private")?;
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .context("make / private")?;
     if Path::new("/sys/fs/cgroup/unified").exists() {
         let _ = umount2("/sys/fs/cgroup/unified", MntFlags::MNT_DETACH);
     }
@@ -72,7 +82,11 @@ fn time_cmd(cmd: &mut Command) -> anyhow::Result<f64> {
     let out = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).output()?;
     let ms = t.elapsed().as_secs_f64() * 1000.0;
     if !out.status.success() {
-        bail!("{:?} failed: {}", cmd, String::from_utf8_lossy(&out.stderr).trim());
+        bail!(
+            "{:?} failed: {}",
+            cmd,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
     }
     Ok(ms)
 }
@@ -89,16 +103,28 @@ impl Bundle {
         let _ = std::fs::remove_dir_all(dir);
         let rootfs = dir.join("rootfs");
         std::fs::create_dir_all(&rootfs)?;
-        mount(Some(blob), &rootfs, Some("erofs"), MsFlags::MS_RDONLY, None::<&str>)
-            .with_context(|| format!("mounting {}", blob.display()))?;
-        Ok(Bundle { dir: dir.to_path_buf(), rootfs })
+        mount(
+            Some(blob),
+            &rootfs,
+            Some("erofs"),
+            MsFlags::MS_RDONLY,
+            None::<&str>,
+        )
+        .with_context(|| format!("mounting {}", blob.display()))?;
+        Ok(Bundle {
+            dir: dir.to_path_buf(),
+            rootfs,
+        })
     }
 
     /// Writes config.json (from `crun spec`) running `args`.
     fn configure(&self, args: &[&str]) -> anyhow::Result<()> {
         let cfg = self.dir.join("config.json");
         let _ = std::fs::remove_file(&cfg);
-        let st = Command::new("crun").arg("spec").current_dir(&self.dir).status()?;
+        let st = Command::new("crun")
+            .arg("spec")
+            .current_dir(&self.dir)
+            .status()?;
         if !st.success() {
             bail!("crun spec failed");
         }
@@ -126,14 +152,23 @@ fn runtime_run(runtime: &str, bundle: &Bundle, n: usize) -> Stats {
     let mut samples = Vec::new();
     for i in 0..n + 2 {
         let id = format!("dsec-bench-{runtime}-{}-{i}", std::process::id());
-        let r = time_cmd(Command::new(runtime).args(["run", "--bundle"]).arg(&bundle.dir).arg(&id));
+        let r = time_cmd(
+            Command::new(runtime)
+                .args(["run", "--bundle"])
+                .arg(&bundle.dir)
+                .arg(&id),
+        );
         match r {
             Ok(ms) if i >= 2 => samples.push(ms), // two warm-up runs
             Ok(_) => {}
             Err(e) => return Stats::na(&name, format!("{e:#}")),
         }
     }
-    Stats { name, samples, note: Some("create+start+run+delete of a container".into()) }
+    Stats {
+        name,
+        samples,
+        note: Some("create+start+run+delete of a container".into()),
+    }
 }
 
 fn crun_exec(bundle: &Bundle, n: usize) -> Stats {
@@ -160,13 +195,22 @@ fn crun_exec(bundle: &Bundle, n: usize) -> Stats {
             Ok(_) => {}
             Err(e) => {
                 samples.clear();
-                let _ = Command::new("crun").args(["delete", "--force", &id]).status();
+                let _ = Command::new("crun")
+                    .args(["delete", "--force", &id])
+                    .status();
                 return Stats::na(&name, format!("{e:#}"));
             }
         }
     }
-    let _ = Command::new("crun").args(["delete", "--force", &id]).stdout(Stdio::null()).status();
-    Stats { name, samples, note: None }
+    let _ = Command::new("crun")
+        .args(["delete", "--force", &id])
+        .stdout(Stdio::null())
+        .status();
+    Stats {
+        name,
+        samples,
+        note: None,
+    }
 }
 
 fn sh(cmd: &str) -> ExecRequest {
@@ -181,7 +225,10 @@ fn sh(cmd: &str) -> ExecRequest {
 }
 
 fn argv_true() -> ExecRequest {
-    ExecRequest { cmd: dsec_wire::v1::Command::Argv(vec!["true".into()]), ..sh("") }
+    ExecRequest {
+        cmd: dsec_wire::v1::Command::Argv(vec!["true".into()]),
+        ..sh("")
+    }
 }
 
 async fn dsec_measurements(server: &Server, n: usize) -> anyhow::Result<(Stats, Stats, Stats)> {
@@ -214,9 +261,21 @@ async fn dsec_measurements(server: &Server, n: usize) -> anyhow::Result<(Stats, 
     }
     c.delete_sandbox(&sb.id).await?;
     Ok((
-        Stats { name: "dsec create + exec true".into(), samples: create_exec, note: Some("HTTP API, until the exec returns".into()) },
-        Stats { name: "dsec create (ready)".into(), samples: create_only, note: Some("HTTP API, agent answering".into()) },
-        Stats { name: "dsec exec true".into(), samples: exec, note: Some("HTTP API on a running sandbox".into()) },
+        Stats {
+            name: "dsec create + exec true".into(),
+            samples: create_exec,
+            note: Some("HTTP API, until the exec returns".into()),
+        },
+        Stats {
+            name: "dsec create (ready)".into(),
+            samples: create_only,
+            note: Some("HTTP API, agent answering".into()),
+        },
+        Stats {
+            name: "dsec exec true".into(),
+            samples: exec,
+            note: Some("HTTP API on a running sandbox".into()),
+        },
     ))
 }
 
@@ -224,10 +283,17 @@ fn print_table(title: &str, rows: &[Stats], baseline: &str) {
     println!("\n## {title}\n");
     println!("| measurement | n | p50 ms | p99 ms | min ms | max ms | p50 vs {baseline} | note |");
     println!("|---|---|---|---|---|---|---|---|");
-    let base = rows.iter().find(|r| r.name == baseline).map(|r| r.pct(50.0));
+    let base = rows
+        .iter()
+        .find(|r| r.name == baseline)
+        .map(|r| r.pct(50.0));
     for r in rows {
         if r.samples.is_empty() {
-            println!("| {} | 0 | n/a | n/a | n/a | n/a | n/a | {} |", r.name, r.note.clone().unwrap_or_default());
+            println!(
+                "| {} | 0 | n/a | n/a | n/a | n/a | n/a | {} |",
+                r.name,
+                r.note.clone().unwrap_or_default()
+            );
             continue;
         }
         let ratio = match base {
@@ -257,7 +323,10 @@ fn main() -> anyhow::Result<()> {
     }
     // Before any thread exists: everything this process starts shares the namespace.
     enter_private_mount_ns()?;
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     rt.block_on(async move {
         let server = Server::start("bench", false).await?;
         server.ensure_base(None).await?;

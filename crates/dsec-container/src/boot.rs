@@ -81,6 +81,12 @@ pub fn boot(spec: &InitSpec, status: &OwnedFd) -> Result<(), BootError> {
 }
 
 fn join_cgroup(path: &str) -> Result<(), BootError> {
-    let res = OpenOptions::new().write(true).open(path).and_then(|mut f| f.write_all(b"0"));
-    res.map_err(|source| BootError::JoinCgroup { path: path.to_string(), source })
+    let res = OpenOptions::new()
+        .write(true)
+        .open(path)
+        .and_then(|mut f| f.write_all(b"0"));
+    res.map_err(|source| BootError::JoinCgroup {
+        path: path.to_string(),
+        source,
+    })
 }

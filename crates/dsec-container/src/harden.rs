@@ -52,7 +52,8 @@ pub fn apply() -> Result<(), HardenError> {
         return Err(HardenError::NoNewPrivs(std::io::Error::last_os_error()));
     }
     for filter in compile_seccomp()? {
-        seccompiler::apply_filter(&filter).map_err(|e| HardenError::SeccompInstall(e.to_string()))?;
+        seccompiler::apply_filter(&filter)
+            .map_err(|e| HardenError::SeccompInstall(e.to_string()))?;
     }
     Ok(())
 }
@@ -94,7 +95,11 @@ pub fn denied_syscalls() -> Vec<String> {
         .flat_map(|f| doc[f]["filter"].as_array().cloned().unwrap_or_default())
         .filter_map(|r| {
             let name = r["syscall"].as_str()?.to_string();
-            Some(if r.get("args").is_some() { format!("{name}(filtered)") } else { name })
+            Some(if r.get("args").is_some() {
+                format!("{name}(filtered)")
+            } else {
+                name
+            })
         })
         .collect();
     names.sort();

@@ -26,11 +26,19 @@ pub struct RootfsError {
 }
 
 fn err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(nix::Error) -> RootfsError + 'a {
-    move |e| RootfsError { op, path: path.display().to_string(), source: e.into() }
+    move |e| RootfsError {
+        op,
+        path: path.display().to_string(),
+        source: e.into(),
+    }
 }
 
 fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> RootfsError + 'a {
-    move |source| RootfsError { op, path: path.display().to_string(), source }
+    move |source| RootfsError {
+        op,
+        path: path.display().to_string(),
+        source,
+    }
 }
 
 /// Device nodes created in `/dev`: name, major, minor.
@@ -70,16 +78,21 @@ pub const MASKED_PATHS: &[&str] = &[
 ];
 
 /// Paths made read-only inside the sandbox.
-pub const READONLY_PATHS: &[&str] =
-    &["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys"];
+pub const READONLY_PATHS: &[&str] = &["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys"];
 
 /// Builds the root and pivots into it. Must run in a fresh mount namespace and, for the
 /// `/proc` mount to show the sandbox's own processes, in its new pid namespace.
 pub fn build(spec: &InitSpec) -> Result<(), RootfsError> {
     let root = PathBuf::from(&spec.rootfs);
     // Nothing we mount may propagate back to the host.
-    mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>)
-        .map_err(err("make-rprivate", Path::new("/")))?;
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .map_err(err("make-rprivate", Path::new("/")))?;
 
     let opts = format!(
         "lowerdir={},upperdir={},workdir={}",
@@ -89,14 +102,21 @@ pub fn build(spec: &InitSpec) -> Result<(), RootfsError> {
     );
     // nodev: device nodes shipped in an image or created in the upper are inert; the
     // sandbox's devices live on the separate /dev tmpfs below.
-    mount(Some("overlay"), &root, Some("overlay"), MsFlags::MS_NODEV, Some(opts.as_str()))
-        .map_err(err("mount overlay", &root))?;
+    mount(
+        Some("overlay"),
+        &root,
+        Some("overlay"),
+        MsFlags::MS_NODEV,
+        Some(opts.as_str()),
+    )
+    .map_err(err("mount overlay", &root))?;
 
     mount_proc(&root)?;
     mount_dev(&root)?;
     let sys = ensure_dir(&root, "sys")?;
     let ro = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
-    mount(Some("sysfs"), &sys, Some("sysfs"), ro, None::<&str>).map_err(err("mount sysfs", &sys))?;
+    mount(Some("sysfs"), &sys, Some("sysfs"), ro, None::<&str>)
+        .map_err(err("mount sysfs", &sys))?;
     let tmp = ensure_dir(&root, "tmp")?;
     let _ = fs::set_permissions(&tmp, fs::Permissions::from_mode(0o1777));
 
@@ -126,7 +146,8 @@ fn ensure_dir(root: &Path, rel: &str) -> Result<PathBuf, RootfsError> {
 fn mount_proc(root: &Path) -> Result<(), RootfsError> {
     let proc_dir = ensure_dir(root, "proc")?;
     let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
-    mount(Some("proc"), &proc_dir, Some("proc"), flags, None::<&str>).map_err(err("mount proc", &proc_dir))
+    mount(Some("proc"), &proc_dir, Some("proc"), flags, None::<&str>)
+        .map_err(err("mount proc", &proc_dir))
 }
 
 fn mount_dev(root: &Path) -> Result<(), RootfsError> {
@@ -141,8 +162,13 @@ fn mount_dev(root: &Path) -> Result<(), RootfsError> {
     .map_err(err("mount /dev tmpfs", &dev))?;
     for (name, major, minor) in DEVICES {
         let p = dev.join(name);
-        mknod(&p, SFlag::S_IFCHR, Mode::from_bits_truncate(0o666), makedev(*major, *minor))
-            .map_err(err("mknod", &p))?;
+        mknod(
+            &p,
+            SFlag::S_IFCHR,
+            Mode::from_bits_truncate(0o666),
+            makedev(*major, *minor),
+        )
+        .map_err(err("mknod", &p))?;
         // mknod honours the umask; devices must be world-usable.
         fs::set_permissions(&p, fs::Permissions::from_mode(0o666)).map_err(io_err("chmod", &p))?;
     }
@@ -191,7 +217,9 @@ fn pivot(root: &Path) -> Result<(), RootfsError> {
 fn mask_paths() -> Result<(), RootfsError> {
     for p in MASKED_PATHS {
         let path = Path::new(p);
-        let Ok(meta) = fs::symlink_metadata(path) else { continue };
+        let Ok(meta) = fs::symlink_metadata(path) else {
+            continue;
+        };
         if meta.is_dir() {
             mount(
                 Some("tmpfs"),
@@ -202,8 +230,14 @@ fn mask_paths() -> Result<(), RootfsError> {
             )
             .map_err(err("mask dir", path))?;
         } else {
-            mount(Some("/dev/null"), path, None::<&str>, MsFlags::MS_BIND, None::<&str>)
-                .map_err(err("mask file", path))?;
+            mount(
+                Some("/dev/null"),
+                path,
+                None::<&str>,
+                MsFlags::MS_BIND,
+                None::<&str>,
+            )
+            .map_err(err("mask file", path))?;
         }
     }
     for p in READONLY_PATHS {
@@ -211,8 +245,14 @@ fn mask_paths() -> Result<(), RootfsError> {
         if fs::symlink_metadata(path).is_err() {
             continue;
         }
-        mount(Some(path), path, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
-            .map_err(err("bind read-only path", path))?;
+        mount(
+            Some(path),
+            path,
+            None::<&str>,
+            MsFlags::MS_BIND | MsFlags::MS_REC,
+            None::<&str>,
+        )
+        .map_err(err("bind read-only path", path))?;
         let flags = MsFlags::MS_BIND
             | MsFlags::MS_REMOUNT
             | MsFlags::MS_RDONLY

@@ -8,10 +8,10 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use dsec_wire::v1::{
     CreateSandboxRequest, CreateSessionRequest, ExecEvent, ExecRequest, ExecResult, FileInfo,
-    FileList, Health, Image, ImageList, ImportImageRequest, MkdirRequest, ProcessInfo,
-    ProcessList, PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList,
-    SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest,
-    StdinRequest, WriteResult,
+    FileList, Health, Image, ImageList, ImportImageRequest, MkdirRequest, ProcessInfo, ProcessList,
+    PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList, SessionResult,
+    SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest,
+    WriteResult,
 };
 use dsec_wire::ApiError;
 use futures::stream::BoxStream;

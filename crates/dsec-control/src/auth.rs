@@ -17,12 +17,20 @@ pub fn load_or_create_key(path: &Path) -> std::io::Result<(String, bool)> {
     }
     let mut bytes = [0u8; 24];
     rand::thread_rng().fill_bytes(&mut bytes);
-    let key = format!("dsec_{}", bytes.iter().map(|b| format!("{b:02x}")).collect::<String>());
+    let key = format!(
+        "dsec_{}",
+        bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    );
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
     let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
     f.write_all(key.as_bytes())?;
     f.write_all(b"\n")?;
     f.sync_all()?;

@@ -59,7 +59,9 @@ impl EventConverter {
             Frame::Json(bytes) => {
                 let reply = match serde_json::from_slice::<Reply>(&bytes) {
                     Ok(r) => r,
-                    Err(e) => return Converted::Done(vec![error_event(format!("bad agent reply: {e}"))]),
+                    Err(e) => {
+                        return Converted::Done(vec![error_event(format!("bad agent reply: {e}"))])
+                    }
                 };
                 match reply {
                     Reply::Started { pid } => Converted::Events(vec![ExecEvent::Started { pid }]),
@@ -70,13 +72,21 @@ impl EventConverter {
                         ev.push(ExecEvent::Exit { exit, oom_killed });
                         Converted::Done(ev)
                     }
-                    Reply::OutputEnd { stdout_offset, stderr_offset } => {
+                    Reply::OutputEnd {
+                        stdout_offset,
+                        stderr_offset,
+                    } => {
                         let mut ev = self.flush();
-                        ev.push(ExecEvent::End { stdout_offset, stderr_offset });
+                        ev.push(ExecEvent::End {
+                            stdout_offset,
+                            stderr_offset,
+                        });
                         Converted::Done(ev)
                     }
                     Reply::Error(error) => Converted::Done(vec![ExecEvent::Error { error }]),
-                    other => Converted::Done(vec![error_event(format!("unexpected agent reply {other:?}"))]),
+                    other => Converted::Done(vec![error_event(format!(
+                        "unexpected agent reply {other:?}"
+                    ))]),
                 }
             }
             Frame::Data(_) | Frame::Eof => Converted::Events(vec![]),
@@ -94,12 +104,18 @@ fn text_event(text: String, stdout: bool) -> Vec<ExecEvent> {
     if text.is_empty() {
         return vec![];
     }
-    vec![if stdout { ExecEvent::Stdout { data: text } } else { ExecEvent::Stderr { data: text } }]
+    vec![if stdout {
+        ExecEvent::Stdout { data: text }
+    } else {
+        ExecEvent::Stderr { data: text }
+    }]
 }
 
 /// An `Error` event for a broken stream.
 pub fn error_event(msg: String) -> ExecEvent {
-    ExecEvent::Error { error: ApiError::new(ErrorCode::AgentUnavailable, msg) }
+    ExecEvent::Error {
+        error: ApiError::new(ErrorCode::AgentUnavailable, msg),
+    }
 }
 
 #[cfg(test)]

@@ -82,7 +82,10 @@ pub struct ControlPlane {
 }
 
 fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 fn internal(e: impl std::fmt::Display) -> ApiError {
@@ -92,12 +95,17 @@ fn internal(e: impl std::fmt::Display) -> ApiError {
 fn new_id() -> String {
     const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
     let mut rng = rand::thread_rng();
-    let suffix: String = (0..12).map(|_| ALPHABET[rng.gen_range(0..ALPHABET.len())] as char).collect();
+    let suffix: String = (0..12)
+        .map(|_| ALPHABET[rng.gen_range(0..ALPHABET.len())] as char)
+        .collect();
     format!("sb-{suffix}")
 }
 
 fn unexpected(reply: Reply) -> ApiError {
-    ApiError::new(ErrorCode::Internal, format!("unexpected agent reply: {reply:?}"))
+    ApiError::new(
+        ErrorCode::Internal,
+        format!("unexpected agent reply: {reply:?}"),
+    )
 }
 
 fn ms_from_s(field: &str, s: Option<f64>) -> ApiResult<Option<u64>> {
@@ -128,8 +136,12 @@ impl ControlPlane {
                 tombstones.insert(id, t);
             }
         }
-        let running: HashMap<String, bool> =
-            node.list().await.into_iter().map(|s| (s.id, s.alive)).collect();
+        let running: HashMap<String, bool> = node
+            .list()
+            .await
+            .into_iter()
+            .map(|s| (s.id, s.alive))
+            .collect();
         for (id, alive) in &running {
             if !records.contains_key(id) {
                 tracing::info!(%id, "destroying sandbox without a record");
@@ -161,7 +173,8 @@ impl ControlPlane {
                 }
                 _ => {
                     sb.state = SandboxState::Failed;
-                    sb.failure.get_or_insert_with(|| "sandbox is no longer running on its node".into());
+                    sb.failure
+                        .get_or_insert_with(|| "sandbox is no longer running on its node".into());
                     let _ = plane.node.destroy(&id).await;
                 }
             }
@@ -177,8 +190,13 @@ impl ControlPlane {
     }
 
     fn persist(&self, sb: &Sandbox) -> ApiResult<()> {
-        let bytes = serde_json::to_vec(&Record { sandbox: sb.clone() }).map_err(internal)?;
-        self.store.put(NS_SANDBOXES, &sb.id, &bytes).map_err(internal)
+        let bytes = serde_json::to_vec(&Record {
+            sandbox: sb.clone(),
+        })
+        .map_err(internal)?;
+        self.store
+            .put(NS_SANDBOXES, &sb.id, &bytes)
+            .map_err(internal)
     }
 
     fn spawn_reaper(self: Arc<Self>) {
@@ -206,7 +224,8 @@ impl ControlPlane {
                 if now >= s.expires_at {
                     Some((s.id.clone(), "lifetime (timeout_s) ended"))
                 } else if s.state == SandboxState::Ready
-                    && s.idle_timeout_s.is_some_and(|t| now.saturating_sub(s.last_active_at) >= t * 1000)
+                    && s.idle_timeout_s
+                        .is_some_and(|t| now.saturating_sub(s.last_active_at) >= t * 1000)
                 {
                     Some((s.id.clone(), "idle timeout reached"))
                 } else {
@@ -220,8 +239,13 @@ impl ControlPlane {
                 tracing::warn!(%id, error = %e.message, "reaping failed; will retry");
             }
         }
-        let alive: HashMap<String, bool> =
-            self.node.list().await.into_iter().map(|s| (s.id, s.alive)).collect();
+        let alive: HashMap<String, bool> = self
+            .node
+            .list()
+            .await
+            .into_iter()
+            .map(|s| (s.id, s.alive))
+            .collect();
         let died: Vec<Sandbox> = {
             let mut recs = self.lock();
             recs.values_mut()
@@ -246,7 +270,10 @@ impl ControlPlane {
             .map(|(k, _)| k.clone())
             .collect();
         for id in expired {
-            self.tombstones.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            self.tombstones
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&id);
             let _ = self.store.delete(NS_TOMBSTONES, &id);
         }
     }
@@ -262,10 +289,18 @@ impl ControlPlane {
         }
         self.node.destroy(id).await.map_err(ApiError::from)?;
         if let Some(reason) = expired_reason {
-            let t = Tombstone { reason: reason.to_string(), at: now_ms() };
+            let t = Tombstone {
+                reason: reason.to_string(),
+                at: now_ms(),
+            };
             let bytes = serde_json::to_vec(&t).map_err(internal)?;
-            self.store.put(NS_TOMBSTONES, id, &bytes).map_err(internal)?;
-            self.tombstones.lock().unwrap_or_else(|p| p.into_inner()).insert(id.to_string(), t);
+            self.store
+                .put(NS_TOMBSTONES, id, &bytes)
+                .map_err(internal)?;
+            self.tombstones
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(id.to_string(), t);
         }
         self.store.delete(NS_SANDBOXES, id).map_err(internal)?;
         self.lock().remove(id);
@@ -274,8 +309,16 @@ impl ControlPlane {
 
     /// The error for an id with no record: `expired` if the reaper removed it.
     fn missing(&self, id: &str) -> ApiError {
-        if let Some(t) = self.tombstones.lock().unwrap_or_else(|p| p.into_inner()).get(id) {
-            return ApiError::new(ErrorCode::Expired, format!("sandbox {id} expired and was removed: {}", t.reason));
+        if let Some(t) = self
+            .tombstones
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+        {
+            return ApiError::new(
+                ErrorCode::Expired,
+                format!("sandbox {id} expired and was removed: {}", t.reason),
+            );
         }
         ApiError::new(ErrorCode::NotFound, format!("sandbox {id} not found"))
     }
@@ -292,11 +335,20 @@ impl ControlPlane {
                 sb.last_active_at = now_ms();
                 Ok(())
             }
-            SandboxState::Creating => Err(ApiError::new(ErrorCode::Conflict, format!("sandbox {id} is still being created"))),
-            SandboxState::Stopping => Err(ApiError::new(ErrorCode::Conflict, format!("sandbox {id} is being deleted"))),
+            SandboxState::Creating => Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!("sandbox {id} is still being created"),
+            )),
+            SandboxState::Stopping => Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!("sandbox {id} is being deleted"),
+            )),
             SandboxState::Failed => Err(ApiError::new(
                 ErrorCode::Failed,
-                format!("sandbox {id} failed: {}", sb.failure.clone().unwrap_or_default()),
+                format!(
+                    "sandbox {id} failed: {}",
+                    sb.failure.clone().unwrap_or_default()
+                ),
             )),
         }
     }
@@ -342,7 +394,10 @@ impl ControlPlane {
                         _ => Err(internal("unexpected frame in data stream")),
                     },
                     Ok(Some(_)) => Err(internal("unexpected frame in data stream")),
-                    Ok(None) => Err(ApiError::new(ErrorCode::AgentUnavailable, "agent closed the stream early")),
+                    Ok(None) => Err(ApiError::new(
+                        ErrorCode::AgentUnavailable,
+                        "agent closed the stream early",
+                    )),
                     Err(e) => Err(e),
                 };
                 let stop = item.is_err();
@@ -365,7 +420,9 @@ impl ControlPlane {
                 let frame = match conn.recv().await {
                     Ok(Some(f)) => f,
                     Ok(None) => {
-                        let _ = tx.send(error_event("agent closed the stream early".into())).await;
+                        let _ = tx
+                            .send(error_event("agent closed the stream early".into()))
+                            .await;
                         return;
                     }
                     Err(e) => {
@@ -405,7 +462,12 @@ impl ControlPlane {
         })
     }
 
-    async fn start_exec(&self, id: &str, req: &ExecRequest, stream: bool) -> ApiResult<(AgentConn, u64)> {
+    async fn start_exec(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        stream: bool,
+    ) -> ApiResult<(AgentConn, u64)> {
         let spec = Self::exec_spec(req, stream)?;
         let mut conn = self.conn(id).await?;
         let oom_before = self.node.oom_kill_count(id).await.unwrap_or(0);
@@ -426,11 +488,20 @@ impl ControlPlane {
                 ContentEncoding::Utf8 => f.content.as_bytes().to_vec(),
                 ContentEncoding::Base64 => base64::engine::general_purpose::STANDARD
                     .decode(&f.content)
-                    .map_err(|e| ApiError::new(ErrorCode::BadRequest, format!("files: {}: invalid base64: {e}", f.path)))?,
+                    .map_err(|e| {
+                        ApiError::new(
+                            ErrorCode::BadRequest,
+                            format!("files: {}: invalid base64: {e}", f.path),
+                        )
+                    })?,
             };
             let mut conn = self.node.connect(id).await.map_err(ApiError::from)?;
-            conn.send(&Frame::json(&Request::FileWrite { path: f.path.clone(), mode: f.mode, create_parents: true }))
-                .await?;
+            conn.send(&Frame::json(&Request::FileWrite {
+                path: f.path.clone(),
+                mode: f.mode,
+                create_parents: true,
+            }))
+            .await?;
             let body: ByteStream = futures::stream::iter([Ok(Bytes::from(bytes))]).boxed();
             Self::pump(&mut conn, body).await?;
             match conn.recv_reply().await? {
@@ -444,9 +515,15 @@ impl ControlPlane {
 
 /// Whether the memory limit killed a process while this exec ran.
 async fn oom_check(node: &Arc<dyn NodeApi>, id: &str, before: u64, frame: &Frame) -> bool {
-    let Frame::Json(bytes) = frame else { return false };
+    let Frame::Json(bytes) = frame else {
+        return false;
+    };
     match serde_json::from_slice::<Reply>(bytes) {
-        Ok(Reply::Exited(_)) => node.oom_kill_count(id).await.map(|n| n > before).unwrap_or(false),
+        Ok(Reply::Exited(_)) => node
+            .oom_kill_count(id)
+            .await
+            .map(|n| n > before)
+            .unwrap_or(false),
         _ => false,
     }
 }
@@ -478,9 +555,15 @@ impl SandboxApi for ControlPlane {
         validate::create(&req)?;
         let now = now_ms();
         let id = new_id();
-        let image = req.image.clone().unwrap_or_else(|| self.cfg.default_image.clone());
+        let image = req
+            .image
+            .clone()
+            .unwrap_or_else(|| self.cfg.default_image.clone());
         let cpu = req.resources.cpu.unwrap_or(self.cfg.default_cpu);
-        let memory_mb = req.resources.memory_mb.unwrap_or(self.cfg.default_memory_mb);
+        let memory_mb = req
+            .resources
+            .memory_mb
+            .unwrap_or(self.cfg.default_memory_mb);
         let pids = req.resources.pids.unwrap_or(self.cfg.default_pids);
         let timeout_s = req.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S);
         let mut sb = Sandbox {
@@ -489,7 +572,11 @@ impl SandboxApi for ControlPlane {
             image: image.clone(),
             image_digest: String::new(),
             backend: req.backend,
-            resources: EffectiveResources { cpu, memory_mb, pids },
+            resources: EffectiveResources {
+                cpu,
+                memory_mb,
+                pids,
+            },
             labels: req.labels.clone(),
             created_at: now,
             expires_at: now + timeout_s * 1000,
@@ -501,7 +588,10 @@ impl SandboxApi for ControlPlane {
         self.persist(&sb)?;
         self.lock().insert(id.clone(), sb.clone());
         let mut env = BTreeMap::from([
-            ("PATH".to_string(), "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string()),
+            (
+                "PATH".to_string(),
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string(),
+            ),
             ("HOME".to_string(), "/root".to_string()),
             ("LANG".to_string(), "C.UTF-8".to_string()),
             ("TERM".to_string(), "xterm".to_string()),
@@ -558,12 +648,17 @@ impl SandboxApi for ControlPlane {
 
     async fn set_timeout(&self, id: &str, req: SetTimeoutRequest) -> ApiResult<Sandbox> {
         if req.timeout_s == 0 || req.timeout_s > MAX_TIMEOUT_S {
-            return Err(ApiError::new(ErrorCode::BadRequest, format!("timeout_s must be in [1, {MAX_TIMEOUT_S}]")));
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                format!("timeout_s must be in [1, {MAX_TIMEOUT_S}]"),
+            ));
         }
         self.ready(id)?;
         let sb = {
             let mut recs = self.lock();
-            let sb = recs.get_mut(id).ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("sandbox {id} not found")))?;
+            let sb = recs.get_mut(id).ok_or_else(|| {
+                ApiError::new(ErrorCode::NotFound, format!("sandbox {id} not found"))
+            })?;
             sb.expires_at = now_ms() + req.timeout_s * 1000;
             sb.clone()
         };
@@ -578,22 +673,29 @@ impl SandboxApi for ControlPlane {
             match conn.recv_some().await? {
                 Frame::Stdout(b) => stdout.extend_from_slice(&b),
                 Frame::Stderr(b) => stderr.extend_from_slice(&b),
-                Frame::Json(bytes) => match serde_json::from_slice::<Reply>(&bytes).map_err(internal)? {
-                    Reply::Started { .. } => {}
-                    Reply::Exited(exit) => {
-                        // A shell reports its OOM-killed child as exit 137, not as a
-                        // signal: the cgroup's OOM counter is the reliable witness.
-                        let oom_killed = self.node.oom_kill_count(id).await.map(|n| n > oom_before).unwrap_or(false);
-                        return Ok(ExecResult {
-                            stdout: String::from_utf8_lossy(&stdout).into_owned(),
-                            stderr: String::from_utf8_lossy(&stderr).into_owned(),
-                            exit,
-                            oom_killed,
-                        });
+                Frame::Json(bytes) => {
+                    match serde_json::from_slice::<Reply>(&bytes).map_err(internal)? {
+                        Reply::Started { .. } => {}
+                        Reply::Exited(exit) => {
+                            // A shell reports its OOM-killed child as exit 137, not as a
+                            // signal: the cgroup's OOM counter is the reliable witness.
+                            let oom_killed = self
+                                .node
+                                .oom_kill_count(id)
+                                .await
+                                .map(|n| n > oom_before)
+                                .unwrap_or(false);
+                            return Ok(ExecResult {
+                                stdout: String::from_utf8_lossy(&stdout).into_owned(),
+                                stderr: String::from_utf8_lossy(&stderr).into_owned(),
+                                exit,
+                                oom_killed,
+                            });
+                        }
+                        Reply::Error(e) => return Err(e),
+                        other => return Err(unexpected(other)),
                     }
-                    Reply::Error(e) => return Err(e),
-                    other => return Err(unexpected(other)),
-                },
+                }
                 Frame::Data(_) | Frame::Eof => {}
             }
         }
@@ -606,12 +708,36 @@ impl SandboxApi for ControlPlane {
 
     async fn create_session(&self, id: &str, req: CreateSessionRequest) -> ApiResult<SessionInfo> {
         validate::env(&req.env)?;
-        let session = req.session.unwrap_or_else(|| format!("s-{:08x}", rand::thread_rng().gen::<u32>()));
-        if session.is_empty() || session.len() > 128 || !session.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
-            return Err(ApiError::new(ErrorCode::BadRequest, "session id must be 1-128 characters of [A-Za-z0-9._-]"));
+        let session = req
+            .session
+            .unwrap_or_else(|| format!("s-{:08x}", rand::thread_rng().gen::<u32>()));
+        if session.is_empty()
+            || session.len() > 128
+            || !session
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        {
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                "session id must be 1-128 characters of [A-Za-z0-9._-]",
+            ));
         }
-        match self.call(id, Request::SessionCreate { session, env: req.env, cwd: req.cwd }).await? {
-            Reply::SessionCreated { session, pid } => Ok(SessionInfo { session, pid, busy: false }),
+        match self
+            .call(
+                id,
+                Request::SessionCreate {
+                    session,
+                    env: req.env,
+                    cwd: req.cwd,
+                },
+            )
+            .await?
+        {
+            Reply::SessionCreated { session, pid } => Ok(SessionInfo {
+                session,
+                pid,
+                busy: false,
+            }),
             other => Err(unexpected(other)),
         }
     }
@@ -623,9 +749,18 @@ impl SandboxApi for ControlPlane {
         }
     }
 
-    async fn run_in_session(&self, id: &str, session: &str, req: SessionRunRequest) -> ApiResult<SessionResult> {
+    async fn run_in_session(
+        &self,
+        id: &str,
+        session: &str,
+        req: SessionRunRequest,
+    ) -> ApiResult<SessionResult> {
         let timeout_ms = ms_from_s("timeout_s", req.timeout_s)?;
-        let r = Request::SessionRun { session: session.to_string(), command: req.command, timeout_ms };
+        let r = Request::SessionRun {
+            session: session.to_string(),
+            command: req.command,
+            timeout_ms,
+        };
         match self.call(id, r).await? {
             Reply::SessionResult(res) => Ok(res),
             other => Err(unexpected(other)),
@@ -633,11 +768,23 @@ impl SandboxApi for ControlPlane {
     }
 
     async fn interrupt_session(&self, id: &str, session: &str) -> ApiResult<()> {
-        self.call_ok(id, Request::SessionInterrupt { session: session.to_string() }).await
+        self.call_ok(
+            id,
+            Request::SessionInterrupt {
+                session: session.to_string(),
+            },
+        )
+        .await
     }
 
     async fn close_session(&self, id: &str, session: &str) -> ApiResult<()> {
-        self.call_ok(id, Request::SessionClose { session: session.to_string() }).await
+        self.call_ok(
+            id,
+            Request::SessionClose {
+                session: session.to_string(),
+            },
+        )
+        .await
     }
 
     async fn start_process(&self, id: &str, req: StartProcessRequest) -> ApiResult<ProcessInfo> {
@@ -681,14 +828,25 @@ impl SandboxApi for ControlPlane {
         follow: bool,
     ) -> ApiResult<EventStream> {
         let mut conn = self.conn(id).await?;
-        conn.send_request(&Request::ProcessOutput { pid, stdout_offset, stderr_offset, follow }).await?;
+        conn.send_request(&Request::ProcessOutput {
+            pid,
+            stdout_offset,
+            stderr_offset,
+            follow,
+        })
+        .await?;
         Ok(self.event_stream(id, conn, u64::MAX))
     }
 
     async fn process_stdin(&self, id: &str, pid: u32, req: StdinRequest) -> ApiResult<()> {
         let mut conn = self.conn(id).await?;
-        conn.send(&Frame::json(&Request::ProcessStdin { pid, close: req.close })).await?;
-        let body: ByteStream = futures::stream::iter([Ok(Bytes::from(req.data.into_bytes()))]).boxed();
+        conn.send(&Frame::json(&Request::ProcessStdin {
+            pid,
+            close: req.close,
+        }))
+        .await?;
+        let body: ByteStream =
+            futures::stream::iter([Ok(Bytes::from(req.data.into_bytes()))]).boxed();
         Self::pump(&mut conn, body).await?;
         match conn.recv_reply().await? {
             Reply::Ok => Ok(()),
@@ -698,30 +856,56 @@ impl SandboxApi for ControlPlane {
 
     async fn signal_process(&self, id: &str, pid: u32, req: SignalRequest) -> ApiResult<()> {
         let signal = validate::signal(&req.signal)?;
-        self.call_ok(id, Request::ProcessSignal { pid, signal }).await
+        self.call_ok(id, Request::ProcessSignal { pid, signal })
+            .await
     }
 
     async fn resize_process(&self, id: &str, pid: u32, size: PtySize) -> ApiResult<()> {
         if size.rows == 0 || size.cols == 0 {
-            return Err(ApiError::new(ErrorCode::BadRequest, "rows and cols must be positive"));
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                "rows and cols must be positive",
+            ));
         }
         self.call_ok(id, Request::ProcessResize { pid, size }).await
     }
 
-    async fn read_file(&self, id: &str, path: &str, offset: u64, length: Option<u64>) -> ApiResult<(FileInfo, ByteStream)> {
+    async fn read_file(
+        &self,
+        id: &str,
+        path: &str,
+        offset: u64,
+        length: Option<u64>,
+    ) -> ApiResult<(FileInfo, ByteStream)> {
         validate::sandbox_path("path", path)?;
         let mut conn = self.conn(id).await?;
-        conn.send_request(&Request::FileRead { path: path.to_string(), offset, length }).await?;
+        conn.send_request(&Request::FileRead {
+            path: path.to_string(),
+            offset,
+            length,
+        })
+        .await?;
         match conn.recv_reply().await? {
             Reply::File(info) => Ok((info, Self::data_stream(conn))),
             other => Err(unexpected(other)),
         }
     }
 
-    async fn write_file(&self, id: &str, path: &str, mode: Option<u32>, body: ByteStream) -> ApiResult<WriteResult> {
+    async fn write_file(
+        &self,
+        id: &str,
+        path: &str,
+        mode: Option<u32>,
+        body: ByteStream,
+    ) -> ApiResult<WriteResult> {
         validate::sandbox_path("path", path)?;
         let mut conn = self.conn(id).await?;
-        conn.send(&Frame::json(&Request::FileWrite { path: path.to_string(), mode, create_parents: true })).await?;
+        conn.send(&Frame::json(&Request::FileWrite {
+            path: path.to_string(),
+            mode,
+            create_parents: true,
+        }))
+        .await?;
         if let Err(e) = Self::pump(&mut conn, body).await {
             // The agent may already have refused (e.g. no space): prefer its reason.
             if let Ok(Reply::Error(agent_err)) | Err(agent_err) = conn.recv_reply().await {
@@ -737,7 +921,15 @@ impl SandboxApi for ControlPlane {
 
     async fn list_files(&self, id: &str, path: &str) -> ApiResult<FileList> {
         validate::sandbox_path("path", path)?;
-        match self.call(id, Request::FileList { path: path.to_string() }).await? {
+        match self
+            .call(
+                id,
+                Request::FileList {
+                    path: path.to_string(),
+                },
+            )
+            .await?
+        {
             Reply::Entries { entries } => Ok(FileList { entries }),
             other => Err(unexpected(other)),
         }
@@ -745,7 +937,15 @@ impl SandboxApi for ControlPlane {
 
     async fn stat_file(&self, id: &str, path: &str) -> ApiResult<FileInfo> {
         validate::sandbox_path("path", path)?;
-        match self.call(id, Request::FileStat { path: path.to_string() }).await? {
+        match self
+            .call(
+                id,
+                Request::FileStat {
+                    path: path.to_string(),
+                },
+            )
+            .await?
+        {
             Reply::File(info) => Ok(info),
             other => Err(unexpected(other)),
         }
@@ -753,31 +953,52 @@ impl SandboxApi for ControlPlane {
 
     async fn mkdir(&self, id: &str, req: MkdirRequest) -> ApiResult<()> {
         validate::sandbox_path("path", &req.path)?;
-        self.call_ok(id, Request::FileMkdir { path: req.path }).await
+        self.call_ok(id, Request::FileMkdir { path: req.path })
+            .await
     }
 
     async fn remove_file(&self, id: &str, path: &str, recursive: bool) -> ApiResult<()> {
         validate::sandbox_path("path", path)?;
-        self.call_ok(id, Request::FileRemove { path: path.to_string(), recursive }).await
+        self.call_ok(
+            id,
+            Request::FileRemove {
+                path: path.to_string(),
+                recursive,
+            },
+        )
+        .await
     }
 
     async fn rename_file(&self, id: &str, req: RenameRequest) -> ApiResult<()> {
         validate::sandbox_path("from", &req.from)?;
         validate::sandbox_path("to", &req.to)?;
-        self.call_ok(id, Request::FileRename { from: req.from, to: req.to }).await
+        self.call_ok(
+            id,
+            Request::FileRename {
+                from: req.from,
+                to: req.to,
+            },
+        )
+        .await
     }
 
     async fn download_tar(&self, id: &str, path: &str) -> ApiResult<ByteStream> {
         validate::sandbox_path("path", path)?;
         let mut conn = self.conn(id).await?;
-        conn.send_request(&Request::TarDownload { path: path.to_string() }).await?;
+        conn.send_request(&Request::TarDownload {
+            path: path.to_string(),
+        })
+        .await?;
         Ok(Self::data_stream(conn))
     }
 
     async fn upload_tar(&self, id: &str, path: &str, body: ByteStream) -> ApiResult<WriteResult> {
         validate::sandbox_path("path", path)?;
         let mut conn = self.conn(id).await?;
-        conn.send(&Frame::json(&Request::TarUpload { path: path.to_string() })).await?;
+        conn.send(&Frame::json(&Request::TarUpload {
+            path: path.to_string(),
+        }))
+        .await?;
         if let Err(e) = Self::pump(&mut conn, body).await {
             if let Ok(Reply::Error(agent_err)) | Err(agent_err) = conn.recv_reply().await {
                 return Err(agent_err);
@@ -799,9 +1020,18 @@ impl SandboxApi for ControlPlane {
     async fn import_image(&self, req: ImportImageRequest) -> ApiResult<Image> {
         let source = PathBuf::from(&req.source);
         if !source.is_absolute() {
-            return Err(ApiError::new(ErrorCode::BadRequest, format!("source {:?} must be an absolute path on the server", req.source)));
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                format!(
+                    "source {:?} must be an absolute path on the server",
+                    req.source
+                ),
+            ));
         }
-        self.node.import_image(&req.name, &source).await.map_err(ApiError::from)
+        self.node
+            .import_image(&req.name, &source)
+            .await
+            .map_err(ApiError::from)
     }
 
     async fn delete_image(&self, name: &str) -> ApiResult<()> {

@@ -19,7 +19,9 @@ pub const MAX_OUTPUT_LIMIT: u64 = 64 * 1024 * 1024;
 pub fn env(env: &std::collections::BTreeMap<String, String>) -> Result<(), ApiError> {
     for (k, v) in env {
         if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
-            return Err(bad(format!("invalid environment variable name or value: {k:?}")));
+            return Err(bad(format!(
+                "invalid environment variable name or value: {k:?}"
+            )));
         }
     }
     Ok(())
@@ -27,14 +29,19 @@ pub fn env(env: &std::collections::BTreeMap<String, String>) -> Result<(), ApiEr
 
 pub fn sandbox_path(field: &str, p: &str) -> Result<(), ApiError> {
     if p.is_empty() || p.contains('\0') {
-        return Err(ApiError::new(ErrorCode::InvalidPath, format!("{field}: path must be non-empty and contain no NUL byte")));
+        return Err(ApiError::new(
+            ErrorCode::InvalidPath,
+            format!("{field}: path must be non-empty and contain no NUL byte"),
+        ));
     }
     Ok(())
 }
 
 pub fn seconds(field: &str, v: f64) -> Result<u64, ApiError> {
     if !v.is_finite() || v <= 0.0 || v > MAX_TIMEOUT_S as f64 {
-        return Err(bad(format!("{field} must be between 0 and {MAX_TIMEOUT_S} seconds, got {v}")));
+        return Err(bad(format!(
+            "{field} must be between 0 and {MAX_TIMEOUT_S} seconds, got {v}"
+        )));
     }
     Ok((v * 1000.0).ceil() as u64)
 }
@@ -42,38 +49,55 @@ pub fn seconds(field: &str, v: f64) -> Result<u64, ApiError> {
 pub fn create(req: &CreateSandboxRequest) -> Result<(), ApiError> {
     if let Some(cpu) = req.resources.cpu {
         if !cpu.is_finite() || cpu <= 0.0 || cpu > MAX_CPU {
-            return Err(bad(format!("resources.cpu must be in (0, {MAX_CPU}] cores, got {cpu}")));
+            return Err(bad(format!(
+                "resources.cpu must be in (0, {MAX_CPU}] cores, got {cpu}"
+            )));
         }
     }
     if let Some(m) = req.resources.memory_mb {
         if m < MEMORY_MB_RANGE.0 || m > MEMORY_MB_RANGE.1 {
-            return Err(bad(format!("resources.memory_mb must be in [{}, {}], got {m}", MEMORY_MB_RANGE.0, MEMORY_MB_RANGE.1)));
+            return Err(bad(format!(
+                "resources.memory_mb must be in [{}, {}], got {m}",
+                MEMORY_MB_RANGE.0, MEMORY_MB_RANGE.1
+            )));
         }
     }
     if let Some(p) = req.resources.pids {
         if p < PIDS_RANGE.0 || p > PIDS_RANGE.1 {
-            return Err(bad(format!("resources.pids must be in [{}, {}], got {p}", PIDS_RANGE.0, PIDS_RANGE.1)));
+            return Err(bad(format!(
+                "resources.pids must be in [{}, {}], got {p}",
+                PIDS_RANGE.0, PIDS_RANGE.1
+            )));
         }
     }
     if let Some(t) = req.timeout_s {
         if t == 0 || t > MAX_TIMEOUT_S {
-            return Err(bad(format!("timeout_s must be in [1, {MAX_TIMEOUT_S}], got {t}")));
+            return Err(bad(format!(
+                "timeout_s must be in [1, {MAX_TIMEOUT_S}], got {t}"
+            )));
         }
     }
     if let Some(t) = req.idle_timeout_s {
         if t == 0 || t > MAX_TIMEOUT_S {
-            return Err(bad(format!("idle_timeout_s must be in [1, {MAX_TIMEOUT_S}], got {t}")));
+            return Err(bad(format!(
+                "idle_timeout_s must be in [1, {MAX_TIMEOUT_S}], got {t}"
+            )));
         }
     }
     env(&req.env)?;
     for (k, v) in &req.labels {
         if k.is_empty() || k.len() > 128 || v.len() > 1024 || k.contains('=') {
-            return Err(bad(format!("invalid label {k:?}: keys are 1-128 bytes without '=', values at most 1024 bytes")));
+            return Err(bad(format!(
+                "invalid label {k:?}: keys are 1-128 bytes without '=', values at most 1024 bytes"
+            )));
         }
     }
     for f in &req.files {
         if !f.path.starts_with('/') {
-            return Err(ApiError::new(ErrorCode::InvalidPath, format!("files: path {:?} must be absolute", f.path)));
+            return Err(ApiError::new(
+                ErrorCode::InvalidPath,
+                format!("files: path {:?} must be absolute", f.path),
+            ));
         }
         sandbox_path("files.path", &f.path)?;
     }
@@ -87,12 +111,16 @@ pub fn create(req: &CreateSandboxRequest) -> Result<(), ApiError> {
 
 pub fn exec(req: &ExecRequest) -> Result<(), ApiError> {
     match &req.cmd {
-        dsec_wire::v1::Command::Argv(v) if v.is_empty() => return Err(bad("cmd: argv must not be empty")),
+        dsec_wire::v1::Command::Argv(v) if v.is_empty() => {
+            return Err(bad("cmd: argv must not be empty"))
+        }
         dsec_wire::v1::Command::Argv(v) if v.iter().any(|a| a.contains('\0')) => {
             return Err(bad("cmd: arguments must not contain NUL bytes"))
         }
         dsec_wire::v1::Command::Shell(s) if s.trim().is_empty() || s.contains('\0') => {
-            return Err(bad("cmd: shell command must be non-empty and contain no NUL byte"))
+            return Err(bad(
+                "cmd: shell command must be non-empty and contain no NUL byte",
+            ))
         }
         _ => {}
     }
@@ -102,7 +130,9 @@ pub fn exec(req: &ExecRequest) -> Result<(), ApiError> {
     }
     if let Some(l) = req.output_limit {
         if l == 0 || l > MAX_OUTPUT_LIMIT {
-            return Err(bad(format!("output_limit must be in [1, {MAX_OUTPUT_LIMIT}] bytes, got {l}")));
+            return Err(bad(format!(
+                "output_limit must be in [1, {MAX_OUTPUT_LIMIT}] bytes, got {l}"
+            )));
         }
     }
     if let Some(cwd) = &req.cwd {
@@ -146,10 +176,25 @@ mod tests {
 
     #[test]
     fn rejects_absurd_limits() {
-        let mut r = CreateSandboxRequest { resources: Resources { cpu: Some(-1.0), ..Default::default() }, ..Default::default() };
-        assert_eq!(create(&r).expect_err("negative cpu").code, ErrorCode::BadRequest);
-        r.resources = Resources { memory_mb: Some(1 << 40), ..Default::default() };
-        assert!(create(&r).expect_err("huge memory").message.contains("memory_mb"));
+        let mut r = CreateSandboxRequest {
+            resources: Resources {
+                cpu: Some(-1.0),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        assert_eq!(
+            create(&r).expect_err("negative cpu").code,
+            ErrorCode::BadRequest
+        );
+        r.resources = Resources {
+            memory_mb: Some(1 << 40),
+            ..Default::default()
+        };
+        assert!(create(&r)
+            .expect_err("huge memory")
+            .message
+            .contains("memory_mb"));
         r.resources = Resources::default();
         r.timeout_s = Some(0);
         assert!(create(&r).is_err());

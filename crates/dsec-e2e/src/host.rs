@@ -6,9 +6,14 @@ use std::path::Path;
 /// Cgroup directories named after the sandbox, in any hierarchy (v1 and v2).
 pub fn cgroup_dirs(id: &str) -> Vec<String> {
     let mut out = Vec::new();
-    let Ok(entries) = std::fs::read_dir("/sys/fs/cgroup") else { return out };
+    let Ok(entries) = std::fs::read_dir("/sys/fs/cgroup") else {
+        return out;
+    };
     for e in entries.flatten() {
-        for candidate in [e.path().join("dsec").join(id), Path::new("/sys/fs/cgroup/dsec").join(id)] {
+        for candidate in [
+            e.path().join("dsec").join(id),
+            Path::new("/sys/fs/cgroup/dsec").join(id),
+        ] {
             if candidate.exists() {
                 out.push(candidate.display().to_string());
             }
@@ -32,9 +37,13 @@ pub fn mounts(id: &str) -> Vec<String> {
 /// Host pids whose cgroup membership mentions the sandbox.
 pub fn processes(id: &str) -> Vec<i32> {
     let mut out = Vec::new();
-    let Ok(entries) = std::fs::read_dir("/proc") else { return out };
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return out;
+    };
     for e in entries.flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
         if let Ok(cg) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) {
             if cg.contains(&format!("/dsec/{id}")) {
                 out.push(pid);

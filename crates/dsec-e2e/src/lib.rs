@@ -6,8 +6,8 @@
 //! under `CI=true` and skip with a message elsewhere. [`host`] scans the host for what a
 //! sandbox may leave behind.
 
-use std::path::{Path, PathBuf};
 use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -22,10 +22,13 @@ pub mod host;
 pub fn require_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
-    let have_erofs = std::fs::read_to_string("/proc/filesystems").map(|s| s.contains("erofs")).unwrap_or(false);
+    let have_erofs = std::fs::read_to_string("/proc/filesystems")
+        .map(|s| s.contains("erofs"))
+        .unwrap_or(false);
     let ok = root && have_erofs && which("mkfs.erofs");
     if !ok {
-        let msg = format!("e2e tests need root, EROFS and mkfs.erofs (root={root}, erofs={have_erofs})");
+        let msg =
+            format!("e2e tests need root, EROFS and mkfs.erofs (root={root}, erofs={have_erofs})");
         if std::env::var("CI").as_deref() == Ok("true") {
             panic!("{msg}");
         }
@@ -50,7 +53,9 @@ pub fn target_dir() -> PathBuf {
 
 /// The `dsec` binary under test (`DSEC_BIN` or `target/debug/dsec`).
 pub fn dsec_bin() -> PathBuf {
-    std::env::var_os("DSEC_BIN").map(PathBuf::from).unwrap_or_else(|| target_dir().join("debug/dsec"))
+    std::env::var_os("DSEC_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| target_dir().join("debug/dsec"))
 }
 
 /// The base image rootfs tarball (`DSEC_BASE_TAR` or the build script's default path).
@@ -178,7 +183,10 @@ impl Server {
         SHARED.get_or_init(|| {
             let (tx, rx) = std::sync::mpsc::channel();
             std::thread::spawn(move || {
-                let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
                     Ok(rt) => rt,
                     Err(e) => {
                         let _ = tx.send(Err(anyhow::anyhow!(e)));
@@ -226,23 +234,43 @@ impl Server {
     /// EROFS blob of another server (fast) instead of building from the tarball.
     pub async fn ensure_base(&self, blob_from: Option<&Server>) -> anyhow::Result<()> {
         let c = self.client();
-        if c.list_images().await?.images.iter().any(|i| i.name == "base") {
+        if c.list_images()
+            .await?
+            .images
+            .iter()
+            .any(|i| i.name == "base")
+        {
             return Ok(());
         }
         let source = match blob_from {
             Some(other) => {
                 let img = other.client().list_images().await?;
-                let digest = img.images.iter().find(|i| i.name == "base").context("no base image")?.digest.clone();
+                let digest = img
+                    .images
+                    .iter()
+                    .find(|i| i.name == "base")
+                    .context("no base image")?
+                    .digest
+                    .clone();
                 let hex = digest.trim_start_matches("sha256:");
-                other.state_dir.join(format!("images/blobs/sha256/{hex}.erofs"))
+                other
+                    .state_dir
+                    .join(format!("images/blobs/sha256/{hex}.erofs"))
             }
             None => base_tar(),
         };
         if !source.exists() {
-            bail!("{} missing: run scripts/build-base-image.sh {}", source.display(), source.display());
+            bail!(
+                "{} missing: run scripts/build-base-image.sh {}",
+                source.display(),
+                source.display()
+            );
         }
-        c.import_image(dsec_wire::v1::ImportImageRequest { name: "base".into(), source: source.display().to_string() })
-            .await?;
+        c.import_image(dsec_wire::v1::ImportImageRequest {
+            name: "base".into(),
+            source: source.display().to_string(),
+        })
+        .await?;
         Ok(())
     }
 

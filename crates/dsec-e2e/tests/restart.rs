@@ -7,7 +7,14 @@ use dsec_e2e::{host, require_root, Server};
 use dsec_wire::v1::*;
 
 fn sh(cmd: &str) -> ExecRequest {
-    ExecRequest { cmd: Command::Shell(cmd.into()), env: BTreeMap::new(), cwd: None, stdin: None, timeout_s: None, output_limit: None }
+    ExecRequest {
+        cmd: Command::Shell(cmd.into()),
+        env: BTreeMap::new(),
+        cwd: None,
+        stdin: None,
+        timeout_s: None,
+        output_limit: None,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -21,22 +28,47 @@ async fn restart_readopts_20_live_sandboxes() {
     let c = s.client();
     let mut ids = Vec::new();
     for i in 0..20 {
-        let sb = c.create_sandbox(CreateSandboxRequest::default()).await.expect("create");
+        let sb = c
+            .create_sandbox(CreateSandboxRequest::default())
+            .await
+            .expect("create");
         // A background process and a file: state that must survive the restart.
-        let r = c.exec(&sb.id, sh(&format!("echo {i} > /root/n; (sleep 1000 &) ; echo started"))).await.expect("exec");
+        let r = c
+            .exec(
+                &sb.id,
+                sh(&format!(
+                    "echo {i} > /root/n; (sleep 1000 &) ; echo started"
+                )),
+            )
+            .await
+            .expect("exec");
         assert_eq!(r.stdout, "started\n");
         ids.push(sb.id);
     }
-    let sess = c.create_session(&ids[0], CreateSessionRequest::default()).await.expect("session");
-    c.run_in_session(&ids[0], &sess.session, SessionRunRequest { command: "export KEEP=yes; cd /tmp".into(), timeout_s: None })
+    let sess = c
+        .create_session(&ids[0], CreateSessionRequest::default())
         .await
-        .expect("session run");
+        .expect("session");
+    c.run_in_session(
+        &ids[0],
+        &sess.session,
+        SessionRunRequest {
+            command: "export KEEP=yes; cd /tmp".into(),
+            timeout_s: None,
+        },
+    )
+    .await
+    .expect("session run");
     let pids_before: Vec<Vec<i32>> = ids.iter().map(|id| host::processes(id)).collect();
 
     s.kill();
     // Sandboxes keep running while the server is down.
     for (id, before) in ids.iter().zip(&pids_before) {
-        assert_eq!(&host::processes(id), before, "{id} changed while the server was down");
+        assert_eq!(
+            &host::processes(id),
+            before,
+            "{id} changed while the server was down"
+        );
     }
     s.spawn().await.expect("restart");
     let c = s.client();
@@ -45,16 +77,29 @@ async fn restart_readopts_20_live_sandboxes() {
     for (i, id) in ids.iter().enumerate() {
         let sb = c.get_sandbox(id).await.expect("get");
         assert_eq!(sb.state, SandboxState::Ready, "{id}");
-        let r = c.exec(id, sh("cat /root/n; pgrep -c sleep")).await.expect("exec after restart");
+        let r = c
+            .exec(id, sh("cat /root/n; pgrep -c sleep"))
+            .await
+            .expect("exec after restart");
         assert_eq!(r.stdout, format!("{i}\n1\n"), "{id}");
     }
     let r = c
-        .run_in_session(&ids[0], &sess.session, SessionRunRequest { command: "echo $KEEP $(pwd)".into(), timeout_s: None })
+        .run_in_session(
+            &ids[0],
+            &sess.session,
+            SessionRunRequest {
+                command: "echo $KEEP $(pwd)".into(),
+                timeout_s: None,
+            },
+        )
         .await
         .expect("session after restart");
     assert_eq!(r.output, "yes /tmp\n");
     for id in &ids {
         c.delete_sandbox(id).await.expect("delete");
-        assert!(host::processes(id).is_empty() && host::cgroup_dirs(id).is_empty(), "{id} leaked");
+        assert!(
+            host::processes(id).is_empty() && host::cgroup_dirs(id).is_empty(),
+            "{id} leaked"
+        );
     }
 }

@@ -19,15 +19,25 @@ async fn create(c: &Client, req: CreateSandboxRequest) -> Sandbox {
 }
 
 fn sh(cmd: &str) -> ExecRequest {
-    ExecRequest { cmd: Command::Shell(cmd.into()), env: BTreeMap::new(), cwd: None, stdin: None, timeout_s: None, output_limit: None }
+    ExecRequest {
+        cmd: Command::Shell(cmd.into()),
+        env: BTreeMap::new(),
+        cwd: None,
+        stdin: None,
+        timeout_s: None,
+        output_limit: None,
+    }
 }
 
 async fn run(c: &Client, id: &str, cmd: &str) -> ExecResult {
-    c.exec(id, sh(cmd)).await.unwrap_or_else(|e| panic!("exec {cmd:?}: {e}"))
+    c.exec(id, sh(cmd))
+        .await
+        .unwrap_or_else(|e| panic!("exec {cmd:?}: {e}"))
 }
 
 fn code(e: ClientError) -> ErrorCode {
-    e.code().unwrap_or_else(|| panic!("expected an API error, got {e}"))
+    e.code()
+        .unwrap_or_else(|| panic!("expected an API error, got {e}"))
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -42,7 +52,12 @@ async fn create_exec_delete_round_trip_leaves_nothing_behind() {
         CreateSandboxRequest {
             env: BTreeMap::from([("GREETING".into(), "hi".into())]),
             labels: BTreeMap::from([("suite".into(), "round-trip".into())]),
-            files: vec![InitFile { path: "/work/task.txt".into(), content: "solve me".into(), encoding: ContentEncoding::Utf8, mode: Some(0o600) }],
+            files: vec![InitFile {
+                path: "/work/task.txt".into(),
+                content: "solve me".into(),
+                encoding: ContentEncoding::Utf8,
+                mode: Some(0o600),
+            }],
             workdir: Some("/work".into()),
             ..Default::default()
         },
@@ -51,23 +66,51 @@ async fn create_exec_delete_round_trip_leaves_nothing_behind() {
     assert_eq!(sb.state, SandboxState::Ready);
     assert!(sb.image_digest.starts_with("sha256:"));
 
-    let r = run(&c, &sb.id, "echo $GREETING from $(hostname) in $(pwd); cat task.txt; echo; stat -c %a task.txt").await;
+    let r = run(
+        &c,
+        &sb.id,
+        "echo $GREETING from $(hostname) in $(pwd); cat task.txt; echo; stat -c %a task.txt",
+    )
+    .await;
     assert_eq!(r.exit.exit_code, Some(0), "{r:?}");
-    assert_eq!(r.stdout, format!("hi from {} in /work\nsolve me\n600\n", sb.id));
+    assert_eq!(
+        r.stdout,
+        format!("hi from {} in /work\nsolve me\n600\n", sb.id)
+    );
 
     let r = run(&c, &sb.id, "echo err >&2; exit 3").await;
     assert_eq!((r.exit.exit_code, r.stderr.as_str()), (Some(3), "err\n"));
 
-    let argv = ExecRequest { cmd: Command::Argv(vec!["cat".into()]), stdin: Some("piped input".into()), ..sh("") };
-    assert_eq!(c.exec(&sb.id, argv).await.expect("exec").stdout, "piped input");
+    let argv = ExecRequest {
+        cmd: Command::Argv(vec!["cat".into()]),
+        stdin: Some("piped input".into()),
+        ..sh("")
+    };
+    assert_eq!(
+        c.exec(&sb.id, argv).await.expect("exec").stdout,
+        "piped input"
+    );
 
     // Label filter.
     let only = BTreeMap::from([("suite".into(), "round-trip".into())]);
     let listed = c.list_sandboxes(only).await.expect("list");
-    assert_eq!(listed.sandboxes.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), vec![sb.id.as_str()]);
+    assert_eq!(
+        listed
+            .sandboxes
+            .iter()
+            .map(|s| s.id.as_str())
+            .collect::<Vec<_>>(),
+        vec![sb.id.as_str()]
+    );
 
     // Streaming: events arrive in order and end with Exit.
-    let mut stream = c.exec_stream(&sb.id, sh("for i in 1 2 3; do echo line$i; sleep 0.05; done; exit 4")).await.expect("stream");
+    let mut stream = c
+        .exec_stream(
+            &sb.id,
+            sh("for i in 1 2 3; do echo line$i; sleep 0.05; done; exit 4"),
+        )
+        .await
+        .expect("stream");
     let mut out = String::new();
     let mut exit = None;
     while let Some(ev) = stream.next().await {
@@ -83,13 +126,37 @@ async fn create_exec_delete_round_trip_leaves_nothing_behind() {
     assert!(!pid.is_empty(), "the sandbox's processes are in its cgroup");
     assert!(!host::cgroup_dirs(&sb.id).is_empty());
     c.delete_sandbox(&sb.id).await.expect("delete");
-    assert_eq!(code(c.get_sandbox(&sb.id).await.expect_err("gone")), ErrorCode::NotFound);
-    assert_eq!(code(c.exec(&sb.id, sh("true")).await.expect_err("gone")), ErrorCode::NotFound);
-    assert!(host::processes(&sb.id).is_empty(), "processes left: {:?}", host::processes(&sb.id));
-    assert!(host::cgroup_dirs(&sb.id).is_empty(), "cgroups left: {:?}", host::cgroup_dirs(&sb.id));
-    assert!(host::mounts(&sb.id).is_empty(), "mounts left: {:?}", host::mounts(&sb.id));
-    assert!(!s.state_dir.join("sandboxes").join(&sb.id).exists(), "sandbox dir left");
-    assert!(!s.run_dir.join("sandboxes").join(&sb.id).exists(), "socket dir left");
+    assert_eq!(
+        code(c.get_sandbox(&sb.id).await.expect_err("gone")),
+        ErrorCode::NotFound
+    );
+    assert_eq!(
+        code(c.exec(&sb.id, sh("true")).await.expect_err("gone")),
+        ErrorCode::NotFound
+    );
+    assert!(
+        host::processes(&sb.id).is_empty(),
+        "processes left: {:?}",
+        host::processes(&sb.id)
+    );
+    assert!(
+        host::cgroup_dirs(&sb.id).is_empty(),
+        "cgroups left: {:?}",
+        host::cgroup_dirs(&sb.id)
+    );
+    assert!(
+        host::mounts(&sb.id).is_empty(),
+        "mounts left: {:?}",
+        host::mounts(&sb.id)
+    );
+    assert!(
+        !s.state_dir.join("sandboxes").join(&sb.id).exists(),
+        "sandbox dir left"
+    );
+    assert!(
+        !s.run_dir.join("sandboxes").join(&sb.id).exists(),
+        "socket dir left"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -113,7 +180,10 @@ async fn isolation_is_in_place() {
     .await;
     let out = r.stdout;
     // Bounding set = the kept capabilities only (no SYS_ADMIN = bit 21).
-    let bnd = out.lines().find_map(|l| l.strip_prefix("CapBnd:")).map(|v| u64::from_str_radix(v.trim(), 16).expect("hex"));
+    let bnd = out
+        .lines()
+        .find_map(|l| l.strip_prefix("CapBnd:"))
+        .map(|v| u64::from_str_radix(v.trim(), 16).expect("hex"));
     let bnd = bnd.expect("CapBnd present");
     assert_eq!(bnd & (1 << 21), 0, "CAP_SYS_ADMIN must be dropped: {out}");
     assert_eq!(bnd & (1 << 12), 0, "CAP_NET_ADMIN must be dropped: {out}");
@@ -125,7 +195,10 @@ async fn isolation_is_in_place() {
     assert!(out.contains("mount-denied"), "{out}");
     assert!(out.contains("userns-denied"), "{out}");
     assert!(out.contains("procsys-ro"), "{out}");
-    assert!(out.contains("\n0\n0\n"), "masked /proc paths read empty: {out}");
+    assert!(
+        out.contains("\n0\n0\n"),
+        "masked /proc paths read empty: {out}"
+    );
     for dev in ["null", "zero", "urandom", "tty", "ptmx", "pts", "shm"] {
         assert!(out.contains(dev), "/dev/{dev} missing: {out}");
     }
@@ -139,13 +212,31 @@ async fn session_state_persists_across_50_commands_and_survives_timeouts() {
     }
     let c = server().client();
     let sb = create(&c, CreateSandboxRequest::default()).await;
-    let sess = c.create_session(&sb.id, CreateSessionRequest::default()).await.expect("session");
+    let sess = c
+        .create_session(&sb.id, CreateSessionRequest::default())
+        .await
+        .expect("session");
     let run_s = |cmd: &str, t: Option<f64>| {
         let c = c.clone();
         let (id, sid, cmd) = (sb.id.clone(), sess.session.clone(), cmd.to_string());
-        async move { c.run_in_session(&id, &sid, SessionRunRequest { command: cmd, timeout_s: t }).await.expect("run") }
+        async move {
+            c.run_in_session(
+                &id,
+                &sid,
+                SessionRunRequest {
+                    command: cmd,
+                    timeout_s: t,
+                },
+            )
+            .await
+            .expect("run")
+        }
     };
-    run_s("mkdir -p /tmp/w && cd /tmp/w && export COUNT=0 && shellvar=kept", None).await;
+    run_s(
+        "mkdir -p /tmp/w && cd /tmp/w && export COUNT=0 && shellvar=kept",
+        None,
+    )
+    .await;
     for i in 1..=50 {
         let r = run_s("COUNT=$((COUNT+1)); echo \"$COUNT $(pwd) $shellvar\"", None).await;
         assert_eq!(r.exit_code, 0);
@@ -156,7 +247,10 @@ async fn session_state_persists_across_50_commands_and_survives_timeouts() {
     let r = run_s("sleep 30", Some(0.5)).await;
     assert!(r.timed_out, "{r:?}");
     let r = run_s("echo $COUNT; pwd", None).await;
-    assert_eq!(r.output, "50\n/tmp/w\n", "session usable with its state after a timeout");
+    assert_eq!(
+        r.output, "50\n/tmp/w\n",
+        "session usable with its state after a timeout"
+    );
     c.delete_sandbox(&sb.id).await.expect("delete");
 }
 
@@ -167,7 +261,10 @@ async fn exec_timeout_kills_the_whole_process_tree() {
     }
     let c = server().client();
     let sb = create(&c, CreateSandboxRequest::default()).await;
-    let req = ExecRequest { timeout_s: Some(0.5), ..sh("sleep 300 & echo $! > /tmp/child; sleep 300") };
+    let req = ExecRequest {
+        timeout_s: Some(0.5),
+        ..sh("sleep 300 & echo $! > /tmp/child; sleep 300")
+    };
     let start = Instant::now();
     let r = c.exec(&sb.id, req).await.expect("exec");
     assert!(r.exit.timed_out, "{r:?}");
@@ -184,12 +281,20 @@ async fn output_cap_holds_under_yes_for_10s() {
     }
     let c = server().client();
     let sb = create(&c, CreateSandboxRequest::default()).await;
-    let req = ExecRequest { timeout_s: Some(10.0), output_limit: Some(1 << 20), ..sh("yes") };
+    let req = ExecRequest {
+        timeout_s: Some(10.0),
+        output_limit: Some(1 << 20),
+        ..sh("yes")
+    };
     let r = c.exec(&sb.id, req).await.expect("exec");
     assert!(r.exit.timed_out);
     assert!(r.exit.stdout_truncated);
     assert!(r.stdout.len() <= 1 << 20, "kept {} bytes", r.stdout.len());
-    assert!(r.exit.stdout_bytes > 50 << 20, "yes ran and was drained: {} bytes", r.exit.stdout_bytes);
+    assert!(
+        r.exit.stdout_bytes > 50 << 20,
+        "yes ran and was drained: {} bytes",
+        r.exit.stdout_bytes
+    );
     assert!(r.stdout.ends_with("y\n"));
     // The sandbox's disk did not fill: nothing is recorded on disk.
     let r = run(&c, &sb.id, "echo still-fine").await;
@@ -203,15 +308,33 @@ async fn fork_bomb_hits_pids_limit_and_sandbox_stays_usable() {
         return;
     }
     let c = server().client();
-    let sb = create(&c, CreateSandboxRequest { resources: Resources { pids: Some(64), ..Default::default() }, ..Default::default() }).await;
-    let bomb = ExecRequest { timeout_s: Some(3.0), ..sh("bomb() { bomb | bomb & }; bomb; sleep 5") };
+    let sb = create(
+        &c,
+        CreateSandboxRequest {
+            resources: Resources {
+                pids: Some(64),
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    )
+    .await;
+    let bomb = ExecRequest {
+        timeout_s: Some(3.0),
+        ..sh("bomb() { bomb | bomb & }; bomb; sleep 5")
+    };
     let r = c.exec(&sb.id, bomb).await.expect("exec");
     assert!(r.exit.timed_out || r.exit.exit_code.is_some(), "{r:?}");
     // Whatever the bomb left is bounded by the limit; the agent still serves.
     let ok = wait_until(Duration::from_secs(20), || {
         let c = c.clone();
         let id = sb.id.clone();
-        async move { c.exec(&id, sh("echo alive")).await.ok().filter(|r| r.stdout == "alive\n") }
+        async move {
+            c.exec(&id, sh("echo alive"))
+                .await
+                .ok()
+                .filter(|r| r.stdout == "alive\n")
+        }
     })
     .await;
     assert!(ok.is_some(), "sandbox unusable after fork bomb");
@@ -226,9 +349,27 @@ async fn memory_hog_is_oom_killed_and_reported() {
         return;
     }
     let c = server().client();
-    let sb = create(&c, CreateSandboxRequest { resources: Resources { memory_mb: Some(64), ..Default::default() }, ..Default::default() }).await;
-    let r = run(&c, &sb.id, "python3 -c 'b = bytearray(512 * 2**20); print(len(b))'").await;
-    assert!(r.exit.signal == Some(9) || r.exit.exit_code == Some(137), "{r:?}");
+    let sb = create(
+        &c,
+        CreateSandboxRequest {
+            resources: Resources {
+                memory_mb: Some(64),
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    )
+    .await;
+    let r = run(
+        &c,
+        &sb.id,
+        "python3 -c 'b = bytearray(512 * 2**20); print(len(b))'",
+    )
+    .await;
+    assert!(
+        r.exit.signal == Some(9) || r.exit.exit_code == Some(137),
+        "{r:?}"
+    );
     assert!(r.oom_killed, "OOM kill must be reported: {r:?}");
     let r = run(&c, &sb.id, "echo survived").await;
     assert_eq!(r.stdout, "survived\n");
@@ -262,15 +403,24 @@ async fn file_round_trip_of_1_gib_with_checksum() {
         sent.update(chunk_at(i));
     }
     let sent = hex::encode(sent.finalize());
-    let body = futures::stream::iter(0..CHUNKS).map(move |i| Ok::<_, std::io::Error>(bytes::Bytes::from(chunk_at(i))));
+    let body = futures::stream::iter(0..CHUNKS)
+        .map(move |i| Ok::<_, std::io::Error>(bytes::Bytes::from(chunk_at(i))));
     let w = c
-        .write_file(&sb.id, "/data/big.bin", None, dsec_client::UploadBody::from_stream(body))
+        .write_file(
+            &sb.id,
+            "/data/big.bin",
+            None,
+            dsec_client::UploadBody::from_stream(body),
+        )
         .await
         .expect("upload 1 GiB");
     assert_eq!(w.bytes, (CHUNK * CHUNKS) as u64);
     let r = run(&c, &sb.id, "sha256sum /data/big.bin | cut -d' ' -f1").await;
     assert_eq!(r.stdout.trim(), sent, "checksum inside the sandbox");
-    let (info, mut stream) = c.read_file(&sb.id, "/data/big.bin", 0, None).await.expect("download");
+    let (info, mut stream) = c
+        .read_file(&sb.id, "/data/big.bin", 0, None)
+        .await
+        .expect("download");
     assert_eq!(info.size, (CHUNK * CHUNKS) as u64);
     let mut got = Sha256::new();
     let mut n = 0usize;
@@ -305,7 +455,7 @@ async fn files_api_cannot_escape_the_sandbox_root() {
     )
     .await;
     for path in [
-        format!("/tmp/e/abs"),
+        "/tmp/e/abs".to_string(),
         format!("/tmp/e/up{secret_path}"),
         format!("/tmp/e/root{secret_path}"),
         format!("/../../..{secret_path}"),
@@ -319,7 +469,10 @@ async fn files_api_cannot_escape_the_sandbox_root() {
                 }
                 assert_ne!(body, b"host secret", "{path} leaked a host file");
             }
-            Err(e) => assert!(matches!(code(e), ErrorCode::NotFound | ErrorCode::InvalidPath | ErrorCode::BadRequest)),
+            Err(e) => assert!(matches!(
+                code(e),
+                ErrorCode::NotFound | ErrorCode::InvalidPath | ErrorCode::BadRequest
+            )),
         }
     }
     // Writes through a symlink to / land inside the sandbox, never on the host.
@@ -342,10 +495,49 @@ async fn bad_input_gets_typed_errors() {
         let c = c.clone();
         async move { code(c.create_sandbox(req).await.expect_err("must fail")) }
     };
-    assert_eq!(bad(CreateSandboxRequest { resources: Resources { cpu: Some(-1.0), ..Default::default() }, ..Default::default() }).await, ErrorCode::BadRequest);
-    assert_eq!(bad(CreateSandboxRequest { resources: Resources { memory_mb: Some(1 << 40), ..Default::default() }, ..Default::default() }).await, ErrorCode::BadRequest);
-    assert_eq!(bad(CreateSandboxRequest { image: Some("no-such-image".into()), ..Default::default() }).await, ErrorCode::ImageNotFound);
-    assert_eq!(bad(CreateSandboxRequest { files: vec![InitFile { path: "relative".into(), content: String::new(), encoding: ContentEncoding::Utf8, mode: None }], ..Default::default() }).await, ErrorCode::InvalidPath);
+    assert_eq!(
+        bad(CreateSandboxRequest {
+            resources: Resources {
+                cpu: Some(-1.0),
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .await,
+        ErrorCode::BadRequest
+    );
+    assert_eq!(
+        bad(CreateSandboxRequest {
+            resources: Resources {
+                memory_mb: Some(1 << 40),
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .await,
+        ErrorCode::BadRequest
+    );
+    assert_eq!(
+        bad(CreateSandboxRequest {
+            image: Some("no-such-image".into()),
+            ..Default::default()
+        })
+        .await,
+        ErrorCode::ImageNotFound
+    );
+    assert_eq!(
+        bad(CreateSandboxRequest {
+            files: vec![InitFile {
+                path: "relative".into(),
+                content: String::new(),
+                encoding: ContentEncoding::Utf8,
+                mode: None
+            }],
+            ..Default::default()
+        })
+        .await,
+        ErrorCode::InvalidPath
+    );
 
     // Raw HTTP: unknown fields, wrong key, no key.
     let http = reqwest::Client::new();
@@ -360,14 +552,36 @@ async fn bad_input_gets_typed_errors() {
     assert_eq!(resp.status(), 400);
     let body: serde_json::Value = resp.json().await.expect("json");
     assert_eq!(body["error"]["code"], "bad_request");
-    assert!(body["error"]["message"].as_str().unwrap_or("").contains("cpus"), "{body}");
-    let resp = http.get(format!("{}/v1/sandboxes", s.url)).send().await.expect("get");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("cpus"),
+        "{body}"
+    );
+    let resp = http
+        .get(format!("{}/v1/sandboxes", s.url))
+        .send()
+        .await
+        .expect("get");
     assert_eq!(resp.status(), 401);
-    let resp = http.get(format!("{}/v1/sandboxes", s.url)).header("x-api-key", "wrong").send().await.expect("get");
+    let resp = http
+        .get(format!("{}/v1/sandboxes", s.url))
+        .header("x-api-key", "wrong")
+        .send()
+        .await
+        .expect("get");
     assert_eq!(resp.status(), 401);
 
     // Expired: a 1 s lifetime ends and the reaper removes it, reporting `expired`.
-    let sb = create(&c, CreateSandboxRequest { timeout_s: Some(1), ..Default::default() }).await;
+    let sb = create(
+        &c,
+        CreateSandboxRequest {
+            timeout_s: Some(1),
+            ..Default::default()
+        },
+    )
+    .await;
     let gone = wait_until(Duration::from_secs(15), || {
         let c = c.clone();
         let id = sb.id.clone();
@@ -375,20 +589,45 @@ async fn bad_input_gets_typed_errors() {
     })
     .await;
     assert_eq!(gone, Some(ErrorCode::Expired));
-    assert_eq!(code(c.exec(&sb.id, sh("true")).await.expect_err("expired")), ErrorCode::Expired);
+    assert_eq!(
+        code(c.exec(&sb.id, sh("true")).await.expect_err("expired")),
+        ErrorCode::Expired
+    );
     assert!(host::processes(&sb.id).is_empty());
 
     // Exec validation and a deleted sandbox.
     let sb = create(&c, CreateSandboxRequest::default()).await;
-    let empty = ExecRequest { cmd: Command::Argv(vec![]), ..sh("") };
-    assert_eq!(code(c.exec(&sb.id, empty).await.expect_err("empty argv")), ErrorCode::BadRequest);
-    let neg = ExecRequest { timeout_s: Some(-1.0), ..sh("true") };
-    assert_eq!(code(c.exec(&sb.id, neg).await.expect_err("negative timeout")), ErrorCode::BadRequest);
-    let missing = c.read_file(&sb.id, "/no/such/file", 0, None).await.err().map(code);
+    let empty = ExecRequest {
+        cmd: Command::Argv(vec![]),
+        ..sh("")
+    };
+    assert_eq!(
+        code(c.exec(&sb.id, empty).await.expect_err("empty argv")),
+        ErrorCode::BadRequest
+    );
+    let neg = ExecRequest {
+        timeout_s: Some(-1.0),
+        ..sh("true")
+    };
+    assert_eq!(
+        code(c.exec(&sb.id, neg).await.expect_err("negative timeout")),
+        ErrorCode::BadRequest
+    );
+    let missing = c
+        .read_file(&sb.id, "/no/such/file", 0, None)
+        .await
+        .err()
+        .map(code);
     assert_eq!(missing, Some(ErrorCode::NotFound));
     c.delete_sandbox(&sb.id).await.expect("delete");
-    assert_eq!(code(c.exec(&sb.id, sh("true")).await.expect_err("deleted")), ErrorCode::NotFound);
-    assert_eq!(code(c.delete_sandbox(&sb.id).await.expect_err("twice")), ErrorCode::NotFound);
+    assert_eq!(
+        code(c.exec(&sb.id, sh("true")).await.expect_err("deleted")),
+        ErrorCode::NotFound
+    );
+    assert_eq!(
+        code(c.delete_sandbox(&sb.id).await.expect_err("twice")),
+        ErrorCode::NotFound
+    );
     // The server is still healthy.
     c.health().await.expect("healthy");
 }
@@ -405,7 +644,12 @@ async fn hundred_concurrent_creates_all_reach_ready() {
             let c = c.clone();
             let labels = labels.clone();
             tokio::spawn(async move {
-                let sb = c.create_sandbox(CreateSandboxRequest { labels, ..Default::default() }).await?;
+                let sb = c
+                    .create_sandbox(CreateSandboxRequest {
+                        labels,
+                        ..Default::default()
+                    })
+                    .await?;
                 let r = c.exec(&sb.id, sh("echo ok")).await?;
                 Ok::<_, ClientError>((sb, r))
             })
@@ -418,16 +662,29 @@ async fn hundred_concurrent_creates_all_reach_ready() {
         assert_eq!(r.stdout, "ok\n");
         ids.push(sb.id);
     }
-    assert_eq!(c.list_sandboxes(labels.clone()).await.expect("list").sandboxes.len(), 100);
-    let deletes: Vec<_> = ids.iter().map(|id| {
-        let c = c.clone();
-        let id = id.clone();
-        tokio::spawn(async move { c.delete_sandbox(&id).await })
-    }).collect();
+    assert_eq!(
+        c.list_sandboxes(labels.clone())
+            .await
+            .expect("list")
+            .sandboxes
+            .len(),
+        100
+    );
+    let deletes: Vec<_> = ids
+        .iter()
+        .map(|id| {
+            let c = c.clone();
+            let id = id.clone();
+            tokio::spawn(async move { c.delete_sandbox(&id).await })
+        })
+        .collect();
     for d in deletes {
         d.await.expect("join").expect("delete");
     }
     for id in &ids {
-        assert!(host::cgroup_dirs(id).is_empty() && host::processes(id).is_empty(), "{id} leaked");
+        assert!(
+            host::cgroup_dirs(id).is_empty() && host::processes(id).is_empty(),
+            "{id} leaked"
+        );
     }
 }

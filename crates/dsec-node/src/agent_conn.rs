@@ -15,19 +15,28 @@ pub struct AgentConn {
 }
 
 fn proto_err(e: impl std::fmt::Display) -> ApiError {
-    ApiError::new(ErrorCode::AgentUnavailable, format!("agent connection: {e}"))
+    ApiError::new(
+        ErrorCode::AgentUnavailable,
+        format!("agent connection: {e}"),
+    )
 }
 
 impl AgentConn {
     /// Wraps a connected stream.
     pub fn new(stream: UnixStream) -> Self {
         let (r, w) = stream.into_split();
-        Self { reader: BufReader::with_capacity(64 * 1024, r), writer: BufWriter::new(w) }
+        Self {
+            reader: BufReader::with_capacity(64 * 1024, r),
+            writer: BufWriter::new(w),
+        }
     }
 
     /// Sends a frame (buffered; call [`AgentConn::flush`] or use [`AgentConn::request`]).
     pub async fn send(&mut self, frame: &Frame) -> Result<(), ApiError> {
-        self.writer.write_all(&frame.to_bytes()).await.map_err(proto_err)
+        self.writer
+            .write_all(&frame.to_bytes())
+            .await
+            .map_err(proto_err)
     }
 
     /// Flushes buffered frames.
@@ -51,13 +60,18 @@ impl AgentConn {
         }
         let (tag, len) = Frame::parse_header(header).map_err(|e: FrameError| proto_err(e))?;
         let mut payload = vec![0u8; len];
-        self.reader.read_exact(&mut payload).await.map_err(proto_err)?;
+        self.reader
+            .read_exact(&mut payload)
+            .await
+            .map_err(proto_err)?;
         Frame::from_parts(tag, payload).map(Some).map_err(proto_err)
     }
 
     /// Receives the next frame, which must exist.
     pub async fn recv_some(&mut self) -> Result<Frame, ApiError> {
-        self.recv().await?.ok_or_else(|| proto_err("agent closed the connection early"))
+        self.recv()
+            .await?
+            .ok_or_else(|| proto_err("agent closed the connection early"))
     }
 
     /// Receives a JSON reply; an `Error` reply becomes `Err`.

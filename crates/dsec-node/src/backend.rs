@@ -27,7 +27,12 @@ pub struct RuntimeRecord {
 pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// Creates and starts a sandbox from an image whose layer is mounted at `lower`.
     /// Blocking; called on a blocking thread. Everything is released on failure.
-    fn create(&self, spec: &NodeCreateSpec, digest: &str, lower: &std::path::Path) -> Result<RuntimeRecord, NodeError>;
+    fn create(
+        &self,
+        spec: &NodeCreateSpec,
+        digest: &str,
+        lower: &std::path::Path,
+    ) -> Result<RuntimeRecord, NodeError>;
     /// Kills a sandbox and removes its resources (not the image reference). Idempotent.
     fn destroy(&self, id: &str) -> Result<(), NodeError>;
     /// After a node restart: the sandboxes still alive (to adopt); everything else that

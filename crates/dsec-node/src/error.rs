@@ -43,8 +43,15 @@ pub enum NodeError {
 }
 
 impl NodeError {
-    pub(crate) fn io<'a>(op: &'static str, path: &'a std::path::Path) -> impl FnOnce(std::io::Error) -> NodeError + 'a {
-        move |source| NodeError::Io { op, path: path.display().to_string(), source }
+    pub(crate) fn io<'a>(
+        op: &'static str,
+        path: &'a std::path::Path,
+    ) -> impl FnOnce(std::io::Error) -> NodeError + 'a {
+        move |source| NodeError::Io {
+            op,
+            path: path.display().to_string(),
+            source,
+        }
     }
 
     /// The API error this maps to.
@@ -70,9 +77,12 @@ fn image_code(e: &dsec_image::ImageError) -> ErrorCode {
     use dsec_image::ImageError as E;
     match e {
         E::NotFound(_) => ErrorCode::ImageNotFound,
-        E::InvalidName { .. } | E::InvalidDigest(_) | E::UnsupportedSource(_) | E::Archive { .. } | E::UnsafeEntry { .. } | E::NotErofs(_) => {
-            ErrorCode::BadRequest
-        }
+        E::InvalidName { .. }
+        | E::InvalidDigest(_)
+        | E::UnsupportedSource(_)
+        | E::Archive { .. }
+        | E::UnsafeEntry { .. }
+        | E::NotErofs(_) => ErrorCode::BadRequest,
         _ => ErrorCode::Internal,
     }
 }

@@ -25,7 +25,11 @@ pub struct LocalNode {
 }
 
 fn join_err(e: tokio::task::JoinError) -> NodeError {
-    NodeError::Io { op: "blocking task", path: String::new(), source: std::io::Error::other(e) }
+    NodeError::Io {
+        op: "blocking task",
+        path: String::new(),
+        source: std::io::Error::other(e),
+    }
 }
 
 impl LocalNode {
@@ -36,15 +40,18 @@ impl LocalNode {
             std::fs::create_dir_all(d).map_err(NodeError::io("mkdir", d))?;
         }
         let cgroups = CgroupRoot::detect()?;
-        let images = Arc::new(ImageStore::open(&cfg.images_dir())?);
-        let backend: Arc<dyn Backend> = Arc::new(ContainerBackend::new(cfg.clone(), cgroups.clone()));
+        let images = Arc::new(ImageStore::open(cfg.images_dir())?);
+        let backend: Arc<dyn Backend> =
+            Arc::new(ContainerBackend::new(cfg.clone(), cgroups.clone()));
         // Sandbox inits are re-parented to us when their intermediate process exits, so
         // that we can reap them (and notice their death) instead of the host's init.
         // SAFETY: prctl with integer arguments.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
 
         let b = backend.clone();
-        let recovered = tokio::task::spawn_blocking(move || b.recover()).await.map_err(join_err)??;
+        let recovered = tokio::task::spawn_blocking(move || b.recover())
+            .await
+            .map_err(join_err)??;
         let mut refs: HashMap<String, usize> = HashMap::new();
         let mut table = HashMap::new();
         for rec in recovered {
@@ -70,7 +77,9 @@ impl LocalNode {
     fn spawn_reaper(self: Arc<Self>) {
         let weak = Arc::downgrade(&self);
         tokio::spawn(async move {
-            let Ok(mut sigchld) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child()) else {
+            let Ok(mut sigchld) =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child())
+            else {
                 return;
             };
             let mut tick = tokio::time::interval(std::time::Duration::from_secs(2));
@@ -98,7 +107,10 @@ impl LocalNode {
     }
 
     fn record(&self, id: &str) -> Result<RuntimeRecord, NodeError> {
-        self.lock().get(id).cloned().ok_or_else(|| NodeError::NotFound(id.to_string()))
+        self.lock()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| NodeError::NotFound(id.to_string()))
     }
 
     /// The image store.
@@ -144,20 +156,30 @@ impl NodeApi for LocalNode {
             let conn = self.connect(&rec.id).await?;
             conn.request(&dsec_wire::agent::Request::Ping)
                 .await
-                .map_err(|e| NodeError::Create { id: rec.id.clone(), reason: e.message })
+                .map_err(|e| NodeError::Create {
+                    id: rec.id.clone(),
+                    reason: e.message,
+                })
         };
         if let Err(e) = ping.await {
             let _ = self.destroy(&rec.id).await;
             return Err(e);
         }
-        Ok(NodeSandbox { id: rec.id, image_digest: rec.image_digest, pid: rec.pid, alive: true })
+        Ok(NodeSandbox {
+            id: rec.id,
+            image_digest: rec.image_digest,
+            pid: rec.pid,
+            alive: true,
+        })
     }
 
     async fn destroy(&self, id: &str) -> Result<(), NodeError> {
         let rec = self.lock().get(id).cloned();
         let backend = self.backend.clone();
         let id2 = id.to_string();
-        tokio::task::spawn_blocking(move || backend.destroy(&id2)).await.map_err(join_err)??;
+        tokio::task::spawn_blocking(move || backend.destroy(&id2))
+            .await
+            .map_err(join_err)??;
         if let Some(rec) = rec {
             let _ = nix::sys::wait::waitpid(
                 nix::unistd::Pid::from_raw(rec.pid),
@@ -185,7 +207,10 @@ impl NodeApi for LocalNode {
         let rec = self.record(id)?;
         let stream = UnixStream::connect(&rec.agent_socket)
             .await
-            .map_err(|source| NodeError::Agent { id: id.to_string(), source })?;
+            .map_err(|source| NodeError::Agent {
+                id: id.to_string(),
+                source,
+            })?;
         Ok(AgentConn::new(stream))
     }
 
@@ -211,8 +236,8 @@ impl NodeApi for LocalNode {
                 images.import(&name, &source, &|_| {})
             }
         })
-            .await
-            .map_err(join_err)??;
+        .await
+        .map_err(join_err)??;
         Ok(img)
     }
 

@@ -66,7 +66,9 @@ impl StateStore for RedbStore {
         let tx = self.db.begin_write().map_err(backend)?;
         {
             let mut table = tx.open_table(TABLE).map_err(backend)?;
-            table.insert(full_key(ns, key).as_str(), value).map_err(backend)?;
+            table
+                .insert(full_key(ns, key).as_str(), value)
+                .map_err(backend)?;
         }
         tx.commit().map_err(backend)
     }
@@ -87,7 +89,10 @@ impl StateStore for RedbStore {
         // '0' is the byte after '/', so this range is exactly the namespace.
         let end = format!("{ns}0");
         let mut out = Vec::new();
-        for entry in table.range(prefix.as_str()..end.as_str()).map_err(backend)? {
+        for entry in table
+            .range(prefix.as_str()..end.as_str())
+            .map_err(backend)?
+        {
             let (k, v) = entry.map_err(backend)?;
             out.push((k.value()[prefix.len()..].to_string(), v.value().to_vec()));
         }
@@ -114,7 +119,10 @@ mod tests {
         }
         let s = RedbStore::open(&path).expect("reopen");
         let list = s.list("sandboxes").expect("list");
-        assert_eq!(list, vec![("a".into(), b"1".to_vec()), ("b".into(), b"2".to_vec())]);
+        assert_eq!(
+            list,
+            vec![("a".into(), b"1".to_vec()), ("b".into(), b"2".to_vec())]
+        );
         assert_eq!(s.get("sandboxes", "a").expect("get"), Some(b"1".to_vec()));
         assert_eq!(s.get("keys", "k").expect("get"), None);
     }

@@ -458,7 +458,12 @@ mod tests {
     #[test]
     fn request_is_tagged_and_strict() {
         let r: Request = serde_json::from_str(r#"{"op":"file_stat","path":"/etc"}"#).expect("ok");
-        assert_eq!(r, Request::FileStat { path: "/etc".into() });
+        assert_eq!(
+            r,
+            Request::FileStat {
+                path: "/etc".into()
+            }
+        );
         let bad = serde_json::from_str::<Request>(r#"{"op":"file_stat","path":"/","x":1}"#);
         assert!(bad.is_err(), "unknown fields must be rejected");
         let ping = serde_json::to_string(&Request::Ping).expect("ser");

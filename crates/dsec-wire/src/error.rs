@@ -57,7 +57,10 @@ impl ErrorCode {
 
     /// Whether the same request may succeed if retried later.
     pub fn retryable(self) -> bool {
-        matches!(self, ErrorCode::Capacity | ErrorCode::Timeout | ErrorCode::AgentUnavailable)
+        matches!(
+            self,
+            ErrorCode::Capacity | ErrorCode::Timeout | ErrorCode::AgentUnavailable
+        )
     }
 }
 
@@ -74,7 +77,10 @@ pub struct ApiError {
 impl ApiError {
     /// Builds an error from a code and message.
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        Self { code, message: message.into() }
+        Self {
+            code,
+            message: message.into(),
+        }
     }
 }
 

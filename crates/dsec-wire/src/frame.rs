@@ -157,7 +157,10 @@ mod tests {
     fn rejects_oversized_and_bad_tags() {
         let mut buf = ((MAX_FRAME + 2) as u32).to_be_bytes().to_vec();
         buf.push(0);
-        assert_eq!(Frame::decode(&mut buf), Err(FrameError::BadLength(MAX_FRAME + 2)));
+        assert_eq!(
+            Frame::decode(&mut buf),
+            Err(FrameError::BadLength(MAX_FRAME + 2))
+        );
         let mut buf = vec![0, 0, 0, 1, 9];
         assert_eq!(Frame::decode(&mut buf), Err(FrameError::BadTag(9)));
         let mut buf = vec![0, 0, 0, 0, 0];

@@ -7,7 +7,9 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-pub use crate::agent::{Command, ExitInfo, FileInfo, FileKind, ProcessInfo, PtySize, SessionInfo, SessionResult};
+pub use crate::agent::{
+    Command, ExitInfo, FileInfo, FileKind, ProcessInfo, PtySize, SessionInfo, SessionResult,
+};
 use crate::error::ApiError;
 
 /// Header that carries the API key (`Authorization: Bearer KEY` is accepted too).
