@@ -381,6 +381,22 @@ impl ControlPlane {
         conn.flush().await
     }
 
+    /// Sends `req`, then `body` as Data frames, and returns the agent's byte count.
+    async fn upload(mut conn: AgentConn, req: Request, body: ByteStream) -> ApiResult<WriteResult> {
+        conn.send(&Frame::json(&req)).await?;
+        if let Err(e) = Self::pump(&mut conn, body).await {
+            // The agent may already have refused (e.g. no space): prefer its reason.
+            if let Ok(Reply::Error(agent_err)) | Err(agent_err) = conn.recv_reply().await {
+                return Err(agent_err);
+            }
+            return Err(e);
+        }
+        match conn.recv_reply().await? {
+            Reply::Written { bytes } => Ok(WriteResult { bytes }),
+            other => Err(unexpected(other)),
+        }
+    }
+
     /// Turns the Data frames of `conn` (until Eof) into a byte stream.
     fn data_stream(mut conn: AgentConn) -> ByteStream {
         let (tx, rx) = mpsc::channel::<Result<Bytes, ApiError>>(8);
@@ -495,19 +511,14 @@ impl ControlPlane {
                         )
                     })?,
             };
-            let mut conn = self.node.connect(id).await.map_err(ApiError::from)?;
-            conn.send(&Frame::json(&Request::FileWrite {
+            let conn = self.node.connect(id).await.map_err(ApiError::from)?;
+            let req = Request::FileWrite {
                 path: f.path.clone(),
                 mode: f.mode,
                 create_parents: true,
-            }))
-            .await?;
+            };
             let body: ByteStream = futures::stream::iter([Ok(Bytes::from(bytes))]).boxed();
-            Self::pump(&mut conn, body).await?;
-            match conn.recv_reply().await? {
-                Reply::Written { .. } => {}
-                other => return Err(unexpected(other)),
-            }
+            Self::upload(conn, req, body).await?;
         }
         Ok(())
     }
@@ -899,24 +910,12 @@ impl SandboxApi for ControlPlane {
         body: ByteStream,
     ) -> ApiResult<WriteResult> {
         validate::sandbox_path("path", path)?;
-        let mut conn = self.conn(id).await?;
-        conn.send(&Frame::json(&Request::FileWrite {
+        let req = Request::FileWrite {
             path: path.to_string(),
             mode,
             create_parents: true,
-        }))
-        .await?;
-        if let Err(e) = Self::pump(&mut conn, body).await {
-            // The agent may already have refused (e.g. no space): prefer its reason.
-            if let Ok(Reply::Error(agent_err)) | Err(agent_err) = conn.recv_reply().await {
-                return Err(agent_err);
-            }
-            return Err(e);
-        }
-        match conn.recv_reply().await? {
-            Reply::Written { bytes } => Ok(WriteResult { bytes }),
-            other => Err(unexpected(other)),
-        }
+        };
+        Self::upload(self.conn(id).await?, req, body).await
     }
 
     async fn list_files(&self, id: &str, path: &str) -> ApiResult<FileList> {
@@ -994,21 +993,10 @@ impl SandboxApi for ControlPlane {
 
     async fn upload_tar(&self, id: &str, path: &str, body: ByteStream) -> ApiResult<WriteResult> {
         validate::sandbox_path("path", path)?;
-        let mut conn = self.conn(id).await?;
-        conn.send(&Frame::json(&Request::TarUpload {
+        let req = Request::TarUpload {
             path: path.to_string(),
-        }))
-        .await?;
-        if let Err(e) = Self::pump(&mut conn, body).await {
-            if let Ok(Reply::Error(agent_err)) | Err(agent_err) = conn.recv_reply().await {
-                return Err(agent_err);
-            }
-            return Err(e);
-        }
-        match conn.recv_reply().await? {
-            Reply::Written { bytes } => Ok(WriteResult { bytes }),
-            other => Err(unexpected(other)),
-        }
+        };
+        Self::upload(self.conn(id).await?, req, body).await
     }
 
     async fn list_images(&self) -> ApiResult<ImageList> {
