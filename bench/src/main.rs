@@ -213,6 +213,29 @@ fn crun_exec(bundle: &Bundle, n: usize) -> Stats {
     }
 }
 
+/// The floor: spawning and reaping `/bin/true` directly on the host (posix_spawn via std).
+fn spawn_floor(n: usize) -> Stats {
+    let mut samples = Vec::new();
+    for i in 0..n + 5 {
+        let t = Instant::now();
+        let ok = Command::new("/bin/true")
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        if !ok {
+            return Stats::na("host spawn /bin/true", "could not run /bin/true".into());
+        }
+        if i >= 5 {
+            samples.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
+    }
+    Stats {
+        name: "host spawn /bin/true".into(),
+        samples,
+        note: Some("floor: no sandbox, no RPC".into()),
+    }
+}
+
 fn sh(cmd: &str) -> ExecRequest {
     ExecRequest {
         cmd: dsec_wire::v1::Command::Shell(cmd.into()),
@@ -344,7 +367,7 @@ fn main() -> anyhow::Result<()> {
         let (dsec_tti, dsec_create, dsec_exec) = dsec_measurements(&server, n).await?;
         let crun_exec = crun_exec(&bundle, n * 5);
         let tti = vec![crun.clone(), runc, dsec_tti, dsec_create];
-        let exec = vec![crun_exec, dsec_exec];
+        let exec = vec![crun_exec, dsec_exec, spawn_floor(n * 5)];
         print_table("time to interactive (create -> first command done)", &tti, "crun run true");
         print_table("exec round trip on a running sandbox", &exec, "crun exec true");
         if let Some(path) = args.json {

@@ -688,3 +688,92 @@ async fn hundred_concurrent_creates_all_reach_ready() {
         );
     }
 }
+
+/// The `dsec` CLI against the real server: create, exec (exit code passes through),
+/// cp both ways, ls --json, rm, and a readable error for a bad key.
+#[tokio::test(flavor = "multi_thread")]
+async fn cli_create_exec_cp_ls_rm() {
+    if !require_root() {
+        return;
+    }
+    let s = server();
+    let dsec = |args: &[&str]| {
+        let out = std::process::Command::new(dsec_e2e::dsec_bin())
+            .args(["--url", &s.url, "--api-key", &s.key])
+            .args(args)
+            .output()
+            .expect("run dsec");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, out, err) = dsec(&[
+        "sandbox",
+        "create",
+        "--label",
+        "suite=cli",
+        "--env",
+        "WHO=cli",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    let id = out.trim().to_string();
+    assert!(id.starts_with("sb-"), "{out}");
+
+    let (code, out, _) = dsec(&[
+        "sandbox",
+        "exec",
+        &id,
+        "--",
+        "sh",
+        "-c",
+        "echo $WHO; exit 5",
+    ]);
+    assert_eq!((code, out.as_str()), (Some(5), "cli\n"));
+
+    let dir = std::env::temp_dir().join(format!("dsec-cli-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("tree/sub")).expect("mkdir");
+    std::fs::write(dir.join("tree/sub/f.txt"), "in a tree").expect("write");
+    let (code, _, err) = dsec(&[
+        "sandbox",
+        "cp",
+        &dir.join("tree").display().to_string(),
+        &format!("{id}:/work"),
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    let (_, out, _) = dsec(&["sandbox", "exec", &id, "--", "cat", "/work/sub/f.txt"]);
+    assert_eq!(out, "in a tree");
+    let back = dir.join("back");
+    let (code, _, err) = dsec(&[
+        "sandbox",
+        "cp",
+        &format!("{id}:/work"),
+        &back.display().to_string(),
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(
+        std::fs::read_to_string(back.join("sub/f.txt")).expect("copied back"),
+        "in a tree"
+    );
+
+    let (code, out, _) = dsec(&["--json", "sandbox", "ls", "--label", "suite=cli"]);
+    assert_eq!(code, Some(0));
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["sandboxes"][0]["id"], id.as_str());
+
+    let (code, _, err) = dsec(&["sandbox", "rm", &id]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, _, err) = dsec(&["sandbox", "get", &id]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("not found"), "{err}");
+
+    let out = std::process::Command::new(dsec_e2e::dsec_bin())
+        .args(["--url", &s.url, "--api-key", "wrong", "sandbox", "ls"])
+        .output()
+        .expect("run dsec");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(err.contains("error:") && err.contains("hint:"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
