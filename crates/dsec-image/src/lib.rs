@@ -506,9 +506,15 @@ impl ImageStore {
         if refs.refs.values().any(|r| r.digest == digest) {
             return Ok(false);
         }
-        let mounts = self.lock_mounts();
-        if mounts.get(hex).copied().unwrap_or(0) > 0 {
-            return Ok(false);
+        let mut mounts = self.lock_mounts();
+        match mounts.get(hex).copied() {
+            Some(n) if n > 0 => return Ok(false),
+            Some(_) => {
+                // Idle cache mount of a layer that is going away.
+                self.unmount(hex)?;
+                mounts.remove(hex);
+            }
+            None => {}
         }
         let mnt = self.mount_path(hex);
         if mountinfo::is_mounted(&mnt).map_err(|e| ImageError::io("read mountinfo for", &mnt, e))? {
@@ -721,32 +727,47 @@ impl ImageStore {
     pub fn acquire(&self, digest: &str) -> Result<PathBuf> {
         let hex = parse_digest(digest)?;
         let mut m = self.lock_mounts();
-        let n = m.get(&hex).copied().unwrap_or(0);
-        let mnt = if n == 0 {
-            self.ensure_mounted(&hex)?
-        } else {
-            self.mount_path(&hex)
+        // An entry means "mounted by us", also at count 0 (idle, kept as a cache).
+        let mnt = match m.get(&hex) {
+            Some(_) => self.mount_path(&hex),
+            None => self.ensure_mounted(&hex)?,
         };
-        m.insert(hex, n + 1);
+        *m.entry(hex).or_insert(0) += 1;
         Ok(mnt)
     }
 
-    /// Drop a reference taken by [`ImageStore::acquire`]; the last one unmounts the layer.
+    /// Drop a reference taken by [`ImageStore::acquire`]. The last one leaves the layer
+    /// mounted but idle: the next sandbox of this image then finds its files in the layer's
+    /// page cache instead of reading and decompressing them again (a fresh mount is a new
+    /// EROFS instance with an empty cache). [`ImageStore::unmount_idle`], image removal and
+    /// a node restart drop idle mounts.
     pub fn release(&self, digest: &str) -> Result<()> {
         let hex = parse_digest(digest)?;
         let mut m = self.lock_mounts();
-        let n = m.get(&hex).copied().unwrap_or(0);
-        match n {
-            0 => Err(ImageError::NotAcquired(format!("sha256:{hex}"))),
-            1 => {
-                m.remove(&hex);
-                self.unmount(&hex)
-            }
-            _ => {
-                m.insert(hex, n - 1);
+        match m.get_mut(&hex) {
+            Some(n) if *n > 0 => {
+                *n -= 1;
                 Ok(())
             }
+            _ => Err(ImageError::NotAcquired(format!("sha256:{hex}"))),
         }
+    }
+
+    /// Unmounts every layer that no sandbox uses. Returns the digests unmounted.
+    pub fn unmount_idle(&self) -> Result<Vec<String>> {
+        let mut m = self.lock_mounts();
+        let idle: Vec<String> = m
+            .iter()
+            .filter(|(_, n)| **n == 0)
+            .map(|(h, _)| h.clone())
+            .collect();
+        let mut out = Vec::new();
+        for hex in idle {
+            self.unmount(&hex)?;
+            m.remove(&hex);
+            out.push(format!("sha256:{hex}"));
+        }
+        Ok(out)
     }
 
     /// Set the reference count of layer `digest` to `n` (re-adoption after a daemon restart:
@@ -775,7 +796,7 @@ impl ImageStore {
     /// mount point directories. Returns the digests unmounted.
     pub fn cleanup_unused(&self, in_use: &HashSet<String>) -> Result<Vec<String>> {
         let keep: HashSet<String> = in_use.iter().filter_map(|d| parse_digest(d).ok()).collect();
-        let m = self.lock_mounts();
+        let mut m = self.lock_mounts();
         let mnt_root = self.root.join("mnt");
         let entries = mountinfo::read()
             .map_err(|e| ImageError::io("read", Path::new("/proc/self/mountinfo"), e))?;
@@ -798,6 +819,7 @@ impl ImageStore {
                 continue;
             }
             self.unmount(&hex)?;
+            m.remove(&hex);
             out.push(format!("sha256:{hex}"));
         }
         // Empty mount point dirs left behind.

@@ -416,15 +416,29 @@ fn shared_mount_is_refcounted_and_file_backed() {
     s.release(&img.digest).expect("release 1");
     assert_eq!(mounts_at(&m1).len(), 1, "unmounted too early");
     s.release(&img.digest).expect("release 2");
-    assert!(
-        mounts_at(&m1).is_empty(),
-        "still mounted after last release"
-    );
-    assert!(!dsec_image::is_mounted(&m1).expect("is_mounted"));
+    // The last release keeps the layer mounted as an idle cache...
+    assert_eq!(mounts_at(&m1).len(), 1, "idle layer unmounted too early");
+    assert_eq!(s.refcount(&img.digest).expect("refcount"), 0);
     assert!(matches!(
         s.release(&img.digest),
         Err(ImageError::NotAcquired(_))
     ));
+    // ...that the next acquire reuses without mounting again...
+    assert_eq!(s.acquire(&img.digest).expect("reacquire"), m1);
+    assert_eq!(mounts_at(&m1).len(), 1, "reacquire mounted a second time");
+    // ...and that unmount_idle drops only when nobody uses it.
+    assert!(s.unmount_idle().expect("unmount_idle").is_empty());
+    assert_eq!(mounts_at(&m1).len(), 1);
+    s.release(&img.digest).expect("release 3");
+    assert_eq!(
+        s.unmount_idle().expect("unmount_idle"),
+        vec![img.digest.clone()]
+    );
+    assert!(
+        mounts_at(&m1).is_empty(),
+        "still mounted after unmount_idle"
+    );
+    assert!(!dsec_image::is_mounted(&m1).expect("is_mounted"));
 
     // Re-adoption after a "restart": a second store instance finds the existing mount.
     let m = s.acquire(&img.digest).expect("acquire");
