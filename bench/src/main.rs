@@ -369,6 +369,72 @@ async fn dsec_measurements(server: &Server, n: usize) -> anyhow::Result<(Stats, 
     ))
 }
 
+/// One concurrency level: `workers` tasks each loop create -> exec true -> delete until
+/// `total` sandboxes were attempted. Returns (TTI samples in ms, failures, wall seconds).
+async fn concurrent_tti(server: &Server, workers: usize, total: usize) -> (Vec<f64>, usize, f64) {
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..workers {
+        let c = server.client();
+        let next = next.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut samples = Vec::new();
+            let mut failures = 0;
+            while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < total {
+                let t = Instant::now();
+                let sb = match c.create_sandbox(CreateSandboxRequest::default()).await {
+                    Ok(sb) => sb,
+                    Err(_) => {
+                        failures += 1;
+                        continue;
+                    }
+                };
+                match c.exec(&sb.id, argv_true()).await {
+                    Ok(r) if r.exit.exit_code == Some(0) => {
+                        samples.push(t.elapsed().as_secs_f64() * 1000.0)
+                    }
+                    _ => failures += 1,
+                }
+                if c.delete_sandbox(&sb.id).await.is_err() {
+                    failures += 1;
+                }
+            }
+            (samples, failures)
+        }));
+    }
+    let mut all = Vec::new();
+    let mut failures = 0;
+    for t in tasks {
+        match t.await {
+            Ok((s, f)) => {
+                all.extend(s);
+                failures += f;
+            }
+            Err(_) => failures += 1,
+        }
+    }
+    (all, failures, start.elapsed().as_secs_f64())
+}
+
+fn print_concurrency(rows: &[(usize, Stats, usize, f64)]) {
+    println!("\n## time to interactive under concurrency (create -> exec true -> delete loops)\n");
+    println!("| concurrency | sandboxes | ok | p50 ms | p99 ms | max ms | cycles/s |");
+    println!("|---|---|---|---|---|---|---|");
+    for (c, st, failures, secs) in rows {
+        let n = st.samples.len();
+        println!(
+            "| {c} | {} | {:.1}% | {:.2} | {:.2} | {:.2} | {:.0} |",
+            n + failures,
+            100.0 * n as f64 / (n + failures).max(1) as f64,
+            st.pct(50.0),
+            st.pct(99.0),
+            st.pct(100.0),
+            n as f64 / secs
+        );
+    }
+}
+
 fn print_table(title: &str, rows: &[Stats], baseline: &str) {
     println!("\n## {title}\n");
     println!("| measurement | n | p50 ms | p99 ms | min ms | max ms | p50 vs {baseline} | note |");
@@ -438,6 +504,20 @@ fn main() -> anyhow::Result<()> {
         let exec = vec![crun_exec, dsec_exec, spawn_floor(n * 5)];
         print_table("time to interactive (create -> first command done)", &tti, "crun run true");
         print_table("exec round trip on a running sandbox", &exec, "crun exec true");
+        let mut conc = Vec::new();
+        for workers in [1usize, 8, 32] {
+            let total = if args.quick { 32 } else { 160 }.max(workers * 2);
+            let (samples, failures, secs) = concurrent_tti(&server, workers, total).await;
+            let st = Stats { name: format!("c{workers}"), samples, note: None };
+            conc.push((workers, st, failures, secs));
+        }
+        print_concurrency(&conc);
+        let left = server.client().list_sandboxes(Default::default()).await?.sandboxes.len();
+        // Sandbox cgroups are the subdirectories (the parent also holds control files).
+        let cgroups = std::fs::read_dir("/sys/fs/cgroup/memory/dsec")
+            .map(|d| d.flatten().filter(|e| e.path().is_dir()).count())
+            .unwrap_or(0);
+        println!("\nleft behind after the run: {left} sandboxes, {cgroups} sandbox cgroups (v1 memory hierarchy)");
         if let Some(path) = args.json {
             let rows: Vec<serde_json::Value> = tti
                 .iter()
