@@ -1,0 +1,195 @@
+//! Nothing leaks after a failed create or a crash mid-create, and a sandbox that died
+//! while the server was down is reported `failed` and cleaned up. This binary runs alone
+//! (cargo runs test binaries one at a time), so it may check the host's `dsec/` cgroups.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Command as Proc, Stdio};
+
+use dsec_e2e::{host, require_root, Server};
+use dsec_wire::v1::*;
+use dsec_wire::ErrorCode;
+
+/// Sandbox cgroups (subdirectories of `dsec/`) in every v1 hierarchy or in v2.
+fn sandbox_cgroups() -> Vec<String> {
+    let mut out = Vec::new();
+    let roots: Vec<_> = std::fs::read_dir("/sys/fs/cgroup")
+        .map(|d| d.flatten().map(|e| e.path().join("dsec")).collect())
+        .unwrap_or_default();
+    for dir in roots
+        .into_iter()
+        .chain([Path::new("/sys/fs/cgroup/dsec").to_path_buf()])
+    {
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            out.extend(
+                entries
+                    .flatten()
+                    .filter(|e| e.path().is_dir())
+                    .map(|e| e.path().display().to_string()),
+            );
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+fn subdirs(p: &Path) -> Vec<String> {
+    std::fs::read_dir(p)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn failed_and_half_created_sandboxes_leave_nothing() {
+    if !require_root() {
+        return;
+    }
+    let mut s = Server::start("recovery", true).await.expect("server");
+    s.ensure_base(None).await.expect("base image");
+    let c = s.client();
+    assert!(
+        sandbox_cgroups().is_empty(),
+        "leftover cgroups before the test: {:?}",
+        sandbox_cgroups()
+    );
+
+    // 1. A create that fails after namespaces, cgroup and directories exist: placing an
+    //    initial file under /proc is refused inside the sandbox.
+    let bad = CreateSandboxRequest {
+        files: vec![InitFile {
+            path: "/proc/sys/no/such".into(),
+            content: "x".into(),
+            encoding: ContentEncoding::Utf8,
+            mode: None,
+        }],
+        ..Default::default()
+    };
+    let err = c.create_sandbox(bad).await.expect_err("create must fail");
+    assert!(err.code().is_some(), "typed error expected: {err}");
+    assert!(c
+        .list_sandboxes(BTreeMap::new())
+        .await
+        .expect("list")
+        .sandboxes
+        .is_empty());
+    assert!(
+        subdirs(&s.state_dir.join("sandboxes")).is_empty(),
+        "dirs: {:?}",
+        subdirs(&s.state_dir.join("sandboxes"))
+    );
+    assert!(subdirs(&s.run_dir.join("sandboxes")).is_empty());
+    assert!(
+        sandbox_cgroups().is_empty(),
+        "cgroups: {:?}",
+        sandbox_cgroups()
+    );
+
+    // 2. One live sandbox whose init we kill while the server is down.
+    let victim = c
+        .create_sandbox(CreateSandboxRequest::default())
+        .await
+        .expect("create");
+    let rec: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(
+            s.state_dir
+                .join("sandboxes")
+                .join(&victim.id)
+                .join("runtime.json"),
+        )
+        .expect("runtime.json"),
+    )
+    .expect("json");
+    let init_pid = rec["pid"].as_i64().expect("pid") as i32;
+    s.kill();
+    // SAFETY: kill with a pid read from the sandbox's own record.
+    unsafe { libc::kill(init_pid, libc::SIGKILL) };
+
+    // 3. Leftovers of a crash mid-create: a sandbox directory without runtime.json, and a
+    //    cgroup with a live process but no directory at all.
+    let half = s.state_dir.join("sandboxes/sb-halfdone");
+    for d in ["upper", "work", "rootfs"] {
+        std::fs::create_dir_all(half.join(d)).expect("mkdir");
+    }
+    let mut sleeper = Proc::new("sleep")
+        .arg("300")
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("sleep");
+    let orphan = "sb-orphaned";
+    let mut joined = false;
+    for ctrl in ["memory", "pids", "cpu", "freezer"] {
+        let dir = Path::new("/sys/fs/cgroup")
+            .join(ctrl)
+            .join("dsec")
+            .join(orphan);
+        if std::fs::create_dir_all(&dir).is_ok() {
+            joined |= std::fs::write(dir.join("cgroup.procs"), sleeper.id().to_string()).is_ok();
+        }
+    }
+    let v2 = Path::new("/sys/fs/cgroup/dsec").join(orphan);
+    if Path::new("/sys/fs/cgroup/cgroup.controllers").exists()
+        && std::fs::create_dir_all(&v2).is_ok()
+    {
+        joined |= std::fs::write(v2.join("cgroup.procs"), sleeper.id().to_string()).is_ok();
+    }
+    assert!(joined, "could not place the orphan process in a cgroup");
+
+    s.spawn().await.expect("restart");
+    let c = s.client();
+    // The sleeper was killed by the cleanup (reap it so it does not linger as a zombie).
+    let status = sleeper.wait().expect("wait sleeper");
+    assert!(!status.success(), "orphan process must be killed");
+    assert!(!half.exists(), "half-created sandbox dir left");
+    assert!(
+        host::cgroup_dirs(orphan).is_empty(),
+        "orphan cgroup left: {:?}",
+        host::cgroup_dirs(orphan)
+    );
+    assert!(host::cgroup_dirs("sb-halfdone").is_empty());
+
+    // The sandbox that died while the server was down is reported, not silently lost.
+    let sb = c.get_sandbox(&victim.id).await.expect("record kept");
+    assert_eq!(sb.state, SandboxState::Failed);
+    assert!(
+        sb.failure
+            .as_deref()
+            .unwrap_or("")
+            .contains("no longer running"),
+        "{:?}",
+        sb.failure
+    );
+    let e = c
+        .exec(
+            &victim.id,
+            ExecRequest {
+                cmd: Command::Shell("true".into()),
+                env: BTreeMap::new(),
+                cwd: None,
+                stdin: None,
+                timeout_s: None,
+                output_limit: None,
+            },
+        )
+        .await
+        .expect_err("exec on a failed sandbox");
+    assert_eq!(e.code(), Some(ErrorCode::Failed));
+    assert!(host::processes(&victim.id).is_empty());
+    assert!(
+        host::cgroup_dirs(&victim.id).is_empty(),
+        "dead sandbox's cgroup left"
+    );
+    c.delete_sandbox(&victim.id)
+        .await
+        .expect("delete failed sandbox");
+    assert!(subdirs(&s.state_dir.join("sandboxes")).is_empty());
+    assert!(
+        sandbox_cgroups().is_empty(),
+        "cgroups: {:?}",
+        sandbox_cgroups()
+    );
+}
