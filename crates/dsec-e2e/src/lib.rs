@@ -70,6 +70,18 @@ fn free_port() -> anyhow::Result<u16> {
     Ok(l.local_addr()?.port())
 }
 
+/// An exec request for a shell command line with no other options.
+pub fn sh(cmd: &str) -> dsec_wire::v1::ExecRequest {
+    dsec_wire::v1::ExecRequest {
+        cmd: dsec_wire::v1::Command::Shell(cmd.into()),
+        env: Default::default(),
+        cwd: None,
+        stdin: None,
+        timeout_s: None,
+        output_limit: None,
+    }
+}
+
 /// Polls `f` until it returns `Some` or the timeout passes.
 pub async fn wait_until<T, F, Fut>(timeout: Duration, mut f: F) -> Option<T>
 where

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command as Proc, Stdio};
 
-use dsec_e2e::{host, require_root, Server};
+use dsec_e2e::{host, require_root, sh, Server};
 use dsec_wire::v1::*;
 use dsec_wire::ErrorCode;
 
@@ -164,17 +164,7 @@ async fn failed_and_half_created_sandboxes_leave_nothing() {
         sb.failure
     );
     let e = c
-        .exec(
-            &victim.id,
-            ExecRequest {
-                cmd: Command::Shell("true".into()),
-                env: BTreeMap::new(),
-                cwd: None,
-                stdin: None,
-                timeout_s: None,
-                output_limit: None,
-            },
-        )
+        .exec(&victim.id, sh("true"))
         .await
         .expect_err("exec on a failed sandbox");
     assert_eq!(e.code(), Some(ErrorCode::Failed));

@@ -3,19 +3,8 @@
 
 use std::collections::BTreeMap;
 
-use dsec_e2e::{host, require_root, Server};
+use dsec_e2e::{host, require_root, sh, Server};
 use dsec_wire::v1::*;
-
-fn sh(cmd: &str) -> ExecRequest {
-    ExecRequest {
-        cmd: Command::Shell(cmd.into()),
-        env: BTreeMap::new(),
-        cwd: None,
-        stdin: None,
-        timeout_s: None,
-        output_limit: None,
-    }
-}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn restart_readopts_20_live_sandboxes() {

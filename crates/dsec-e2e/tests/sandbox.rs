@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use dsec_client::{Client, ClientError};
-use dsec_e2e::{host, require_root, wait_until, Server};
+use dsec_e2e::{host, require_root, sh, wait_until, Server};
 use dsec_wire::v1::*;
 use dsec_wire::ErrorCode;
 use futures::StreamExt;
@@ -16,17 +16,6 @@ fn server() -> &'static Server {
 
 async fn create(c: &Client, req: CreateSandboxRequest) -> Sandbox {
     c.create_sandbox(req).await.expect("create sandbox")
-}
-
-fn sh(cmd: &str) -> ExecRequest {
-    ExecRequest {
-        cmd: Command::Shell(cmd.into()),
-        env: BTreeMap::new(),
-        cwd: None,
-        stdin: None,
-        timeout_s: None,
-        output_limit: None,
-    }
 }
 
 async fn run(c: &Client, id: &str, cmd: &str) -> ExecResult {
