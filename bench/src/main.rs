@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use dsec_e2e::Server;
+use dsec_e2e::{sh, Server};
 use dsec_wire::v1::{CreateSandboxRequest, ExecRequest};
 
 /// Command line.
@@ -300,17 +300,6 @@ fn spawn_floor(n: usize) -> Stats {
         name: "host spawn /bin/true".into(),
         samples,
         note: Some("floor: no sandbox, no RPC".into()),
-    }
-}
-
-fn sh(cmd: &str) -> ExecRequest {
-    ExecRequest {
-        cmd: dsec_wire::v1::Command::Shell(cmd.into()),
-        env: Default::default(),
-        cwd: None,
-        stdin: None,
-        timeout_s: None,
-        output_limit: None,
     }
 }
 
