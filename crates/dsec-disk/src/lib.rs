@@ -1,0 +1,507 @@
+//! Per-sandbox writable disks with a hard size limit.
+//!
+//! Project quotas are not available on every kernel (this one lacks ext4 `QFMT_V2` and
+//! XFS quota), so each sandbox's writable layer is its own small file system: a sparse
+//! ext4 image on a loop device, mounted on the host, holding the overlay's `upper` and
+//! `work` directories. A full disk gives the sandbox `ENOSPC` and touches nobody else.
+//!
+//! Making a disk costs an extent copy of a formatted template (a few MiB of metadata; the
+//! rest is holes), one `LOOP_CONFIGURE` and one `mount`: a few milliseconds. A background
+//! thread keeps a pool of mounted disks of the default size so a create only renames a
+//! directory.
+//!
+//! Layout under the root directory:
+//! - `templates/<MB>.img`: a freshly formatted file system per size in use;
+//! - `pool/<MB>-<rand>/{disk.img,mnt/{upper,work}}`: ready disks.
+//!
+//! A provisioned disk is a directory with the same two entries, renamed to where the
+//! caller wants it (the mount follows the rename). [`release`] detaches the mount (the
+//! loop device goes with its last user) and deletes the directory. After a crash, the
+//! pool is emptied and refilled by the next [`Disks::open`]; disks handed out belong to
+//! their sandboxes and are released with them.
+
+mod loopdev;
+
+use std::fs;
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+
+/// Smallest disk we make: ext4 needs room for its own metadata.
+pub const MIN_DISK_MB: u64 = 16;
+
+/// A disk operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DiskError {
+    /// A system call failed.
+    #[error("{op}: {source}")]
+    Os {
+        /// What was attempted.
+        op: &'static str,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// A file operation failed.
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// What was attempted.
+        op: &'static str,
+        /// On which path.
+        path: PathBuf,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// `mkfs.ext4` failed or is missing.
+    #[error("format {path}: {reason} (is e2fsprogs installed?)")]
+    Format {
+        /// Image being formatted.
+        path: PathBuf,
+        /// mkfs's complaint.
+        reason: String,
+    },
+    /// The requested size is out of range.
+    #[error("disk size {0} MiB is below the minimum of {MIN_DISK_MB} MiB")]
+    TooSmall(u64),
+}
+
+fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> DiskError + 'a {
+    move |source| DiskError::Io {
+        op,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// How disks are made and pooled.
+#[derive(Debug, Clone)]
+pub struct DiskConfig {
+    /// Directory for templates and the pool (on the same file system as the places
+    /// disks are provisioned to, so that a provision is a rename).
+    pub root: PathBuf,
+    /// Size of pooled disks, in MiB: the size most sandboxes ask for.
+    pub default_mb: u64,
+    /// Mounted disks of the default size kept ready; 0 makes every disk on demand.
+    pub pool_size: usize,
+}
+
+/// The node's disk maker: templates, pool and the thread that refills it.
+#[derive(Debug)]
+pub struct Disks {
+    shared: Arc<Shared>,
+    refill: Option<JoinHandle<()>>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    cfg: DiskConfig,
+    ready: Mutex<Vec<PathBuf>>,
+    wake: Condvar,
+    stop: AtomicBool,
+    /// Serialises template creation.
+    templates: Mutex<()>,
+}
+
+impl Shared {
+    fn ready(&self) -> MutexGuard<'_, Vec<PathBuf>> {
+        self.ready.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn pool_dir(&self) -> PathBuf {
+        self.cfg.root.join("pool")
+    }
+
+    fn template(&self, size_mb: u64) -> Result<PathBuf, DiskError> {
+        let path = self
+            .cfg
+            .root
+            .join("templates")
+            .join(format!("{size_mb}.img"));
+        let _guard = self.templates.lock().unwrap_or_else(|p| p.into_inner());
+        if path.exists() {
+            return Ok(path);
+        }
+        let tmp = path.with_extension("img.tmp");
+        let _ = fs::remove_file(&tmp);
+        let file = fs::File::create(&tmp).map_err(io_err("create", &tmp))?;
+        file.set_len(size_mb << 20)
+            .map_err(io_err("truncate", &tmp))?;
+        drop(file);
+        // No journal: a sandbox's disk does not outlive a host crash. Lazy inode tables
+        // stay holes in the sparse image (mounted with `noinit_itable`, never zeroed).
+        let out = Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-m", "0", "-i", "16384", "-L", "dsec-disk"])
+            .args(["-O", "^has_journal"])
+            .args([
+                "-E",
+                "lazy_itable_init=1,lazy_journal_init=1,nodiscard,root_owner=0:0",
+            ])
+            .arg(&tmp)
+            .output()
+            .map_err(|e| DiskError::Format {
+                path: tmp.clone(),
+                reason: e.to_string(),
+            })?;
+        if !out.status.success() {
+            let _ = fs::remove_file(&tmp);
+            return Err(DiskError::Format {
+                path: tmp,
+                reason: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+            });
+        }
+        fs::rename(&tmp, &path).map_err(io_err("rename", &path))?;
+        Ok(path)
+    }
+
+    /// Makes a mounted disk of `size_mb` in the new directory `dir`.
+    fn make(&self, size_mb: u64, dir: &Path) -> Result<(), DiskError> {
+        let template = self.template(size_mb)?;
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(dir)
+            .map_err(io_err("mkdir", dir))?;
+        let res = make_in(&template, size_mb, dir);
+        if res.is_err() {
+            let _ = release(dir);
+        }
+        res
+    }
+
+    fn refill_loop(&self) {
+        let pool = self.pool_dir();
+        let mut failures = 0u32;
+        loop {
+            {
+                let mut ready = self.ready();
+                while ready.len() >= self.cfg.pool_size && !self.stop.load(Ordering::Acquire) {
+                    ready = self.wake.wait(ready).unwrap_or_else(|p| p.into_inner());
+                }
+            }
+            if self.stop.load(Ordering::Acquire) {
+                return;
+            }
+            let dir = pool.join(format!(
+                "{}-{:016x}",
+                self.cfg.default_mb,
+                rand::random::<u64>()
+            ));
+            match self.make(self.cfg.default_mb, &dir) {
+                Ok(()) => {
+                    failures = 0;
+                    self.ready().push(dir);
+                }
+                Err(e) => {
+                    failures += 1;
+                    tracing::warn!(error = %e, "cannot refill the disk pool");
+                    // Back off; creates still make disks on demand and report errors.
+                    let wait = Duration::from_millis(100 << failures.min(6));
+                    let ready = self.ready();
+                    let _ = self.wake.wait_timeout(ready, wait);
+                }
+            }
+        }
+    }
+}
+
+fn make_in(template: &Path, size_mb: u64, dir: &Path) -> Result<(), DiskError> {
+    let img = dir.join("disk.img");
+    let mnt = dir.join("mnt");
+    clone_sparse(template, &img)?;
+    let backing = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&img)
+        .map_err(io_err("open", &img))?;
+    backing
+        .set_len(size_mb << 20)
+        .map_err(io_err("truncate", &img))?;
+    fs::DirBuilder::new()
+        .mode(0o755)
+        .create(&mnt)
+        .map_err(io_err("mkdir", &mnt))?;
+    let dev = loopdev::attach(&backing)?;
+    drop(backing);
+    mount(
+        Some(&dev.path),
+        &mnt,
+        Some("ext4"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("noinit_itable"),
+    )
+    .map_err(|e| DiskError::Io {
+        op: "mount ext4",
+        path: mnt.clone(),
+        source: e.into(),
+    })?;
+    drop(dev);
+    for sub in ["upper", "work"] {
+        let p = mnt.join(sub);
+        fs::DirBuilder::new()
+            .mode(0o755)
+            .create(&p)
+            .map_err(io_err("mkdir", &p))?;
+    }
+    Ok(())
+}
+
+/// Copies only the data extents of `src` into the new file `dst`, leaving holes as holes.
+fn clone_sparse(src: &Path, dst: &Path) -> Result<(), DiskError> {
+    use nix::unistd::{lseek, Whence};
+    let from = fs::File::open(src).map_err(io_err("open", src))?;
+    let to = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(dst)
+        .map_err(io_err("create", dst))?;
+    let len = from.metadata().map_err(io_err("stat", src))?.len() as i64;
+    to.set_len(len as u64).map_err(io_err("truncate", dst))?;
+    let mut pos = 0i64;
+    let errno = |op: &'static str| {
+        move |e: nix::errno::Errno| DiskError::Io {
+            op,
+            path: src.to_path_buf(),
+            source: e.into(),
+        }
+    };
+    while pos < len {
+        let data = match lseek(from.as_raw_fd(), pos, Whence::SeekData) {
+            Ok(d) => d,
+            Err(nix::errno::Errno::ENXIO) => break,
+            Err(e) => return Err(errno("seek data")(e)),
+        };
+        let hole = lseek(from.as_raw_fd(), data, Whence::SeekHole).map_err(errno("seek hole"))?;
+        let (mut off_in, mut off_out) = (data, data);
+        let mut left = (hole - data) as usize;
+        while left > 0 {
+            let n = nix::fcntl::copy_file_range(
+                from.as_fd(),
+                Some(&mut off_in),
+                to.as_fd(),
+                Some(&mut off_out),
+                left,
+            )
+            .map_err(errno("copy_file_range"))?;
+            if n == 0 {
+                break;
+            }
+            left -= n;
+        }
+        pos = hole;
+    }
+    Ok(())
+}
+
+/// Where the overlay's upper directory lives on a provisioned disk.
+pub fn upper_dir(disk: &Path) -> PathBuf {
+    disk.join("mnt").join("upper")
+}
+
+/// Where the overlay's work directory lives on a provisioned disk.
+pub fn work_dir(disk: &Path) -> PathBuf {
+    disk.join("mnt").join("work")
+}
+
+/// Detaches a disk's mount and deletes its directory. Idempotent: a missing directory
+/// or an unmounted `mnt` is fine. The loop device detaches itself once no mount
+/// namespace uses the file system any more.
+pub fn release(disk: &Path) -> Result<(), DiskError> {
+    let mnt = disk.join("mnt");
+    match umount2(&mnt, MntFlags::MNT_DETACH | MntFlags::UMOUNT_NOFOLLOW) {
+        Ok(()) | Err(nix::errno::Errno::EINVAL) | Err(nix::errno::Errno::ENOENT) => {}
+        Err(e) => {
+            return Err(DiskError::Io {
+                op: "unmount",
+                path: mnt,
+                source: e.into(),
+            })
+        }
+    }
+    match fs::remove_dir_all(disk) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(DiskError::Io {
+            op: "remove",
+            path: disk.to_path_buf(),
+            source: e,
+        }),
+    }
+}
+
+impl Disks {
+    /// Prepares the root, empties a pool left by an earlier run and starts the refill
+    /// thread.
+    pub fn open(cfg: DiskConfig) -> Result<Self, DiskError> {
+        if cfg.default_mb < MIN_DISK_MB {
+            return Err(DiskError::TooSmall(cfg.default_mb));
+        }
+        let shared = Arc::new(Shared {
+            cfg,
+            ready: Mutex::new(Vec::new()),
+            wake: Condvar::new(),
+            stop: AtomicBool::new(false),
+            templates: Mutex::new(()),
+        });
+        let mut b = fs::DirBuilder::new();
+        b.recursive(true).mode(0o700);
+        for d in [shared.cfg.root.join("templates"), shared.pool_dir()] {
+            b.create(&d).map_err(io_err("mkdir", &d))?;
+        }
+        let pool = shared.pool_dir();
+        for entry in fs::read_dir(&pool)
+            .map_err(io_err("read_dir", &pool))?
+            .filter_map(Result::ok)
+        {
+            release(&entry.path())?;
+        }
+        // Make the default template now: a broken mkfs shows at start, not at create.
+        shared.template(shared.cfg.default_mb)?;
+        let refill = if shared.cfg.pool_size > 0 {
+            let s = shared.clone();
+            Some(
+                std::thread::Builder::new()
+                    .name("dsec-disk-pool".into())
+                    .spawn(move || s.refill_loop())
+                    .map_err(|source| DiskError::Os {
+                        op: "spawn pool thread",
+                        source,
+                    })?,
+            )
+        } else {
+            None
+        };
+        Ok(Self { shared, refill })
+    }
+
+    /// The configured default size in MiB.
+    pub fn default_mb(&self) -> u64 {
+        self.shared.cfg.default_mb
+    }
+
+    /// Puts a mounted disk of `size_mb` at `dest` (which must not exist): a pooled one
+    /// when the size is the default and the pool has one, else a fresh one.
+    pub fn provision(&self, size_mb: u64, dest: &Path) -> Result<(), DiskError> {
+        if size_mb < MIN_DISK_MB {
+            return Err(DiskError::TooSmall(size_mb));
+        }
+        if size_mb == self.shared.cfg.default_mb {
+            let pooled = self.shared.ready().pop();
+            self.shared.wake.notify_all();
+            if let Some(dir) = pooled {
+                match fs::rename(&dir, dest) {
+                    Ok(()) => return Ok(()),
+                    Err(e) => {
+                        tracing::warn!(error = %e, dir = %dir.display(), "pooled disk unusable");
+                        let _ = release(&dir);
+                    }
+                }
+            }
+        }
+        self.shared.make(size_mb, dest)
+    }
+
+    /// Number of ready disks in the pool.
+    pub fn pooled(&self) -> usize {
+        self.shared.ready().len()
+    }
+
+    /// Takes back a sandbox's disk once nothing runs on it any more: a lightly used disk
+    /// of the default size is emptied and returned to the pool (no unmount, no loop
+    /// teardown, no new file system: the cheap path for the create/delete churn of RL
+    /// rollouts); any other disk is released. Returns whether it was recycled.
+    ///
+    /// Emptying removes the old `upper` and `work` whole, so nothing of the previous
+    /// sandbox stays visible; ext4 never shows freed blocks through new files.
+    pub fn recycle(&self, disk: &Path) -> Result<bool, DiskError> {
+        match self.try_recycle(disk) {
+            Ok(true) => Ok(true),
+            Ok(false) => release(disk).map(|()| false),
+            Err(e) => {
+                tracing::debug!(error = %e, disk = %disk.display(), "disk not recyclable");
+                release(disk).map(|()| false)
+            }
+        }
+    }
+
+    fn try_recycle(&self, disk: &Path) -> Result<bool, DiskError> {
+        let mnt = disk.join("mnt");
+        if self.shared.cfg.pool_size == 0 || self.pooled() >= self.shared.cfg.pool_size * 2 {
+            return Ok(false);
+        }
+        let st = nix::sys::statvfs::statvfs(&mnt).map_err(|e| DiskError::Io {
+            op: "statvfs",
+            path: mnt.clone(),
+            source: e.into(),
+        })?;
+        let used = (st.blocks() - st.blocks_free()) * st.fragment_size();
+        let inodes = st.files() - st.files_free();
+        let default = self.shared.cfg.default_mb;
+        let img = disk.join("disk.img");
+        let size = fs::metadata(&img).map_err(io_err("stat", &img))?.len();
+        // Only a mounted, writable disk of the default size with little in it: removing
+        // much would make the delete slow, so big ones go the release way.
+        if !is_mountpoint(&mnt, disk)
+            || st.flags().contains(nix::sys::statvfs::FsFlags::ST_RDONLY)
+            || size != default << 20
+            || used > RECYCLE_MAX_USED
+            || inodes > RECYCLE_MAX_INODES
+        {
+            return Ok(false);
+        }
+        let trash = mnt.join(".trash");
+        let _ = fs::remove_dir_all(&trash);
+        fs::create_dir(&trash).map_err(io_err("mkdir", &trash))?;
+        for sub in ["upper", "work"] {
+            let from = mnt.join(sub);
+            fs::rename(&from, trash.join(sub)).map_err(io_err("rename", &from))?;
+        }
+        fs::remove_dir_all(&trash).map_err(io_err("remove", &trash))?;
+        for sub in ["upper", "work"] {
+            let p = mnt.join(sub);
+            fs::DirBuilder::new()
+                .mode(0o755)
+                .create(&p)
+                .map_err(io_err("mkdir", &p))?;
+        }
+        let dest = self
+            .shared
+            .pool_dir()
+            .join(format!("{default}-{:016x}", rand::random::<u64>()));
+        fs::rename(disk, &dest).map_err(io_err("rename", disk))?;
+        self.shared.ready().push(dest);
+        Ok(true)
+    }
+}
+
+/// Most a disk may hold and still be recycled rather than released.
+const RECYCLE_MAX_USED: u64 = 64 << 20;
+/// Most inodes in use on a disk that is recycled rather than released.
+const RECYCLE_MAX_INODES: u64 = 4096;
+
+/// Whether `mnt` is a mount point, judged by its device differing from its parent's
+/// (cheap, unlike scanning a mount table that holds one disk per sandbox).
+fn is_mountpoint(mnt: &Path, parent: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (fs::symlink_metadata(mnt), fs::symlink_metadata(parent)) {
+        (Ok(m), Ok(p)) => m.is_dir() && m.dev() != p.dev(),
+        _ => false,
+    }
+}
+
+impl Drop for Disks {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.shared.wake.notify_all();
+        if let Some(t) = self.refill.take() {
+            let _ = t.join();
+        }
+        for dir in self.shared.ready().drain(..) {
+            let _ = release(&dir);
+        }
+    }
+}

@@ -1,0 +1,289 @@
+//! Disk tests on real loop devices and real ext4 mounts. They need root and ext4; with
+//! `CI=true` a missing prerequisite fails the test instead of skipping it.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use dsec_disk::{release, upper_dir, work_dir, DiskConfig, DiskError, Disks};
+
+fn usable() -> bool {
+    let root = nix::unistd::geteuid().is_root();
+    let ext4 = std::fs::read_to_string("/proc/filesystems")
+        .map(|s| s.lines().any(|l| l.trim_end().ends_with("ext4")))
+        .unwrap_or(false);
+    let loop_ctl = Path::new("/dev/loop-control").exists();
+    let ok = root && ext4 && loop_ctl;
+    if !ok {
+        let msg = format!("disk tests need root, ext4, /dev/loop-control (root={root}, ext4={ext4}, loop-control={loop_ctl})");
+        assert!(std::env::var("CI").as_deref() != Ok("true"), "{msg}");
+        eprintln!("SKIPPED: {msg}");
+    }
+    ok
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("dsec-disk-test-{name}"));
+    if dir.exists() {
+        // A previous failed run may have left mounts.
+        for e in std::fs::read_dir(dir.join("root/pool"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let _ = release(&e.path());
+        }
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let _ = release(&e.path());
+        }
+        std::fs::remove_dir_all(&dir).expect("clear scratch dir");
+    }
+    std::fs::create_dir_all(&dir).expect("mkdir scratch");
+    dir
+}
+
+fn is_mountpoint(p: &Path) -> bool {
+    let want = p.to_str().expect("utf-8 path");
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .expect("mountinfo")
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(want))
+}
+
+/// Loop devices whose backing file lies under `dir`.
+fn loops_under(dir: &Path) -> Vec<String> {
+    let prefix = dir.to_str().expect("utf-8 path");
+    std::fs::read_dir("/sys/block")
+        .expect("/sys/block")
+        .flatten()
+        .filter_map(|e| {
+            let f = std::fs::read_to_string(e.path().join("loop/backing_file")).ok()?;
+            f.starts_with(prefix)
+                .then(|| e.file_name().to_string_lossy().into_owned())
+        })
+        .collect()
+}
+
+fn statvfs_mb(p: &Path) -> (u64, u64) {
+    let st = nix::sys::statvfs::statvfs(p).expect("statvfs");
+    let f = st.fragment_size();
+    ((st.blocks() * f) >> 20, (st.blocks_available() * f) >> 20)
+}
+
+fn wait_pooled(d: &Disks, n: usize) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while d.pooled() < n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "pool never reached {n}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn a_full_disk_gives_enospc_and_release_frees_everything() {
+    if !usable() {
+        return;
+    }
+    let dir = scratch("enospc");
+    let disks = Disks::open(DiskConfig {
+        root: dir.join("root"),
+        default_mb: 64,
+        pool_size: 2,
+    })
+    .expect("open");
+    wait_pooled(&disks, 2);
+    let disk = dir.join("sb1");
+    disks.provision(64, &disk).expect("provision");
+    assert!(is_mountpoint(&disk.join("mnt")), "disk is mounted");
+    assert!(upper_dir(&disk).is_dir() && work_dir(&disk).is_dir());
+    let (total, avail) = statvfs_mb(&disk.join("mnt"));
+    assert!(
+        (56..=64).contains(&total),
+        "size {total} MiB for a 64 MiB disk"
+    );
+    assert!(avail > 40, "only {avail} MiB free on a fresh disk");
+    // The image is sparse: a fresh disk costs a few MiB of host disk, not 64.
+    let used = std::fs::metadata(disk.join("disk.img")).map(|m| {
+        use std::os::unix::fs::MetadataExt;
+        (m.blocks() * 512) >> 20
+    });
+    assert!(used.expect("stat image") < 16, "image not sparse");
+
+    // Fill it: the write fails with ENOSPC after about the disk's size, not before.
+    let mut f = std::fs::File::create(upper_dir(&disk).join("fill")).expect("create");
+    let chunk = vec![0xa5u8; 1 << 20];
+    let mut written = 0u64;
+    let err = loop {
+        match f.write_all(&chunk).and_then(|()| f.sync_data()) {
+            Ok(()) => written += 1,
+            Err(e) => break e,
+        }
+        assert!(written < 200, "wrote {written} MiB into a 64 MiB disk");
+    };
+    assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
+    assert!(written >= 40, "ENOSPC after only {written} MiB");
+    drop(f);
+
+    assert_eq!(
+        loops_under(&dir).len(),
+        3,
+        "two pooled disks and one in use"
+    );
+    release(&disk).expect("release");
+    assert!(!disk.exists());
+    release(&disk).expect("release is idempotent");
+    drop(disks);
+    // Dropping the manager releases the pool; autoclear frees the loop devices.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !loops_under(&dir).is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "loop devices left: {:?}",
+            loops_under(&dir)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(std::fs::read_dir(dir.join("root/pool"))
+        .expect("pool dir")
+        .next()
+        .is_none());
+}
+
+#[test]
+fn other_sizes_are_made_on_demand_and_concurrently() {
+    if !usable() {
+        return;
+    }
+    let dir = scratch("sizes");
+    let disks = Disks::open(DiskConfig {
+        root: dir.join("root"),
+        default_mb: 32,
+        pool_size: 0,
+    })
+    .expect("open");
+    std::thread::scope(|s| {
+        for i in 0..8u64 {
+            let (disks, dir) = (&disks, &dir);
+            s.spawn(move || {
+                let size = if i % 2 == 0 { 32 } else { 128 };
+                let disk = dir.join(format!("sb{i}"));
+                disks.provision(size, &disk).expect("provision");
+                let (total, _) = statvfs_mb(&disk.join("mnt"));
+                assert!(
+                    total <= size && total + size / 16 + 2 >= size,
+                    "{total} MiB for {size} MiB"
+                );
+            });
+        }
+    });
+    assert_eq!(loops_under(&dir).len(), 8, "one loop device per disk");
+    for i in 0..8 {
+        release(&dir.join(format!("sb{i}"))).expect("release");
+    }
+    assert!(matches!(
+        disks.provision(1, &dir.join("tiny")),
+        Err(DiskError::TooSmall(1))
+    ));
+    assert!(
+        !dir.join("tiny").exists(),
+        "failed provision leaves nothing"
+    );
+}
+
+#[test]
+fn reopening_after_a_crash_empties_the_old_pool() {
+    if !usable() {
+        return;
+    }
+    let dir = scratch("crash");
+    let cfg = DiskConfig {
+        root: dir.join("root"),
+        default_mb: 32,
+        pool_size: 3,
+    };
+    let disks = Disks::open(cfg.clone()).expect("open");
+    wait_pooled(&disks, 3);
+    // A crash: the manager never runs its destructor; three mounted disks stay behind.
+    std::mem::forget(disks);
+    let left: Vec<_> = std::fs::read_dir(dir.join("root/pool"))
+        .expect("pool")
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert_eq!(left.len(), 3);
+    assert!(left.iter().all(|p| is_mountpoint(&p.join("mnt"))));
+    let disks = Disks::open(DiskConfig {
+        pool_size: 0,
+        ..cfg
+    })
+    .expect("reopen");
+    assert!(left.iter().all(|p| !p.exists()), "old pool entries removed");
+    assert_eq!(disks.pooled(), 0);
+}
+
+#[test]
+fn lightly_used_disks_are_recycled_empty_and_heavy_ones_released() {
+    if !usable() {
+        return;
+    }
+    let dir = scratch("recycle");
+    let disks = Disks::open(DiskConfig {
+        root: dir.join("root"),
+        default_mb: 128,
+        pool_size: 1,
+    })
+    .expect("open");
+    wait_pooled(&disks, 1);
+
+    // A sandbox that wrote a little: recycled into the pool, with nothing of it left.
+    let light = dir.join("light");
+    disks.provision(128, &light).expect("provision");
+    std::fs::write(upper_dir(&light).join("secret"), b"tenant A").expect("write");
+    std::fs::create_dir_all(work_dir(&light).join("work")).expect("mkdir");
+    wait_pooled(&disks, 1); // refilled after the provision
+    let loops = loops_under(&dir).len();
+    assert!(
+        disks.recycle(&light).expect("recycle"),
+        "a light disk is recycled"
+    );
+    assert!(!light.exists());
+    assert_eq!(disks.pooled(), 2);
+    assert_eq!(
+        loops_under(&dir).len(),
+        loops,
+        "no loop device released or made"
+    );
+    // Whoever gets it next finds empty upper and work directories.
+    let next = dir.join("next");
+    disks.provision(128, &next).expect("provision");
+    for d in [upper_dir(&next), work_dir(&next)] {
+        assert_eq!(
+            std::fs::read_dir(&d).expect("read").count(),
+            0,
+            "{d:?} not empty"
+        );
+    }
+    assert!(is_mountpoint(&next.join("mnt")));
+
+    // A sandbox that wrote a lot: released, not emptied file by file.
+    let mut f = std::fs::File::create(upper_dir(&next).join("big")).expect("create");
+    for _ in 0..80 {
+        f.write_all(&[1u8; 1 << 20]).expect("write");
+    }
+    f.sync_all().expect("sync");
+    drop(f);
+    let pooled = disks.pooled();
+    assert!(
+        !disks.recycle(&next).expect("recycle"),
+        "a heavy disk is released"
+    );
+    assert!(!next.exists());
+    assert_eq!(disks.pooled(), pooled);
+
+    // A disk of another size never enters the default pool.
+    let other = dir.join("other");
+    disks.provision(64, &other).expect("provision");
+    assert!(!disks.recycle(&other).expect("recycle"));
+    assert!(!other.exists());
+}
