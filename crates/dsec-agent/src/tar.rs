@@ -245,7 +245,6 @@ pub async fn upload(
     let (p, dest) = match dest {
         Ok(v) => v,
         Err(e) => {
-            rd.drain_input().await;
             return wr.error(e).await;
         }
     };
@@ -264,21 +263,19 @@ pub async fn upload(
             let _ = done_tx.send(res);
         });
     if let Err(e) = thread {
-        rd.drain_input().await;
         return wr
             .error(internal(format!("starting tar thread: {e}")))
             .await;
     }
-    let mut tx = Some(tx);
     let mut bytes = 0u64;
     loop {
         match rd.next().await {
             Ok(Some(Frame::Data(d))) => {
                 bytes += d.len() as u64;
-                if let Some(t) = &tx {
-                    if t.send(d).await.is_err() {
-                        tx = None; // the extractor stopped (error); keep draining input
-                    }
+                if tx.send(d).await.is_err() {
+                    // The extractor stopped on an error (e.g. no space): answer now
+                    // instead of reading the rest of the archive.
+                    break;
                 }
             }
             Ok(Some(Frame::Eof)) => break,

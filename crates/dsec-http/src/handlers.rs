@@ -70,15 +70,42 @@ fn bytes_body(stream: ByteStream, content_type: &'static str) -> Response {
         .into_response()
 }
 
+/// After an upload is answered early (e.g. `no_space`), how long and how much of the
+/// unread rest of its body is still read and thrown away. Closing at once would make the
+/// kernel reset the connection, and a client still sending would see the reset instead
+/// of the answer; this "lingering close" lets it read the answer first.
+const LINGER_TIME: std::time::Duration = std::time::Duration::from_secs(2);
+const LINGER_BYTES: usize = 64 << 20;
+
 /// The request body as the trait's [`ByteStream`], not buffered and not size-limited.
+/// A task feeds it, so that when the consumer stops early the task can linger (above).
 fn body_stream(body: Body) -> ByteStream {
-    body.into_data_stream()
-        .map(|r| {
-            r.map_err(|e| {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, ApiError>>(4);
+    tokio::spawn(async move {
+        let mut data = body.into_data_stream();
+        while let Some(item) = data.next().await {
+            let item = item.map_err(|e| {
                 ApiError::new(ErrorCode::BadRequest, format!("reading request body: {e}"))
-            })
-        })
-        .boxed()
+            });
+            if tx.send(item).await.is_err() {
+                let mut thrown = 0usize;
+                let _ = tokio::time::timeout(LINGER_TIME, async {
+                    while let Some(Ok(chunk)) = data.next().await {
+                        thrown += chunk.len();
+                        if thrown > LINGER_BYTES {
+                            break;
+                        }
+                    }
+                })
+                .await;
+                return;
+            }
+        }
+    });
+    futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    })
+    .boxed()
 }
 
 /// JSON with every non-ASCII character escaped as `\uXXXX`, so it fits in a header value

@@ -3,7 +3,9 @@
 //! One unix-socket connection carries one request. The node sends a [`Request`] as a JSON
 //! frame, followed by `Data` frames and an `Eof` frame when the request takes input
 //! (stdin, file upload, tar upload). The agent answers with frames as listed on each
-//! variant and closes the connection. An [`Reply::Error`] may replace any reply.
+//! variant and closes the connection. An [`Reply::Error`] may replace any reply; for an
+//! upload the agent may send it before it has read all the input (a full disk answers at
+//! the first `ENOSPC`), so the node stops sending when its writes fail and reads the reply.
 //!
 //! Exec output shape (streaming or not): `Started`, then `Stdout`/`Stderr` data frames,
 //! then `Exited`. Without `stream` the agent keeps only the last `output_limit` bytes per

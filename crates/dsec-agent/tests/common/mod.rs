@@ -93,11 +93,20 @@ impl Conn {
         self.s.write_all(&f.to_bytes()).unwrap();
     }
 
+    /// Sends `data` then `Eof`. The agent may answer an upload with an error before it
+    /// has read everything and close: then the rest is not sent (as the node does).
     pub fn send_data(&mut self, data: &[u8]) {
-        for chunk in data.chunks(DATA_CHUNK) {
-            self.send(&Frame::Data(chunk.to_vec()));
+        let frames = data
+            .chunks(DATA_CHUNK)
+            .map(|c| Frame::Data(c.to_vec()))
+            .chain([Frame::Eof]);
+        for f in frames {
+            match self.s.write_all(&f.to_bytes()) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return,
+                Err(e) => panic!("send: {e}"),
+            }
         }
-        self.send(&Frame::Eof);
     }
 
     /// The next frame, or None at close.
@@ -105,7 +114,15 @@ impl Conn {
         let mut header = [0u8; 5];
         match self.s.read_exact(&mut header) {
             Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return None,
+            // A reset follows the agent closing with input unread (an early error).
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                return None
+            }
             Err(e) => panic!("read: {e}"),
         }
         let (tag, len) = Frame::parse_header(header).unwrap();
