@@ -6,9 +6,9 @@ die() { log "error: $*"; exit 1; }
 
 repo_root() { cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd; }
 
-# Debian packages: erofs-utils (mkfs.erofs), mmdebstrap (base image), and the OCI
-# runtimes the benchmark compares against.
-APT_PACKAGES="erofs-utils mmdebstrap crun runc python3 ca-certificates"
+# Debian packages: erofs-utils (mkfs.erofs), e2fsprogs (mkfs.ext4 for sandbox disks),
+# mmdebstrap (base image), and the OCI runtimes the benchmark compares against.
+APT_PACKAGES="erofs-utils e2fsprogs mmdebstrap crun runc python3 ca-certificates"
 
 ensure_packages() {
   local missing=()

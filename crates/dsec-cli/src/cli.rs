@@ -55,6 +55,14 @@ pub struct ServeArgs {
     /// Node name reported by the API (default: the host name).
     #[arg(long)]
     pub node_name: Option<String>,
+    /// Default size of a sandbox's writable disk in MiB (each sandbox gets its own
+    /// size-limited file system); 0 lets sandboxes write to the node's disk unlimited.
+    #[arg(long, default_value_t = 10240)]
+    pub disk_mb: u64,
+    /// Disks of the default size kept formatted and mounted for fast creates (deleted
+    /// sandboxes' lightly used disks refill it, up to twice this many).
+    #[arg(long, default_value_t = 32)]
+    pub disk_pool: usize,
 }
 
 /// `dsec sandbox ...`.
@@ -135,6 +143,9 @@ pub struct CreateArgs {
     /// Process limit (server default: 512).
     #[arg(long)]
     pub pids: Option<u64>,
+    /// Writable disk size in MiB (server default: 10240).
+    #[arg(long)]
+    pub disk_mb: Option<u64>,
     /// Lifetime (e.g. 3600, 90m, 1h; server default: 1h).
     #[arg(long, value_parser = parse_duration)]
     pub timeout: Option<Duration>,

@@ -84,6 +84,7 @@ async fn create(client: &Client, a: CreateArgs, json: bool) -> anyhow::Result<()
             cpu: a.cpu,
             memory_mb: a.memory_mb,
             pids: a.pids,
+            disk_mb: a.disk_mb,
         },
         timeout_s: a.timeout.map(ceil_secs),
         idle_timeout_s: a.idle_timeout.map(ceil_secs),
@@ -164,7 +165,13 @@ fn describe(sb: &Sandbox) -> String {
         ("image", format!("{} ({})", sb.image, sb.image_digest)),
         (
             "resources",
-            format!("{} cpu, {} MiB memory, {} pids", r.cpu, r.memory_mb, r.pids),
+            match r.disk_mb {
+                Some(d) => format!(
+                    "{} cpu, {} MiB memory, {} pids, {d} MiB disk",
+                    r.cpu, r.memory_mb, r.pids
+                ),
+                None => format!("{} cpu, {} MiB memory, {} pids", r.cpu, r.memory_mb, r.pids),
+            },
         ),
         ("created", output::ago(sb.created_at)),
         ("expires", output::until(sb.expires_at)),

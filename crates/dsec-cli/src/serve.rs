@@ -73,6 +73,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         run_dir: args.run_dir.clone(),
         agent_bin,
         create_timeout: Duration::from_secs(30),
+        disk: (args.disk_mb > 0).then_some(dsec_node::DiskSettings {
+            default_mb: args.disk_mb,
+            pool_size: args.disk_pool,
+        }),
     };
     let node = LocalNode::open(node_cfg)
         .await

@@ -587,6 +587,7 @@ impl SandboxApi for ControlPlane {
                 cpu,
                 memory_mb,
                 pids,
+                disk_mb: None,
             },
             labels: req.labels.clone(),
             created_at: now,
@@ -615,6 +616,7 @@ impl SandboxApi for ControlPlane {
             cpu_millis: (cpu * 1000.0).round() as u64,
             memory_bytes: memory_mb * 1024 * 1024,
             pids_max: pids,
+            disk_mb: req.resources.disk_mb,
             env,
             workdir: req.workdir.clone().unwrap_or_else(|| "/".into()),
         };
@@ -627,6 +629,7 @@ impl SandboxApi for ControlPlane {
             }
         };
         sb.image_digest = created.image_digest;
+        sb.resources.disk_mb = created.disk_mb;
         sb.state = SandboxState::Ready;
         self.lock().insert(id.clone(), sb.clone());
         if let Err(e) = self.place_files(&id, &req.files).await {

@@ -11,6 +11,8 @@ fn bad(msg: impl Into<String>) -> ApiError {
 pub const MAX_CPU: f64 = 64.0;
 /// Memory range in MiB.
 pub const MEMORY_MB_RANGE: (u64, u64) = (16, 1024 * 1024);
+/// Writable-layer size range in MiB (64 MiB to 16 TiB).
+pub const DISK_MB_RANGE: (u64, u64) = (64, 16 * 1024 * 1024);
 /// Pids range.
 pub const PIDS_RANGE: (u64, u64) = (8, 1 << 22);
 /// Largest output ring a caller may ask for.
@@ -59,6 +61,14 @@ pub fn create(req: &CreateSandboxRequest) -> Result<(), ApiError> {
             return Err(bad(format!(
                 "resources.memory_mb must be in [{}, {}], got {m}",
                 MEMORY_MB_RANGE.0, MEMORY_MB_RANGE.1
+            )));
+        }
+    }
+    if let Some(d) = req.resources.disk_mb {
+        if d < DISK_MB_RANGE.0 || d > DISK_MB_RANGE.1 {
+            return Err(bad(format!(
+                "resources.disk_mb must be in [{}, {}], got {d}",
+                DISK_MB_RANGE.0, DISK_MB_RANGE.1
             )));
         }
     }

@@ -69,3 +69,19 @@ pub fn kill_sandbox_cgroup(id: &str) {
         let _ = std::fs::remove_dir(d);
     }
 }
+
+/// Loop devices whose backing file mentions the sandbox (its disk image).
+pub fn loop_devices(id: &str) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir("/sys/block") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let backing = std::fs::read_to_string(e.path().join("loop/backing_file")).ok()?;
+            backing
+                .contains(id)
+                .then(|| format!("{}: {}", e.file_name().to_string_lossy(), backing.trim()))
+        })
+        .collect()
+}

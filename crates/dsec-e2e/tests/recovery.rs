@@ -112,9 +112,18 @@ async fn failed_and_half_created_sandboxes_leave_nothing() {
     // 3. Leftovers of a crash mid-create: a sandbox directory without runtime.json, and a
     //    cgroup with a live process but no directory at all.
     let half = s.state_dir.join("sandboxes/sb-halfdone");
-    for d in ["upper", "work", "rootfs"] {
-        std::fs::create_dir_all(half.join(d)).expect("mkdir");
-    }
+    std::fs::create_dir_all(half.join("rootfs")).expect("mkdir");
+    // Its disk was provisioned (a mounted pool disk moved in) before the crash. The rest
+    // of the pool the dead server left is mounted too.
+    let pool_dir = s.state_dir.join("disks/pool");
+    let old_pool = subdirs(&pool_dir);
+    assert!(!old_pool.is_empty(), "the server keeps a disk pool");
+    std::fs::rename(pool_dir.join(&old_pool[0]), half.join("disk")).expect("move disk");
+    assert_eq!(
+        host::mounts("sb-halfdone").len(),
+        1,
+        "half-created disk mounted"
+    );
     let mut sleeper = Proc::new("sleep")
         .arg("300")
         .stdin(Stdio::null())
@@ -151,6 +160,30 @@ async fn failed_and_half_created_sandboxes_leave_nothing() {
         host::cgroup_dirs(orphan)
     );
     assert!(host::cgroup_dirs("sb-halfdone").is_empty());
+    assert!(
+        host::mounts("sb-halfdone").is_empty(),
+        "half-created disk still mounted"
+    );
+    assert!(
+        host::mounts(&victim.id).is_empty(),
+        "dead sandbox's disk still mounted"
+    );
+    // The old pool was emptied, its loop devices freed (they detach asynchronously).
+    let pool_now = subdirs(&pool_dir);
+    assert!(
+        old_pool.iter().all(|p| !pool_now.contains(p)),
+        "old pool entries left"
+    );
+    let leaked = dsec_e2e::wait_until(std::time::Duration::from_secs(5), || async {
+        let left: Vec<String> = old_pool
+            .iter()
+            .chain([&victim.id, &"sb-halfdone".to_string()])
+            .flat_map(|name| host::loop_devices(name))
+            .collect();
+        left.is_empty().then_some(())
+    })
+    .await;
+    assert!(leaked.is_some(), "loop devices of dead disks left");
 
     // The sandbox that died while the server was down is reported, not silently lost.
     let sb = c.get_sandbox(&victim.id).await.expect("record kept");

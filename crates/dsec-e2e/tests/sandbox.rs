@@ -114,6 +114,7 @@ async fn create_exec_delete_round_trip_leaves_nothing_behind() {
     let pid = host::processes(&sb.id);
     assert!(!pid.is_empty(), "the sandbox's processes are in its cgroup");
     assert!(!host::cgroup_dirs(&sb.id).is_empty());
+    assert_eq!(host::loop_devices(&sb.id).len(), 1, "one disk per sandbox");
     c.delete_sandbox(&sb.id).await.expect("delete");
     assert_eq!(
         code(c.get_sandbox(&sb.id).await.expect_err("gone")),
@@ -137,6 +138,16 @@ async fn create_exec_delete_round_trip_leaves_nothing_behind() {
         host::mounts(&sb.id).is_empty(),
         "mounts left: {:?}",
         host::mounts(&sb.id)
+    );
+    // The loop device goes when the last mount namespace using the disk is gone.
+    let loops = wait_until(Duration::from_secs(5), || async {
+        host::loop_devices(&sb.id).is_empty().then_some(())
+    })
+    .await;
+    assert!(
+        loops.is_some(),
+        "loop devices left: {:?}",
+        host::loop_devices(&sb.id)
     );
     assert!(
         !s.state_dir.join("sandboxes").join(&sb.id).exists(),
@@ -424,6 +435,130 @@ async fn file_round_trip_of_1_gib_with_checksum() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_10_gib_upload_into_a_small_disk_fails_cleanly_and_loses_nothing() {
+    if !require_root() {
+        return;
+    }
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let c = server().client();
+    let small = create(
+        &c,
+        CreateSandboxRequest {
+            resources: Resources {
+                disk_mb: Some(256),
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(small.resources.disk_mb, Some(256));
+    let neighbour = create(&c, CreateSandboxRequest::default()).await;
+    assert_eq!(neighbour.resources.disk_mb, Some(10240), "node default");
+
+    // The sandbox sees its own disk's size.
+    let df = run(&c, &small.id, "df -m --output=size / | tail -1").await;
+    let size: u64 = df.stdout.trim().parse().expect("df size");
+    assert!((200..=256).contains(&size), "df says {size} MiB");
+
+    c.write_file(&small.id, "/work/keep.txt", None, "precious")
+        .await
+        .expect("small write");
+    // 10 GiB streamed over the file: it must fail with no_space long before the end.
+    let sent = std::sync::Arc::new(AtomicU64::new(0));
+    let counter = sent.clone();
+    const CHUNK: usize = 1 << 20;
+    let body = futures::stream::iter(0..10 * 1024usize).map(move |i| {
+        counter.fetch_add(CHUNK as u64, Ordering::Relaxed);
+        Ok::<_, std::io::Error>(bytes::Bytes::from(vec![(i % 251) as u8; CHUNK]))
+    });
+    let started = Instant::now();
+    let err = c
+        .write_file(
+            &small.id,
+            "/work/keep.txt",
+            None,
+            dsec_client::UploadBody::from_stream(body),
+        )
+        .await
+        .expect_err("10 GiB cannot fit in 256 MiB");
+    assert_eq!(code(err), ErrorCode::NoSpace);
+    let sent = sent.load(Ordering::Relaxed) >> 20;
+    assert!(sent < 2048, "the server read {sent} MiB before giving up");
+    assert!(started.elapsed() < Duration::from_secs(60));
+
+    // Nothing lost, nothing left: the old file is intact, the partial upload is gone and
+    // the space is free again.
+    let r = run(&c, &small.id, "cat /work/keep.txt; ls -A /work").await;
+    assert_eq!(r.stdout, "preciouskeep.txt\n", "{r:?}");
+    let df = run(&c, &small.id, "df -m --output=used / | tail -1").await;
+    let used: u64 = df.stdout.trim().parse().expect("df used");
+    assert!(used < 32, "{used} MiB still used after the failed upload");
+
+    // The same through a tar upload: a 10 GiB member stops at the first ENOSPC.
+    let mut header = tar::Header::new_gnu();
+    header.set_path("huge.bin").expect("tar path");
+    header.set_size(10 << 30);
+    header.set_mode(0o644);
+    header.set_cksum();
+    let sent = std::sync::Arc::new(AtomicU64::new(0));
+    let counter = sent.clone();
+    let head = futures::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::copy_from_slice(
+        header.as_bytes(),
+    ))]);
+    let zeros = futures::stream::iter(0..10 * 1024usize).map(move |_| {
+        counter.fetch_add(CHUNK as u64, Ordering::Relaxed);
+        Ok::<_, std::io::Error>(bytes::Bytes::from(vec![0x5a; CHUNK]))
+    });
+    let err = c
+        .upload_tar(
+            &small.id,
+            "/work/untar",
+            dsec_client::UploadBody::from_stream(head.chain(zeros)),
+        )
+        .await
+        .expect_err("a 10 GiB tar member cannot fit");
+    assert_eq!(code(err), ErrorCode::NoSpace);
+    let sent = sent.load(Ordering::Relaxed) >> 20;
+    assert!(
+        sent < 2048,
+        "the server read {sent} MiB of tar before giving up"
+    );
+    let r = run(&c, &small.id, "rm -rf /work/untar; cat /work/keep.txt").await;
+    assert_eq!(r.stdout, "precious");
+
+    // A process filling the disk gets ENOSPC; the sandbox stays usable.
+    let r = run(
+        &c,
+        &small.id,
+        "dd if=/dev/zero of=/fill bs=1M count=1024 2>&1; echo rc=$?",
+    )
+    .await;
+    assert!(r.stdout.contains("No space left on device"), "{r:?}");
+    assert!(!r.stdout.contains("rc=0"), "{r:?}");
+    let r = run(
+        &c,
+        &small.id,
+        "rm /fill && echo ok > /work/after && cat /work/after",
+    )
+    .await;
+    assert_eq!(r.stdout, "ok\n", "{r:?}");
+
+    // The neighbour was never short of space.
+    let r = run(
+        &c,
+        &neighbour.id,
+        "dd if=/dev/zero of=/big bs=1M count=300 status=none && du -m /big",
+    )
+    .await;
+    assert!(r.stdout.starts_with("300"), "{r:?}");
+
+    for sb in [&small, &neighbour] {
+        c.delete_sandbox(&sb.id).await.expect("delete");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn files_api_cannot_escape_the_sandbox_root() {
     if !require_root() {
         return;
@@ -506,6 +641,20 @@ async fn bad_input_gets_typed_errors() {
         .await,
         ErrorCode::BadRequest
     );
+    for disk_mb in [0, 1, u64::MAX] {
+        assert_eq!(
+            bad(CreateSandboxRequest {
+                resources: Resources {
+                    disk_mb: Some(disk_mb),
+                    ..Default::default()
+                },
+                ..Default::default()
+            })
+            .await,
+            ErrorCode::BadRequest,
+            "disk_mb {disk_mb}"
+        );
+    }
     assert_eq!(
         bad(CreateSandboxRequest {
             image: Some("no-such-image".into()),

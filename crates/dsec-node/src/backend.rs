@@ -21,6 +21,9 @@ pub struct RuntimeRecord {
     pub cgroup: String,
     /// The agent's socket.
     pub agent_socket: PathBuf,
+    /// Size of the sandbox's disk in MiB, if it has one.
+    #[serde(default)]
+    pub disk_mb: Option<u64>,
 }
 
 /// One kind of sandbox.

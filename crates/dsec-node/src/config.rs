@@ -15,9 +15,33 @@ pub struct NodeConfig {
     pub agent_bin: PathBuf,
     /// How long a create may take before it is abandoned.
     pub create_timeout: std::time::Duration,
+    /// Per-sandbox disks; `None` lets sandboxes write to the node's disk without limit.
+    pub disk: Option<DiskSettings>,
+}
+
+/// Size-limited sandbox disks (see `dsec-disk`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiskSettings {
+    /// Size of a sandbox's disk when its create names none, in MiB.
+    pub default_mb: u64,
+    /// Mounted disks of the default size kept ready.
+    pub pool_size: usize,
+}
+
+impl Default for DiskSettings {
+    fn default() -> Self {
+        Self {
+            default_mb: 10 * 1024,
+            pool_size: 32,
+        }
+    }
 }
 
 impl NodeConfig {
+    /// Directory of disk templates and the disk pool.
+    pub fn disks_dir(&self) -> PathBuf {
+        self.state_dir.join("disks")
+    }
     /// Directory holding the image store.
     pub fn images_dir(&self) -> PathBuf {
         self.state_dir.join("images")

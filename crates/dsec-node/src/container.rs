@@ -1,9 +1,12 @@
 //! The container backend: the node starts `dsec-agent init`, which builds the sandbox
 //! around itself (see `dsec-container`) and becomes its PID 1.
 //!
-//! Per sandbox, on the host: `state_dir/sandboxes/ID/{runtime.json,upper,work,rootfs,agent.log}`,
-//! `run_dir/sandboxes/ID/agent.sock`, and cgroup `dsec/ID`. Nothing else: mounts live in
-//! the sandbox's mount namespace, the shared layer mount belongs to the image store.
+//! Per sandbox, on the host: `state_dir/sandboxes/ID/{runtime.json,disk/,rootfs,agent.log}`
+//! (`disk/` is a mounted, size-limited ext4 holding the overlay's `upper` and `work`; a
+//! node without disk limits has plain `upper/` and `work/` directories instead),
+//! `run_dir/sandboxes/ID/agent.sock`, and cgroup `dsec/ID`. Nothing else: the overlay
+//! lives in the sandbox's mount namespace, the shared layer mount belongs to the image
+//! store.
 
 use std::fs;
 use std::io::{Read, Write};
@@ -31,6 +34,8 @@ pub const CGROUP_PARENT: &str = "dsec";
 pub struct ContainerBackend {
     cfg: NodeConfig,
     cgroups: CgroupRoot,
+    /// Disk maker, when sandboxes get size-limited disks.
+    disks: Option<dsec_disk::Disks>,
     /// Open cgroup handles of live sandboxes (opening one resolves every hierarchy).
     open: std::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<Cgroup>>>,
 }
@@ -43,13 +48,23 @@ fn create_err(id: &str, reason: impl std::fmt::Display) -> NodeError {
 }
 
 impl ContainerBackend {
-    /// A backend over the host's cgroup hierarchy.
-    pub fn new(cfg: NodeConfig, cgroups: CgroupRoot) -> Self {
-        Self {
+    /// A backend over the host's cgroup hierarchy. Starts the disk pool, first releasing
+    /// pooled disks an earlier run left.
+    pub fn new(cfg: NodeConfig, cgroups: CgroupRoot) -> Result<Self, NodeError> {
+        let disks = match cfg.disk {
+            Some(d) => Some(dsec_disk::Disks::open(dsec_disk::DiskConfig {
+                root: cfg.disks_dir(),
+                default_mb: d.default_mb,
+                pool_size: d.pool_size,
+            })?),
+            None => None,
+        };
+        Ok(Self {
             cfg,
             cgroups,
+            disks,
             open: Default::default(),
-        }
+        })
     }
 
     fn handles(
@@ -86,12 +101,29 @@ impl ContainerBackend {
         for d in [&dir, &run] {
             builder.create(d).map_err(NodeError::io("mkdir", d))?;
         }
-        for sub in ["upper", "work", "rootfs"] {
-            let p = dir.join(sub);
-            fs::DirBuilder::new()
-                .mode(0o755)
-                .create(&p)
-                .map_err(NodeError::io("mkdir", &p))?;
+        let (upper, work, disk_mb) = match (&self.disks, spec.disk_mb) {
+            (Some(disks), size) => {
+                let size = size.unwrap_or(disks.default_mb());
+                let disk = dir.join("disk");
+                disks.provision(size, &disk)?;
+                (
+                    dsec_disk::upper_dir(&disk),
+                    dsec_disk::work_dir(&disk),
+                    Some(size),
+                )
+            }
+            (None, Some(_)) => return Err(NodeError::Unsupported(
+                "resources.disk_mb: this node runs without disk limits (dsec serve --disk-mb 0)"
+                    .into(),
+            )),
+            (None, None) => (dir.join("upper"), dir.join("work"), None),
+        };
+        for p in [&upper, &work, &dir.join("rootfs")] {
+            match fs::DirBuilder::new().mode(0o755).create(p) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(NodeError::io("mkdir", p)(e)),
+            }
         }
         let limits = Limits {
             cpu_millis: Some(spec.cpu_millis),
@@ -105,8 +137,8 @@ impl ContainerBackend {
         let init = InitSpec {
             sandbox_id: id.clone(),
             lower_dirs: vec![lower.display().to_string()],
-            upper_dir: dir.join("upper").display().to_string(),
-            work_dir: dir.join("work").display().to_string(),
+            upper_dir: upper.display().to_string(),
+            work_dir: work.display().to_string(),
             rootfs: dir.join("rootfs").display().to_string(),
             cgroup_procs: cgroup
                 .procs_paths()
@@ -130,6 +162,7 @@ impl ContainerBackend {
             pid_start_time: start_time,
             cgroup: Self::cgroup_path(id),
             agent_socket: socket,
+            disk_mb,
         };
         let json = serde_json::to_vec_pretty(&rec).map_err(|e| create_err(id, e))?;
         let rec_path = dir.join("runtime.json");
@@ -216,6 +249,16 @@ impl ContainerBackend {
     }
 
     fn remove_dirs(&self, id: &str) -> Result<(), NodeError> {
+        // The disk first: removing the directory must not walk into it. Nothing runs in
+        // the sandbox any more (its cgroup is gone), so a lightly used disk can go back
+        // to the pool.
+        let disk = self.cfg.sandbox_dir(id).join("disk");
+        match &self.disks {
+            Some(disks) if disk.exists() => {
+                disks.recycle(&disk)?;
+            }
+            _ => dsec_disk::release(&disk)?,
+        }
         for d in [self.cfg.sandbox_run_dir(id), self.cfg.sandbox_dir(id)] {
             match fs::remove_dir_all(&d) {
                 Ok(()) => {}

@@ -11,6 +11,12 @@ pub enum NodeError {
     /// The image is unknown or unusable.
     #[error("image: {0}")]
     Image(#[from] dsec_image::ImageError),
+    /// A sandbox disk could not be made or released.
+    #[error("disk: {0}")]
+    Disk(#[from] dsec_disk::DiskError),
+    /// The request asks for something this node is not set up to do.
+    #[error("{0}")]
+    Unsupported(String),
     /// A cgroup operation failed.
     #[error("cgroup: {0}")]
     Cgroup(#[from] dsec_cgroups::CgroupError),
@@ -60,7 +66,8 @@ impl NodeError {
             NodeError::NotFound(_) => ErrorCode::NotFound,
             NodeError::Image(e) => image_code(e),
             NodeError::Agent { .. } => ErrorCode::AgentUnavailable,
-            NodeError::Create { .. } => ErrorCode::Failed,
+            NodeError::Create { .. } | NodeError::Disk(_) => ErrorCode::Failed,
+            NodeError::Unsupported(_) => ErrorCode::BadRequest,
             NodeError::Cgroup(_) | NodeError::Io { .. } => ErrorCode::Internal,
         };
         ApiError::new(code, self.to_string())

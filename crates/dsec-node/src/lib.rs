@@ -7,9 +7,11 @@
 //! Architecture invariants:
 //! - the node is the source of truth for what runs on its machine; each sandbox's
 //!   directory holds a `runtime.json` with which a restarted node re-adopts it;
+//! - each sandbox writes to its own size-limited disk (`dsec-disk`) unless the node
+//!   runs without disk limits;
 //! - each backend sits behind [`backend::Backend`]; only `container` exists today;
-//! - no per-sandbox mounts in the host mount namespace: the overlay lives in the
-//!   sandbox's own namespace; shared layer mounts are refcounted by the image store.
+//! - the overlay lives in the sandbox's own mount namespace; the only per-sandbox
+//!   host mount is its disk, under the sandbox's directory; shared layer mounts are refcounted by the image store.
 
 pub mod agent_conn;
 pub mod backend;
@@ -21,7 +23,7 @@ pub mod local;
 use std::collections::BTreeMap;
 
 pub use agent_conn::AgentConn;
-pub use config::NodeConfig;
+pub use config::{DiskSettings, NodeConfig};
 pub use error::NodeError;
 pub use local::LocalNode;
 
@@ -40,6 +42,8 @@ pub struct NodeCreateSpec {
     pub memory_bytes: u64,
     /// Process limit.
     pub pids_max: u64,
+    /// Writable-layer size in MiB; `None` takes the node's default.
+    pub disk_mb: Option<u64>,
     /// Environment of commands.
     pub env: BTreeMap<String, String>,
     /// Default working directory.
@@ -57,6 +61,8 @@ pub struct NodeSandbox {
     pub pid: i32,
     /// Whether its init is still running.
     pub alive: bool,
+    /// Size of its writable layer in MiB, if the node limits disk.
+    pub disk_mb: Option<u64>,
 }
 
 /// The node as the control plane sees it.

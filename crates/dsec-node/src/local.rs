@@ -42,7 +42,7 @@ impl LocalNode {
         let cgroups = CgroupRoot::detect()?;
         let images = Arc::new(ImageStore::open(cfg.images_dir())?);
         let backend: Arc<dyn Backend> =
-            Arc::new(ContainerBackend::new(cfg.clone(), cgroups.clone()));
+            Arc::new(ContainerBackend::new(cfg.clone(), cgroups.clone())?);
         // Sandbox inits are re-parented to us when their intermediate process exits, so
         // that we can reap them (and notice their death) instead of the host's init.
         // SAFETY: prctl with integer arguments.
@@ -170,6 +170,7 @@ impl NodeApi for LocalNode {
             image_digest: rec.image_digest,
             pid: rec.pid,
             alive: true,
+            disk_mb: rec.disk_mb,
         })
     }
 
@@ -199,6 +200,7 @@ impl NodeApi for LocalNode {
                 id: r.id,
                 image_digest: r.image_digest,
                 pid: r.pid,
+                disk_mb: r.disk_mb,
             })
             .collect()
     }

@@ -51,6 +51,11 @@ pub struct Resources {
     /// Maximum number of processes/threads. Default 512.
     #[serde(default)]
     pub pids: Option<u64>,
+    /// Size of the writable layer (everything the sandbox writes) in MiB. Writes past it
+    /// fail with `ENOSPC` inside and `no_space` through the API. Default: the node's
+    /// (10240 with `dsec serve`'s defaults).
+    #[serde(default)]
+    pub disk_mb: Option<u64>,
 }
 
 /// Encoding of an inline file's `content`.
@@ -139,6 +144,9 @@ pub struct EffectiveResources {
     pub memory_mb: u64,
     /// Process limit.
     pub pids: u64,
+    /// Size of the writable layer in MiB; absent when the node does not limit disk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_mb: Option<u64>,
 }
 
 /// A sandbox as the API reports it.
