@@ -74,6 +74,12 @@ pub fn boot(spec: &InitSpec, status: &OwnedFd) -> Result<(), BootError> {
         ForkResult::Child => {}
     }
     rootfs::build(spec)?;
+    if let Some(fd) = spec.disk_fd {
+        // The overlay holds the disk now; the raw disk root must not stay reachable
+        // through PID 1's fds.
+        // SAFETY: closing an fd the node handed to us for this purpose only.
+        unsafe { libc::close(fd) };
+    }
     nix::unistd::sethostname(&spec.sandbox_id).map_err(BootError::Hostname)?;
     net::loopback_up().map_err(BootError::Net)?;
     harden::apply()?;

@@ -21,9 +21,11 @@
 //! their sandboxes and are released with them.
 
 mod loopdev;
+mod mountapi;
+mod probe;
 
 use std::fs;
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -79,6 +81,18 @@ fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -
     }
 }
 
+/// Where a disk's file system is mounted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MountMode {
+    /// Held by a file descriptor, attached to no mount namespace (`fsmount`). Creating a
+    /// sandbox's mount namespace copies every mount of the host's; with detached disks that
+    /// cost does not grow with the number of sandboxes. Needs a kernel whose overlayfs
+    /// accepts layers on detached mounts (6.18 here does; [`Disks::open`] probes).
+    Detached,
+    /// Mounted at `DIR/mnt` in the host's mount namespace: works on every kernel.
+    Attached,
+}
+
 /// How disks are made and pooled.
 #[derive(Debug, Clone)]
 pub struct DiskConfig {
@@ -89,6 +103,48 @@ pub struct DiskConfig {
     pub default_mb: u64,
     /// Mounted disks of the default size kept ready; 0 makes every disk on demand.
     pub pool_size: usize,
+    /// `None` probes the kernel and prefers [`MountMode::Detached`].
+    pub mount_mode: Option<MountMode>,
+}
+
+/// One disk: a directory holding `disk.img` (and `mnt/` when attached), and its mounted
+/// file system. Dropping it without [`Disks::recycle`] or [`release`] leaves the directory
+/// (and, when attached, the mount) for a later [`release_dir`].
+#[derive(Debug)]
+pub struct Disk {
+    dir: PathBuf,
+    mount: Option<OwnedFd>,
+}
+
+impl Disk {
+    /// The disk's directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The detached mount's fd, when the disk is detached. Pass it to whoever mounts the
+    /// overlay; [`Disk::root`] as seen by that process is `/proc/self/fd/N`.
+    pub fn mount_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.mount.as_ref().map(|f| f.as_fd())
+    }
+
+    /// The root of the disk's file system, as a path usable by this process.
+    pub fn root(&self) -> PathBuf {
+        match &self.mount {
+            Some(fd) => PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd())),
+            None => self.dir.join("mnt"),
+        }
+    }
+}
+
+/// The overlay's upper directory under a disk root.
+pub fn upper_dir(root: &Path) -> PathBuf {
+    root.join("upper")
+}
+
+/// The overlay's work directory under a disk root.
+pub fn work_dir(root: &Path) -> PathBuf {
+    root.join("work")
 }
 
 /// The node's disk maker: templates, pool and the thread that refills it.
@@ -101,7 +157,8 @@ pub struct Disks {
 #[derive(Debug)]
 struct Shared {
     cfg: DiskConfig,
-    ready: Mutex<Vec<PathBuf>>,
+    mode: MountMode,
+    ready: Mutex<Vec<Disk>>,
     wake: Condvar,
     stop: AtomicBool,
     /// Serialises template creation.
@@ -109,12 +166,20 @@ struct Shared {
 }
 
 impl Shared {
-    fn ready(&self) -> MutexGuard<'_, Vec<PathBuf>> {
+    fn ready(&self) -> MutexGuard<'_, Vec<Disk>> {
         self.ready.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn pool_dir(&self) -> PathBuf {
         self.cfg.root.join("pool")
+    }
+
+    fn pool_entry(&self) -> PathBuf {
+        self.pool_dir().join(format!(
+            "{}-{:016x}",
+            self.cfg.default_mb,
+            rand::random::<u64>()
+        ))
     }
 
     fn template(&self, size_mb: u64) -> Result<PathBuf, DiskError> {
@@ -160,21 +225,20 @@ impl Shared {
     }
 
     /// Makes a mounted disk of `size_mb` in the new directory `dir`.
-    fn make(&self, size_mb: u64, dir: &Path) -> Result<(), DiskError> {
+    fn make(&self, size_mb: u64, dir: &Path, mode: MountMode) -> Result<Disk, DiskError> {
         let template = self.template(size_mb)?;
         fs::DirBuilder::new()
             .mode(0o700)
             .create(dir)
             .map_err(io_err("mkdir", dir))?;
-        let res = make_in(&template, size_mb, dir);
+        let res = make_in(&template, size_mb, dir, mode);
         if res.is_err() {
-            let _ = release(dir);
+            let _ = release_dir(dir);
         }
         res
     }
 
     fn refill_loop(&self) {
-        let pool = self.pool_dir();
         let mut failures = 0u32;
         loop {
             {
@@ -186,15 +250,10 @@ impl Shared {
             if self.stop.load(Ordering::Acquire) {
                 return;
             }
-            let dir = pool.join(format!(
-                "{}-{:016x}",
-                self.cfg.default_mb,
-                rand::random::<u64>()
-            ));
-            match self.make(self.cfg.default_mb, &dir) {
-                Ok(()) => {
+            match self.make(self.cfg.default_mb, &self.pool_entry(), self.mode) {
+                Ok(disk) => {
                     failures = 0;
-                    self.ready().push(dir);
+                    self.ready().push(disk);
                 }
                 Err(e) => {
                     failures += 1;
@@ -209,9 +268,8 @@ impl Shared {
     }
 }
 
-fn make_in(template: &Path, size_mb: u64, dir: &Path) -> Result<(), DiskError> {
+fn make_in(template: &Path, size_mb: u64, dir: &Path, mode: MountMode) -> Result<Disk, DiskError> {
     let img = dir.join("disk.img");
-    let mnt = dir.join("mnt");
     clone_sparse(template, &img)?;
     let backing = fs::OpenOptions::new()
         .read(true)
@@ -221,33 +279,51 @@ fn make_in(template: &Path, size_mb: u64, dir: &Path) -> Result<(), DiskError> {
     backing
         .set_len(size_mb << 20)
         .map_err(io_err("truncate", &img))?;
-    fs::DirBuilder::new()
-        .mode(0o755)
-        .create(&mnt)
-        .map_err(io_err("mkdir", &mnt))?;
     let dev = loopdev::attach(&backing)?;
     drop(backing);
-    mount(
-        Some(&dev.path),
-        &mnt,
-        Some("ext4"),
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-        Some("noinit_itable"),
-    )
-    .map_err(|e| DiskError::Io {
-        op: "mount ext4",
-        path: mnt.clone(),
-        source: e.into(),
-    })?;
+    let disk = match mode {
+        MountMode::Detached => {
+            let device = dev.path.to_string_lossy();
+            let fd = mountapi::mount_detached_ext4(&device, &["noinit_itable"])?;
+            Disk {
+                dir: dir.to_path_buf(),
+                mount: Some(fd),
+            }
+        }
+        MountMode::Attached => {
+            let mnt = dir.join("mnt");
+            fs::DirBuilder::new()
+                .mode(0o755)
+                .create(&mnt)
+                .map_err(io_err("mkdir", &mnt))?;
+            mount(
+                Some(&dev.path),
+                &mnt,
+                Some("ext4"),
+                MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+                Some("noinit_itable"),
+            )
+            .map_err(|e| DiskError::Io {
+                op: "mount ext4",
+                path: mnt.clone(),
+                source: e.into(),
+            })?;
+            Disk {
+                dir: dir.to_path_buf(),
+                mount: None,
+            }
+        }
+    };
+    // The mount holds the loop device now; closing ours lets autoclear detach it later.
     drop(dev);
-    for sub in ["upper", "work"] {
-        let p = mnt.join(sub);
+    let root = disk.root();
+    for p in [upper_dir(&root), work_dir(&root)] {
         fs::DirBuilder::new()
             .mode(0o755)
             .create(&p)
             .map_err(io_err("mkdir", &p))?;
     }
-    Ok(())
+    Ok(disk)
 }
 
 /// Copies only the data extents of `src` into the new file `dst`, leaving holes as holes.
@@ -297,21 +373,18 @@ fn clone_sparse(src: &Path, dst: &Path) -> Result<(), DiskError> {
     Ok(())
 }
 
-/// Where the overlay's upper directory lives on a provisioned disk.
-pub fn upper_dir(disk: &Path) -> PathBuf {
-    disk.join("mnt").join("upper")
+/// Releases a disk: closes its detached mount (the file system and loop device go once
+/// no sandbox uses them) and deletes its directory.
+pub fn release(disk: Disk) -> Result<(), DiskError> {
+    let Disk { dir, mount } = disk;
+    drop(mount);
+    release_dir(&dir)
 }
 
-/// Where the overlay's work directory lives on a provisioned disk.
-pub fn work_dir(disk: &Path) -> PathBuf {
-    disk.join("mnt").join("work")
-}
-
-/// Detaches a disk's mount and deletes its directory. Idempotent: a missing directory
-/// or an unmounted `mnt` is fine. The loop device detaches itself once no mount
-/// namespace uses the file system any more.
-pub fn release(disk: &Path) -> Result<(), DiskError> {
-    let mnt = disk.join("mnt");
+/// Deletes a disk directory found without its [`Disk`] (after a restart): detaches
+/// `mnt` first if it is mounted, so removal never walks into a file system. Idempotent.
+pub fn release_dir(dir: &Path) -> Result<(), DiskError> {
+    let mnt = dir.join("mnt");
     match umount2(&mnt, MntFlags::MNT_DETACH | MntFlags::UMOUNT_NOFOLLOW) {
         Ok(()) | Err(nix::errno::Errno::EINVAL) | Err(nix::errno::Errno::ENOENT) => {}
         Err(e) => {
@@ -322,45 +395,51 @@ pub fn release(disk: &Path) -> Result<(), DiskError> {
             })
         }
     }
-    match fs::remove_dir_all(disk) {
+    match fs::remove_dir_all(dir) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(DiskError::Io {
             op: "remove",
-            path: disk.to_path_buf(),
+            path: dir.to_path_buf(),
             source: e,
         }),
     }
 }
 
 impl Disks {
-    /// Prepares the root, empties a pool left by an earlier run and starts the refill
-    /// thread.
+    /// Prepares the root, empties a pool left by an earlier run, picks the mount mode and
+    /// starts the refill thread.
     pub fn open(cfg: DiskConfig) -> Result<Self, DiskError> {
         if cfg.default_mb < MIN_DISK_MB {
             return Err(DiskError::TooSmall(cfg.default_mb));
         }
-        let shared = Arc::new(Shared {
+        let mut b = fs::DirBuilder::new();
+        b.recursive(true).mode(0o700);
+        for d in [cfg.root.join("templates"), cfg.root.join("pool")] {
+            b.create(&d).map_err(io_err("mkdir", &d))?;
+        }
+        let pool = cfg.root.join("pool");
+        for entry in fs::read_dir(&pool)
+            .map_err(io_err("read_dir", &pool))?
+            .filter_map(Result::ok)
+        {
+            release_dir(&entry.path())?;
+        }
+        let mut shared = Shared {
+            mode: cfg.mount_mode.unwrap_or(MountMode::Attached),
             cfg,
             ready: Mutex::new(Vec::new()),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
             templates: Mutex::new(()),
-        });
-        let mut b = fs::DirBuilder::new();
-        b.recursive(true).mode(0o700);
-        for d in [shared.cfg.root.join("templates"), shared.pool_dir()] {
-            b.create(&d).map_err(io_err("mkdir", &d))?;
-        }
-        let pool = shared.pool_dir();
-        for entry in fs::read_dir(&pool)
-            .map_err(io_err("read_dir", &pool))?
-            .filter_map(Result::ok)
-        {
-            release(&entry.path())?;
-        }
+        };
         // Make the default template now: a broken mkfs shows at start, not at create.
         shared.template(shared.cfg.default_mb)?;
+        if shared.cfg.mount_mode.is_none() {
+            shared.mode = probe::mount_mode(&shared)?;
+        }
+        tracing::info!(mode = ?shared.mode, "sandbox disks");
+        let shared = Arc::new(shared);
         let refill = if shared.cfg.pool_size > 0 {
             let s = shared.clone();
             Some(
@@ -383,26 +462,34 @@ impl Disks {
         self.shared.cfg.default_mb
     }
 
+    /// How disks are mounted on this node.
+    pub fn mount_mode(&self) -> MountMode {
+        self.shared.mode
+    }
+
     /// Puts a mounted disk of `size_mb` at `dest` (which must not exist): a pooled one
     /// when the size is the default and the pool has one, else a fresh one.
-    pub fn provision(&self, size_mb: u64, dest: &Path) -> Result<(), DiskError> {
+    pub fn provision(&self, size_mb: u64, dest: &Path) -> Result<Disk, DiskError> {
         if size_mb < MIN_DISK_MB {
             return Err(DiskError::TooSmall(size_mb));
         }
         if size_mb == self.shared.cfg.default_mb {
             let pooled = self.shared.ready().pop();
             self.shared.wake.notify_all();
-            if let Some(dir) = pooled {
-                match fs::rename(&dir, dest) {
-                    Ok(()) => return Ok(()),
+            if let Some(mut disk) = pooled {
+                match fs::rename(&disk.dir, dest) {
+                    Ok(()) => {
+                        disk.dir = dest.to_path_buf();
+                        return Ok(disk);
+                    }
                     Err(e) => {
-                        tracing::warn!(error = %e, dir = %dir.display(), "pooled disk unusable");
-                        let _ = release(&dir);
+                        tracing::warn!(error = %e, dir = %disk.dir.display(), "pooled disk unusable");
+                        let _ = release(disk);
                     }
                 }
             }
         }
-        self.shared.make(size_mb, dest)
+        self.shared.make(size_mb, dest, self.shared.mode)
     }
 
     /// Number of ready disks in the pool.
@@ -417,64 +504,86 @@ impl Disks {
     ///
     /// Emptying removes the old `upper` and `work` whole, so nothing of the previous
     /// sandbox stays visible; ext4 never shows freed blocks through new files.
-    pub fn recycle(&self, disk: &Path) -> Result<bool, DiskError> {
-        match self.try_recycle(disk) {
-            Ok(true) => Ok(true),
-            Ok(false) => release(disk).map(|()| false),
+    pub fn recycle(&self, disk: Disk) -> Result<bool, DiskError> {
+        match self.recyclable(&disk) {
+            Ok(true) => {}
+            Ok(false) => return release(disk).map(|()| false),
             Err(e) => {
-                tracing::debug!(error = %e, disk = %disk.display(), "disk not recyclable");
+                tracing::debug!(error = %e, dir = %disk.dir.display(), "disk not recyclable");
+                return release(disk).map(|()| false);
+            }
+        }
+        match self.empty_into_pool(disk) {
+            Ok(()) => Ok(true),
+            Err((disk, e)) => {
+                tracing::debug!(error = %e, dir = %disk.dir.display(), "recycling failed");
                 release(disk).map(|()| false)
             }
         }
     }
 
-    fn try_recycle(&self, disk: &Path) -> Result<bool, DiskError> {
-        let mnt = disk.join("mnt");
+    fn recyclable(&self, disk: &Disk) -> Result<bool, DiskError> {
         if self.shared.cfg.pool_size == 0 || self.pooled() >= self.shared.cfg.pool_size * 2 {
             return Ok(false);
         }
-        let st = nix::sys::statvfs::statvfs(&mnt).map_err(|e| DiskError::Io {
+        let root = disk.root();
+        if disk.mount.is_none() && !is_mountpoint(&root, &disk.dir) {
+            return Ok(false);
+        }
+        let st = nix::sys::statvfs::statvfs(&root).map_err(|e| DiskError::Io {
             op: "statvfs",
-            path: mnt.clone(),
+            path: root.clone(),
             source: e.into(),
         })?;
         let used = (st.blocks() - st.blocks_free()) * st.fragment_size();
         let inodes = st.files() - st.files_free();
-        let default = self.shared.cfg.default_mb;
-        let img = disk.join("disk.img");
+        let img = disk.dir.join("disk.img");
         let size = fs::metadata(&img).map_err(io_err("stat", &img))?.len();
-        // Only a mounted, writable disk of the default size with little in it: removing
-        // much would make the delete slow, so big ones go the release way.
-        if !is_mountpoint(&mnt, disk)
-            || st.flags().contains(nix::sys::statvfs::FsFlags::ST_RDONLY)
-            || size != default << 20
-            || used > RECYCLE_MAX_USED
-            || inodes > RECYCLE_MAX_INODES
-        {
-            return Ok(false);
+        // Only a writable disk of the default size with little in it: removing much
+        // would make the delete slow, so big ones go the release way.
+        Ok(!st.flags().contains(nix::sys::statvfs::FsFlags::ST_RDONLY)
+            && size == self.shared.cfg.default_mb << 20
+            && used <= RECYCLE_MAX_USED
+            && inodes <= RECYCLE_MAX_INODES)
+    }
+
+    fn empty_into_pool(&self, mut disk: Disk) -> Result<(), (Disk, DiskError)> {
+        let root = disk.root();
+        let trash = root.join(".trash");
+        let step = || -> Result<(), DiskError> {
+            let _ = fs::remove_dir_all(&trash);
+            fs::create_dir(&trash).map_err(io_err("mkdir", &trash))?;
+            for p in [upper_dir(&root), work_dir(&root)] {
+                let name = p.file_name().unwrap_or_default();
+                fs::rename(&p, trash.join(name)).map_err(io_err("rename", &p))?;
+            }
+            fs::remove_dir_all(&trash).map_err(io_err("remove", &trash))?;
+            for p in [upper_dir(&root), work_dir(&root)] {
+                fs::DirBuilder::new()
+                    .mode(0o755)
+                    .create(&p)
+                    .map_err(io_err("mkdir", &p))?;
+            }
+            Ok(())
+        };
+        if let Err(e) = step() {
+            return Err((disk, e));
         }
-        let trash = mnt.join(".trash");
-        let _ = fs::remove_dir_all(&trash);
-        fs::create_dir(&trash).map_err(io_err("mkdir", &trash))?;
-        for sub in ["upper", "work"] {
-            let from = mnt.join(sub);
-            fs::rename(&from, trash.join(sub)).map_err(io_err("rename", &from))?;
+        let dest = self.shared.pool_entry();
+        if let Err(e) = fs::rename(&disk.dir, &dest) {
+            let path = disk.dir.clone();
+            return Err((
+                disk,
+                DiskError::Io {
+                    op: "rename",
+                    path,
+                    source: e,
+                },
+            ));
         }
-        fs::remove_dir_all(&trash).map_err(io_err("remove", &trash))?;
-        for sub in ["upper", "work"] {
-            let p = mnt.join(sub);
-            fs::DirBuilder::new()
-                .mode(0o755)
-                .create(&p)
-                .map_err(io_err("mkdir", &p))?;
-        }
-        let dest = self
-            .shared
-            .pool_dir()
-            .join(format!("{default}-{:016x}", rand::random::<u64>()));
-        fs::rename(disk, &dest).map_err(io_err("rename", disk))?;
-        self.shared.ready().push(dest);
-        Ok(true)
+        disk.dir = dest;
+        self.shared.ready().push(disk);
+        Ok(())
     }
 }
 
@@ -500,8 +609,8 @@ impl Drop for Disks {
         if let Some(t) = self.refill.take() {
             let _ = t.join();
         }
-        for dir in self.shared.ready().drain(..) {
-            let _ = release(&dir);
+        for disk in self.shared.ready().drain(..) {
+            let _ = release(disk);
         }
     }
 }

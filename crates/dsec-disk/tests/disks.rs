@@ -4,7 +4,9 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use dsec_disk::{release, upper_dir, work_dir, DiskConfig, DiskError, Disks};
+use dsec_disk::{
+    release, release_dir, upper_dir, work_dir, Disk, DiskConfig, DiskError, Disks, MountMode,
+};
 
 fn usable() -> bool {
     let root = nix::unistd::geteuid().is_root();
@@ -30,10 +32,10 @@ fn scratch(name: &str) -> PathBuf {
             .flatten()
             .flatten()
         {
-            let _ = release(&e.path());
+            let _ = release_dir(&e.path());
         }
         for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-            let _ = release(&e.path());
+            let _ = release_dir(&e.path());
         }
         std::fs::remove_dir_all(&dir).expect("clear scratch dir");
     }
@@ -80,74 +82,104 @@ fn wait_pooled(d: &Disks, n: usize) {
     }
 }
 
+/// Whether the disk's file system is attached anywhere in this mount namespace.
+fn in_mount_table(disk: &Disk) -> bool {
+    let dir = disk.dir().to_str().expect("utf-8 path").to_string();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .expect("mountinfo")
+        .lines()
+        .any(|l| l.split(' ').nth(4).is_some_and(|m| m.starts_with(&dir)))
+}
+
+fn open(dir: &Path, default_mb: u64, pool_size: usize, mode: MountMode) -> Disks {
+    let disks = Disks::open(DiskConfig {
+        root: dir.join("root"),
+        default_mb,
+        pool_size,
+        mount_mode: Some(mode),
+    })
+    .expect("open");
+    assert_eq!(disks.mount_mode(), mode);
+    disks
+}
+
+const MODES: [MountMode; 2] = [MountMode::Detached, MountMode::Attached];
+
 #[test]
 fn a_full_disk_gives_enospc_and_release_frees_everything() {
     if !usable() {
         return;
     }
-    let dir = scratch("enospc");
-    let disks = Disks::open(DiskConfig {
-        root: dir.join("root"),
-        default_mb: 64,
-        pool_size: 2,
-    })
-    .expect("open");
-    wait_pooled(&disks, 2);
-    let disk = dir.join("sb1");
-    disks.provision(64, &disk).expect("provision");
-    assert!(is_mountpoint(&disk.join("mnt")), "disk is mounted");
-    assert!(upper_dir(&disk).is_dir() && work_dir(&disk).is_dir());
-    let (total, avail) = statvfs_mb(&disk.join("mnt"));
-    assert!(
-        (56..=64).contains(&total),
-        "size {total} MiB for a 64 MiB disk"
-    );
-    assert!(avail > 40, "only {avail} MiB free on a fresh disk");
-    // The image is sparse: a fresh disk costs a few MiB of host disk, not 64.
-    let used = std::fs::metadata(disk.join("disk.img")).map(|m| {
-        use std::os::unix::fs::MetadataExt;
-        (m.blocks() * 512) >> 20
-    });
-    assert!(used.expect("stat image") < 16, "image not sparse");
-
-    // Fill it: the write fails with ENOSPC after about the disk's size, not before.
-    let mut f = std::fs::File::create(upper_dir(&disk).join("fill")).expect("create");
-    let chunk = vec![0xa5u8; 1 << 20];
-    let mut written = 0u64;
-    let err = loop {
-        match f.write_all(&chunk).and_then(|()| f.sync_data()) {
-            Ok(()) => written += 1,
-            Err(e) => break e,
+    for mode in MODES {
+        let dir = scratch(&format!("enospc-{mode:?}"));
+        let disks = open(&dir, 64, 2, mode);
+        wait_pooled(&disks, 2);
+        let disk = disks.provision(64, &dir.join("sb1")).expect("provision");
+        let root = disk.root();
+        match mode {
+            MountMode::Attached => assert!(is_mountpoint(&root), "attached at DIR/mnt"),
+            MountMode::Detached => {
+                assert!(
+                    !in_mount_table(&disk),
+                    "a detached disk is in no mount table"
+                );
+                assert!(disk.mount_fd().is_some());
+            }
         }
-        assert!(written < 200, "wrote {written} MiB into a 64 MiB disk");
-    };
-    assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
-    assert!(written >= 40, "ENOSPC after only {written} MiB");
-    drop(f);
-
-    assert_eq!(
-        loops_under(&dir).len(),
-        3,
-        "two pooled disks and one in use"
-    );
-    release(&disk).expect("release");
-    assert!(!disk.exists());
-    release(&disk).expect("release is idempotent");
-    drop(disks);
-    // Dropping the manager releases the pool; autoclear frees the loop devices.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    while !loops_under(&dir).is_empty() {
+        assert!(upper_dir(&root).is_dir() && work_dir(&root).is_dir());
+        let (total, avail) = statvfs_mb(&root);
         assert!(
-            std::time::Instant::now() < deadline,
-            "loop devices left: {:?}",
-            loops_under(&dir)
+            (56..=64).contains(&total),
+            "size {total} MiB for a 64 MiB disk"
         );
-        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert!(avail > 40, "only {avail} MiB free on a fresh disk");
+        // The image is sparse: a fresh disk costs a few MiB of host disk, not 64.
+        let used = std::fs::metadata(disk.dir().join("disk.img")).map(|m| {
+            use std::os::unix::fs::MetadataExt;
+            (m.blocks() * 512) >> 20
+        });
+        assert!(used.expect("stat image") < 16, "image not sparse");
+
+        // Fill it: the write fails with ENOSPC after about the disk's size, not before.
+        let mut f = std::fs::File::create(upper_dir(&root).join("fill")).expect("create");
+        let chunk = vec![0xa5u8; 1 << 20];
+        let mut written = 0u64;
+        let err = loop {
+            match f.write_all(&chunk).and_then(|()| f.sync_data()) {
+                Ok(()) => written += 1,
+                Err(e) => break e,
+            }
+            assert!(written < 200, "wrote {written} MiB into a 64 MiB disk");
+        };
+        assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
+        assert!(written >= 40, "ENOSPC after only {written} MiB");
+        drop(f);
+
+        assert_eq!(
+            loops_under(&dir).len(),
+            3,
+            "two pooled disks and one in use"
+        );
+        let sb1 = disk.dir().to_path_buf();
+        release(disk).expect("release");
+        assert!(!sb1.exists());
+        release_dir(&sb1).expect("release_dir is idempotent");
+        drop(disks);
+        // Dropping the manager releases the pool; autoclear frees the loop devices.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !loops_under(&dir).is_empty() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "loop devices left: {:?}",
+                loops_under(&dir)
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert!(std::fs::read_dir(dir.join("root/pool"))
+            .expect("pool dir")
+            .next()
+            .is_none());
     }
-    assert!(std::fs::read_dir(dir.join("root/pool"))
-        .expect("pool dir")
-        .next()
-        .is_none());
 }
 
 #[test]
@@ -155,40 +187,45 @@ fn other_sizes_are_made_on_demand_and_concurrently() {
     if !usable() {
         return;
     }
-    let dir = scratch("sizes");
-    let disks = Disks::open(DiskConfig {
-        root: dir.join("root"),
-        default_mb: 32,
-        pool_size: 0,
-    })
-    .expect("open");
-    std::thread::scope(|s| {
-        for i in 0..8u64 {
-            let (disks, dir) = (&disks, &dir);
-            s.spawn(move || {
-                let size = if i % 2 == 0 { 32 } else { 128 };
-                let disk = dir.join(format!("sb{i}"));
-                disks.provision(size, &disk).expect("provision");
-                let (total, _) = statvfs_mb(&disk.join("mnt"));
-                assert!(
-                    total <= size && total + size / 16 + 2 >= size,
-                    "{total} MiB for {size} MiB"
-                );
-            });
+    for mode in MODES {
+        let dir = scratch(&format!("sizes-{mode:?}"));
+        let disks = open(&dir, 32, 0, mode);
+        let made: Vec<Disk> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..8u64)
+                .map(|i| {
+                    let (disks, dir) = (&disks, &dir);
+                    s.spawn(move || {
+                        let size = if i % 2 == 0 { 32 } else { 128 };
+                        let disk = disks
+                            .provision(size, &dir.join(format!("sb{i}")))
+                            .expect("provision");
+                        let (total, _) = statvfs_mb(&disk.root());
+                        assert!(
+                            total <= size && total + size / 16 + 2 >= size,
+                            "{total} MiB for {size} MiB"
+                        );
+                        disk
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("thread"))
+                .collect()
+        });
+        assert_eq!(loops_under(&dir).len(), 8, "one loop device per disk");
+        for disk in made {
+            release(disk).expect("release");
         }
-    });
-    assert_eq!(loops_under(&dir).len(), 8, "one loop device per disk");
-    for i in 0..8 {
-        release(&dir.join(format!("sb{i}"))).expect("release");
+        assert!(matches!(
+            disks.provision(1, &dir.join("tiny")),
+            Err(DiskError::TooSmall(1))
+        ));
+        assert!(
+            !dir.join("tiny").exists(),
+            "failed provision leaves nothing"
+        );
     }
-    assert!(matches!(
-        disks.provision(1, &dir.join("tiny")),
-        Err(DiskError::TooSmall(1))
-    ));
-    assert!(
-        !dir.join("tiny").exists(),
-        "failed provision leaves nothing"
-    );
 }
 
 #[test]
@@ -196,13 +233,9 @@ fn reopening_after_a_crash_empties_the_old_pool() {
     if !usable() {
         return;
     }
+    // Only attached disks outlive their process; detached ones die with it.
     let dir = scratch("crash");
-    let cfg = DiskConfig {
-        root: dir.join("root"),
-        default_mb: 32,
-        pool_size: 3,
-    };
-    let disks = Disks::open(cfg.clone()).expect("open");
+    let disks = open(&dir, 32, 3, MountMode::Attached);
     wait_pooled(&disks, 3);
     // A crash: the manager never runs its destructor; three mounted disks stay behind.
     std::mem::forget(disks);
@@ -213,11 +246,7 @@ fn reopening_after_a_crash_empties_the_old_pool() {
         .collect();
     assert_eq!(left.len(), 3);
     assert!(left.iter().all(|p| is_mountpoint(&p.join("mnt"))));
-    let disks = Disks::open(DiskConfig {
-        pool_size: 0,
-        ..cfg
-    })
-    .expect("reopen");
+    let disks = open(&dir, 32, 0, MountMode::Detached);
     assert!(left.iter().all(|p| !p.exists()), "old pool entries removed");
     assert_eq!(disks.pooled(), 0);
 }
@@ -227,63 +256,85 @@ fn lightly_used_disks_are_recycled_empty_and_heavy_ones_released() {
     if !usable() {
         return;
     }
-    let dir = scratch("recycle");
+    for mode in MODES {
+        let dir = scratch(&format!("recycle-{mode:?}"));
+        let disks = open(&dir, 128, 1, mode);
+        wait_pooled(&disks, 1);
+
+        // A sandbox that wrote a little: recycled into the pool, with nothing of it left.
+        let light = disks.provision(128, &dir.join("light")).expect("provision");
+        std::fs::write(upper_dir(&light.root()).join("secret"), b"tenant A").expect("write");
+        std::fs::create_dir_all(work_dir(&light.root()).join("work")).expect("mkdir");
+        wait_pooled(&disks, 1); // refilled after the provision
+        let loops = loops_under(&dir).len();
+        assert!(
+            disks.recycle(light).expect("recycle"),
+            "a light disk is recycled"
+        );
+        assert!(!dir.join("light").exists());
+        assert_eq!(disks.pooled(), 2);
+        assert_eq!(
+            loops_under(&dir).len(),
+            loops,
+            "no loop device released or made"
+        );
+        // Whoever gets it next (the pool is last in, first out) finds empty directories.
+        let next = disks.provision(128, &dir.join("next")).expect("provision");
+        for d in [upper_dir(&next.root()), work_dir(&next.root())] {
+            assert_eq!(
+                std::fs::read_dir(&d).expect("read").count(),
+                0,
+                "{d:?} not empty"
+            );
+        }
+
+        // A sandbox that wrote a lot: released, not emptied file by file.
+        let mut f = std::fs::File::create(upper_dir(&next.root()).join("big")).expect("create");
+        for _ in 0..80 {
+            f.write_all(&[1u8; 1 << 20]).expect("write");
+        }
+        f.sync_all().expect("sync");
+        drop(f);
+        let pooled = disks.pooled();
+        assert!(
+            !disks.recycle(next).expect("recycle"),
+            "a heavy disk is released"
+        );
+        assert!(!dir.join("next").exists());
+        assert_eq!(disks.pooled(), pooled);
+
+        // A disk of another size never enters the default pool.
+        let other = disks.provision(64, &dir.join("other")).expect("provision");
+        assert!(!disks.recycle(other).expect("recycle"));
+        assert!(!dir.join("other").exists());
+    }
+}
+
+#[test]
+fn probing_picks_a_mode_whose_disks_work() {
+    if !usable() {
+        return;
+    }
+    let dir = scratch("probe");
     let disks = Disks::open(DiskConfig {
         root: dir.join("root"),
-        default_mb: 128,
-        pool_size: 1,
+        default_mb: 32,
+        pool_size: 0,
+        mount_mode: None,
     })
     .expect("open");
-    wait_pooled(&disks, 1);
-
-    // A sandbox that wrote a little: recycled into the pool, with nothing of it left.
-    let light = dir.join("light");
-    disks.provision(128, &light).expect("provision");
-    std::fs::write(upper_dir(&light).join("secret"), b"tenant A").expect("write");
-    std::fs::create_dir_all(work_dir(&light).join("work")).expect("mkdir");
-    wait_pooled(&disks, 1); // refilled after the provision
-    let loops = loops_under(&dir).len();
-    assert!(
-        disks.recycle(&light).expect("recycle"),
-        "a light disk is recycled"
-    );
-    assert!(!light.exists());
-    assert_eq!(disks.pooled(), 2);
+    let disk = disks.provision(32, &dir.join("sb")).expect("provision");
     assert_eq!(
-        loops_under(&dir).len(),
-        loops,
-        "no loop device released or made"
+        disk.mount_fd().is_some(),
+        disks.mount_mode() == MountMode::Detached
     );
-    // Whoever gets it next finds empty upper and work directories.
-    let next = dir.join("next");
-    disks.provision(128, &next).expect("provision");
-    for d in [upper_dir(&next), work_dir(&next)] {
-        assert_eq!(
-            std::fs::read_dir(&d).expect("read").count(),
-            0,
-            "{d:?} not empty"
-        );
-    }
-    assert!(is_mountpoint(&next.join("mnt")));
-
-    // A sandbox that wrote a lot: released, not emptied file by file.
-    let mut f = std::fs::File::create(upper_dir(&next).join("big")).expect("create");
-    for _ in 0..80 {
-        f.write_all(&[1u8; 1 << 20]).expect("write");
-    }
-    f.sync_all().expect("sync");
-    drop(f);
-    let pooled = disks.pooled();
-    assert!(
-        !disks.recycle(&next).expect("recycle"),
-        "a heavy disk is released"
-    );
-    assert!(!next.exists());
-    assert_eq!(disks.pooled(), pooled);
-
-    // A disk of another size never enters the default pool.
-    let other = dir.join("other");
-    disks.provision(64, &other).expect("provision");
-    assert!(!disks.recycle(&other).expect("recycle"));
-    assert!(!other.exists());
+    std::fs::write(upper_dir(&disk.root()).join("x"), b"x").expect("write");
+    release(disk).expect("release");
+    let leftovers: Vec<_> = std::fs::read_dir(dir.join("root"))
+        .expect("root")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("probe"))
+        .collect();
+    assert!(leftovers.is_empty(), "probe left {leftovers:?}");
 }

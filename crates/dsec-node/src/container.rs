@@ -2,24 +2,25 @@
 //! around itself (see `dsec-container`) and becomes its PID 1.
 //!
 //! Per sandbox, on the host: `state_dir/sandboxes/ID/{runtime.json,disk/,rootfs,agent.log}`
-//! (`disk/` is a mounted, size-limited ext4 holding the overlay's `upper` and `work`; a
-//! node without disk limits has plain `upper/` and `work/` directories instead),
+//! (`disk/` holds the image of a size-limited ext4 with the overlay's `upper` and `work`,
+//! mounted detached (held by an fd, handed to init) or at `disk/mnt`; a node without disk
+//! limits has plain `upper/` and `work/` directories instead),
 //! `run_dir/sandboxes/ID/agent.sock`, and cgroup `dsec/ID`. Nothing else: the overlay
 //! lives in the sandbox's mount namespace, the shared layer mount belongs to the image
 //! store.
 
 use std::fs;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::DirBuilderExt;
 use std::os::unix::net::UnixListener;
 use std::os::unix::process::CommandExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use dsec_cgroups::{Cgroup, CgroupRoot, Limits};
-use dsec_wire::init::{InitSpec, LISTEN_FD, STATUS_FD};
+use dsec_wire::init::{InitSpec, DISK_FD, LISTEN_FD, STATUS_FD};
 use nix::fcntl::OFlag;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
@@ -36,6 +37,9 @@ pub struct ContainerBackend {
     cgroups: CgroupRoot,
     /// Disk maker, when sandboxes get size-limited disks.
     disks: Option<dsec_disk::Disks>,
+    /// Disks of live sandboxes created by this process (a restarted node has none: it
+    /// releases the disks it finds by directory).
+    held_disks: std::sync::Mutex<std::collections::HashMap<String, dsec_disk::Disk>>,
     /// Open cgroup handles of live sandboxes (opening one resolves every hierarchy).
     open: std::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<Cgroup>>>,
 }
@@ -56,6 +60,7 @@ impl ContainerBackend {
                 root: cfg.disks_dir(),
                 default_mb: d.default_mb,
                 pool_size: d.pool_size,
+                mount_mode: None,
             })?),
             None => None,
         };
@@ -63,6 +68,7 @@ impl ContainerBackend {
             cfg,
             cgroups,
             disks,
+            held_disks: Default::default(),
             open: Default::default(),
         })
     }
@@ -71,6 +77,12 @@ impl ContainerBackend {
         &self,
     ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, std::sync::Arc<Cgroup>>> {
         self.open.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn disks_held(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, dsec_disk::Disk>> {
+        self.held_disks.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn cgroup(&self, id: &str) -> Result<std::sync::Arc<Cgroup>, NodeError> {
@@ -101,14 +113,23 @@ impl ContainerBackend {
         for d in [&dir, &run] {
             builder.create(d).map_err(NodeError::io("mkdir", d))?;
         }
+        let mut disk_fd = None;
         let (upper, work, disk_mb) = match (&self.disks, spec.disk_mb) {
             (Some(disks), size) => {
                 let size = size.unwrap_or(disks.default_mb());
-                let disk = dir.join("disk");
-                disks.provision(size, &disk)?;
+                let disk = disks.provision(size, &dir.join("disk"))?;
+                // A detached disk reaches init as fd DISK_FD: name it as init sees it.
+                let root = match disk.mount_fd() {
+                    Some(fd) => {
+                        disk_fd = Some(fd.as_raw_fd());
+                        PathBuf::from(format!("/proc/self/fd/{DISK_FD}"))
+                    }
+                    None => disk.root(),
+                };
+                self.disks_held().insert(id.clone(), disk);
                 (
-                    dsec_disk::upper_dir(&disk),
-                    dsec_disk::work_dir(&disk),
+                    dsec_disk::upper_dir(&root),
+                    dsec_disk::work_dir(&root),
                     Some(size),
                 )
             }
@@ -118,12 +139,16 @@ impl ContainerBackend {
             )),
             (None, None) => (dir.join("upper"), dir.join("work"), None),
         };
-        for p in [&upper, &work, &dir.join("rootfs")] {
-            match fs::DirBuilder::new().mode(0o755).create(p) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-                Err(e) => return Err(NodeError::io("mkdir", p)(e)),
-            }
+        // A disk comes with its upper and work directories; plain ones are made here.
+        let mut dirs = vec![dir.join("rootfs")];
+        if disk_mb.is_none() {
+            dirs.extend([upper.clone(), work.clone()]);
+        }
+        for p in &dirs {
+            fs::DirBuilder::new()
+                .mode(0o755)
+                .create(p)
+                .map_err(NodeError::io("mkdir", p))?;
         }
         let limits = Limits {
             cpu_millis: Some(spec.cpu_millis),
@@ -139,6 +164,7 @@ impl ContainerBackend {
             lower_dirs: vec![lower.display().to_string()],
             upper_dir: upper.display().to_string(),
             work_dir: work.display().to_string(),
+            disk_fd: disk_fd.map(|_| DISK_FD),
             rootfs: dir.join("rootfs").display().to_string(),
             cgroup_procs: cgroup
                 .procs_paths()
@@ -149,7 +175,7 @@ impl ContainerBackend {
             workdir: spec.workdir.clone(),
         };
         let prepared = Instant::now();
-        let (pid, start_time) = self.spawn_init(id, &init, &listener, &dir)?;
+        let (pid, start_time) = self.spawn_init(id, &init, &listener, disk_fd, &dir)?;
         drop(listener);
         tracing::debug!(%id, prepare_us = (prepared - started).as_micros() as u64,
             init_us = prepared.elapsed().as_micros() as u64, "sandbox started");
@@ -178,6 +204,7 @@ impl ContainerBackend {
         id: &str,
         init: &InitSpec,
         listener: &UnixListener,
+        disk_fd: Option<RawFd>,
         dir: &Path,
     ) -> Result<(i32, u64), NodeError> {
         let (status_r, status_w): (OwnedFd, OwnedFd) = nix::unistd::pipe2(OFlag::O_CLOEXEC)
@@ -196,10 +223,17 @@ impl ContainerBackend {
         // SAFETY: the closure only calls async-signal-safe functions (fcntl, dup2, setsid).
         unsafe {
             cmd.pre_exec(move || {
-                // Move both fds out of the way first so neither dup2 clobbers the other.
+                // Move all fds out of the way first so no dup2 clobbers another.
                 let l = libc::fcntl(listen_fd, libc::F_DUPFD_CLOEXEC, 10);
                 let s = libc::fcntl(status_fd, libc::F_DUPFD_CLOEXEC, 10);
-                if l < 0 || s < 0 || libc::dup2(l, LISTEN_FD) < 0 || libc::dup2(s, STATUS_FD) < 0 {
+                let d = disk_fd.map(|d| libc::fcntl(d, libc::F_DUPFD_CLOEXEC, 10));
+                if l < 0 || s < 0 || d.is_some_and(|d| d < 0) {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::dup2(l, LISTEN_FD) < 0
+                    || libc::dup2(s, STATUS_FD) < 0
+                    || d.is_some_and(|d| libc::dup2(d, DISK_FD) < 0)
+                {
                     return Err(std::io::Error::last_os_error());
                 }
                 // A sandbox must not share the node's session: a terminal's ^C to
@@ -252,12 +286,13 @@ impl ContainerBackend {
         // The disk first: removing the directory must not walk into it. Nothing runs in
         // the sandbox any more (its cgroup is gone), so a lightly used disk can go back
         // to the pool.
-        let disk = self.cfg.sandbox_dir(id).join("disk");
-        match &self.disks {
-            Some(disks) if disk.exists() => {
-                disks.recycle(&disk)?;
+        let held = self.disks_held().remove(id);
+        match (&self.disks, held) {
+            (Some(disks), Some(disk)) => {
+                disks.recycle(disk)?;
             }
-            _ => dsec_disk::release(&disk)?,
+            (None, Some(disk)) => dsec_disk::release(disk)?,
+            (_, None) => dsec_disk::release_dir(&self.cfg.sandbox_dir(id).join("disk"))?,
         }
         for d in [self.cfg.sandbox_run_dir(id), self.cfg.sandbox_dir(id)] {
             match fs::remove_dir_all(&d) {

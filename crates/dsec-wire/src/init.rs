@@ -1,7 +1,8 @@
 //! The node -> sandbox-init contract.
 //!
 //! The node starts `dsec-agent init` with an [`InitSpec`] as JSON on stdin, the agent's
-//! listening socket as fd 3 and a status pipe as fd 4. Init reports on the status pipe, one
+//! listening socket as fd 3, a status pipe as fd 4 and, with a detached disk, its mount
+//! as fd 5. Init reports on the status pipe, one
 //! line each: `pid <host-pid>` (the sandbox's PID 1 as the host sees it), then either
 //! `ready` or `error <message>`.
 
@@ -13,6 +14,8 @@ use serde::{Deserialize, Serialize};
 pub const LISTEN_FD: i32 = 3;
 /// File descriptor number of the status pipe in `dsec-agent init`.
 pub const STATUS_FD: i32 = 4;
+/// File descriptor number of the sandbox disk's detached mount, when there is one.
+pub const DISK_FD: i32 = 5;
 
 /// Everything init needs to build the sandbox around itself.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -26,6 +29,11 @@ pub struct InitSpec {
     pub upper_dir: String,
     /// Host path of overlayfs's work directory (same file system as `upper_dir`).
     pub work_dir: String,
+    /// Set when the disk holding `upper_dir` and `work_dir` is a detached mount passed as
+    /// fd [`DISK_FD`] (the paths then start with `/proc/self/fd/5/`). Init closes it once
+    /// the overlay is mounted.
+    #[serde(default)]
+    pub disk_fd: Option<i32>,
     /// Host path of the (empty) directory where the root file system is assembled.
     pub rootfs: String,
     /// `cgroup.procs` files to join before unsharing the cgroup namespace.
