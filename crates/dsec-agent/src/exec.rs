@@ -1,6 +1,6 @@
 //! `Exec`: run one command and report its output and exit.
 //!
-//! Flow: spawn (own process group) → `Started` → output → `Exited`. Without `stream` the
+//! Flow: spawn (own process group) → `Started` (streams only) → output → `Exited`. Without `stream` the
 //! last `output_limit` bytes of each stream are kept in a [`Ring`] (the pipes keep being
 //! drained, so memory stays bounded whatever the command writes) and sent after exit; with
 //! `stream` chunks are forwarded as they are read, with back-pressure on the child.
@@ -137,7 +137,11 @@ pub async fn exec(
         }));
     }
 
-    wr.reply(&Reply::Started { pid: pid as u32 }).await?;
+    // Only a stream reports the start: for a whole-result exec it would cost the node a
+    // wake-up and a frame it throws away.
+    if spec.stream {
+        wr.reply(&Reply::Started { pid: pid as u32 }).await?;
+    }
 
     // Input side: stdin frames, then watch for the node going away.
     let input = async {

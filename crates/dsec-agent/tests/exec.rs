@@ -118,7 +118,7 @@ fn timeout_kills_process_tree() {
         wait_until(Duration::from_secs(3), || is_dead(grandchild)),
         "grandchild {grandchild} survived"
     );
-    assert!(is_dead(r.pid as i32));
+    assert!(is_dead(r.pid.expect("a stream reports its pid") as i32));
 }
 
 #[test]
@@ -241,4 +241,14 @@ fn disconnect_kills_exec_group() {
         wait_until(Duration::from_secs(3), || is_dead(pid)),
         "exec survived disconnect"
     );
+}
+
+#[test]
+fn only_a_streaming_exec_reports_its_start() {
+    let a = TestAgent::start();
+    let whole = exec_json(&a, json!({"op":"exec","cmd":"echo hi"}), None);
+    assert_eq!((whole.pid, whole.out().as_str()), (None, "hi\n"));
+    let streamed = exec_json(&a, json!({"op":"exec","cmd":"echo hi","stream":true}), None);
+    assert!(streamed.pid.is_some());
+    assert_eq!(streamed.out(), "hi\n");
 }

@@ -218,8 +218,8 @@ pub trait CgroupManager: fmt::Debug + Send + Sync {
     fn remove_dirs(&self) -> Result<()>;
     /// Current memory usage in bytes.
     fn memory_usage(&self) -> Result<u64>;
-    /// Number of processes the OOM killer killed in this cgroup.
-    fn oom_kill_count(&self) -> Result<u64>;
+    /// The file whose `oom_kill` line counts OOM kills in this cgroup.
+    fn oom_events_path(&self) -> Result<PathBuf>;
     /// Freeze (`true`) or thaw (`false`), waiting until the state is reached.
     fn set_frozen(&self, frozen: bool, timeout: Duration) -> Result<()>;
     /// The directory of this cgroup for `controller` (v2: the one unified directory).
@@ -250,6 +250,9 @@ pub struct Cgroup {
     rel_path: String,
     version: CgroupVersion,
     manager: AnyManager,
+    /// The OOM counter file, opened on first use: the counter is read around every exec,
+    /// and a `pread` on an open file is one syscall instead of five.
+    oom_events: std::sync::OnceLock<std::fs::File>,
 }
 
 impl Cgroup {
@@ -263,6 +266,7 @@ impl Cgroup {
             rel_path: rel,
             version: root.version,
             manager,
+            oom_events: std::sync::OnceLock::new(),
         })
     }
 
@@ -389,7 +393,24 @@ impl Cgroup {
     /// How many processes the OOM killer killed in this cgroup
     /// (v1 `oom_kill` of `memory.oom_control`, v2 `oom_kill` of `memory.events`).
     pub fn oom_kill_count(&self) -> Result<u64> {
-        self.manager.inner().oom_kill_count()
+        use std::os::unix::fs::FileExt;
+        let path = self.manager.inner().oom_events_path()?;
+        let file = match self.oom_events.get() {
+            Some(f) => f,
+            None => {
+                let f = std::fs::File::open(&path).map_err(|e| util::io_err("open", &path, e))?;
+                self.oom_events.get_or_init(|| f)
+            }
+        };
+        let mut buf = [0u8; 512];
+        let n = file
+            .read_at(&mut buf, 0)
+            .map_err(|e| util::io_err("read", &path, e))?;
+        let text = String::from_utf8_lossy(&buf[..n]);
+        util::parse_flat_keyed(&text, "oom_kill").ok_or_else(|| CgroupError::Parse {
+            path,
+            content: util::truncate(&text),
+        })
     }
 
     /// Freeze every process; returns once the cgroup is frozen (bounded by [`DEFAULT_TIMEOUT`]).

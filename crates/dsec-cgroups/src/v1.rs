@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::util::{self, read_file, read_keyed, read_u64, write_file};
+use crate::util::{self, read_file, read_u64, write_file};
 use crate::{CgroupError, CgroupManager, Limits, Result};
 
 /// Controllers whose hierarchy must be mounted.
@@ -189,11 +189,8 @@ impl CgroupManager for V1Manager {
         read_u64(&self.dir_of("memory")?.join("memory.usage_in_bytes"))
     }
 
-    fn oom_kill_count(&self) -> Result<u64> {
-        read_keyed(
-            &self.dir_of("memory")?.join("memory.oom_control"),
-            "oom_kill",
-        )
+    fn oom_events_path(&self) -> Result<PathBuf> {
+        Ok(self.dir_of("memory")?.join("memory.oom_control"))
     }
 
     fn set_frozen(&self, frozen: bool, timeout: Duration) -> Result<()> {

@@ -130,8 +130,8 @@ impl CgroupManager for V2Manager {
         read_u64(&self.dir.join("memory.current"))
     }
 
-    fn oom_kill_count(&self) -> Result<u64> {
-        read_keyed(&self.dir.join("memory.events"), "oom_kill")
+    fn oom_events_path(&self) -> Result<PathBuf> {
+        Ok(self.dir.join("memory.events"))
     }
 
     fn set_frozen(&self, frozen: bool, timeout: Duration) -> Result<()> {

@@ -7,7 +7,7 @@
 //! upload the agent may send it before it has read all the input (a full disk answers at
 //! the first `ENOSPC`), so the node stops sending when its writes fail and reads the reply.
 //!
-//! Exec output shape (streaming or not): `Started`, then `Stdout`/`Stderr` data frames,
+//! Exec output shape: `Started` (only with `stream`), then `Stdout`/`Stderr` data frames,
 //! then `Exited`. Without `stream` the agent keeps only the last `output_limit` bytes per
 //! stream in a ring and sends them after exit; with `stream` it forwards output live.
 
@@ -224,7 +224,7 @@ pub struct FileInfo {
 pub enum Request {
     /// Liveness. Reply: `Pong`.
     Ping,
-    /// Run a command. Reply: `Started`, output frames, `Exited`.
+    /// Run a command. Reply: `Started` (with `stream`), output frames, `Exited`.
     Exec(ExecSpec),
     /// Start a persistent bash session. Reply: `SessionCreated`.
     SessionCreate {

@@ -154,7 +154,8 @@ pub fn json(f: &Frame) -> Reply {
 /// Collected result of an exec.
 #[derive(Debug)]
 pub struct ExecOut {
-    pub pid: u32,
+    /// Reported by `Started`, which only a streaming exec sends.
+    pub pid: Option<u32>,
     pub stdout: Vec<u8>,
     pub stderr: Vec<u8>,
     pub exit: ExitInfo,
@@ -172,19 +173,14 @@ impl ExecOut {
 }
 
 pub fn parse_exec(frames: Vec<Frame>) -> ExecOut {
-    let mut it = frames.into_iter();
-    let pid = match json(&it.next().expect("started")) {
-        Reply::Started { pid } => pid,
-        other => panic!("expected Started, got {other:?}"),
-    };
     let mut out = ExecOut {
-        pid,
+        pid: None,
         stdout: vec![],
         stderr: vec![],
         exit: ExitInfo::default(),
         frames: vec![],
     };
-    for f in it {
+    for f in frames {
         match f {
             Frame::Stdout(d) => {
                 out.stdout.extend_from_slice(&d);
@@ -195,6 +191,9 @@ pub fn parse_exec(frames: Vec<Frame>) -> ExecOut {
                 out.frames.push((false, d));
             }
             f @ Frame::Json(_) => match json(&f) {
+                Reply::Started { pid } if out.pid.is_none() && out.frames.is_empty() => {
+                    out.pid = Some(pid)
+                }
                 Reply::Exited(e) => out.exit = e,
                 other => panic!("unexpected reply {other:?}"),
             },
