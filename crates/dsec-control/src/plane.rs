@@ -577,10 +577,17 @@ impl SandboxApi for ControlPlane {
             .unwrap_or(self.cfg.default_memory_mb);
         let pids = req.resources.pids.unwrap_or(self.cfg.default_pids);
         let timeout_s = req.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S);
+        // The images' own defaults, bottom first; unknown names fail here, before any
+        // record exists.
+        let mut configs = Vec::with_capacity(1 + req.layers.len());
+        for name in std::iter::once(&image).chain(&req.layers) {
+            configs.push(self.node.image(name).await.map_err(ApiError::from)?.config);
+        }
         let mut sb = Sandbox {
             id: id.clone(),
             state: SandboxState::Creating,
             image: image.clone(),
+            layers: req.layers.clone(),
             image_digest: String::new(),
             backend: req.backend,
             resources: EffectiveResources {
@@ -609,16 +616,25 @@ impl SandboxApi for ControlPlane {
             ("TERM".to_string(), "xterm".to_string()),
             ("HOSTNAME".to_string(), id.clone()),
         ]);
+        for c in &configs {
+            env.extend(c.env.clone());
+        }
         env.extend(req.env.clone());
+        let workdir = req
+            .workdir
+            .clone()
+            .or_else(|| configs.iter().rev().find_map(|c| c.workdir.clone()))
+            .unwrap_or_else(|| "/".into());
         let spec = NodeCreateSpec {
             id: id.clone(),
             image,
+            layers: req.layers.clone(),
             cpu_millis: (cpu * 1000.0).round() as u64,
             memory_bytes: memory_mb * 1024 * 1024,
             pids_max: pids,
             disk_mb: req.resources.disk_mb,
             env,
-            workdir: req.workdir.clone().unwrap_or_else(|| "/".into()),
+            workdir,
         };
         let created = match self.node.create(spec).await {
             Ok(c) => c,

@@ -13,6 +13,8 @@ pub const MAX_CPU: f64 = 64.0;
 pub const MEMORY_MB_RANGE: (u64, u64) = (16, 1024 * 1024);
 /// Writable-layer size range in MiB (64 MiB to 16 TiB).
 pub const DISK_MB_RANGE: (u64, u64) = (64, 16 * 1024 * 1024);
+/// Most images a create may stack on top of its image.
+pub const MAX_LAYER_IMAGES: usize = 32;
 /// Pids range.
 pub const PIDS_RANGE: (u64, u64) = (8, 1 << 22);
 /// Largest output ring a caller may ask for.
@@ -63,6 +65,12 @@ pub fn create(req: &CreateSandboxRequest) -> Result<(), ApiError> {
                 MEMORY_MB_RANGE.0, MEMORY_MB_RANGE.1
             )));
         }
+    }
+    if req.layers.len() > MAX_LAYER_IMAGES {
+        return Err(bad(format!(
+            "layers: at most {MAX_LAYER_IMAGES} images can be stacked, got {}",
+            req.layers.len()
+        )));
     }
     if let Some(d) = req.resources.disk_mb {
         if d < DISK_MB_RANGE.0 || d > DISK_MB_RANGE.1 {

@@ -11,10 +11,11 @@
 //! .lock                      flock(2) serialising refs.json updates across processes
 //! ```
 //!
-//! Today an image is exactly one layer. Layers are addressed by digest and names are only refs,
-//! so multi-layer images (a ref pointing to a list of layer digests), OCI import and lazy
-//! loading (a FUSE-backed blob file mounted the same way) can be added without changing the
-//! mount side.
+//! An image is a list of layers, bottom first (one for an imported directory or tarball,
+//! one per OCI layer for an OCI import), plus the defaults of its config. Layers are
+//! addressed by digest and names are only refs; a one-layer image's digest is its layer's,
+//! a multi-layer image's is the sha256 of its layer list. A sandbox can stack several
+//! images: the node mounts each layer once and hands overlayfs the whole list.
 //!
 //! Layers are built with `mkfs.erofs -zlz4hc` (erofs-utils) reproducibly: fixed UUID and a
 //! fixed `SOURCE_DATE_EPOCH` far in the future (which keeps per-file mtimes), so the same tree
@@ -35,7 +36,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 
-pub use dsec_wire::v1::Image;
+pub use dsec_wire::v1::{Image, ImageConfig};
 
 mod extract;
 pub mod mountinfo;
@@ -185,8 +186,12 @@ pub struct ResolvedImage {
     pub name: String,
     /// `sha256:<hex>`.
     pub digest: String,
-    /// The blob file.
+    /// The blob file of its top layer.
     pub blob_path: PathBuf,
+    /// Its layer digests, bottom first.
+    pub layers: Vec<String>,
+    /// Its defaults.
+    pub config: ImageConfig,
 }
 
 /// Result of [`ImageStore::remove`].
@@ -194,7 +199,7 @@ pub struct ResolvedImage {
 pub struct Removed {
     /// The ref that was removed.
     pub image: Image,
-    /// Whether the blob was deleted too (no other ref, not mounted).
+    /// Whether a blob was deleted too (a layer no other ref uses and not mounted).
     pub blob_deleted: bool,
 }
 
@@ -204,6 +209,11 @@ struct RefEntry {
     size: u64,
     created_at: u64,
     source: String,
+    /// Layer digests bottom first; empty for a one-layer image (the layer is `digest`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    layers: Vec<String>,
+    #[serde(default, skip_serializing_if = "ImageConfig::is_empty")]
+    config: ImageConfig,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -220,6 +230,32 @@ impl RefEntry {
             size_bytes: self.size,
             created_at: self.created_at,
             source: self.source.clone(),
+            layers: self.layer_digests(),
+            config: self.config.clone(),
+        }
+    }
+
+    fn layer_digests(&self) -> Vec<String> {
+        if self.layers.is_empty() {
+            vec![self.digest.clone()]
+        } else {
+            self.layers.clone()
+        }
+    }
+
+    fn uses_layer(&self, digest: &str) -> bool {
+        self.digest == digest || self.layers.iter().any(|l| l == digest)
+    }
+}
+
+/// The digest of an image made of `layers` (bottom first): the layer's own for one layer,
+/// else the sha256 of the list.
+pub fn image_digest(layers: &[String]) -> String {
+    match layers {
+        [one] => one.clone(),
+        _ => {
+            let joined = layers.join("\n");
+            format!("sha256:{}", hex::encode(Sha256::digest(joined.as_bytes())))
         }
     }
 }
@@ -456,6 +492,23 @@ impl ImageStore {
         source: &str,
         progress: &dyn Fn(ImportProgress),
     ) -> Result<Image> {
+        let (digest, size) = self.put_blob(layer, progress)?;
+        let img = self.set_ref(name, &[digest], size, source, ImageConfig::default())?;
+        progress(ImportProgress {
+            phase: ImportPhase::Storing,
+            bytes_done: size,
+            bytes_total: Some(size),
+        });
+        Ok(img)
+    }
+
+    /// Hashes a built EROFS file and moves it into `blobs/` (or drops it when an identical
+    /// blob is stored). Returns its `sha256:` digest and size.
+    pub(crate) fn put_blob(
+        &self,
+        layer: &Path,
+        progress: &dyn Fn(ImportProgress),
+    ) -> Result<(String, u64)> {
         let (hex, size) = hash_file(layer, progress)?;
         progress(ImportProgress {
             phase: ImportPhase::Storing,
@@ -473,11 +526,37 @@ impl ImageStore {
                 .map_err(|e| ImageError::io("fsync", layer, e))?;
             std::fs::rename(layer, &blob).map_err(|e| ImageError::io("rename", &blob, e))?;
         }
+        Ok((format!("sha256:{hex}"), size))
+    }
+
+    /// Points `name` at the stored layers `layers` (bottom first), replacing an existing
+    /// ref and collecting the layers only it used.
+    pub(crate) fn set_ref(
+        &self,
+        name: &str,
+        layers: &[String],
+        size: u64,
+        source: &str,
+        config: ImageConfig,
+    ) -> Result<Image> {
+        validate_name(name)?;
+        for l in layers {
+            let hex = parse_digest(l)?;
+            if !self.blob_path(&hex).exists() {
+                return Err(ImageError::NotFound(l.clone()));
+            }
+        }
         let entry = RefEntry {
-            digest: format!("sha256:{hex}"),
+            digest: image_digest(layers),
             size,
             created_at: now_ms(),
             source: source.to_string(),
+            layers: if layers.len() == 1 {
+                Vec::new()
+            } else {
+                layers.to_vec()
+            },
+            config,
         };
         let img = entry.to_image(name);
         let _lock = self.lock_refs()?;
@@ -485,25 +564,22 @@ impl ImageStore {
         let old = refs.refs.insert(name.to_string(), entry);
         self.write_refs(&refs)?;
         if let Some(old) = old {
-            if old.digest != img.digest {
-                if let Ok(old_hex) = parse_digest(&old.digest) {
-                    self.gc_blob(&refs, &old_hex)?;
+            for l in old.layer_digests() {
+                if !layers.contains(&l) {
+                    if let Ok(hex) = parse_digest(&l) {
+                        self.gc_blob(&refs, &hex)?;
+                    }
                 }
             }
         }
-        progress(ImportProgress {
-            phase: ImportPhase::Storing,
-            bytes_done: size,
-            bytes_total: Some(size),
-        });
-        tracing::info!(name, digest = %img.digest, size, "image stored");
+        tracing::info!(name, digest = %img.digest, layers = layers.len(), size, "image stored");
         Ok(img)
     }
 
     /// Delete blob `hex` if no ref points at it and it is not mounted. Caller holds the refs lock.
     fn gc_blob(&self, refs: &RefsFile, hex: &str) -> Result<bool> {
         let digest = format!("sha256:{hex}");
-        if refs.refs.values().any(|r| r.digest == digest) {
+        if refs.refs.values().any(|r| r.uses_layer(&digest)) {
             return Ok(false);
         }
         let mut mounts = self.lock_mounts();
@@ -533,34 +609,49 @@ impl ImageStore {
     /// Resolve an image name or `sha256:<hex>` digest.
     pub fn resolve(&self, name_or_digest: &str) -> Result<ResolvedImage> {
         let refs = self.read_refs()?;
+        let top_blob = |layers: &[String]| -> Result<PathBuf> {
+            let top = layers
+                .last()
+                .ok_or_else(|| ImageError::NotFound(name_or_digest.to_string()))?;
+            Ok(self.blob_path(&parse_digest(top)?))
+        };
         if name_or_digest.starts_with("sha256:") {
             let hex = parse_digest(name_or_digest)?;
+            let digest = format!("sha256:{hex}");
+            // A ref's own digest (a multi-layer image), else a bare layer.
+            if let Some((name, r)) = refs.refs.iter().find(|(_, r)| r.digest == digest) {
+                let layers = r.layer_digests();
+                return Ok(ResolvedImage {
+                    name: name.clone(),
+                    digest,
+                    blob_path: top_blob(&layers)?,
+                    layers,
+                    config: r.config.clone(),
+                });
+            }
             let blob = self.blob_path(&hex);
             if !blob.exists() {
                 return Err(ImageError::NotFound(name_or_digest.to_string()));
             }
-            let digest = format!("sha256:{hex}");
-            let name = refs
-                .refs
-                .iter()
-                .find(|(_, r)| r.digest == digest)
-                .map(|(n, _)| n.clone())
-                .unwrap_or_else(|| digest.clone());
             return Ok(ResolvedImage {
-                name,
-                digest,
+                name: digest.clone(),
+                digest: digest.clone(),
                 blob_path: blob,
+                layers: vec![digest],
+                config: ImageConfig::default(),
             });
         }
         let r = refs
             .refs
             .get(name_or_digest)
             .ok_or_else(|| ImageError::NotFound(name_or_digest.to_string()))?;
-        let hex = parse_digest(&r.digest)?;
+        let layers = r.layer_digests();
         Ok(ResolvedImage {
             name: name_or_digest.to_string(),
             digest: r.digest.clone(),
-            blob_path: self.blob_path(&hex),
+            blob_path: top_blob(&layers)?,
+            layers,
+            config: r.config.clone(),
         })
     }
 
@@ -589,6 +680,8 @@ impl ImageStore {
             size_bytes: meta.len(),
             created_at,
             source: String::new(),
+            layers: res.layers,
+            config: res.config,
         })
     }
 
@@ -612,8 +705,10 @@ impl ImageStore {
             .remove(name)
             .ok_or_else(|| ImageError::NotFound(name.to_string()))?;
         self.write_refs(&refs)?;
-        let hex = parse_digest(&entry.digest)?;
-        let blob_deleted = self.gc_blob(&refs, &hex)?;
+        let mut blob_deleted = false;
+        for l in entry.layer_digests() {
+            blob_deleted |= self.gc_blob(&refs, &parse_digest(&l)?)?;
+        }
         tracing::info!(name, digest = %entry.digest, blob_deleted, "image removed");
         Ok(Removed {
             image: entry.to_image(name),
@@ -1067,6 +1162,8 @@ mod tests {
                 size: 5,
                 created_at: 7,
                 source: "/x.tar".into(),
+                layers: Vec::new(),
+                config: ImageConfig::default(),
             },
         );
         let s = serde_json::to_string(&r).unwrap_or_default();
@@ -1076,5 +1173,20 @@ mod tests {
         );
         let back: RefsFile = serde_json::from_str(&s).unwrap_or_default();
         assert_eq!(back.refs["base"].size, 5);
+        // A one-layer ref written before multi-layer images reads as its own layer.
+        assert_eq!(
+            back.refs["base"].layer_digests(),
+            vec![format!("sha256:{}", "b".repeat(64))]
+        );
+    }
+
+    #[test]
+    fn image_digest_is_the_layer_for_one_layer_and_a_list_hash_otherwise() {
+        let a = format!("sha256:{}", "a".repeat(64));
+        let b = format!("sha256:{}", "b".repeat(64));
+        assert_eq!(image_digest(std::slice::from_ref(&a)), a);
+        let ab = image_digest(&[a.clone(), b.clone()]);
+        assert!(parse_digest(&ab).is_ok());
+        assert_ne!(ab, image_digest(&[b, a]), "order matters");
     }
 }

@@ -24,18 +24,38 @@ pub struct RuntimeRecord {
     /// Size of the sandbox's disk in MiB, if it has one.
     #[serde(default)]
     pub disk_mb: Option<u64>,
+    /// Digests of the layers it stacks, bottom first (each holds one mount reference);
+    /// empty in records from before multi-layer images: then `image_digest` is the layer.
+    #[serde(default)]
+    pub layers: Vec<String>,
+}
+
+impl RuntimeRecord {
+    /// The layers whose mounts this sandbox holds, bottom first.
+    pub fn layer_digests(&self) -> Vec<String> {
+        if self.layers.is_empty() {
+            vec![self.image_digest.clone()]
+        } else {
+            self.layers.clone()
+        }
+    }
+}
+
+/// The read-only layers of a sandbox: the image digest and each layer's digest and mount
+/// point, bottom first.
+#[derive(Debug, Clone)]
+pub struct Layers {
+    /// Digest naming the whole stack.
+    pub digest: String,
+    /// `(layer digest, mount point)`, bottom first.
+    pub layers: Vec<(String, std::path::PathBuf)>,
 }
 
 /// One kind of sandbox.
 pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
-    /// Creates and starts a sandbox from an image whose layer is mounted at `lower`.
-    /// Blocking; called on a blocking thread. Everything is released on failure.
-    fn create(
-        &self,
-        spec: &NodeCreateSpec,
-        digest: &str,
-        lower: &std::path::Path,
-    ) -> Result<RuntimeRecord, NodeError>;
+    /// Creates and starts a sandbox on the mounted `layers`. Blocking; called on a
+    /// blocking thread. Everything is released on failure (but the layer references).
+    fn create(&self, spec: &NodeCreateSpec, layers: &Layers) -> Result<RuntimeRecord, NodeError>;
     /// Kills a sandbox and removes its resources (not the image reference). Idempotent.
     fn destroy(&self, id: &str) -> Result<(), NodeError>;
     /// After a node restart: the sandboxes still alive (to adopt); everything else that

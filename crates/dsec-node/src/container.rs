@@ -24,7 +24,7 @@ use dsec_wire::init::{InitSpec, DISK_FD, LISTEN_FD, STATUS_FD};
 use nix::fcntl::OFlag;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
-use crate::backend::{Backend, RuntimeRecord};
+use crate::backend::{Backend, Layers, RuntimeRecord};
 use crate::{NodeConfig, NodeCreateSpec, NodeError};
 
 /// Parent of every sandbox cgroup.
@@ -101,8 +101,7 @@ impl ContainerBackend {
     fn create_inner(
         &self,
         spec: &NodeCreateSpec,
-        digest: &str,
-        lower: &Path,
+        layers: &Layers,
     ) -> Result<RuntimeRecord, NodeError> {
         let started = Instant::now();
         let id = &spec.id;
@@ -161,7 +160,13 @@ impl ContainerBackend {
         let listener = UnixListener::bind(&socket).map_err(NodeError::io("bind", &socket))?;
         let init = InitSpec {
             sandbox_id: id.clone(),
-            lower_dirs: vec![lower.display().to_string()],
+            // overlayfs wants the topmost layer first.
+            lower_dirs: layers
+                .layers
+                .iter()
+                .rev()
+                .map(|(_, mnt)| mnt.display().to_string())
+                .collect(),
             upper_dir: upper.display().to_string(),
             work_dir: work.display().to_string(),
             disk_fd: disk_fd.map(|_| DISK_FD),
@@ -183,12 +188,13 @@ impl ContainerBackend {
             .insert(id.clone(), std::sync::Arc::new(cgroup));
         let rec = RuntimeRecord {
             id: id.clone(),
-            image_digest: digest.to_string(),
+            image_digest: layers.digest.clone(),
             pid,
             pid_start_time: start_time,
             cgroup: Self::cgroup_path(id),
             agent_socket: socket,
             disk_mb,
+            layers: layers.layers.iter().map(|(d, _)| d.clone()).collect(),
         };
         let json = serde_json::to_vec_pretty(&rec).map_err(|e| create_err(id, e))?;
         let rec_path = dir.join("runtime.json");
@@ -350,13 +356,8 @@ pub fn pid_start_time(pid: i32) -> Option<u64> {
 }
 
 impl Backend for ContainerBackend {
-    fn create(
-        &self,
-        spec: &NodeCreateSpec,
-        digest: &str,
-        lower: &Path,
-    ) -> Result<RuntimeRecord, NodeError> {
-        let res = self.create_inner(spec, digest, lower);
+    fn create(&self, spec: &NodeCreateSpec, layers: &Layers) -> Result<RuntimeRecord, NodeError> {
+        let res = self.create_inner(spec, layers);
         if res.is_err() {
             if let Err(e) = self.destroy(&spec.id) {
                 tracing::warn!(id = %spec.id, error = %e, "cleanup after failed create");

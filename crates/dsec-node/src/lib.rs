@@ -36,6 +36,8 @@ pub struct NodeCreateSpec {
     pub id: String,
     /// Image name or digest.
     pub image: String,
+    /// More images stacked on top of `image`, in order (each may have several layers).
+    pub layers: Vec<String>,
     /// CPU limit in millicores.
     pub cpu_millis: u64,
     /// Memory limit in bytes.
@@ -84,6 +86,8 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
     async fn oom_kill_count(&self, id: &str) -> Result<u64, NodeError>;
     /// Images on this node.
     async fn list_images(&self) -> Result<Vec<Image>, NodeError>;
+    /// One image by name or digest.
+    async fn image(&self, name: &str) -> Result<Image, NodeError>;
     /// Imports an image from a path on this machine.
     async fn import_image(&self, name: &str, source: &std::path::Path) -> Result<Image, NodeError>;
     /// Removes an image name.

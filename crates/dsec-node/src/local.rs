@@ -10,7 +10,7 @@ use dsec_image::ImageStore;
 use dsec_wire::v1::Image;
 use tokio::net::UnixStream;
 
-use crate::backend::{Backend, RuntimeRecord};
+use crate::backend::{Backend, Layers, RuntimeRecord};
 use crate::container::ContainerBackend;
 use crate::{AgentConn, NodeApi, NodeConfig, NodeCreateSpec, NodeError, NodeSandbox};
 
@@ -55,7 +55,9 @@ impl LocalNode {
         let mut refs: HashMap<String, usize> = HashMap::new();
         let mut table = HashMap::new();
         for rec in recovered {
-            *refs.entry(rec.image_digest.clone()).or_default() += 1;
+            for d in rec.layer_digests() {
+                *refs.entry(d).or_default() += 1;
+            }
             table.insert(rec.id.clone(), rec);
         }
         for (digest, n) in &refs {
@@ -106,6 +108,45 @@ impl LocalNode {
         self.sandboxes.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Resolves the sandbox's image and extra layer images into one stack (a layer named
+    /// twice stays only at its topmost place, which gives the same tree) and takes a
+    /// mount reference on each layer.
+    fn mount_layers(&self, spec: &NodeCreateSpec) -> Result<Layers, NodeError> {
+        let base = self.images.resolve(&spec.image)?;
+        let mut digests = base.layers.clone();
+        for name in &spec.layers {
+            digests.extend(self.images.resolve(name)?.layers);
+        }
+        let mut seen = HashSet::new();
+        let mut stack: Vec<String> = digests
+            .into_iter()
+            .rev()
+            .filter(|d| seen.insert(d.clone()))
+            .collect();
+        stack.reverse();
+        let digest = if spec.layers.is_empty() {
+            base.digest
+        } else {
+            dsec_image::image_digest(&stack)
+        };
+        let mut mounted = Vec::with_capacity(stack.len());
+        for d in stack {
+            match self.images.acquire(&d) {
+                Ok(mnt) => mounted.push((d, mnt)),
+                Err(e) => {
+                    for (d, _) in &mounted {
+                        let _ = self.images.release(d);
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(Layers {
+            digest,
+            layers: mounted,
+        })
+    }
+
     fn record(&self, id: &str) -> Result<RuntimeRecord, NodeError> {
         self.lock()
             .get(id)
@@ -133,20 +174,20 @@ impl NodeApi for LocalNode {
     }
 
     async fn create(&self, spec: NodeCreateSpec) -> Result<NodeSandbox, NodeError> {
-        let resolved = self.images.resolve(&spec.image)?;
-        let digest = resolved.digest.clone();
-        let lower = self.images.acquire(&digest)?;
+        let layers = self.mount_layers(&spec)?;
         let backend = self.backend.clone();
         let spec2 = spec.clone();
-        let digest2 = digest.clone();
-        let res = tokio::task::spawn_blocking(move || backend.create(&spec2, &digest2, &lower))
+        let layers2 = layers.clone();
+        let res = tokio::task::spawn_blocking(move || backend.create(&spec2, &layers2))
             .await
             .map_err(join_err)
             .and_then(|r| r);
         let rec = match res {
             Ok(rec) => rec,
             Err(e) => {
-                let _ = self.images.release(&digest);
+                for (d, _) in &layers.layers {
+                    let _ = self.images.release(d);
+                }
                 return Err(e);
             }
         };
@@ -187,7 +228,9 @@ impl NodeApi for LocalNode {
                 Some(nix::sys::wait::WaitPidFlag::WNOHANG),
             );
             self.lock().remove(id);
-            self.images.release(&rec.image_digest)?;
+            for d in rec.layer_digests() {
+                self.images.release(&d)?;
+            }
         }
         Ok(())
     }
@@ -219,6 +262,10 @@ impl NodeApi for LocalNode {
     async fn oom_kill_count(&self, id: &str) -> Result<u64, NodeError> {
         self.record(id)?;
         self.backend.oom_kill_count(id)
+    }
+
+    async fn image(&self, name: &str) -> Result<Image, NodeError> {
+        Ok(self.images.image_info(name)?)
     }
 
     async fn list_images(&self) -> Result<Vec<Image>, NodeError> {

@@ -92,6 +92,11 @@ pub struct CreateSandboxRequest {
     /// Image name (`base`, `debian:bookworm`, ...) or `sha256:` digest. Default `base`.
     #[serde(default)]
     pub image: Option<String>,
+    /// More images stacked on top of `image`, bottom first (a workspace, toolkits): the
+    /// sandbox's root is all their layers composed with overlayfs, files of later images
+    /// winning. Their configs' env and workdir apply in the same order.
+    #[serde(default)]
+    pub layers: Vec<String>,
     /// Backend; default `container`.
     #[serde(default)]
     pub backend: Backend,
@@ -158,7 +163,10 @@ pub struct Sandbox {
     pub state: SandboxState,
     /// Image name as requested.
     pub image: String,
-    /// Content digest of the image layer.
+    /// Images stacked on top of it, as requested.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layers: Vec<String>,
+    /// Digest of the image, or of the whole layer stack when `layers` is not empty.
     pub image_digest: String,
     /// Backend.
     pub backend: Backend,
@@ -393,14 +401,48 @@ pub struct WriteResult {
 pub struct Image {
     /// Name (`base`, `python:3.11`).
     pub name: String,
-    /// `sha256:` digest of the EROFS layer.
+    /// `sha256:` digest: of the EROFS layer for a one-layer image, else of the layer list.
     pub digest: String,
-    /// Size of the EROFS blob in bytes.
+    /// Total size of its EROFS blobs in bytes.
     pub size_bytes: u64,
     /// Import time (unix ms).
     pub created_at: u64,
     /// Where it was imported from.
     pub source: String,
+    /// Digests of its EROFS layers, bottom first.
+    #[serde(default)]
+    pub layers: Vec<String>,
+    /// Defaults for sandboxes made from it (from an OCI image's config).
+    #[serde(default, skip_serializing_if = "ImageConfig::is_empty")]
+    pub config: ImageConfig,
+}
+
+/// Defaults an image gives its sandboxes; a create request's own values win.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageConfig {
+    /// Environment variables.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// Working directory of commands.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<String>,
+    /// User commands run as (recorded; commands run as root today).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// OCI `Entrypoint` (recorded for callers).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub entrypoint: Vec<String>,
+    /// OCI `Cmd` (recorded for callers).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cmd: Vec<String>,
+}
+
+impl ImageConfig {
+    /// Whether nothing is set.
+    pub fn is_empty(&self) -> bool {
+        self == &Self::default()
+    }
 }
 
 /// `GET /v1/images`.
