@@ -134,6 +134,9 @@ pub struct CreateArgs {
     /// Image name or sha256: digest (server default: base).
     #[arg(long)]
     pub image: Option<String>,
+    /// An image stacked on top (repeatable, bottom first): workspace, toolkits.
+    #[arg(long = "layer", value_name = "IMAGE")]
+    pub layers: Vec<String>,
     /// CPU limit in cores (server default: 1).
     #[arg(long)]
     pub cpu: Option<f64>,

@@ -80,6 +80,7 @@ async fn create(client: &Client, a: CreateArgs, json: bool) -> anyhow::Result<()
     }
     let req = CreateSandboxRequest {
         image: a.image,
+        layers: a.layers,
         resources: Resources {
             cpu: a.cpu,
             memory_mb: a.memory_mb,
@@ -162,7 +163,14 @@ fn describe(sb: &Sandbox) -> String {
     let mut lines = vec![
         ("id", sb.id.clone()),
         ("state", state_name(sb)),
-        ("image", format!("{} ({})", sb.image, sb.image_digest)),
+        (
+            "image",
+            if sb.layers.is_empty() {
+                format!("{} ({})", sb.image, sb.image_digest)
+            } else {
+                format!("{} + {} ({})", sb.image, sb.layers.join(" + "), sb.image_digest)
+            },
+        ),
         (
             "resources",
             match r.disk_mb {

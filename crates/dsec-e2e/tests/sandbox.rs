@@ -558,6 +558,131 @@ async fn a_10_gib_upload_into_a_small_disk_fails_cleanly_and_loses_nothing() {
     }
 }
 
+/// Mounts of layer `digest` in the host's mount table under this server's image store.
+fn layer_mounts(s: &Server, digest: &str) -> usize {
+    let hex = digest.trim_start_matches("sha256:");
+    let want = s.state_dir.join("images/mnt").join(hex);
+    let want = want.to_str().expect("utf-8 path");
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .expect("mountinfo")
+        .lines()
+        .filter(|l| l.split(' ').nth(4) == Some(want))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn images_stack_as_layers_in_order_and_each_layer_is_mounted_once() {
+    if !require_root() {
+        return;
+    }
+    let s = server();
+    let c = s.client();
+    // A workspace and a toolkit, each its own image, built from directories here.
+    let src = std::env::temp_dir().join(format!("dsec-e2e-layers-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&src);
+    let write = |rel: &str, body: &str, mode: u32| {
+        use std::os::unix::fs::PermissionsExt;
+        let p = src.join(rel);
+        std::fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
+        std::fs::write(&p, body).expect("write");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).expect("chmod");
+    };
+    write("ws/work/README", "workspace\n", 0o644);
+    write("ws/opt/shared", "from workspace\n", 0o644);
+    write("tk/opt/tool/bin/tool", "#!/bin/sh\necho tool ran\n", 0o755);
+    write("tk/opt/shared", "from toolkit\n", 0o644);
+    let mut imgs = Vec::new();
+    for (name, dir) in [("e2e/ws", "ws"), ("e2e/tk", "tk")] {
+        let img = c
+            .import_image(ImportImageRequest {
+                name: name.into(),
+                source: src.join(dir).display().to_string(),
+            })
+            .await
+            .expect("import");
+        assert_eq!(
+            img.layers,
+            vec![img.digest.clone()],
+            "a directory is one layer"
+        );
+        imgs.push(img);
+    }
+    let base = c
+        .list_images()
+        .await
+        .expect("images")
+        .images
+        .into_iter()
+        .find(|i| i.name == "base")
+        .expect("base image");
+
+    let stacked = |layers: &[&str]| CreateSandboxRequest {
+        layers: layers.iter().map(|l| l.to_string()).collect(),
+        ..Default::default()
+    };
+    let a = create(&c, stacked(&["e2e/ws", "e2e/tk"])).await;
+    let b = create(&c, stacked(&["e2e/ws", "e2e/tk"])).await;
+    assert_eq!(a.layers, vec!["e2e/ws".to_string(), "e2e/tk".to_string()]);
+    assert_ne!(a.image_digest, base.digest, "a stack has its own digest");
+    assert_eq!(a.image_digest, b.image_digest, "same stack, same digest");
+    let r = run(
+        &c,
+        &a.id,
+        "cat /work/README /opt/shared; /opt/tool/bin/tool; python3 -c 'print(1+1)'",
+    )
+    .await;
+    assert_eq!(
+        r.stdout, "workspace\nfrom toolkit\ntool ran\n2\n",
+        "base, workspace and toolkit are all there, the later image wins: {r:?}"
+    );
+    // Two sandboxes on the same stack share every layer mount.
+    for d in base
+        .layers
+        .iter()
+        .chain(&imgs[0].layers)
+        .chain(&imgs[1].layers)
+    {
+        assert_eq!(layer_mounts(s, d), 1, "layer {d} mounted once");
+    }
+    // The other order: the workspace's file wins.
+    let swapped = create(&c, stacked(&["e2e/tk", "e2e/ws"])).await;
+    let r = run(&c, &swapped.id, "cat /opt/shared").await;
+    assert_eq!(r.stdout, "from workspace\n");
+    // Writes land in the sandbox, never in a shared layer.
+    let r = run(&c, &a.id, "echo mine > /opt/shared && cat /opt/shared").await;
+    assert_eq!(r.stdout, "mine\n");
+    let r = run(&c, &b.id, "cat /opt/shared").await;
+    assert_eq!(r.stdout, "from toolkit\n");
+
+    // An unknown layer image fails the create with a typed error and leaves no record.
+    let before = c
+        .list_sandboxes(BTreeMap::new())
+        .await
+        .expect("list")
+        .sandboxes
+        .len();
+    let err = c
+        .create_sandbox(stacked(&["e2e/ws", "e2e/no-such"]))
+        .await
+        .expect_err("unknown layer");
+    assert_eq!(code(err), ErrorCode::ImageNotFound);
+    let after = c
+        .list_sandboxes(BTreeMap::new())
+        .await
+        .expect("list")
+        .sandboxes
+        .len();
+    assert_eq!(before, after);
+
+    for sb in [&a, &b, &swapped] {
+        c.delete_sandbox(&sb.id).await.expect("delete");
+    }
+    for name in ["e2e/ws", "e2e/tk"] {
+        c.delete_image(name).await.expect("delete image");
+    }
+    let _ = std::fs::remove_dir_all(&src);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn files_api_cannot_escape_the_sandbox_root() {
     if !require_root() {
