@@ -220,6 +220,9 @@ pub trait CgroupManager: fmt::Debug + Send + Sync {
     fn memory_usage(&self) -> Result<u64>;
     /// The file whose `oom_kill` line counts OOM kills in this cgroup.
     fn oom_events_path(&self) -> Result<PathBuf>;
+    /// Asks the kernel to reclaim as much of the cgroup's memory as it can (page cache;
+    /// anonymous memory only where there is swap), without killing anything.
+    fn reclaim(&self) -> Result<()>;
     /// Freeze (`true`) or thaw (`false`), waiting until the state is reached.
     fn set_frozen(&self, frozen: bool, timeout: Duration) -> Result<()>;
     /// The directory of this cgroup for `controller` (v2: the one unified directory).
@@ -363,6 +366,9 @@ impl Cgroup {
                 return Ok(());
             }
             m.signal_kill()?;
+            // A frozen task (v1 freezer) dies only once thawed; killed first, it never
+            // runs user code again.
+            let _ = m.set_frozen(false, Duration::from_millis(200));
             if std::time::Instant::now() >= deadline {
                 let path = m.dirs().into_iter().next().unwrap_or_default();
                 return Err(CgroupError::Timeout {
@@ -383,6 +389,13 @@ impl Cgroup {
         self.manager.inner().remove_dirs()?;
         tracing::debug!(cgroup = %self.rel_path, "cgroup destroyed");
         Ok(())
+    }
+
+    /// Reclaims what memory the kernel can take back from the cgroup (meant for a frozen
+    /// one): v2 `memory.reclaim`; v1 squeezes `memory.limit_in_bytes` down in steps until
+    /// the kernel refuses, then restores it. Nothing is killed either way.
+    pub fn reclaim(&self) -> Result<()> {
+        self.manager.inner().reclaim()
     }
 
     /// Current memory usage in bytes (v1 `memory.usage_in_bytes`, v2 `memory.current`).

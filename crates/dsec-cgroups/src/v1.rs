@@ -8,6 +8,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::util::{self, read_file, read_u64, write_file};
+
+/// Lowest limit the v1 reclaim squeeze tries.
+const RECLAIM_FLOOR: u64 = 1 << 20;
 use crate::{CgroupError, CgroupManager, Limits, Result};
 
 /// Controllers whose hierarchy must be mounted.
@@ -191,6 +194,22 @@ impl CgroupManager for V1Manager {
 
     fn oom_events_path(&self) -> Result<PathBuf> {
         Ok(self.dir_of("memory")?.join("memory.oom_control"))
+    }
+
+    fn reclaim(&self) -> Result<()> {
+        let dir = self.dir_of("memory")?;
+        let limit_path = dir.join("memory.limit_in_bytes");
+        let original = read_file(&limit_path)?.trim().to_string();
+        let mut target = read_u64(&dir.join("memory.usage_in_bytes"))?;
+        // Each lower limit makes the kernel reclaim down to it; EBUSY means it cannot
+        // (anonymous memory without swap) and leaves the limit as it was.
+        while target > RECLAIM_FLOOR {
+            target /= 2;
+            if std::fs::write(&limit_path, target.max(RECLAIM_FLOOR).to_string()).is_err() {
+                break;
+            }
+        }
+        write_file(&limit_path, &original)
     }
 
     fn set_frozen(&self, frozen: bool, timeout: Duration) -> Result<()> {

@@ -134,6 +134,16 @@ impl CgroupManager for V2Manager {
         Ok(self.dir.join("memory.events"))
     }
 
+    fn reclaim(&self) -> Result<()> {
+        let usage = read_u64(&self.dir.join("memory.current"))?;
+        // EAGAIN: less than asked could be reclaimed, which is expected.
+        match std::fs::write(self.dir.join("memory.reclaim"), usage.to_string()) {
+            Ok(()) => Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => Ok(()),
+            Err(e) => Err(util::io_err("write", &self.dir.join("memory.reclaim"), e)),
+        }
+    }
+
     fn set_frozen(&self, frozen: bool, timeout: Duration) -> Result<()> {
         write_file(
             &self.dir.join("cgroup.freeze"),

@@ -372,3 +372,45 @@ fn freeze_and_thaw() {
     cg.freeze().expect("freeze again");
     cg.destroy().expect("destroy frozen");
 }
+
+#[test]
+fn reclaim_takes_back_page_cache_of_a_frozen_cgroup_without_killing() {
+    let Some(root) = env("reclaim_takes_back_page_cache_of_a_frozen_cgroup_without_killing") else {
+        return;
+    };
+    let g = Guard::new(&root);
+    let cg = Cgroup::create(&root, &g.leaf(), &Limits::default()).expect("create");
+    let file = std::env::temp_dir().join(format!("dsec-reclaim-{:016x}", rand::random::<u64>()));
+    let script = format!(
+        "dd if=/dev/zero of={f} bs=1M count=64 conv=fsync status=none && cat {f} >/dev/null && touch {f}.done && sleep 100",
+        f = file.display()
+    );
+    let mut child = spawn_in(&cg, &["sh", "-c", &script]);
+    let done = file.with_extension("done");
+    assert!(
+        wait_for(Duration::from_secs(30), || done.exists()),
+        "writer did not finish"
+    );
+    cg.freeze().expect("freeze");
+    let before = cg.memory_usage().expect("usage");
+    assert!(before > 48 << 20, "page cache is charged: {before}");
+    let limit_file = match root.version() {
+        CgroupVersion::V1 => "memory.limit_in_bytes",
+        CgroupVersion::V2 => "memory.max",
+    };
+    let limit = cg.path_for("memory").expect("memory").join(limit_file);
+    let limit_before = read(&limit);
+    cg.reclaim().expect("reclaim");
+    assert_eq!(read(&limit), limit_before, "limit restored");
+    let after = cg.memory_usage().expect("usage");
+    assert!(after < before / 2, "reclaimed only {before} -> {after}");
+    // Nothing was killed, and the limit is back.
+    assert!(
+        child.0.try_wait().expect("wait").is_none(),
+        "reclaim killed the process"
+    );
+    cg.thaw().expect("thaw");
+    assert!(child.0.try_wait().expect("wait").is_none());
+    let _ = std::fs::remove_file(&file);
+    let _ = std::fs::remove_file(&done);
+}

@@ -118,6 +118,18 @@ pub enum SandboxCommand {
         #[arg(short, long)]
         follow: bool,
     },
+    /// Freeze sandboxes and give their memory back (processes and state survive).
+    Pause {
+        /// Sandbox ids.
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
+    /// Let paused sandboxes run again.
+    Resume {
+        /// Sandbox ids.
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
     /// Set a sandbox's remaining lifetime (e.g. 3600, 90m, 2h).
     Timeout {
         /// Sandbox id.
@@ -146,6 +158,9 @@ pub struct CreateArgs {
     /// Process limit (server default: 512).
     #[arg(long)]
     pub pids: Option<u64>,
+    /// When paused, resume on the next command instead of answering `paused`.
+    #[arg(long)]
+    pub auto_resume: bool,
     /// Writable disk size in MiB (server default: 10240).
     #[arg(long)]
     pub disk_mb: Option<u64>,

@@ -47,6 +47,31 @@ pub async fn run(client: &Client, cmd: SandboxCommand, json: bool) -> anyhow::Re
                 return Ok(ExitCode::from(BROKEN_PIPE_EXIT));
             }
         }
+        SandboxCommand::Pause { ids } => {
+            for id in ids {
+                let r = client.pause_sandbox(&id).await?;
+                if json {
+                    print_json(&r)?;
+                } else {
+                    println!(
+                        "{} paused, memory {} -> {}",
+                        r.sandbox.id,
+                        output::bytes(r.memory_before_bytes),
+                        output::bytes(r.memory_after_bytes)
+                    );
+                }
+            }
+        }
+        SandboxCommand::Resume { ids } => {
+            for id in ids {
+                let sb = client.resume_sandbox(&id).await?;
+                if json {
+                    print_json(&sb)?;
+                } else {
+                    println!("{} {}", sb.id, state_name(&sb));
+                }
+            }
+        }
         SandboxCommand::Timeout { id, duration } => {
             let sb = client
                 .set_timeout(
@@ -81,6 +106,7 @@ async fn create(client: &Client, a: CreateArgs, json: bool) -> anyhow::Result<()
     let req = CreateSandboxRequest {
         image: a.image,
         layers: a.layers,
+        auto_resume: a.auto_resume,
         resources: Resources {
             cpu: a.cpu,
             memory_mb: a.memory_mb,
@@ -168,7 +194,12 @@ fn describe(sb: &Sandbox) -> String {
             if sb.layers.is_empty() {
                 format!("{} ({})", sb.image, sb.image_digest)
             } else {
-                format!("{} + {} ({})", sb.image, sb.layers.join(" + "), sb.image_digest)
+                format!(
+                    "{} + {} ({})",
+                    sb.image,
+                    sb.layers.join(" + "),
+                    sb.image_digest
+                )
             },
         ),
         (

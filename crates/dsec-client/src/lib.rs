@@ -38,10 +38,10 @@ use bytes::Bytes;
 use dsec_wire::error::ErrorBody;
 use dsec_wire::v1::{
     CreateSandboxRequest, CreateSessionRequest, ExecRequest, ExecResult, FileInfo, FileList,
-    Health, Image, ImageList, ImportImageRequest, MkdirRequest, ProcessInfo, ProcessList, PtySize,
-    RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList, SessionResult,
-    SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest,
-    WriteResult, API_KEY_HEADER,
+    Health, Image, ImageList, ImportImageRequest, MkdirRequest, PauseResult, ProcessInfo,
+    ProcessList, PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList,
+    SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest,
+    StdinRequest, WriteResult, API_KEY_HEADER,
 };
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
@@ -222,6 +222,16 @@ impl Client {
         req: SetTimeoutRequest,
     ) -> Result<Sandbox, ClientError> {
         Self::json(self.post(&["sandboxes", id, "timeout"], &req)).await
+    }
+
+    /// `POST /v1/sandboxes/{id}/pause`: freezes it and reclaims its memory.
+    pub async fn pause_sandbox(&self, id: &str) -> Result<PauseResult, ClientError> {
+        Self::json(self.request(Method::POST, &["sandboxes", id, "pause"])).await
+    }
+
+    /// `POST /v1/sandboxes/{id}/resume`.
+    pub async fn resume_sandbox(&self, id: &str) -> Result<Sandbox, ClientError> {
+        Self::json(self.request(Method::POST, &["sandboxes", id, "resume"])).await
     }
 
     // ------------------------------------------------------------ exec, sessions

@@ -85,6 +85,12 @@ impl SandboxApi for Fake {
     async fn set_timeout(&self, _: &str, _: SetTimeoutRequest) -> ApiResult<Sandbox> {
         nope()
     }
+    async fn pause_sandbox(&self, _: &str) -> ApiResult<PauseResult> {
+        nope()
+    }
+    async fn resume_sandbox(&self, _: &str) -> ApiResult<Sandbox> {
+        nope()
+    }
     async fn exec(&self, _: &str, _: ExecRequest) -> ApiResult<ExecResult> {
         nope()
     }

@@ -8,10 +8,10 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use dsec_wire::v1::{
     CreateSandboxRequest, CreateSessionRequest, ExecEvent, ExecRequest, ExecResult, FileInfo,
-    FileList, Health, Image, ImageList, ImportImageRequest, MkdirRequest, ProcessInfo, ProcessList,
-    PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList, SessionResult,
-    SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest,
-    WriteResult,
+    FileList, Health, Image, ImageList, ImportImageRequest, MkdirRequest, PauseResult, ProcessInfo,
+    ProcessList, PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList,
+    SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest,
+    StdinRequest, WriteResult,
 };
 use dsec_wire::ApiError;
 use futures::stream::BoxStream;
@@ -44,6 +44,10 @@ pub trait SandboxApi: Send + Sync + 'static {
     async fn delete_sandbox(&self, id: &str) -> ApiResult<()>;
     /// `POST /v1/sandboxes/{id}/timeout`.
     async fn set_timeout(&self, id: &str, req: SetTimeoutRequest) -> ApiResult<Sandbox>;
+    /// `POST /v1/sandboxes/{id}/pause`: freeze and reclaim memory. Idempotent.
+    async fn pause_sandbox(&self, id: &str) -> ApiResult<PauseResult>;
+    /// `POST /v1/sandboxes/{id}/resume`. Idempotent.
+    async fn resume_sandbox(&self, id: &str) -> ApiResult<Sandbox>;
 
     /// `POST /v1/sandboxes/{id}/exec`.
     async fn exec(&self, id: &str, req: ExecRequest) -> ApiResult<ExecResult>;

@@ -219,7 +219,12 @@ impl ControlPlane {
         let candidates: Vec<(String, &'static str)> = self
             .lock()
             .values()
-            .filter(|s| s.state == SandboxState::Ready || s.state == SandboxState::Failed)
+            .filter(|s| {
+                matches!(
+                    s.state,
+                    SandboxState::Ready | SandboxState::Failed | SandboxState::Paused
+                )
+            })
             .filter_map(|s| {
                 if now >= s.expires_at {
                     Some((s.id.clone(), "lifetime (timeout_s) ended"))
@@ -249,7 +254,10 @@ impl ControlPlane {
         let died: Vec<Sandbox> = {
             let mut recs = self.lock();
             recs.values_mut()
-                .filter(|s| s.state == SandboxState::Ready && alive.get(&s.id) == Some(&false))
+                .filter(|s| {
+                    matches!(s.state, SandboxState::Ready | SandboxState::Paused)
+                        && alive.get(&s.id) == Some(&false)
+                })
                 .map(|s| {
                     s.state = SandboxState::Failed;
                     s.failure = Some("the sandbox's init process exited".into());
@@ -339,6 +347,12 @@ impl ControlPlane {
                 ErrorCode::Conflict,
                 format!("sandbox {id} is still being created"),
             )),
+            SandboxState::Paused => Err(ApiError::new(
+                ErrorCode::Paused,
+                format!(
+                    "sandbox {id} is paused: resume it (POST /v1/sandboxes/{id}/resume) or create sandboxes with auto_resume"
+                ),
+            )),
             SandboxState::Stopping => Err(ApiError::new(
                 ErrorCode::Conflict,
                 format!("sandbox {id} is being deleted"),
@@ -354,8 +368,38 @@ impl ControlPlane {
     }
 
     async fn conn(&self, id: &str) -> ApiResult<AgentConn> {
-        self.ready(id)?;
+        if let Err(e) = self.ready(id) {
+            let auto = self.lock().get(id).is_some_and(|s| s.auto_resume);
+            if e.code != ErrorCode::Paused || !auto {
+                return Err(e);
+            }
+            self.resume_sandbox(id).await?;
+            self.ready(id)?;
+        }
         self.node.connect(id).await.map_err(ApiError::from)
+    }
+
+    /// Moves a sandbox from `from` to `to` under the records lock; any other state is
+    /// answered the way `ready` answers it.
+    fn transition(&self, id: &str, from: SandboxState, to: SandboxState) -> ApiResult<bool> {
+        let mut recs = self.lock();
+        let Some(sb) = recs.get_mut(id) else {
+            drop(recs);
+            return Err(self.missing(id));
+        };
+        if sb.state == to {
+            return Ok(false);
+        }
+        if sb.state != from {
+            drop(recs);
+            self.ready(id)?;
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!("sandbox {id} cannot go from {from:?} to {to:?}"),
+            ));
+        }
+        sb.state = to;
+        Ok(true)
     }
 
     async fn call(&self, id: &str, req: Request) -> ApiResult<Reply> {
@@ -587,6 +631,7 @@ impl SandboxApi for ControlPlane {
             id: id.clone(),
             state: SandboxState::Creating,
             image: image.clone(),
+            auto_resume: req.auto_resume,
             layers: req.layers.clone(),
             image_digest: String::new(),
             backend: req.backend,
@@ -674,6 +719,49 @@ impl SandboxApi for ControlPlane {
 
     async fn delete_sandbox(&self, id: &str) -> ApiResult<()> {
         self.remove(id, None).await
+    }
+
+    async fn pause_sandbox(&self, id: &str) -> ApiResult<PauseResult> {
+        if !self.transition(id, SandboxState::Ready, SandboxState::Paused)? {
+            let sandbox = self.get_sandbox(id).await?;
+            return Ok(PauseResult {
+                sandbox,
+                memory_before_bytes: 0,
+                memory_after_bytes: 0,
+            });
+        }
+        let (before, after) = match self.node.pause(id).await {
+            Ok(v) => v,
+            Err(e) => {
+                // Whatever froze runs again; the sandbox stays usable.
+                let _ = self.node.resume(id).await;
+                let _ = self.transition(id, SandboxState::Paused, SandboxState::Ready);
+                return Err(e.into());
+            }
+        };
+        let sandbox = self.get_sandbox(id).await?;
+        self.persist(&sandbox)?;
+        Ok(PauseResult {
+            sandbox,
+            memory_before_bytes: before,
+            memory_after_bytes: after,
+        })
+    }
+
+    async fn resume_sandbox(&self, id: &str) -> ApiResult<Sandbox> {
+        if self.transition(id, SandboxState::Paused, SandboxState::Ready)? {
+            if let Err(e) = self.node.resume(id).await {
+                let _ = self.transition(id, SandboxState::Ready, SandboxState::Paused);
+                return Err(e.into());
+            }
+            if let Some(sb) = self.lock().get_mut(id) {
+                sb.last_active_at = now_ms();
+            }
+            let sandbox = self.get_sandbox(id).await?;
+            self.persist(&sandbox)?;
+            return Ok(sandbox);
+        }
+        self.get_sandbox(id).await
     }
 
     async fn set_timeout(&self, id: &str, req: SetTimeoutRequest) -> ApiResult<Sandbox> {

@@ -285,6 +285,16 @@ pub async fn set_timeout(
     Ok(json(api.set_timeout(&id, req).await?))
 }
 
+/// `POST /v1/sandboxes/{id}/pause`.
+pub async fn pause_sandbox(State(api): Api, Path(id): Path<String>) -> HttpResult<Response> {
+    Ok(json(api.pause_sandbox(&id).await?))
+}
+
+/// `POST /v1/sandboxes/{id}/resume`.
+pub async fn resume_sandbox(State(api): Api, Path(id): Path<String>) -> HttpResult<Response> {
+    Ok(json(api.resume_sandbox(&id).await?))
+}
+
 // ---------------------------------------------------------------- exec, sessions
 
 /// `POST /v1/sandboxes/{id}/exec`.

@@ -58,6 +58,8 @@ pub fn router(api: Arc<dyn SandboxApi>) -> Router {
             get(h::get_sandbox).delete(h::delete_sandbox),
         )
         .route("/sandboxes/{id}/timeout", post(h::set_timeout))
+        .route("/sandboxes/{id}/pause", post(h::pause_sandbox))
+        .route("/sandboxes/{id}/resume", post(h::resume_sandbox))
         .route("/sandboxes/{id}/exec", post(h::exec))
         .route("/sandboxes/{id}/exec/stream", post(h::exec_stream))
         .route(

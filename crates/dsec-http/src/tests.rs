@@ -80,6 +80,12 @@ impl SandboxApi for Stub {
     async fn set_timeout(&self, _: &str, _: SetTimeoutRequest) -> ApiResult<Sandbox> {
         stub_err("set_timeout")
     }
+    async fn pause_sandbox(&self, _: &str) -> ApiResult<PauseResult> {
+        stub_err("pause_sandbox")
+    }
+    async fn resume_sandbox(&self, _: &str) -> ApiResult<Sandbox> {
+        stub_err("resume_sandbox")
+    }
     async fn exec(&self, _: &str, _: ExecRequest) -> ApiResult<ExecResult> {
         stub_err("exec")
     }

@@ -57,7 +57,13 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// blocking thread. Everything is released on failure (but the layer references).
     fn create(&self, spec: &NodeCreateSpec, layers: &Layers) -> Result<RuntimeRecord, NodeError>;
     /// Kills a sandbox and removes its resources (not the image reference). Idempotent.
+    /// Works on a paused sandbox too.
     fn destroy(&self, id: &str) -> Result<(), NodeError>;
+    /// Stops every process of a sandbox and reclaims its memory; returns memory use
+    /// (bytes) before and after the reclaim.
+    fn pause(&self, id: &str) -> Result<(u64, u64), NodeError>;
+    /// Lets a paused sandbox run again.
+    fn resume(&self, id: &str) -> Result<(), NodeError>;
     /// After a node restart: the sandboxes still alive (to adopt); everything else that
     /// this backend left behind is cleaned up.
     fn recover(&self) -> Result<Vec<RuntimeRecord>, NodeError>;

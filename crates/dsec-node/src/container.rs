@@ -432,6 +432,20 @@ impl Backend for ContainerBackend {
         pid_start_time(rec.pid) == Some(rec.pid_start_time) && !is_zombie(rec.pid)
     }
 
+    fn pause(&self, id: &str) -> Result<(u64, u64), NodeError> {
+        let cg = self.cgroup(id)?;
+        cg.freeze()?;
+        let before = cg.memory_usage()?;
+        cg.reclaim()?;
+        let after = cg.memory_usage()?;
+        tracing::info!(%id, before, after, "sandbox paused");
+        Ok((before, after))
+    }
+
+    fn resume(&self, id: &str) -> Result<(), NodeError> {
+        Ok(self.cgroup(id)?.thaw()?)
+    }
+
     fn oom_kill_count(&self, id: &str) -> Result<u64, NodeError> {
         Ok(self.cgroup(id)?.oom_kill_count()?)
     }

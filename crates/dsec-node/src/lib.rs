@@ -82,6 +82,10 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
     async fn list(&self) -> Vec<NodeSandbox>;
     /// Opens a connection to a sandbox's agent (one request per connection).
     async fn connect(&self, id: &str) -> Result<AgentConn, NodeError>;
+    /// Freezes a sandbox and reclaims its memory; returns its memory use before and after.
+    async fn pause(&self, id: &str) -> Result<(u64, u64), NodeError>;
+    /// Thaws a paused sandbox.
+    async fn resume(&self, id: &str) -> Result<(), NodeError>;
     /// Number of OOM kills in the sandbox so far.
     async fn oom_kill_count(&self, id: &str) -> Result<u64, NodeError>;
     /// Images on this node.

@@ -259,6 +259,24 @@ impl NodeApi for LocalNode {
         Ok(AgentConn::new(stream))
     }
 
+    async fn pause(&self, id: &str) -> Result<(u64, u64), NodeError> {
+        self.record(id)?;
+        let backend = self.backend.clone();
+        let id = id.to_string();
+        tokio::task::spawn_blocking(move || backend.pause(&id))
+            .await
+            .map_err(join_err)?
+    }
+
+    async fn resume(&self, id: &str) -> Result<(), NodeError> {
+        self.record(id)?;
+        let backend = self.backend.clone();
+        let id = id.to_string();
+        tokio::task::spawn_blocking(move || backend.resume(&id))
+            .await
+            .map_err(join_err)?
+    }
+
     async fn oom_kill_count(&self, id: &str) -> Result<u64, NodeError> {
         self.record(id)?;
         self.backend.oom_kill_count(id)

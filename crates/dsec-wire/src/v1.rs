@@ -124,6 +124,21 @@ pub struct CreateSandboxRequest {
     /// Default working directory for commands; default `/`.
     #[serde(default)]
     pub workdir: Option<String>,
+    /// When paused, resume on the next call that needs the sandbox running, instead of
+    /// answering `paused`.
+    #[serde(default)]
+    pub auto_resume: bool,
+}
+
+/// `POST /v1/sandboxes/{id}/pause`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PauseResult {
+    /// The sandbox, now `paused`.
+    pub sandbox: Sandbox,
+    /// Its memory use (bytes) when frozen, before reclaim.
+    pub memory_before_bytes: u64,
+    /// Its memory use after the kernel took back what it could.
+    pub memory_after_bytes: u64,
 }
 
 /// Lifecycle state of a sandbox.
@@ -134,6 +149,9 @@ pub enum SandboxState {
     Creating,
     /// The agent answers; commands may run.
     Ready,
+    /// Frozen: its processes do not run and its memory was given back where the kernel
+    /// could; `resume` continues it where it stopped.
+    Paused,
     /// Being torn down.
     Stopping,
     /// Creation failed or the sandbox died; `failure` says why.
@@ -163,6 +181,9 @@ pub struct Sandbox {
     pub state: SandboxState,
     /// Image name as requested.
     pub image: String,
+    /// Resume on use when paused (see [`CreateSandboxRequest::auto_resume`]).
+    #[serde(default)]
+    pub auto_resume: bool,
     /// Images stacked on top of it, as requested.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub layers: Vec<String>,

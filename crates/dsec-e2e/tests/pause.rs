@@ -1,0 +1,150 @@
+//! Pause and resume: a paused sandbox's processes do not run, its page cache goes back to
+//! the host, calls answer `paused` (or resume it with `auto_resume`), and after resume
+//! everything continues where it stopped: sessions, background processes, files.
+
+use std::time::Duration;
+
+use dsec_e2e::{host, require_root, sh, Server};
+use dsec_wire::v1::*;
+use dsec_wire::ErrorCode;
+
+/// CPU ticks (user + system) used so far by the sandbox's processes, seen from the host.
+fn cpu_ticks(id: &str) -> u64 {
+    host::processes(id)
+        .into_iter()
+        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok())
+        .filter_map(|s| {
+            let rest = s[s.rfind(')')? + 2..].to_string();
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+        })
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pause_freezes_reclaims_and_resume_continues_where_it_stopped() {
+    if !require_root() {
+        return;
+    }
+    let s = Server::shared("pause");
+    let c = s.client();
+    let sb = c
+        .create_sandbox(CreateSandboxRequest::default())
+        .await
+        .expect("create");
+    let session = c
+        .create_session(&sb.id, CreateSessionRequest::default())
+        .await
+        .expect("session");
+    let run = |cmd: &str| SessionRunRequest {
+        command: cmd.into(),
+        timeout_s: Some(30.0),
+    };
+    c.run_in_session(&sb.id, &session.session, run("cd /tmp && export X=42"))
+        .await
+        .expect("session run");
+    c.start_process(
+        &sb.id,
+        StartProcessRequest {
+            cmd: Command::Shell("while :; do :; done".into()),
+            env: Default::default(),
+            cwd: None,
+            pty: None,
+            tag: Some("spin".into()),
+            timeout_s: None,
+        },
+    )
+    .await
+    .expect("spinner");
+    // 64 MiB of page cache charged to the sandbox.
+    let r = c
+        .exec(
+            &sb.id,
+            sh("mkdir -p /work && dd if=/dev/zero of=/work/big bs=1M count=64 conv=fsync status=none && cat /work/big >/dev/null && echo ok"),
+        )
+        .await
+        .expect("exec");
+    assert_eq!(r.stdout, "ok\n", "{r:?}");
+
+    let p = c.pause_sandbox(&sb.id).await.expect("pause");
+    assert_eq!(p.sandbox.state, SandboxState::Paused);
+    assert!(p.memory_before_bytes > 48 << 20, "{p:?}");
+    assert!(
+        p.memory_after_bytes < p.memory_before_bytes / 2,
+        "reclaim gave back too little: {} -> {}",
+        p.memory_before_bytes,
+        p.memory_after_bytes
+    );
+    // Frozen: the spinner uses no CPU.
+    let t0 = cpu_ticks(&sb.id);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(cpu_ticks(&sb.id), t0, "processes ran while paused");
+    // Calls answer `paused`; pausing again is a no-op.
+    let e = c.exec(&sb.id, sh("true")).await.expect_err("paused");
+    assert_eq!(e.code(), Some(ErrorCode::Paused));
+    assert_eq!(
+        c.pause_sandbox(&sb.id)
+            .await
+            .expect("pause again")
+            .sandbox
+            .state,
+        SandboxState::Paused
+    );
+    assert_eq!(
+        c.get_sandbox(&sb.id).await.expect("get").state,
+        SandboxState::Paused
+    );
+
+    let resumed = c.resume_sandbox(&sb.id).await.expect("resume");
+    assert_eq!(resumed.state, SandboxState::Ready);
+    let t1 = cpu_ticks(&sb.id);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(cpu_ticks(&sb.id) > t1, "the spinner runs again");
+    let r = c
+        .run_in_session(&sb.id, &session.session, run("echo $X $(pwd)"))
+        .await
+        .expect("session after resume");
+    assert_eq!(r.output, "42 /tmp\n", "session state survives");
+    let r = c
+        .exec(&sb.id, sh("du -m /work/big | cut -f1"))
+        .await
+        .expect("exec");
+    assert_eq!(r.stdout, "64\n");
+    c.resume_sandbox(&sb.id)
+        .await
+        .expect("resume is idempotent");
+
+    // A paused sandbox can be deleted, and nothing of it is left.
+    c.pause_sandbox(&sb.id).await.expect("pause");
+    c.delete_sandbox(&sb.id).await.expect("delete paused");
+    assert!(host::processes(&sb.id).is_empty());
+    assert!(host::cgroup_dirs(&sb.id).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn auto_resume_wakes_a_paused_sandbox_on_use() {
+    if !require_root() {
+        return;
+    }
+    let s = Server::shared("pause");
+    let c = s.client();
+    let sb = c
+        .create_sandbox(CreateSandboxRequest {
+            auto_resume: true,
+            ..Default::default()
+        })
+        .await
+        .expect("create");
+    assert!(sb.auto_resume);
+    c.pause_sandbox(&sb.id).await.expect("pause");
+    let r = c
+        .exec(&sb.id, sh("echo awake"))
+        .await
+        .expect("exec resumes");
+    assert_eq!(r.stdout, "awake\n");
+    assert_eq!(
+        c.get_sandbox(&sb.id).await.expect("get").state,
+        SandboxState::Ready
+    );
+    c.delete_sandbox(&sb.id).await.expect("delete");
+}
