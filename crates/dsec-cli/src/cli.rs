@@ -35,6 +35,24 @@ pub enum Command {
     /// Manage images.
     #[command(subcommand)]
     Image(ImageCommand),
+    /// Suspend or resume every sandbox of a job (sandboxes labelled job=NAME).
+    #[command(subcommand)]
+    Job(JobCommand),
+}
+
+/// `dsec job ...`.
+#[derive(Debug, Subcommand)]
+pub enum JobCommand {
+    /// Pause every sandbox of the job and stop their lifetimes (trainer preempted).
+    Suspend {
+        /// Job name (the value of the sandboxes' `job` label).
+        job: String,
+    },
+    /// Resume them; lifetimes continue where they stopped.
+    Resume {
+        /// Job name.
+        job: String,
+    },
 }
 
 /// `dsec serve`.

@@ -51,6 +51,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Image(cmd) => image::run(&client()?, cmd, cli.json)
             .await
             .map(|()| ExitCode::SUCCESS),
+        Command::Job(cmd) => sandbox::job(&client()?, cmd, cli.json).await,
     }
 }
 

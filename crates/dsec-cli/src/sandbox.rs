@@ -18,7 +18,7 @@ use dsec_wire::ErrorCode;
 use futures::StreamExt;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt};
 
-use crate::cli::{CpSide, CreateArgs, ExecArgs, SandboxCommand};
+use crate::cli::{CpSide, CreateArgs, ExecArgs, JobCommand, SandboxCommand};
 use crate::output::{self, print_json, Table};
 
 /// Exit code when our stdout was closed by the reader (128 + SIGPIPE).
@@ -570,6 +570,38 @@ async fn download(
         println!("{id}:{path} -> {}", target.display());
         Ok(())
     }
+}
+
+/// `dsec job suspend|resume`: prints one line per sandbox; fails if any sandbox failed.
+pub async fn job(client: &Client, cmd: JobCommand, json: bool) -> anyhow::Result<ExitCode> {
+    let result = match &cmd {
+        JobCommand::Suspend { job } => client.suspend_job(job).await?,
+        JobCommand::Resume { job } => client.resume_job(job).await?,
+    };
+    if json {
+        print_json(&result)?;
+    } else if result.sandboxes.is_empty() {
+        println!("no sandbox has the label job={}", result.job);
+    } else {
+        for o in &result.sandboxes {
+            match &o.error {
+                Some(e) => println!("{} failed: {}", o.id, e.message),
+                None => println!(
+                    "{} {}",
+                    o.id,
+                    serde_json::to_value(o.state)
+                        .ok()
+                        .and_then(|v| v.as_str().map(str::to_owned))
+                        .unwrap_or_default()
+                ),
+            }
+        }
+    }
+    Ok(if result.sandboxes.iter().any(|o| o.error.is_some()) {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 #[cfg(test)]

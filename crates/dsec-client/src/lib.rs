@@ -38,10 +38,10 @@ use bytes::Bytes;
 use dsec_wire::error::ErrorBody;
 use dsec_wire::v1::{
     CreateSandboxRequest, CreateSessionRequest, ExecRequest, ExecResult, FileInfo, FileList,
-    Health, Image, ImageList, ImportImageRequest, MkdirRequest, PauseResult, ProcessInfo,
-    ProcessList, PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList,
-    SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest,
-    StdinRequest, WriteResult, API_KEY_HEADER,
+    Health, Image, ImageList, ImportImageRequest, JobResult, MkdirRequest, PauseResult,
+    ProcessInfo, ProcessList, PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo,
+    SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
+    StartProcessRequest, StdinRequest, WriteResult, API_KEY_HEADER,
 };
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
@@ -232,6 +232,16 @@ impl Client {
     /// `POST /v1/sandboxes/{id}/resume`.
     pub async fn resume_sandbox(&self, id: &str) -> Result<Sandbox, ClientError> {
         Self::json(self.request(Method::POST, &["sandboxes", id, "resume"])).await
+    }
+
+    /// `POST /v1/jobs/{job}/suspend`: pauses every sandbox labelled `job=<job>`.
+    pub async fn suspend_job(&self, job: &str) -> Result<JobResult, ClientError> {
+        Self::json(self.request(Method::POST, &["jobs", job, "suspend"])).await
+    }
+
+    /// `POST /v1/jobs/{job}/resume`.
+    pub async fn resume_job(&self, job: &str) -> Result<JobResult, ClientError> {
+        Self::json(self.request(Method::POST, &["jobs", job, "resume"])).await
     }
 
     // ------------------------------------------------------------ exec, sessions

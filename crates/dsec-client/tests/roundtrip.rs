@@ -91,6 +91,12 @@ impl SandboxApi for Fake {
     async fn resume_sandbox(&self, _: &str) -> ApiResult<Sandbox> {
         nope()
     }
+    async fn suspend_job(&self, _: &str) -> ApiResult<JobResult> {
+        nope()
+    }
+    async fn resume_job(&self, _: &str) -> ApiResult<JobResult> {
+        nope()
+    }
     async fn exec(&self, _: &str, _: ExecRequest) -> ApiResult<ExecResult> {
         nope()
     }

@@ -8,10 +8,10 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use dsec_wire::v1::{
     CreateSandboxRequest, CreateSessionRequest, ExecEvent, ExecRequest, ExecResult, FileInfo,
-    FileList, Health, Image, ImageList, ImportImageRequest, MkdirRequest, PauseResult, ProcessInfo,
-    ProcessList, PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList,
-    SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest,
-    StdinRequest, WriteResult,
+    FileList, Health, Image, ImageList, ImportImageRequest, JobResult, MkdirRequest, PauseResult,
+    ProcessInfo, ProcessList, PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo,
+    SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
+    StartProcessRequest, StdinRequest, WriteResult,
 };
 use dsec_wire::ApiError;
 use futures::stream::BoxStream;
@@ -48,6 +48,11 @@ pub trait SandboxApi: Send + Sync + 'static {
     async fn pause_sandbox(&self, id: &str) -> ApiResult<PauseResult>;
     /// `POST /v1/sandboxes/{id}/resume`. Idempotent.
     async fn resume_sandbox(&self, id: &str) -> ApiResult<Sandbox>;
+    /// `POST /v1/jobs/{job}/suspend`: pauses every sandbox labelled `job=<job>` and stops
+    /// their lifetimes. Idempotent; reports each sandbox's outcome.
+    async fn suspend_job(&self, job: &str) -> ApiResult<JobResult>;
+    /// `POST /v1/jobs/{job}/resume`: resumes them; lifetimes continue where they stopped.
+    async fn resume_job(&self, job: &str) -> ApiResult<JobResult>;
 
     /// `POST /v1/sandboxes/{id}/exec`.
     async fn exec(&self, id: &str, req: ExecRequest) -> ApiResult<ExecResult>;

@@ -24,6 +24,8 @@ use crate::validate;
 
 const NS_SANDBOXES: &str = "sandboxes";
 const NS_TOMBSTONES: &str = "tombstones";
+/// Sandboxes a job suspend or resume works on at once.
+const JOB_PARALLELISM: usize = 8;
 /// How long `expired` is remembered for a sandbox the reaper removed.
 const TOMBSTONE_TTL_MS: u64 = 24 * 3600 * 1000;
 
@@ -226,7 +228,11 @@ impl ControlPlane {
                 )
             })
             .filter_map(|s| {
-                if now >= s.expires_at {
+                if s.job_suspended_at.is_some() {
+                    // A suspended job's clock is stopped (a preempted trainer must find
+                    // its rollouts when it comes back).
+                    None
+                } else if now >= s.expires_at {
                     Some((s.id.clone(), "lifetime (timeout_s) ended"))
                 } else if s.state == SandboxState::Ready
                     && s.idle_timeout_s
@@ -377,6 +383,47 @@ impl ControlPlane {
             self.ready(id)?;
         }
         self.node.connect(id).await.map_err(ApiError::from)
+    }
+
+    /// Ids of the sandboxes labelled `job=<job>`, sorted.
+    fn job_members(&self, job: &str) -> ApiResult<Vec<String>> {
+        if job.is_empty() || job.len() > 256 {
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                "job must be 1 to 256 characters",
+            ));
+        }
+        let mut ids: Vec<String> = self
+            .lock()
+            .values()
+            .filter(|s| s.labels.get(JOB_LABEL).map(String::as_str) == Some(job))
+            .map(|s| s.id.clone())
+            .collect();
+        ids.sort();
+        Ok(ids)
+    }
+
+    fn job_outcome(&self, id: String, error: ApiError) -> JobSandboxOutcome {
+        let state = self
+            .lock()
+            .get(&id)
+            .map(|s| s.state)
+            .unwrap_or(SandboxState::Failed);
+        JobSandboxOutcome {
+            id,
+            state,
+            error: Some(error),
+            memory_before_bytes: 0,
+            memory_after_bytes: 0,
+        }
+    }
+
+    fn job_result(job: &str, mut sandboxes: Vec<JobSandboxOutcome>) -> JobResult {
+        sandboxes.sort_by(|a, b| a.id.cmp(&b.id));
+        JobResult {
+            job: job.to_string(),
+            sandboxes,
+        }
     }
 
     /// Moves a sandbox from `from` to `to` under the records lock; any other state is
@@ -648,6 +695,7 @@ impl SandboxApi for ControlPlane {
             last_active_at: now,
             failure: None,
             node: self.node.name().to_string(),
+            job_suspended_at: None,
         };
         self.persist(&sb)?;
         self.lock().insert(id.clone(), sb.clone());
@@ -755,13 +803,68 @@ impl SandboxApi for ControlPlane {
                 return Err(e.into());
             }
             if let Some(sb) = self.lock().get_mut(id) {
-                sb.last_active_at = now_ms();
+                let now = now_ms();
+                sb.last_active_at = now;
+                // A job suspend stopped the clock: the lifetime goes on where it stopped.
+                if let Some(at) = sb.job_suspended_at.take() {
+                    sb.expires_at += now.saturating_sub(at);
+                }
             }
             let sandbox = self.get_sandbox(id).await?;
             self.persist(&sandbox)?;
             return Ok(sandbox);
         }
         self.get_sandbox(id).await
+    }
+
+    async fn suspend_job(&self, job: &str) -> ApiResult<JobResult> {
+        let ids = self.job_members(job)?;
+        let outcomes = futures::stream::iter(ids)
+            .map(|id| async move {
+                match self.pause_sandbox(&id).await {
+                    Ok(p) => {
+                        let mut sb = p.sandbox;
+                        if let Some(rec) = self.lock().get_mut(&id) {
+                            rec.job_suspended_at.get_or_insert_with(now_ms);
+                            sb = rec.clone();
+                        }
+                        let error = self.persist(&sb).err();
+                        JobSandboxOutcome {
+                            id,
+                            state: sb.state,
+                            error,
+                            memory_before_bytes: p.memory_before_bytes,
+                            memory_after_bytes: p.memory_after_bytes,
+                        }
+                    }
+                    Err(error) => self.job_outcome(id, error),
+                }
+            })
+            .buffer_unordered(JOB_PARALLELISM)
+            .collect::<Vec<_>>()
+            .await;
+        Ok(Self::job_result(job, outcomes))
+    }
+
+    async fn resume_job(&self, job: &str) -> ApiResult<JobResult> {
+        let ids = self.job_members(job)?;
+        let outcomes = futures::stream::iter(ids)
+            .map(|id| async move {
+                match self.resume_sandbox(&id).await {
+                    Ok(sb) => JobSandboxOutcome {
+                        id,
+                        state: sb.state,
+                        error: None,
+                        memory_before_bytes: 0,
+                        memory_after_bytes: 0,
+                    },
+                    Err(error) => self.job_outcome(id, error),
+                }
+            })
+            .buffer_unordered(JOB_PARALLELISM)
+            .collect::<Vec<_>>()
+            .await;
+        Ok(Self::job_result(job, outcomes))
     }
 
     async fn set_timeout(&self, id: &str, req: SetTimeoutRequest) -> ApiResult<Sandbox> {

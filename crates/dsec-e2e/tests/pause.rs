@@ -148,3 +148,91 @@ async fn auto_resume_wakes_a_paused_sandbox_on_use() {
     );
     c.delete_sandbox(&sb.id).await.expect("delete");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_suspends_and_resumes_as_a_whole_with_its_clock_stopped() {
+    if !require_root() {
+        return;
+    }
+    let s = Server::shared("pause");
+    let c = s.client();
+    let job = format!("job-{}", std::process::id());
+    let mut ids = Vec::new();
+    for i in 0..50 {
+        let sb = c
+            .create_sandbox(CreateSandboxRequest {
+                labels: [
+                    (JOB_LABEL.to_string(), job.clone()),
+                    ("i".to_string(), i.to_string()),
+                ]
+                .into(),
+                timeout_s: Some(600),
+                ..Default::default()
+            })
+            .await
+            .expect("create");
+        c.exec(&sb.id, sh(&format!("echo {i} > /state")))
+            .await
+            .expect("exec");
+        ids.push(sb.id);
+    }
+    ids.sort();
+    // A sandbox of another job is not touched.
+    let other = c
+        .create_sandbox(CreateSandboxRequest {
+            labels: [(JOB_LABEL.to_string(), format!("{job}-other"))].into(),
+            ..Default::default()
+        })
+        .await
+        .expect("create other");
+
+    let r = c.suspend_job(&job).await.expect("suspend");
+    assert_eq!(
+        r.sandboxes.iter().map(|o| o.id.clone()).collect::<Vec<_>>(),
+        ids
+    );
+    for o in &r.sandboxes {
+        assert!(o.error.is_none(), "{o:?}");
+        assert_eq!(o.state, SandboxState::Paused);
+    }
+    let before = c.get_sandbox(&ids[0]).await.expect("get");
+    assert!(before.job_suspended_at.is_some());
+    assert_eq!(
+        c.get_sandbox(&other.id).await.expect("other").state,
+        SandboxState::Ready
+    );
+    // Idempotent.
+    let again = c.suspend_job(&job).await.expect("suspend again");
+    assert!(again
+        .sandboxes
+        .iter()
+        .all(|o| o.error.is_none() && o.state == SandboxState::Paused));
+
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let r = c.resume_job(&job).await.expect("resume");
+    assert!(r
+        .sandboxes
+        .iter()
+        .all(|o| o.error.is_none() && o.state == SandboxState::Ready));
+    let after = c.get_sandbox(&ids[0]).await.expect("get");
+    assert!(after.job_suspended_at.is_none());
+    assert!(
+        after.expires_at >= before.expires_at + 1000,
+        "the lifetime stood still while suspended: {} -> {}",
+        before.expires_at,
+        after.expires_at
+    );
+    for (i, id) in ids.iter().enumerate() {
+        let r = c
+            .exec(id, sh("cat /state"))
+            .await
+            .expect("exec after resume");
+        // Ids sort differently from creation order; each sandbox kept its own file.
+        assert!(r.stdout.trim().parse::<usize>().is_ok(), "{i}: {r:?}");
+    }
+    let unknown = c.suspend_job("no-such-job").await.expect("empty job");
+    assert!(unknown.sandboxes.is_empty());
+    for id in ids.iter().chain([&other.id]) {
+        c.delete_sandbox(id).await.expect("delete");
+    }
+}

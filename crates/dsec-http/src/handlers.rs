@@ -295,6 +295,16 @@ pub async fn resume_sandbox(State(api): Api, Path(id): Path<String>) -> HttpResu
     Ok(json(api.resume_sandbox(&id).await?))
 }
 
+/// `POST /v1/jobs/{job}/suspend`.
+pub async fn suspend_job(State(api): Api, Path(job): Path<String>) -> HttpResult<Response> {
+    Ok(json(api.suspend_job(&job).await?))
+}
+
+/// `POST /v1/jobs/{job}/resume`.
+pub async fn resume_job(State(api): Api, Path(job): Path<String>) -> HttpResult<Response> {
+    Ok(json(api.resume_job(&job).await?))
+}
+
 // ---------------------------------------------------------------- exec, sessions
 
 /// `POST /v1/sandboxes/{id}/exec`.

@@ -86,6 +86,12 @@ impl SandboxApi for Stub {
     async fn resume_sandbox(&self, _: &str) -> ApiResult<Sandbox> {
         stub_err("resume_sandbox")
     }
+    async fn suspend_job(&self, _: &str) -> ApiResult<JobResult> {
+        stub_err("suspend_job")
+    }
+    async fn resume_job(&self, _: &str) -> ApiResult<JobResult> {
+        stub_err("resume_job")
+    }
     async fn exec(&self, _: &str, _: ExecRequest) -> ApiResult<ExecResult> {
         stub_err("exec")
     }

@@ -207,6 +207,41 @@ pub struct Sandbox {
     pub failure: Option<String>,
     /// Node that runs it.
     pub node: String,
+    /// Set while its job is suspended (`POST /v1/jobs/{job}/suspend`): unix ms of the
+    /// suspend. Its lifetime is stopped meanwhile and resumes with the job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_suspended_at: Option<u64>,
+}
+
+/// Label that names a sandbox's job.
+pub const JOB_LABEL: &str = "job";
+
+/// What happened to one sandbox in a job suspend or resume.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobSandboxOutcome {
+    /// Sandbox id.
+    pub id: String,
+    /// Its state afterwards.
+    pub state: SandboxState,
+    /// Why it could not be suspended or resumed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ApiError>,
+    /// Memory use before and after reclaim (suspend only).
+    #[serde(default)]
+    pub memory_before_bytes: u64,
+    /// See `memory_before_bytes`.
+    #[serde(default)]
+    pub memory_after_bytes: u64,
+}
+
+/// `POST /v1/jobs/{job}/suspend` and `.../resume`: one outcome per sandbox labelled
+/// `job=<job>`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobResult {
+    /// The job.
+    pub job: String,
+    /// Per sandbox, ordered by id.
+    pub sandboxes: Vec<JobSandboxOutcome>,
 }
 
 /// `GET /v1/sandboxes`.
