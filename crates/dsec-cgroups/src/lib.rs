@@ -13,7 +13,7 @@
 //! use dsec_cgroups::{Cgroup, CgroupRoot, Limits};
 //! # fn main() -> Result<(), dsec_cgroups::CgroupError> {
 //! let root = CgroupRoot::detect()?;
-//! let limits = Limits { cpu_millis: Some(500), memory_bytes: Some(256 << 20), pids_max: Some(64) };
+//! let limits = Limits { cpu_millis: Some(500), memory_bytes: Some(256 << 20), pids_max: Some(64), cpu_weight: None };
 //! let cg = Cgroup::create(&root, "dsec/sb-1", &limits)?;
 //! // ... the sandbox init writes "0" into each of cg.procs_paths() ...
 //! cg.destroy()?;
@@ -197,6 +197,9 @@ pub struct Limits {
     pub memory_bytes: Option<u64>,
     /// Maximum number of tasks (processes and threads).
     pub pids_max: Option<u64>,
+    /// Relative CPU weight under contention, in cgroup v2 units (1..=10000, default 100);
+    /// v1 `cpu.shares` gets `weight * 1024 / 100` (at least 2).
+    pub cpu_weight: Option<u64>,
 }
 
 /// Operations one cgroup version implements. [`Cgroup`] dispatches to the right one; use it

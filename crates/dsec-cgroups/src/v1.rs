@@ -147,6 +147,10 @@ impl CgroupManager for V1Manager {
             let d = self.dir_of("pids")?;
             write_file(&d.join("pids.max"), &p.to_string())?;
         }
+        if let Some(w) = limits.cpu_weight {
+            let shares = (w.clamp(1, 10_000) * 1024 / 100).max(2);
+            write_file(&self.dir_of("cpu")?.join("cpu.shares"), &shares.to_string())?;
+        }
         Ok(())
     }
 

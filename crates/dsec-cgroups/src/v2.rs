@@ -97,6 +97,9 @@ impl CgroupManager for V2Manager {
         if let Some(p) = limits.pids_max {
             write_file(&self.dir.join("pids.max"), &p.to_string())?;
         }
+        if let Some(w) = limits.cpu_weight {
+            write_file(&self.dir.join("cpu.weight"), &w.clamp(1, 10_000).to_string())?;
+        }
         Ok(())
     }
 
@@ -228,6 +231,7 @@ mod tests {
             cpu_millis: Some(1500),
             memory_bytes: Some(1 << 20),
             pids_max: Some(7),
+            cpu_weight: None,
         };
         assert!(m.apply(&lim).is_ok());
         let rd = |f: &str| std::fs::read_to_string(t.join("dsec/sb1").join(f)).unwrap_or_default();

@@ -129,6 +129,7 @@ fn create_with_limits_reads_back() {
         cpu_millis: Some(500),
         memory_bytes: Some(64 << 20),
         pids_max: Some(32),
+        cpu_weight: Some(50),
     };
     let cg = Cgroup::create(&root, &g.leaf(), &limits).expect("create");
     match root.version() {
@@ -136,6 +137,7 @@ fn create_with_limits_reads_back() {
             let cpu = cg.path_for("cpu").expect("cpu");
             assert_eq!(read(&cpu.join("cpu.cfs_period_us")), "100000");
             assert_eq!(read(&cpu.join("cpu.cfs_quota_us")), "50000");
+            assert_eq!(read(&cpu.join("cpu.shares")), "512", "weight 50 = half of 1024");
             let mem = cg.path_for("memory").expect("memory");
             assert_eq!(
                 read(&mem.join("memory.limit_in_bytes")),
@@ -153,6 +155,7 @@ fn create_with_limits_reads_back() {
         CgroupVersion::V2 => {
             let d = cg.path_for("memory").expect("dir");
             assert_eq!(read(&d.join("cpu.max")), "50000 100000");
+            assert_eq!(read(&d.join("cpu.weight")), "50");
             assert_eq!(read(&d.join("memory.max")), (64u64 << 20).to_string());
             assert_eq!(read(&d.join("pids.max")), "32");
         }

@@ -39,6 +39,9 @@ pub enum BootError {
     /// Setting the hostname failed.
     #[error("sethostname: {0}")]
     Hostname(nix::Error),
+    /// Switching to the best-effort scheduling class failed.
+    #[error("SCHED_IDLE: {0}")]
+    Sched(std::io::Error),
 }
 
 /// Namespaces every container sandbox gets.
@@ -58,6 +61,9 @@ pub const NAMESPACES: CloneFlags = CloneFlags::CLONE_NEWNS
 pub fn boot(spec: &InitSpec, status: &OwnedFd) -> Result<(), BootError> {
     for path in &spec.cgroup_procs {
         join_cgroup(path)?;
+    }
+    if spec.sched_idle {
+        best_effort()?;
     }
     unshare(NAMESPACES).map_err(BootError::Unshare)?;
     // SAFETY: the process is single-threaded here (init runs this before any thread or
@@ -95,4 +101,24 @@ fn join_cgroup(path: &str) -> Result<(), BootError> {
         path: path.to_string(),
         source,
     })
+}
+
+/// Makes this process, and so every process of the sandbox, `SCHED_IDLE`. With
+/// `RLIMIT_NICE` at 0 and no `CAP_SYS_NICE`, nothing inside can switch back.
+fn best_effort() -> Result<(), BootError> {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: sched_setscheduler and setrlimit on this process with valid arguments.
+    unsafe {
+        if libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) != 0 {
+            return Err(BootError::Sched(std::io::Error::last_os_error()));
+        }
+        let zero = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        if libc::setrlimit(libc::RLIMIT_NICE, &zero) != 0 {
+            return Err(BootError::Sched(std::io::Error::last_os_error()));
+        }
+    }
+    Ok(())
 }

@@ -679,6 +679,7 @@ impl SandboxApi for ControlPlane {
             state: SandboxState::Creating,
             image: image.clone(),
             auto_resume: req.auto_resume,
+            qos: req.qos,
             layers: req.layers.clone(),
             image_digest: String::new(),
             backend: req.backend,
@@ -726,6 +727,7 @@ impl SandboxApi for ControlPlane {
             memory_bytes: memory_mb * 1024 * 1024,
             pids_max: pids,
             disk_mb: req.resources.disk_mb,
+            qos: req.qos,
             env,
             workdir,
         };

@@ -1040,3 +1040,60 @@ async fn cli_create_exec_cp_ls_rm() {
     assert!(err.contains("error:") && err.contains("hint:"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn best_effort_sandboxes_run_sched_idle_with_the_lowest_weight() {
+    if !require_root() {
+        return;
+    }
+    let c = server().client();
+    let policy = "awk '{print $41}' /proc/self/stat; sh -c 'awk \"{print \\$41}\" /proc/self/stat'";
+    let be = create(
+        &c,
+        CreateSandboxRequest {
+            qos: Qos::BestEffort,
+            ..Default::default()
+        },
+    )
+    .await;
+    let ls = create(&c, CreateSandboxRequest::default()).await;
+    assert_eq!((be.qos, ls.qos), (Qos::BestEffort, Qos::LatencySensitive));
+    // Policy 5 is SCHED_IDLE, for the process and its children; 0 is SCHED_OTHER.
+    assert_eq!(run(&c, &be.id, policy).await.stdout, "5\n5\n");
+    assert_eq!(run(&c, &ls.id, policy).await.stdout, "0\n0\n");
+    // Nothing inside can switch back to normal scheduling.
+    let r = run(
+        &c,
+        &be.id,
+        "python3 -c 'import os; os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))' 2>&1; echo rc=$?",
+    )
+    .await;
+    assert!(
+        r.stdout.contains("PermissionError") && r.stdout.contains("rc=1"),
+        "{r:?}"
+    );
+    // The cgroup weights seen from the host.
+    let weight = |id: &str| -> String {
+        let v1 = std::path::Path::new("/sys/fs/cgroup/cpu/dsec")
+            .join(id)
+            .join("cpu.shares");
+        let v2 = std::path::Path::new("/sys/fs/cgroup/dsec")
+            .join(id)
+            .join("cpu.weight");
+        std::fs::read_to_string(if v1.exists() { v1 } else { v2 })
+            .expect("cpu weight file")
+            .trim()
+            .to_string()
+    };
+    let (w_be, w_ls): (u64, u64) = (
+        weight(&be.id).parse().expect("number"),
+        weight(&ls.id).parse().expect("number"),
+    );
+    assert!(
+        w_be * 100 <= w_ls,
+        "best effort {w_be} vs latency sensitive {w_ls}"
+    );
+    for sb in [&be, &ls] {
+        c.delete_sandbox(&sb.id).await.expect("delete");
+    }
+}

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use dsec_cgroups::{Cgroup, CgroupRoot, Limits};
 use dsec_wire::init::{InitSpec, DISK_FD, LISTEN_FD, STATUS_FD};
+use dsec_wire::v1::Qos;
 use nix::fcntl::OFlag;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
@@ -29,6 +30,10 @@ use crate::{NodeConfig, NodeCreateSpec, NodeError};
 
 /// Parent of every sandbox cgroup.
 pub const CGROUP_PARENT: &str = "dsec";
+/// CPU weight (cgroup v2 units, default 100) of a latency-sensitive sandbox.
+pub const WEIGHT_LATENCY_SENSITIVE: u64 = 200;
+/// CPU weight of a best-effort sandbox (which also runs `SCHED_IDLE`).
+pub const WEIGHT_BEST_EFFORT: u64 = 1;
 
 /// The container backend.
 #[derive(Debug)]
@@ -153,6 +158,10 @@ impl ContainerBackend {
             cpu_millis: Some(spec.cpu_millis),
             memory_bytes: Some(spec.memory_bytes),
             pids_max: Some(spec.pids_max),
+            cpu_weight: Some(match spec.qos {
+                Qos::LatencySensitive => WEIGHT_LATENCY_SENSITIVE,
+                Qos::BestEffort => WEIGHT_BEST_EFFORT,
+            }),
         };
         let cgroup = Cgroup::create(&self.cgroups, &Self::cgroup_path(id), &limits)?;
 
@@ -170,6 +179,7 @@ impl ContainerBackend {
             upper_dir: upper.display().to_string(),
             work_dir: work.display().to_string(),
             disk_fd: disk_fd.map(|_| DISK_FD),
+            sched_idle: spec.qos == Qos::BestEffort,
             rootfs: dir.join("rootfs").display().to_string(),
             cgroup_procs: cgroup
                 .procs_paths()

@@ -46,6 +46,8 @@ pub struct NodeCreateSpec {
     pub pids_max: u64,
     /// Writable-layer size in MiB; `None` takes the node's default.
     pub disk_mb: Option<u64>,
+    /// CPU class.
+    pub qos: dsec_wire::v1::Qos,
     /// Environment of commands.
     pub env: BTreeMap<String, String>,
     /// Default working directory.

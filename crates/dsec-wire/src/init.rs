@@ -34,6 +34,9 @@ pub struct InitSpec {
     /// the overlay is mounted.
     #[serde(default)]
     pub disk_fd: Option<i32>,
+    /// Run every process of the sandbox `SCHED_IDLE` (best-effort QoS).
+    #[serde(default)]
+    pub sched_idle: bool,
     /// Host path of the (empty) directory where the root file system is assembled.
     pub rootfs: String,
     /// `cgroup.procs` files to join before unsharing the cgroup namespace.

@@ -38,6 +38,19 @@ pub enum NetworkMode {
     None,
 }
 
+/// How a sandbox's processes compete for CPU.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Qos {
+    /// Normal scheduling with a doubled CPU weight: an agent waiting on this sandbox gets
+    /// its answer first.
+    #[default]
+    LatencySensitive,
+    /// Every process runs `SCHED_IDLE` with the lowest CPU weight: it uses only CPU that
+    /// nothing else wants (rollouts in bulk, builds).
+    BestEffort,
+}
+
 /// Resource limits. Absent fields take the node's defaults.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -128,6 +141,9 @@ pub struct CreateSandboxRequest {
     /// answering `paused`.
     #[serde(default)]
     pub auto_resume: bool,
+    /// CPU class; default `latency_sensitive`.
+    #[serde(default)]
+    pub qos: Qos,
 }
 
 /// `POST /v1/sandboxes/{id}/pause`.
@@ -181,6 +197,9 @@ pub struct Sandbox {
     pub state: SandboxState,
     /// Image name as requested.
     pub image: String,
+    /// CPU class.
+    #[serde(default)]
+    pub qos: Qos,
     /// Resume on use when paused (see [`CreateSandboxRequest::auto_resume`]).
     #[serde(default)]
     pub auto_resume: bool,
