@@ -1,13 +1,24 @@
-//! Safe extraction of a `.tar` / `.tar.gz` into a directory.
+//! Safe extraction of a tar stream into a directory: plain `.tar` / `.tar.gz` images, and
+//! OCI image layers with their whiteouts.
 //!
 //! Keeps ownership (when running as root), modes (including setuid bits), mtimes, symlinks,
-//! hard links, xattrs (PAX `SCHILY.xattr.*`) and FIFOs. Character and block devices are
-//! skipped: image layers are mounted `nodev`, and the sandbox gets its own `/dev`.
+//! hard links, xattrs (PAX `SCHILY.xattr.*` on files and directories, except
+//! `trusted.overlay.*`: only overlayfs itself may set those) and FIFOs. Character and block
+//! devices are skipped: image layers are mounted `nodev`, and the sandbox gets its own `/dev`.
 //! Entries whose path or hard-link target contains `..` are rejected; the `tar` crate also
-//! refuses to write through symlinks that point outside the destination.
+//! refuses to write through symlinks that point outside the destination, and so does the
+//! whiteout handling here.
+//!
+//! OCI layers mark deletions with whiteout files: `D/.wh.NAME` deletes `D/NAME` of the layers
+//! below, `D/.wh..wh..opq` hides everything the layers below have in `D`. [`Whiteouts`] says
+//! whether they are kept as files, converted to overlayfs form, or applied.
 
+use std::collections::{HashMap, HashSet};
+use std::ffi::{CString, OsStr};
 use std::fs::File;
 use std::io::{self, BufReader, Read};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Component, Path, PathBuf};
 
 use crate::{ImageError, ImportPhase, ImportProgress};
@@ -18,6 +29,28 @@ pub(crate) enum ArchiveKind {
     Tar,
     TarGz,
 }
+
+/// What to do with OCI whiteout entries (`.wh.NAME`, `.wh..wh..opq`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Whiteouts {
+    /// A plain image tarball: `.wh.*` names are ordinary files.
+    Keep,
+    /// One OCI layer into an empty directory, in overlayfs form: a whiteout becomes a 0:0
+    /// character device, an opaque marker the xattr `trusted.overlay.opaque=y` on its directory.
+    Overlay,
+    /// Apply an OCI layer on top of the tree already in the destination (flattening): a
+    /// whiteout deletes its path, an opaque marker deletes what lower layers put in its directory.
+    Apply,
+}
+
+const WHITEOUT_PREFIX: &[u8] = b".wh.";
+/// Prefix of aufs metadata (`.wh..wh.plnk`, ...) and of the opaque marker.
+const WHITEOUT_META_PREFIX: &[u8] = b".wh..wh.";
+const OPAQUE_MARKER: &[u8] = b".wh..wh..opq";
+const OPAQUE_XATTR: &[u8] = b"trusted.overlay.opaque";
+const PAX_XATTR_PREFIX: &[u8] = b"SCHILY.xattr.";
+/// Xattrs overlayfs interprets (opaque dirs, redirects, metacopy); never taken from an archive.
+const OVERLAY_XATTR_PREFIX: &[u8] = b"trusted.overlay.";
 
 /// Sniff gzip magic or the `ustar` magic at offset 257.
 pub(crate) fn sniff(path: &Path) -> Result<Option<ArchiveKind>, ImageError> {
@@ -48,8 +81,8 @@ pub(crate) fn sniff(path: &Path) -> Result<Option<ArchiveKind>, ImageError> {
     Ok(None)
 }
 
-/// Counts bytes read from the source file and reports progress every 4 MiB.
-struct Counting<'a, R> {
+/// Counts bytes read and reports [`ImportPhase::Extracting`] progress every 4 MiB.
+pub(crate) struct Counting<'a, R> {
     inner: R,
     done: u64,
     reported: u64,
@@ -57,11 +90,29 @@ struct Counting<'a, R> {
     progress: &'a dyn Fn(ImportProgress),
 }
 
+impl<'a, R> Counting<'a, R> {
+    /// Wraps `inner`, of `total` bytes.
+    pub(crate) fn new(inner: R, total: u64, progress: &'a dyn Fn(ImportProgress)) -> Self {
+        Self {
+            inner,
+            done: 0,
+            reported: 0,
+            total,
+            progress,
+        }
+    }
+
+    /// The wrapped reader.
+    pub(crate) fn into_inner(self) -> R {
+        self.inner
+    }
+}
+
 impl<R: Read> Read for Counting<'_, R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.inner.read(buf)?;
         self.done += n as u64;
-        if self.done - self.reported >= 4 << 20 {
+        if self.done - self.reported >= 4 << 20 || (n == 0 && self.done != self.reported) {
             self.reported = self.done;
             (self.progress)(ImportProgress {
                 phase: ImportPhase::Extracting,
@@ -78,14 +129,29 @@ fn has_parent_dir(p: &Path) -> bool {
 }
 
 fn tar_err(archive: &Path, e: io::Error) -> ImageError {
+    // The tar crate wraps the OS error ("failed to unpack `x`"): keep the whole chain.
+    let mut message = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(s) = source {
+        message.push_str(": ");
+        message.push_str(&s.to_string());
+        source = s.source();
+    }
     ImageError::Archive {
         path: archive.to_path_buf(),
-        message: e.to_string(),
+        message,
     }
 }
 
-/// Extract `archive` into the existing, empty directory `dest`. Returns whether the archive
-/// had an entry for the root directory itself (`./`).
+fn archive_err(archive: &Path, message: String) -> ImageError {
+    ImageError::Archive {
+        path: archive.to_path_buf(),
+        message,
+    }
+}
+
+/// Extract the tar file `archive` into the existing, empty directory `dest`. Returns whether
+/// the archive had an entry for the root directory itself (`./`).
 pub(crate) fn extract(
     archive: &Path,
     kind: ArchiveKind,
@@ -102,110 +168,424 @@ pub(crate) fn extract(
         bytes_done: 0,
         bytes_total: Some(total),
     });
-    let counting = Counting {
-        inner: BufReader::with_capacity(1 << 20, f),
-        done: 0,
-        reported: 0,
-        total,
-        progress,
-    };
+    let counting = Counting::new(BufReader::with_capacity(1 << 20, f), total, progress);
     let reader: Box<dyn Read + '_> = match kind {
         ArchiveKind::Tar => Box::new(counting),
         ArchiveKind::TarGz => Box::new(flate2::read::GzDecoder::new(counting)),
     };
+    let (had_root, _) = extract_from(reader, archive, dest, Whiteouts::Keep)?;
+    Ok(had_root)
+}
+
+/// Extract the (uncompressed) tar stream `reader` into the existing directory `dest`, which
+/// must be empty unless `whiteouts` is [`Whiteouts::Apply`]. `origin` names the stream in
+/// errors. Stops at the end-of-archive marker and hands `reader` back (for draining and
+/// hashing the rest). Returns whether the archive had an entry for the root itself (`./`).
+pub(crate) fn extract_from<R: Read>(
+    reader: R,
+    origin: &Path,
+    dest: &Path,
+    whiteouts: Whiteouts,
+) -> Result<(bool, R), ImageError> {
     let is_root = nix::unistd::geteuid().is_root();
     let mut ar = tar::Archive::new(reader);
     ar.set_preserve_permissions(true);
     ar.set_preserve_ownerships(is_root);
     ar.set_preserve_mtime(true);
-    ar.set_unpack_xattrs(true);
+    // Set by `Unpacker::entry` instead: filtered, and on directories too.
+    ar.set_unpack_xattrs(false);
     ar.set_overwrite(true);
+    let canon_dest =
+        std::fs::canonicalize(dest).map_err(|e| ImageError::io("canonicalize", dest, e))?;
+    let mut u = Unpacker {
+        origin,
+        dest,
+        canon_dest,
+        whiteouts,
+        is_root,
+        dir_times: Vec::new(),
+        implicit_dirs: Vec::new(),
+        saved_times: HashMap::new(),
+        written: HashSet::new(),
+        opaque_dirs: Vec::new(),
+        skipped_devices: 0,
+        had_root: false,
+    };
+    for entry in ar.entries().map_err(|e| tar_err(origin, e))? {
+        let mut entry = entry.map_err(|e| tar_err(origin, e))?;
+        u.entry(&mut entry)?;
+    }
+    let had_root = u.had_root;
+    u.finish()?;
+    Ok((had_root, ar.into_inner()))
+}
 
-    // Directory mtimes change as children are added; re-apply them at the end.
-    let mut dir_times: Vec<(PathBuf, u64)> = Vec::new();
-    let mut skipped_devices = 0u64;
-    let mut had_root = false;
-    // Parent directories the archive does not list get created on the fly; pin their metadata
-    // (0755, mtime 0) so the result does not depend on umask or extraction time.
-    let mut implicit_dirs: Vec<PathBuf> = Vec::new();
-    for entry in ar.entries().map_err(|e| tar_err(archive, e))? {
-        let mut entry = entry.map_err(|e| tar_err(archive, e))?;
-        let path = entry.path().map_err(|e| tar_err(archive, e))?.into_owned();
+/// State of one extraction.
+struct Unpacker<'a> {
+    origin: &'a Path,
+    dest: &'a Path,
+    canon_dest: PathBuf,
+    whiteouts: Whiteouts,
+    is_root: bool,
+    /// Directories listed in the archive with their mtimes; re-applied at the end since
+    /// adding children changes them.
+    dir_times: Vec<(PathBuf, u64)>,
+    /// Parent directories the archive does not list, created on the fly; their metadata is
+    /// pinned (0755, mtime 0) so the result does not depend on umask or extraction time.
+    implicit_dirs: Vec<PathBuf>,
+    /// [`Whiteouts::Apply`]: mtimes of existing directories before this layer changed them.
+    saved_times: HashMap<PathBuf, u64>,
+    /// [`Whiteouts::Apply`]: paths this layer wrote, with their ancestors.
+    written: HashSet<PathBuf>,
+    /// [`Whiteouts::Overlay`]: directories to mark opaque at the end.
+    opaque_dirs: Vec<PathBuf>,
+    skipped_devices: u64,
+    had_root: bool,
+}
+
+impl Unpacker<'_> {
+    fn unsafe_entry(&self, entry: &Path) -> ImageError {
+        ImageError::UnsafeEntry {
+            archive: self.origin.to_path_buf(),
+            entry: entry.to_path_buf(),
+        }
+    }
+
+    fn entry<R: Read>(&mut self, entry: &mut tar::Entry<'_, R>) -> Result<(), ImageError> {
+        let origin = self.origin;
+        let path = entry.path().map_err(|e| tar_err(origin, e))?.into_owned();
         if has_parent_dir(&path) {
-            return Err(ImageError::UnsafeEntry {
-                archive: archive.to_path_buf(),
-                entry: path,
-            });
+            return Err(self.unsafe_entry(&path));
         }
         let et = entry.header().entry_type();
         if et.is_hard_link() || et.is_symlink() {
-            if let Some(link) = entry.link_name().map_err(|e| tar_err(archive, e))? {
+            if let Some(link) = entry.link_name().map_err(|e| tar_err(origin, e))? {
                 if et.is_hard_link() && (has_parent_dir(&link) || link.is_absolute()) {
-                    return Err(ImageError::UnsafeEntry {
-                        archive: archive.to_path_buf(),
-                        entry: path,
-                    });
+                    return Err(self.unsafe_entry(&path));
                 }
             }
-        }
-        if et.is_character_special() || et.is_block_special() {
-            skipped_devices += 1;
-            continue;
         }
         let rel: PathBuf = path
             .components()
             .filter(|c| matches!(c, Component::Normal(_)))
             .collect();
-        let target = dest.join(&rel);
+        if self.whiteouts != Whiteouts::Keep && self.whiteout(entry.header(), &path, &rel)? {
+            return Ok(());
+        }
+        if et.is_character_special() || et.is_block_special() {
+            self.skipped_devices += 1;
+            return Ok(());
+        }
+        let xattrs = entry_xattrs(entry);
+        let target = self.dest.join(&rel);
         if rel.as_os_str().is_empty() {
             // `./`: the tar crate skips it, but it carries the root directory's metadata.
             if et.is_dir() {
-                had_root = true;
-                apply_root_meta(entry.header(), dest, is_root, archive)?;
+                self.had_root = true;
+                apply_root_meta(entry.header(), self.dest, self.is_root, origin)?;
+                set_xattrs(self.dest, &xattrs)?;
                 if let Ok(mtime) = entry.header().mtime() {
-                    dir_times.push((dest.to_path_buf(), mtime));
+                    self.dir_times.push((self.dest.to_path_buf(), mtime));
                 }
             }
-            continue;
+            return Ok(());
+        }
+        if self.whiteouts != Whiteouts::Keep {
+            self.replace_existing(&target, et.is_dir(), &path)?;
+        }
+        note_missing_parents(self.dest, &target, &mut self.implicit_dirs);
+        if let Some(parent) = target.parent() {
+            self.save_time(parent);
         }
         if et.is_fifo() {
-            note_missing_parents(dest, &target, &mut implicit_dirs);
-            make_fifo(&mut entry, dest, &target, is_root, archive)?;
-            continue;
+            make_fifo(entry, self.dest, &target, self.is_root, origin)?;
+        } else {
+            let unpacked = entry.unpack_in(self.dest).map_err(|e| tar_err(origin, e))?;
+            if !unpacked {
+                return Err(self.unsafe_entry(&path));
+            }
+            if et.is_dir() {
+                if let Ok(mtime) = entry.header().mtime() {
+                    self.dir_times.push((target.clone(), mtime));
+                }
+            }
+            if !xattrs.is_empty()
+                && std::fs::symlink_metadata(&target).is_ok_and(|m| m.is_file() || m.is_dir())
+            {
+                set_xattrs(&target, &xattrs)?;
+            }
         }
-        note_missing_parents(dest, &target, &mut implicit_dirs);
-        let unpacked = entry.unpack_in(dest).map_err(|e| tar_err(archive, e))?;
-        if !unpacked {
-            return Err(ImageError::UnsafeEntry {
-                archive: archive.to_path_buf(),
-                entry: path,
-            });
+        self.mark_written(&rel);
+        Ok(())
+    }
+
+    /// Handles an OCI whiteout or opaque marker; false for any other entry.
+    fn whiteout(&mut self, h: &tar::Header, path: &Path, rel: &Path) -> Result<bool, ImageError> {
+        let Some(base) = rel.file_name().map(OsStr::as_bytes) else {
+            return Ok(false);
+        };
+        let parent = rel.parent().unwrap_or(Path::new(""));
+        if parent
+            .components()
+            .any(|c| c.as_os_str().as_bytes().starts_with(WHITEOUT_META_PREFIX))
+        {
+            // Inside aufs metadata (`.wh..wh.plnk/...`): not image content.
+            return Ok(true);
         }
-        if et.is_dir() {
-            if let Ok(mtime) = entry.header().mtime() {
-                dir_times.push((target, mtime));
+        if base == OPAQUE_MARKER {
+            let dir = self.ensure_dir(parent, path)?;
+            match self.whiteouts {
+                Whiteouts::Overlay => self.opaque_dirs.push(dir),
+                Whiteouts::Apply => {
+                    self.save_time(&dir);
+                    self.clear_lower(&dir, parent)?;
+                }
+                Whiteouts::Keep => {}
+            }
+            return Ok(true);
+        }
+        if base.starts_with(WHITEOUT_META_PREFIX) {
+            return Ok(true);
+        }
+        let Some(name) = base.strip_prefix(WHITEOUT_PREFIX) else {
+            return Ok(false);
+        };
+        if name.is_empty() || name == b"." || name == b".." {
+            return Err(archive_err(
+                self.origin,
+                format!("invalid whiteout entry {}", path.display()),
+            ));
+        }
+        let dir = self.ensure_dir(parent, path)?;
+        let target = dir.join(OsStr::from_bytes(name));
+        self.save_time(&dir);
+        remove_nofollow(&target)?;
+        if self.whiteouts == Whiteouts::Overlay {
+            make_whiteout(h, &target, self.is_root, self.origin)?;
+        }
+        Ok(true)
+    }
+
+    /// Creates (as implicit directories) the missing parts of `rel_dir` below the destination
+    /// and returns its path. Existing parts must be directories, or symlinks to directories
+    /// inside the destination.
+    fn ensure_dir(&mut self, rel_dir: &Path, entry: &Path) -> Result<PathBuf, ImageError> {
+        let mut cur = self.dest.to_path_buf();
+        for c in rel_dir.components() {
+            let parent = cur.clone();
+            cur.push(c);
+            match std::fs::symlink_metadata(&cur) {
+                Ok(md) if md.is_dir() => {}
+                Ok(md) if md.file_type().is_symlink() => {
+                    let canon =
+                        std::fs::canonicalize(&cur).map_err(|_| self.unsafe_entry(entry))?;
+                    if !canon.starts_with(&self.canon_dest) || !canon.is_dir() {
+                        return Err(self.unsafe_entry(entry));
+                    }
+                }
+                Ok(_) => {
+                    return Err(archive_err(
+                        self.origin,
+                        format!(
+                            "entry {}: {} is not a directory",
+                            entry.display(),
+                            cur.display()
+                        ),
+                    ))
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    self.save_time(&parent);
+                    std::fs::create_dir(&cur).map_err(|e| ImageError::io("mkdir", &cur, e))?;
+                    self.implicit_dirs.push(cur.clone());
+                }
+                Err(e) => return Err(ImageError::io("stat", &cur, e)),
+            }
+        }
+        Ok(cur)
+    }
+
+    /// Before writing `target` over an existing path: removes it unless both are directories
+    /// (a directory over a directory only updates its metadata, as the tar crate does).
+    fn replace_existing(
+        &mut self,
+        target: &Path,
+        is_dir: bool,
+        entry: &Path,
+    ) -> Result<(), ImageError> {
+        let Ok(md) = std::fs::symlink_metadata(target) else {
+            return Ok(());
+        };
+        if md.is_dir() && is_dir {
+            return Ok(());
+        }
+        let parent = target.parent().unwrap_or(self.dest);
+        let canon = std::fs::canonicalize(parent).map_err(|_| self.unsafe_entry(entry))?;
+        if !canon.starts_with(&self.canon_dest) {
+            return Err(self.unsafe_entry(entry));
+        }
+        self.save_time(parent);
+        remove_nofollow(target)
+    }
+
+    /// [`Whiteouts::Apply`]: deletes everything under `dir` that this layer did not write.
+    fn clear_lower(&mut self, dir: &Path, rel: &Path) -> Result<(), ImageError> {
+        let names: Vec<_> = std::fs::read_dir(dir)
+            .map_err(|e| ImageError::io("read_dir", dir, e))?
+            .map(|e| e.map(|e| e.file_name()))
+            .collect::<Result<_, _>>()
+            .map_err(|e| ImageError::io("read_dir", dir, e))?;
+        for name in names {
+            let (child, child_rel) = (dir.join(&name), rel.join(&name));
+            if !self.written.contains(&child_rel) {
+                remove_nofollow(&child)?;
+            } else if std::fs::symlink_metadata(&child).is_ok_and(|m| m.is_dir()) {
+                self.save_time(&child);
+                self.clear_lower(&child, &child_rel)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Whiteouts::Apply`]: remembers `dir`'s mtime before this layer first changes it.
+    fn save_time(&mut self, dir: &Path) {
+        if self.whiteouts != Whiteouts::Apply || self.saved_times.contains_key(dir) {
+            return;
+        }
+        if let Ok(md) = std::fs::symlink_metadata(dir) {
+            if md.is_dir() {
+                self.saved_times
+                    .insert(dir.to_path_buf(), u64::try_from(md.mtime()).unwrap_or(0));
             }
         }
     }
-    if skipped_devices > 0 {
-        tracing::debug!(archive = %archive.display(), skipped_devices, "device nodes skipped");
-    }
-    let explicit: std::collections::HashSet<&Path> =
-        dir_times.iter().map(|(p, _)| p.as_path()).collect();
-    for dir in &implicit_dirs {
-        if dir.is_dir() && !explicit.contains(dir.as_path()) {
-            std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-                .map_err(|e| ImageError::io("chmod", dir, e))?;
-            set_mtime(dir, 0)?;
+
+    fn mark_written(&mut self, rel: &Path) {
+        if self.whiteouts != Whiteouts::Apply {
+            return;
+        }
+        let mut p = Some(rel);
+        while let Some(r) = p {
+            if r.as_os_str().is_empty() || !self.written.insert(r.to_path_buf()) {
+                break;
+            }
+            p = r.parent();
         }
     }
-    // Explicit entries win over implicit defaults (a dir may be listed after its children).
-    // Deepest first, so setting a child's time does not disturb its parent's.
-    dir_times.sort_by_key(|(p, _)| std::cmp::Reverse(p.components().count()));
-    for (dir, mtime) in dir_times {
-        set_mtime(&dir, mtime)?;
+
+    fn finish(self) -> Result<(), ImageError> {
+        if self.skipped_devices > 0 {
+            tracing::debug!(
+                archive = %self.origin.display(),
+                skipped_devices = self.skipped_devices,
+                "device nodes skipped"
+            );
+        }
+        for dir in &self.opaque_dirs {
+            lsetxattr(dir, OPAQUE_XATTR, b"y")?;
+        }
+        let explicit: HashSet<&Path> = self.dir_times.iter().map(|(p, _)| p.as_path()).collect();
+        // Directories of lower layers keep their times unless this layer lists them.
+        for (dir, mtime) in &self.saved_times {
+            if !explicit.contains(dir.as_path()) && dir.is_dir() {
+                set_mtime(dir, *mtime)?;
+            }
+        }
+        for dir in &self.implicit_dirs {
+            if dir.is_dir() && !explicit.contains(dir.as_path()) {
+                std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+                    .map_err(|e| ImageError::io("chmod", dir, e))?;
+                set_mtime(dir, 0)?;
+            }
+        }
+        // Explicit entries win over implicit defaults (a dir may be listed after its children).
+        // Deepest first, so setting a child's time does not disturb its parent's.
+        let mut dir_times = self.dir_times;
+        dir_times.sort_by_key(|(p, _)| std::cmp::Reverse(p.components().count()));
+        for (dir, mtime) in dir_times {
+            set_mtime(&dir, mtime)?;
+        }
+        Ok(())
     }
-    Ok(had_root)
+}
+
+/// The `SCHILY.xattr.*` PAX records of `entry`, without `trusted.overlay.*`.
+fn entry_xattrs<R: Read>(entry: &mut tar::Entry<'_, R>) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let Ok(Some(exts)) = entry.pax_extensions() else {
+        return Vec::new();
+    };
+    exts.filter_map(Result::ok)
+        .filter_map(|e| {
+            let key = e.key_bytes().strip_prefix(PAX_XATTR_PREFIX)?;
+            (!key.starts_with(OVERLAY_XATTR_PREFIX))
+                .then(|| (key.to_vec(), e.value_bytes().to_vec()))
+        })
+        .collect()
+}
+
+fn set_xattrs(path: &Path, xattrs: &[(Vec<u8>, Vec<u8>)]) -> Result<(), ImageError> {
+    for (k, v) in xattrs {
+        lsetxattr(path, k, v)?;
+    }
+    Ok(())
+}
+
+fn lsetxattr(path: &Path, name: &[u8], value: &[u8]) -> Result<(), ImageError> {
+    let invalid = || {
+        ImageError::io(
+            "setxattr",
+            path,
+            io::Error::new(io::ErrorKind::InvalidInput, "NUL byte in name"),
+        )
+    };
+    let p = CString::new(path.as_os_str().as_bytes()).map_err(|_| invalid())?;
+    let n = CString::new(name).map_err(|_| invalid())?;
+    // SAFETY: `p` and `n` are NUL-terminated strings and `value` is a valid buffer of
+    // `value.len()` bytes, all alive for the duration of the call.
+    let rc = unsafe {
+        libc::lsetxattr(
+            p.as_ptr(),
+            n.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
+    if rc != 0 {
+        return Err(ImageError::io("setxattr", path, io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// Removes `path` (a whole tree for a directory) without following a symlink at `path`.
+fn remove_nofollow(path: &Path) -> Result<(), ImageError> {
+    let res = match std::fs::symlink_metadata(path) {
+        Ok(md) if md.is_dir() => std::fs::remove_dir_all(path),
+        Ok(_) => std::fs::remove_file(path),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    };
+    res.map_err(|e| ImageError::io("remove", path, e))
+}
+
+/// An overlayfs whiteout: character device 0:0, mode 0, the entry's owner and mtime.
+fn make_whiteout(
+    h: &tar::Header,
+    target: &Path,
+    is_root: bool,
+    archive: &Path,
+) -> Result<(), ImageError> {
+    use nix::sys::stat::{makedev, mknod, Mode, SFlag};
+    mknod(target, SFlag::S_IFCHR, Mode::empty(), makedev(0, 0))
+        .map_err(|e| ImageError::io("mknod", target, e.into()))?;
+    if is_root {
+        let uid = h.uid().map_err(|e| tar_err(archive, e))?;
+        let gid = h.gid().map_err(|e| tar_err(archive, e))?;
+        chown(target, uid, gid)?;
+    }
+    if let Ok(mtime) = h.mtime() {
+        set_mtime(target, mtime)?;
+    }
+    Ok(())
 }
 
 /// Record the ancestors of `target` (below `dest`) that do not exist yet.

@@ -40,6 +40,7 @@ pub use dsec_wire::v1::{Image, ImageConfig};
 
 mod extract;
 pub mod mountinfo;
+pub mod oci;
 
 /// Default store root on a node.
 pub const DEFAULT_ROOT: &str = "/var/lib/dsec/images";
@@ -139,6 +140,26 @@ pub enum ImageError {
     /// [`ImageStore::release`] of a layer that is not acquired.
     #[error("layer {0} is not acquired")]
     NotAcquired(String),
+    /// A `docker save` archive or OCI image layout is malformed or uses something unsupported.
+    #[error("image {}: {message}", path.display())]
+    InvalidImage {
+        /// The image source (archive or directory).
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// Content of an image source does not match its digest.
+    #[error("image {}: {what} has digest {actual}, expected {expected}", path.display())]
+    DigestMismatch {
+        /// The image source (archive or directory).
+        path: PathBuf,
+        /// What was checked (config, layer N blob, layer N uncompressed).
+        what: String,
+        /// The digest the image metadata names.
+        expected: String,
+        /// The digest of the content read.
+        actual: String,
+    },
 }
 
 impl ImageError {
@@ -457,6 +478,21 @@ impl ImageStore {
         let img = self.store_layer(name, &layer, &source_str, progress)?;
         drop(work);
         Ok(img)
+    }
+
+    /// Import a `docker save` archive or an OCI image layout (a directory, or a tar of one) as
+    /// image `name`, replacing an existing ref of that name: one layer per image layer, bottom
+    /// first, and the image config's defaults. With `flatten`, the layers are applied into one
+    /// tree and stored as a single layer. A failed import stores no ref and no new blob.
+    /// See [`oci`].
+    pub fn import_oci(
+        &self,
+        name: &str,
+        source: &Path,
+        flatten: bool,
+        progress: &dyn Fn(ImportProgress),
+    ) -> Result<Image> {
+        oci::import(self, name, source, flatten, progress)
     }
 
     /// Import an already built EROFS file as image `name` (the file is copied, not moved).

@@ -1,0 +1,933 @@
+//! Import of `docker save` archives and OCI image layouts as multi-layer images.
+//!
+//! A source is a directory or a plain tar file holding a Docker `manifest.json` (the
+//! `docker save` format; Docker 25+ writes an OCI layout next to it, which it also names)
+//! or an OCI image layout (`oci-layout`, `index.json`, `blobs/sha256/<hex>`). `manifest.json`
+//! wins when both are present. Members of a tar are read in place: one scan records where
+//! each member's bytes are, then readers use positioned reads; nothing is unpacked but layers.
+//!
+//! Everything read is verified while it is read: OCI blobs (and `docker save` members named
+//! by digest) against their digests, each layer's uncompressed tar against the config's
+//! `rootfs.diff_ids`. Layers are plain or gzip tars (sniffed); zstd is refused. Member paths
+//! with `..` or a leading `/` are refused, JSON documents are limited to 16 MiB.
+//!
+//! Each layer is extracted into a fresh directory in overlayfs form (whiteouts become 0:0
+//! character devices, opaque markers `trusted.overlay.opaque=y`) and packed as one EROFS
+//! layer, so the node's overlay mount of the layer list reproduces the image. Flattened, all
+//! layers are applied in order into one tree instead and stored as one layer. A layer that
+//! appears twice is kept only at its topmost position (overlayfs refuses a lower layer twice;
+//! the lower copy is fully shadowed by the upper one anyway).
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::fs::File;
+use std::io::{self, BufRead, BufReader, Read};
+use std::os::unix::fs::{FileExt, PermissionsExt};
+use std::path::{Component, Path, PathBuf};
+
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use sha2::{Digest as _, Sha256};
+
+use crate::extract::{self, Counting, Whiteouts};
+use crate::{
+    build_erofs, parse_digest, validate_name, Image, ImageConfig, ImageError, ImageStore,
+    ImportPhase, ImportProgress, Result,
+};
+
+/// Largest JSON document (manifest, index, config) read into memory.
+const JSON_LIMIT: u64 = 16 << 20;
+/// Symlink / hard link hops followed when resolving a tar member.
+const MAX_LINK_HOPS: usize = 8;
+const GZIP_MAGIC: &[u8] = &[0x1f, 0x8b];
+const ZSTD_MAGIC: &[u8] = &[0x28, 0xb5, 0x2f, 0xfd];
+
+/// Whether `path` looks like an image [`ImageStore::import_oci`] takes: a directory or plain
+/// tar with an `oci-layout` file, or with a `manifest.json` in `docker save` form.
+pub fn sniff_oci(path: &Path) -> bool {
+    let Ok(src) = Source::open(path) else {
+        return false;
+    };
+    src.has("oci-layout")
+        || (src.has("manifest.json")
+            && src
+                .read_json::<Vec<DockerManifest>>("manifest.json", None)
+                .is_ok())
+}
+
+/// [`ImageStore::import_oci`].
+pub(crate) fn import(
+    store: &ImageStore,
+    name: &str,
+    source: &Path,
+    flatten: bool,
+    progress: &dyn Fn(ImportProgress),
+) -> Result<Image> {
+    validate_name(name)?;
+    let src = Source::open(source)?;
+    let plan = src.plan()?;
+    let work = store.tempdir("oci-")?;
+    let mut built = Vec::new();
+    if flatten {
+        let root = make_root(&work.path().join("rootfs"))?;
+        let mut had_root = false;
+        for layer in &plan.layers {
+            had_root |= src.unpack_layer(layer, &root, Whiteouts::Apply, progress)?;
+        }
+        if !had_root {
+            extract::set_mtime(&root, 0)?;
+        }
+        let out = work.path().join("layer.erofs");
+        build_erofs(&root, &out, work.path(), progress)?;
+        let _ = std::fs::remove_dir_all(&root);
+        built.push(out);
+    } else {
+        for (i, layer) in plan.layers.iter().enumerate() {
+            let dir = make_root(&work.path().join(format!("layer-{i}")))?;
+            if !src.unpack_layer(layer, &dir, Whiteouts::Overlay, progress)? {
+                extract::set_mtime(&dir, 0)?;
+            }
+            let out = work.path().join(format!("layer-{i}.erofs"));
+            build_erofs(&dir, &out, work.path(), progress)?;
+            // Only the built layers are needed from here on; free the space early.
+            let _ = std::fs::remove_dir_all(&dir);
+            built.push(out);
+        }
+    }
+
+    let source_str = std::fs::canonicalize(source)
+        .unwrap_or_else(|_| source.to_path_buf())
+        .display()
+        .to_string();
+    let mut created = Vec::new();
+    let res = (|| {
+        let mut digests = Vec::new();
+        let mut sizes = HashMap::new();
+        for file in &built {
+            let (digest, size) = store.put_blob(file, progress)?;
+            // put_blob moves a new blob into place and leaves the file when one existed.
+            if !file.exists() {
+                created.push(digest.clone());
+            }
+            sizes.insert(digest.clone(), size);
+            digests.push(digest);
+        }
+        let layers = dedup_keep_top(&digests);
+        let total = layers.iter().filter_map(|d| sizes.get(d)).sum();
+        let img = store.set_ref(name, &layers, total, &source_str, plan.config.clone())?;
+        progress(ImportProgress {
+            phase: ImportPhase::Storing,
+            bytes_done: total,
+            bytes_total: Some(total),
+        });
+        Ok(img)
+    })();
+    if res.is_err() && !created.is_empty() {
+        drop_new_blobs(store, &created);
+    }
+    drop(work);
+    res
+}
+
+/// Creates `dir` (mode 0755) as the root of an extracted tree.
+fn make_root(dir: &Path) -> Result<PathBuf> {
+    std::fs::create_dir(dir).map_err(|e| ImageError::io("mkdir", dir, e))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
+        .map_err(|e| ImageError::io("chmod", dir, e))?;
+    Ok(dir.to_path_buf())
+}
+
+/// `digests` without repeats, each kept at its last (topmost) position.
+fn dedup_keep_top(digests: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for d in digests.iter().rev() {
+        if !out.contains(d) {
+            out.push(d.clone());
+        }
+    }
+    out.reverse();
+    out
+}
+
+/// After a failed import: deletes the blobs it added, unless a ref uses them by now.
+fn drop_new_blobs(store: &ImageStore, digests: &[String]) {
+    let res = (|| {
+        let _lock = store.lock_refs()?;
+        let refs = store.read_refs()?;
+        for d in digests {
+            store.gc_blob(&refs, &parse_digest(d)?)?;
+        }
+        Ok::<_, ImageError>(())
+    })();
+    if let Err(e) = res {
+        tracing::warn!(error = %e, "could not remove the blobs of a failed import");
+    }
+}
+
+/// One entry of a `docker save` `manifest.json`.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct DockerManifest {
+    config: String,
+    #[serde(default)]
+    repo_tags: Option<Vec<String>>,
+    layers: Vec<String>,
+}
+
+/// An OCI descriptor.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Descriptor {
+    #[serde(default)]
+    media_type: Option<String>,
+    digest: String,
+    #[serde(default)]
+    size: Option<u64>,
+    #[serde(default)]
+    platform: Option<Platform>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct Platform {
+    #[serde(default)]
+    architecture: String,
+    #[serde(default)]
+    os: String,
+}
+
+/// An OCI image index or image manifest (or their Docker equivalents).
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Manifest {
+    #[serde(default)]
+    manifests: Option<Vec<Descriptor>>,
+    #[serde(default)]
+    config: Option<Descriptor>,
+    #[serde(default)]
+    layers: Option<Vec<Descriptor>>,
+}
+
+/// The parts of an image config we use.
+#[derive(Debug, Deserialize)]
+struct ConfigFile {
+    #[serde(default)]
+    config: Option<RunConfig>,
+    #[serde(default)]
+    rootfs: Option<RootFs>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct RunConfig {
+    #[serde(default)]
+    env: Option<Vec<String>>,
+    #[serde(default)]
+    working_dir: Option<String>,
+    #[serde(default)]
+    user: Option<String>,
+    #[serde(default)]
+    entrypoint: Option<Vec<String>>,
+    #[serde(default)]
+    cmd: Option<Vec<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RootFs {
+    #[serde(default)]
+    diff_ids: Vec<String>,
+}
+
+impl RunConfig {
+    fn to_image_config(&self) -> ImageConfig {
+        let env = self
+            .env
+            .iter()
+            .flatten()
+            .filter_map(|kv| kv.split_once('='))
+            .filter(|(k, _)| !k.is_empty())
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let non_empty = |s: &Option<String>| s.clone().filter(|s| !s.is_empty());
+        ImageConfig {
+            env,
+            workdir: non_empty(&self.working_dir),
+            user: non_empty(&self.user),
+            entrypoint: self.entrypoint.clone().unwrap_or_default(),
+            cmd: self.cmd.clone().unwrap_or_default(),
+        }
+    }
+}
+
+/// What to import.
+#[derive(Debug)]
+struct Plan {
+    layers: Vec<LayerPlan>,
+    config: ImageConfig,
+}
+
+/// One layer: where it is and what it must hash to.
+#[derive(Debug)]
+struct LayerPlan {
+    /// 1-based position, bottom first (for messages).
+    index: usize,
+    member: String,
+    /// sha256 hex of the stored (maybe compressed) bytes, when known.
+    blob: Option<String>,
+    /// Size of the stored bytes, when known.
+    size: Option<u64>,
+    /// sha256 hex of the uncompressed tar (`rootfs.diff_ids`), when known.
+    diff_id: Option<String>,
+}
+
+/// Where a tar member's bytes are.
+#[derive(Debug, Clone)]
+enum Member {
+    File {
+        offset: u64,
+        size: u64,
+    },
+    /// Symlink or hard link: the normalized name it points at.
+    Link(String),
+}
+
+#[derive(Debug)]
+enum Backing {
+    Dir,
+    Tar {
+        file: File,
+        members: HashMap<String, Member>,
+    },
+}
+
+/// An image source: a directory or a scanned tar file.
+#[derive(Debug)]
+struct Source {
+    path: PathBuf,
+    backing: Backing,
+}
+
+/// Reads `len` bytes of `file` from `pos` with positioned reads.
+struct Slice<'a> {
+    file: &'a File,
+    pos: u64,
+    end: u64,
+}
+
+impl Read for Slice<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.end.saturating_sub(self.pos);
+        let want = usize::try_from(left).unwrap_or(usize::MAX).min(buf.len());
+        if want == 0 {
+            return Ok(0);
+        }
+        let n = self.file.read_at(&mut buf[..want], self.pos)?;
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "archive member ends early (truncated archive?)",
+            ));
+        }
+        self.pos += n as u64;
+        Ok(n)
+    }
+}
+
+/// Passes reads through, hashing them.
+struct Hashing<R> {
+    inner: R,
+    hasher: Sha256,
+    bytes: u64,
+}
+
+impl<R> Hashing<R> {
+    fn new(inner: R) -> Self {
+        Self {
+            inner,
+            hasher: Sha256::new(),
+            bytes: 0,
+        }
+    }
+
+    /// The reader, the sha256 hex of what was read, and its length.
+    fn finish(self) -> (R, String, u64) {
+        (self.inner, hex::encode(self.hasher.finalize()), self.bytes)
+    }
+}
+
+impl<R: Read> Read for Hashing<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.bytes += n as u64;
+        Ok(n)
+    }
+}
+
+/// A tar member name without `.` parts and repeated slashes; `None` for `..` or empty.
+fn normalize(path: &Path) -> Option<String> {
+    let mut parts = Vec::new();
+    for c in path.components() {
+        match c {
+            Component::Normal(p) => parts.push(p.to_str()?),
+            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+            Component::ParentDir => return None,
+        }
+    }
+    (!parts.is_empty()).then(|| parts.join("/"))
+}
+
+/// Where a tar link points: a symlink relative to its own directory, a hard link relative to
+/// the archive root. `None` when it leaves the archive.
+fn link_target(name: &str, target: &Path, symlink: bool) -> Option<String> {
+    let mut parts: Vec<&str> = Vec::new();
+    if symlink && !target.is_absolute() {
+        parts.extend(name.split('/'));
+        parts.pop();
+    }
+    for c in target.components() {
+        match c {
+            Component::Normal(p) => parts.push(p.to_str()?),
+            Component::ParentDir => {
+                parts.pop()?;
+            }
+            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+        }
+    }
+    (!parts.is_empty()).then(|| parts.join("/"))
+}
+
+/// The sha256 hex a member name carries: `blobs/sha256/<hex>` or `<hex>.json`.
+fn digest_in_name(name: &str) -> Option<String> {
+    let hex = name
+        .strip_prefix("blobs/sha256/")
+        .or_else(|| name.strip_suffix(".json"))?;
+    parse_digest(hex).ok()
+}
+
+/// The Go name of this machine's architecture, as image platforms spell it.
+fn host_arch() -> &'static str {
+    match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        "x86" => "386",
+        "powerpc64" => "ppc64le",
+        "loongarch64" => "loong64",
+        other => other,
+    }
+}
+
+impl Source {
+    fn open(path: &Path) -> Result<Self> {
+        let meta = std::fs::metadata(path).map_err(|e| ImageError::io("stat", path, e))?;
+        let backing = if meta.is_dir() {
+            Backing::Dir
+        } else {
+            if let Some(extract::ArchiveKind::TarGz) = extract::sniff(path)? {
+                return Err(ImageError::InvalidImage {
+                    path: path.to_path_buf(),
+                    message: "compressed image archives are not supported; decompress it \
+                              (e.g. gunzip) and import the plain tar"
+                        .into(),
+                });
+            }
+            Self::scan(path, meta.len())?
+        };
+        Ok(Self {
+            path: path.to_path_buf(),
+            backing,
+        })
+    }
+
+    /// Records the position of every member of the tar file `path` (seeking over the data).
+    fn scan(path: &Path, len: u64) -> Result<Backing> {
+        let file = File::open(path).map_err(|e| ImageError::io("open", path, e))?;
+        let archive_err = |message: String| ImageError::Archive {
+            path: path.to_path_buf(),
+            message,
+        };
+        let mut members = HashMap::new();
+        {
+            let mut ar = tar::Archive::new(&file);
+            for entry in ar
+                .entries_with_seek()
+                .map_err(|e| archive_err(e.to_string()))?
+            {
+                let entry = entry.map_err(|e| archive_err(e.to_string()))?;
+                let et = entry.header().entry_type();
+                let Some(name) = entry.path().ok().and_then(|p| normalize(&p)) else {
+                    continue;
+                };
+                let member = if et.is_file() || et == tar::EntryType::Continuous {
+                    let (offset, size) = (entry.raw_file_position(), entry.size());
+                    if offset.checked_add(size).is_none_or(|end| end > len) {
+                        return Err(archive_err(format!(
+                            "truncated: member {name} ({size} bytes at offset {offset}) \
+                             extends past the end of the file ({len} bytes)"
+                        )));
+                    }
+                    Member::File { offset, size }
+                } else if et.is_symlink() || et.is_hard_link() {
+                    let target = entry.link_name().ok().flatten();
+                    match target.and_then(|t| link_target(&name, &t, et.is_symlink())) {
+                        Some(t) => Member::Link(t),
+                        None => continue,
+                    }
+                } else {
+                    continue;
+                };
+                members.insert(name, member);
+            }
+        }
+        Ok(Backing::Tar { file, members })
+    }
+
+    fn invalid(&self, message: impl Into<String>) -> ImageError {
+        ImageError::InvalidImage {
+            path: self.path.clone(),
+            message: message.into(),
+        }
+    }
+
+    /// A member name from image metadata: relative, without `..`.
+    fn member_name(&self, raw: &str) -> Result<String> {
+        if raw.starts_with('/') {
+            return Err(self.invalid(format!("unsafe path {raw:?}: absolute")));
+        }
+        let mut parts = Vec::new();
+        for p in raw.split('/') {
+            match p {
+                "" | "." => {}
+                ".." => return Err(self.invalid(format!("unsafe path {raw:?}: contains `..`"))),
+                p => parts.push(p),
+            }
+        }
+        if parts.is_empty() {
+            return Err(self.invalid(format!("empty path {raw:?}")));
+        }
+        Ok(parts.join("/"))
+    }
+
+    /// How errors name member `name`.
+    fn origin(&self, name: &str) -> PathBuf {
+        match self.backing {
+            Backing::Dir => self.path.join(name),
+            Backing::Tar { .. } => PathBuf::from(format!("{}:{name}", self.path.display())),
+        }
+    }
+
+    fn has(&self, name: &str) -> bool {
+        match &self.backing {
+            Backing::Dir => self.path.join(name).is_file(),
+            Backing::Tar { .. } => self.locate(name).is_ok(),
+        }
+    }
+
+    /// A tar member's data, following links.
+    fn locate(&self, name: &str) -> Result<(u64, u64)> {
+        let Backing::Tar { members, .. } = &self.backing else {
+            return Err(self.invalid("not a tar"));
+        };
+        let mut cur = name;
+        for _ in 0..MAX_LINK_HOPS {
+            match members.get(cur) {
+                Some(Member::File { offset, size }) => return Ok((*offset, *size)),
+                Some(Member::Link(t)) => cur = t,
+                None => return Err(self.invalid(format!("{name} not found"))),
+            }
+        }
+        Err(self.invalid(format!("{name}: too many levels of links")))
+    }
+
+    /// Opens member `name` (a normalized name); returns a reader and its size.
+    fn open_member(&self, name: &str) -> Result<(Box<dyn Read + '_>, u64)> {
+        match &self.backing {
+            Backing::Dir => {
+                let p = self.path.join(name);
+                let f = match File::open(&p) {
+                    Ok(f) => f,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                        return Err(self.invalid(format!("{name} not found")))
+                    }
+                    Err(e) => return Err(ImageError::io("open", &p, e)),
+                };
+                let md = f.metadata().map_err(|e| ImageError::io("stat", &p, e))?;
+                if !md.is_file() {
+                    return Err(self.invalid(format!("{name} is not a regular file")));
+                }
+                Ok((Box::new(f.take(md.len())), md.len()))
+            }
+            Backing::Tar { file, .. } => {
+                let (offset, size) = self.locate(name)?;
+                let slice = Slice {
+                    file,
+                    pos: offset,
+                    end: offset + size,
+                };
+                Ok((Box::new(slice), size))
+            }
+        }
+    }
+
+    /// Reads and parses the JSON member `name`, checking its sha256 hex if given.
+    fn read_json<T: DeserializeOwned>(&self, name: &str, digest: Option<&str>) -> Result<T> {
+        let (r, size) = self.open_member(name)?;
+        if size > JSON_LIMIT {
+            return Err(self.invalid(format!(
+                "{name} is {size} bytes, more than the {JSON_LIMIT} allowed for JSON"
+            )));
+        }
+        let mut buf = Vec::new();
+        r.take(JSON_LIMIT)
+            .read_to_end(&mut buf)
+            .map_err(|e| ImageError::io("read", &self.origin(name), e))?;
+        if let Some(want) = digest {
+            let got = hex::encode(Sha256::digest(&buf));
+            if got != want {
+                return Err(ImageError::DigestMismatch {
+                    path: self.path.clone(),
+                    what: name.to_string(),
+                    expected: format!("sha256:{want}"),
+                    actual: format!("sha256:{got}"),
+                });
+            }
+        }
+        serde_json::from_slice(&buf).map_err(|e| self.invalid(format!("parse {name}: {e}")))
+    }
+
+    /// The sha256 hex of a descriptor's digest.
+    fn descriptor_hex(&self, d: &Descriptor) -> Result<String> {
+        if !d.digest.starts_with("sha256:") {
+            return Err(self.invalid(format!(
+                "unsupported digest {:?} (only sha256 is supported)",
+                d.digest
+            )));
+        }
+        parse_digest(&d.digest).map_err(|_| self.invalid(format!("invalid digest {:?}", d.digest)))
+    }
+
+    /// Reads and parses the JSON blob `d` points at, checking its digest and size.
+    fn read_blob_json<T: DeserializeOwned>(&self, d: &Descriptor) -> Result<T> {
+        let hex = self.descriptor_hex(d)?;
+        let name = format!("blobs/sha256/{hex}");
+        if let Some(want) = d.size {
+            let (_, size) = self.open_member(&name)?;
+            if size != want {
+                return Err(self.invalid(format!(
+                    "{name} is {size} bytes, its descriptor says {want}"
+                )));
+            }
+        }
+        self.read_json(&name, Some(&hex))
+    }
+
+    /// Works out the layers and config of the image.
+    fn plan(&self) -> Result<Plan> {
+        let plan = if self.has("manifest.json") {
+            self.plan_docker()?
+        } else if self.has("oci-layout") {
+            self.plan_oci()?
+        } else {
+            return Err(self.invalid(
+                "neither manifest.json (docker save) nor oci-layout (OCI image layout) found",
+            ));
+        };
+        if plan.layers.is_empty() {
+            return Err(self.invalid("image has no layers"));
+        }
+        Ok(plan)
+    }
+
+    fn plan_docker(&self) -> Result<Plan> {
+        let entries: Vec<DockerManifest> = self.read_json("manifest.json", None)?;
+        let entry = match entries.as_slice() {
+            [one] => one,
+            [] => return Err(self.invalid("manifest.json lists no image")),
+            many => {
+                let mut tags = String::new();
+                for m in many {
+                    let t = m.repo_tags.as_deref().unwrap_or_default().join(",");
+                    let _ = write!(tags, " [{t}]");
+                }
+                return Err(self.invalid(format!(
+                    "manifest.json lists {} images:{tags}; import one image per archive",
+                    many.len()
+                )));
+            }
+        };
+        let config_name = self.member_name(&entry.config)?;
+        let config: ConfigFile =
+            self.read_json(&config_name, digest_in_name(&config_name).as_deref())?;
+        let diff_ids = self
+            .diff_ids(&config, entry.layers.len())?
+            .ok_or_else(|| self.invalid(format!("{config_name} has no rootfs.diff_ids")))?;
+        let layers = entry
+            .layers
+            .iter()
+            .zip(diff_ids)
+            .enumerate()
+            .map(|(i, (l, diff_id))| {
+                let member = self.member_name(l)?;
+                Ok(LayerPlan {
+                    index: i + 1,
+                    blob: digest_in_name(&member).filter(|_| member.starts_with("blobs/")),
+                    member,
+                    size: None,
+                    diff_id: Some(diff_id),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Plan {
+            layers,
+            config: config.config.unwrap_or_default().to_image_config(),
+        })
+    }
+
+    fn plan_oci(&self) -> Result<Plan> {
+        let index: Manifest = self.read_json("index.json", None)?;
+        let desc = self.pick(index.manifests.as_deref().unwrap_or_default(), "index.json")?;
+        let mut manifest: Manifest = self.read_blob_json(&desc)?;
+        if let Some(nested) = manifest.manifests.take() {
+            let what = format!("image index {}", desc.digest);
+            let desc = self.pick(&nested, &what)?;
+            manifest = self.read_blob_json(&desc)?;
+            if manifest.manifests.is_some() {
+                return Err(self.invalid(format!(
+                    "{} is an image index nested two levels deep",
+                    desc.digest
+                )));
+            }
+        }
+        let (Some(config_desc), Some(layer_descs)) = (manifest.config, manifest.layers) else {
+            return Err(self.invalid(format!(
+                "manifest {} has no config or no layers",
+                desc.digest
+            )));
+        };
+        let config: ConfigFile = self.read_blob_json(&config_desc)?;
+        let diff_ids = self.diff_ids(&config, layer_descs.len())?;
+        let mut layers = Vec::new();
+        for (i, d) in layer_descs.iter().enumerate() {
+            let media = d.media_type.as_deref().unwrap_or_default();
+            if media.contains("zstd") {
+                return Err(self.invalid(format!(
+                    "layer {} has media type {media}: zstd-compressed layers are not supported \
+                     (use gzip or uncompressed layers)",
+                    i + 1
+                )));
+            }
+            if !media.is_empty() && !media.contains("tar") {
+                return Err(self.invalid(format!(
+                    "layer {} has unsupported media type {media}",
+                    i + 1
+                )));
+            }
+            let hex = self.descriptor_hex(d)?;
+            layers.push(LayerPlan {
+                index: i + 1,
+                member: format!("blobs/sha256/{hex}"),
+                blob: Some(hex),
+                size: d.size,
+                diff_id: diff_ids.as_ref().and_then(|ids| ids.get(i).cloned()),
+            });
+        }
+        Ok(Plan {
+            layers,
+            config: config.config.unwrap_or_default().to_image_config(),
+        })
+    }
+
+    /// The config's `rootfs.diff_ids` as sha256 hex, checked against the layer count.
+    fn diff_ids(&self, config: &ConfigFile, layers: usize) -> Result<Option<Vec<String>>> {
+        let Some(rootfs) = &config.rootfs else {
+            return Ok(None);
+        };
+        if rootfs.diff_ids.len() != layers {
+            return Err(self.invalid(format!(
+                "the manifest lists {layers} layers but the config's rootfs.diff_ids has {}",
+                rootfs.diff_ids.len()
+            )));
+        }
+        rootfs
+            .diff_ids
+            .iter()
+            .map(|d| {
+                self.descriptor_hex(&Descriptor {
+                    media_type: None,
+                    digest: d.clone(),
+                    size: None,
+                    platform: None,
+                })
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+
+    /// The one manifest of `list`, or the one for linux on this machine's architecture.
+    fn pick(&self, list: &[Descriptor], what: &str) -> Result<Descriptor> {
+        if let [one] = list {
+            return Ok(one.clone());
+        }
+        if list.is_empty() {
+            return Err(self.invalid(format!("{what} lists no manifests")));
+        }
+        let arch = host_arch();
+        list.iter()
+            .find(|d| {
+                d.platform
+                    .as_ref()
+                    .is_some_and(|p| p.os == "linux" && p.architecture == arch)
+            })
+            .cloned()
+            .ok_or_else(|| {
+                let platforms: Vec<String> = list
+                    .iter()
+                    .map(|d| match &d.platform {
+                        Some(p) => format!("{}/{}", p.os, p.architecture),
+                        None => "unknown".to_string(),
+                    })
+                    .collect();
+                self.invalid(format!(
+                    "{what} lists {} manifests and none for linux/{arch} (found: {})",
+                    list.len(),
+                    platforms.join(", ")
+                ))
+            })
+    }
+
+    /// Extracts `layer` into `dest`, verifying its digests. Returns whether it had a `./`
+    /// entry.
+    fn unpack_layer(
+        &self,
+        layer: &LayerPlan,
+        dest: &Path,
+        whiteouts: Whiteouts,
+        progress: &dyn Fn(ImportProgress),
+    ) -> Result<bool> {
+        let (raw, size) = self.open_member(&layer.member)?;
+        if let Some(want) = layer.size {
+            if want != size {
+                return Err(self.invalid(format!(
+                    "layer {} ({}) is {size} bytes, its descriptor says {want}",
+                    layer.index, layer.member
+                )));
+            }
+        }
+        let origin = self.origin(&layer.member);
+        progress(ImportProgress {
+            phase: ImportPhase::Extracting,
+            bytes_done: 0,
+            bytes_total: Some(size),
+        });
+        let mut buf =
+            BufReader::with_capacity(1 << 20, Counting::new(Hashing::new(raw), size, progress));
+        let head = buf
+            .fill_buf()
+            .map_err(|e| ImageError::io("read", &origin, e))?;
+        if head.starts_with(ZSTD_MAGIC) {
+            return Err(self.invalid(format!(
+                "layer {} ({}) is zstd-compressed, which is not supported \
+                 (use gzip or uncompressed layers)",
+                layer.index, layer.member
+            )));
+        }
+        let drain = |r: &mut dyn Read| {
+            io::copy(r, &mut io::sink())
+                .map(drop)
+                .map_err(|e| ImageError::Archive {
+                    path: origin.clone(),
+                    message: e.to_string(),
+                })
+        };
+        let (had_root, diff_hex, mut buf) = if head.starts_with(GZIP_MAGIC) {
+            let gz = flate2::read::MultiGzDecoder::new(buf);
+            let (had_root, mut h) =
+                extract::extract_from(Hashing::new(gz), &origin, dest, whiteouts)?;
+            drain(&mut h)?;
+            let (gz, diff_hex, _) = h.finish();
+            (had_root, diff_hex, gz.into_inner())
+        } else {
+            let (had_root, mut h) =
+                extract::extract_from(Hashing::new(buf), &origin, dest, whiteouts)?;
+            drain(&mut h)?;
+            let (buf, diff_hex, _) = h.finish();
+            (had_root, diff_hex, buf)
+        };
+        drain(&mut buf)?;
+        let (_, blob_hex, _) = buf.into_inner().into_inner().finish();
+        let mismatch = |what: &str, want: &str, got: &str| ImageError::DigestMismatch {
+            path: self.path.clone(),
+            what: format!("layer {} ({}) {what}", layer.index, layer.member),
+            expected: format!("sha256:{want}"),
+            actual: format!("sha256:{got}"),
+        };
+        if let Some(want) = &layer.blob {
+            if *want != blob_hex {
+                return Err(mismatch("blob", want, &blob_hex));
+            }
+        }
+        if let Some(want) = &layer.diff_id {
+            if *want != diff_hex {
+                return Err(mismatch("uncompressed tar (diff_id)", want, &diff_hex));
+            }
+        }
+        Ok(had_root)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_targets_stay_inside() {
+        let p = |s: &str| PathBuf::from(s);
+        assert_eq!(
+            link_target("a/layer.tar", &p("../b/layer.tar"), true).as_deref(),
+            Some("b/layer.tar")
+        );
+        assert_eq!(link_target("a/x", &p("../../etc"), true), None);
+        assert_eq!(link_target("a/x", &p("b/y"), false).as_deref(), Some("b/y"));
+        assert_eq!(normalize(&p("./a//b/./c")).as_deref(), Some("a/b/c"));
+        assert_eq!(normalize(&p("a/../b")), None);
+    }
+
+    #[test]
+    fn digests_in_member_names() {
+        let hex = "a".repeat(64);
+        assert_eq!(
+            digest_in_name(&format!("blobs/sha256/{hex}")).as_deref(),
+            Some(hex.as_str())
+        );
+        assert_eq!(
+            digest_in_name(&format!("{hex}.json")).as_deref(),
+            Some(hex.as_str())
+        );
+        assert_eq!(digest_in_name("config.json"), None);
+    }
+
+    #[test]
+    fn duplicate_layers_keep_the_top_one() {
+        let v = |s: &[&str]| s.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            dedup_keep_top(&v(&["a", "b", "a", "c"])),
+            v(&["b", "a", "c"])
+        );
+    }
+
+    #[test]
+    fn run_config_defaults() {
+        let c: ConfigFile = serde_json::from_str(
+            r#"{"config":{"Env":["A=1","B=x=y","BAD"],"WorkingDir":"","User":"app",
+                "Entrypoint":null,"Cmd":["sh"]},"rootfs":{"type":"layers","diff_ids":[]}}"#,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let ic = c.config.unwrap_or_default().to_image_config();
+        assert_eq!(ic.env.get("A").map(String::as_str), Some("1"));
+        assert_eq!(ic.env.get("B").map(String::as_str), Some("x=y"));
+        assert_eq!(ic.env.len(), 2);
+        assert_eq!(ic.workdir, None);
+        assert_eq!(ic.user.as_deref(), Some("app"));
+        assert!(ic.entrypoint.is_empty());
+        assert_eq!(ic.cmd, vec!["sh".to_string()]);
+    }
+}
