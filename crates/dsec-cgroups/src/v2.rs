@@ -98,7 +98,10 @@ impl CgroupManager for V2Manager {
             write_file(&self.dir.join("pids.max"), &p.to_string())?;
         }
         if let Some(w) = limits.cpu_weight {
-            write_file(&self.dir.join("cpu.weight"), &w.clamp(1, 10_000).to_string())?;
+            write_file(
+                &self.dir.join("cpu.weight"),
+                &w.clamp(1, 10_000).to_string(),
+            )?;
         }
         Ok(())
     }

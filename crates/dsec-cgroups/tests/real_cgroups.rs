@@ -137,7 +137,11 @@ fn create_with_limits_reads_back() {
             let cpu = cg.path_for("cpu").expect("cpu");
             assert_eq!(read(&cpu.join("cpu.cfs_period_us")), "100000");
             assert_eq!(read(&cpu.join("cpu.cfs_quota_us")), "50000");
-            assert_eq!(read(&cpu.join("cpu.shares")), "512", "weight 50 = half of 1024");
+            assert_eq!(
+                read(&cpu.join("cpu.shares")),
+                "512",
+                "weight 50 = half of 1024"
+            );
             let mem = cg.path_for("memory").expect("memory");
             assert_eq!(
                 read(&mem.join("memory.limit_in_bytes")),

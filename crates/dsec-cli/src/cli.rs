@@ -231,8 +231,12 @@ pub enum ImageCommand {
     Import {
         /// Name to give the image (e.g. python:3.11).
         name: String,
-        /// Directory or tarball path (made absolute; must be readable by the server).
+        /// A root file system (directory, .tar, .tar.gz), a `docker save` archive or an
+        /// OCI layout (made absolute; must be readable by the server).
         source: PathBuf,
+        /// Store a docker/OCI image as one layer instead of one layer per image layer.
+        #[arg(long)]
+        flatten: bool,
     },
     /// List images.
     #[command(visible_alias = "list")]

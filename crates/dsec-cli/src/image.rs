@@ -14,7 +14,11 @@ use crate::output::{self, print_json, Table};
 /// Runs an image command.
 pub async fn run(client: &Client, cmd: ImageCommand, json: bool) -> anyhow::Result<()> {
     match cmd {
-        ImageCommand::Import { name, source } => {
+        ImageCommand::Import {
+            name,
+            source,
+            flatten,
+        } => {
             let source = std::path::absolute(&source)
                 .with_context(|| format!("resolving {}", source.display()))?;
             let source = source
@@ -32,7 +36,11 @@ pub async fn run(client: &Client, cmd: ImageCommand, json: bool) -> anyhow::Resu
             });
             let started = std::time::Instant::now();
             let result = client
-                .import_image(ImportImageRequest { name, source })
+                .import_image(ImportImageRequest {
+                    name,
+                    source,
+                    flatten,
+                })
                 .await;
             if let Some(pb) = spinner {
                 pb.finish_and_clear();

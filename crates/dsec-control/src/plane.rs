@@ -1229,7 +1229,7 @@ impl SandboxApi for ControlPlane {
             ));
         }
         self.node
-            .import_image(&req.name, &source)
+            .import_image(&req.name, &source, req.flatten)
             .await
             .map_err(ApiError::from)
     }

@@ -281,6 +281,7 @@ impl Server {
         c.import_image(dsec_wire::v1::ImportImageRequest {
             name: "base".into(),
             source: source.display().to_string(),
+            flatten: false,
         })
         .await?;
         Ok(())

@@ -597,6 +597,7 @@ async fn images_stack_as_layers_in_order_and_each_layer_is_mounted_once() {
             .import_image(ImportImageRequest {
                 name: name.into(),
                 source: src.join(dir).display().to_string(),
+                flatten: false,
             })
             .await
             .expect("import");
@@ -1096,4 +1097,198 @@ async fn best_effort_sandboxes_run_sched_idle_with_the_lowest_weight() {
     for sb in [&be, &ls] {
         c.delete_sandbox(&sb.id).await.expect("delete");
     }
+}
+
+/// One layer tar: `(path, Some(content))` is a file, `(path, None)` a directory.
+fn layer_tar(entries: &[(&str, Option<&str>)]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (path, content) in entries {
+        let mut h = tar::Header::new_gnu();
+        h.set_path(path).expect("path");
+        h.set_mtime(1_700_000_000);
+        h.set_uid(0);
+        h.set_gid(0);
+        match content {
+            Some(c) => {
+                h.set_entry_type(tar::EntryType::Regular);
+                h.set_mode(0o644);
+                h.set_size(c.len() as u64);
+                h.set_cksum();
+                b.append(&h, c.as_bytes()).expect("append");
+            }
+            None => {
+                h.set_entry_type(tar::EntryType::Directory);
+                h.set_mode(0o755);
+                h.set_size(0);
+                h.set_cksum();
+                b.append(&h, &[][..]).expect("append");
+            }
+        }
+    }
+    b.into_inner().expect("tar")
+}
+
+/// A `docker save` archive of `layers` with an image config.
+fn docker_save(layers: &[Vec<u8>], config: serde_json::Value) -> Vec<u8> {
+    use sha2::{Digest, Sha256};
+    let diff_ids: Vec<String> = layers
+        .iter()
+        .map(|l| format!("sha256:{}", hex::encode(Sha256::digest(l))))
+        .collect();
+    let config = serde_json::json!({
+        "architecture": "amd64", "os": "linux", "config": config,
+        "rootfs": {"type": "layers", "diff_ids": diff_ids},
+    })
+    .to_string();
+    let config_name = format!("{}.json", hex::encode(Sha256::digest(config.as_bytes())));
+    let layer_names: Vec<String> = (0..layers.len())
+        .map(|i| format!("l{i}/layer.tar"))
+        .collect();
+    let manifest = serde_json::json!([{
+        "Config": config_name, "RepoTags": ["task:1"], "Layers": layer_names,
+    }])
+    .to_string();
+    let mut b = tar::Builder::new(Vec::new());
+    let mut add = |name: &str, data: &[u8]| {
+        let mut h = tar::Header::new_gnu();
+        h.set_path(name).expect("path");
+        h.set_mode(0o644);
+        h.set_size(data.len() as u64);
+        h.set_cksum();
+        b.append(&h, data).expect("append");
+    };
+    add(&config_name, config.as_bytes());
+    for (name, layer) in layer_names.iter().zip(layers) {
+        add(name, layer);
+    }
+    add("manifest.json", manifest.as_bytes());
+    b.into_inner().expect("archive")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_docker_image_stacks_on_base_with_its_config_and_whiteouts() {
+    if !require_root() {
+        return;
+    }
+    let c = server().client();
+    // A task image the way SWE-bench ships them: a repo layer, then a layer that edits a
+    // file and deletes one (a whiteout) of the base below.
+    let layers = vec![
+        layer_tar(&[
+            ("testbed/", None),
+            ("testbed/setup.py", Some("print('v1')\n")),
+            ("testbed/README", Some("task\n")),
+        ]),
+        layer_tar(&[
+            ("testbed/", None),
+            ("testbed/setup.py", Some("print('v2')\n")),
+            ("etc/", None),
+            ("etc/.wh.motd", Some("")),
+        ]),
+    ];
+    let archive = docker_save(
+        &layers,
+        serde_json::json!({
+            "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "TASK_ID=django-1234"],
+            "WorkingDir": "/testbed",
+            "Cmd": ["/bin/bash"],
+        }),
+    );
+    let path = std::env::temp_dir().join(format!("dsec-e2e-task-{}.tar", std::process::id()));
+    std::fs::write(&path, &archive).expect("write archive");
+    let img = c
+        .import_image(ImportImageRequest {
+            name: "e2e/task".into(),
+            source: path.display().to_string(),
+            flatten: false,
+        })
+        .await
+        .expect("import docker archive");
+    assert_eq!(
+        img.layers.len(),
+        2,
+        "one EROFS layer per image layer: {img:?}"
+    );
+    assert_eq!(img.config.workdir.as_deref(), Some("/testbed"));
+    assert_eq!(
+        img.config.env.get("TASK_ID").map(String::as_str),
+        Some("django-1234")
+    );
+    assert_eq!(img.config.cmd, vec!["/bin/bash".to_string()]);
+
+    let plain = create(&c, CreateSandboxRequest::default()).await;
+    let base_has_motd = run(&c, &plain.id, "test -e /etc/motd && echo yes").await;
+    assert_eq!(
+        base_has_motd.stdout, "yes\n",
+        "the base image has /etc/motd"
+    );
+    let sb = create(
+        &c,
+        CreateSandboxRequest {
+            layers: vec!["e2e/task".into()],
+            ..Default::default()
+        },
+    )
+    .await;
+    let r = run(
+        &c,
+        &sb.id,
+        "pwd; echo $TASK_ID; python3 setup.py; cat README; test -e /etc/motd && echo motd || echo no-motd",
+    )
+    .await;
+    assert_eq!(
+        r.stdout, "/testbed\ndjango-1234\nv2\ntask\nno-motd\n",
+        "config defaults apply, the upper layer wins, the whiteout hides base's file: {r:?}"
+    );
+    // Flattened: the image's own tree in one layer.
+    let flat = c
+        .import_image(ImportImageRequest {
+            name: "e2e/task-flat".into(),
+            source: path.display().to_string(),
+            flatten: true,
+        })
+        .await
+        .expect("import flattened");
+    assert_eq!(flat.layers.len(), 1);
+    let sb2 = create(
+        &c,
+        CreateSandboxRequest {
+            layers: vec!["e2e/task-flat".into()],
+            ..Default::default()
+        },
+    )
+    .await;
+    let r2 = run(
+        &c,
+        &sb2.id,
+        "pwd; echo $TASK_ID; python3 setup.py; cat README; test -e /etc/motd && echo motd || echo no-motd",
+    )
+    .await;
+    // Flattening applies the whiteouts within the image itself: the one aimed at a file
+    // below the image (base's /etc/motd) has nothing to delete there and is gone.
+    assert_eq!(r2.stdout, r.stdout.replace("no-motd", "motd"));
+    // A tampered archive is a typed error.
+    let mut bad = archive.clone();
+    let at = bad
+        .windows(11)
+        .position(|w| w == b"print('v1')")
+        .expect("layer content in archive");
+    bad[at + 7] = b'9';
+    std::fs::write(&path, &bad).expect("write");
+    let e = c
+        .import_image(ImportImageRequest {
+            name: "e2e/task-bad".into(),
+            source: path.display().to_string(),
+            flatten: false,
+        })
+        .await
+        .expect_err("digest mismatch");
+    assert_eq!(code(e), ErrorCode::BadRequest);
+    for id in [&sb.id, &sb2.id, &plain.id] {
+        c.delete_sandbox(id).await.expect("delete");
+    }
+    for name in ["e2e/task", "e2e/task-flat"] {
+        c.delete_image(name).await.expect("delete image");
+    }
+    let _ = std::fs::remove_file(&path);
 }

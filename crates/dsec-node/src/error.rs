@@ -89,6 +89,8 @@ fn image_code(e: &dsec_image::ImageError) -> ErrorCode {
         | E::UnsupportedSource(_)
         | E::Archive { .. }
         | E::UnsafeEntry { .. }
+        | E::InvalidImage { .. }
+        | E::DigestMismatch { .. }
         | E::NotErofs(_) => ErrorCode::BadRequest,
         _ => ErrorCode::Internal,
     }

@@ -95,7 +95,12 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
     /// One image by name or digest.
     async fn image(&self, name: &str) -> Result<Image, NodeError>;
     /// Imports an image from a path on this machine.
-    async fn import_image(&self, name: &str, source: &std::path::Path) -> Result<Image, NodeError>;
+    async fn import_image(
+        &self,
+        name: &str,
+        source: &std::path::Path,
+        flatten: bool,
+    ) -> Result<Image, NodeError>;
     /// Removes an image name.
     async fn remove_image(&self, name: &str) -> Result<(), NodeError>;
 }

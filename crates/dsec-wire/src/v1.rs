@@ -533,8 +533,12 @@ pub struct ImageList {
 pub struct ImportImageRequest {
     /// Name to give the image.
     pub name: String,
-    /// A directory, or a `.tar`, `.tar.gz`/`.tgz` file, on the server host.
+    /// On the server host: a root file system (directory, `.tar`, `.tar.gz`/`.tgz`), a
+    /// `docker save` archive or an OCI image layout (directory or tar), or an `.erofs` file.
     pub source: String,
+    /// Store a multi-layer (docker/OCI) image as one layer.
+    #[serde(default)]
+    pub flatten: bool,
 }
 
 /// `GET /v1/health`.
