@@ -136,6 +136,14 @@ pub enum SandboxCommand {
         #[arg(short, long)]
         follow: bool,
     },
+    /// Save a sandbox's files as a new image (its layers + what it changed); a second
+    /// commit stores only what changed since the first.
+    Commit {
+        /// Sandbox id.
+        id: String,
+        /// Name of the new image.
+        name: String,
+    },
     /// Freeze sandboxes and give their memory back (processes and state survive).
     Pause {
         /// Sandbox ids.

@@ -47,6 +47,20 @@ pub async fn run(client: &Client, cmd: SandboxCommand, json: bool) -> anyhow::Re
                 return Ok(ExitCode::from(BROKEN_PIPE_EXIT));
             }
         }
+        SandboxCommand::Commit { id, name } => {
+            let img = client.commit_sandbox(&id, &name).await?;
+            if json {
+                print_json(&img)?;
+            } else {
+                println!(
+                    "{} {} ({} layers, {})",
+                    img.name,
+                    img.digest,
+                    img.layers.len(),
+                    output::bytes(img.size_bytes)
+                );
+            }
+        }
         SandboxCommand::Pause { ids } => {
             for id in ids {
                 let r = client.pause_sandbox(&id).await?;

@@ -37,8 +37,8 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use dsec_wire::error::ErrorBody;
 use dsec_wire::v1::{
-    CreateSandboxRequest, CreateSessionRequest, ExecRequest, ExecResult, FileInfo, FileList,
-    Health, Image, ImageList, ImportImageRequest, JobResult, MkdirRequest, PauseResult,
+    CommitRequest, CreateSandboxRequest, CreateSessionRequest, ExecRequest, ExecResult, FileInfo,
+    FileList, Health, Image, ImageList, ImportImageRequest, JobResult, MkdirRequest, PauseResult,
     ProcessInfo, ProcessList, PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo,
     SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
     StartProcessRequest, StdinRequest, WriteResult, API_KEY_HEADER,
@@ -232,6 +232,15 @@ impl Client {
     /// `POST /v1/sandboxes/{id}/resume`.
     pub async fn resume_sandbox(&self, id: &str) -> Result<Sandbox, ClientError> {
         Self::json(self.request(Method::POST, &["sandboxes", id, "resume"])).await
+    }
+
+    /// `POST /v1/sandboxes/{id}/commit`: its files as a new image (only what changed
+    /// since its last commit is stored).
+    pub async fn commit_sandbox(&self, id: &str, name: &str) -> Result<Image, ClientError> {
+        let req = CommitRequest {
+            name: name.to_string(),
+        };
+        Self::json(self.post(&["sandboxes", id, "commit"], &req)).await
     }
 
     /// `POST /v1/jobs/{job}/suspend`: pauses every sandbox labelled `job=<job>`.

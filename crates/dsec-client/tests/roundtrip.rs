@@ -91,6 +91,9 @@ impl SandboxApi for Fake {
     async fn resume_sandbox(&self, _: &str) -> ApiResult<Sandbox> {
         nope()
     }
+    async fn commit_sandbox(&self, _: &str, _: CommitRequest) -> ApiResult<Image> {
+        nope()
+    }
     async fn suspend_job(&self, _: &str) -> ApiResult<JobResult> {
         nope()
     }

@@ -7,10 +7,10 @@ use std::collections::BTreeMap;
 
 use bytes::Bytes;
 use dsec_wire::v1::{
-    CreateSandboxRequest, CreateSessionRequest, ExecEvent, ExecRequest, ExecResult, FileInfo,
-    FileList, Health, Image, ImageList, ImportImageRequest, JobResult, MkdirRequest, PauseResult,
-    ProcessInfo, ProcessList, PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo,
-    SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
+    CommitRequest, CreateSandboxRequest, CreateSessionRequest, ExecEvent, ExecRequest, ExecResult,
+    FileInfo, FileList, Health, Image, ImageList, ImportImageRequest, JobResult, MkdirRequest,
+    PauseResult, ProcessInfo, ProcessList, PtySize, RenameRequest, Sandbox, SandboxList,
+    SessionInfo, SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
     StartProcessRequest, StdinRequest, WriteResult,
 };
 use dsec_wire::ApiError;
@@ -48,6 +48,8 @@ pub trait SandboxApi: Send + Sync + 'static {
     async fn pause_sandbox(&self, id: &str) -> ApiResult<PauseResult>;
     /// `POST /v1/sandboxes/{id}/resume`. Idempotent.
     async fn resume_sandbox(&self, id: &str) -> ApiResult<Sandbox>;
+    /// `POST /v1/sandboxes/{id}/commit`: its files as a new image (packdiff).
+    async fn commit_sandbox(&self, id: &str, req: CommitRequest) -> ApiResult<Image>;
     /// `POST /v1/jobs/{job}/suspend`: pauses every sandbox labelled `job=<job>` and stops
     /// their lifetimes. Idempotent; reports each sandbox's outcome.
     async fn suspend_job(&self, job: &str) -> ApiResult<JobResult>;

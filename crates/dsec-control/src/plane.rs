@@ -697,6 +697,7 @@ impl SandboxApi for ControlPlane {
             failure: None,
             node: self.node.name().to_string(),
             job_suspended_at: None,
+            committed_layers: Vec::new(),
         };
         self.persist(&sb)?;
         self.lock().insert(id.clone(), sb.clone());
@@ -817,6 +818,58 @@ impl SandboxApi for ControlPlane {
             return Ok(sandbox);
         }
         self.get_sandbox(id).await
+    }
+
+    async fn commit_sandbox(&self, id: &str, req: CommitRequest) -> ApiResult<Image> {
+        let sb = self.get_sandbox(id).await?;
+        // Still files while the copy runs: pause a running sandbox, resume it after.
+        let paused_here = match sb.state {
+            SandboxState::Ready => {
+                self.pause_sandbox(id).await?;
+                true
+            }
+            SandboxState::Paused => false,
+            _ => {
+                self.ready(id)?;
+                false
+            }
+        };
+        let mut config = ImageConfig::default();
+        for name in std::iter::once(&sb.image).chain(&sb.layers) {
+            if let Ok(img) = self.node.image(name).await {
+                config.env.extend(img.config.env);
+                config.workdir = img.config.workdir.or(config.workdir);
+                config.user = img.config.user.or(config.user);
+                if !img.config.entrypoint.is_empty() {
+                    config.entrypoint = img.config.entrypoint;
+                }
+                if !img.config.cmd.is_empty() {
+                    config.cmd = img.config.cmd;
+                }
+            }
+        }
+        let res = self
+            .node
+            .commit(id, &req.name, sb.committed_layers.clone(), config)
+            .await
+            .map_err(ApiError::from);
+        if paused_here {
+            self.resume_sandbox(id).await?;
+        }
+        let img = res?;
+        let updated = {
+            let mut recs = self.lock();
+            recs.get_mut(id).map(|rec| {
+                if let Some(diff) = img.layers.last() {
+                    rec.committed_layers.push(diff.clone());
+                }
+                rec.clone()
+            })
+        };
+        if let Some(rec) = updated {
+            self.persist(&rec)?;
+        }
+        Ok(img)
     }
 
     async fn suspend_job(&self, job: &str) -> ApiResult<JobResult> {

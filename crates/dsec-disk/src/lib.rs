@@ -492,6 +492,40 @@ impl Disks {
         self.shared.make(size_mb, dest, self.shared.mode)
     }
 
+    /// Gets a handle back on a disk this process lost (after a restart) while a sandbox
+    /// still uses it: mounts the ext4 of the loop device that backs `dir/disk.img` once
+    /// more, detached (the same file system, a second mount of it), or takes the attached
+    /// mount at `dir/mnt`.
+    pub fn reopen(&self, dir: &Path) -> Result<Disk, DiskError> {
+        let mnt = dir.join("mnt");
+        if is_mountpoint(&mnt, dir) {
+            return Ok(Disk {
+                dir: dir.to_path_buf(),
+                mount: None,
+            });
+        }
+        let img = dir.join("disk.img");
+        let want = fs::canonicalize(&img).map_err(io_err("resolve", &img))?;
+        let device = fs::read_dir("/sys/block")
+            .map_err(io_err("read_dir", Path::new("/sys/block")))?
+            .filter_map(Result::ok)
+            .find(|e| {
+                fs::read_to_string(e.path().join("loop/backing_file"))
+                    .is_ok_and(|b| Path::new(b.trim_end()) == want)
+            })
+            .map(|e| format!("/dev/{}", e.file_name().to_string_lossy()))
+            .ok_or_else(|| DiskError::Io {
+                op: "find the loop device of",
+                path: img.clone(),
+                source: std::io::Error::from_raw_os_error(libc::ENOENT),
+            })?;
+        let fd = mountapi::mount_detached_ext4(&device, &["noinit_itable"])?;
+        Ok(Disk {
+            dir: dir.to_path_buf(),
+            mount: Some(fd),
+        })
+    }
+
     /// Number of ready disks in the pool.
     pub fn pooled(&self) -> usize {
         self.shared.ready().len()

@@ -1292,3 +1292,121 @@ async fn a_docker_image_stacks_on_base_with_its_config_and_whiteouts() {
     }
     let _ = std::fs::remove_file(&path);
 }
+
+/// A listing of the parts of a sandbox's tree a commit must carry: path, type, mode,
+/// owner, size, link target, link count, content hash.
+const TREE: &str = "cd / && { find work etc/motd etc/issue etc/dsec-new -xdev -type d \
+    -printf '%p %y %m %U:%G\\n'; find work etc/motd etc/issue etc/dsec-new -xdev ! -type d \
+    -printf '%p %y %m %U:%G %s %l %n\\n'; } 2>/dev/null | sort; \
+    find work etc/motd etc/dsec-new -xdev -type f 2>/dev/null | sort | xargs -r sha256sum";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn commit_round_trips_a_sandbox_and_a_second_commit_holds_only_the_delta() {
+    if !require_root() {
+        return;
+    }
+    let s = server();
+    let c = s.client();
+    let a = create(&c, CreateSandboxRequest::default()).await;
+    let r = run(
+        &c,
+        &a.id,
+        "set -e; mkdir -p /work/dir/sub && echo A > /work/a.txt && echo B > /work/b.txt \
+         && head -c 8388608 /dev/urandom > /work/big.bin && ln /work/a.txt /work/hl \
+         && ln -s a.txt /work/ln && chmod 0750 /work/dir && chown 1000:1000 /work/b.txt \
+         && touch /work/dir/sub/empty && echo changed > /etc/motd && rm /etc/issue \
+         && echo new > /etc/dsec-new && echo ok",
+    )
+    .await;
+    assert_eq!(r.stdout, "ok\n", "{r:?}");
+    let want1 = run(&c, &a.id, TREE).await.stdout;
+    assert!(want1.contains("work/hl f 644 0:0 2  2"), "{want1}");
+
+    let img1 = c
+        .commit_sandbox(&a.id, "e2e/commit1")
+        .await
+        .expect("commit");
+    let base = c
+        .list_images()
+        .await
+        .expect("images")
+        .images
+        .into_iter()
+        .find(|i| i.name == "base")
+        .expect("base");
+    assert_eq!(img1.layers.len(), base.layers.len() + 1);
+    assert_eq!(&img1.layers[..base.layers.len()], &base.layers[..]);
+    assert_eq!(
+        c.get_sandbox(&a.id).await.expect("get").state,
+        SandboxState::Ready,
+        "a running sandbox is resumed after its commit"
+    );
+    let b = create(
+        &c,
+        CreateSandboxRequest {
+            image: Some("e2e/commit1".into()),
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(
+        run(&c, &b.id, TREE).await.stdout,
+        want1,
+        "same tree from the commit"
+    );
+
+    // Second round: change a little, keep the big file.
+    let r = run(
+        &c,
+        &a.id,
+        "set -e; echo B2 > /work/b.txt && rm /work/a.txt && rm -r /work/dir/sub \
+         && echo N > /work/new.txt && echo ok",
+    )
+    .await;
+    assert_eq!(r.stdout, "ok\n", "{r:?}");
+    let want2 = run(&c, &a.id, TREE).await.stdout;
+    let img2 = c
+        .commit_sandbox(&a.id, "e2e/commit2")
+        .await
+        .expect("commit 2");
+    assert_eq!(img2.layers.len(), img1.layers.len() + 1);
+    assert_eq!(&img2.layers[..img1.layers.len()], &img1.layers[..]);
+    let blob = |d: &str| {
+        std::fs::metadata(
+            s.state_dir
+                .join("images/blobs/sha256")
+                .join(format!("{}.erofs", d.trim_start_matches("sha256:"))),
+        )
+        .expect("blob")
+        .len()
+    };
+    let (d1, d2) = (
+        blob(img1.layers.last().expect("d1")),
+        blob(img2.layers.last().expect("d2")),
+    );
+    assert!(d1 > 8 << 20, "the first diff holds the 8 MiB file: {d1}");
+    assert!(
+        d2 < 1 << 20,
+        "the second diff holds only the delta: {d2} bytes"
+    );
+    let c2 = create(
+        &c,
+        CreateSandboxRequest {
+            image: Some("e2e/commit2".into()),
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(
+        run(&c, &c2.id, TREE).await.stdout,
+        want2,
+        "deletions carried as whiteouts"
+    );
+
+    for sb in [&a, &b, &c2] {
+        c.delete_sandbox(&sb.id).await.expect("delete");
+    }
+    for name in ["e2e/commit2", "e2e/commit1"] {
+        c.delete_image(name).await.expect("delete image");
+    }
+}

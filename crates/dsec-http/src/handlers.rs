@@ -12,9 +12,9 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use dsec_control::{ByteStream, EventStream, SandboxApi};
 use dsec_wire::v1::{
-    CreateSandboxRequest, CreateSessionRequest, ExecRequest, FileInfo, ImportImageRequest,
-    MkdirRequest, PtySize, RenameRequest, SessionRunRequest, SetTimeoutRequest, SignalRequest,
-    StartProcessRequest, StdinRequest,
+    CommitRequest, CreateSandboxRequest, CreateSessionRequest, ExecRequest, FileInfo,
+    ImportImageRequest, MkdirRequest, PtySize, RenameRequest, SessionRunRequest, SetTimeoutRequest,
+    SignalRequest, StartProcessRequest, StdinRequest,
 };
 use dsec_wire::{ApiError, ErrorCode};
 use futures::StreamExt;
@@ -293,6 +293,15 @@ pub async fn pause_sandbox(State(api): Api, Path(id): Path<String>) -> HttpResul
 /// `POST /v1/sandboxes/{id}/resume`.
 pub async fn resume_sandbox(State(api): Api, Path(id): Path<String>) -> HttpResult<Response> {
     Ok(json(api.resume_sandbox(&id).await?))
+}
+
+/// `POST /v1/sandboxes/{id}/commit`.
+pub async fn commit_sandbox(
+    State(api): Api,
+    Path(id): Path<String>,
+    Json(req): Json<CommitRequest>,
+) -> HttpResult<Response> {
+    Ok(created(api.commit_sandbox(&id, req).await?))
 }
 
 /// `POST /v1/jobs/{job}/suspend`.

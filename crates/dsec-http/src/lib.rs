@@ -60,6 +60,7 @@ pub fn router(api: Arc<dyn SandboxApi>) -> Router {
         .route("/sandboxes/{id}/timeout", post(h::set_timeout))
         .route("/sandboxes/{id}/pause", post(h::pause_sandbox))
         .route("/sandboxes/{id}/resume", post(h::resume_sandbox))
+        .route("/sandboxes/{id}/commit", post(h::commit_sandbox))
         .route("/jobs/{job}/suspend", post(h::suspend_job))
         .route("/jobs/{job}/resume", post(h::resume_job))
         .route("/sandboxes/{id}/exec", post(h::exec))

@@ -86,6 +86,9 @@ impl SandboxApi for Stub {
     async fn resume_sandbox(&self, _: &str) -> ApiResult<Sandbox> {
         stub_err("resume_sandbox")
     }
+    async fn commit_sandbox(&self, _: &str, _: CommitRequest) -> ApiResult<Image> {
+        stub_err("commit_sandbox")
+    }
     async fn suspend_job(&self, _: &str) -> ApiResult<JobResult> {
         stub_err("suspend_job")
     }

@@ -41,6 +41,7 @@ pub use dsec_wire::v1::{Image, ImageConfig};
 mod extract;
 pub mod mountinfo;
 pub mod oci;
+pub mod packdiff;
 
 /// Default store root on a node.
 pub const DEFAULT_ROOT: &str = "/var/lib/dsec/images";
@@ -493,6 +494,84 @@ impl ImageStore {
         progress: &dyn Fn(ImportProgress),
     ) -> Result<Image> {
         oci::import(self, name, source, flatten, progress)
+    }
+
+    /// packdiff: stores a sandbox's overlayfs upper directory `upper` as a new layer and
+    /// points `name` at `stack` (the sandbox's layers, bottom first) + `previous_diffs`
+    /// (the layers earlier commits of the same sandbox added, bottom first) + the new one.
+    /// With earlier commits only what changed since is stored, deletions as whiteouts.
+    /// The caller keeps `upper` still (the sandbox paused) while this runs.
+    pub fn commit_upper(
+        &self,
+        name: &str,
+        upper: &Path,
+        stack: &[String],
+        previous_diffs: &[String],
+        config: ImageConfig,
+        source: &str,
+    ) -> Result<(Image, packdiff::DiffStats)> {
+        validate_name(name)?;
+        let work = self.tempdir("commit-")?;
+        let tree = work.path().join("tree");
+        std::fs::create_dir(&tree).map_err(|e| ImageError::io("mkdir", &tree, e))?;
+        let mut held = Vec::new();
+        let view = (|| -> Result<Option<PathBuf>> {
+            for d in previous_diffs {
+                held.push((d.clone(), self.acquire(d)?));
+            }
+            match held.as_slice() {
+                [] => Ok(None),
+                [(_, one)] => Ok(Some(one.clone())),
+                many => {
+                    // The merged view of the earlier diffs: a read-only overlay of them.
+                    let view = work.path().join("view");
+                    std::fs::create_dir(&view).map_err(|e| ImageError::io("mkdir", &view, e))?;
+                    let lower: Vec<String> = many
+                        .iter()
+                        .rev()
+                        .map(|(_, p)| p.display().to_string())
+                        .collect();
+                    nix::mount::mount(
+                        Some("overlay"),
+                        &view,
+                        Some("overlay"),
+                        nix::mount::MsFlags::MS_RDONLY,
+                        Some(format!("lowerdir={}", lower.join(":")).as_str()),
+                    )
+                    .map_err(|e| ImageError::io("mount overlay", &view, e.into()))?;
+                    Ok(Some(view))
+                }
+            }
+        })();
+        let copied = match &view {
+            Ok(v) => packdiff::copy_upper(upper, &tree, v.as_deref()),
+            Err(_) => Ok(packdiff::DiffStats::default()),
+        };
+        if held.len() > 1 {
+            let _ =
+                nix::mount::umount2(&work.path().join("view"), nix::mount::MntFlags::MNT_DETACH);
+        }
+        for (d, _) in &held {
+            let _ = self.release(d);
+        }
+        view?;
+        let stats = copied?;
+        let layer = work.path().join("layer.erofs");
+        build_erofs(&tree, &layer, work.path(), &|_| {})?;
+        let (digest, _) = self.put_blob(&layer, &|_| {})?;
+        let mut layers = stack.to_vec();
+        layers.extend(previous_diffs.iter().cloned());
+        layers.push(digest);
+        let mut size = 0;
+        for l in &layers {
+            let blob = self.blob_path(&parse_digest(l)?);
+            size += std::fs::metadata(&blob)
+                .map_err(|e| ImageError::io("stat", &blob, e))?
+                .len();
+        }
+        let img = self.set_ref(name, &layers, size, source, config)?;
+        drop(work);
+        Ok((img, stats))
     }
 
     /// Import an already built EROFS file as image `name` (the file is copied, not moved).

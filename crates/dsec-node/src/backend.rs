@@ -64,6 +64,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     fn pause(&self, id: &str) -> Result<(u64, u64), NodeError>;
     /// Lets a paused sandbox run again.
     fn resume(&self, id: &str) -> Result<(), NodeError>;
+    /// Runs `f` with the host path of the sandbox's writable (overlayfs upper) directory.
+    fn with_upper(
+        &self,
+        id: &str,
+        f: &mut dyn FnMut(&std::path::Path) -> Result<(), NodeError>,
+    ) -> Result<(), NodeError>;
     /// After a node restart: the sandboxes still alive (to adopt); everything else that
     /// this backend left behind is cleaned up.
     fn recover(&self) -> Result<Vec<RuntimeRecord>, NodeError>;

@@ -456,6 +456,30 @@ impl Backend for ContainerBackend {
         Ok(self.cgroup(id)?.thaw()?)
     }
 
+    fn with_upper(
+        &self,
+        id: &str,
+        f: &mut dyn FnMut(&Path) -> Result<(), NodeError>,
+    ) -> Result<(), NodeError> {
+        let Some(disks) = &self.disks else {
+            return f(&self.cfg.sandbox_dir(id).join("upper"));
+        };
+        let mut held = self.disks_held();
+        if !held.contains_key(id) {
+            // Lost with a restart: mount the sandbox's disk once more.
+            let disk = disks.reopen(&self.cfg.sandbox_dir(id).join("disk"))?;
+            held.insert(id.to_string(), disk);
+        }
+        let root = held
+            .get(id)
+            .map(|d| d.root())
+            .ok_or_else(|| NodeError::NotFound(id.to_string()))?;
+        // Not under the lock: a copy may take long. A concurrent delete closes the disk
+        // and fails the copy, which is what a commit of a deleted sandbox should do.
+        drop(held);
+        f(&dsec_disk::upper_dir(&root))
+    }
+
     fn oom_kill_count(&self, id: &str) -> Result<u64, NodeError> {
         Ok(self.cgroup(id)?.oom_kill_count()?)
     }

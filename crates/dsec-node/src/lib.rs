@@ -88,6 +88,16 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
     async fn pause(&self, id: &str) -> Result<(u64, u64), NodeError>;
     /// Thaws a paused sandbox.
     async fn resume(&self, id: &str) -> Result<(), NodeError>;
+    /// packdiff: stores the sandbox's writable layer as a new layer and names the image
+    /// `name` = its layer stack + `previous_diffs` (layers of its earlier commits) + it.
+    /// The sandbox should be paused meanwhile.
+    async fn commit(
+        &self,
+        id: &str,
+        name: &str,
+        previous_diffs: Vec<String>,
+        config: dsec_wire::v1::ImageConfig,
+    ) -> Result<Image, NodeError>;
     /// Number of OOM kills in the sandbox so far.
     async fn oom_kill_count(&self, id: &str) -> Result<u64, NodeError>;
     /// Images on this node.

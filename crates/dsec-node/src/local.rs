@@ -277,6 +277,44 @@ impl NodeApi for LocalNode {
             .map_err(join_err)?
     }
 
+    async fn commit(
+        &self,
+        id: &str,
+        name: &str,
+        previous_diffs: Vec<String>,
+        config: dsec_wire::v1::ImageConfig,
+    ) -> Result<Image, NodeError> {
+        let rec = self.record(id)?;
+        let backend = self.backend.clone();
+        let images = self.images.clone();
+        let (id, name) = (id.to_string(), name.to_string());
+        tokio::task::spawn_blocking(move || {
+            let stack: Vec<String> = rec
+                .layer_digests()
+                .into_iter()
+                .filter(|d| !previous_diffs.contains(d))
+                .collect();
+            let mut out = None;
+            backend.with_upper(&id, &mut |upper| {
+                let (img, stats) = images.commit_upper(
+                    &name,
+                    upper,
+                    &stack,
+                    &previous_diffs,
+                    config.clone(),
+                    &format!("sandbox {id}"),
+                )?;
+                tracing::info!(%id, image = %img.name, copied = stats.copied,
+                    unchanged = stats.unchanged, whiteouts = stats.whiteouts, "sandbox committed");
+                out = Some(img);
+                Ok(())
+            })?;
+            out.ok_or_else(|| NodeError::NotFound(id.clone()))
+        })
+        .await
+        .map_err(join_err)?
+    }
+
     async fn oom_kill_count(&self, id: &str) -> Result<u64, NodeError> {
         self.record(id)?;
         self.backend.oom_kill_count(id)

@@ -230,6 +230,18 @@ pub struct Sandbox {
     /// suspend. Its lifetime is stopped meanwhile and resumes with the job.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job_suspended_at: Option<u64>,
+    /// Layers its commits added so far, bottom first: the next commit stores only what
+    /// changed since the last one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub committed_layers: Vec<String>,
+}
+
+/// `POST /v1/sandboxes/{id}/commit`: the sandbox's files as a new image.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CommitRequest {
+    /// Name of the new image (its layers: the sandbox's, then one per commit).
+    pub name: String,
 }
 
 /// Label that names a sandbox's job.

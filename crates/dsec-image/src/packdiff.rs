@@ -1,0 +1,290 @@
+//! packdiff: a sandbox's writable layer (an overlayfs upper directory) into a new layer.
+//!
+//! The upper directory is already in the form a lower layer needs: deletions are 0:0
+//! character devices, replaced directories carry `trusted.overlay.opaque`. The copy keeps
+//! files, directories, symlinks, hard links (as links), FIFOs, owners, modes (setuid
+//! included), nanosecond mtimes and `user.*`/`security.*` xattrs, and of overlayfs's own
+//! xattrs only `opaque`: `origin`, `impure` and the like describe the sandbox's mount and
+//! must not travel. Other device nodes are dropped, as on import. With a previous snapshot
+//! of the same sandbox, only what differs from it is copied (incremental packdiff).
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::fs;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::Path;
+
+use crate::ImageError;
+
+const OPAQUE_XATTR: &[u8] = b"trusted.overlay.opaque";
+
+/// What one copy did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct DiffStats {
+    /// Entries copied.
+    pub copied: u64,
+    /// Entries skipped because the previous snapshot already has them as they are.
+    pub unchanged: u64,
+    /// Whiteouts (deletions) carried.
+    pub whiteouts: u64,
+}
+
+/// Copies the upper directory `upper` into the empty directory `dest`. With `previous`
+/// (the mounted tree of this sandbox's last snapshot), a regular file, symlink or whiteout
+/// that the previous snapshot holds identically is left out; directories are always kept
+/// (they carry the tree and their metadata).
+pub fn copy_upper(
+    upper: &Path,
+    dest: &Path,
+    previous: Option<&Path>,
+) -> Result<DiffStats, ImageError> {
+    let mut stats = DiffStats::default();
+    let mut links: HashMap<(u64, u64), std::path::PathBuf> = HashMap::new();
+    let root_meta = fs::symlink_metadata(upper).map_err(|e| ImageError::io("stat", upper, e))?;
+    copy_meta(upper, dest, &root_meta)?;
+    copy_dir(upper, dest, previous, &mut links, &mut stats)?;
+    set_times(dest, &root_meta)?;
+    Ok(stats)
+}
+
+fn copy_dir(
+    src: &Path,
+    dest: &Path,
+    previous: Option<&Path>,
+    links: &mut HashMap<(u64, u64), std::path::PathBuf>,
+    stats: &mut DiffStats,
+) -> Result<(), ImageError> {
+    let mut entries: Vec<_> = fs::read_dir(src)
+        .map_err(|e| ImageError::io("read_dir", src, e))?
+        .collect::<Result<_, _>>()
+        .map_err(|e| ImageError::io("read_dir", src, e))?;
+    entries.sort_by_key(|e| e.file_name());
+    for entry in entries {
+        let from = entry.path();
+        let to = dest.join(entry.file_name());
+        let prev = previous.map(|p| p.join(entry.file_name()));
+        let meta = fs::symlink_metadata(&from).map_err(|e| ImageError::io("stat", &from, e))?;
+        let ft = meta.file_type();
+        if ft.is_dir() {
+            fs::create_dir(&to).map_err(|e| ImageError::io("mkdir", &to, e))?;
+            copy_meta(&from, &to, &meta)?;
+            // An opaque directory hides everything below it: compare nothing underneath.
+            let prev = if is_opaque(&from) { None } else { prev };
+            copy_dir(
+                &from,
+                &to,
+                prev.as_deref().filter(|p| p.is_dir()),
+                links,
+                stats,
+            )?;
+            set_times(&to, &meta)?;
+            stats.copied += 1;
+            continue;
+        }
+        if prev.as_deref().is_some_and(|p| same_entry(&from, &meta, p)) {
+            stats.unchanged += 1;
+            continue;
+        }
+        if meta.nlink() > 1 && !ft.is_dir() {
+            if let Some(first) = links.get(&(meta.dev(), meta.ino())) {
+                fs::hard_link(first, &to).map_err(|e| ImageError::io("link", &to, e))?;
+                stats.copied += 1;
+                continue;
+            }
+        }
+        if ft.is_file() {
+            fs::copy(&from, &to).map_err(|e| ImageError::io("copy", &from, e))?;
+        } else if ft.is_symlink() {
+            let target = fs::read_link(&from).map_err(|e| ImageError::io("readlink", &from, e))?;
+            std::os::unix::fs::symlink(&target, &to)
+                .map_err(|e| ImageError::io("symlink", &to, e))?;
+        } else if ft.is_char_device() && meta.rdev() == 0 {
+            mknod(&to, libc::S_IFCHR, 0)?;
+            stats.whiteouts += 1;
+        } else if ft.is_fifo() {
+            mknod(&to, libc::S_IFIFO, 0)?;
+        } else {
+            // Devices and sockets do not belong in an image layer.
+            continue;
+        }
+        copy_meta(&from, &to, &meta)?;
+        set_times(&to, &meta)?;
+        if meta.nlink() > 1 {
+            links.insert((meta.dev(), meta.ino()), to);
+        }
+        stats.copied += 1;
+    }
+    // What the previous snapshot has here and the upper no longer has was deleted since
+    // (the upper only grows, and keeps a whiteout for what the base layers hold).
+    if let Some(prev) = previous {
+        let gone: Vec<_> = fs::read_dir(prev)
+            .map_err(|e| ImageError::io("read_dir", prev, e))?
+            .filter_map(Result::ok)
+            .map(|e| e.file_name())
+            .filter(|n| !src.join(n).exists() && fs::symlink_metadata(src.join(n)).is_err())
+            .collect();
+        for name in gone {
+            mknod(&dest.join(&name), libc::S_IFCHR, 0)?;
+            stats.whiteouts += 1;
+        }
+    }
+    Ok(())
+}
+
+/// Whether `prev` (in the previous snapshot) is the same entry as `src`: same type, mode,
+/// owner, mtime and link count (a hard link whose partner was deleted must be stored
+/// again), and the same size and bytes (files), target (symlinks) or whiteout.
+fn same_entry(src: &Path, meta: &fs::Metadata, prev: &Path) -> bool {
+    let Ok(pm) = fs::symlink_metadata(prev) else {
+        return false;
+    };
+    let (a, b) = (meta.file_type(), pm.file_type());
+    if meta.mode() != pm.mode()
+        || meta.uid() != pm.uid()
+        || meta.gid() != pm.gid()
+        || meta.mtime() != pm.mtime()
+        || meta.mtime_nsec() != pm.mtime_nsec()
+        || meta.nlink() != pm.nlink()
+    {
+        return false;
+    }
+    if a.is_file() && b.is_file() {
+        meta.len() == pm.len() && same_bytes(src, prev)
+    } else if a.is_symlink() && b.is_symlink() {
+        fs::read_link(src).ok() == fs::read_link(prev).ok()
+    } else {
+        a.is_char_device() && b.is_char_device() && meta.rdev() == 0 && pm.rdev() == 0
+    }
+}
+
+fn same_bytes(a: &Path, b: &Path) -> bool {
+    use std::io::Read;
+    let (Ok(mut fa), Ok(mut fb)) = (fs::File::open(a), fs::File::open(b)) else {
+        return false;
+    };
+    let (mut ba, mut bb) = (vec![0u8; 1 << 16], vec![0u8; 1 << 16]);
+    loop {
+        let (Ok(na), Ok(nb)) = (fa.read(&mut ba), fb.read(&mut bb)) else {
+            return false;
+        };
+        if na != nb || ba[..na] != bb[..nb] {
+            return false;
+        }
+        if na == 0 {
+            return true;
+        }
+    }
+}
+
+fn cpath(p: &Path) -> Result<CString, ImageError> {
+    CString::new(p.as_os_str().as_bytes()).map_err(|_| ImageError::Archive {
+        path: p.to_path_buf(),
+        message: "path contains NUL".into(),
+    })
+}
+
+fn mknod(path: &Path, kind: libc::mode_t, dev: libc::dev_t) -> Result<(), ImageError> {
+    let c = cpath(path)?;
+    // SAFETY: mknod with a valid NUL-terminated path.
+    if unsafe { libc::mknod(c.as_ptr(), kind | 0o600, dev) } != 0 {
+        return Err(ImageError::io(
+            "mknod",
+            path,
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
+}
+
+/// The xattrs of `path` that travel into a layer.
+fn xattrs(path: &Path) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let Ok(c) = cpath(path) else {
+        return Vec::new();
+    };
+    let mut names = vec![0u8; 4096];
+    // SAFETY: llistxattr into a buffer of the given size.
+    let n = unsafe { libc::llistxattr(c.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
+    if n <= 0 {
+        return Vec::new();
+    }
+    names.truncate(n as usize);
+    let mut out = Vec::new();
+    for name in names.split(|&b| b == 0).filter(|n| !n.is_empty()) {
+        let keep =
+            name == OPAQUE_XATTR || name.starts_with(b"user.") || name.starts_with(b"security.");
+        if !keep {
+            continue;
+        }
+        let Ok(cname) = CString::new(name) else {
+            continue;
+        };
+        let mut value = vec![0u8; 65536];
+        // SAFETY: lgetxattr into a buffer of the given size.
+        let len = unsafe {
+            libc::lgetxattr(
+                c.as_ptr(),
+                cname.as_ptr(),
+                value.as_mut_ptr().cast(),
+                value.len(),
+            )
+        };
+        if len >= 0 {
+            value.truncate(len as usize);
+            out.push((name.to_vec(), value));
+        }
+    }
+    out
+}
+
+fn is_opaque(dir: &Path) -> bool {
+    xattrs(dir)
+        .iter()
+        .any(|(n, v)| n == OPAQUE_XATTR && v.as_slice() == b"y")
+}
+
+/// Owner, mode and xattrs of `src` onto `dest` (times come last, see [`set_times`]).
+fn copy_meta(src: &Path, dest: &Path, meta: &fs::Metadata) -> Result<(), ImageError> {
+    std::os::unix::fs::lchown(dest, Some(meta.uid()), Some(meta.gid()))
+        .map_err(|e| ImageError::io("chown", dest, e))?;
+    if !meta.file_type().is_symlink() {
+        fs::set_permissions(dest, fs::Permissions::from_mode(meta.mode() & 0o7777))
+            .map_err(|e| ImageError::io("chmod", dest, e))?;
+    }
+    let c = cpath(dest)?;
+    for (name, value) in xattrs(src) {
+        let Ok(cname) = CString::new(name) else {
+            continue;
+        };
+        // SAFETY: lsetxattr with valid strings and a buffer of the given length.
+        let rc = unsafe {
+            libc::lsetxattr(
+                c.as_ptr(),
+                cname.as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+                0,
+            )
+        };
+        if rc != 0 {
+            let err = std::io::Error::last_os_error();
+            // Some file systems refuse xattrs on symlinks; that loses nothing we need.
+            if !meta.file_type().is_symlink() {
+                return Err(ImageError::io("setxattr", dest, err));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn set_times(dest: &Path, meta: &fs::Metadata) -> Result<(), ImageError> {
+    let t = nix::sys::time::TimeSpec::new(meta.mtime(), meta.mtime_nsec());
+    nix::sys::stat::utimensat(
+        None,
+        dest,
+        &t,
+        &t,
+        nix::sys::stat::UtimensatFlags::NoFollowSymlink,
+    )
+    .map_err(|e| ImageError::io("utimensat", dest, e.into()))
+}
