@@ -18,6 +18,8 @@ use clap::Parser;
 use dsec_e2e::{sh, Server};
 use dsec_wire::v1::{CreateSandboxRequest, ExecRequest};
 
+mod lifecycle;
+
 /// Command line.
 #[derive(Debug, Parser)]
 #[command(about = "dsec vs crun/runc, side by side")]
@@ -303,7 +305,7 @@ fn spawn_floor(n: usize) -> Stats {
     }
 }
 
-fn argv_true() -> ExecRequest {
+pub(crate) fn argv_true() -> ExecRequest {
     ExecRequest {
         cmd: dsec_wire::v1::Command::Argv(vec!["true".into()]),
         ..sh("")
@@ -501,6 +503,26 @@ fn main() -> anyhow::Result<()> {
             conc.push((workers, st, failures, secs));
         }
         print_concurrency(&conc);
+
+        let steps = if args.quick { 300 } else { 1000 };
+        let protection = lifecycle::cpu_protection(&server, steps).await?;
+        print_table("CPU protection: step time of a latency-sensitive loop (1 ms work, 1 ms sleep)", &protection, "alone");
+
+        let job_n = if args.quick { 20 } else { 100 };
+        let job = lifecycle::job_suspend_resume(&server, job_n).await?;
+        println!("\n## job suspend/resume ({} sandboxes, 16 MiB page cache each)\n", job.sandboxes);
+        println!("| suspend ms | resume ms | memory before MiB | memory after MiB | returned | exec after resume p50 ms |");
+        println!("|---|---|---|---|---|---|");
+        println!("| {:.0} | {:.0} | {:.0} | {:.0} | {:.0}% | {:.2} |", job.suspend_ms, job.resume_ms,
+            job.memory_before as f64 / 1048576.0, job.memory_after as f64 / 1048576.0,
+            100.0 * (1.0 - job.memory_after as f64 / job.memory_before.max(1) as f64), job.exec_after_resume.pct(50.0));
+
+        let idle_n = if args.quick { 50 } else { 200 };
+        let (mib, procs, fds, idle_exec) = lifecycle::idle_cost(&server, idle_n).await?;
+        println!("\n## cost of an idle sandbox (with one open shell session), {idle_n} sandboxes\n");
+        println!("| host memory MiB | processes | fds | exec true p50 ms | exec true p99 ms |");
+        println!("|---|---|---|---|---|");
+        println!("| {mib:.2} | {procs:.1} | {fds:.1} | {:.2} | {:.2} |", idle_exec.pct(50.0), idle_exec.pct(99.0));
         let left = server.client().list_sandboxes(Default::default()).await?.sandboxes.len();
         // Sandbox cgroups are the subdirectories (the parent also holds control files).
         let cgroups = std::fs::read_dir("/sys/fs/cgroup/memory/dsec")

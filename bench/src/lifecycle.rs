@@ -1,0 +1,229 @@
+//! Density and preemption measurements (issue #6): CPU protection of a latency-sensitive
+//! sandbox from best-effort ones, job suspend/resume with memory reclaim, and the host
+//! cost of an idle sandbox.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use dsec_client::Client;
+use dsec_e2e::{sh, Server};
+use dsec_wire::v1::{
+    Command, CreateSandboxRequest, CreateSessionRequest, Qos, StartProcessRequest, JOB_LABEL,
+};
+
+use crate::Stats;
+
+/// A loop of 1 ms of CPU work then 1 ms of sleep; prints each step's time in ms.
+const STEP_LOOP: &str = r#"
+import json, time, sys
+steps = []
+for _ in range(int(sys.argv[1])):
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 0.001:
+        pass
+    time.sleep(0.001)
+    steps.append((time.perf_counter() - t0) * 1000)
+print(json.dumps(steps))
+"#;
+
+async fn step_times(c: &Client, id: &str, steps: usize) -> anyhow::Result<Vec<f64>> {
+    let cmd = format!("python3 -c '{STEP_LOOP}' {steps}");
+    let r = c.exec(id, sh(&cmd)).await?;
+    if r.exit.exit_code != Some(0) {
+        bail!("step loop failed: {r:?}");
+    }
+    serde_json::from_str(r.stdout.trim()).context("step loop output")
+}
+
+async fn hogs(c: &Client, qos: Qos, n: usize) -> anyhow::Result<Vec<String>> {
+    let mut ids = Vec::new();
+    for _ in 0..n {
+        let sb = c
+            .create_sandbox(CreateSandboxRequest {
+                qos,
+                ..Default::default()
+            })
+            .await?;
+        c.start_process(
+            &sb.id,
+            StartProcessRequest {
+                cmd: Command::Shell("while :; do :; done".into()),
+                env: BTreeMap::new(),
+                cwd: None,
+                pty: None,
+                tag: Some("hog".into()),
+                timeout_s: None,
+            },
+        )
+        .await?;
+        ids.push(sb.id);
+    }
+    Ok(ids)
+}
+
+/// Per-step time of a latency-sensitive loop alone, next to CPU hogs of equal class
+/// (unprotected), and next to best-effort hogs (SCHED_IDLE + lowest weight).
+pub async fn cpu_protection(server: &Server, steps: usize) -> anyhow::Result<Vec<Stats>> {
+    let c = server.client();
+    let cores = std::thread::available_parallelism()
+        .map(|p| p.get())
+        .unwrap_or(2);
+    let ls = c.create_sandbox(CreateSandboxRequest::default()).await?;
+    step_times(&c, &ls.id, 20).await?; // warm the interpreter's files
+    let mut rows = vec![Stats {
+        name: "alone".into(),
+        samples: step_times(&c, &ls.id, steps).await?,
+        note: Some("1 ms work + 1 ms sleep per step".into()),
+    }];
+    for (qos, name) in [
+        (Qos::LatencySensitive, "unprotected: hogs latency_sensitive"),
+        (Qos::BestEffort, "protected: hogs best_effort (SCHED_IDLE)"),
+    ] {
+        // Overcommitted, as a dense node is: four spinning sandboxes per core.
+        let ids = hogs(&c, qos, 4 * cores).await?;
+        rows.push(Stats {
+            name: name.into(),
+            samples: step_times(&c, &ls.id, steps).await?,
+            note: Some(format!("{} sandboxes spinning ({cores} cores)", 4 * cores)),
+        });
+        for id in ids {
+            c.delete_sandbox(&id).await?;
+        }
+    }
+    c.delete_sandbox(&ls.id).await?;
+    Ok(rows)
+}
+
+/// One row of the job table.
+pub struct JobRow {
+    pub sandboxes: usize,
+    pub suspend_ms: f64,
+    pub resume_ms: f64,
+    pub memory_before: u64,
+    pub memory_after: u64,
+    pub exec_after_resume: Stats,
+}
+
+/// Suspends and resumes a job of `n` sandboxes that each hold 16 MiB of page cache.
+pub async fn job_suspend_resume(server: &Server, n: usize) -> anyhow::Result<JobRow> {
+    let c = server.client();
+    let job = format!("bench-{}", std::process::id());
+    let mut ids = Vec::new();
+    for _ in 0..n {
+        let sb = c
+            .create_sandbox(CreateSandboxRequest {
+                labels: [(JOB_LABEL.to_string(), job.clone())].into(),
+                ..Default::default()
+            })
+            .await?;
+        let r = c
+            .exec(
+                &sb.id,
+                sh("dd if=/dev/zero of=/tmp/cache bs=1M count=16 conv=fsync status=none && cat /tmp/cache >/dev/null"),
+            )
+            .await?;
+        if r.exit.exit_code != Some(0) {
+            bail!("filling page cache failed: {r:?}");
+        }
+        ids.push(sb.id);
+    }
+    let t = Instant::now();
+    let suspended = c.suspend_job(&job).await?;
+    let suspend_ms = t.elapsed().as_secs_f64() * 1000.0;
+    if let Some(o) = suspended.sandboxes.iter().find(|o| o.error.is_some()) {
+        bail!("suspend failed: {o:?}");
+    }
+    let memory_before = suspended
+        .sandboxes
+        .iter()
+        .map(|o| o.memory_before_bytes)
+        .sum();
+    let memory_after = suspended
+        .sandboxes
+        .iter()
+        .map(|o| o.memory_after_bytes)
+        .sum();
+    let t = Instant::now();
+    let resumed = c.resume_job(&job).await?;
+    let resume_ms = t.elapsed().as_secs_f64() * 1000.0;
+    if let Some(o) = resumed.sandboxes.iter().find(|o| o.error.is_some()) {
+        bail!("resume failed: {o:?}");
+    }
+    let mut exec = Vec::new();
+    for id in &ids {
+        let t = Instant::now();
+        c.exec(id, crate::argv_true()).await?;
+        exec.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    for id in &ids {
+        c.delete_sandbox(id).await?;
+    }
+    Ok(JobRow {
+        sandboxes: n,
+        suspend_ms,
+        resume_ms,
+        memory_before,
+        memory_after,
+        exec_after_resume: Stats {
+            name: "exec true after resume".into(),
+            samples: exec,
+            note: None,
+        },
+    })
+}
+
+fn mem_available() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
+}
+
+/// Host cost of an idle sandbox with one open shell session: memory, processes, fds.
+pub async fn idle_cost(server: &Server, n: usize) -> anyhow::Result<(f64, f64, f64, Stats)> {
+    let c = server.client();
+    let before = mem_available();
+    let mut ids = Vec::new();
+    for _ in 0..n {
+        let sb = c.create_sandbox(CreateSandboxRequest::default()).await?;
+        c.create_session(&sb.id, CreateSessionRequest::default())
+            .await?;
+        ids.push(sb.id);
+    }
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    let after = mem_available();
+    let procs: usize = ids
+        .iter()
+        .map(|id| dsec_e2e::host::processes(id).len())
+        .sum();
+    let fds: usize = ids
+        .iter()
+        .flat_map(|id| dsec_e2e::host::processes(id))
+        .filter_map(|pid| std::fs::read_dir(format!("/proc/{pid}/fd")).ok())
+        .map(|d| d.count())
+        .sum();
+    let mut exec = Vec::new();
+    for id in &ids {
+        let t = Instant::now();
+        c.exec(id, crate::argv_true()).await?;
+        exec.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    for id in &ids {
+        c.delete_sandbox(id).await?;
+    }
+    let per = |x: f64| x / n as f64;
+    Ok((
+        per(before.saturating_sub(after) as f64) / (1 << 20) as f64,
+        per(procs as f64),
+        per(fds as f64),
+        Stats {
+            name: format!("exec true with {n} idle sandboxes"),
+            samples: exec,
+            note: None,
+        },
+    ))
+}
