@@ -77,6 +77,16 @@ pub struct ServeArgs {
     /// size-limited file system); 0 lets sandboxes write to the node's disk unlimited.
     #[arg(long, default_value_t = 10240)]
     pub disk_mb: u64,
+    /// Sandboxes' requested CPU may add up to this many times the host's CPUs (most
+    /// sandboxes idle; memory is what really fills a node).
+    #[arg(long, default_value_t = 200.0)]
+    pub cpu_overcommit: f64,
+    /// Host memory (MiB) kept free for the node: below it creates answer `capacity`.
+    #[arg(long, default_value_t = 512)]
+    pub memory_reserve_mb: u64,
+    /// Most sandboxes on this node (0: no count limit).
+    #[arg(long, default_value_t = 0)]
+    pub max_sandboxes: usize,
     /// Disks of the default size kept formatted and mounted for fast creates (deleted
     /// sandboxes' lightly used disks refill it, up to twice this many).
     #[arg(long, default_value_t = 32)]

@@ -45,6 +45,31 @@ fn raise_nofile() {
     }
 }
 
+/// Kernel limits that cap how many sandboxes fit on a node, and the floor dsec raises
+/// them to at start (never lowers): thousands of sandboxes need thousands of pids (each
+/// sandbox's processes), inotify instances (editors, file watchers inside) and watches.
+const KERNEL_FLOORS: &[(&str, u64)] = &[
+    ("/proc/sys/kernel/pid_max", 4_194_304),
+    ("/proc/sys/fs/inotify/max_user_instances", 8192),
+    ("/proc/sys/fs/inotify/max_user_watches", 1_048_576),
+];
+
+fn raise_kernel_limits() {
+    for (path, floor) in KERNEL_FLOORS {
+        let current = std::fs::read_to_string(path)
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok());
+        match current {
+            Some(v) if v >= *floor => {}
+            Some(v) => match std::fs::write(path, floor.to_string()) {
+                Ok(()) => tracing::info!(path, from = v, to = floor, "raised kernel limit"),
+                Err(e) => tracing::warn!(path, error = %e, "cannot raise kernel limit"),
+            },
+            None => tracing::warn!(path, "cannot read kernel limit"),
+        }
+    }
+}
+
 /// Runs the server until SIGINT or SIGTERM.
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let _ = tracing_subscriber::fmt()
@@ -59,6 +84,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         bail!("dsec serve must run as root: it creates namespaces, mounts and cgroups");
     }
     raise_nofile();
+    raise_kernel_limits();
     let agent_bin = agent_bin(&args)?;
     let name = match &args.node_name {
         Some(n) => n.clone(),
@@ -77,6 +103,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             default_mb: args.disk_mb,
             pool_size: args.disk_pool,
         }),
+        admission: dsec_node::admission::AdmissionConfig {
+            cpu_overcommit: args.cpu_overcommit,
+            memory_reserve_bytes: args.memory_reserve_mb << 20,
+            max_sandboxes: args.max_sandboxes,
+        },
     };
     let node = LocalNode::open(node_cfg)
         .await

@@ -65,6 +65,7 @@ impl SandboxApi for Fake {
             node: "n".into(),
             cgroup: "v2".into(),
             sandboxes: 0,
+            capacity: None,
         })
     }
     async fn create_sandbox(&self, _: CreateSandboxRequest) -> ApiResult<Sandbox> {

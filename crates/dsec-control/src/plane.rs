@@ -644,12 +644,22 @@ impl SandboxApi for ControlPlane {
     }
 
     async fn health(&self) -> ApiResult<Health> {
+        let c = self.node.capacity().await;
+        let sandboxes = self.lock().len() as u64;
         Ok(Health {
             status: "ok".into(),
             version: env!("CARGO_PKG_VERSION").into(),
             node: self.node.name().into(),
             cgroup: self.node.cgroup_version().into(),
-            sandboxes: self.lock().len() as u64,
+            sandboxes,
+            capacity: Some(NodeCapacity {
+                cpu_millis_allocatable: c.cpu_millis_allocatable,
+                cpu_millis_requested: c.cpu_millis_requested,
+                memory_available_bytes: c.memory_available_bytes,
+                memory_reserve_bytes: c.memory_reserve_bytes,
+                sandboxes: c.sandboxes as u64,
+                max_sandboxes: c.max_sandboxes as u64,
+            }),
         })
     }
 

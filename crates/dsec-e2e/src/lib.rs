@@ -113,6 +113,7 @@ pub struct Server {
     pub key: String,
     child: Option<Child>,
     root: PathBuf,
+    extra_args: Vec<String>,
 }
 
 impl Server {
@@ -120,6 +121,11 @@ impl Server {
     /// first; otherwise an earlier run's state (images, leftover sandboxes) is reused and
     /// the server's own recovery cleans it.
     pub async fn start(name: &str, fresh: bool) -> anyhow::Result<Self> {
+        Self::start_with(name, fresh, &[]).await
+    }
+
+    /// [`Server::start`] with more `dsec serve` flags.
+    pub async fn start_with(name: &str, fresh: bool, args: &[&str]) -> anyhow::Result<Self> {
         let root = std::env::temp_dir().join("dsec-e2e").join(name);
         if fresh && root.exists() {
             kill_leftovers(&root.join("state"));
@@ -133,6 +139,7 @@ impl Server {
             key: String::new(),
             child: None,
             root,
+            extra_args: args.iter().map(|a| a.to_string()).collect(),
         };
         s.spawn().await?;
         Ok(s)
@@ -160,6 +167,7 @@ impl Server {
             .arg(&self.state_dir)
             .arg("--run-dir")
             .arg(&self.run_dir)
+            .args(&self.extra_args)
             .stdout(Stdio::from(log.try_clone()?))
             .stderr(Stdio::from(log))
             .spawn()

@@ -60,6 +60,7 @@ impl SandboxApi for Stub {
             node: "stub".into(),
             cgroup: "v2".into(),
             sandboxes: 0,
+            capacity: None,
         })
     }
     async fn create_sandbox(&self, _: CreateSandboxRequest) -> ApiResult<Sandbox> {

@@ -24,6 +24,9 @@ pub struct RuntimeRecord {
     /// Size of the sandbox's disk in MiB, if it has one.
     #[serde(default)]
     pub disk_mb: Option<u64>,
+    /// Requested CPU in millicores (for admission).
+    #[serde(default)]
+    pub cpu_millis: u64,
     /// Digests of the layers it stacks, bottom first (each holds one mount reference);
     /// empty in records from before multi-layer images: then `image_digest` is the layer.
     #[serde(default)]

@@ -17,6 +17,8 @@ pub struct NodeConfig {
     pub create_timeout: std::time::Duration,
     /// Per-sandbox disks; `None` lets sandboxes write to the node's disk without limit.
     pub disk: Option<DiskSettings>,
+    /// How many sandboxes the node admits.
+    pub admission: crate::admission::AdmissionConfig,
 }
 
 /// Size-limited sandbox disks (see `dsec-disk`).

@@ -205,6 +205,7 @@ impl ContainerBackend {
             agent_socket: socket,
             disk_mb,
             layers: layers.layers.iter().map(|(d, _)| d.clone()).collect(),
+            cpu_millis: spec.cpu_millis,
         };
         let json = serde_json::to_vec_pretty(&rec).map_err(|e| create_err(id, e))?;
         let rec_path = dir.join("runtime.json");

@@ -14,6 +14,9 @@ pub enum NodeError {
     /// A sandbox disk could not be made or released.
     #[error("disk: {0}")]
     Disk(#[from] dsec_disk::DiskError),
+    /// The node is full; retry later or elsewhere.
+    #[error("node at capacity: {0}")]
+    Capacity(String),
     /// The request asks for something this node is not set up to do.
     #[error("{0}")]
     Unsupported(String),
@@ -68,6 +71,7 @@ impl NodeError {
             NodeError::Agent { .. } => ErrorCode::AgentUnavailable,
             NodeError::Create { .. } | NodeError::Disk(_) => ErrorCode::Failed,
             NodeError::Unsupported(_) => ErrorCode::BadRequest,
+            NodeError::Capacity(_) => ErrorCode::Capacity,
             NodeError::Cgroup(_) | NodeError::Io { .. } => ErrorCode::Internal,
         };
         ApiError::new(code, self.to_string())

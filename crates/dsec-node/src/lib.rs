@@ -13,6 +13,7 @@
 //! - the overlay lives in the sandbox's own mount namespace; the only per-sandbox
 //!   host mount is its disk, under the sandbox's directory; shared layer mounts are refcounted by the image store.
 
+pub mod admission;
 pub mod agent_conn;
 pub mod backend;
 pub mod config;
@@ -100,6 +101,8 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
     ) -> Result<Image, NodeError>;
     /// Number of OOM kills in the sandbox so far.
     async fn oom_kill_count(&self, id: &str) -> Result<u64, NodeError>;
+    /// Capacity and load, for placement.
+    async fn capacity(&self) -> admission::Capacity;
     /// Images on this node.
     async fn list_images(&self) -> Result<Vec<Image>, NodeError>;
     /// One image by name or digest.

@@ -10,6 +10,7 @@ use dsec_image::ImageStore;
 use dsec_wire::v1::Image;
 use tokio::net::UnixStream;
 
+use crate::admission::{Admission, Capacity};
 use crate::backend::{Backend, Layers, RuntimeRecord};
 use crate::container::ContainerBackend;
 use crate::{AgentConn, NodeApi, NodeConfig, NodeCreateSpec, NodeError, NodeSandbox};
@@ -22,6 +23,7 @@ pub struct LocalNode {
     images: Arc<ImageStore>,
     backend: Arc<dyn Backend>,
     sandboxes: Mutex<HashMap<String, RuntimeRecord>>,
+    admission: Admission,
 }
 
 fn join_err(e: tokio::task::JoinError) -> NodeError {
@@ -65,6 +67,7 @@ impl LocalNode {
         }
         images.cleanup_unused(&refs.keys().cloned().collect::<HashSet<_>>())?;
         let node = Arc::new(Self {
+            admission: Admission::new(cfg.admission),
             cfg,
             cgroup_version: cgroups.version(),
             images,
@@ -147,6 +150,12 @@ impl LocalNode {
         })
     }
 
+    /// Requested CPU (millicores) and number of the sandboxes with a runtime record.
+    fn load(&self) -> (u64, usize) {
+        let table = self.lock();
+        (table.values().map(|r| r.cpu_millis).sum(), table.len())
+    }
+
     fn record(&self, id: &str) -> Result<RuntimeRecord, NodeError> {
         self.lock()
             .get(id)
@@ -174,6 +183,8 @@ impl NodeApi for LocalNode {
     }
 
     async fn create(&self, spec: NodeCreateSpec) -> Result<NodeSandbox, NodeError> {
+        let (live_cpu, live) = self.load();
+        let _ticket = self.admission.admit(spec.cpu_millis, live_cpu, live)?;
         let layers = self.mount_layers(&spec)?;
         let backend = self.backend.clone();
         let spec2 = spec.clone();
@@ -322,6 +333,11 @@ impl NodeApi for LocalNode {
 
     async fn image(&self, name: &str) -> Result<Image, NodeError> {
         Ok(self.images.image_info(name)?)
+    }
+
+    async fn capacity(&self) -> Capacity {
+        let (cpu, n) = self.load();
+        self.admission.capacity(cpu, n)
     }
 
     async fn list_images(&self) -> Result<Vec<Image>, NodeError> {

@@ -566,4 +566,24 @@ pub struct Health {
     pub cgroup: String,
     /// Live sandboxes.
     pub sandboxes: u64,
+    /// What the node admits and holds now, for placement.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<NodeCapacity>,
+}
+
+/// A node's capacity and load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeCapacity {
+    /// Requested CPU the node admits in total (CPUs x overcommit), millicores.
+    pub cpu_millis_allocatable: u64,
+    /// Requested CPU of its sandboxes, millicores.
+    pub cpu_millis_requested: u64,
+    /// Host memory available now.
+    pub memory_available_bytes: u64,
+    /// Memory the node keeps free for itself; below it nothing is admitted.
+    pub memory_reserve_bytes: u64,
+    /// Sandboxes on the node (running and starting).
+    pub sandboxes: u64,
+    /// Most sandboxes it runs (0: no count limit).
+    pub max_sandboxes: u64,
 }

@@ -1,0 +1,123 @@
+//! Admission: a full node answers a retryable `capacity` error naming the resource, keeps
+//! no record of the refused sandbox, and admits again after a delete. Also checks the
+//! kernel limits `dsec serve` raises at start.
+
+use dsec_e2e::{require_root, Server};
+use dsec_wire::v1::*;
+use dsec_wire::ErrorCode;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_node_refuses_with_capacity_and_admits_again_after_a_delete() {
+    if !require_root() {
+        return;
+    }
+    let s = Server::start_with(
+        "capacity",
+        true,
+        &[
+            "--max-sandboxes",
+            "3",
+            "--disk-pool",
+            "2",
+            "--cpu-overcommit",
+            "8",
+        ],
+    )
+    .await
+    .expect("server");
+    s.ensure_base(None).await.expect("base image");
+    let c = s.client();
+    let cap = c
+        .health()
+        .await
+        .expect("health")
+        .capacity
+        .expect("capacity");
+    assert_eq!(cap.max_sandboxes, 3);
+    assert_eq!(cap.sandboxes, 0);
+    let cpus = std::thread::available_parallelism()
+        .map(|p| p.get())
+        .unwrap_or(1) as u64;
+    assert_eq!(
+        cap.cpu_millis_allocatable,
+        cpus * 1000 * 8,
+        "--cpu-overcommit 8"
+    );
+    assert!(cap.memory_available_bytes > cap.memory_reserve_bytes);
+
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(
+            c.create_sandbox(CreateSandboxRequest::default())
+                .await
+                .expect("create")
+                .id,
+        );
+    }
+    let cap = c
+        .health()
+        .await
+        .expect("health")
+        .capacity
+        .expect("capacity");
+    assert_eq!((cap.sandboxes, cap.cpu_millis_requested), (3, 3000));
+    let e = c
+        .create_sandbox(CreateSandboxRequest::default())
+        .await
+        .expect_err("a fourth does not fit");
+    let dsec_client::ClientError::Api(api) = e else {
+        panic!("expected an API error, got {e}");
+    };
+    assert_eq!(api.code, ErrorCode::Capacity);
+    assert!(api.code.retryable());
+    assert!(api.message.contains("at most 3"), "{}", api.message);
+    assert_eq!(
+        c.list_sandboxes(Default::default())
+            .await
+            .expect("list")
+            .sandboxes
+            .len(),
+        3
+    );
+
+    c.delete_sandbox(&ids.pop().expect("id"))
+        .await
+        .expect("delete");
+    ids.push(
+        c.create_sandbox(CreateSandboxRequest::default())
+            .await
+            .expect("admitted again")
+            .id,
+    );
+
+    // CPU: more than CPUs x overcommit is refused whatever the count.
+    c.delete_sandbox(&ids.pop().expect("id"))
+        .await
+        .expect("delete");
+    let e = c
+        .create_sandbox(CreateSandboxRequest {
+            resources: Resources {
+                cpu: Some(64.0),
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .await
+        .expect_err("64 cores requested");
+    let dsec_client::ClientError::Api(api) = e else {
+        panic!("expected an API error, got {e}");
+    };
+    assert_eq!(api.code, ErrorCode::Capacity);
+    assert!(api.message.contains("CPU"), "{}", api.message);
+    for id in ids {
+        c.delete_sandbox(&id).await.expect("delete");
+    }
+
+    // Limits that cap density were raised at start.
+    let pid_max: u64 = std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .expect("pid_max")
+        .trim()
+        .parse()
+        .expect("number");
+    assert!(pid_max >= 4_194_304, "pid_max {pid_max}");
+}
