@@ -55,6 +55,15 @@ pub enum JobCommand {
     },
 }
 
+/// `--qos` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum QosArg {
+    /// Normal scheduling, double CPU weight.
+    LatencySensitive,
+    /// SCHED_IDLE, lowest CPU weight.
+    BestEffort,
+}
+
 /// `dsec serve`.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
@@ -197,6 +206,9 @@ pub struct CreateArgs {
     /// When paused, resume on the next command instead of answering `paused`.
     #[arg(long)]
     pub auto_resume: bool,
+    /// CPU class: best-effort sandboxes run SCHED_IDLE and yield to everything else.
+    #[arg(long, value_enum, default_value_t = QosArg::LatencySensitive)]
+    pub qos: QosArg,
     /// Writable disk size in MiB (server default: 10240).
     #[arg(long)]
     pub disk_mb: Option<u64>,
@@ -455,6 +467,14 @@ mod tests {
             "team=rl",
             "--file",
             "./x.py:/work/x.py",
+            "--qos",
+            "best-effort",
+            "--layer",
+            "ws",
+            "--layer",
+            "tools",
+            "--disk-mb",
+            "2048",
             "--json",
         ])
         .expect("parses");
@@ -469,7 +489,11 @@ mod tests {
         assert_eq!(a.env, [("A".into(), "1".into()), ("B".into(), "2".into())]);
         assert_eq!(a.labels, [("team".into(), "rl".into())]);
         assert_eq!(a.files, [("./x.py".into(), "/work/x.py".into())]);
+        assert_eq!(a.qos, QosArg::BestEffort);
+        assert_eq!(a.layers, ["ws", "tools"]);
+        assert_eq!(a.disk_mb, Some(2048));
         assert!(parse(&["sandbox", "create", "--timeout", "soon"]).is_err());
+        assert!(parse(&["sandbox", "create", "--qos", "fast"]).is_err());
         assert!(parse(&["sandbox", "create", "--env", "NOEQUALS"]).is_err());
     }
 

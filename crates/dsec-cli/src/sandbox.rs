@@ -18,7 +18,7 @@ use dsec_wire::ErrorCode;
 use futures::StreamExt;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt};
 
-use crate::cli::{CpSide, CreateArgs, ExecArgs, JobCommand, SandboxCommand};
+use crate::cli::{CpSide, CreateArgs, ExecArgs, JobCommand, QosArg, SandboxCommand};
 use crate::output::{self, print_json, Table};
 
 /// Exit code when our stdout was closed by the reader (128 + SIGPIPE).
@@ -121,6 +121,10 @@ async fn create(client: &Client, a: CreateArgs, json: bool) -> anyhow::Result<()
         image: a.image,
         layers: a.layers,
         auto_resume: a.auto_resume,
+        qos: match a.qos {
+            QosArg::LatencySensitive => dsec_wire::v1::Qos::LatencySensitive,
+            QosArg::BestEffort => dsec_wire::v1::Qos::BestEffort,
+        },
         resources: Resources {
             cpu: a.cpu,
             memory_mb: a.memory_mb,
