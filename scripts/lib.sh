@@ -7,8 +7,9 @@ die() { log "error: $*"; exit 1; }
 repo_root() { cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd; }
 
 # Debian packages: erofs-utils (mkfs.erofs), e2fsprogs (mkfs.ext4 for sandbox disks),
+# python3-venv (the Python SDK's tests run in a venv),
 # mmdebstrap (base image), and the OCI runtimes the benchmark compares against.
-APT_PACKAGES="erofs-utils e2fsprogs mmdebstrap crun runc python3 ca-certificates"
+APT_PACKAGES="erofs-utils e2fsprogs mmdebstrap crun runc python3 python3-venv ca-certificates"
 
 ensure_packages() {
   local missing=()

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Runs the Python SDK's tests against a real `dsec serve` (started by the tests).
+# Creates the venv ($DSEC_PY_VENV, default /tmp/dsec-py) if needed, (re)installs ./python
+# and pytest into it, then runs pytest. Expects target/debug/dsec built and, ideally,
+# DSEC_AGENT_BIN exported (scripts/lib.sh: build_static_agent; static_agent_path).
+# Extra arguments go to pytest.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(cd "$here/.." && pwd)"
+venv="${DSEC_PY_VENV:-/tmp/dsec-py}"
+
+if [[ ! -x "$venv/bin/python" ]]; then
+  python3 -m venv "$venv"
+fi
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$here" pytest
+
+cd "$repo"
+exec "$venv/bin/python" -m pytest "$here/tests" -q "$@"

@@ -1,0 +1,112 @@
+"""dsec: Python SDK for the dsec sandbox platform.
+
+Quick start::
+
+    import dsec
+
+    with dsec.Sandbox.create(image="base") as sb:        # deleted on exit
+        r = sb.exec(["python3", "-c", "print(6*7)"])
+        assert r.stdout == "42\\n"
+
+The default client reads ``DSEC_URL`` and ``DSEC_API_KEY`` (or ``DSEC_API_KEY_FILE``).
+Every API error is raised as a subclass of :class:`DsecError` named after its code.
+"""
+
+from .client import API_KEY_HEADER, DEFAULT_URL, Client, default_client
+from .errors import (
+    ERROR_CLASSES,
+    AgentUnavailable,
+    BadRequest,
+    Capacity,
+    Conflict,
+    ConnectionFailed,
+    DsecError,
+    Expired,
+    Failed,
+    ImageNotFound,
+    Internal,
+    InvalidPath,
+    NoSpace,
+    NotFound,
+    PayloadTooLarge,
+    Paused,
+    Timeout,
+    Unauthorized,
+)
+from .models import (
+    EndEvent,
+    ErrorEvent,
+    ExecEvent,
+    ExecResult,
+    ExitEvent,
+    FileInfo,
+    Health,
+    Image,
+    JobResult,
+    JobSandboxOutcome,
+    PauseResult,
+    Resources,
+    SandboxInfo,
+    SessionInfo,
+    SessionResult,
+    StartedEvent,
+    StderrEvent,
+    StdoutEvent,
+)
+from .sandbox import Sandbox, Session, resume_job, suspend_job
+from . import aio
+from .aio import AsyncClient, AsyncSandbox, AsyncSession
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Client",
+    "default_client",
+    "DEFAULT_URL",
+    "API_KEY_HEADER",
+    "Sandbox",
+    "Session",
+    "suspend_job",
+    "AsyncClient",
+    "AsyncSandbox",
+    "AsyncSession",
+    "resume_job",
+    # errors
+    "DsecError",
+    "BadRequest",
+    "Unauthorized",
+    "NotFound",
+    "Expired",
+    "Failed",
+    "Conflict",
+    "ImageNotFound",
+    "Capacity",
+    "Timeout",
+    "InvalidPath",
+    "NoSpace",
+    "PayloadTooLarge",
+    "Paused",
+    "AgentUnavailable",
+    "Internal",
+    "ConnectionFailed",
+    "ERROR_CLASSES",
+    # models
+    "Resources",
+    "SandboxInfo",
+    "PauseResult",
+    "JobResult",
+    "JobSandboxOutcome",
+    "ExecResult",
+    "ExecEvent",
+    "StartedEvent",
+    "StdoutEvent",
+    "StderrEvent",
+    "ExitEvent",
+    "EndEvent",
+    "ErrorEvent",
+    "SessionInfo",
+    "SessionResult",
+    "FileInfo",
+    "Image",
+    "Health",
+]

@@ -1,0 +1,303 @@
+"""Async API, same shape as the sync one: ``AsyncClient``, ``AsyncSandbox``, ``AsyncSession``.
+
+::
+
+    async with dsec.aio.AsyncClient() as c:
+        async with await dsec.aio.AsyncSandbox.create(c) as sb:
+            r = await sb.exec("echo hi")
+            async for ev in sb.exec_stream("echo a; echo b"):
+                ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Sequence, Union
+
+import httpx
+
+from .client import API_KEY_HEADER, DEFAULT_URL, _EVENT_ADAPTER, _KNOWN_EVENTS, _api_key_from_env, _seg
+from .errors import Capacity, ConnectionFailed, Expired, NotFound, error_from_body
+from .models import (
+    ErrorEvent,
+    ExecResult,
+    FileInfo,
+    Image,
+    JobResult,
+    PauseResult,
+    Resources,
+    SandboxInfo,
+    SessionInfo,
+    SessionResult,
+    WriteResult,
+)
+from .sandbox import JOB_LABEL, Command, Sandbox
+
+__all__ = ["AsyncClient", "AsyncSandbox", "AsyncSession"]
+
+
+class AsyncClient:
+    """Async counterpart of :class:`dsec.Client` (same arguments and environment)."""
+
+    def __init__(self, url: Optional[str] = None, api_key: Optional[str] = None, *, timeout: float = 120.0, create_retries: int = 5) -> None:
+        self.url = (url or os.environ.get("DSEC_URL") or DEFAULT_URL).rstrip("/")
+        self.api_key = api_key if api_key is not None else _api_key_from_env()
+        self.create_retries = create_retries
+        headers = {API_KEY_HEADER: self.api_key} if self.api_key else {}
+        self._http = httpx.AsyncClient(base_url=self.url + "/v1", headers=headers, timeout=httpx.Timeout(timeout, connect=10.0))
+
+    async def aclose(self) -> None:
+        """Closes the connection pool."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def request(self, method: str, path: str, *, timeout: Any = ..., **kw: Any) -> httpx.Response:
+        """Sends one request; a non-2xx answer raises its typed :class:`DsecError`."""
+        if timeout is not ...:
+            kw["timeout"] = httpx.Timeout(timeout, connect=10.0)
+        try:
+            resp = await self._http.request(method, path, **kw)
+        except httpx.TransportError as e:
+            raise ConnectionFailed(f"{method} {path}: {e!r}") from e
+        if not resp.is_success:
+            try:
+                body: Any = resp.json()
+            except ValueError:
+                body = resp.text
+            raise error_from_body(body, resp.status_code)
+        return resp
+
+    async def _json(self, method: str, path: str, **kw: Any) -> Any:
+        resp = await self.request(method, path, **kw)
+        return resp.json() if resp.content else None
+
+    async def create_sandbox(self, body: Dict[str, Any]) -> SandboxInfo:
+        """``POST /v1/sandboxes``, retried like :meth:`dsec.Client.create_sandbox`."""
+        attempt = 0
+        while True:
+            try:
+                return SandboxInfo.model_validate(await self._json("POST", "/sandboxes", json=body))
+            except (ConnectionFailed, Capacity):
+                if attempt >= self.create_retries:
+                    raise
+                await asyncio.sleep(min(8.0, 0.5 * (2**attempt)) * (0.5 + random.random() / 2))
+                attempt += 1
+
+    async def get_sandbox(self, sandbox_id: str) -> SandboxInfo:
+        return SandboxInfo.model_validate(await self._json("GET", f"/sandboxes/{_seg(sandbox_id)}"))
+
+    async def list_sandboxes(self, labels: Optional[Mapping[str, str]] = None) -> List[SandboxInfo]:
+        params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        data = await self._json("GET", "/sandboxes", params=params)
+        return [SandboxInfo.model_validate(s) for s in data["sandboxes"]]
+
+    async def delete_sandbox(self, sandbox_id: str) -> None:
+        await self.request("DELETE", f"/sandboxes/{_seg(sandbox_id)}")
+
+    async def suspend_job(self, job: str) -> JobResult:
+        return JobResult.model_validate(await self._json("POST", f"/jobs/{_seg(job)}/suspend", timeout=None))
+
+    async def resume_job(self, job: str) -> JobResult:
+        return JobResult.model_validate(await self._json("POST", f"/jobs/{_seg(job)}/resume", timeout=None))
+
+    async def stream_events(self, path: str, body: Dict[str, Any], timeout_s: Optional[float]) -> AsyncIterator[Any]:
+        """Yields the events of an NDJSON route; an ``error`` event is raised."""
+        t = None if timeout_s is None else timeout_s + 60.0
+        try:
+            async with self._http.stream("POST", path, json=body, timeout=httpx.Timeout(t, connect=10.0)) as resp:
+                if not resp.is_success:
+                    await resp.aread()
+                    try:
+                        b: Any = resp.json()
+                    except ValueError:
+                        b = resp.text
+                    raise error_from_body(b, resp.status_code)
+                async for line in resp.aiter_lines():
+                    if not line.strip():
+                        continue
+                    raw = json.loads(line)
+                    if raw.get("type") not in _KNOWN_EVENTS:
+                        continue
+                    ev = _EVENT_ADAPTER.validate_python(raw)
+                    if isinstance(ev, ErrorEvent):
+                        raise error_from_body(ev.error.model_dump())
+                    yield ev
+        except httpx.TransportError as e:
+            raise ConnectionFailed(f"POST {path}: {e!r}") from e
+
+
+class AsyncSandbox:
+    """Async counterpart of :class:`dsec.Sandbox`; ``async with`` deletes it on exit."""
+
+    def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
+        self.client = client
+        self.info = info
+
+    @classmethod
+    async def create(
+        cls,
+        client: Optional[AsyncClient] = None,
+        image: Optional[str] = None,
+        layers: Optional[Sequence[str]] = None,
+        resources: Union[Resources, Mapping[str, Any], None] = None,
+        timeout: Optional[int] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        job: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        workdir: Optional[str] = None,
+        qos: Optional[str] = None,
+        auto_resume: bool = False,
+    ) -> "AsyncSandbox":
+        """Creates a sandbox; arguments as for :meth:`dsec.Sandbox.create`."""
+        client = client or AsyncClient()
+        body: Dict[str, Any] = {"auto_resume": auto_resume}
+        if image is not None:
+            body["image"] = image
+        if layers:
+            body["layers"] = list(layers)
+        if resources is not None:
+            res = resources if isinstance(resources, Resources) else Resources.model_validate(dict(resources))
+            body["resources"] = res.model_dump(exclude_none=True)
+        if timeout is not None:
+            body["timeout_s"] = int(timeout)
+        all_labels = dict(labels or {})
+        if job is not None:
+            all_labels[JOB_LABEL] = job
+        if all_labels:
+            body["labels"] = all_labels
+        if env:
+            body["env"] = dict(env)
+        if workdir is not None:
+            body["workdir"] = workdir
+        if qos is not None:
+            body["qos"] = qos
+        return cls(client, await client.create_sandbox(body))
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def _base(self) -> str:
+        return f"/sandboxes/{_seg(self.info.id)}"
+
+    async def kill(self) -> None:
+        """Deletes the sandbox."""
+        await self.client.delete_sandbox(self.id)
+
+    async def __aenter__(self) -> "AsyncSandbox":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            await self.kill()
+        except (NotFound, Expired):
+            pass
+
+    async def pause(self) -> PauseResult:
+        res = PauseResult.model_validate(await self.client._json("POST", f"{self._base}/pause", timeout=None))
+        self.info = res.sandbox
+        return res
+
+    async def resume(self) -> SandboxInfo:
+        self.info = SandboxInfo.model_validate(await self.client._json("POST", f"{self._base}/resume", timeout=None))
+        return self.info
+
+    async def set_timeout(self, seconds: int) -> SandboxInfo:
+        self.info = SandboxInfo.model_validate(await self.client._json("POST", f"{self._base}/timeout", json={"timeout_s": int(seconds)}))
+        return self.info
+
+    async def commit(self, name: str) -> Image:
+        return Image.model_validate(await self.client._json("POST", f"{self._base}/commit", json={"name": name}, timeout=None))
+
+    async def exec(self, cmd: Command, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
+                   stdin: Union[str, bytes, None] = None, timeout: Optional[float] = None) -> ExecResult:
+        """Runs a command to completion (see :meth:`dsec.Sandbox.exec`)."""
+        body = Sandbox._exec_body(cmd, env, cwd, stdin, timeout, None)
+        t = None if timeout is None else timeout + 60.0
+        return ExecResult.model_validate(await self.client._json("POST", f"{self._base}/exec", json=body, timeout=t))
+
+    def exec_stream(self, cmd: Command, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
+                    stdin: Union[str, bytes, None] = None, timeout: Optional[float] = None) -> AsyncIterator[Any]:
+        """Yields the command's events (see :meth:`dsec.Sandbox.exec_stream`)."""
+        body = Sandbox._exec_body(cmd, env, cwd, stdin, timeout, None)
+        return self.client.stream_events(f"{self._base}/exec/stream", body, timeout)
+
+    async def session(self, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None) -> "AsyncSession":
+        """Opens a persistent bash session (``async with`` closes it)."""
+        body: Dict[str, Any] = {}
+        if env:
+            body["env"] = dict(env)
+        if cwd is not None:
+            body["cwd"] = cwd
+        info = SessionInfo.model_validate(await self.client._json("POST", f"{self._base}/sessions", json=body))
+        return AsyncSession(self, info)
+
+    async def write(self, path: str, data: Union[bytes, str], mode: Optional[int] = None) -> int:
+        """Writes a file from bytes or str; returns the bytes written."""
+        params: Dict[str, str] = {"path": path}
+        if mode is not None:
+            params["mode"] = f"0o{mode:o}"
+        content = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+        res = await self.client._json("PUT", f"{self._base}/files", params=params, content=content,
+                                      headers={"content-type": "application/octet-stream"}, timeout=None)
+        return WriteResult.model_validate(res).bytes
+
+    async def read(self, path: str) -> bytes:
+        """Reads a whole file."""
+        return (await self.client.request("GET", f"{self._base}/files", params={"path": path}, timeout=None)).content
+
+    async def list(self, path: str) -> List[FileInfo]:
+        data = await self.client._json("GET", f"{self._base}/files/list", params={"path": path})
+        return [FileInfo.model_validate(e) for e in data["entries"]]
+
+    async def stat(self, path: str) -> FileInfo:
+        return FileInfo.model_validate(await self.client._json("GET", f"{self._base}/files/stat", params={"path": path}))
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        await self.client.request("DELETE", f"{self._base}/files", params={"path": path, "recursive": "true" if recursive else "false"})
+
+    async def mkdir(self, path: str) -> None:
+        await self.client.request("POST", f"{self._base}/files/mkdir", json={"path": path})
+
+    async def rename(self, src: str, dst: str) -> None:
+        await self.client.request("POST", f"{self._base}/files/rename", json={"from": src, "to": dst})
+
+
+class AsyncSession:
+    """Async counterpart of :class:`dsec.Session`."""
+
+    def __init__(self, sandbox: AsyncSandbox, info: SessionInfo) -> None:
+        self.sandbox = sandbox
+        self.info = info
+
+    @property
+    def _base(self) -> str:
+        return f"{self.sandbox._base}/sessions/{_seg(self.info.session)}"
+
+    async def run(self, command: str, timeout: Optional[float] = None) -> SessionResult:
+        body: Dict[str, Any] = {"command": command}
+        if timeout is not None:
+            body["timeout_s"] = float(timeout)
+        t = None if timeout is None else timeout + 60.0
+        return SessionResult.model_validate(await self.sandbox.client._json("POST", f"{self._base}/run", json=body, timeout=t))
+
+    async def close(self) -> None:
+        try:
+            await self.sandbox.client.request("DELETE", self._base)
+        except (NotFound, Expired):
+            pass
+
+    async def __aenter__(self) -> "AsyncSession":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,261 @@
+"""The HTTP client: one :class:`Client` per server, shared by every :class:`~dsec.Sandbox`."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import time
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
+from urllib.parse import quote
+
+import httpx
+from pydantic import TypeAdapter
+
+from .errors import Capacity, ConnectionFailed, DsecError, error_from_body
+from .models import (
+    ErrorEvent,
+    ExecEvent,
+    Health,
+    Image,
+    JobResult,
+    SandboxInfo,
+)
+
+__all__ = ["Client", "default_client", "DEFAULT_URL", "DEFAULT_API_KEY_FILE", "API_KEY_HEADER"]
+
+DEFAULT_URL = "http://127.0.0.1:7070"
+"""Server URL used when neither ``url`` nor ``DSEC_URL`` is given."""
+DEFAULT_API_KEY_FILE = "/var/lib/dsec/api-key"
+"""Key file read when neither ``api_key``, ``DSEC_API_KEY`` nor ``DSEC_API_KEY_FILE`` is set."""
+API_KEY_HEADER = "x-api-key"
+
+_EVENT_ADAPTER: TypeAdapter[Any] = TypeAdapter(ExecEvent)
+_KNOWN_EVENTS = {"started", "stdout", "stderr", "exit", "end", "error"}
+
+
+def _api_key_from_env() -> Optional[str]:
+    key = os.environ.get("DSEC_API_KEY", "").strip()
+    if key:
+        return key
+    path = os.environ.get("DSEC_API_KEY_FILE", "")
+    if path:
+        with open(path, encoding="utf-8") as f:  # an unreadable explicit file is an error
+            return f.read().strip() or None
+    try:
+        with open(DEFAULT_API_KEY_FILE, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _seg(s: str) -> str:
+    return quote(s, safe="")
+
+
+class Client:
+    """A connection to a dsec server.
+
+    Args:
+        url: Server base URL. Default: ``$DSEC_URL``, else ``http://127.0.0.1:7070``.
+        api_key: API key. Default: ``$DSEC_API_KEY``, else the contents of the file named
+            by ``$DSEC_API_KEY_FILE``, else of ``/var/lib/dsec/api-key`` if readable.
+        timeout: Seconds to wait for an ordinary (non-exec) answer.
+        create_retries: How many times :meth:`create_sandbox` retries after a connection
+            error or a ``capacity`` answer (exponential backoff from 0.5 s, at most 8 s
+            between attempts, with jitter). 0 disables retries.
+
+    The client is thread-safe (it wraps one ``httpx.Client``) and a context manager.
+    """
+
+    def __init__(
+        self,
+        url: Optional[str] = None,
+        api_key: Optional[str] = None,
+        *,
+        timeout: float = 120.0,
+        create_retries: int = 5,
+    ) -> None:
+        self.url = (url or os.environ.get("DSEC_URL") or DEFAULT_URL).rstrip("/")
+        self.api_key = api_key if api_key is not None else _api_key_from_env()
+        self.timeout = timeout
+        self.create_retries = create_retries
+        headers = {API_KEY_HEADER: self.api_key} if self.api_key else {}
+        self._http = httpx.Client(
+            base_url=self.url + "/v1",
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=10.0),
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+        )
+
+    # ------------------------------------------------------------ plumbing
+
+    def close(self) -> None:
+        """Closes the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"dsec.Client(url={self.url!r})"
+
+    @staticmethod
+    def _raise_for(resp: httpx.Response) -> None:
+        if resp.is_success:
+            return
+        try:
+            body: Any = resp.json()
+        except ValueError:
+            body = resp.text
+        raise error_from_body(body, resp.status_code)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        params: Any = None,
+        content: Any = None,
+        headers: Optional[Mapping[str, str]] = None,
+        timeout: Union[float, None, object] = ...,
+    ) -> httpx.Response:
+        """Sends one request to ``/v1`` + ``path`` and raises the typed error of a non-2xx
+        answer. ``timeout=None`` waits forever; the default is the client's ``timeout``."""
+        kwargs: Dict[str, Any] = {}
+        if timeout is not ...:
+            kwargs["timeout"] = httpx.Timeout(timeout, connect=10.0)  # type: ignore[arg-type]
+        try:
+            resp = self._http.request(
+                method, path, json=json_body, params=params, content=content, headers=headers, **kwargs
+            )
+        except httpx.TimeoutException as e:
+            raise ConnectionFailed(f"{method} {path}: {e!r}") from e
+        except httpx.TransportError as e:
+            raise ConnectionFailed(f"{method} {path}: {e!r}") from e
+        self._raise_for(resp)
+        return resp
+
+    def _json(self, method: str, path: str, **kw: Any) -> Any:
+        resp = self.request(method, path, **kw)
+        return resp.json() if resp.content else None
+
+    @staticmethod
+    def _exec_timeout(timeout_s: Optional[float]) -> Optional[float]:
+        # Commands may run long: wait for their own timeout plus a margin, or forever.
+        return None if timeout_s is None else timeout_s + 60.0
+
+    # ------------------------------------------------------------ server
+
+    def health(self) -> Health:
+        """``GET /v1/health``."""
+        return Health.model_validate(self._json("GET", "/health"))
+
+    def list_images(self) -> List[Image]:
+        """``GET /v1/images``."""
+        return [Image.model_validate(i) for i in self._json("GET", "/images")["images"]]
+
+    def import_image(self, name: str, source: str, *, flatten: bool = False) -> Image:
+        """``POST /v1/images``: imports ``source`` (a path on the server's machine) as ``name``."""
+        body = {"name": name, "source": source, "flatten": flatten}
+        return Image.model_validate(self._json("POST", "/images", json_body=body, timeout=None))
+
+    def delete_image(self, name: str) -> None:
+        """``DELETE /v1/images/{name}``."""
+        self.request("DELETE", f"/images/{_seg(name)}")
+
+    # ------------------------------------------------------------ sandboxes
+
+    def create_sandbox(self, body: Dict[str, Any]) -> SandboxInfo:
+        """``POST /v1/sandboxes`` with the raw request ``body``, retried after connection
+        errors and ``capacity`` answers (see ``create_retries``)."""
+        attempt = 0
+        while True:
+            try:
+                return SandboxInfo.model_validate(self._json("POST", "/sandboxes", json_body=body))
+            except (ConnectionFailed, Capacity):
+                if attempt >= self.create_retries:
+                    raise
+                delay = min(8.0, 0.5 * (2**attempt)) * (0.5 + random.random() / 2)
+                attempt += 1
+                time.sleep(delay)
+
+    def get_sandbox(self, sandbox_id: str) -> SandboxInfo:
+        """``GET /v1/sandboxes/{id}``."""
+        return SandboxInfo.model_validate(self._json("GET", f"/sandboxes/{_seg(sandbox_id)}"))
+
+    def list_sandboxes(self, labels: Optional[Mapping[str, str]] = None) -> List[SandboxInfo]:
+        """``GET /v1/sandboxes``, filtered by every ``labels`` pair."""
+        params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        data = self._json("GET", "/sandboxes", params=params)
+        return [SandboxInfo.model_validate(s) for s in data["sandboxes"]]
+
+    def delete_sandbox(self, sandbox_id: str) -> None:
+        """``DELETE /v1/sandboxes/{id}``."""
+        self.request("DELETE", f"/sandboxes/{_seg(sandbox_id)}")
+
+    def suspend_job(self, job: str) -> JobResult:
+        """``POST /v1/jobs/{job}/suspend``: pauses every sandbox labelled ``job=JOB``."""
+        return JobResult.model_validate(self._json("POST", f"/jobs/{_seg(job)}/suspend", timeout=None))
+
+    def resume_job(self, job: str) -> JobResult:
+        """``POST /v1/jobs/{job}/resume``."""
+        return JobResult.model_validate(self._json("POST", f"/jobs/{_seg(job)}/resume", timeout=None))
+
+    # ------------------------------------------------------------ streams
+
+    def stream_events(self, path: str, body: Dict[str, Any], timeout_s: Optional[float]) -> Iterator[Any]:
+        """POSTs ``body`` to an NDJSON route and yields its events as models.
+
+        An ``error`` event is raised as the matching :class:`DsecError`; event types this
+        SDK does not know are skipped.
+        """
+        try:
+            with self._http.stream(
+                "POST", path, json=body, timeout=httpx.Timeout(self._exec_timeout(timeout_s), connect=10.0)
+            ) as resp:
+                if not resp.is_success:
+                    resp.read()
+                    self._raise_for(resp)
+                for line in resp.iter_lines():
+                    if not line.strip():
+                        continue
+                    raw = json.loads(line)
+                    if raw.get("type") not in _KNOWN_EVENTS:
+                        continue
+                    ev = _EVENT_ADAPTER.validate_python(raw)
+                    if isinstance(ev, ErrorEvent):
+                        raise error_from_body(ev.error.model_dump())
+                    yield ev
+        except httpx.TransportError as e:
+            raise ConnectionFailed(f"POST {path}: {e!r}") from e
+
+
+_default: Optional[Client] = None
+_default_lock = threading.Lock()
+
+
+def default_client() -> Client:
+    """The process-wide client configured from the environment, created on first use."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Client()
+        return _default
+
+
+def _reset_default_client() -> None:
+    """Forgets the default client (tests that change the environment)."""
+    global _default
+    with _default_lock:
+        if _default is not None:
+            _default.close()
+        _default = None
+
+
+_ = DsecError  # re-exported for typing in callers

@@ -1,0 +1,265 @@
+"""Pydantic models of the dsec v1 wire types (``crates/dsec-wire/src/v1.rs`` and ``agent.rs``).
+
+Response models accept (and keep) fields they do not know, so a newer server does not
+break an older SDK. Times are unix milliseconds; durations name their unit.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "Resources",
+    "EffectiveResources",
+    "SandboxInfo",
+    "PauseResult",
+    "JobSandboxOutcome",
+    "JobResult",
+    "ExecResult",
+    "StartedEvent",
+    "StdoutEvent",
+    "StderrEvent",
+    "ExitEvent",
+    "EndEvent",
+    "ErrorEvent",
+    "ExecEvent",
+    "SessionInfo",
+    "SessionResult",
+    "FileInfo",
+    "WriteResult",
+    "Image",
+    "Health",
+    "ApiErrorBody",
+]
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Resources(BaseModel):
+    """Requested resource limits; absent fields take the node's defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cpu: Optional[float] = None
+    """CPU limit in cores (0.5, 2). Default 1."""
+    memory_mb: Optional[int] = None
+    """Memory limit in MiB. Default 512."""
+    pids: Optional[int] = None
+    """Maximum number of processes/threads. Default 512."""
+    disk_mb: Optional[int] = None
+    """Size of the writable layer in MiB."""
+
+
+class EffectiveResources(_Response):
+    """The limits a sandbox actually got."""
+
+    cpu: float
+    memory_mb: int
+    pids: int
+    disk_mb: Optional[int] = None
+
+
+class SandboxInfo(_Response):
+    """A sandbox as the API reports it (wire type ``Sandbox``)."""
+
+    id: str
+    state: str
+    """``creating``, ``ready``, ``paused``, ``stopping`` or ``failed``."""
+    image: str
+    qos: str = "latency_sensitive"
+    auto_resume: bool = False
+    layers: List[str] = Field(default_factory=list)
+    image_digest: str = ""
+    backend: str = "container"
+    resources: Optional[EffectiveResources] = None
+    labels: Dict[str, str] = Field(default_factory=dict)
+    created_at: int = 0
+    expires_at: int = 0
+    idle_timeout_s: Optional[int] = None
+    last_active_at: int = 0
+    failure: Optional[str] = None
+    node: str = ""
+    job_suspended_at: Optional[int] = None
+    committed_layers: List[str] = Field(default_factory=list)
+
+
+class PauseResult(_Response):
+    """Answer of ``POST /v1/sandboxes/{id}/pause``."""
+
+    sandbox: SandboxInfo
+    memory_before_bytes: int
+    memory_after_bytes: int
+
+
+class ApiErrorBody(_Response):
+    """The inner object of an error body."""
+
+    code: str
+    message: str
+
+
+class JobSandboxOutcome(_Response):
+    """What happened to one sandbox in a job suspend or resume."""
+
+    id: str
+    state: str
+    error: Optional[ApiErrorBody] = None
+    memory_before_bytes: int = 0
+    memory_after_bytes: int = 0
+
+
+class JobResult(_Response):
+    """Answer of ``POST /v1/jobs/{job}/suspend`` and ``.../resume``."""
+
+    job: str
+    sandboxes: List[JobSandboxOutcome]
+
+
+class ExecResult(_Response):
+    """Result of a non-streaming exec."""
+
+    stdout: str
+    stderr: str
+    exit_code: Optional[int] = None
+    """Exit status, or ``None`` when a signal ended the process."""
+    signal: Optional[int] = None
+    duration_ms: int = 0
+    timed_out: bool = False
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    oom_killed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """True when the command exited with status 0."""
+        return self.exit_code == 0
+
+
+class StartedEvent(_Response):
+    """The process started."""
+
+    type: Literal["started"]
+    pid: int
+
+
+class StdoutEvent(_Response):
+    """A chunk of stdout (UTF-8, invalid sequences replaced)."""
+
+    type: Literal["stdout"]
+    data: str
+
+
+class StderrEvent(_Response):
+    """A chunk of stderr."""
+
+    type: Literal["stderr"]
+    data: str
+
+
+class ExitEvent(_Response):
+    """The process ended; the last event of an exec stream."""
+
+    type: Literal["exit"]
+    exit_code: Optional[int] = None
+    signal: Optional[int] = None
+    duration_ms: int = 0
+    timed_out: bool = False
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    oom_killed: bool = False
+
+
+class EndEvent(_Response):
+    """Output position at the end of a non-following read of a running process."""
+
+    type: Literal["end"]
+    stdout_offset: int
+    stderr_offset: int
+
+
+class ErrorEvent(_Response):
+    """The stream failed."""
+
+    type: Literal["error"]
+    error: ApiErrorBody
+
+
+ExecEvent = Annotated[
+    Union[StartedEvent, StdoutEvent, StderrEvent, ExitEvent, EndEvent, ErrorEvent],
+    Field(discriminator="type"),
+]
+"""One line of an NDJSON exec stream, discriminated by ``type``."""
+
+
+class SessionInfo(_Response):
+    """A persistent shell session."""
+
+    session: str
+    pid: int = 0
+    busy: bool = False
+
+
+class SessionResult(_Response):
+    """Result of one command run in a session."""
+
+    output: str
+    """Combined stdout and stderr."""
+    exit_code: int
+    timed_out: bool = False
+    truncated: bool = False
+    duration_ms: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """True when the command exited with status 0."""
+        return self.exit_code == 0
+
+
+class FileInfo(_Response):
+    """Metadata of one file system entry in a sandbox."""
+
+    name: str
+    path: str
+    kind: str
+    """``file``, ``dir``, ``symlink`` or ``other``."""
+    size: int
+    mode: int
+    mtime: int
+    uid: int = 0
+    gid: int = 0
+    symlink_target: Optional[str] = None
+
+
+class WriteResult(_Response):
+    """Answer of a file upload."""
+
+    bytes: int
+
+
+class Image(_Response):
+    """An image known to the node."""
+
+    name: str
+    digest: str
+    size_bytes: int = 0
+    created_at: int = 0
+    source: str = ""
+    layers: List[str] = Field(default_factory=list)
+
+
+class Health(_Response):
+    """Answer of ``GET /v1/health``."""
+
+    status: str
+    version: str = ""
+    node: str = ""
+    cgroup: str = ""
+    sandboxes: int = 0

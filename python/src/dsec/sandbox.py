@@ -1,0 +1,402 @@
+"""Sandboxes and shell sessions."""
+
+from __future__ import annotations
+
+from typing import IO, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
+
+from .client import Client, _seg, default_client
+from .errors import Expired, NotFound
+from .models import (
+    ExecResult,
+    FileInfo,
+    Image,
+    JobResult,
+    PauseResult,
+    Resources,
+    SandboxInfo,
+    SessionInfo,
+    SessionResult,
+    WriteResult,
+)
+
+__all__ = ["Sandbox", "Session", "suspend_job", "resume_job", "Command"]
+
+Command = Union[str, Sequence[str]]
+"""A shell command line (run by ``/bin/sh -c``) or an argv list (run directly)."""
+
+JOB_LABEL = "job"
+
+
+def _cmd(cmd: Command) -> Union[str, List[str]]:
+    if isinstance(cmd, str):
+        return cmd
+    return [str(a) for a in cmd]
+
+
+def _text(data: Union[str, bytes, None]) -> Optional[str]:
+    if isinstance(data, bytes):
+        return data.decode("utf-8")
+    return data
+
+
+class Sandbox:
+    """One sandbox. Make one with :meth:`Sandbox.create` (or attach with :meth:`Sandbox.connect`).
+
+    A ``Sandbox`` is a context manager that always deletes the sandbox on exit::
+
+        with dsec.Sandbox.create(image="base") as sb:
+            print(sb.exec("echo hi").stdout)
+    """
+
+    def __init__(self, client: Client, info: SandboxInfo) -> None:
+        self.client = client
+        self.info = info
+
+    # ------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def create(
+        cls,
+        client: Optional[Client] = None,
+        image: Optional[str] = None,
+        layers: Optional[Sequence[str]] = None,
+        resources: Union[Resources, Mapping[str, Any], None] = None,
+        timeout: Optional[int] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        job: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        workdir: Optional[str] = None,
+        qos: Optional[str] = None,
+        auto_resume: bool = False,
+        *,
+        idle_timeout: Optional[int] = None,
+    ) -> "Sandbox":
+        """Creates a sandbox and returns when it is ready.
+
+        Args:
+            client: Client to use; default :func:`dsec.default_client` (from the environment).
+            image: Image name or ``sha256:`` digest; the server's default is ``base``.
+            layers: More images stacked on top of ``image``, bottom first.
+            resources: ``Resources`` or a dict with ``cpu``, ``memory_mb``, ``pids``, ``disk_mb``.
+            timeout: Lifetime in seconds (server default one hour).
+            labels: Free-form labels, filterable in list.
+            job: Sets the ``job`` label: :func:`suspend_job` / :func:`resume_job` act on it.
+            env: Environment of every command.
+            workdir: Default working directory of commands.
+            qos: ``"latency_sensitive"`` (default) or ``"best_effort"``.
+            auto_resume: When paused, resume on use instead of raising :class:`dsec.Paused`.
+            idle_timeout: Delete after this many seconds without API activity.
+
+        Connection errors and ``capacity`` answers are retried with exponential backoff
+        (``Client.create_retries`` times, default 5); other errors are raised at once.
+        """
+        client = client or default_client()
+        body: Dict[str, Any] = {"auto_resume": auto_resume}
+        if image is not None:
+            body["image"] = image
+        if layers:
+            body["layers"] = list(layers)
+        if resources is not None:
+            res = resources if isinstance(resources, Resources) else Resources.model_validate(dict(resources))
+            body["resources"] = res.model_dump(exclude_none=True)
+        if timeout is not None:
+            body["timeout_s"] = int(timeout)
+        if idle_timeout is not None:
+            body["idle_timeout_s"] = int(idle_timeout)
+        all_labels = dict(labels or {})
+        if job is not None:
+            all_labels[JOB_LABEL] = job
+        if all_labels:
+            body["labels"] = all_labels
+        if env:
+            body["env"] = dict(env)
+        if workdir is not None:
+            body["workdir"] = workdir
+        if qos is not None:
+            body["qos"] = qos
+        return cls(client, client.create_sandbox(body))
+
+    @classmethod
+    def connect(cls, sandbox_id: str, client: Optional[Client] = None) -> "Sandbox":
+        """Attaches to an existing sandbox by id."""
+        client = client or default_client()
+        return cls(client, client.get_sandbox(sandbox_id))
+
+    @property
+    def id(self) -> str:
+        """The sandbox id (also its hostname)."""
+        return self.info.id
+
+    @property
+    def _base(self) -> str:
+        return f"/sandboxes/{_seg(self.info.id)}"
+
+    def refresh(self) -> SandboxInfo:
+        """Re-reads the sandbox from the server (``GET /v1/sandboxes/{id}``)."""
+        self.info = self.client.get_sandbox(self.id)
+        return self.info
+
+    def kill(self) -> None:
+        """Deletes the sandbox (``DELETE /v1/sandboxes/{id}``)."""
+        self.client.delete_sandbox(self.id)
+
+    def pause(self) -> PauseResult:
+        """Freezes the sandbox and gives its memory back; calls then raise :class:`dsec.Paused`."""
+        res = PauseResult.model_validate(self.client._json("POST", f"{self._base}/pause", timeout=None))
+        self.info = res.sandbox
+        return res
+
+    def resume(self) -> SandboxInfo:
+        """Continues a paused sandbox where it stopped."""
+        self.info = SandboxInfo.model_validate(self.client._json("POST", f"{self._base}/resume", timeout=None))
+        return self.info
+
+    def set_timeout(self, seconds: int) -> SandboxInfo:
+        """The sandbox now expires ``seconds`` from now."""
+        body = {"timeout_s": int(seconds)}
+        self.info = SandboxInfo.model_validate(self.client._json("POST", f"{self._base}/timeout", json_body=body))
+        return self.info
+
+    def commit(self, name: str) -> Image:
+        """Saves the sandbox's files as a new image ``name``."""
+        return Image.model_validate(
+            self.client._json("POST", f"{self._base}/commit", json_body={"name": name}, timeout=None)
+        )
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.kill()
+        except (NotFound, Expired):
+            pass
+
+    def __repr__(self) -> str:
+        return f"dsec.Sandbox(id={self.id!r}, state={self.info.state!r})"
+
+    # ------------------------------------------------------------ exec
+
+    @staticmethod
+    def _exec_body(
+        cmd: Command,
+        env: Optional[Mapping[str, str]],
+        cwd: Optional[str],
+        stdin: Union[str, bytes, None],
+        timeout: Optional[float],
+        output_limit: Optional[int],
+    ) -> Dict[str, Any]:
+        body: Dict[str, Any] = {"cmd": _cmd(cmd)}
+        if env:
+            body["env"] = dict(env)
+        if cwd is not None:
+            body["cwd"] = cwd
+        if stdin is not None:
+            body["stdin"] = _text(stdin)
+        if timeout is not None:
+            body["timeout_s"] = float(timeout)
+        if output_limit is not None:
+            body["output_limit"] = int(output_limit)
+        return body
+
+    def exec(
+        self,
+        cmd: Command,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        stdin: Union[str, bytes, None] = None,
+        timeout: Optional[float] = None,
+        *,
+        output_limit: Optional[int] = None,
+    ) -> ExecResult:
+        """Runs a command to completion.
+
+        Args:
+            cmd: A string is a shell command line (``/bin/sh -c``); a list is an argv.
+            env: Extra environment variables.
+            cwd: Working directory.
+            stdin: Text fed to stdin, then closed (bytes must be UTF-8).
+            timeout: Kill the process tree after this many seconds (``timed_out`` is set).
+            output_limit: Cap on recorded output per stream, bytes.
+
+        A non-zero exit is not an exception: check ``result.exit_code`` / ``result.ok``.
+        """
+        body = self._exec_body(cmd, env, cwd, stdin, timeout, output_limit)
+        data = self.client._json("POST", f"{self._base}/exec", json_body=body, timeout=Client._exec_timeout(timeout))
+        return ExecResult.model_validate(data)
+
+    def exec_stream(
+        self,
+        cmd: Command,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        stdin: Union[str, bytes, None] = None,
+        timeout: Optional[float] = None,
+        *,
+        output_limit: Optional[int] = None,
+    ) -> Iterator[Any]:
+        """Runs a command and yields its events as they happen: :class:`StartedEvent`,
+        :class:`StdoutEvent` / :class:`StderrEvent` chunks, and a final :class:`ExitEvent`.
+        Arguments as for :meth:`exec`. An ``error`` event is raised as a :class:`DsecError`."""
+        body = self._exec_body(cmd, env, cwd, stdin, timeout, output_limit)
+        return self.client.stream_events(f"{self._base}/exec/stream", body, timeout)
+
+    # ------------------------------------------------------------ sessions
+
+    def session(
+        self,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        name: Optional[str] = None,
+    ) -> "Session":
+        """Opens a persistent bash session: cwd, variables and shell state carry over
+        between :meth:`Session.run` calls. Use it as a context manager to close it."""
+        body: Dict[str, Any] = {}
+        if name is not None:
+            body["session"] = name
+        if env:
+            body["env"] = dict(env)
+        if cwd is not None:
+            body["cwd"] = cwd
+        info = SessionInfo.model_validate(self.client._json("POST", f"{self._base}/sessions", json_body=body))
+        return Session(self, info)
+
+    # ------------------------------------------------------------ files
+
+    def write(
+        self,
+        path: str,
+        data: Union[bytes, bytearray, memoryview, str, IO[bytes], Iterable[bytes]],
+        mode: Optional[int] = None,
+    ) -> int:
+        """Writes a file (parents must exist); returns the bytes written.
+
+        ``data`` may be bytes, a str (written as UTF-8), a binary file object or an
+        iterable of byte chunks (both streamed). ``mode`` is the permission bits (e.g. 0o755).
+        """
+        content: Any
+        if isinstance(data, str):
+            content = data.encode("utf-8")
+        elif isinstance(data, (bytearray, memoryview)):
+            content = bytes(data)
+        elif hasattr(data, "read"):
+            f = data
+
+            def chunks() -> Iterator[bytes]:
+                while True:
+                    b = f.read(1 << 20)  # type: ignore[union-attr]
+                    if not b:
+                        return
+                    yield b
+
+            content = chunks()
+        else:
+            content = data
+        params: Dict[str, str] = {"path": path}
+        if mode is not None:
+            params["mode"] = f"0o{mode:o}"
+        data_json = self.client._json(
+            "PUT",
+            f"{self._base}/files",
+            params=params,
+            content=content,
+            headers={"content-type": "application/octet-stream"},
+            timeout=None,
+        )
+        return WriteResult.model_validate(data_json).bytes
+
+    def read(self, path: str, offset: int = 0, length: Optional[int] = None) -> bytes:
+        """Reads a file (or ``length`` bytes from ``offset``)."""
+        params: Dict[str, Any] = {"path": path}
+        if offset:
+            params["offset"] = offset
+        if length is not None:
+            params["length"] = length
+        return self.client.request("GET", f"{self._base}/files", params=params, timeout=None).content
+
+    def list(self, path: str) -> List[FileInfo]:
+        """Lists a directory, sorted by name."""
+        data = self.client._json("GET", f"{self._base}/files/list", params={"path": path})
+        return [FileInfo.model_validate(e) for e in data["entries"]]
+
+    def stat(self, path: str) -> FileInfo:
+        """Metadata of one entry (symlinks are not followed)."""
+        return FileInfo.model_validate(self.client._json("GET", f"{self._base}/files/stat", params={"path": path}))
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` exists in the sandbox."""
+        try:
+            self.stat(path)
+            return True
+        except NotFound:
+            return False
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        """Removes a file, or a directory (with its contents when ``recursive``)."""
+        params = {"path": path, "recursive": "true" if recursive else "false"}
+        self.client.request("DELETE", f"{self._base}/files", params=params)
+
+    def mkdir(self, path: str) -> None:
+        """Creates a directory with its parents."""
+        self.client.request("POST", f"{self._base}/files/mkdir", json_body={"path": path})
+
+    def rename(self, src: str, dst: str) -> None:
+        """Renames (moves) ``src`` to ``dst``."""
+        self.client.request("POST", f"{self._base}/files/rename", json_body={"from": src, "to": dst})
+
+
+class Session:
+    """A persistent bash session in a sandbox (see :meth:`Sandbox.session`)."""
+
+    def __init__(self, sandbox: Sandbox, info: SessionInfo) -> None:
+        self.sandbox = sandbox
+        self.info = info
+        self.closed = False
+
+    @property
+    def id(self) -> str:
+        """The session id."""
+        return self.info.session
+
+    @property
+    def _base(self) -> str:
+        return f"{self.sandbox._base}/sessions/{_seg(self.id)}"
+
+    def run(self, command: str, timeout: Optional[float] = None) -> SessionResult:
+        """Runs a command line in the session's shell; ``output`` is stdout and stderr
+        combined. On ``timeout`` the command is interrupted and the session stays usable."""
+        body: Dict[str, Any] = {"command": command}
+        if timeout is not None:
+            body["timeout_s"] = float(timeout)
+        data = self.sandbox.client._json("POST", f"{self._base}/run", json_body=body, timeout=Client._exec_timeout(timeout))
+        return SessionResult.model_validate(data)
+
+    def interrupt(self) -> None:
+        """Sends Ctrl-C to the running command."""
+        self.sandbox.client.request("POST", f"{self._base}/interrupt")
+
+    def close(self) -> None:
+        """Ends the session's shell (idempotent; a gone sandbox is fine)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.sandbox.client.request("DELETE", self._base)
+        except (NotFound, Expired):
+            pass
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def suspend_job(job: str, client: Optional[Client] = None) -> JobResult:
+    """Pauses every sandbox labelled ``job=JOB``; their lifetimes stop until :func:`resume_job`."""
+    return (client or default_client()).suspend_job(job)
+
+
+def resume_job(job: str, client: Optional[Client] = None) -> JobResult:
+    """Resumes every sandbox of a suspended job."""
+    return (client or default_client()).resume_job(job)

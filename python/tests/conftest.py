@@ -1,0 +1,157 @@
+"""Fixtures: one real `dsec serve` per test session.
+
+Environment:
+    DSEC_BIN        the dsec binary (default: <repo>/target/debug/dsec)
+    DSEC_AGENT_BIN  the static agent (default: <repo>/target/x86_64-unknown-linux-gnu/release/dsec-agent)
+    DSEC_BASE_TAR   the base rootfs tarball (default: /var/cache/dsec/base-bookworm.tar)
+    DSEC_PY_TEST_DIR where state lives between runs (default: /tmp/dsec-pytest); the
+                    imported base image is kept there, so later runs start fast.
+    CI=true         missing prerequisites fail instead of skipping.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "python" / "examples"))
+
+import dsec  # noqa: E402
+from dsec.client import _reset_default_client  # noqa: E402
+
+
+def _missing(reason: str) -> None:
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"prerequisite missing (CI=true): {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pdeathsig() -> None:
+    # The server dies with the test process, even when pytest is killed.
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class Server:
+    """A running `dsec serve`."""
+
+    def __init__(self, url: str, key: str, root: Path, proc: subprocess.Popen) -> None:
+        self.url = url
+        self.key = key
+        self.root = root
+        self.proc = proc
+
+    def log(self) -> str:
+        try:
+            return (self.root / "serve.log").read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Server]:
+    if os.geteuid() != 0:
+        _missing("dsec serve needs root")
+    bin_path = Path(os.environ.get("DSEC_BIN", REPO / "target" / "debug" / "dsec"))
+    if not bin_path.is_absolute():
+        bin_path = REPO / bin_path
+    base_tar = Path(os.environ.get("DSEC_BASE_TAR", "/var/cache/dsec/base-bookworm.tar"))
+    if not bin_path.exists():
+        _missing(f"{bin_path} not built (cargo build --workspace --bins)")
+    env = dict(os.environ)
+    if not env.get("DSEC_AGENT_BIN"):
+        static = REPO / "target" / "x86_64-unknown-linux-gnu" / "release" / "dsec-agent"
+        if static.exists():
+            env["DSEC_AGENT_BIN"] = str(static)
+
+    root = Path(os.environ.get("DSEC_PY_TEST_DIR", "/tmp/dsec-pytest"))
+    root.mkdir(parents=True, exist_ok=True)
+    state, run = root / "state", root / "run"
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(root / "serve.log", "ab")
+    proc = subprocess.Popen(
+        [str(bin_path), "serve", "--listen", f"127.0.0.1:{port}", "--state-dir", str(state), "--run-dir", str(run)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        preexec_fn=_pdeathsig,
+    )
+    srv = None
+    try:
+        key = ""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                break
+            try:
+                key = (state / "api-key").read_text().strip()
+                if key:
+                    dsec.Client(url, key, timeout=2).health()
+                    break
+            except (OSError, dsec.DsecError):
+                pass
+            key = ""
+            time.sleep(0.1)
+        srv = Server(url, key, root, proc)
+        if not key:
+            pytest.fail(f"dsec serve did not come up; log:\n{srv.log()}", pytrace=False)
+        with dsec.Client(url, key) as c:
+            if not any(i.name == "base" for i in c.list_images()):
+                if not base_tar.exists():
+                    _missing(f"{base_tar} missing (scripts/build-base-image.sh)")
+                c.import_image("base", str(base_tar))
+            for sb in c.list_sandboxes():  # leftovers of an interrupted run
+                c.delete_sandbox(sb.id)
+        yield srv
+    finally:
+        if srv is not None and srv.key:
+            try:
+                with dsec.Client(url, srv.key) as c:
+                    for sb in c.list_sandboxes():
+                        c.delete_sandbox(sb.id)
+            except dsec.DsecError:
+                pass
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        shutil.rmtree(run, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def client(server: Server) -> Iterator[dsec.Client]:
+    # The default client (Sandbox.create() without client=) reads these too.
+    os.environ["DSEC_URL"] = server.url
+    os.environ["DSEC_API_KEY"] = server.key
+    _reset_default_client()
+    c = dsec.Client(server.url, server.key)
+    yield c
+    c.close()
+    _reset_default_client()
+
+
+@pytest.fixture
+def sandbox(client: dsec.Client) -> Iterator[dsec.Sandbox]:
+    with dsec.Sandbox.create(client, timeout=600) as sb:
+        yield sb

@@ -1,0 +1,202 @@
+"""End-to-end tests of the dsec SDK against a real `dsec serve` (see conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+import dsec
+
+
+def test_health_and_env_default_client(client: dsec.Client) -> None:
+    assert client.health().status == "ok"
+    # client=None: the default client built from DSEC_URL / DSEC_API_KEY.
+    with dsec.Sandbox.create(labels={"t": "env"}) as sb:
+        assert sb.exec("true").ok
+
+
+def test_create_exec_delete(client: dsec.Client) -> None:
+    sb = dsec.Sandbox.create(client, image="base", resources={"memory_mb": 256}, env={"FOO": "bar"}, workdir="/tmp")
+    try:
+        assert sb.info.state == "ready"
+        assert sb.info.resources is not None and sb.info.resources.memory_mb == 256
+        r = sb.exec(["echo", "hello", "world"])
+        assert (r.stdout, r.stderr, r.exit_code) == ("hello world\n", "", 0)
+        r = sb.exec("echo out; echo err >&2; exit 3")
+        assert r.stdout == "out\n" and r.stderr == "err\n" and r.exit_code == 3 and not r.ok
+        assert sb.exec("echo $FOO $BAR; pwd", env={"BAR": "baz"}).stdout == "bar baz\n/tmp\n"
+        assert sb.exec(["pwd"], cwd="/etc").stdout == "/etc\n"
+        assert sb.exec(["cat"], stdin="fed in").stdout == "fed in"
+        r = sb.exec("sleep 30", timeout=0.5)
+        assert r.timed_out
+    finally:
+        sb.kill()
+    with pytest.raises(dsec.NotFound) as ei:
+        sb.exec("true")
+    assert ei.value.code == "not_found" and not ei.value.retryable and ei.value.status == 404
+
+
+def test_exec_stream_events(sandbox: dsec.Sandbox) -> None:
+    events = list(sandbox.exec_stream("echo a; echo b >&2; sleep 0.2; echo c; exit 7"))
+    assert isinstance(events[0], dsec.StartedEvent) and events[0].pid > 0
+    assert isinstance(events[-1], dsec.ExitEvent) and events[-1].exit_code == 7
+    out = "".join(e.data for e in events if isinstance(e, dsec.StdoutEvent))
+    err = "".join(e.data for e in events if isinstance(e, dsec.StderrEvent))
+    assert out == "a\nc\n" and err == "b\n"
+
+
+def test_session_keeps_cwd_and_env(sandbox: dsec.Sandbox) -> None:
+    with sandbox.session() as s:
+        assert s.run("cd /tmp").ok
+        assert s.run("export GREETING=hi").ok
+        assert s.run("pwd").output == "/tmp\n"
+        assert s.run("echo $GREETING").output == "hi\n"
+        r = s.run("false")
+        assert r.exit_code == 1
+    assert s.closed
+
+
+def test_files_round_trip(sandbox: dsec.Sandbox) -> None:
+    blob = bytes(range(256)) * 64
+    assert sandbox.write("/tmp/bin.dat", blob) == len(blob)
+    assert sandbox.read("/tmp/bin.dat") == blob
+    assert sandbox.read("/tmp/bin.dat", offset=10, length=5) == blob[10:15]
+    sandbox.write("/tmp/text.txt", "héllo\n")
+    assert sandbox.exec(["cat", "/tmp/text.txt"]).stdout == "héllo\n"
+
+    big = os.urandom(10 * 1024 * 1024)
+    assert sandbox.write("/tmp/big.bin", big) == len(big)
+    assert sandbox.read("/tmp/big.bin") == big
+    assert sandbox.stat("/tmp/big.bin").size == len(big)
+
+
+def test_list_stat_remove_rename_mkdir(sandbox: dsec.Sandbox) -> None:
+    sandbox.mkdir("/work/a/b")
+    sandbox.write("/work/a/one.txt", b"1")
+    sandbox.write("/work/a/b/two.txt", b"22", mode=0o600)
+    names = [e.name for e in sandbox.list("/work/a")]
+    assert names == ["b", "one.txt"]
+    st = sandbox.stat("/work/a/b/two.txt")
+    assert (st.kind, st.size, st.mode & 0o777) == ("file", 2, 0o600)
+    assert sandbox.stat("/work/a/b").kind == "dir"
+
+    sandbox.rename("/work/a/one.txt", "/work/a/uno.txt")
+    assert not sandbox.exists("/work/a/one.txt")
+    assert sandbox.read("/work/a/uno.txt") == b"1"
+
+    sandbox.remove("/work/a/uno.txt")
+    assert not sandbox.exists("/work/a/uno.txt")
+    with pytest.raises(dsec.DsecError):
+        sandbox.remove("/work/a")  # not empty
+    sandbox.remove("/work/a", recursive=True)
+    with pytest.raises(dsec.NotFound):
+        sandbox.stat("/work/a")
+    with pytest.raises(dsec.NotFound):
+        sandbox.read("/nope/missing")
+
+
+def test_typed_errors(client: dsec.Client) -> None:
+    with pytest.raises(dsec.BadRequest) as ei:
+        dsec.Sandbox.create(client, resources={"memory_mb": 1 << 40})
+    assert ei.value.code == "bad_request" and ei.value.message
+    with pytest.raises(dsec.ImageNotFound) as ei2:
+        dsec.Sandbox.create(client, image="no-such-image-" + uuid.uuid4().hex[:8])
+    assert ei2.value.code == "image_not_found"
+    with pytest.raises(dsec.NotFound):
+        dsec.Sandbox.connect("sb-does-not-exist", client)
+    with pytest.raises(dsec.Unauthorized):
+        dsec.Client(client.url, "wrong-key").list_sandboxes()
+    # Every code has its class, under DsecError.
+    assert set(dsec.ERROR_CLASSES) == {
+        "bad_request", "not_found", "expired", "failed", "conflict", "image_not_found",
+        "capacity", "timeout", "invalid_path", "no_space", "payload_too_large", "paused",
+        "agent_unavailable", "internal", "unauthorized",
+    }
+    assert all(issubclass(c, dsec.DsecError) for c in dsec.ERROR_CLASSES.values())
+    assert dsec.Capacity("x").retryable and not dsec.Paused("x").retryable
+
+
+def test_connection_error_is_typed() -> None:
+    c = dsec.Client("http://127.0.0.1:9", "k", create_retries=1)
+    with pytest.raises(dsec.ConnectionFailed) as ei:
+        dsec.Sandbox.create(c)
+    assert ei.value.retryable
+
+
+def test_pause_resume(sandbox: dsec.Sandbox) -> None:
+    sandbox.exec("echo before > /tmp/state")
+    res = sandbox.pause()
+    assert res.sandbox.state == "paused" and sandbox.info.state == "paused"
+    with pytest.raises(dsec.Paused) as ei:
+        sandbox.exec("true")
+    assert ei.value.code == "paused"
+    assert sandbox.resume().state == "ready"
+    assert sandbox.exec("cat /tmp/state").stdout == "before\n"
+    info = sandbox.set_timeout(1200)
+    assert info.expires_at > info.created_at
+
+
+def test_context_manager_deletes(client: dsec.Client) -> None:
+    with dsec.Sandbox.create(client) as sb:
+        sid = sb.id
+        assert client.get_sandbox(sid).state == "ready"
+    with pytest.raises(dsec.NotFound):
+        client.get_sandbox(sid)
+    # Also when the block raises.
+    with pytest.raises(RuntimeError):
+        with dsec.Sandbox.create(client) as sb:
+            sid = sb.id
+            raise RuntimeError("boom")
+    with pytest.raises(dsec.NotFound):
+        client.get_sandbox(sid)
+
+
+def test_job_label_suspend_resume(client: dsec.Client) -> None:
+    job = "pyjob-" + uuid.uuid4().hex[:8]
+    with dsec.Sandbox.create(client, job=job) as a, dsec.Sandbox.create(client, job=job) as b:
+        assert a.info.labels["job"] == job
+        assert {s.id for s in client.list_sandboxes({"job": job})} == {a.id, b.id}
+        res = dsec.suspend_job(job, client)
+        assert res.job == job and {o.id for o in res.sandboxes} == {a.id, b.id}
+        assert all(o.state == "paused" and o.error is None for o in res.sandboxes)
+        assert a.refresh().job_suspended_at is not None
+        with pytest.raises(dsec.Paused):
+            a.exec("true")
+        res = dsec.resume_job(job)  # default client
+        assert all(o.state == "ready" for o in res.sandboxes)
+        assert b.exec("echo ok").stdout == "ok\n"
+
+
+def test_rollout_example(client: dsec.Client) -> None:
+    import rollout
+
+    summary = rollout.run_rollout(4, client=client)
+    assert summary.episodes == 4
+    assert summary.rewards == [1, 1, 1, 0]  # task 3's policy is wrong on purpose
+    assert client.list_sandboxes({"job": summary.job}) == []
+    assert rollout.main(["--sandboxes", "4"]) == 0
+
+
+def test_async_api(client: dsec.Client) -> None:
+    import asyncio
+
+    async def go() -> str:
+        async with dsec.AsyncClient(client.url, client.api_key) as ac:
+            async with await dsec.AsyncSandbox.create(ac, job="async") as sb:
+                sid = sb.id
+                r = await sb.exec(["sh", "-c", "echo $0", "x"])
+                assert r.stdout == "x\n"
+                evs = [e async for e in sb.exec_stream("echo s; exit 2")]
+                assert isinstance(evs[-1], dsec.ExitEvent) and evs[-1].exit_code == 2
+                await sb.write("/tmp/f", b"\x00\xff")
+                assert await sb.read("/tmp/f") == b"\x00\xff"
+                async with await sb.session() as s:
+                    await s.run("cd /etc")
+                    assert (await s.run("pwd")).output == "/etc\n"
+            with pytest.raises(dsec.NotFound):
+                await ac.get_sandbox(sid)
+            return sid
+
+    assert asyncio.run(go())
