@@ -200,3 +200,19 @@ def test_async_api(client: dsec.Client) -> None:
             return sid
 
     assert asyncio.run(go())
+
+
+def test_create_is_idempotent_with_one_key(client: dsec.Client) -> None:
+    """Retries reuse the first attempt's key: the same key answers the same sandbox."""
+    body = {"image": "base", "idempotency_key": "py-idem-" + uuid.uuid4().hex}
+    first = client.create_sandbox(body)
+    try:
+        again = client.create_sandbox(body)
+        assert again.id == first.id
+        fresh = client.create_sandbox({"image": "base"})
+        try:
+            assert fresh.id != first.id
+        finally:
+            client.delete_sandbox(fresh.id)
+    finally:
+        client.delete_sandbox(first.id)

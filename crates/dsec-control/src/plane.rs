@@ -385,6 +385,18 @@ impl ControlPlane {
         self.node.connect(id).await.map_err(ApiError::from)
     }
 
+    /// The sandbox `id` once it is past `creating` (its first create may still be running).
+    async fn await_created(&self, id: &str) -> ApiResult<Sandbox> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let sb = self.get_sandbox(id).await?;
+            if sb.state != SandboxState::Creating || std::time::Instant::now() > deadline {
+                return Ok(sb);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     /// Ids of the sandboxes labelled `job=<job>`, sorted.
     fn job_members(&self, job: &str) -> ApiResult<Vec<String>> {
         if job.is_empty() || job.len() > 256 {
@@ -690,6 +702,7 @@ impl SandboxApi for ControlPlane {
             image: image.clone(),
             auto_resume: req.auto_resume,
             qos: req.qos,
+            idempotency_key: req.idempotency_key.clone(),
             layers: req.layers.clone(),
             image_digest: String::new(),
             backend: req.backend,
@@ -709,8 +722,27 @@ impl SandboxApi for ControlPlane {
             job_suspended_at: None,
             committed_layers: Vec::new(),
         };
-        self.persist(&sb)?;
-        self.lock().insert(id.clone(), sb.clone());
+        // A retried create finds its first attempt (the check and the insert under one
+        // lock, so concurrent retries cannot both create).
+        let existing = {
+            let mut recs = self.lock();
+            let found = req.idempotency_key.as_ref().and_then(|k| {
+                recs.values()
+                    .find(|s| s.idempotency_key.as_ref() == Some(k))
+                    .map(|s| s.id.clone())
+            });
+            if found.is_none() {
+                recs.insert(id.clone(), sb.clone());
+            }
+            found
+        };
+        if let Some(first) = existing {
+            return self.await_created(&first).await;
+        }
+        if let Err(e) = self.persist(&sb) {
+            self.lock().remove(&id);
+            return Err(e);
+        }
         let mut env = BTreeMap::from([
             (
                 "PATH".to_string(),

@@ -66,6 +66,11 @@ pub fn create(req: &CreateSandboxRequest) -> Result<(), ApiError> {
             )));
         }
     }
+    if let Some(k) = &req.idempotency_key {
+        if k.is_empty() || k.len() > 128 {
+            return Err(bad("idempotency_key must be 1 to 128 characters"));
+        }
+    }
     if req.layers.len() > MAX_LAYER_IMAGES {
         return Err(bad(format!(
             "layers: at most {MAX_LAYER_IMAGES} images can be stacked, got {}",

@@ -1410,3 +1410,52 @@ async fn commit_round_trips_a_sandbox_and_a_second_commit_holds_only_the_delta()
         c.delete_image(name).await.expect("delete image");
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_retried_create_with_the_same_idempotency_key_makes_one_sandbox() {
+    if !require_root() {
+        return;
+    }
+    let c = server().client();
+    let key = format!("retry-{}", std::process::id());
+    let req = || CreateSandboxRequest {
+        idempotency_key: Some(key.clone()),
+        labels: [("idem".to_string(), key.clone())].into(),
+        ..Default::default()
+    };
+    // Eight concurrent attempts, as retries racing their first try would.
+    let attempts = futures::future::join_all((0..8).map(|_| {
+        let c = c.clone();
+        let r = req();
+        async move { c.create_sandbox(r).await }
+    }))
+    .await;
+    let ids: std::collections::BTreeSet<String> = attempts
+        .into_iter()
+        .map(|r| {
+            let sb = r.expect("create");
+            assert_eq!(sb.state, SandboxState::Ready, "answered once ready");
+            sb.id
+        })
+        .collect();
+    assert_eq!(ids.len(), 1, "one sandbox for one key: {ids:?}");
+    let listed = c
+        .list_sandboxes([("idem".to_string(), key.clone())].into())
+        .await
+        .expect("list");
+    assert_eq!(listed.sandboxes.len(), 1);
+    let first = ids.into_iter().next().expect("id");
+    // Once it is gone, the key makes a new one.
+    c.delete_sandbox(&first).await.expect("delete");
+    let again = create(&c, req()).await;
+    assert_ne!(again.id, first);
+    let e = c
+        .create_sandbox(CreateSandboxRequest {
+            idempotency_key: Some(String::new()),
+            ..Default::default()
+        })
+        .await
+        .expect_err("empty key");
+    assert_eq!(code(e), ErrorCode::BadRequest);
+    c.delete_sandbox(&again.id).await.expect("delete");
+}

@@ -144,6 +144,10 @@ pub struct CreateSandboxRequest {
     /// CPU class; default `latency_sensitive`.
     #[serde(default)]
     pub qos: Qos,
+    /// Makes retries safe: a create with the key of a live sandbox answers that sandbox
+    /// (once it is past `creating`) instead of making another. Up to 128 characters.
+    #[serde(default)]
+    pub idempotency_key: Option<String>,
 }
 
 /// `POST /v1/sandboxes/{id}/pause`.
@@ -197,6 +201,9 @@ pub struct Sandbox {
     pub state: SandboxState,
     /// Image name as requested.
     pub image: String,
+    /// The create's idempotency key, if it had one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
     /// CPU class.
     #[serde(default)]
     pub qos: Qos,

@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import random
+import uuid
 from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Sequence, Union
 
 import httpx
@@ -80,7 +81,10 @@ class AsyncClient:
         return resp.json() if resp.content else None
 
     async def create_sandbox(self, body: Dict[str, Any]) -> SandboxInfo:
-        """``POST /v1/sandboxes``, retried like :meth:`dsec.Client.create_sandbox`."""
+        """``POST /v1/sandboxes``, retried like :meth:`dsec.Client.create_sandbox` (with one
+        idempotency key for all attempts)."""
+        body = {**body}
+        body.setdefault("idempotency_key", uuid.uuid4().hex)
         attempt = 0
         while True:
             try:

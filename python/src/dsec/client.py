@@ -7,6 +7,7 @@ import os
 import random
 import threading
 import time
+import uuid
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
 from urllib.parse import quote
 
@@ -173,7 +174,11 @@ class Client:
 
     def create_sandbox(self, body: Dict[str, Any]) -> SandboxInfo:
         """``POST /v1/sandboxes`` with the raw request ``body``, retried after connection
-        errors and ``capacity`` answers (see ``create_retries``)."""
+        errors and ``capacity`` answers (see ``create_retries``). Every attempt carries the
+        same ``idempotency_key`` (a random one unless the body has its own), so a retry
+        after a lost answer gets the sandbox the first attempt made instead of a second."""
+        body = {**body}
+        body.setdefault("idempotency_key", uuid.uuid4().hex)
         attempt = 0
         while True:
             try:
