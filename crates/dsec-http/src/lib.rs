@@ -23,6 +23,7 @@
 pub mod error;
 pub mod extract;
 pub mod handlers;
+pub mod swerex;
 
 use std::any::Any;
 use std::future::Future;
@@ -124,9 +125,15 @@ pub fn router(api: Arc<dyn SandboxApi>) -> Router {
         ));
 
     let v1 = Router::new().route("/health", get(h::health)).merge(authed);
+    // SWE-ReX sends its token as X-API-Key, the header dsec reads too.
+    let swerex = swerex::routes().route_layer(middleware::from_fn_with_state(
+        api.clone(),
+        extract::require_api_key,
+    ));
 
     Router::new()
         .nest("/v1", v1)
+        .merge(swerex)
         .fallback(h::not_found)
         .method_not_allowed_fallback(h::method_not_allowed)
         .layer(DefaultBodyLimit::max(JSON_BODY_LIMIT))
