@@ -220,6 +220,16 @@ pub(crate) fn wait_until(
     }
 }
 
+/// Free swap on the host in bytes (`SwapFree` of /proc/meminfo; 0 without swap).
+pub(crate) fn swap_free() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("SwapFree:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

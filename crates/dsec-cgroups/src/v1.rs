@@ -204,6 +204,20 @@ impl CgroupManager for V1Manager {
         let dir = self.dir_of("memory")?;
         let limit_path = dir.join("memory.limit_in_bytes");
         let original = read_file(&limit_path)?.trim().to_string();
+        // With swap on the host, let this cgroup swap for the squeeze: open memsw (kept
+        // equal to the limit otherwise, i.e. no swap) and make it prefer swapping anon.
+        let memsw = dir.join("memory.memsw.limit_in_bytes");
+        let swappiness = dir.join("memory.swappiness");
+        let swap = util::swap_free() > 0 && memsw.exists();
+        let saved = if swap {
+            let m = read_file(&memsw)?.trim().to_string();
+            let s = read_file(&swappiness)?.trim().to_string();
+            write_file(&memsw, "-1")?;
+            write_file(&swappiness, "100")?;
+            Some((m, s))
+        } else {
+            None
+        };
         let mut target = read_u64(&dir.join("memory.usage_in_bytes"))?;
         // Each lower limit makes the kernel reclaim down to it; EBUSY means it cannot
         // (anonymous memory without swap) and leaves the limit as it was.
@@ -213,7 +227,13 @@ impl CgroupManager for V1Manager {
                 break;
             }
         }
-        write_file(&limit_path, &original)
+        write_file(&limit_path, &original)?;
+        if let Some((m, s)) = saved {
+            // RAM + swap in use is at most the old limit, so memsw fits back under it.
+            write_file(&memsw, &m)?;
+            write_file(&swappiness, &s)?;
+        }
+        Ok(())
     }
 
     fn set_frozen(&self, frozen: bool, timeout: Duration) -> Result<()> {

@@ -141,15 +141,20 @@ impl CgroupManager for V2Manager {
     }
 
     fn reclaim(&self) -> Result<()> {
-        let usage = read_u64(&self.dir.join("memory.current"))?;
-        // EAGAIN: less than asked could be reclaimed, which is expected.
-        match std::fs::write(self.dir.join("memory.reclaim"), usage.to_string()) {
-            Ok(()) => Ok(()),
-            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => Ok(()),
-            Err(e) => Err(util::io_err("write", &self.dir.join("memory.reclaim"), e)),
+        // Sandboxes run with memory.swap.max = 0; open it for the reclaim so anonymous
+        // memory can go to swap where the host has some, and close it again after
+        // (pages already swapped stay there until touched).
+        let swap_max = self.dir.join("memory.swap.max");
+        let swap = util::swap_free() > 0 && swap_max.exists();
+        if swap {
+            write_file(&swap_max, "max")?;
         }
+        let res = reclaim_now(&self.dir);
+        if swap {
+            write_file(&swap_max, "0")?;
+        }
+        res
     }
-
     fn set_frozen(&self, frozen: bool, timeout: Duration) -> Result<()> {
         write_file(
             &self.dir.join("cgroup.freeze"),
@@ -171,6 +176,17 @@ impl CgroupManager for V2Manager {
 
     fn dirs(&self) -> Vec<PathBuf> {
         vec![self.dir.clone()]
+    }
+}
+
+/// `memory.reclaim` of as much as the cgroup uses.
+fn reclaim_now(dir: &Path) -> Result<()> {
+    let usage = read_u64(&dir.join("memory.current"))?;
+    // EAGAIN: less than asked could be reclaimed, which is expected.
+    match std::fs::write(dir.join("memory.reclaim"), usage.to_string()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => Ok(()),
+        Err(e) => Err(util::io_err("write", &dir.join("memory.reclaim"), e)),
     }
 }
 

@@ -93,6 +93,13 @@ pub struct ServeArgs {
     /// Host memory (MiB) kept free for the node: below it creates answer `capacity`.
     #[arg(long, default_value_t = 512)]
     pub memory_reserve_mb: u64,
+    /// A swap file the node creates (if missing) and keeps on, so that pausing a sandbox
+    /// also takes back its anonymous memory (sandboxes never swap otherwise).
+    #[arg(long, requires = "swap_mb")]
+    pub swap_file: Option<PathBuf>,
+    /// Size of --swap-file in MiB.
+    #[arg(long, requires = "swap_file")]
+    pub swap_mb: Option<u64>,
     /// Most sandboxes on this node (0: no count limit).
     #[arg(long, default_value_t = 0)]
     pub max_sandboxes: usize,

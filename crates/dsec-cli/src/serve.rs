@@ -103,6 +103,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             default_mb: args.disk_mb,
             pool_size: args.disk_pool,
         }),
+        swap_file: args.swap_file.clone().zip(args.swap_mb),
         admission: dsec_node::admission::AdmissionConfig {
             cpu_overcommit: args.cpu_overcommit,
             memory_reserve_bytes: args.memory_reserve_mb << 20,

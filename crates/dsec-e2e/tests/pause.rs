@@ -210,10 +210,9 @@ async fn a_job_suspends_and_resumes_as_a_whole_with_its_clock_stopped() {
 
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let r = c.resume_job(&job).await.expect("resume");
-    assert!(r
-        .sandboxes
-        .iter()
-        .all(|o| o.error.is_none() && o.state == SandboxState::Ready));
+    for o in &r.sandboxes {
+        assert!(o.error.is_none() && o.state == SandboxState::Ready, "{o:?}");
+    }
     let after = c.get_sandbox(&ids[0]).await.expect("get");
     assert!(after.job_suspended_at.is_none());
     assert!(

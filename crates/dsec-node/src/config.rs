@@ -19,6 +19,9 @@ pub struct NodeConfig {
     pub disk: Option<DiskSettings>,
     /// How many sandboxes the node admits.
     pub admission: crate::admission::AdmissionConfig,
+    /// A swap file (path, MiB) the node keeps active, so pause can reclaim anonymous
+    /// memory; `None` uses whatever swap the host has (often none).
+    pub swap_file: Option<(PathBuf, u64)>,
 }
 
 /// Size-limited sandbox disks (see `dsec-disk`).

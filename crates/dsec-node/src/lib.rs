@@ -20,6 +20,7 @@ pub mod config;
 pub mod container;
 pub mod error;
 pub mod local;
+pub mod swap;
 
 use std::collections::BTreeMap;
 

@@ -41,6 +41,9 @@ impl LocalNode {
         for d in [&cfg.state_dir, &cfg.run_dir] {
             std::fs::create_dir_all(d).map_err(NodeError::io("mkdir", d))?;
         }
+        if let Some((path, mb)) = &cfg.swap_file {
+            crate::swap::ensure(path, *mb)?;
+        }
         let cgroups = CgroupRoot::detect()?;
         let images = Arc::new(ImageStore::open(cfg.images_dir())?);
         let backend: Arc<dyn Backend> =
