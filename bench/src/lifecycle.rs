@@ -227,3 +227,100 @@ pub async fn idle_cost(server: &Server, n: usize) -> anyhow::Result<(f64, f64, f
         },
     ))
 }
+
+/// What the density run found.
+pub struct Density {
+    /// Sandboxes running at the end (each with an open shell session).
+    pub sandboxes: usize,
+    /// Why creating stopped: the target was reached, or the node's refusal.
+    pub stopped: String,
+    /// Wall time to create them all, seconds.
+    pub create_secs: f64,
+    /// Host memory per sandbox, MiB.
+    pub mib_per_sandbox: f64,
+    /// `exec true` across the running sandboxes.
+    pub exec: Stats,
+}
+
+/// Starts idle sandboxes (each with an open shell session) until `target` run or the node
+/// refuses, then measures exec latency across them, and removes them all.
+pub async fn density(server: &Server, target: usize) -> anyhow::Result<Density> {
+    let c = server.client();
+    let before = mem_available();
+    let started = Instant::now();
+    let mut ids = Vec::new();
+    let mut stopped = format!("target of {target} reached");
+    while ids.len() < target {
+        // Four creates in flight: the node admits concurrently, as a trainer would ask.
+        let batch = (target - ids.len()).min(4);
+        let results = futures_join(&c, batch).await;
+        let mut refused = None;
+        for r in results {
+            match r {
+                Ok(id) => ids.push(id),
+                Err(e) => refused = Some(e),
+            }
+        }
+        if let Some(e) = refused {
+            stopped = format!("node refused: {e}");
+            break;
+        }
+    }
+    let create_secs = started.elapsed().as_secs_f64();
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    let after = mem_available();
+    let mut exec = Vec::new();
+    for id in ids.iter().step_by((ids.len() / 200).max(1)) {
+        let t = Instant::now();
+        c.exec(id, crate::argv_true()).await?;
+        exec.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    let n = ids.len();
+    let chunks: Vec<Vec<String>> = ids.chunks(8).map(|c| c.to_vec()).collect();
+    for chunk in chunks {
+        let tasks: Vec<_> = chunk
+            .into_iter()
+            .map(|id| {
+                let c = c.clone();
+                tokio::spawn(async move { c.delete_sandbox(&id).await })
+            })
+            .collect();
+        for t in tasks {
+            t.await??;
+        }
+    }
+    Ok(Density {
+        sandboxes: n,
+        stopped,
+        create_secs,
+        mib_per_sandbox: before.saturating_sub(after) as f64 / (1 << 20) as f64 / n.max(1) as f64,
+        exec: Stats {
+            name: format!("exec true with {n} sandboxes"),
+            samples: exec,
+            note: None,
+        },
+    })
+}
+
+async fn futures_join(c: &Client, n: usize) -> Vec<Result<String, String>> {
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let c = c.clone();
+            tokio::spawn(async move {
+                let sb = c
+                    .create_sandbox(CreateSandboxRequest::default())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                c.create_session(&sb.id, CreateSessionRequest::default())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok::<_, String>(sb.id)
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap_or_else(|e| Err(e.to_string())));
+    }
+    out
+}

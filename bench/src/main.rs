@@ -523,6 +523,13 @@ fn main() -> anyhow::Result<()> {
         println!("| host memory MiB | processes | fds | exec true p50 ms | exec true p99 ms |");
         println!("|---|---|---|---|---|");
         println!("| {mib:.2} | {procs:.1} | {fds:.1} | {:.2} | {:.2} |", idle_exec.pct(50.0), idle_exec.pct(99.0));
+        let target = if args.quick { 300 } else { 1000 };
+        let d = lifecycle::density(&server, target).await?;
+        println!("\n## density: idle sandboxes with a shell session each ({})\n", d.stopped);
+        println!("| sandboxes | created in s | host memory MiB per sandbox | exec true p50 ms | exec true p99 ms |");
+        println!("|---|---|---|---|---|");
+        println!("| {} | {:.1} | {:.2} | {:.2} | {:.2} |", d.sandboxes, d.create_secs, d.mib_per_sandbox, d.exec.pct(50.0), d.exec.pct(99.0));
+
         let left = server.client().list_sandboxes(Default::default()).await?.sandboxes.len();
         // Sandbox cgroups are the subdirectories (the parent also holds control files).
         let cgroups = std::fs::read_dir("/sys/fs/cgroup/memory/dsec")
