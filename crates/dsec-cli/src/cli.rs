@@ -88,7 +88,7 @@ pub struct ServeArgs {
     pub disk_mb: u64,
     /// Sandboxes' requested CPU may add up to this many times the host's CPUs (most
     /// sandboxes idle; memory is what really fills a node).
-    #[arg(long, default_value_t = 200.0)]
+    #[arg(long, default_value_t = 1000.0)]
     pub cpu_overcommit: f64,
     /// Host memory (MiB) kept free for the node: below it creates answer `capacity`.
     #[arg(long, default_value_t = 512)]

@@ -23,7 +23,7 @@ impl Default for AdmissionConfig {
         Self {
             // Sandboxes idle most of the time (the report: 90% use at most 5% of what they
             // ask for), so CPU only bounds a node's count loosely; memory is what fills it.
-            cpu_overcommit: 200.0,
+            cpu_overcommit: 1000.0,
             memory_reserve_bytes: 512 << 20,
             max_sandboxes: 0,
         }
