@@ -264,6 +264,18 @@ pub struct ExecArgs {
 /// `dsec image ...`.
 #[derive(Debug, Subcommand)]
 pub enum ImageCommand {
+    /// Build an image from a base and shell steps, run in a dsec sandbox; each step is a
+    /// layer, cached by (parent image, step), so a rebuild redoes only what changed.
+    Build {
+        /// Name of the result.
+        name: String,
+        /// Image to start from.
+        #[arg(long, default_value = "base")]
+        from: String,
+        /// A shell command (repeatable, in order).
+        #[arg(long = "run", value_name = "CMD", required = true)]
+        runs: Vec<String>,
+    },
     /// Import an image from a directory or .tar/.tar.gz on the server's machine.
     Import {
         /// Name to give the image (e.g. python:3.11).

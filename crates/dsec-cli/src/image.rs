@@ -14,6 +14,30 @@ use crate::output::{self, print_json, Table};
 /// Runs an image command.
 pub async fn run(client: &Client, cmd: ImageCommand, json: bool) -> anyhow::Result<()> {
     match cmd {
+        ImageCommand::Build { name, from, runs } => {
+            let req = dsec_wire::v1::BuildRequest {
+                name,
+                base: from,
+                steps: runs
+                    .into_iter()
+                    .map(dsec_wire::v1::BuildStep::Run)
+                    .collect(),
+                step_timeout_s: None,
+            };
+            let r = client.build_image(req).await?;
+            if json {
+                print_json(&r)?;
+            } else {
+                let hits = r.cached.iter().filter(|c| **c).count();
+                println!(
+                    "built {} {} ({} layers; {hits} of {} steps from cache)",
+                    r.image.name,
+                    r.image.digest,
+                    r.image.layers.len(),
+                    r.cached.len()
+                );
+            }
+        }
         ImageCommand::Import {
             name,
             source,

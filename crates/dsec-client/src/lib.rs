@@ -37,11 +37,12 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use dsec_wire::error::ErrorBody;
 use dsec_wire::v1::{
-    CommitRequest, CreateSandboxRequest, CreateSessionRequest, ExecRequest, ExecResult, FileInfo,
-    FileList, Health, Image, ImageList, ImportImageRequest, JobResult, MkdirRequest, PauseResult,
-    ProcessInfo, ProcessList, PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo,
-    SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
-    StartProcessRequest, StdinRequest, WriteResult, API_KEY_HEADER,
+    BuildRequest, BuildResult, CommitRequest, CreateSandboxRequest, CreateSessionRequest,
+    ExecRequest, ExecResult, FileInfo, FileList, Health, Image, ImageList, ImportImageRequest,
+    JobResult, MkdirRequest, PauseResult, ProcessInfo, ProcessList, PtySize, RenameRequest,
+    Sandbox, SandboxList, SessionInfo, SessionList, SessionResult, SessionRunRequest,
+    SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest, WriteResult,
+    API_KEY_HEADER,
 };
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
@@ -500,6 +501,11 @@ impl Client {
     /// `POST /v1/images`: imports a directory or tarball found on the server's host.
     pub async fn import_image(&self, req: ImportImageRequest) -> Result<Image, ClientError> {
         Self::json(self.post(&["images"], &req)).await
+    }
+
+    /// `POST /v1/images/build`: an image from a base and steps (each a cached layer).
+    pub async fn build_image(&self, req: BuildRequest) -> Result<BuildResult, ClientError> {
+        Self::json(self.post(&["images", "build"], &req)).await
     }
 
     /// `DELETE /v1/images/{name}`.

@@ -92,6 +92,9 @@ impl SandboxApi for Fake {
     async fn resume_sandbox(&self, _: &str) -> ApiResult<Sandbox> {
         nope()
     }
+    async fn build_image(&self, _: BuildRequest) -> ApiResult<BuildResult> {
+        nope()
+    }
     async fn commit_sandbox(&self, _: &str, _: CommitRequest) -> ApiResult<Image> {
         nope()
     }

@@ -7,11 +7,12 @@ use std::collections::BTreeMap;
 
 use bytes::Bytes;
 use dsec_wire::v1::{
-    CommitRequest, CreateSandboxRequest, CreateSessionRequest, ExecEvent, ExecRequest, ExecResult,
-    FileInfo, FileList, Health, Image, ImageList, ImportImageRequest, JobResult, MkdirRequest,
-    PauseResult, ProcessInfo, ProcessList, PtySize, RenameRequest, Sandbox, SandboxList,
-    SessionInfo, SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
-    StartProcessRequest, StdinRequest, WriteResult,
+    BuildRequest, BuildResult, CommitRequest, CreateSandboxRequest, CreateSessionRequest,
+    ExecEvent, ExecRequest, ExecResult, FileInfo, FileList, Health, Image, ImageList,
+    ImportImageRequest, JobResult, MkdirRequest, PauseResult, ProcessInfo, ProcessList, PtySize,
+    RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList, SessionResult,
+    SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest,
+    WriteResult,
 };
 use dsec_wire::ApiError;
 use futures::stream::BoxStream;
@@ -48,6 +49,8 @@ pub trait SandboxApi: Send + Sync + 'static {
     async fn pause_sandbox(&self, id: &str) -> ApiResult<PauseResult>;
     /// `POST /v1/sandboxes/{id}/resume`. Idempotent.
     async fn resume_sandbox(&self, id: &str) -> ApiResult<Sandbox>;
+    /// `POST /v1/images/build`: an image from a base and steps, each a cached layer.
+    async fn build_image(&self, req: BuildRequest) -> ApiResult<BuildResult>;
     /// `POST /v1/sandboxes/{id}/commit`: its files as a new image (packdiff).
     async fn commit_sandbox(&self, id: &str, req: CommitRequest) -> ApiResult<Image>;
     /// `POST /v1/jobs/{job}/suspend`: pauses every sandbox labelled `job=<job>` and stops

@@ -8,6 +8,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod build;
 mod convert;
 pub mod plane;
 mod validate;

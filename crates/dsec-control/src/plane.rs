@@ -862,6 +862,10 @@ impl SandboxApi for ControlPlane {
         self.get_sandbox(id).await
     }
 
+    async fn build_image(&self, req: BuildRequest) -> ApiResult<BuildResult> {
+        crate::build::build(self, self.node.as_ref(), req).await
+    }
+
     async fn commit_sandbox(&self, id: &str, req: CommitRequest) -> ApiResult<Image> {
         let sb = self.get_sandbox(id).await?;
         // Still files while the copy runs: pause a running sandbox, resume it after.

@@ -1459,3 +1459,106 @@ async fn a_retried_create_with_the_same_idempotency_key_makes_one_sandbox() {
     assert_eq!(code(e), ErrorCode::BadRequest);
     c.delete_sandbox(&again.id).await.expect("delete");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn image_build_makes_a_layer_per_step_and_rebuilds_only_what_changed() {
+    if !require_root() {
+        return;
+    }
+    let c = server().client();
+    let tag = std::process::id();
+    let steps = |last: &str| {
+        vec![
+            BuildStep::Run(format!("mkdir -p /opt/app && echo {tag} > /opt/app/id")),
+            BuildStep::File {
+                path: "/opt/app/config.toml".into(),
+                content: "mode = \"test\"\n".into(),
+            },
+            BuildStep::Run(last.to_string()),
+        ]
+    };
+    let req = |name: &str, last: &str| BuildRequest {
+        name: name.into(),
+        base: "base".into(),
+        steps: steps(last),
+        step_timeout_s: None,
+    };
+    let base = c
+        .list_images()
+        .await
+        .expect("images")
+        .images
+        .into_iter()
+        .find(|i| i.name == "base")
+        .expect("base");
+    let r = c
+        .build_image(req("e2e/built", "echo v1 > /opt/app/version"))
+        .await
+        .expect("build");
+    assert_eq!(r.cached, vec![false, false, false]);
+    assert_eq!(
+        r.image.layers.len(),
+        base.layers.len() + 3,
+        "one layer per step"
+    );
+    let sb = create(
+        &c,
+        CreateSandboxRequest {
+            image: Some("e2e/built".into()),
+            ..Default::default()
+        },
+    )
+    .await;
+    let out = run(
+        &c,
+        &sb.id,
+        "cat /opt/app/id /opt/app/config.toml /opt/app/version",
+    )
+    .await;
+    assert_eq!(out.stdout, format!("{tag}\nmode = \"test\"\nv1\n"));
+    c.delete_sandbox(&sb.id).await.expect("delete");
+
+    // Same steps: all from the cache, same image. A changed last step: only it reruns.
+    let again = c
+        .build_image(req("e2e/built-again", "echo v1 > /opt/app/version"))
+        .await
+        .expect("rebuild");
+    assert_eq!(again.cached, vec![true, true, true]);
+    assert_eq!(again.image.digest, r.image.digest);
+    let changed = c
+        .build_image(req("e2e/built-v2", "echo v2 > /opt/app/version"))
+        .await
+        .expect("build v2");
+    assert_eq!(changed.cached, vec![true, true, false]);
+    assert_eq!(
+        &changed.image.layers[..changed.image.layers.len() - 1],
+        &r.image.layers[..r.image.layers.len() - 1]
+    );
+
+    // A failing step is a typed error naming the step; no build sandbox is left behind.
+    let e = c
+        .build_image(req("e2e/broken", "echo nope >&2; exit 3"))
+        .await
+        .expect_err("failing step");
+    let ClientError::Api(api) = e else {
+        panic!("expected an API error, got {e}");
+    };
+    assert_eq!(api.code, ErrorCode::Failed);
+    assert!(
+        api.message.contains("step 3") && api.message.contains("nope"),
+        "{}",
+        api.message
+    );
+    let left = c
+        .list_sandboxes(BTreeMap::new())
+        .await
+        .expect("list")
+        .sandboxes
+        .into_iter()
+        .filter(|s| s.labels.contains_key("dsec-build"))
+        .count();
+    assert_eq!(left, 0, "build sandboxes left");
+    for name in ["e2e/built", "e2e/built-again", "e2e/built-v2"] {
+        c.delete_image(name).await.expect("delete image");
+    }
+}

@@ -550,6 +550,14 @@ pub async fn import_image(
     Ok(created(api.import_image(req).await?))
 }
 
+/// `POST /v1/images/build`.
+pub async fn build_image(
+    State(api): Api,
+    Json(req): Json<dsec_wire::v1::BuildRequest>,
+) -> HttpResult<Response> {
+    Ok(created(api.build_image(req).await?))
+}
+
 /// `DELETE /v1/images/{name}`.
 pub async fn delete_image(State(api): Api, Path(name): Path<String>) -> HttpResult<Response> {
     Ok(no_content(api.delete_image(&name).await?))

@@ -118,6 +118,7 @@ pub fn router(api: Arc<dyn SandboxApi>) -> Router {
             get(h::download_tar).put(h::upload_tar).layer(unlimited()),
         )
         .route("/images", get(h::list_images).post(h::import_image))
+        .route("/images/build", post(h::build_image))
         .route("/images/{name}", axum::routing::delete(h::delete_image))
         .route_layer(middleware::from_fn_with_state(
             api.clone(),

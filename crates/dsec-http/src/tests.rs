@@ -87,6 +87,9 @@ impl SandboxApi for Stub {
     async fn resume_sandbox(&self, _: &str) -> ApiResult<Sandbox> {
         stub_err("resume_sandbox")
     }
+    async fn build_image(&self, _: BuildRequest) -> ApiResult<BuildResult> {
+        stub_err("build_image")
+    }
     async fn commit_sandbox(&self, _: &str, _: CommitRequest) -> ApiResult<Image> {
         stub_err("commit_sandbox")
     }

@@ -574,6 +574,25 @@ impl ImageStore {
         Ok((img, stats))
     }
 
+    /// Points `name` at the same layers and config as `source` (a name or digest).
+    pub fn tag(&self, source: &str, name: &str) -> Result<Image> {
+        let src = self.resolve(source)?;
+        let mut size = 0;
+        for l in &src.layers {
+            let blob = self.blob_path(&parse_digest(l)?);
+            size += std::fs::metadata(&blob)
+                .map_err(|e| ImageError::io("stat", &blob, e))?
+                .len();
+        }
+        self.set_ref(
+            name,
+            &src.layers,
+            size,
+            &format!("tag of {}", src.name),
+            src.config,
+        )
+    }
+
     /// Import an already built EROFS file as image `name` (the file is copied, not moved).
     pub fn import_blob(&self, name: &str, erofs_file: &Path) -> Result<Image> {
         validate_name(name)?;

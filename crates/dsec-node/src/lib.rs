@@ -117,4 +117,6 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
     ) -> Result<Image, NodeError>;
     /// Removes an image name.
     async fn remove_image(&self, name: &str) -> Result<(), NodeError>;
+    /// Names `source`'s layers and config `name` too.
+    async fn tag_image(&self, source: &str, name: &str) -> Result<Image, NodeError>;
 }

@@ -373,6 +373,10 @@ impl NodeApi for LocalNode {
         Ok(img)
     }
 
+    async fn tag_image(&self, source: &str, name: &str) -> Result<Image, NodeError> {
+        Ok(self.images.tag(source, name)?)
+    }
+
     async fn remove_image(&self, name: &str) -> Result<(), NodeError> {
         self.images.remove(name)?;
         Ok(())

@@ -243,6 +243,46 @@ pub struct Sandbox {
     pub committed_layers: Vec<String>,
 }
 
+/// One step of an image build.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum BuildStep {
+    /// A shell command that must exit 0.
+    Run(String),
+    /// A file to place (UTF-8 content).
+    File {
+        /// Absolute path in the image.
+        path: String,
+        /// Its content.
+        content: String,
+    },
+}
+
+/// `POST /v1/images/build`: an image from a base and steps, one layer per step, each
+/// cached by (parent image, step).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BuildRequest {
+    /// Name of the result.
+    pub name: String,
+    /// Image to start from.
+    pub base: String,
+    /// Steps, in order.
+    pub steps: Vec<BuildStep>,
+    /// Per-step time limit in seconds; default 1800.
+    #[serde(default)]
+    pub step_timeout_s: Option<f64>,
+}
+
+/// What a build did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BuildResult {
+    /// The built image.
+    pub image: Image,
+    /// Per step: whether its layer came from the cache.
+    pub cached: Vec<bool>,
+}
+
 /// `POST /v1/sandboxes/{id}/commit`: the sandbox's files as a new image.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
