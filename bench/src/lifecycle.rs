@@ -183,8 +183,9 @@ fn mem_available() -> u64 {
         .unwrap_or(0)
 }
 
-/// Host cost of an idle sandbox with one open shell session: memory, processes, fds.
-pub async fn idle_cost(server: &Server, n: usize) -> anyhow::Result<(f64, f64, f64, Stats)> {
+/// Host cost of an idle sandbox with one open shell session: memory, processes, threads,
+/// fds.
+pub async fn idle_cost(server: &Server, n: usize) -> anyhow::Result<(f64, f64, f64, f64, Stats)> {
     let c = server.client();
     let before = mem_available();
     let mut ids = Vec::new();
@@ -199,6 +200,16 @@ pub async fn idle_cost(server: &Server, n: usize) -> anyhow::Result<(f64, f64, f
     let procs: usize = ids
         .iter()
         .map(|id| dsec_e2e::host::processes(id).len())
+        .sum();
+    let threads: usize = ids
+        .iter()
+        .flat_map(|id| dsec_e2e::host::processes(id))
+        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/status")).ok())
+        .filter_map(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Threads:"))
+                .and_then(|v| v.trim().parse::<usize>().ok())
+        })
         .sum();
     let fds: usize = ids
         .iter()
@@ -219,6 +230,7 @@ pub async fn idle_cost(server: &Server, n: usize) -> anyhow::Result<(f64, f64, f
     Ok((
         per(before.saturating_sub(after) as f64) / (1 << 20) as f64,
         per(procs as f64),
+        per(threads as f64),
         per(fds as f64),
         Stats {
             name: format!("exec true with {n} idle sandboxes"),

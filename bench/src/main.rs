@@ -518,11 +518,11 @@ fn main() -> anyhow::Result<()> {
             100.0 * (1.0 - job.memory_after as f64 / job.memory_before.max(1) as f64), job.exec_after_resume.pct(50.0));
 
         let idle_n = if args.quick { 50 } else { 200 };
-        let (mib, procs, fds, idle_exec) = lifecycle::idle_cost(&server, idle_n).await?;
+        let (mib, procs, threads, fds, idle_exec) = lifecycle::idle_cost(&server, idle_n).await?;
         println!("\n## cost of an idle sandbox (with one open shell session), {idle_n} sandboxes\n");
-        println!("| host memory MiB | processes | fds | exec true p50 ms | exec true p99 ms |");
-        println!("|---|---|---|---|---|");
-        println!("| {mib:.2} | {procs:.1} | {fds:.1} | {:.2} | {:.2} |", idle_exec.pct(50.0), idle_exec.pct(99.0));
+        println!("| host memory MiB | processes | threads | fds | exec true p50 ms | exec true p99 ms |");
+        println!("|---|---|---|---|---|---|");
+        println!("| {mib:.2} | {procs:.1} | {threads:.1} | {fds:.1} | {:.2} | {:.2} |", idle_exec.pct(50.0), idle_exec.pct(99.0));
         let target = if args.quick { 300 } else { 1000 };
         let d = lifecycle::density(&server, target).await?;
         println!("\n## density: idle sandboxes with a shell session each ({})\n", d.stopped);

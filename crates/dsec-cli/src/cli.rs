@@ -100,6 +100,10 @@ pub struct ServeArgs {
     /// Size of --swap-file in MiB.
     #[arg(long, requires = "swap_file")]
     pub swap_mb: Option<u64>,
+    /// Let sandboxes of a suspended job expire as usual (by default a job suspend stops
+    /// their lifetimes until the job resumes).
+    #[arg(long)]
+    pub job_suspend_keeps_lifetime: bool,
     /// Most sandboxes on this node (0: no count limit).
     #[arg(long, default_value_t = 0)]
     pub max_sandboxes: usize,

@@ -129,7 +129,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         RedbStore::open(&args.state_dir.join("state.redb")).context("opening the state store")?,
     );
     let node_api: Arc<dyn NodeApi> = node;
-    let plane = ControlPlane::open(ControlConfig::with_key(key), node_api, store)
+    let control = ControlConfig {
+        job_suspend_stops_lifetime: !args.job_suspend_keeps_lifetime,
+        ..ControlConfig::with_key(key)
+    };
+    let plane = ControlPlane::open(control, node_api, store)
         .await
         .map_err(|e| anyhow::anyhow!("starting the control plane: {}", e.message))?;
     let listener = tokio::net::TcpListener::bind(args.listen)

@@ -44,6 +44,9 @@ pub struct ControlConfig {
     pub default_image: String,
     /// How often the reaper looks for expired sandboxes.
     pub reap_interval: Duration,
+    /// Whether a job suspend stops its sandboxes' lifetimes (so a preempted trainer finds
+    /// them when it is back). When false, lifetimes run on and expire as usual.
+    pub job_suspend_stops_lifetime: bool,
 }
 
 impl ControlConfig {
@@ -56,6 +59,7 @@ impl ControlConfig {
             default_pids: 512,
             default_image: "base".into(),
             reap_interval: Duration::from_secs(1),
+            job_suspend_stops_lifetime: true,
         }
     }
 }
@@ -228,7 +232,7 @@ impl ControlPlane {
                 )
             })
             .filter_map(|s| {
-                if s.job_suspended_at.is_some() {
+                if s.job_suspended_at.is_some() && self.cfg.job_suspend_stops_lifetime {
                     // A suspended job's clock is stopped (a preempted trainer must find
                     // its rollouts when it comes back).
                     None
@@ -852,7 +856,9 @@ impl SandboxApi for ControlPlane {
                 sb.last_active_at = now;
                 // A job suspend stopped the clock: the lifetime goes on where it stopped.
                 if let Some(at) = sb.job_suspended_at.take() {
-                    sb.expires_at += now.saturating_sub(at);
+                    if self.cfg.job_suspend_stops_lifetime {
+                        sb.expires_at += now.saturating_sub(at);
+                    }
                 }
             }
             let sandbox = self.get_sandbox(id).await?;

@@ -1,6 +1,7 @@
 //! Admission: a full node answers a retryable `capacity` error naming the resource, keeps
 //! no record of the refused sandbox, and admits again after a delete. Also checks the
-//! kernel limits `dsec serve` raises at start.
+//! kernel limits `dsec serve` raises at start, and that `--job-suspend-keeps-lifetime`
+//! lets a suspended job's sandboxes expire.
 
 use dsec_e2e::{require_root, Server};
 use dsec_wire::v1::*;
@@ -120,4 +121,41 @@ async fn a_full_node_refuses_with_capacity_and_admits_again_after_a_delete() {
         .parse()
         .expect("number");
     assert!(pid_max >= 4_194_304, "pid_max {pid_max}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_job_suspend_keeps_lifetime_a_suspended_sandbox_still_expires() {
+    if !require_root() {
+        return;
+    }
+    let s = Server::start_with(
+        "job-clock",
+        true,
+        &["--job-suspend-keeps-lifetime", "--disk-pool", "2"],
+    )
+    .await
+    .expect("server");
+    s.ensure_base(None).await.expect("base image");
+    let c = s.client();
+    let sb = c
+        .create_sandbox(CreateSandboxRequest {
+            labels: [(JOB_LABEL.to_string(), "clock".to_string())].into(),
+            timeout_s: Some(2),
+            ..Default::default()
+        })
+        .await
+        .expect("create");
+    let r = c.suspend_job("clock").await.expect("suspend");
+    assert!(r.sandboxes.iter().all(|o| o.error.is_none()));
+    let gone = dsec_e2e::wait_until(std::time::Duration::from_secs(10), || async {
+        match c.get_sandbox(&sb.id).await {
+            Err(e) if e.code() == Some(ErrorCode::Expired) => Some(()),
+            _ => None,
+        }
+    })
+    .await;
+    assert!(
+        gone.is_some(),
+        "the lifetime ran on while the job was suspended"
+    );
 }
