@@ -280,6 +280,12 @@ pub enum ImageCommand {
         #[arg(long = "run", value_name = "CMD", required = true)]
         runs: Vec<String>,
     },
+    /// Drop `dsec image build`'s cache (and the layers only it used).
+    Gc {
+        /// Keep entries younger than this (e.g. 24h; default: drop all).
+        #[arg(long, value_parser = parse_duration)]
+        older_than: Option<Duration>,
+    },
     /// Import an image from a directory or .tar/.tar.gz on the server's machine.
     Import {
         /// Name to give the image (e.g. python:3.11).

@@ -38,6 +38,20 @@ pub async fn run(client: &Client, cmd: ImageCommand, json: bool) -> anyhow::Resu
                 );
             }
         }
+        ImageCommand::Gc { older_than } => {
+            let r = client
+                .gc_images(older_than.map_or(0, |d| d.as_secs()))
+                .await?;
+            if json {
+                print_json(&r)?;
+            } else {
+                println!(
+                    "removed {} cache entries, freed {}",
+                    r.removed.len(),
+                    output::bytes(r.freed_bytes)
+                );
+            }
+        }
         ImageCommand::Import {
             name,
             source,

@@ -38,11 +38,11 @@ use bytes::Bytes;
 use dsec_wire::error::ErrorBody;
 use dsec_wire::v1::{
     BuildRequest, BuildResult, CommitRequest, CreateSandboxRequest, CreateSessionRequest,
-    ExecRequest, ExecResult, FileInfo, FileList, Health, Image, ImageList, ImportImageRequest,
-    JobResult, MkdirRequest, PauseResult, ProcessInfo, ProcessList, PtySize, RenameRequest,
-    Sandbox, SandboxList, SessionInfo, SessionList, SessionResult, SessionRunRequest,
-    SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest, WriteResult,
-    API_KEY_HEADER,
+    ExecRequest, ExecResult, FileInfo, FileList, GcRequest, GcResult, Health, Image, ImageList,
+    ImportImageRequest, JobResult, MkdirRequest, PauseResult, ProcessInfo, ProcessList, PtySize,
+    RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList, SessionResult,
+    SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest,
+    WriteResult, API_KEY_HEADER,
 };
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
@@ -501,6 +501,11 @@ impl Client {
     /// `POST /v1/images`: imports a directory or tarball found on the server's host.
     pub async fn import_image(&self, req: ImportImageRequest) -> Result<Image, ClientError> {
         Self::json(self.post(&["images"], &req)).await
+    }
+
+    /// `POST /v1/images/gc`: drops build-cache entries older than `older_than_s`.
+    pub async fn gc_images(&self, older_than_s: u64) -> Result<GcResult, ClientError> {
+        Self::json(self.post(&["images", "gc"], &GcRequest { older_than_s })).await
     }
 
     /// `POST /v1/images/build`: an image from a base and steps (each a cached layer).

@@ -92,6 +92,9 @@ impl SandboxApi for Fake {
     async fn resume_sandbox(&self, _: &str) -> ApiResult<Sandbox> {
         nope()
     }
+    async fn gc_images(&self, _: GcRequest) -> ApiResult<GcResult> {
+        nope()
+    }
     async fn build_image(&self, _: BuildRequest) -> ApiResult<BuildResult> {
         nope()
     }

@@ -8,9 +8,9 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use dsec_wire::v1::{
     BuildRequest, BuildResult, CommitRequest, CreateSandboxRequest, CreateSessionRequest,
-    ExecEvent, ExecRequest, ExecResult, FileInfo, FileList, Health, Image, ImageList,
-    ImportImageRequest, JobResult, MkdirRequest, PauseResult, ProcessInfo, ProcessList, PtySize,
-    RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList, SessionResult,
+    ExecEvent, ExecRequest, ExecResult, FileInfo, FileList, GcRequest, GcResult, Health, Image,
+    ImageList, ImportImageRequest, JobResult, MkdirRequest, PauseResult, ProcessInfo, ProcessList,
+    PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList, SessionResult,
     SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest,
     WriteResult,
 };
@@ -49,6 +49,8 @@ pub trait SandboxApi: Send + Sync + 'static {
     async fn pause_sandbox(&self, id: &str) -> ApiResult<PauseResult>;
     /// `POST /v1/sandboxes/{id}/resume`. Idempotent.
     async fn resume_sandbox(&self, id: &str) -> ApiResult<Sandbox>;
+    /// `POST /v1/images/gc`: drops build-cache entries and the layers only they used.
+    async fn gc_images(&self, req: GcRequest) -> ApiResult<GcResult>;
     /// `POST /v1/images/build`: an image from a base and steps, each a cached layer.
     async fn build_image(&self, req: BuildRequest) -> ApiResult<BuildResult>;
     /// `POST /v1/sandboxes/{id}/commit`: its files as a new image (packdiff).

@@ -868,6 +868,18 @@ impl SandboxApi for ControlPlane {
         self.get_sandbox(id).await
     }
 
+    async fn gc_images(&self, req: GcRequest) -> ApiResult<GcResult> {
+        let (removed, freed_bytes) = self
+            .node
+            .gc_build_cache(Duration::from_secs(req.older_than_s))
+            .await
+            .map_err(ApiError::from)?;
+        Ok(GcResult {
+            removed,
+            freed_bytes,
+        })
+    }
+
     async fn build_image(&self, req: BuildRequest) -> ApiResult<BuildResult> {
         crate::build::build(self, self.node.as_ref(), req).await
     }

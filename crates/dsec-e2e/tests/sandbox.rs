@@ -1558,6 +1558,23 @@ async fn image_build_makes_a_layer_per_step_and_rebuilds_only_what_changed() {
         .filter(|s| s.labels.contains_key("dsec-build"))
         .count();
     assert_eq!(left, 0, "build sandboxes left");
+
+    // GC drops the cache; built images keep their layers and still run.
+    let gc = c.gc_images(0).await.expect("gc");
+    assert!(gc.removed.len() >= 4, "{gc:?}");
+    assert!(gc.removed.iter().all(|n| n.starts_with("build-cache/")));
+    let images = c.list_images().await.expect("images").images;
+    assert!(images.iter().all(|i| !i.name.starts_with("build-cache/")));
+    let sb = create(
+        &c,
+        CreateSandboxRequest {
+            image: Some("e2e/built-v2".into()),
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(run(&c, &sb.id, "cat /opt/app/version").await.stdout, "v2\n");
+    c.delete_sandbox(&sb.id).await.expect("delete");
     for name in ["e2e/built", "e2e/built-again", "e2e/built-v2"] {
         c.delete_image(name).await.expect("delete image");
     }

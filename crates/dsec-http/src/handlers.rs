@@ -550,6 +550,14 @@ pub async fn import_image(
     Ok(created(api.import_image(req).await?))
 }
 
+/// `POST /v1/images/gc`.
+pub async fn gc_images(
+    State(api): Api,
+    Json(req): Json<dsec_wire::v1::GcRequest>,
+) -> HttpResult<Response> {
+    Ok(json(api.gc_images(req).await?))
+}
+
 /// `POST /v1/images/build`.
 pub async fn build_image(
     State(api): Api,

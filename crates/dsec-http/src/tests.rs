@@ -87,6 +87,9 @@ impl SandboxApi for Stub {
     async fn resume_sandbox(&self, _: &str) -> ApiResult<Sandbox> {
         stub_err("resume_sandbox")
     }
+    async fn gc_images(&self, _: GcRequest) -> ApiResult<GcResult> {
+        stub_err("gc_images")
+    }
     async fn build_image(&self, _: BuildRequest) -> ApiResult<BuildResult> {
         stub_err("build_image")
     }

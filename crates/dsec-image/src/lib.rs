@@ -574,6 +574,37 @@ impl ImageStore {
         Ok((img, stats))
     }
 
+    /// Removes every ref whose name starts with `prefix` (e.g. `build-cache/`) and that is
+    /// older than `min_age`, and the blobs only they used (mounted ones stay). Returns the
+    /// removed names and the bytes of blobs deleted.
+    pub fn gc_prefix(&self, prefix: &str, min_age: Duration) -> Result<(Vec<String>, u64)> {
+        let now = now_ms();
+        let age_ms = u64::try_from(min_age.as_millis()).unwrap_or(u64::MAX);
+        let names: Vec<String> = self
+            .read_refs()?
+            .refs
+            .iter()
+            .filter(|(n, r)| n.starts_with(prefix) && now.saturating_sub(r.created_at) >= age_ms)
+            .map(|(n, _)| n.clone())
+            .collect();
+        let before = self.blob_bytes();
+        for n in &names {
+            self.remove(n)?;
+        }
+        Ok((names, before.saturating_sub(self.blob_bytes())))
+    }
+
+    fn blob_bytes(&self) -> u64 {
+        std::fs::read_dir(self.root.join("blobs/sha256"))
+            .map(|d| {
+                d.filter_map(Result::ok)
+                    .filter_map(|e| e.metadata().ok())
+                    .map(|m| m.len())
+                    .sum()
+            })
+            .unwrap_or(0)
+    }
+
     /// Points `name` at the same layers and config as `source` (a name or digest).
     pub fn tag(&self, source: &str, name: &str) -> Result<Image> {
         let src = self.resolve(source)?;

@@ -117,6 +117,12 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
     ) -> Result<Image, NodeError>;
     /// Removes an image name.
     async fn remove_image(&self, name: &str) -> Result<(), NodeError>;
+    /// Removes build-cache refs older than `min_age` and the layers only they used;
+    /// returns the names removed and the bytes freed.
+    async fn gc_build_cache(
+        &self,
+        min_age: std::time::Duration,
+    ) -> Result<(Vec<String>, u64), NodeError>;
     /// Names `source`'s layers and config `name` too.
     async fn tag_image(&self, source: &str, name: &str) -> Result<Image, NodeError>;
 }

@@ -373,6 +373,17 @@ impl NodeApi for LocalNode {
         Ok(img)
     }
 
+    async fn gc_build_cache(
+        &self,
+        min_age: std::time::Duration,
+    ) -> Result<(Vec<String>, u64), NodeError> {
+        let images = self.images.clone();
+        tokio::task::spawn_blocking(move || images.gc_prefix("build-cache/", min_age))
+            .await
+            .map_err(join_err)?
+            .map_err(NodeError::from)
+    }
+
     async fn tag_image(&self, source: &str, name: &str) -> Result<Image, NodeError> {
         Ok(self.images.tag(source, name)?)
     }

@@ -274,6 +274,24 @@ pub struct BuildRequest {
     pub step_timeout_s: Option<f64>,
 }
 
+/// `POST /v1/images/gc`: drops build-cache layers.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GcRequest {
+    /// Keep cache entries younger than this many seconds (default 0: drop all).
+    #[serde(default)]
+    pub older_than_s: u64,
+}
+
+/// What a GC removed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GcResult {
+    /// Refs removed.
+    pub removed: Vec<String>,
+    /// Bytes of layers deleted (layers other images or sandboxes use stay).
+    pub freed_bytes: u64,
+}
+
 /// What a build did.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BuildResult {
