@@ -401,6 +401,35 @@ impl ControlPlane {
         }
     }
 
+    /// The defaults of an image with `layers` stacked on it: their configs applied bottom
+    /// first (env merged, later workdir/user/entrypoint/cmd win). An unknown name fails
+    /// when `strict`, else it is skipped.
+    async fn stack_config(
+        &self,
+        image: &str,
+        layers: &[String],
+        strict: bool,
+    ) -> ApiResult<ImageConfig> {
+        let mut config = ImageConfig::default();
+        for name in std::iter::once(image).chain(layers.iter().map(String::as_str)) {
+            let c = match self.node.image(name).await {
+                Ok(img) => img.config,
+                Err(e) if strict => return Err(e.into()),
+                Err(_) => continue,
+            };
+            config.env.extend(c.env);
+            config.workdir = c.workdir.or(config.workdir);
+            config.user = c.user.or(config.user);
+            if !c.entrypoint.is_empty() {
+                config.entrypoint = c.entrypoint;
+            }
+            if !c.cmd.is_empty() {
+                config.cmd = c.cmd;
+            }
+        }
+        Ok(config)
+    }
+
     /// Ids of the sandboxes labelled `job=<job>`, sorted.
     fn job_members(&self, job: &str) -> ApiResult<Vec<String>> {
         if job.is_empty() || job.len() > 256 {
@@ -696,10 +725,7 @@ impl SandboxApi for ControlPlane {
         let timeout_s = req.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S);
         // The images' own defaults, bottom first; unknown names fail here, before any
         // record exists.
-        let mut configs = Vec::with_capacity(1 + req.layers.len());
-        for name in std::iter::once(&image).chain(&req.layers) {
-            configs.push(self.node.image(name).await.map_err(ApiError::from)?.config);
-        }
+        let config = self.stack_config(&image, &req.layers, true).await?;
         let mut sb = Sandbox {
             id: id.clone(),
             state: SandboxState::Creating,
@@ -757,14 +783,12 @@ impl SandboxApi for ControlPlane {
             ("TERM".to_string(), "xterm".to_string()),
             ("HOSTNAME".to_string(), id.clone()),
         ]);
-        for c in &configs {
-            env.extend(c.env.clone());
-        }
+        env.extend(config.env);
         env.extend(req.env.clone());
         let workdir = req
             .workdir
             .clone()
-            .or_else(|| configs.iter().rev().find_map(|c| c.workdir.clone()))
+            .or(config.workdir)
             .unwrap_or_else(|| "/".into());
         let spec = NodeCreateSpec {
             id: id.clone(),
@@ -898,20 +922,8 @@ impl SandboxApi for ControlPlane {
                 false
             }
         };
-        let mut config = ImageConfig::default();
-        for name in std::iter::once(&sb.image).chain(&sb.layers) {
-            if let Ok(img) = self.node.image(name).await {
-                config.env.extend(img.config.env);
-                config.workdir = img.config.workdir.or(config.workdir);
-                config.user = img.config.user.or(config.user);
-                if !img.config.entrypoint.is_empty() {
-                    config.entrypoint = img.config.entrypoint;
-                }
-                if !img.config.cmd.is_empty() {
-                    config.cmd = img.config.cmd;
-                }
-            }
-        }
+        // An image removed since the create does not stop a commit of its files.
+        let config = self.stack_config(&sb.image, &sb.layers, false).await?;
         let res = self
             .node
             .commit(id, &req.name, sb.committed_layers.clone(), config)

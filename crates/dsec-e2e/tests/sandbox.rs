@@ -24,6 +24,16 @@ async fn run(c: &Client, id: &str, cmd: &str) -> ExecResult {
         .unwrap_or_else(|e| panic!("exec {cmd:?}: {e}"))
 }
 
+async fn image(c: &Client, name: &str) -> Image {
+    c.list_images()
+        .await
+        .expect("images")
+        .images
+        .into_iter()
+        .find(|i| i.name == name)
+        .unwrap_or_else(|| panic!("image {name} not listed"))
+}
+
 fn code(e: ClientError) -> ErrorCode {
     e.code()
         .unwrap_or_else(|| panic!("expected an API error, got {e}"))
@@ -608,14 +618,7 @@ async fn images_stack_as_layers_in_order_and_each_layer_is_mounted_once() {
         );
         imgs.push(img);
     }
-    let base = c
-        .list_images()
-        .await
-        .expect("images")
-        .images
-        .into_iter()
-        .find(|i| i.name == "base")
-        .expect("base image");
+    let base = image(&c, "base").await;
 
     let stacked = |layers: &[&str]| CreateSandboxRequest {
         layers: layers.iter().map(|l| l.to_string()).collect(),
@@ -1326,14 +1329,7 @@ async fn commit_round_trips_a_sandbox_and_a_second_commit_holds_only_the_delta()
         .commit_sandbox(&a.id, "e2e/commit1")
         .await
         .expect("commit");
-    let base = c
-        .list_images()
-        .await
-        .expect("images")
-        .images
-        .into_iter()
-        .find(|i| i.name == "base")
-        .expect("base");
+    let base = image(&c, "base").await;
     assert_eq!(img1.layers.len(), base.layers.len() + 1);
     assert_eq!(&img1.layers[..base.layers.len()], &base.layers[..]);
     assert_eq!(
@@ -1483,14 +1479,7 @@ async fn image_build_makes_a_layer_per_step_and_rebuilds_only_what_changed() {
         steps: steps(last),
         step_timeout_s: None,
     };
-    let base = c
-        .list_images()
-        .await
-        .expect("images")
-        .images
-        .into_iter()
-        .find(|i| i.name == "base")
-        .expect("base");
+    let base = image(&c, "base").await;
     let r = c
         .build_image(req("e2e/built", "echo v1 > /opt/app/version"))
         .await

@@ -93,7 +93,7 @@ const RECENT_MAX: usize = 1024;
 
 async fn answer<F>(id: &str, headers: &HeaderMap, f: F) -> Response
 where
-    F: std::future::Future<Output = Answer>,
+    F: std::future::Future<Output = Result<Value, Answer>>,
 {
     let key = headers
         .get("x-request-id")
@@ -105,7 +105,7 @@ where
             return (*status, axum::Json(body.clone())).into_response();
         }
     }
-    let (status, body) = f.await.into_parts();
+    let (status, body) = f.await.map_or_else(|a| a, Answer::Ok).into_parts();
     if let Some(k) = key {
         let mut recent = RECENT.lock().unwrap_or_else(|p| p.into_inner());
         if recent.len() >= RECENT_MAX {
@@ -116,8 +116,14 @@ where
     (status, axum::Json(body)).into_response()
 }
 
-fn bad_json(e: serde_json::Error) -> Answer {
-    Answer::Http(ApiError::new(ErrorCode::BadRequest, e.to_string()))
+/// The JSON body as `T`, or a `bad_request` answer.
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Answer> {
+    serde_json::from_slice(body)
+        .map_err(|e| Answer::Http(ApiError::new(ErrorCode::BadRequest, e.to_string())))
+}
+
+fn raise(class: &'static str, message: String) -> Result<Value, Answer> {
+    Err(Answer::Raise(class, message))
 }
 
 async fn root(Path(_id): Path<String>) -> Response {
@@ -159,45 +165,29 @@ async fn create_session(
     body: Bytes,
 ) -> Response {
     answer(&id, &headers, async {
-        let req: CreateSession = match serde_json::from_slice(&body) {
-            Ok(r) => r,
-            Err(e) => return bad_json(e),
-        };
-        let existing = match api.list_sessions(&id).await {
-            Ok(l) => l.sessions.iter().any(|s| s.session == req.session),
-            Err(e) => return e.into(),
-        };
-        if existing {
-            return Answer::Raise(
+        let req: CreateSession = parse(&body)?;
+        let sessions = api.list_sessions(&id).await?;
+        if sessions.sessions.iter().any(|s| s.session == req.session) {
+            return raise(
                 "swerex.exceptions.SessionExistsError",
                 format!("session {} already exists", req.session),
             );
         }
-        let created = api
-            .create_session(
-                &id,
-                CreateSessionRequest {
-                    session: Some(req.session.clone()),
-                    env: Default::default(),
-                    cwd: None,
-                },
-            )
-            .await;
-        if let Err(e) = created {
-            return e.into();
-        }
+        let create = CreateSessionRequest {
+            session: Some(req.session.clone()),
+            env: Default::default(),
+            cwd: None,
+        };
+        api.create_session(&id, create).await?;
         let mut output = String::new();
         for file in &req.startup_source {
             let run = SessionRunRequest {
                 command: format!("source {}", shell_quote(file)),
                 timeout_s: Some(60.0),
             };
-            match api.run_in_session(&id, &req.session, run).await {
-                Ok(r) => output.push_str(&r.output),
-                Err(e) => return e.into(),
-            }
+            output.push_str(&api.run_in_session(&id, &req.session, run).await?.output);
         }
-        Answer::Ok(json!({"output": output, "session_type": "bash"}))
+        Ok(json!({"output": output, "session_type": "bash"}))
     })
     .await
 }
@@ -236,15 +226,25 @@ struct InterruptAction {
     session: String,
 }
 
-fn missing_session(e: ApiError, session: &str) -> Answer {
-    if e.code == ErrorCode::NotFound && e.message.contains("session") {
-        Answer::Raise(
-            "swerex.exceptions.SessionDoesNotExistError",
-            format!("session {session:?} does not exist"),
-        )
-    } else {
-        e.into()
+/// A `not_found` about a session, as SWE-ReX's `SessionDoesNotExistError`.
+fn missing_session(session: &str) -> impl FnOnce(ApiError) -> Answer + '_ {
+    move |e| {
+        if e.code == ErrorCode::NotFound && e.message.contains("session") {
+            Answer::Raise(
+                "swerex.exceptions.SessionDoesNotExistError",
+                format!("session {session:?} does not exist"),
+            )
+        } else {
+            e.into()
+        }
     }
+}
+
+fn observation(output: &str, exit_code: Option<i32>) -> Value {
+    json!({
+        "output": output, "exit_code": exit_code, "failure_reason": "",
+        "expect_string": "", "session_type": "bash"
+    })
 }
 
 async fn run_in_session(
@@ -254,60 +254,53 @@ async fn run_in_session(
     body: Bytes,
 ) -> Response {
     answer(&id, &headers, async {
-        let action: Action = match serde_json::from_slice(&body) {
-            Ok(a) => a,
-            Err(e) => return bad_json(e),
-        };
-        match action {
-            Action::Interrupt(a) => match api.interrupt_session(&id, &a.session).await {
-                Ok(()) => Answer::Ok(json!({
-                    "output": "", "exit_code": null, "failure_reason": "",
-                    "expect_string": "", "session_type": "bash"
-                })),
-                Err(e) => missing_session(e, &a.session),
-            },
-            Action::Bash(a) => {
-                if a.is_interactive_command {
-                    return Answer::Raise(
-                        "builtins.NotImplementedError",
-                        "interactive commands are not supported by dsec's SWE-ReX front".into(),
-                    );
-                }
-                let run = SessionRunRequest {
-                    command: a.command.clone(),
-                    timeout_s: a.timeout,
-                };
-                let r = match api.run_in_session(&id, &a.session, run).await {
-                    Ok(r) => r,
-                    Err(e) => return missing_session(e, &a.session),
-                };
-                if r.timed_out {
-                    return Answer::Raise(
-                        "swerex.exceptions.CommandTimeoutError",
-                        format!(
-                            "timeout after {} seconds while running command {:?}",
-                            a.timeout.unwrap_or_default(),
-                            a.command
-                        ),
-                    );
-                }
-                if a.check == "raise" && r.exit_code != 0 {
-                    let mut msg = format!(
-                        "Command {:?} failed with exit code {}. Here is the output:\n{:?}",
-                        a.command, r.exit_code, r.output
-                    );
-                    if !a.error_msg.is_empty() {
-                        msg = format!("{}: {msg}", a.error_msg);
-                    }
-                    return Answer::Raise("swerex.exceptions.NonZeroExitCodeError", msg);
-                }
-                let exit = (a.check != "ignore").then_some(r.exit_code);
-                Answer::Ok(json!({
-                    "output": r.output, "exit_code": exit, "failure_reason": "",
-                    "expect_string": "", "session_type": "bash"
-                }))
+        let a = match parse::<Action>(&body)? {
+            Action::Interrupt(a) => {
+                api.interrupt_session(&id, &a.session)
+                    .await
+                    .map_err(missing_session(&a.session))?;
+                return Ok(observation("", None));
             }
+            Action::Bash(a) => a,
+        };
+        if a.is_interactive_command {
+            return raise(
+                "builtins.NotImplementedError",
+                "interactive commands are not supported by dsec's SWE-ReX front".into(),
+            );
         }
+        let run = SessionRunRequest {
+            command: a.command.clone(),
+            timeout_s: a.timeout,
+        };
+        let r = api
+            .run_in_session(&id, &a.session, run)
+            .await
+            .map_err(missing_session(&a.session))?;
+        if r.timed_out {
+            return raise(
+                "swerex.exceptions.CommandTimeoutError",
+                format!(
+                    "timeout after {} seconds while running command {:?}",
+                    a.timeout.unwrap_or_default(),
+                    a.command
+                ),
+            );
+        }
+        if a.check == "raise" && r.exit_code != 0 {
+            let mut msg = format!(
+                "Command {:?} failed with exit code {}. Here is the output:\n{:?}",
+                a.command, r.exit_code, r.output
+            );
+            if !a.error_msg.is_empty() {
+                msg = format!("{}: {msg}", a.error_msg);
+            }
+            return raise("swerex.exceptions.NonZeroExitCodeError", msg);
+        }
+        Ok(observation(
+            &r.output,
+            (a.check != "ignore").then_some(r.exit_code),
+        ))
     })
     .await
 }
@@ -325,14 +318,11 @@ async fn close_session(
     body: Bytes,
 ) -> Response {
     answer(&id, &headers, async {
-        let req: CloseSession = match serde_json::from_slice(&body) {
-            Ok(r) => r,
-            Err(e) => return bad_json(e),
-        };
-        match api.close_session(&id, &req.session).await {
-            Ok(()) => Answer::Ok(json!({"session_type": "bash"})),
-            Err(e) => missing_session(e, &req.session),
-        }
+        let req: CloseSession = parse(&body)?;
+        api.close_session(&id, &req.session)
+            .await
+            .map_err(missing_session(&req.session))?;
+        Ok(json!({"session_type": "bash"}))
     })
     .await
 }
@@ -398,10 +388,7 @@ async fn execute(
     body: Bytes,
 ) -> Response {
     answer(&id, &headers, async {
-        let req: ExecuteRequest = match serde_json::from_slice(&body) {
-            Ok(r) => r,
-            Err(e) => return bad_json(e),
-        };
+        let req: ExecuteRequest = parse(&body)?;
         let exec = ExecRequest {
             cmd: to_command(req.command, req.shell, req.merge_output_streams),
             env: req.env.unwrap_or_default(),
@@ -410,12 +397,9 @@ async fn execute(
             timeout_s: req.timeout,
             output_limit: None,
         };
-        let r = match api.exec(&id, exec).await {
-            Ok(r) => r,
-            Err(e) => return e.into(),
-        };
+        let r = api.exec(&id, exec).await?;
         if r.exit.timed_out {
-            return Answer::Raise(
+            return raise(
                 "swerex.exceptions.CommandTimeoutError",
                 format!(
                     "Timeout ({}s) exceeded while running command",
@@ -432,9 +416,9 @@ async fn execute(
             if !req.error_msg.is_empty() {
                 msg = format!("{}: {msg}", req.error_msg);
             }
-            return Answer::Raise("swerex.exceptions.NonZeroExitCodeError", msg);
+            return raise("swerex.exceptions.NonZeroExitCodeError", msg);
         }
-        Answer::Ok(json!({"stdout": r.stdout, "stderr": r.stderr, "exit_code": r.exit.exit_code}))
+        Ok(json!({"stdout": r.stdout, "stderr": r.stderr, "exit_code": r.exit.exit_code}))
     })
     .await
 }
@@ -451,34 +435,28 @@ async fn read_file(
     body: Bytes,
 ) -> Response {
     answer(&id, &headers, async {
-        let req: ReadFile = match serde_json::from_slice(&body) {
-            Ok(r) => r,
-            Err(e) => return bad_json(e),
-        };
+        let req: ReadFile = parse(&body)?;
         let (_, mut stream) = match api.read_file(&id, &req.path, 0, None).await {
             Ok(v) => v,
             Err(e) if e.code == ErrorCode::NotFound => {
-                return Answer::Raise(
+                return raise(
                     "builtins.FileNotFoundError",
                     format!("No such file or directory: {:?}", req.path),
                 )
             }
-            Err(e) => return e.into(),
+            Err(e) => return Err(e.into()),
         };
         let mut content = Vec::new();
         while let Some(chunk) = stream.next().await {
-            match chunk {
-                Ok(c) => content.extend_from_slice(&c),
-                Err(e) => return e.into(),
-            }
+            content.extend_from_slice(&chunk?);
             if content.len() > READ_LIMIT {
-                return Answer::Http(ApiError::new(
+                return Err(Answer::Http(ApiError::new(
                     ErrorCode::PayloadTooLarge,
                     format!("{} is larger than {READ_LIMIT} bytes", req.path),
-                ));
+                )));
             }
         }
-        Answer::Ok(json!({"content": String::from_utf8_lossy(&content)}))
+        Ok(json!({"content": String::from_utf8_lossy(&content)}))
     })
     .await
 }
@@ -506,14 +484,9 @@ async fn write_file(
     body: Bytes,
 ) -> Response {
     answer(&id, &headers, async {
-        let req: WriteFile = match serde_json::from_slice(&body) {
-            Ok(r) => r,
-            Err(e) => return bad_json(e),
-        };
-        match write_bytes(&api, &id, &req.path, Bytes::from(req.content)).await {
-            Ok(()) => Answer::Ok(json!({})),
-            Err(e) => e.into(),
-        }
+        let req: WriteFile = parse(&body)?;
+        write_bytes(&api, &id, &req.path, Bytes::from(req.content)).await?;
+        Ok(json!({}))
     })
     .await
 }
@@ -552,21 +525,17 @@ async fn upload(
     }
     answer(&id, &headers, async {
         let (Some(file), Some(target)) = (file, target) else {
-            return Answer::Http(ApiError::new(
+            return Err(Answer::Http(ApiError::new(
                 ErrorCode::BadRequest,
                 "upload needs the form fields file and target_path",
-            ));
+            )));
         };
         if !unzip {
-            return match write_bytes(&api, &id, &target, file).await {
-                Ok(()) => Answer::Ok(json!({})),
-                Err(e) => e.into(),
-            };
+            write_bytes(&api, &id, &target, file).await?;
+            return Ok(json!({}));
         }
         let tmp = format!("/tmp/.dsec-swerex-{:016x}.zip", rand_suffix());
-        if let Err(e) = write_bytes(&api, &id, &tmp, file).await {
-            return e.into();
-        }
+        write_bytes(&api, &id, &tmp, file).await?;
         let script = "import sys, zipfile\nzipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])";
         let exec = ExecRequest {
             cmd: Command::Argv(vec![
@@ -584,17 +553,17 @@ async fn upload(
         };
         let r = api.exec(&id, exec).await;
         let _ = api.remove_file(&id, &tmp, false).await;
-        match r {
-            Ok(r) if r.exit.exit_code == Some(0) => Answer::Ok(json!({})),
-            Ok(r) => Answer::Raise(
+        let r = r?;
+        if r.exit.exit_code != Some(0) {
+            return raise(
                 "builtins.RuntimeError",
                 format!(
                     "unzip into {target} failed (needs python3 in the sandbox): {}",
                     r.stderr
                 ),
-            ),
-            Err(e) => e.into(),
+            );
         }
+        Ok(json!({}))
     })
     .await
 }
@@ -609,5 +578,5 @@ fn rand_suffix() -> u64 {
 }
 
 async fn close(Path(id): Path<String>, headers: HeaderMap) -> Response {
-    answer(&id, &headers, async { Answer::Ok(json!({})) }).await
+    answer(&id, &headers, async { Ok(json!({})) }).await
 }

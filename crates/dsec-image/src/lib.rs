@@ -562,14 +562,7 @@ impl ImageStore {
         let mut layers = stack.to_vec();
         layers.extend(previous_diffs.iter().cloned());
         layers.push(digest);
-        let mut size = 0;
-        for l in &layers {
-            let blob = self.blob_path(&parse_digest(l)?);
-            size += std::fs::metadata(&blob)
-                .map_err(|e| ImageError::io("stat", &blob, e))?
-                .len();
-        }
-        let img = self.set_ref(name, &layers, size, source, config)?;
+        let img = self.set_ref(name, &layers, source, config)?;
         drop(work);
         Ok((img, stats))
     }
@@ -608,17 +601,9 @@ impl ImageStore {
     /// Points `name` at the same layers and config as `source` (a name or digest).
     pub fn tag(&self, source: &str, name: &str) -> Result<Image> {
         let src = self.resolve(source)?;
-        let mut size = 0;
-        for l in &src.layers {
-            let blob = self.blob_path(&parse_digest(l)?);
-            size += std::fs::metadata(&blob)
-                .map_err(|e| ImageError::io("stat", &blob, e))?
-                .len();
-        }
         self.set_ref(
             name,
             &src.layers,
-            size,
             &format!("tag of {}", src.name),
             src.config,
         )
@@ -658,7 +643,7 @@ impl ImageStore {
         progress: &dyn Fn(ImportProgress),
     ) -> Result<Image> {
         let (digest, size) = self.put_blob(layer, progress)?;
-        let img = self.set_ref(name, &[digest], size, source, ImageConfig::default())?;
+        let img = self.set_ref(name, &[digest], source, ImageConfig::default())?;
         progress(ImportProgress {
             phase: ImportPhase::Storing,
             bytes_done: size,
@@ -700,15 +685,16 @@ impl ImageStore {
         &self,
         name: &str,
         layers: &[String],
-        size: u64,
         source: &str,
         config: ImageConfig,
     ) -> Result<Image> {
         validate_name(name)?;
+        // Every layer must be stored; the image's size is theirs together.
+        let mut size = 0;
         for l in layers {
-            let hex = parse_digest(l)?;
-            if !self.blob_path(&hex).exists() {
-                return Err(ImageError::NotFound(l.clone()));
+            match std::fs::metadata(self.blob_path(&parse_digest(l)?)) {
+                Ok(m) => size += m.len(),
+                Err(_) => return Err(ImageError::NotFound(l.clone())),
             }
         }
         let entry = RefEntry {

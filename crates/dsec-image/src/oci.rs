@@ -102,23 +102,20 @@ pub(crate) fn import(
     let mut created = Vec::new();
     let res = (|| {
         let mut digests = Vec::new();
-        let mut sizes = HashMap::new();
         for file in &built {
-            let (digest, size) = store.put_blob(file, progress)?;
+            let (digest, _) = store.put_blob(file, progress)?;
             // put_blob moves a new blob into place and leaves the file when one existed.
             if !file.exists() {
                 created.push(digest.clone());
             }
-            sizes.insert(digest.clone(), size);
             digests.push(digest);
         }
         let layers = dedup_keep_top(&digests);
-        let total = layers.iter().filter_map(|d| sizes.get(d)).sum();
-        let img = store.set_ref(name, &layers, total, &source_str, plan.config.clone())?;
+        let img = store.set_ref(name, &layers, &source_str, plan.config.clone())?;
         progress(ImportProgress {
             phase: ImportPhase::Storing,
-            bytes_done: total,
-            bytes_total: Some(total),
+            bytes_done: img.size_bytes,
+            bytes_total: Some(img.size_bytes),
         });
         Ok(img)
     })();

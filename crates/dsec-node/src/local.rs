@@ -303,11 +303,7 @@ impl NodeApi for LocalNode {
         let images = self.images.clone();
         let (id, name) = (id.to_string(), name.to_string());
         tokio::task::spawn_blocking(move || {
-            let stack: Vec<String> = rec
-                .layer_digests()
-                .into_iter()
-                .filter(|d| !previous_diffs.contains(d))
-                .collect();
+            let stack = rec.layer_digests();
             let mut out = None;
             backend.with_upper(&id, &mut |upper| {
                 let (img, stats) = images.commit_upper(

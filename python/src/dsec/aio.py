@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import uuid
@@ -20,10 +19,9 @@ from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Sequence, 
 
 import httpx
 
-from .client import API_KEY_HEADER, DEFAULT_URL, _EVENT_ADAPTER, _KNOWN_EVENTS, _api_key_from_env, _seg
+from .client import API_KEY_HEADER, DEFAULT_URL, _api_key_from_env, _parse_event, _seg
 from .errors import Capacity, ConnectionFailed, Expired, NotFound, error_from_body
 from .models import (
-    ErrorEvent,
     ExecResult,
     FileInfo,
     Image,
@@ -35,7 +33,7 @@ from .models import (
     SessionResult,
     WriteResult,
 )
-from .sandbox import JOB_LABEL, Command, Sandbox
+from .sandbox import Command, Sandbox, create_body
 
 __all__ = ["AsyncClient", "AsyncSandbox", "AsyncSession"]
 
@@ -125,15 +123,9 @@ class AsyncClient:
                         b = resp.text
                     raise error_from_body(b, resp.status_code)
                 async for line in resp.aiter_lines():
-                    if not line.strip():
-                        continue
-                    raw = json.loads(line)
-                    if raw.get("type") not in _KNOWN_EVENTS:
-                        continue
-                    ev = _EVENT_ADAPTER.validate_python(raw)
-                    if isinstance(ev, ErrorEvent):
-                        raise error_from_body(ev.error.model_dump())
-                    yield ev
+                    ev = _parse_event(line)
+                    if ev is not None:
+                        yield ev
         except httpx.TransportError as e:
             raise ConnectionFailed(f"POST {path}: {e!r}") from e
 
@@ -162,27 +154,10 @@ class AsyncSandbox:
     ) -> "AsyncSandbox":
         """Creates a sandbox; arguments as for :meth:`dsec.Sandbox.create`."""
         client = client or AsyncClient()
-        body: Dict[str, Any] = {"auto_resume": auto_resume}
-        if image is not None:
-            body["image"] = image
-        if layers:
-            body["layers"] = list(layers)
-        if resources is not None:
-            res = resources if isinstance(resources, Resources) else Resources.model_validate(dict(resources))
-            body["resources"] = res.model_dump(exclude_none=True)
-        if timeout is not None:
-            body["timeout_s"] = int(timeout)
-        all_labels = dict(labels or {})
-        if job is not None:
-            all_labels[JOB_LABEL] = job
-        if all_labels:
-            body["labels"] = all_labels
-        if env:
-            body["env"] = dict(env)
-        if workdir is not None:
-            body["workdir"] = workdir
-        if qos is not None:
-            body["qos"] = qos
+        body = create_body(
+            image=image, layers=layers, resources=resources, timeout=timeout, idle_timeout=None,
+            labels=labels, job=job, env=env, workdir=workdir, qos=qos, auto_resume=auto_resume,
+        )
         return cls(client, await client.create_sandbox(body))
 
     @property

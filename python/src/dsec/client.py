@@ -228,17 +228,25 @@ class Client:
                     resp.read()
                     self._raise_for(resp)
                 for line in resp.iter_lines():
-                    if not line.strip():
-                        continue
-                    raw = json.loads(line)
-                    if raw.get("type") not in _KNOWN_EVENTS:
-                        continue
-                    ev = _EVENT_ADAPTER.validate_python(raw)
-                    if isinstance(ev, ErrorEvent):
-                        raise error_from_body(ev.error.model_dump())
-                    yield ev
+                    ev = _parse_event(line)
+                    if ev is not None:
+                        yield ev
         except httpx.TransportError as e:
             raise ConnectionFailed(f"POST {path}: {e!r}") from e
+
+
+def _parse_event(line: str) -> Any:
+    """One NDJSON line as an event model; ``None`` for blank lines and event types this
+    SDK does not know (a newer server). An ``error`` event is raised."""
+    if not line.strip():
+        return None
+    raw = json.loads(line)
+    if raw.get("type") not in _KNOWN_EVENTS:
+        return None
+    ev = _EVENT_ADAPTER.validate_python(raw)
+    if isinstance(ev, ErrorEvent):
+        raise error_from_body(ev.error.model_dump())
+    return ev
 
 
 _default: Optional[Client] = None

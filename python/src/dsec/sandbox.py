@@ -39,6 +39,47 @@ def _text(data: Union[str, bytes, None]) -> Optional[str]:
     return data
 
 
+def create_body(
+    *,
+    image: Optional[str],
+    layers: Optional[Sequence[str]],
+    resources: Any,
+    timeout: Optional[float],
+    idle_timeout: Optional[float],
+    labels: Optional[Mapping[str, str]],
+    job: Optional[str],
+    env: Optional[Mapping[str, str]],
+    workdir: Optional[str],
+    qos: Optional[str],
+    auto_resume: bool,
+) -> Dict[str, Any]:
+    """The ``POST /v1/sandboxes`` body for :meth:`Sandbox.create` (and its async twin)."""
+    body: Dict[str, Any] = {"auto_resume": auto_resume}
+    if image is not None:
+        body["image"] = image
+    if layers:
+        body["layers"] = list(layers)
+    if resources is not None:
+        res = resources if isinstance(resources, Resources) else Resources.model_validate(dict(resources))
+        body["resources"] = res.model_dump(exclude_none=True)
+    if timeout is not None:
+        body["timeout_s"] = int(timeout)
+    if idle_timeout is not None:
+        body["idle_timeout_s"] = int(idle_timeout)
+    all_labels = dict(labels or {})
+    if job is not None:
+        all_labels[JOB_LABEL] = job
+    if all_labels:
+        body["labels"] = all_labels
+    if env:
+        body["env"] = dict(env)
+    if workdir is not None:
+        body["workdir"] = workdir
+    if qos is not None:
+        body["qos"] = qos
+    return body
+
+
 class Sandbox:
     """One sandbox. Make one with :meth:`Sandbox.create` (or attach with :meth:`Sandbox.connect`).
 
@@ -91,29 +132,11 @@ class Sandbox:
         (``Client.create_retries`` times, default 5); other errors are raised at once.
         """
         client = client or default_client()
-        body: Dict[str, Any] = {"auto_resume": auto_resume}
-        if image is not None:
-            body["image"] = image
-        if layers:
-            body["layers"] = list(layers)
-        if resources is not None:
-            res = resources if isinstance(resources, Resources) else Resources.model_validate(dict(resources))
-            body["resources"] = res.model_dump(exclude_none=True)
-        if timeout is not None:
-            body["timeout_s"] = int(timeout)
-        if idle_timeout is not None:
-            body["idle_timeout_s"] = int(idle_timeout)
-        all_labels = dict(labels or {})
-        if job is not None:
-            all_labels[JOB_LABEL] = job
-        if all_labels:
-            body["labels"] = all_labels
-        if env:
-            body["env"] = dict(env)
-        if workdir is not None:
-            body["workdir"] = workdir
-        if qos is not None:
-            body["qos"] = qos
+        body = create_body(
+            image=image, layers=layers, resources=resources, timeout=timeout,
+            idle_timeout=idle_timeout, labels=labels, job=job, env=env, workdir=workdir,
+            qos=qos, auto_resume=auto_resume,
+        )
         return cls(client, client.create_sandbox(body))
 
     @classmethod
