@@ -7,9 +7,10 @@ die() { log "error: $*"; exit 1; }
 repo_root() { cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd; }
 
 # Debian packages: erofs-utils (mkfs.erofs), e2fsprogs (mkfs.ext4 for sandbox disks),
-# python3-venv (the Python SDK's tests run in a venv),
+# python3-venv (the Python SDK's tests run in a venv), nftables (sandbox network policy),
+# iproute2 (the network tests build a fake internet with `ip`),
 # mmdebstrap (base image), and the OCI runtimes the benchmark compares against.
-APT_PACKAGES="erofs-utils e2fsprogs mmdebstrap crun runc python3 python3-venv ca-certificates"
+APT_PACKAGES="erofs-utils e2fsprogs nftables iproute2 mmdebstrap crun runc python3 python3-venv ca-certificates"
 
 ensure_packages() {
   local missing=()

@@ -19,6 +19,7 @@ use dsec_e2e::{sh, Server};
 use dsec_wire::v1::{CreateSandboxRequest, ExecRequest};
 
 mod lifecycle;
+mod network;
 
 /// Command line.
 #[derive(Debug, Parser)]
@@ -37,10 +38,10 @@ struct Args {
 
 /// Summary of one measurement, in milliseconds.
 #[derive(Debug, Clone)]
-struct Stats {
-    name: String,
-    samples: Vec<f64>,
-    note: Option<String>,
+pub(crate) struct Stats {
+    pub(crate) name: String,
+    pub(crate) samples: Vec<f64>,
+    pub(crate) note: Option<String>,
 }
 
 impl Stats {
@@ -495,6 +496,8 @@ fn main() -> anyhow::Result<()> {
         let exec = vec![crun_exec, dsec_exec, spawn_floor(n * 5)];
         print_table("time to interactive (create -> first command done)", &tti, "crun run true");
         print_table("exec round trip on a running sandbox", &exec, "crun exec true");
+        let net = network::tti_by_mode(&server, n).await?;
+        print_table("time to interactive by network mode (create -> exec true)", &net, "network none");
         let mut conc = Vec::new();
         for workers in [1usize, 8, 32] {
             let total = if args.quick { 32 } else { 160 }.max(workers * 2);

@@ -88,7 +88,13 @@ def server() -> Iterator[Server]:
     url = f"http://127.0.0.1:{port}"
     log = open(root / "serve.log", "ab")
     proc = subprocess.Popen(
-        [str(bin_path), "serve", "--listen", f"127.0.0.1:{port}", "--state-dir", str(state), "--run-dir", str(run)],
+        [
+            str(bin_path), "serve", "--listen", f"127.0.0.1:{port}", "--state-dir", str(state),
+            "--run-dir", str(run),
+            # Networking of its own, apart from any other dsec on this host.
+            "--nft-table", "dsec_py", "--link-prefix", "dspy", "--sandbox-subnet", "10.239.0.0/16",
+            "--dns-port", "15369", "--net-pool", "1",
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,

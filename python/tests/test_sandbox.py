@@ -216,3 +216,24 @@ def test_create_is_idempotent_with_one_key(client: dsec.Client) -> None:
             client.delete_sandbox(fresh.id)
     finally:
         client.delete_sandbox(first.id)
+
+
+def test_network_policy_create_and_replace(client: dsec.Client) -> None:
+    with dsec.Sandbox.create(client, network=["pypi.org:443", "*.pythonhosted.org"]) as sb:
+        assert sb.info.network.mode == "allowlist"
+        assert sb.info.network.allow == ["pypi.org:443", "*.pythonhosted.org"]
+        assert sb.info.ip and sb.info.ip.startswith("10.239.")
+        # The sandbox has a link to the node and nothing else resolves.
+        r = sb.exec("cat /proc/net/dev; getent hosts example.com; echo rc=$?")
+        assert "eth0" in r.stdout and "rc=2" in r.stdout
+        info = sb.set_network("open")
+        assert info.network.mode == "open" and info.network.allow == []
+        assert sb.refresh().network.mode == "open"
+    with dsec.Sandbox.create(client) as plain:
+        assert plain.info.network.mode == "none" and plain.info.ip is None
+        with pytest.raises(dsec.BadRequest):
+            plain.set_network("open")
+    with pytest.raises(dsec.BadRequest):
+        dsec.Sandbox.create(client, network=["http://pypi.org"])
+    with pytest.raises(dsec.BadRequest):
+        dsec.Sandbox.create(client, network={"mode": "open", "allow": ["pypi.org"]})

@@ -64,6 +64,31 @@ pub enum QosArg {
     BestEffort,
 }
 
+/// `--network` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum NetworkArg {
+    /// Loopback only.
+    None,
+    /// Only the --allow destinations; DNS answers only for allowed names.
+    Allowlist,
+    /// Anywhere but the node, other sandboxes and link-local addresses.
+    Open,
+}
+
+impl NetworkArg {
+    /// The policy these flags ask for.
+    pub fn policy(self, allow: Vec<String>) -> dsec_wire::v1::NetworkPolicy {
+        use dsec_wire::v1::NetworkMode;
+        let mode = match self {
+            NetworkArg::None if allow.is_empty() => NetworkMode::None,
+            // --allow alone means an allowlist.
+            NetworkArg::None | NetworkArg::Allowlist => NetworkMode::Allowlist,
+            NetworkArg::Open => NetworkMode::Open,
+        };
+        dsec_wire::v1::NetworkPolicy { mode, allow }
+    }
+}
+
 /// `dsec serve`.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
@@ -111,6 +136,44 @@ pub struct ServeArgs {
     /// sandboxes' lightly used disks refill it, up to twice this many).
     #[arg(long, default_value_t = 32)]
     pub disk_pool: usize,
+    /// Give sandboxes no network at all (only mode `none`); nftables and the host's
+    /// forwarding setting are then never touched.
+    #[arg(long)]
+    pub no_network: bool,
+    /// Subnet for networked sandboxes, one /30 each.
+    #[arg(long, default_value = "10.231.0.0/16", value_parser = parse_subnet)]
+    pub sandbox_subnet: (std::net::Ipv4Addr, u8),
+    /// Upstream DNS resolver for sandboxes (default: first nameserver of /etc/resolv.conf).
+    #[arg(long)]
+    pub dns_upstream: Option<SocketAddr>,
+    /// Port of the node's filtering resolver (sandboxes' port 53 is redirected to it).
+    #[arg(long, default_value_t = 15353)]
+    pub dns_port: u16,
+    /// nftables table (family inet) this node owns.
+    #[arg(long, default_value = "dsec")]
+    pub nft_table: String,
+    /// Prefix of the host ends of sandbox links.
+    #[arg(long, default_value = "dsv")]
+    pub link_prefix: String,
+    /// Network namespaces kept prepared for fast creates.
+    #[arg(long, default_value_t = 8)]
+    pub net_pool: usize,
+}
+
+fn parse_subnet(s: &str) -> Result<(std::net::Ipv4Addr, u8), String> {
+    let (ip, len) = s
+        .split_once('/')
+        .ok_or_else(|| format!("{s:?}: expected ADDRESS/PREFIX"))?;
+    let ip: std::net::Ipv4Addr = ip
+        .parse()
+        .map_err(|_| format!("{ip:?}: not an IPv4 address"))?;
+    let len: u8 = len
+        .parse()
+        .ok()
+        .filter(|l| (8..=30).contains(l))
+        .ok_or_else(|| format!("{len:?}: prefix length must be 8-30"))?;
+    let mask = u32::MAX << (32 - len);
+    Ok((std::net::Ipv4Addr::from(u32::from(ip) & mask), len))
 }
 
 /// `dsec sandbox ...`.
@@ -174,6 +237,17 @@ pub enum SandboxCommand {
         /// Name of the new image.
         name: String,
     },
+    /// Replace a sandbox's network policy (allowlist <-> open; not for mode none).
+    Network {
+        /// Sandbox id.
+        id: String,
+        /// New mode.
+        #[arg(long, value_enum, default_value_t = NetworkArg::Allowlist)]
+        mode: NetworkArg,
+        /// Allowed destination (repeatable).
+        #[arg(long = "allow", value_name = "DEST")]
+        allow: Vec<String>,
+    },
     /// Freeze sandboxes and give their memory back (processes and state survive).
     Pause {
         /// Sandbox ids.
@@ -223,6 +297,13 @@ pub struct CreateArgs {
     /// Writable disk size in MiB (server default: 10240).
     #[arg(long)]
     pub disk_mb: Option<u64>,
+    /// Network mode (default none: loopback only).
+    #[arg(long, value_enum, default_value_t = NetworkArg::None)]
+    pub network: NetworkArg,
+    /// Allowed destination (repeatable; implies --network allowlist): NAME, *.SUFFIX,
+    /// IP or CIDR, each with an optional :PORT.
+    #[arg(long = "allow", value_name = "DEST")]
+    pub allow: Vec<String>,
     /// Lifetime (e.g. 3600, 90m, 1h; server default: 1h).
     #[arg(long, value_parser = parse_duration)]
     pub timeout: Option<Duration>,

@@ -61,6 +61,19 @@ pub async fn run(client: &Client, cmd: SandboxCommand, json: bool) -> anyhow::Re
                 );
             }
         }
+        SandboxCommand::Network { id, mode, allow } => {
+            let sb = client.set_network(&id, &mode.policy(allow)).await?;
+            if json {
+                print_json(&sb)?;
+            } else {
+                println!(
+                    "{} network {:?} {}",
+                    sb.id,
+                    sb.network.mode,
+                    sb.network.allow.join(" ")
+                );
+            }
+        }
         SandboxCommand::Pause { ids } => {
             for id in ids {
                 let r = client.pause_sandbox(&id).await?;
@@ -137,6 +150,7 @@ async fn create(client: &Client, a: CreateArgs, json: bool) -> anyhow::Result<()
         labels: a.labels.into_iter().collect(),
         files,
         workdir: a.workdir,
+        network: a.network.policy(a.allow),
         ..Default::default()
     };
     let sb = client.create_sandbox(req).await?;

@@ -109,6 +109,14 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             memory_reserve_bytes: args.memory_reserve_mb << 20,
             max_sandboxes: args.max_sandboxes,
         },
+        network: (!args.no_network).then(|| dsec_net::NetConfig {
+            subnet: args.sandbox_subnet,
+            table: args.nft_table.clone(),
+            link_prefix: args.link_prefix.clone(),
+            dns_port: args.dns_port,
+            upstream: args.dns_upstream,
+            pool_size: args.net_pool,
+        }),
     };
     let node = LocalNode::open(node_cfg)
         .await

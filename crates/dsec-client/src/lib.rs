@@ -39,10 +39,10 @@ use dsec_wire::error::ErrorBody;
 use dsec_wire::v1::{
     BuildRequest, BuildResult, CommitRequest, CreateSandboxRequest, CreateSessionRequest,
     ExecRequest, ExecResult, FileInfo, FileList, GcRequest, GcResult, Health, Image, ImageList,
-    ImportImageRequest, JobResult, MkdirRequest, PauseResult, ProcessInfo, ProcessList, PtySize,
-    RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList, SessionResult,
-    SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest,
-    WriteResult, API_KEY_HEADER,
+    ImportImageRequest, JobResult, MkdirRequest, NetworkPolicy, PauseResult, ProcessInfo,
+    ProcessList, PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList,
+    SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest,
+    StdinRequest, WriteResult, API_KEY_HEADER,
 };
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
@@ -223,6 +223,19 @@ impl Client {
         req: SetTimeoutRequest,
     ) -> Result<Sandbox, ClientError> {
         Self::json(self.post(&["sandboxes", id, "timeout"], &req)).await
+    }
+
+    /// `PUT /v1/sandboxes/{id}/network`: replaces its network policy.
+    pub async fn set_network(
+        &self,
+        id: &str,
+        policy: &NetworkPolicy,
+    ) -> Result<Sandbox, ClientError> {
+        Self::json(
+            self.request(Method::PUT, &["sandboxes", id, "network"])
+                .json(policy),
+        )
+        .await
     }
 
     /// `POST /v1/sandboxes/{id}/pause`: freezes it and reclaims its memory.

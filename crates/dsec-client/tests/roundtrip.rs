@@ -86,6 +86,9 @@ impl SandboxApi for Fake {
     async fn set_timeout(&self, _: &str, _: SetTimeoutRequest) -> ApiResult<Sandbox> {
         nope()
     }
+    async fn set_network(&self, _: &str, _: NetworkPolicy) -> ApiResult<Sandbox> {
+        nope()
+    }
     async fn pause_sandbox(&self, _: &str) -> ApiResult<PauseResult> {
         nope()
     }

@@ -3,9 +3,9 @@
 
 use std::fs::OpenOptions;
 use std::io::Write;
-use std::os::fd::OwnedFd;
+use std::os::fd::{FromRawFd, OwnedFd};
 
-use nix::sched::{unshare, CloneFlags};
+use nix::sched::{setns, unshare, CloneFlags};
 use nix::unistd::{fork, ForkResult};
 
 use crate::{harden, net, rootfs, InitSpec};
@@ -24,6 +24,9 @@ pub enum BootError {
     /// A namespace could not be created.
     #[error("unshare namespaces: {0}")]
     Unshare(nix::Error),
+    /// Joining the prepared network namespace failed.
+    #[error("join network namespace: {0}")]
+    JoinNetns(nix::Error),
     /// fork failed.
     #[error("fork: {0}")]
     Fork(nix::Error),
@@ -65,7 +68,17 @@ pub fn boot(spec: &InitSpec, status: &OwnedFd) -> Result<(), BootError> {
     if spec.sched_idle {
         best_effort()?;
     }
-    unshare(NAMESPACES).map_err(BootError::Unshare)?;
+    let namespaces = match spec.netns_fd {
+        Some(fd) => {
+            // SAFETY: the node handed this fd to init for exactly this purpose; it is
+            // owned here and closed right after joining.
+            let ns = unsafe { OwnedFd::from_raw_fd(fd) };
+            setns(&ns, CloneFlags::CLONE_NEWNET).map_err(BootError::JoinNetns)?;
+            NAMESPACES.difference(CloneFlags::CLONE_NEWNET)
+        }
+        None => NAMESPACES,
+    };
+    unshare(namespaces).map_err(BootError::Unshare)?;
     // SAFETY: the process is single-threaded here (init runs this before any thread or
     // runtime starts), so the child may run arbitrary code after fork.
     match unsafe { fork() }.map_err(BootError::Fork)? {

@@ -121,8 +121,26 @@ pub fn build(spec: &InitSpec) -> Result<(), RootfsError> {
     let _ = fs::set_permissions(&tmp, fs::Permissions::from_mode(0o1777));
 
     pivot(&root)?;
+    if let Some(conf) = &spec.resolv_conf {
+        write_resolv_conf(conf)?;
+    }
     mask_paths()?;
     Ok(())
+}
+
+/// Points the sandbox at the node's resolver. Runs after the pivot, so a symlink the
+/// image put at /etc/resolv.conf can only lead elsewhere inside the sandbox; it is
+/// replaced by a plain file.
+fn write_resolv_conf(conf: &str) -> Result<(), RootfsError> {
+    let etc = Path::new("/etc");
+    fs::create_dir_all(etc).map_err(io_err("mkdir", etc))?;
+    let p = Path::new("/etc/resolv.conf");
+    match fs::remove_file(p) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_err("remove", p)(e)),
+    }
+    fs::write(p, conf).map_err(io_err("write", p))
 }
 
 fn ensure_dir(root: &Path, rel: &str) -> Result<PathBuf, RootfsError> {

@@ -9,10 +9,10 @@ use bytes::Bytes;
 use dsec_wire::v1::{
     BuildRequest, BuildResult, CommitRequest, CreateSandboxRequest, CreateSessionRequest,
     ExecEvent, ExecRequest, ExecResult, FileInfo, FileList, GcRequest, GcResult, Health, Image,
-    ImageList, ImportImageRequest, JobResult, MkdirRequest, PauseResult, ProcessInfo, ProcessList,
-    PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList, SessionResult,
-    SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest,
-    WriteResult,
+    ImageList, ImportImageRequest, JobResult, MkdirRequest, NetworkPolicy, PauseResult,
+    ProcessInfo, ProcessList, PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo,
+    SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
+    StartProcessRequest, StdinRequest, WriteResult,
 };
 use dsec_wire::ApiError;
 use futures::stream::BoxStream;
@@ -45,6 +45,9 @@ pub trait SandboxApi: Send + Sync + 'static {
     async fn delete_sandbox(&self, id: &str) -> ApiResult<()>;
     /// `POST /v1/sandboxes/{id}/timeout`.
     async fn set_timeout(&self, id: &str, req: SetTimeoutRequest) -> ApiResult<Sandbox>;
+    /// `PUT /v1/sandboxes/{id}/network`: replaces a networked sandbox's policy (between
+    /// `allowlist` and `open`; a sandbox created with `none` has no network to change).
+    async fn set_network(&self, id: &str, policy: NetworkPolicy) -> ApiResult<Sandbox>;
     /// `POST /v1/sandboxes/{id}/pause`: freeze and reclaim memory. Idempotent.
     async fn pause_sandbox(&self, id: &str) -> ApiResult<PauseResult>;
     /// `POST /v1/sandboxes/{id}/resume`. Idempotent.

@@ -751,6 +751,8 @@ impl SandboxApi for ControlPlane {
             node: self.node.name().to_string(),
             job_suspended_at: None,
             committed_layers: Vec::new(),
+            network: req.network.clone(),
+            ip: None,
         };
         // A retried create finds its first attempt (the check and the insert under one
         // lock, so concurrent retries cannot both create).
@@ -801,6 +803,7 @@ impl SandboxApi for ControlPlane {
             qos: req.qos,
             env,
             workdir,
+            network: req.network.clone(),
         };
         let created = match self.node.create(spec).await {
             Ok(c) => c,
@@ -812,6 +815,7 @@ impl SandboxApi for ControlPlane {
         };
         sb.image_digest = created.image_digest;
         sb.resources.disk_mb = created.disk_mb;
+        sb.ip = created.ip.map(|ip| ip.to_string());
         sb.state = SandboxState::Ready;
         self.lock().insert(id.clone(), sb.clone());
         if let Err(e) = self.place_files(&id, &req.files).await {
@@ -996,6 +1000,20 @@ impl SandboxApi for ControlPlane {
             .collect::<Vec<_>>()
             .await;
         Ok(Self::job_result(job, outcomes))
+    }
+
+    async fn set_network(&self, id: &str, policy: NetworkPolicy) -> ApiResult<Sandbox> {
+        validate::network(&policy)?;
+        self.ready(id)?;
+        self.node.set_network(id, policy.clone()).await?;
+        let sb = {
+            let mut recs = self.lock();
+            let sb = recs.get_mut(id).ok_or_else(|| self.missing(id))?;
+            sb.network = policy;
+            sb.clone()
+        };
+        self.persist(&sb)?;
+        Ok(sb)
     }
 
     async fn set_timeout(&self, id: &str, req: SetTimeoutRequest) -> ApiResult<Sandbox> {

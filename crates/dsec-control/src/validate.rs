@@ -1,6 +1,8 @@
 //! Request validation: bad input gets a `bad_request` that names the field.
 
-use dsec_wire::v1::{CreateSandboxRequest, ExecRequest, MAX_TIMEOUT_S};
+use dsec_wire::v1::{
+    AllowRule, CreateSandboxRequest, ExecRequest, NetworkMode, NetworkPolicy, MAX_TIMEOUT_S,
+};
 use dsec_wire::{ApiError, ErrorCode};
 
 fn bad(msg: impl Into<String>) -> ApiError {
@@ -50,7 +52,27 @@ pub fn seconds(field: &str, v: f64) -> Result<u64, ApiError> {
     Ok((v * 1000.0).ceil() as u64)
 }
 
+/// Most rules one network policy may hold.
+pub const MAX_ALLOW_RULES: usize = 256;
+
+/// A network policy: rules only with `allowlist`, each one parseable.
+pub fn network(p: &NetworkPolicy) -> Result<(), ApiError> {
+    if p.mode != NetworkMode::Allowlist && !p.allow.is_empty() {
+        return Err(bad("network.allow is only meaningful with mode allowlist"));
+    }
+    if p.allow.len() > MAX_ALLOW_RULES {
+        return Err(bad(format!(
+            "network.allow: at most {MAX_ALLOW_RULES} rules"
+        )));
+    }
+    for r in &p.allow {
+        AllowRule::parse(r).map_err(|e| bad(format!("network.allow: {e}")))?;
+    }
+    Ok(())
+}
+
 pub fn create(req: &CreateSandboxRequest) -> Result<(), ApiError> {
+    network(&req.network)?;
     if let Some(cpu) = req.resources.cpu {
         if !cpu.is_finite() || cpu <= 0.0 || cpu > MAX_CPU {
             return Err(bad(format!(

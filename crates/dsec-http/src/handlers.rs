@@ -13,8 +13,8 @@ use bytes::Bytes;
 use dsec_control::{ByteStream, EventStream, SandboxApi};
 use dsec_wire::v1::{
     CommitRequest, CreateSandboxRequest, CreateSessionRequest, ExecRequest, FileInfo,
-    ImportImageRequest, MkdirRequest, PtySize, RenameRequest, SessionRunRequest, SetTimeoutRequest,
-    SignalRequest, StartProcessRequest, StdinRequest,
+    ImportImageRequest, MkdirRequest, NetworkPolicy, PtySize, RenameRequest, SessionRunRequest,
+    SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest,
 };
 use dsec_wire::{ApiError, ErrorCode};
 use futures::StreamExt;
@@ -283,6 +283,15 @@ pub async fn set_timeout(
     Json(req): Json<SetTimeoutRequest>,
 ) -> HttpResult<Response> {
     Ok(json(api.set_timeout(&id, req).await?))
+}
+
+/// `PUT /v1/sandboxes/{id}/network`.
+pub async fn set_network(
+    State(api): Api,
+    Path(id): Path<String>,
+    Json(policy): Json<NetworkPolicy>,
+) -> HttpResult<Response> {
+    Ok(json(api.set_network(&id, policy).await?))
 }
 
 /// `POST /v1/sandboxes/{id}/pause`.

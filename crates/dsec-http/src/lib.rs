@@ -32,7 +32,7 @@ use std::sync::Arc;
 use axum::extract::DefaultBodyLimit;
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use axum::Router;
 use dsec_control::SandboxApi;
 use dsec_wire::ErrorCode;
@@ -59,6 +59,7 @@ pub fn router(api: Arc<dyn SandboxApi>) -> Router {
             get(h::get_sandbox).delete(h::delete_sandbox),
         )
         .route("/sandboxes/{id}/timeout", post(h::set_timeout))
+        .route("/sandboxes/{id}/network", put(h::set_network))
         .route("/sandboxes/{id}/pause", post(h::pause_sandbox))
         .route("/sandboxes/{id}/resume", post(h::resume_sandbox))
         .route("/sandboxes/{id}/commit", post(h::commit_sandbox))

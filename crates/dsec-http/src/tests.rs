@@ -81,6 +81,9 @@ impl SandboxApi for Stub {
     async fn set_timeout(&self, _: &str, _: SetTimeoutRequest) -> ApiResult<Sandbox> {
         stub_err("set_timeout")
     }
+    async fn set_network(&self, _: &str, _: NetworkPolicy) -> ApiResult<Sandbox> {
+        stub_err("set_network")
+    }
     async fn pause_sandbox(&self, _: &str) -> ApiResult<PauseResult> {
         stub_err("pause_sandbox")
     }

@@ -31,6 +31,9 @@ pub struct RuntimeRecord {
     /// empty in records from before multi-layer images: then `image_digest` is the layer.
     #[serde(default)]
     pub layers: Vec<String>,
+    /// Its network slot and policy, when it is networked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub net: Option<dsec_net::NetRecord>,
 }
 
 impl RuntimeRecord {
@@ -80,4 +83,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     fn is_alive(&self, rec: &RuntimeRecord) -> bool;
     /// OOM kills in the sandbox so far.
     fn oom_kill_count(&self, id: &str) -> Result<u64, NodeError>;
+    /// Replaces a networked sandbox's policy.
+    fn set_network(&self, id: &str, policy: &dsec_wire::v1::NetworkPolicy)
+        -> Result<(), NodeError>;
+    /// The address of a networked sandbox.
+    fn address(&self, rec: &RuntimeRecord) -> Option<std::net::Ipv4Addr>;
 }

@@ -22,6 +22,10 @@ pub struct NodeConfig {
     /// A swap file (path, MiB) the node keeps active, so pause can reclaim anonymous
     /// memory; `None` uses whatever swap the host has (often none).
     pub swap_file: Option<(PathBuf, u64)>,
+    /// Sandbox networking (modes `allowlist`, `open`); `None` allows only mode `none`.
+    /// Started on first use, so a node whose sandboxes never network touches neither
+    /// nftables nor the host's forwarding setting.
+    pub network: Option<dsec_net::NetConfig>,
 }
 
 /// Size-limited sandbox disks (see `dsec-disk`).

@@ -20,8 +20,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use dsec_cgroups::{Cgroup, CgroupRoot, Limits};
-use dsec_wire::init::{InitSpec, DISK_FD, LISTEN_FD, STATUS_FD};
-use dsec_wire::v1::Qos;
+use dsec_wire::init::{InitSpec, DISK_FD, LISTEN_FD, NETNS_FD, STATUS_FD};
+use dsec_wire::v1::{NetworkMode, NetworkPolicy, Qos};
 use nix::fcntl::OFlag;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
@@ -47,6 +47,8 @@ pub struct ContainerBackend {
     held_disks: std::sync::Mutex<std::collections::HashMap<String, dsec_disk::Disk>>,
     /// Open cgroup handles of live sandboxes (opening one resolves every hierarchy).
     open: std::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<Cgroup>>>,
+    /// Sandbox networking, once a networked sandbox needed it.
+    network: std::sync::Mutex<Option<std::sync::Arc<dsec_net::Network>>>,
 }
 
 fn create_err(id: &str, reason: impl std::fmt::Display) -> NodeError {
@@ -75,7 +77,35 @@ impl ContainerBackend {
             disks,
             held_disks: Default::default(),
             open: Default::default(),
+            network: Default::default(),
         })
+    }
+
+    /// The node's networking, started now (with `adopt`) if it is not yet.
+    fn network(
+        &self,
+        adopt: &[(String, dsec_net::NetRecord)],
+    ) -> Result<std::sync::Arc<dsec_net::Network>, NodeError> {
+        let mut net = self.network.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = net.as_ref() {
+            return Ok(n.clone());
+        }
+        let cfg = self.cfg.network.clone().ok_or_else(|| {
+            NodeError::Unsupported(
+                "network: this node gives sandboxes no network (dsec serve --no-network)".into(),
+            )
+        })?;
+        let started = dsec_net::Network::start(cfg, adopt)?;
+        *net = Some(started.clone());
+        Ok(started)
+    }
+
+    /// The node's networking if it is running.
+    fn network_if_started(&self) -> Option<std::sync::Arc<dsec_net::Network>> {
+        self.network
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     fn handles(
@@ -165,6 +195,10 @@ impl ContainerBackend {
         };
         let cgroup = Cgroup::create(&self.cgroups, &Self::cgroup_path(id), &limits)?;
 
+        let lease = match spec.network.mode {
+            NetworkMode::None => None,
+            _ => Some(self.network(&[])?.acquire(id, &spec.network)?),
+        };
         let socket = self.cfg.agent_socket(id);
         let listener = UnixListener::bind(&socket).map_err(NodeError::io("bind", &socket))?;
         let init = InitSpec {
@@ -179,6 +213,10 @@ impl ContainerBackend {
             upper_dir: upper.display().to_string(),
             work_dir: work.display().to_string(),
             disk_fd: disk_fd.map(|_| DISK_FD),
+            netns_fd: lease.as_ref().map(|_| NETNS_FD),
+            resolv_conf: lease
+                .as_ref()
+                .map(|l| format!("nameserver {}\noptions timeout:2 attempts:2\n", l.gateway)),
             sched_idle: spec.qos == Qos::BestEffort,
             rootfs: dir.join("rootfs").display().to_string(),
             cgroup_procs: cgroup
@@ -190,8 +228,18 @@ impl ContainerBackend {
             workdir: spec.workdir.clone(),
         };
         let prepared = Instant::now();
-        let (pid, start_time) = self.spawn_init(id, &init, &listener, disk_fd, &dir)?;
+        let fds = InitFds {
+            listen: listener.as_raw_fd(),
+            disk: disk_fd,
+            netns: lease.as_ref().map(|l| l.netns.as_raw_fd()),
+        };
+        let (pid, start_time) = self.spawn_init(id, &init, fds, &dir)?;
         drop(listener);
+        // Init holds the namespace now.
+        let net = lease.map(|l| dsec_net::NetRecord {
+            slot: l.slot,
+            policy: spec.network.clone(),
+        });
         tracing::debug!(%id, prepare_us = (prepared - started).as_micros() as u64,
             init_us = prepared.elapsed().as_micros() as u64, "sandbox started");
         self.handles()
@@ -206,12 +254,9 @@ impl ContainerBackend {
             disk_mb,
             layers: layers.layers.iter().map(|(d, _)| d.clone()).collect(),
             cpu_millis: spec.cpu_millis,
+            net,
         };
-        let json = serde_json::to_vec_pretty(&rec).map_err(|e| create_err(id, e))?;
-        let rec_path = dir.join("runtime.json");
-        let tmp = dir.join("runtime.json.tmp");
-        fs::write(&tmp, json).map_err(NodeError::io("write", &tmp))?;
-        fs::rename(&tmp, &rec_path).map_err(NodeError::io("rename", &rec_path))?;
+        write_record(&dir, &rec)?;
         Ok(rec)
     }
 
@@ -220,15 +265,18 @@ impl ContainerBackend {
         &self,
         id: &str,
         init: &InitSpec,
-        listener: &UnixListener,
-        disk_fd: Option<RawFd>,
+        fds: InitFds,
         dir: &Path,
     ) -> Result<(i32, u64), NodeError> {
         let (status_r, status_w): (OwnedFd, OwnedFd) = nix::unistd::pipe2(OFlag::O_CLOEXEC)
             .map_err(|e| create_err(id, format!("pipe: {e}")))?;
         let log_path = dir.join("agent.log");
         let log = fs::File::create(&log_path).map_err(NodeError::io("create", &log_path))?;
-        let listen_fd = listener.as_raw_fd();
+        let InitFds {
+            listen: listen_fd,
+            disk: disk_fd,
+            netns: netns_fd,
+        } = fds;
         let status_fd = status_w.as_raw_fd();
         let mut cmd = Command::new(&self.cfg.agent_bin);
         // argv[0] without the host path: /proc/1/cmdline is readable inside.
@@ -244,12 +292,14 @@ impl ContainerBackend {
                 let l = libc::fcntl(listen_fd, libc::F_DUPFD_CLOEXEC, 10);
                 let s = libc::fcntl(status_fd, libc::F_DUPFD_CLOEXEC, 10);
                 let d = disk_fd.map(|d| libc::fcntl(d, libc::F_DUPFD_CLOEXEC, 10));
-                if l < 0 || s < 0 || d.is_some_and(|d| d < 0) {
+                let n = netns_fd.map(|n| libc::fcntl(n, libc::F_DUPFD_CLOEXEC, 10));
+                if l < 0 || s < 0 || d.is_some_and(|d| d < 0) || n.is_some_and(|n| n < 0) {
                     return Err(std::io::Error::last_os_error());
                 }
                 if libc::dup2(l, LISTEN_FD) < 0
                     || libc::dup2(s, STATUS_FD) < 0
                     || d.is_some_and(|d| libc::dup2(d, DISK_FD) < 0)
+                    || n.is_some_and(|n| libc::dup2(n, NETNS_FD) < 0)
                 {
                     return Err(std::io::Error::last_os_error());
                 }
@@ -328,6 +378,26 @@ impl ContainerBackend {
     }
 }
 
+/// Writes a sandbox's runtime record atomically.
+fn write_record(dir: &Path, rec: &RuntimeRecord) -> Result<(), NodeError> {
+    let json = serde_json::to_vec_pretty(rec).map_err(|e| create_err(&rec.id, e))?;
+    let rec_path = dir.join("runtime.json");
+    let tmp = dir.join("runtime.json.tmp");
+    fs::write(&tmp, json).map_err(NodeError::io("write", &tmp))?;
+    fs::rename(&tmp, &rec_path).map_err(NodeError::io("rename", &rec_path))
+}
+
+/// Host fds init inherits, at fixed numbers.
+#[derive(Debug, Clone, Copy)]
+struct InitFds {
+    /// The agent's listening socket.
+    listen: RawFd,
+    /// The detached disk mount, if any.
+    disk: Option<RawFd>,
+    /// The prepared network namespace, if any.
+    netns: Option<RawFd>,
+}
+
 /// Reads the status pipe until EOF or the deadline.
 fn read_status(fd: &OwnedFd, timeout: Duration) -> Result<String, String> {
     let deadline = Instant::now() + timeout;
@@ -384,6 +454,9 @@ impl Backend for ContainerBackend {
             Err(dsec_cgroups::CgroupError::NotFound(_)) => {}
             Err(e) => return Err(e.into()),
         }
+        if let Some(net) = self.network_if_started() {
+            net.release(id)?;
+        }
         self.remove_dirs(id)
     }
 
@@ -416,6 +489,13 @@ impl Backend for ContainerBackend {
                     self.destroy(&id)?;
                 }
             }
+        }
+        let networked: Vec<(String, dsec_net::NetRecord)> = alive
+            .iter()
+            .filter_map(|r| r.net.clone().map(|n| (r.id.clone(), n)))
+            .collect();
+        if !networked.is_empty() {
+            self.network(&networked)?;
         }
         // Cgroups with no sandbox directory: left by a crash between cgroup creation and
         // the directory, or by an earlier cleanup that failed.
@@ -483,6 +563,31 @@ impl Backend for ContainerBackend {
 
     fn oom_kill_count(&self, id: &str) -> Result<u64, NodeError> {
         Ok(self.cgroup(id)?.oom_kill_count()?)
+    }
+
+    fn set_network(&self, id: &str, policy: &NetworkPolicy) -> Result<(), NodeError> {
+        let net = self.network_if_started().filter(|n| n.record(id).is_some());
+        let Some(net) = net else {
+            return Err(NodeError::Unsupported(format!(
+                "sandbox {id} was created with network mode none; its network cannot change"
+            )));
+        };
+        net.set_policy(id, policy)?;
+        // Keep the record true for a restart.
+        let path = self.cfg.sandbox_dir(id).join("runtime.json");
+        let mut rec: RuntimeRecord = fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .ok_or_else(|| NodeError::NotFound(id.to_string()))?;
+        rec.net = net.record(id);
+        write_record(&self.cfg.sandbox_dir(id), &rec)
+    }
+
+    fn address(&self, rec: &RuntimeRecord) -> Option<std::net::Ipv4Addr> {
+        let subnet = self.cfg.network.as_ref()?.subnet;
+        rec.net
+            .as_ref()
+            .map(|n| dsec_net::slot_addrs(subnet, n.slot).sandbox)
     }
 }
 

@@ -23,6 +23,9 @@ pub enum NodeError {
     /// A cgroup operation failed.
     #[error("cgroup: {0}")]
     Cgroup(#[from] dsec_cgroups::CgroupError),
+    /// Sandbox networking failed or was refused.
+    #[error(transparent)]
+    Net(#[from] dsec_net::NetError),
     /// Sandbox creation failed; the message says at which step.
     #[error("create sandbox {id}: {reason}")]
     Create {
@@ -72,6 +75,11 @@ impl NodeError {
             NodeError::Create { .. } | NodeError::Disk(_) => ErrorCode::Failed,
             NodeError::Unsupported(_) => ErrorCode::BadRequest,
             NodeError::Capacity(_) => ErrorCode::Capacity,
+            NodeError::Net(dsec_net::NetError::Invalid(_) | dsec_net::NetError::Unavailable(_)) => {
+                ErrorCode::BadRequest
+            }
+            NodeError::Net(dsec_net::NetError::Exhausted) => ErrorCode::Capacity,
+            NodeError::Net(_) => ErrorCode::Failed,
             NodeError::Cgroup(_) | NodeError::Io { .. } => ErrorCode::Internal,
         };
         ApiError::new(code, self.to_string())

@@ -54,6 +54,8 @@ pub struct NodeCreateSpec {
     pub env: BTreeMap<String, String>,
     /// Default working directory.
     pub workdir: String,
+    /// Network policy.
+    pub network: dsec_wire::v1::NetworkPolicy,
 }
 
 /// A sandbox as the node knows it.
@@ -69,6 +71,8 @@ pub struct NodeSandbox {
     pub alive: bool,
     /// Size of its writable layer in MiB, if the node limits disk.
     pub disk_mb: Option<u64>,
+    /// Its IPv4 address, when it is networked.
+    pub ip: Option<std::net::Ipv4Addr>,
 }
 
 /// The node as the control plane sees it.
@@ -100,6 +104,12 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
         previous_diffs: Vec<String>,
         config: dsec_wire::v1::ImageConfig,
     ) -> Result<Image, NodeError>;
+    /// Replaces a networked sandbox's policy.
+    async fn set_network(
+        &self,
+        id: &str,
+        policy: dsec_wire::v1::NetworkPolicy,
+    ) -> Result<(), NodeError>;
     /// Number of OOM kills in the sandbox so far.
     async fn oom_kill_count(&self, id: &str) -> Result<u64, NodeError>;
     /// Capacity and load, for placement.

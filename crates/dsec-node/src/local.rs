@@ -221,6 +221,7 @@ impl NodeApi for LocalNode {
             return Err(e);
         }
         Ok(NodeSandbox {
+            ip: self.backend.address(&rec),
             id: rec.id,
             image_digest: rec.image_digest,
             pid: rec.pid,
@@ -254,6 +255,7 @@ impl NodeApi for LocalNode {
         recs.into_iter()
             .map(|r| NodeSandbox {
                 alive: self.backend.is_alive(&r),
+                ip: self.backend.address(&r),
                 id: r.id,
                 image_digest: r.image_digest,
                 pid: r.pid,
@@ -323,6 +325,19 @@ impl NodeApi for LocalNode {
         })
         .await
         .map_err(join_err)?
+    }
+
+    async fn set_network(
+        &self,
+        id: &str,
+        policy: dsec_wire::v1::NetworkPolicy,
+    ) -> Result<(), NodeError> {
+        self.record(id)?;
+        let backend = self.backend.clone();
+        let id = id.to_string();
+        tokio::task::spawn_blocking(move || backend.set_network(&id, &policy))
+            .await
+            .map_err(join_err)?
     }
 
     async fn oom_kill_count(&self, id: &str) -> Result<u64, NodeError> {

@@ -16,6 +16,8 @@ pub const LISTEN_FD: i32 = 3;
 pub const STATUS_FD: i32 = 4;
 /// File descriptor number of the sandbox disk's detached mount, when there is one.
 pub const DISK_FD: i32 = 5;
+/// File descriptor number of a prepared network namespace, when the sandbox has one.
+pub const NETNS_FD: i32 = 6;
 
 /// Everything init needs to build the sandbox around itself.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -34,6 +36,13 @@ pub struct InitSpec {
     /// the overlay is mounted.
     #[serde(default)]
     pub disk_fd: Option<i32>,
+    /// Set when the sandbox joins a prepared network namespace, passed as fd
+    /// [`NETNS_FD`], instead of making one with only loopback. Init closes it after joining.
+    #[serde(default)]
+    pub netns_fd: Option<i32>,
+    /// Contents for `/etc/resolv.conf` (networked sandboxes: the node's resolver).
+    #[serde(default)]
+    pub resolv_conf: Option<String>,
     /// Run every process of the sandbox `SCHED_IDLE` (best-effort QoS).
     #[serde(default)]
     pub sched_idle: bool,

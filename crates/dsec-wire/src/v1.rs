@@ -36,6 +36,140 @@ pub enum NetworkMode {
     /// Own network namespace with only loopback.
     #[default]
     None,
+    /// Egress only to the destinations of [`NetworkPolicy::allow`]; DNS answers only for
+    /// allowed names. Everything else is rejected at once.
+    Allowlist,
+    /// Egress to anywhere but the node itself, other sandboxes and link-local addresses
+    /// (cloud metadata).
+    Open,
+}
+
+/// A sandbox's network: its mode and, for `allowlist`, what it may reach.
+///
+/// On the wire either a bare mode (`"none"`) or `{"mode": "allowlist", "allow": [...]}`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "NetworkPolicyRepr")]
+pub struct NetworkPolicy {
+    /// Mode.
+    pub mode: NetworkMode,
+    /// Allowed destinations (mode `allowlist`), each parsed by [`AllowRule::parse`]:
+    /// `pypi.org`, `*.pythonhosted.org:443`, `10.0.0.0/8`, `192.0.2.7:80`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow: Vec<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum NetworkPolicyRepr {
+    Mode(NetworkMode),
+    Full {
+        mode: NetworkMode,
+        #[serde(default)]
+        allow: Vec<String>,
+    },
+}
+
+impl From<NetworkPolicyRepr> for NetworkPolicy {
+    fn from(r: NetworkPolicyRepr) -> Self {
+        match r {
+            NetworkPolicyRepr::Mode(mode) => Self {
+                mode,
+                allow: Vec::new(),
+            },
+            NetworkPolicyRepr::Full { mode, allow } => Self { mode, allow },
+        }
+    }
+}
+
+/// What an allow rule names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AllowTarget {
+    /// This DNS name exactly (lower case, no trailing dot).
+    Name(String),
+    /// Any name strictly below this suffix (`*.example.com`: `a.example.com`, not
+    /// `example.com`).
+    Suffix(String),
+    /// An IPv4 network: address and prefix length.
+    Cidr(std::net::Ipv4Addr, u8),
+}
+
+/// One parsed entry of [`NetworkPolicy::allow`]: a target and an optional port (TCP
+/// and UDP). No port means every port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllowRule {
+    /// What may be reached.
+    pub target: AllowTarget,
+    /// The one port allowed, or all when `None`.
+    pub port: Option<u16>,
+}
+
+impl AllowRule {
+    /// Parses `name`, `*.suffix`, `a.b.c.d`, `a.b.c.d/len`, each optionally followed by
+    /// `:port`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let (host, port) = match s.rsplit_once(':') {
+            Some((h, p)) => {
+                let port: u16 = p
+                    .parse()
+                    .ok()
+                    .filter(|p| *p != 0)
+                    .ok_or_else(|| format!("{s:?}: port must be 1-65535"))?;
+                (h, Some(port))
+            }
+            None => (s, None),
+        };
+        let target = if let Some((ip, len)) = host.split_once('/') {
+            let ip: std::net::Ipv4Addr = ip
+                .parse()
+                .map_err(|_| format!("{s:?}: not an IPv4 network"))?;
+            let len: u8 = len
+                .parse()
+                .ok()
+                .filter(|l| *l <= 32)
+                .ok_or_else(|| format!("{s:?}: prefix length must be 0-32"))?;
+            let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
+            AllowTarget::Cidr(std::net::Ipv4Addr::from(u32::from(ip) & mask), len)
+        } else if let Ok(ip) = host.parse::<std::net::Ipv4Addr>() {
+            AllowTarget::Cidr(ip, 32)
+        } else if let Some(suffix) = host.strip_prefix("*.") {
+            AllowTarget::Suffix(dns_name(suffix).ok_or_else(|| bad_name(s))?)
+        } else {
+            AllowTarget::Name(dns_name(host).ok_or_else(|| bad_name(s))?)
+        };
+        Ok(Self { target, port })
+    }
+
+    /// Whether a DNS name (any case, trailing dot or not) is covered by this rule.
+    pub fn matches_name(&self, name: &str) -> bool {
+        let name = name.trim_end_matches('.').to_ascii_lowercase();
+        match &self.target {
+            AllowTarget::Name(n) => *n == name,
+            AllowTarget::Suffix(sfx) => name
+                .strip_suffix(sfx.as_str())
+                .is_some_and(|head| head.len() > 1 && head.ends_with('.')),
+            AllowTarget::Cidr(..) => false,
+        }
+    }
+}
+
+fn bad_name(s: &str) -> String {
+    format!("{s:?}: expected a DNS name, *.suffix, IPv4 address or CIDR, with an optional :port")
+}
+
+/// A DNS name in canonical form (lower case, no trailing dot), or `None` if it is not
+/// one: labels of 1-63 letters, digits, `-` and `_`, at most 253 characters.
+fn dns_name(s: &str) -> Option<String> {
+    let s = s.trim_end_matches('.').to_ascii_lowercase();
+    let ok = !s.is_empty()
+        && s.len() <= 253
+        && s.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        });
+    ok.then_some(s)
 }
 
 /// How a sandbox's processes compete for CPU.
@@ -131,9 +265,9 @@ pub struct CreateSandboxRequest {
     /// Files to place before the sandbox is ready.
     #[serde(default)]
     pub files: Vec<InitFile>,
-    /// Network mode; default `none`.
+    /// Network; default `none` (loopback only).
     #[serde(default)]
-    pub network: NetworkMode,
+    pub network: NetworkPolicy,
     /// Default working directory for commands; default `/`.
     #[serde(default)]
     pub workdir: Option<String>,
@@ -241,6 +375,12 @@ pub struct Sandbox {
     /// changed since the last one.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub committed_layers: Vec<String>,
+    /// Its network policy (replace it with `PUT /v1/sandboxes/{id}/network`).
+    #[serde(default)]
+    pub network: NetworkPolicy,
+    /// Its IPv4 address, when its mode is not `none`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip: Option<String>,
 }
 
 /// One step of an image build.
@@ -651,4 +791,58 @@ pub struct NodeCapacity {
     pub sandboxes: u64,
     /// Most sandboxes it runs (0: no count limit).
     pub max_sandboxes: u64,
+}
+
+#[cfg(test)]
+mod network_tests {
+    use super::*;
+
+    #[test]
+    fn allow_rules_parse_and_match() {
+        let r = AllowRule::parse("PyPI.org:443").expect("name");
+        assert_eq!(r.target, AllowTarget::Name("pypi.org".into()));
+        assert_eq!(r.port, Some(443));
+        assert!(r.matches_name("pypi.org."));
+        assert!(!r.matches_name("evil-pypi.org"));
+        let r = AllowRule::parse("*.pythonhosted.org").expect("suffix");
+        assert!(r.matches_name("files.pythonhosted.org"));
+        assert!(!r.matches_name("pythonhosted.org"));
+        assert!(!r.matches_name("xpythonhosted.org"));
+        let r = AllowRule::parse("10.1.2.3/8:80").expect("cidr");
+        assert_eq!(
+            r.target,
+            AllowTarget::Cidr(std::net::Ipv4Addr::new(10, 0, 0, 0), 8)
+        );
+        assert_eq!(
+            AllowRule::parse("192.0.2.7").expect("ip").target,
+            AllowTarget::Cidr(std::net::Ipv4Addr::new(192, 0, 2, 7), 32)
+        );
+        for bad in [
+            "",
+            "a..b",
+            "x:0",
+            "x:70000",
+            "1.2.3.4/33",
+            "*.",
+            "a b",
+            "http://x",
+            "::1",
+        ] {
+            assert!(AllowRule::parse(bad).is_err(), "{bad:?} parsed");
+        }
+    }
+
+    #[test]
+    fn network_policy_takes_a_bare_mode_or_an_object() {
+        let p: NetworkPolicy = serde_json::from_str("\"open\"").expect("mode");
+        assert_eq!(p.mode, NetworkMode::Open);
+        let p: NetworkPolicy =
+            serde_json::from_str(r#"{"mode":"allowlist","allow":["pypi.org:443"]}"#)
+                .expect("object");
+        assert_eq!(p.allow, vec!["pypi.org:443".to_string()]);
+        let back: NetworkPolicy =
+            serde_json::from_str(&serde_json::to_string(&p).expect("ser")).expect("de");
+        assert_eq!(back, p);
+        assert!(serde_json::from_str::<NetworkPolicy>("\"bridge\"").is_err());
+    }
 }

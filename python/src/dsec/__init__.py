@@ -34,6 +34,7 @@ from .errors import (
     Unauthorized,
 )
 from .models import (
+    Network,
     EndEvent,
     ErrorEvent,
     ExecEvent,
@@ -91,6 +92,7 @@ __all__ = [
     "ConnectionFailed",
     "ERROR_CLASSES",
     # models
+    "Network",
     "Resources",
     "SandboxInfo",
     "PauseResult",

@@ -33,7 +33,7 @@ from .models import (
     SessionResult,
     WriteResult,
 )
-from .sandbox import Command, Sandbox, create_body
+from .sandbox import Command, Sandbox, create_body, network_body
 
 __all__ = ["AsyncClient", "AsyncSandbox", "AsyncSession"]
 
@@ -151,12 +151,15 @@ class AsyncSandbox:
         workdir: Optional[str] = None,
         qos: Optional[str] = None,
         auto_resume: bool = False,
+        *,
+        network: Any = None,
     ) -> "AsyncSandbox":
         """Creates a sandbox; arguments as for :meth:`dsec.Sandbox.create`."""
         client = client or AsyncClient()
         body = create_body(
             image=image, layers=layers, resources=resources, timeout=timeout, idle_timeout=None,
             labels=labels, job=job, env=env, workdir=workdir, qos=qos, auto_resume=auto_resume,
+            network=network,
         )
         return cls(client, await client.create_sandbox(body))
 
@@ -192,6 +195,13 @@ class AsyncSandbox:
 
     async def set_timeout(self, seconds: int) -> SandboxInfo:
         self.info = SandboxInfo.model_validate(await self.client._json("POST", f"{self._base}/timeout", json={"timeout_s": int(seconds)}))
+        return self.info
+
+    async def set_network(self, network: Any) -> SandboxInfo:
+        """Replaces the network policy; see :meth:`dsec.Sandbox.set_network`."""
+        self.info = SandboxInfo.model_validate(
+            await self.client._json("PUT", f"{self._base}/network", json=network_body(network))
+        )
         return self.info
 
     async def commit(self, name: str) -> Image:

@@ -63,6 +63,16 @@ class EffectiveResources(_Response):
     disk_mb: Optional[int] = None
 
 
+class Network(BaseModel):
+    """A sandbox's network policy (wire type ``NetworkPolicy``)."""
+
+    mode: str = "none"
+    """``none`` (loopback only), ``allowlist`` or ``open``."""
+    allow: List[str] = Field(default_factory=list)
+    """Allowed destinations of an allowlist: ``pypi.org:443``, ``*.pythonhosted.org``,
+    ``10.0.0.0/8``, ``192.0.2.7:80``."""
+
+
 class SandboxInfo(_Response):
     """A sandbox as the API reports it (wire type ``Sandbox``)."""
 
@@ -85,6 +95,9 @@ class SandboxInfo(_Response):
     node: str = ""
     job_suspended_at: Optional[int] = None
     committed_layers: List[str] = Field(default_factory=list)
+    network: Network = Field(default_factory=Network)
+    ip: Optional[str] = None
+    """Its IPv4 address, when networked."""
 
 
 class PauseResult(_Response):

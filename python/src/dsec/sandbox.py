@@ -11,6 +11,7 @@ from .models import (
     FileInfo,
     Image,
     JobResult,
+    Network,
     PauseResult,
     Resources,
     SandboxInfo,
@@ -52,6 +53,7 @@ def create_body(
     workdir: Optional[str],
     qos: Optional[str],
     auto_resume: bool,
+    network: Any = None,
 ) -> Dict[str, Any]:
     """The ``POST /v1/sandboxes`` body for :meth:`Sandbox.create` (and its async twin)."""
     body: Dict[str, Any] = {"auto_resume": auto_resume}
@@ -77,7 +79,21 @@ def create_body(
         body["workdir"] = workdir
     if qos is not None:
         body["qos"] = qos
+    if network is not None:
+        body["network"] = network_body(network)
     return body
+
+
+def network_body(network: Any) -> Dict[str, Any]:
+    """A network policy for the wire from ``"none"``/``"open"``, a list of allowed
+    destinations (an allowlist), a dict or a :class:`dsec.Network`."""
+    if isinstance(network, Network):
+        return network.model_dump()
+    if isinstance(network, str):
+        return {"mode": network, "allow": []}
+    if isinstance(network, Mapping):
+        return Network.model_validate(dict(network)).model_dump()
+    return {"mode": "allowlist", "allow": [str(a) for a in network]}
 
 
 class Sandbox:
@@ -111,6 +127,7 @@ class Sandbox:
         auto_resume: bool = False,
         *,
         idle_timeout: Optional[int] = None,
+        network: Union[str, Sequence[str], Mapping[str, Any], Network, None] = None,
     ) -> "Sandbox":
         """Creates a sandbox and returns when it is ready.
 
@@ -127,6 +144,9 @@ class Sandbox:
             qos: ``"latency_sensitive"`` (default) or ``"best_effort"``.
             auto_resume: When paused, resume on use instead of raising :class:`dsec.Paused`.
             idle_timeout: Delete after this many seconds without API activity.
+            network: ``"none"`` (default: loopback only), ``"open"``, or the allowed
+                destinations of an allowlist, e.g. ``["pypi.org:443", "*.pythonhosted.org"]``
+                (names, ``*.suffix``, IPs or CIDRs, each with an optional ``:port``).
 
         Connection errors and ``capacity`` answers are retried with exponential backoff
         (``Client.create_retries`` times, default 5); other errors are raised at once.
@@ -135,7 +155,7 @@ class Sandbox:
         body = create_body(
             image=image, layers=layers, resources=resources, timeout=timeout,
             idle_timeout=idle_timeout, labels=labels, job=job, env=env, workdir=workdir,
-            qos=qos, auto_resume=auto_resume,
+            qos=qos, auto_resume=auto_resume, network=network,
         )
         return cls(client, client.create_sandbox(body))
 
@@ -178,6 +198,13 @@ class Sandbox:
         """The sandbox now expires ``seconds`` from now."""
         body = {"timeout_s": int(seconds)}
         self.info = SandboxInfo.model_validate(self.client._json("POST", f"{self._base}/timeout", json_body=body))
+        return self.info
+
+    def set_network(self, network: Union[str, Sequence[str], Mapping[str, Any], Network]) -> SandboxInfo:
+        """Replaces the network policy of a networked sandbox (``open`` or an allowlist)."""
+        self.info = SandboxInfo.model_validate(
+            self.client._json("PUT", f"{self._base}/network", json_body=network_body(network))
+        )
         return self.info
 
     def commit(self, name: str) -> Image:

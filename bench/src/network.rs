@@ -1,0 +1,61 @@
+//! Create cost by network mode: `none` (own namespace, loopback only), `allowlist` and
+//! `open` (a prepared namespace with a veth link and an nftables policy), measured
+//! interleaved so drift on a noisy machine hits all three alike.
+
+use std::time::Instant;
+
+use anyhow::bail;
+use dsec_e2e::Server;
+use dsec_wire::v1::{CreateSandboxRequest, NetworkMode, NetworkPolicy};
+
+use crate::{argv_true, Stats};
+
+fn policy(mode: NetworkMode) -> NetworkPolicy {
+    NetworkPolicy {
+        mode,
+        allow: match mode {
+            NetworkMode::Allowlist => vec!["pypi.org:443".into(), "*.pythonhosted.org:443".into()],
+            _ => vec![],
+        },
+    }
+}
+
+/// Time to interactive (create, then `exec true`) per network mode; `none` first.
+pub async fn tti_by_mode(server: &Server, n: usize) -> anyhow::Result<Vec<Stats>> {
+    let c = server.client();
+    let modes = [NetworkMode::None, NetworkMode::Allowlist, NetworkMode::Open];
+    let mut samples: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
+    for i in 0..n + 2 {
+        for (m, mode) in modes.iter().enumerate() {
+            let t = Instant::now();
+            let sb = c
+                .create_sandbox(CreateSandboxRequest {
+                    network: policy(*mode),
+                    ..Default::default()
+                })
+                .await?;
+            let r = c.exec(&sb.id, argv_true()).await?;
+            let ms = t.elapsed().as_secs_f64() * 1000.0;
+            if r.exit.exit_code != Some(0) {
+                bail!("exec true failed in a {mode:?} sandbox: {r:?}");
+            }
+            c.delete_sandbox(&sb.id).await?;
+            if i >= 2 {
+                samples[m].push(ms);
+            }
+        }
+    }
+    Ok(modes
+        .iter()
+        .zip(samples)
+        .map(|(mode, samples)| Stats {
+            name: format!("network {mode:?}").to_lowercase(),
+            samples,
+            note: Some(match mode {
+                NetworkMode::None => "own netns, loopback only".into(),
+                NetworkMode::Allowlist => "pooled netns + veth, nft policy, 2 rules".into(),
+                NetworkMode::Open => "pooled netns + veth, nft policy".into(),
+            }),
+        })
+        .collect())
+}

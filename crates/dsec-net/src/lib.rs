@@ -1,0 +1,599 @@
+//! Sandbox networking for modes `allowlist` and `open` (mode `none` needs none of this:
+//! the sandbox unshares a network namespace with only loopback).
+//!
+//! A networked sandbox gets a *slot*: a /30 of the node's sandbox subnet, a veth link
+//! (`eth0` inside, `PREFIX<slot>` on the host), and a chain plus four sets in the node's
+//! nftables table (see [`nft`]). Slots are prepared ahead in a small pool, so a create
+//! only takes one and writes its policy. The node's filtering resolver ([`dns`]) turns
+//! allowed names into admitted addresses.
+//!
+//! Everything is found again after a restart: [`Network::start`] rebuilds the table for
+//! the slots of re-adopted sandboxes and deletes links nobody owns.
+
+mod dns;
+mod netlink;
+pub mod netns;
+pub mod nft;
+
+use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use dsec_wire::v1::{AllowRule, NetworkMode, NetworkPolicy};
+use serde::{Deserialize, Serialize};
+
+/// Errors of the network layer.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    /// The host cannot give sandboxes a network (no nftables, not root, ...).
+    #[error("networking unavailable: {0}")]
+    Unavailable(String),
+    /// A policy is invalid.
+    #[error("invalid network policy: {0}")]
+    Invalid(String),
+    /// Every slot of the subnet is taken.
+    #[error("no free network slot in the sandbox subnet")]
+    Exhausted,
+    /// nftables refused a script.
+    #[error("nftables: {0}")]
+    Nft(String),
+    /// A namespace or link operation failed.
+    #[error("{op}: {source}")]
+    Os {
+        /// What was attempted.
+        op: String,
+        /// OS error.
+        source: std::io::Error,
+    },
+}
+
+/// How the node networks sandboxes.
+#[derive(Debug, Clone)]
+pub struct NetConfig {
+    /// Subnet sliced into one /30 per sandbox: address and prefix length (at most 30).
+    pub subnet: (Ipv4Addr, u8),
+    /// nftables table (family `inet`) owned by this node.
+    pub table: String,
+    /// Prefix of host link names (with the slot number at most 15 characters).
+    pub link_prefix: String,
+    /// Port of the node's resolver (sandboxes' port 53 is redirected to it).
+    pub dns_port: u16,
+    /// Upstream resolver; `None` takes the first `nameserver` of /etc/resolv.conf.
+    pub upstream: Option<SocketAddr>,
+    /// Slots kept prepared.
+    pub pool_size: usize,
+}
+
+impl Default for NetConfig {
+    fn default() -> Self {
+        Self {
+            subnet: (Ipv4Addr::new(10, 231, 0, 0), 16),
+            table: "dsec".into(),
+            link_prefix: "dsv".into(),
+            dns_port: 15353,
+            upstream: None,
+            pool_size: 8,
+        }
+    }
+}
+
+/// What a sandbox's runtime record keeps of its network, to find it after a restart.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetRecord {
+    /// Its slot.
+    pub slot: u32,
+    /// Its policy.
+    pub policy: NetworkPolicy,
+}
+
+/// A slot handed to a new sandbox.
+#[derive(Debug)]
+pub struct Lease {
+    /// Slot number.
+    pub slot: u32,
+    /// The sandbox's address.
+    pub ip: Ipv4Addr,
+    /// Its gateway and resolver (the host end).
+    pub gateway: Ipv4Addr,
+    /// Its network namespace, to hand to init.
+    pub netns: OwnedFd,
+}
+
+/// What the resolver knows of a sandbox, by its address.
+#[derive(Debug, Clone)]
+pub(crate) struct Entry {
+    pub id: String,
+    pub slot: u32,
+    pub mode: NetworkMode,
+    pub rules: Arc<Vec<AllowRule>>,
+}
+
+/// Sandboxes by address, shared with the resolver.
+#[derive(Debug, Default)]
+pub(crate) struct Registry {
+    by_addr: Mutex<HashMap<Ipv4Addr, Entry>>,
+    denied: Mutex<HashMap<Ipv4Addr, u64>>,
+}
+
+impl Registry {
+    fn map(&self) -> MutexGuard<'_, HashMap<Ipv4Addr, Entry>> {
+        self.by_addr.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn by_addr(&self, ip: Ipv4Addr) -> Option<Entry> {
+        self.map().get(&ip).cloned()
+    }
+
+    pub(crate) fn count_denied(&self, ip: Ipv4Addr) {
+        *self
+            .denied
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(ip)
+            .or_default() += 1;
+    }
+}
+
+/// Parses and checks a policy: rules only with `allowlist`, every rule valid.
+pub fn parse_policy(p: &NetworkPolicy) -> Result<Vec<AllowRule>, NetError> {
+    if p.mode != NetworkMode::Allowlist && !p.allow.is_empty() {
+        return Err(NetError::Invalid(
+            "network.allow is only meaningful with mode allowlist".into(),
+        ));
+    }
+    if p.allow.len() > 256 {
+        return Err(NetError::Invalid("network.allow: at most 256 rules".into()));
+    }
+    p.allow
+        .iter()
+        .map(|r| AllowRule::parse(r).map_err(NetError::Invalid))
+        .collect()
+}
+
+#[derive(Debug, Default)]
+struct Slots {
+    /// Next never-used slot.
+    next: u32,
+    /// Released slots, reused first.
+    free: Vec<u32>,
+    /// Slots of live sandboxes.
+    by_id: HashMap<String, (u32, NetworkPolicy)>,
+}
+
+#[derive(Debug, Default)]
+struct Pool {
+    ready: Vec<(u32, OwnedFd)>,
+    stop: bool,
+}
+
+/// The node's sandbox networking. Dropping it stops the resolver and the pool; the table
+/// and the links of live sandboxes stay for the next run to adopt.
+#[derive(Debug)]
+pub struct Network {
+    cfg: NetConfig,
+    tables: nft::Tables,
+    slots: Mutex<Slots>,
+    pool: Arc<(Mutex<Pool>, Condvar)>,
+    registry: Arc<Registry>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Network {
+    /// Sets the node up: enables forwarding, replaces the nftables table, starts the
+    /// resolver (needs a tokio runtime) and the slot pool, and re-adopts `adopt`
+    /// (sandbox id and record). Host links with the prefix that no adopted sandbox owns
+    /// are deleted.
+    pub fn start(cfg: NetConfig, adopt: &[(String, NetRecord)]) -> Result<Arc<Self>, NetError> {
+        let (_, len) = cfg.subnet;
+        if !(8..=30).contains(&len) {
+            return Err(NetError::Invalid(format!(
+                "sandbox subnet prefix /{len}: must be /8 to /30"
+            )));
+        }
+        let max_slot = (1u32 << (32 - len)) / 4;
+        if cfg.link_prefix.len() + max_slot.to_string().len() >= libc::IFNAMSIZ {
+            return Err(NetError::Invalid(format!(
+                "link prefix {:?} too long for {max_slot} slots",
+                cfg.link_prefix
+            )));
+        }
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|_| NetError::Unavailable("the resolver needs a tokio runtime".into()))?;
+        let upstream = match cfg.upstream {
+            Some(u) => u,
+            None => system_resolver()?,
+        };
+        std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").map_err(|source| NetError::Os {
+            op: "enable IPv4 forwarding".into(),
+            source,
+        })?;
+        let tables = nft::Tables {
+            table: cfg.table.clone(),
+            prefix: cfg.link_prefix.clone(),
+            subnet: cfg.subnet,
+            dns_port: cfg.dns_port,
+        };
+        let mut script = tables.base();
+        let mut slots = Slots::default();
+        let registry = Arc::new(Registry::default());
+        let mut rules_of = Vec::new();
+        for (id, rec) in adopt {
+            let rules = parse_policy(&rec.policy)?;
+            script.push_str(&tables.add_slot(rec.slot));
+            script.push_str(&tables.set_policy(rec.slot, rec.policy.mode, &rules));
+            slots
+                .by_id
+                .insert(id.clone(), (rec.slot, rec.policy.clone()));
+            rules_of.push((id.clone(), rec.slot, rec.policy.mode, rules));
+        }
+        let owned: std::collections::HashSet<String> = adopt
+            .iter()
+            .map(|(_, r)| format!("{}{}", cfg.link_prefix, r.slot))
+            .collect();
+        for link in netns::links_with_prefix(&cfg.link_prefix) {
+            let slot_like = link[cfg.link_prefix.len()..]
+                .bytes()
+                .all(|b| b.is_ascii_digit());
+            if slot_like && !owned.contains(&link) {
+                tracing::info!(%link, "deleting a sandbox link nobody owns");
+                let _ = netns::remove_link(&link);
+            }
+        }
+        nft::apply(&script)?;
+        let used: std::collections::HashSet<u32> = adopt.iter().map(|(_, r)| r.slot).collect();
+        slots.next = used.iter().max().map_or(0, |m| m + 1);
+        slots.free = (0..slots.next).filter(|s| !used.contains(s)).collect();
+        for (id, slot, mode, rules) in rules_of {
+            let ip = slot_addrs(cfg.subnet, slot).sandbox;
+            registry.map().insert(
+                ip,
+                Entry {
+                    id,
+                    slot,
+                    mode,
+                    rules: Arc::new(rules),
+                },
+            );
+        }
+
+        let bind = |what: &str, e: std::io::Error| NetError::Os {
+            op: format!("bind the resolver's {what} port {}", cfg.dns_port),
+            source: e,
+        };
+        let udp =
+            std::net::UdpSocket::bind(("0.0.0.0", cfg.dns_port)).map_err(|e| bind("UDP", e))?;
+        let tcp =
+            std::net::TcpListener::bind(("0.0.0.0", cfg.dns_port)).map_err(|e| bind("TCP", e))?;
+        udp.set_nonblocking(true).map_err(|e| bind("UDP", e))?;
+        tcp.set_nonblocking(true).map_err(|e| bind("TCP", e))?;
+        let resolver = Arc::new(dns::Resolver::new(
+            registry.clone(),
+            upstream,
+            tables.clone(),
+        ));
+        let tasks = {
+            let _guard = runtime.enter();
+            let udp = tokio::net::UdpSocket::from_std(udp).map_err(|e| bind("UDP", e))?;
+            let tcp = tokio::net::TcpListener::from_std(tcp).map_err(|e| bind("TCP", e))?;
+            Vec::from(dns::serve(resolver, udp, tcp))
+        };
+        tracing::info!(table = %cfg.table, %upstream, port = cfg.dns_port, "sandbox networking up");
+        let net = Arc::new(Self {
+            cfg,
+            tables,
+            slots: Mutex::new(slots),
+            pool: Arc::new((Mutex::new(Pool::default()), Condvar::new())),
+            registry,
+            tasks,
+        });
+        net.start_pool();
+        Ok(net)
+    }
+
+    fn slots(&self) -> MutexGuard<'_, Slots> {
+        self.slots.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The host link name of a slot.
+    pub fn link_name(&self, slot: u32) -> String {
+        format!("{}{slot}", self.cfg.link_prefix)
+    }
+
+    fn take_slot(&self) -> Result<u32, NetError> {
+        let max = (1u32 << (32 - self.cfg.subnet.1)) / 4;
+        let mut s = self.slots();
+        if let Some(n) = s.free.pop() {
+            return Ok(n);
+        }
+        if s.next >= max {
+            return Err(NetError::Exhausted);
+        }
+        s.next += 1;
+        Ok(s.next - 1)
+    }
+
+    fn give_back(&self, slot: u32) {
+        self.slots().free.push(slot);
+    }
+
+    /// Makes a slot ready: namespace, link, chain and sets.
+    fn prepare(&self, slot: u32) -> Result<OwnedFd, NetError> {
+        let link = self.link_name(slot);
+        let ns = netns::prepare(&link, slot_addrs(self.cfg.subnet, slot)).map_err(|source| {
+            NetError::Os {
+                op: format!("prepare network namespace with link {link}"),
+                source,
+            }
+        })?;
+        if let Err(e) = nft::apply(&self.tables.add_slot(slot)) {
+            let _ = netns::remove_link(&link);
+            return Err(e);
+        }
+        Ok(ns)
+    }
+
+    fn start_pool(self: &Arc<Self>) {
+        if self.cfg.pool_size == 0 {
+            return;
+        }
+        let weak = Arc::downgrade(self);
+        let pool = self.pool.clone();
+        let spawned = std::thread::Builder::new()
+            .name("dsec-netns-pool".into())
+            .spawn(move || loop {
+                {
+                    let (lock, cv) = &*pool;
+                    let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
+                    loop {
+                        if p.stop {
+                            return;
+                        }
+                        let Some(net) = weak.upgrade() else { return };
+                        if p.ready.len() < net.cfg.pool_size {
+                            break;
+                        }
+                        drop(net);
+                        p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
+                    }
+                }
+                let Some(net) = weak.upgrade() else { return };
+                let made = net.take_slot().and_then(|slot| match net.prepare(slot) {
+                    Ok(ns) => Ok((slot, ns)),
+                    Err(e) => {
+                        net.give_back(slot);
+                        Err(e)
+                    }
+                });
+                match made {
+                    Ok(ready) => {
+                        let (lock, _) = &*pool;
+                        lock.lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .ready
+                            .push(ready);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "network pool: could not prepare a slot");
+                        drop(net);
+                        std::thread::sleep(std::time::Duration::from_secs(1));
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "network pool thread not started");
+        }
+    }
+
+    /// Gives sandbox `id` a slot with `policy` (mode `allowlist` or `open`).
+    pub fn acquire(&self, id: &str, policy: &NetworkPolicy) -> Result<Lease, NetError> {
+        let rules = parse_policy(policy)?;
+        if policy.mode == NetworkMode::None {
+            return Err(NetError::Invalid("mode none needs no slot".into()));
+        }
+        let pooled = {
+            let (lock, cv) = &*self.pool;
+            let got = lock.lock().unwrap_or_else(|e| e.into_inner()).ready.pop();
+            cv.notify_one();
+            got
+        };
+        let (slot, netns) = match pooled {
+            Some(x) => x,
+            None => {
+                let slot = self.take_slot()?;
+                match self.prepare(slot) {
+                    Ok(ns) => (slot, ns),
+                    Err(e) => {
+                        self.give_back(slot);
+                        return Err(e);
+                    }
+                }
+            }
+        };
+        if let Err(e) = nft::apply(&self.tables.set_policy(slot, policy.mode, &rules)) {
+            self.discard(slot);
+            return Err(e);
+        }
+        let addrs = slot_addrs(self.cfg.subnet, slot);
+        self.registry.map().insert(
+            addrs.sandbox,
+            Entry {
+                id: id.to_string(),
+                slot,
+                mode: policy.mode,
+                rules: Arc::new(rules),
+            },
+        );
+        self.slots()
+            .by_id
+            .insert(id.to_string(), (slot, policy.clone()));
+        Ok(Lease {
+            slot,
+            ip: addrs.sandbox,
+            gateway: addrs.host,
+            netns,
+        })
+    }
+
+    /// Replaces the policy of a live sandbox. The mode can change between `allowlist`
+    /// and `open`, not to or from `none`.
+    pub fn set_policy(&self, id: &str, policy: &NetworkPolicy) -> Result<(), NetError> {
+        let rules = parse_policy(policy)?;
+        if policy.mode == NetworkMode::None {
+            return Err(NetError::Invalid(
+                "a networked sandbox cannot switch to mode none; use an empty allowlist".into(),
+            ));
+        }
+        let slot = self
+            .slots()
+            .by_id
+            .get(id)
+            .map(|(s, _)| *s)
+            .ok_or_else(|| NetError::Invalid(format!("sandbox {id} has no network")))?;
+        nft::apply(&self.tables.set_policy(slot, policy.mode, &rules))?;
+        let ip = slot_addrs(self.cfg.subnet, slot).sandbox;
+        if let Some(e) = self.registry.map().get_mut(&ip) {
+            e.mode = policy.mode;
+            e.rules = Arc::new(rules);
+        }
+        if let Some(entry) = self.slots().by_id.get_mut(id) {
+            entry.1 = policy.clone();
+        }
+        Ok(())
+    }
+
+    /// The record to keep for sandbox `id`, if it has a slot.
+    pub fn record(&self, id: &str) -> Option<NetRecord> {
+        self.slots().by_id.get(id).map(|(slot, policy)| NetRecord {
+            slot: *slot,
+            policy: policy.clone(),
+        })
+    }
+
+    /// DNS queries of sandbox `id` answered NXDOMAIN because no rule allowed the name.
+    pub fn denied_queries(&self, id: &str) -> u64 {
+        let Some((slot, _)) = self.slots().by_id.get(id).cloned() else {
+            return 0;
+        };
+        let ip = slot_addrs(self.cfg.subnet, slot).sandbox;
+        self.registry
+            .denied
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&ip)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Takes sandbox `id`'s slot away: link, chain and sets. Unknown ids are fine.
+    pub fn release(&self, id: &str) -> Result<(), NetError> {
+        let Some((slot, _)) = self.slots().by_id.remove(id) else {
+            return Ok(());
+        };
+        let ip = slot_addrs(self.cfg.subnet, slot).sandbox;
+        self.registry.map().remove(&ip);
+        self.registry
+            .denied
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&ip);
+        self.discard(slot);
+        Ok(())
+    }
+
+    fn discard(&self, slot: u32) {
+        let link = self.link_name(slot);
+        if let Err(e) = netns::remove_link(&link) {
+            tracing::warn!(%link, error = %e, "delete sandbox link");
+        }
+        if let Err(e) = nft::apply(&self.tables.remove_slot(slot)) {
+            tracing::warn!(slot, error = %e, "remove slot from nftables");
+        }
+        self.give_back(slot);
+    }
+
+    /// Slots of live sandboxes.
+    pub fn live(&self) -> usize {
+        self.slots().by_id.len()
+    }
+}
+
+impl Drop for Network {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        let (lock, cv) = &*self.pool;
+        let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
+        p.stop = true;
+        // Unused prepared slots: their namespaces die with the fds; drop the links now
+        // so a next run in this process can reuse the names.
+        for (slot, _) in p.ready.drain(..) {
+            let _ = netns::remove_link(&format!("{}{slot}", self.cfg.link_prefix));
+        }
+        cv.notify_all();
+    }
+}
+
+/// Addresses of slot `n` in `subnet`.
+pub fn slot_addrs(subnet: (Ipv4Addr, u8), n: u32) -> netns::SlotAddrs {
+    let base = u32::from(subnet.0) + n * 4;
+    netns::SlotAddrs {
+        host: Ipv4Addr::from(base + 1),
+        sandbox: Ipv4Addr::from(base + 2),
+    }
+}
+
+/// The first IPv4 `nameserver` of /etc/resolv.conf, port 53.
+fn system_resolver() -> Result<SocketAddr, NetError> {
+    let conf = std::fs::read_to_string("/etc/resolv.conf").map_err(|source| NetError::Os {
+        op: "read /etc/resolv.conf".into(),
+        source,
+    })?;
+    conf.lines()
+        .filter_map(|l| l.trim().strip_prefix("nameserver"))
+        .filter_map(|ip| ip.trim().parse::<Ipv4Addr>().ok())
+        .find(|ip| !ip.is_loopback())
+        .or_else(|| {
+            conf.lines()
+                .filter_map(|l| l.trim().strip_prefix("nameserver"))
+                .find_map(|ip| ip.trim().parse::<Ipv4Addr>().ok())
+        })
+        .map(|ip| SocketAddr::from((ip, 53)))
+        .ok_or_else(|| {
+            NetError::Unavailable(
+                "no IPv4 nameserver in /etc/resolv.conf; pass --dns-upstream".into(),
+            )
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_consecutive_slash_30s() {
+        let s = slot_addrs((Ipv4Addr::new(10, 231, 0, 0), 16), 65);
+        assert_eq!(s.host, Ipv4Addr::new(10, 231, 1, 5));
+        assert_eq!(s.sandbox, Ipv4Addr::new(10, 231, 1, 6));
+    }
+
+    #[test]
+    fn policies_are_checked() {
+        let bad = NetworkPolicy {
+            mode: NetworkMode::Open,
+            allow: vec!["pypi.org".into()],
+        };
+        assert!(matches!(parse_policy(&bad), Err(NetError::Invalid(_))));
+        let bad = NetworkPolicy {
+            mode: NetworkMode::Allowlist,
+            allow: vec!["pypi.org:x".into()],
+        };
+        assert!(matches!(parse_policy(&bad), Err(NetError::Invalid(_))));
+        let ok = NetworkPolicy {
+            mode: NetworkMode::Allowlist,
+            allow: vec!["pypi.org:443".into(), "*.pythonhosted.org".into()],
+        };
+        assert_eq!(parse_policy(&ok).expect("valid").len(), 2);
+    }
+}

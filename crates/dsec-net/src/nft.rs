@@ -1,0 +1,249 @@
+//! The node's nftables table: scripts for the base table, a slot's chain and sets, a
+//! policy, and resolved DNS answers, applied atomically with `nft -f -`.
+//!
+//! Layout (`T` the table, `P` the link prefix, one chain and four sets per slot `N`):
+//!
+//! - `prerouting` (dstnat): DNS from a sandbox, to any address, goes to the node's
+//!   resolver port, so a sandbox cannot pick its own resolver to tunnel through.
+//! - `postrouting` (srcnat): sandbox traffic leaving through a non-sandbox link is
+//!   masqueraded.
+//! - `input`: from a sandbox link only the resolver port is open; the resolver port is
+//!   closed to every other link but loopback.
+//! - `forward`: traffic from a sandbox link goes through `egress`: established flows
+//!   pass; the sandbox subnet and link-local addresses are always rejected; then the
+//!   `slots` verdict map jumps to the slot's chain `sN`; what it does not accept is
+//!   rejected (TCP reset, ICMP admin-prohibited) so agents fail fast instead of hanging.
+//!   Nothing from outside may open a connection into a sandbox.
+//! - `sN` holds the policy: `open` accepts; `allowlist` accepts destinations in
+//!   `sN_net` (CIDRs, any port), `sN_netport` (CIDR . port), `sN_dns` and `sN_dnsport`
+//!   (what the resolver answered for allowed names, with the answer's TTL as timeout).
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::net::Ipv4Addr;
+use std::process::{Command, Stdio};
+
+use dsec_wire::v1::{AllowRule, AllowTarget, NetworkMode};
+
+use crate::NetError;
+
+/// Names and numbers the scripts are made from.
+#[derive(Debug, Clone)]
+pub struct Tables {
+    /// nftables table name (family `inet`).
+    pub table: String,
+    /// Prefix of host link names.
+    pub prefix: String,
+    /// The sandbox subnet: address and prefix length.
+    pub subnet: (Ipv4Addr, u8),
+    /// Port the node's resolver listens on.
+    pub dns_port: u16,
+}
+
+const REJECT: &str =
+    "meta l4proto tcp reject with tcp reset; reject with icmpx type admin-prohibited";
+
+impl Tables {
+    /// Replaces the whole table with an empty base (no slots).
+    pub fn base(&self) -> String {
+        let Self {
+            table,
+            prefix,
+            dns_port,
+            ..
+        } = self;
+        let (net, len) = self.subnet;
+        format!(
+            "table inet {table}\n\
+             delete table inet {table}\n\
+             table inet {table} {{\n\
+             \tset never {{ type ipv4_addr; flags interval; elements = {{ {net}/{len}, 169.254.0.0/16 }} }}\n\
+             \tmap slots {{ type ifname : verdict; }}\n\
+             \tchain prerouting {{ type nat hook prerouting priority dstnat; policy accept;\n\
+             \t\tiifname \"{prefix}*\" meta l4proto {{ tcp, udp }} th dport 53 redirect to :{dns_port}\n\t}}\n\
+             \tchain postrouting {{ type nat hook postrouting priority srcnat; policy accept;\n\
+             \t\tip saddr {net}/{len} oifname != \"{prefix}*\" masquerade\n\t}}\n\
+             \tchain input {{ type filter hook input priority filter; policy accept;\n\
+             \t\tiifname \"{prefix}*\" jump to_host\n\
+             \t\tiifname != \"lo\" meta l4proto {{ tcp, udp }} th dport {dns_port} drop\n\t}}\n\
+             \tchain to_host {{ ct state established,related accept\n\
+             \t\tmeta l4proto {{ tcp, udp }} th dport {dns_port} accept\n\
+             \t\t{REJECT}\n\t}}\n\
+             \tchain forward {{ type filter hook forward priority filter; policy accept;\n\
+             \t\tiifname \"{prefix}*\" jump egress\n\
+             \t\toifname \"{prefix}*\" ct state established,related accept\n\
+             \t\toifname \"{prefix}*\" drop\n\t}}\n\
+             \tchain egress {{ ct state established,related accept\n\
+             \t\tip daddr @never goto deny\n\
+             \t\tiifname vmap @slots\n\
+             \t\tgoto deny\n\t}}\n\
+             \tchain deny {{\n\t\t{REJECT}\n\t}}\n\
+             }}\n"
+        )
+    }
+
+    /// Adds slot `n`'s chain (empty: deny all) and sets, and routes its link there.
+    pub fn add_slot(&self, n: u32) -> String {
+        let t = &self.table;
+        let p = &self.prefix;
+        format!(
+            "add set inet {t} s{n}_net {{ type ipv4_addr; flags interval; }}\n\
+             add set inet {t} s{n}_netport {{ type ipv4_addr . inet_service; flags interval; }}\n\
+             add set inet {t} s{n}_dns {{ type ipv4_addr; flags timeout; }}\n\
+             add set inet {t} s{n}_dnsport {{ type ipv4_addr . inet_service; flags timeout; }}\n\
+             add chain inet {t} s{n}\n\
+             add element inet {t} slots {{ \"{p}{n}\" : jump s{n} }}\n"
+        )
+    }
+
+    /// Removes slot `n` entirely.
+    pub fn remove_slot(&self, n: u32) -> String {
+        let t = &self.table;
+        let p = &self.prefix;
+        format!(
+            "delete element inet {t} slots {{ \"{p}{n}\" }}\n\
+             delete chain inet {t} s{n}\n\
+             delete set inet {t} s{n}_net\n\
+             delete set inet {t} s{n}_netport\n\
+             delete set inet {t} s{n}_dns\n\
+             delete set inet {t} s{n}_dnsport\n"
+        )
+    }
+
+    /// Replaces slot `n`'s policy: its chain and all four sets (DNS answers of the old
+    /// policy are dropped; names are resolved again under the new one).
+    pub fn set_policy(&self, n: u32, mode: NetworkMode, rules: &[AllowRule]) -> String {
+        let t = &self.table;
+        let mut s = format!("flush chain inet {t} s{n}\n");
+        for set in ["net", "netport", "dns", "dnsport"] {
+            let _ = writeln!(s, "flush set inet {t} s{n}_{set}");
+        }
+        match mode {
+            NetworkMode::None => {}
+            NetworkMode::Open => {
+                let _ = writeln!(s, "add rule inet {t} s{n} accept");
+            }
+            NetworkMode::Allowlist => {
+                let _ = write!(
+                    s,
+                    "add rule inet {t} s{n} ip daddr @s{n}_net accept\n\
+                     add rule inet {t} s{n} meta l4proto {{ tcp, udp }} ip daddr . th dport @s{n}_netport accept\n\
+                     add rule inet {t} s{n} ip daddr @s{n}_dns accept\n\
+                     add rule inet {t} s{n} meta l4proto {{ tcp, udp }} ip daddr . th dport @s{n}_dnsport accept\n"
+                );
+                let mut any_port = Vec::new();
+                let mut with_port = Vec::new();
+                for r in rules {
+                    if let AllowTarget::Cidr(ip, len) = r.target {
+                        match r.port {
+                            None => any_port.push(format!("{ip}/{len}")),
+                            Some(p) => with_port.push(format!("{ip}/{len} . {p}")),
+                        }
+                    }
+                }
+                for (set, elems) in [("net", any_port), ("netport", with_port)] {
+                    if !elems.is_empty() {
+                        let _ = writeln!(
+                            s,
+                            "add element inet {t} s{n}_{set} {{ {} }}",
+                            elems.join(", ")
+                        );
+                    }
+                }
+            }
+        }
+        s
+    }
+
+    /// Admits addresses a DNS answer gave for an allowed name, for `timeout_s` seconds:
+    /// `(address, port)` pairs, `None` meaning any port. An address already admitted gets
+    /// the new timeout.
+    pub fn admit(&self, n: u32, addrs: &[(Ipv4Addr, Option<u16>)], timeout_s: u64) -> String {
+        let t = &self.table;
+        let mut s = String::new();
+        for (ip, port) in addrs {
+            let (set, elem) = match port {
+                None => ("dns", ip.to_string()),
+                Some(p) => ("dnsport", format!("{ip} . {p}")),
+            };
+            // add (so that delete cannot fail), delete, add with the fresh timeout.
+            let _ = write!(
+                s,
+                "add element inet {t} s{n}_{set} {{ {elem} }}\n\
+                 delete element inet {t} s{n}_{set} {{ {elem} }}\n\
+                 add element inet {t} s{n}_{set} {{ {elem} timeout {timeout_s}s }}\n"
+            );
+        }
+        s
+    }
+
+    /// Deletes the table (node shutdown with no networked sandbox left, tests).
+    pub fn delete(&self) -> String {
+        format!("table inet {t}\ndelete table inet {t}\n", t = self.table)
+    }
+}
+
+/// Applies a script atomically (`nft -f -`: all of it or nothing).
+pub fn apply(script: &str) -> Result<(), NetError> {
+    let mut child = Command::new("nft")
+        .args(["-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| NetError::Unavailable(format!("run nft (is nftables installed?): {e}")))?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin
+            .write_all(script.as_bytes())
+            .map_err(|e| NetError::Nft(format!("write to nft: {e}")))?;
+    }
+    let out = child
+        .wait_with_output()
+        .map_err(|e| NetError::Nft(format!("wait for nft: {e}")))?;
+    if !out.status.success() {
+        return Err(NetError::Nft(
+            String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tables() -> Tables {
+        Tables {
+            table: "dsec".into(),
+            prefix: "dsv".into(),
+            subnet: (Ipv4Addr::new(10, 231, 0, 0), 16),
+            dns_port: 15353,
+        }
+    }
+
+    #[test]
+    fn an_allowlist_becomes_a_chain_and_set_elements() {
+        let rules: Vec<AllowRule> = ["pypi.org:443", "10.9.0.0/16", "192.0.2.7:80"]
+            .iter()
+            .map(|r| AllowRule::parse(r).expect("rule"))
+            .collect();
+        let s = tables().set_policy(3, NetworkMode::Allowlist, &rules);
+        assert!(s.starts_with("flush chain inet dsec s3\n"));
+        assert!(s.contains("add element inet dsec s3_net { 10.9.0.0/16 }\n"));
+        assert!(s.contains("add element inet dsec s3_netport { 192.0.2.7/32 . 80 }\n"));
+        // Names are never turned into addresses here: only the resolver admits them.
+        assert!(!s.contains("pypi"));
+        assert!(!s.contains("s3 accept"));
+        let open = tables().set_policy(3, NetworkMode::Open, &rules);
+        assert!(open.ends_with("add rule inet dsec s3 accept\n"));
+    }
+
+    #[test]
+    fn base_table_rejects_by_default_and_redirects_dns() {
+        let b = tables().base();
+        assert!(b.contains("th dport 53 redirect to :15353"));
+        assert!(b.contains("elements = { 10.231.0.0/16, 169.254.0.0/16 }"));
+        assert!(b.contains("goto deny\n"));
+        assert!(b.contains("oifname \"dsv*\" drop\n"));
+    }
+}
