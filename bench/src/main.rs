@@ -34,6 +34,10 @@ struct Args {
     /// Write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Run only these sections (comma-separated): runtimes, network, concurrency, cpu,
+    /// job, idle, density.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
 }
 
 /// Summary of one measurement, in milliseconds.
@@ -487,51 +491,71 @@ fn main() -> anyhow::Result<()> {
 
         println!("# dsec benchmark ({} iterations, {} cores, kernel {})", n, std::thread::available_parallelism().map(|p| p.get()).unwrap_or(0),
             std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim());
-        let crun = runtime_run("crun", &bundle, n);
-        let crun_ovl = crun_run_overlay(&bundle, n);
-        let runc = runtime_run("runc", &bundle, n);
-        let (dsec_tti, dsec_create, dsec_exec) = dsec_measurements(&server, n).await?;
-        let crun_exec = crun_exec(&bundle, n * 5);
-        let tti = vec![crun.clone(), crun_ovl, runc, dsec_tti, dsec_create];
-        let exec = vec![crun_exec, dsec_exec, spawn_floor(n * 5)];
-        print_table("time to interactive (create -> first command done)", &tti, "crun run true");
-        print_table("exec round trip on a running sandbox", &exec, "crun exec true");
-        let net = network::tti_by_mode(&server, n).await?;
-        print_table("time to interactive by network mode (create -> exec true)", &net, "network none");
+        let want = |section: &str| args.only.is_empty() || args.only.iter().any(|o| o == section);
+        let (mut tti, mut exec) = (Vec::new(), Vec::new());
+        if want("runtimes") {
+            let crun = runtime_run("crun", &bundle, n);
+            let crun_ovl = crun_run_overlay(&bundle, n);
+            let runc = runtime_run("runc", &bundle, n);
+            let (dsec_tti, dsec_create, dsec_exec) = dsec_measurements(&server, n).await?;
+            let crun_exec = crun_exec(&bundle, n * 5);
+            tti = vec![crun, crun_ovl, runc, dsec_tti, dsec_create];
+            exec = vec![crun_exec, dsec_exec, spawn_floor(n * 5)];
+            print_table("time to interactive (create -> first command done)", &tti, "crun run true");
+            print_table("exec round trip on a running sandbox", &exec, "crun exec true");
+        }
+        if want("network") {
+            let net = network::tti_by_mode(&server, n).await?;
+            print_table("time to interactive by network mode (create -> exec true)", &net, "network none");
+        }
         let mut conc = Vec::new();
-        for workers in [1usize, 8, 32] {
+        for workers in [1usize, 8, 32].into_iter().filter(|_| want("concurrency")) {
             let total = if args.quick { 32 } else { 160 }.max(workers * 2);
             let (samples, failures, secs) = concurrent_tti(&server, workers, total).await;
             let st = Stats { name: format!("c{workers}"), samples, note: None };
             conc.push((workers, st, failures, secs));
         }
-        print_concurrency(&conc);
+        if !conc.is_empty() {
+            print_concurrency(&conc);
+        }
 
-        let steps = if args.quick { 300 } else { 1000 };
-        let protection = lifecycle::cpu_protection(&server, steps).await?;
-        print_table("CPU protection: step time of a latency-sensitive loop (1 ms work, 1 ms sleep)", &protection, "alone");
-
-        let job_n = if args.quick { 20 } else { 100 };
-        let job = lifecycle::job_suspend_resume(&server, job_n).await?;
-        println!("\n## job suspend/resume ({} sandboxes, 16 MiB page cache each)\n", job.sandboxes);
-        println!("| suspend ms | resume ms | memory before MiB | memory after MiB | returned | exec after resume p50 ms |");
-        println!("|---|---|---|---|---|---|");
-        println!("| {:.0} | {:.0} | {:.0} | {:.0} | {:.0}% | {:.2} |", job.suspend_ms, job.resume_ms,
-            job.memory_before as f64 / 1048576.0, job.memory_after as f64 / 1048576.0,
-            100.0 * (1.0 - job.memory_after as f64 / job.memory_before.max(1) as f64), job.exec_after_resume.pct(50.0));
-
-        let idle_n = if args.quick { 50 } else { 200 };
-        let (mib, procs, threads, fds, idle_exec) = lifecycle::idle_cost(&server, idle_n).await?;
-        println!("\n## cost of an idle sandbox (with one open shell session), {idle_n} sandboxes\n");
-        println!("| host memory MiB | processes | threads | fds | exec true p50 ms | exec true p99 ms |");
-        println!("|---|---|---|---|---|---|");
-        println!("| {mib:.2} | {procs:.1} | {threads:.1} | {fds:.1} | {:.2} | {:.2} |", idle_exec.pct(50.0), idle_exec.pct(99.0));
-        let target = if args.quick { 300 } else { 1000 };
-        let d = lifecycle::density(&server, target).await?;
-        println!("\n## density: idle sandboxes with a shell session each ({})\n", d.stopped);
-        println!("| sandboxes | created in s | host memory MiB per sandbox | exec true p50 ms | exec true p99 ms |");
-        println!("|---|---|---|---|---|");
-        println!("| {} | {:.1} | {:.2} | {:.2} | {:.2} |", d.sandboxes, d.create_secs, d.mib_per_sandbox, d.exec.pct(50.0), d.exec.pct(99.0));
+        if want("cpu") {
+            let steps = if args.quick { 300 } else { 1000 };
+            let protection = lifecycle::cpu_protection(&server, steps).await?;
+            print_table("CPU protection: step time of a latency-sensitive loop (1 ms work, 1 ms sleep)", &protection, "alone");
+            let core = server.client().health().await?.capacity.is_some_and(|c| c.core_scheduling);
+            println!("\ncore scheduling: {}", if core {
+                "on (each sandbox has its own cookie)"
+            } else {
+                "n/a: this kernel has no CONFIG_SCHED_CORE (dsec uses it where present)"
+            });
+        }
+        if want("job") {
+            let job_n = if args.quick { 20 } else { 100 };
+            let job = lifecycle::job_suspend_resume(&server, job_n).await?;
+            println!("\n## job suspend/resume ({} sandboxes, 16 MiB page cache each)\n", job.sandboxes);
+            println!("| suspend ms | resume ms | memory before MiB | memory after MiB | returned | exec after resume p50 ms |");
+            println!("|---|---|---|---|---|---|");
+            println!("| {:.0} | {:.0} | {:.0} | {:.0} | {:.0}% | {:.2} |", job.suspend_ms, job.resume_ms,
+                job.memory_before as f64 / 1048576.0, job.memory_after as f64 / 1048576.0,
+                100.0 * (1.0 - job.memory_after as f64 / job.memory_before.max(1) as f64), job.exec_after_resume.pct(50.0));
+        }
+        if want("idle") {
+            let idle_n = if args.quick { 50 } else { 200 };
+            let (mib, procs, threads, fds, idle_exec) = lifecycle::idle_cost(&server, idle_n).await?;
+            println!("\n## cost of an idle sandbox (with one open shell session), {idle_n} sandboxes\n");
+            println!("| host memory MiB | processes | threads | fds | exec true p50 ms | exec true p99 ms |");
+            println!("|---|---|---|---|---|---|");
+            println!("| {mib:.2} | {procs:.1} | {threads:.1} | {fds:.1} | {:.2} | {:.2} |", idle_exec.pct(50.0), idle_exec.pct(99.0));
+        }
+        if want("density") {
+            let target = if args.quick { 300 } else { 1000 };
+            let d = lifecycle::density(&server, target).await?;
+            println!("\n## density: idle sandboxes with a shell session each ({})\n", d.stopped);
+            println!("| sandboxes | created in s | host memory MiB per sandbox | exec true p50 ms | exec true p99 ms |");
+            println!("|---|---|---|---|---|");
+            println!("| {} | {:.1} | {:.2} | {:.2} | {:.2} |", d.sandboxes, d.create_secs, d.mib_per_sandbox, d.exec.pct(50.0), d.exec.pct(99.0));
+        }
 
         let left = server.client().list_sandboxes(Default::default()).await?.sandboxes.len();
         // Sandbox cgroups are the subdirectories (the parent also holds control files).

@@ -1,6 +1,6 @@
 //! Create cost by network mode: `none` (own namespace, loopback only), `allowlist` and
-//! `open` (a prepared namespace with a veth link and an nftables policy), measured
-//! interleaved so drift on a noisy machine hits all three alike.
+//! `open` (a prepared namespace with a veth link and an nftables policy). Each mode runs
+//! as a block of create -> exec -> delete cycles.
 
 use std::time::Instant;
 
@@ -25,8 +25,10 @@ pub async fn tti_by_mode(server: &Server, n: usize) -> anyhow::Result<Vec<Stats>
     let c = server.client();
     let modes = [NetworkMode::None, NetworkMode::Allowlist, NetworkMode::Open];
     let mut samples: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
-    for i in 0..n + 2 {
-        for (m, mode) in modes.iter().enumerate() {
+    // One block per mode: a networked create's background cost (the pool preparing the
+    // next namespace) lands on its own mode's numbers, not on the neighbours'.
+    for (m, mode) in modes.iter().enumerate() {
+        for i in 0..n + 2 {
             let t = Instant::now();
             let sb = c
                 .create_sandbox(CreateSandboxRequest {

@@ -155,9 +155,26 @@ pub struct ServeArgs {
     /// Prefix of the host ends of sandbox links.
     #[arg(long, default_value = "dsv")]
     pub link_prefix: String,
+    /// Parent cgroup of the sandboxes; one per node on a host (a node destroys the
+    /// sandboxes under it that it does not know).
+    #[arg(long, default_value = "dsec", value_parser = parse_cgroup_parent)]
+    pub cgroup_parent: String,
     /// Network namespaces kept prepared for fast creates.
     #[arg(long, default_value_t = 8)]
     pub net_pool: usize,
+}
+
+fn parse_cgroup_parent(s: &str) -> Result<String, String> {
+    let ok = !s.is_empty()
+        && s.split('/').all(|c| {
+            !c.is_empty()
+                && c != "."
+                && c != ".."
+                && c.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        });
+    ok.then(|| s.to_string())
+        .ok_or_else(|| format!("{s:?}: a relative cgroup path of [A-Za-z0-9._-] components"))
 }
 
 fn parse_subnet(s: &str) -> Result<(std::net::Ipv4Addr, u8), String> {

@@ -109,6 +109,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             memory_reserve_bytes: args.memory_reserve_mb << 20,
             max_sandboxes: args.max_sandboxes,
         },
+        cgroup_parent: args.cgroup_parent.clone(),
         network: (!args.no_network).then(|| dsec_net::NetConfig {
             subnet: args.sandbox_subnet,
             table: args.nft_table.clone(),

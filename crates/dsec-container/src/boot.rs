@@ -68,6 +68,9 @@ pub fn boot(spec: &InitSpec, status: &OwnedFd) -> Result<(), BootError> {
     if spec.sched_idle {
         best_effort()?;
     }
+    if spec.core_sched {
+        own_core_cookie()?;
+    }
     let namespaces = match spec.netns_fd {
         Some(fd) => {
             // SAFETY: the node handed this fd to init for exactly this purpose; it is
@@ -100,7 +103,11 @@ pub fn boot(spec: &InitSpec, status: &OwnedFd) -> Result<(), BootError> {
         unsafe { libc::close(fd) };
     }
     nix::unistd::sethostname(&spec.sandbox_id).map_err(BootError::Hostname)?;
-    net::loopback_up().map_err(BootError::Net)?;
+    if spec.netns_fd.is_none() {
+        // A prepared namespace has loopback up already (and every link change takes
+        // the kernel's RTNL lock, which creates should not queue on needlessly).
+        net::loopback_up().map_err(BootError::Net)?;
+    }
     harden::apply()?;
     Ok(())
 }
@@ -114,6 +121,30 @@ fn join_cgroup(path: &str) -> Result<(), BootError> {
         path: path.to_string(),
         source,
     })
+}
+
+/// `prctl(PR_SCHED_CORE, ...)` constants (linux/prctl.h).
+const PR_SCHED_CORE: libc::c_int = 62;
+const PR_SCHED_CORE_CREATE: libc::c_ulong = 1;
+const PR_SCHED_CORE_SCOPE_THREAD_GROUP: libc::c_ulong = 1;
+
+/// Gives this process a new core-scheduling cookie; every process it forks inherits it,
+/// so the whole sandbox shares one cookie that no other sandbox has.
+fn own_core_cookie() -> Result<(), BootError> {
+    // SAFETY: prctl with integer arguments only.
+    let r = unsafe {
+        libc::prctl(
+            PR_SCHED_CORE,
+            PR_SCHED_CORE_CREATE,
+            0 as libc::c_ulong,
+            PR_SCHED_CORE_SCOPE_THREAD_GROUP,
+            0 as libc::c_ulong,
+        )
+    };
+    if r != 0 {
+        return Err(BootError::Sched(std::io::Error::last_os_error()));
+    }
+    Ok(())
 }
 
 /// Makes this process, and so every process of the sandbox, `SCHED_IDLE`. With

@@ -704,6 +704,7 @@ impl SandboxApi for ControlPlane {
                 memory_reserve_bytes: c.memory_reserve_bytes,
                 sandboxes: c.sandboxes as u64,
                 max_sandboxes: c.max_sandboxes as u64,
+                core_scheduling: c.core_scheduling,
             }),
         })
     }

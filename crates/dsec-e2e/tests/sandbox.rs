@@ -1097,6 +1097,44 @@ async fn best_effort_sandboxes_run_sched_idle_with_the_lowest_weight() {
         w_be * 100 <= w_ls,
         "best effort {w_be} vs latency sensitive {w_ls}"
     );
+
+    // Core scheduling: used exactly when the kernel has it (read from its config, not
+    // from dsec), each sandbox with a cookie of its own.
+    let config = std::process::Command::new("sh")
+        .args([
+            "-c",
+            "zcat /proc/config.gz 2>/dev/null || cat /boot/config-$(uname -r)",
+        ])
+        .output()
+        .expect("kernel config");
+    let config = String::from_utf8_lossy(&config.stdout);
+    assert!(
+        config.contains("CONFIG_SCHED_"),
+        "kernel config not readable"
+    );
+    let kernel_has_it = config.lines().any(|l| l == "CONFIG_SCHED_CORE=y");
+    let cap = c
+        .health()
+        .await
+        .expect("health")
+        .capacity
+        .expect("capacity");
+    assert_eq!(
+        cap.core_scheduling, kernel_has_it,
+        "health reports core scheduling"
+    );
+    if kernel_has_it {
+        let cookie = |id: &str| -> u64 {
+            let pid = dsec_e2e::host::processes(id)[0];
+            let mut cookie = 0u64;
+            // SAFETY: PR_SCHED_CORE_GET writes one u64 to the pointer.
+            let r = unsafe { libc::prctl(62, 0, pid, 0, &mut cookie as *mut u64) };
+            assert_eq!(r, 0, "PR_SCHED_CORE_GET {pid}");
+            cookie
+        };
+        let (a, b) = (cookie(&be.id), cookie(&ls.id));
+        assert!(a != 0 && b != 0 && a != b, "cookies {a} {b}");
+    }
     for sb in [&be, &ls] {
         c.delete_sandbox(&sb.id).await.expect("delete");
     }

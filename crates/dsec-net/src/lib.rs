@@ -153,10 +153,11 @@ pub fn parse_policy(p: &NetworkPolicy) -> Result<Vec<AllowRule>, NetError> {
 
 #[derive(Debug, Default)]
 struct Slots {
-    /// Next never-used slot.
-    next: u32,
-    /// Released slots, reused first.
-    free: Vec<u32>,
+    /// Where the next search for a free slot starts: slots are handed out round-robin,
+    /// so a released one is reused last, long after its namespace is gone.
+    cursor: u32,
+    /// Slots in use: live, pooled or being prepared.
+    taken: std::collections::HashSet<u32>,
     /// Slots of live sandboxes.
     by_id: HashMap<String, (u32, NetworkPolicy)>,
 }
@@ -241,9 +242,8 @@ impl Network {
             }
         }
         nft::apply(&script)?;
-        let used: std::collections::HashSet<u32> = adopt.iter().map(|(_, r)| r.slot).collect();
-        slots.next = used.iter().max().map_or(0, |m| m + 1);
-        slots.free = (0..slots.next).filter(|s| !used.contains(s)).collect();
+        slots.taken = adopt.iter().map(|(_, r)| r.slot).collect();
+        slots.cursor = slots.taken.iter().max().map_or(0, |m| m + 1);
         for (id, slot, mode, rules) in rules_of {
             let ip = slot_addrs(cfg.subnet, slot).sandbox;
             registry.map().insert(
@@ -300,21 +300,25 @@ impl Network {
         format!("{}{slot}", self.cfg.link_prefix)
     }
 
+    /// A free slot whose link name is not in use (a released sandbox's link goes away
+    /// with its namespace, asynchronously).
     fn take_slot(&self) -> Result<u32, NetError> {
         let max = (1u32 << (32 - self.cfg.subnet.1)) / 4;
         let mut s = self.slots();
-        if let Some(n) = s.free.pop() {
-            return Ok(n);
+        for _ in 0..max {
+            let n = s.cursor % max;
+            s.cursor = (n + 1) % max;
+            let link = format!("/sys/class/net/{}", self.link_name(n));
+            if !s.taken.contains(&n) && !std::path::Path::new(&link).exists() {
+                s.taken.insert(n);
+                return Ok(n);
+            }
         }
-        if s.next >= max {
-            return Err(NetError::Exhausted);
-        }
-        s.next += 1;
-        Ok(s.next - 1)
+        Err(NetError::Exhausted)
     }
 
     fn give_back(&self, slot: u32) {
-        self.slots().free.push(slot);
+        self.slots().taken.remove(&slot);
     }
 
     /// Makes a slot ready: namespace, link, chain and sets.
@@ -501,11 +505,11 @@ impl Network {
         Ok(())
     }
 
+    /// Takes a slot out of the table. Its link is not deleted here: deleting a veth
+    /// holds the kernel's RTNL lock for tens of milliseconds (an RCU grace period),
+    /// stalling every create meanwhile; the link goes with the namespace once the
+    /// sandbox's last process and our fd are gone, and the slot is not reused before.
     fn discard(&self, slot: u32) {
-        let link = self.link_name(slot);
-        if let Err(e) = netns::remove_link(&link) {
-            tracing::warn!(%link, error = %e, "delete sandbox link");
-        }
         if let Err(e) = nft::apply(&self.tables.remove_slot(slot)) {
             tracing::warn!(slot, error = %e, "remove slot from nftables");
         }

@@ -1,5 +1,6 @@
 //! The node's nftables table: scripts for the base table, a slot's chain and sets, a
-//! policy, and resolved DNS answers, applied atomically with `nft -f -`.
+//! policy, and resolved DNS answers, each applied as one transaction through
+//! libnftables (in process: spawning `nft` costs ~20 ms here, the library ~0.3 ms).
 //!
 //! Layout (`T` the table, `P` the link prefix, one chain and four sets per slot `N`):
 //!
@@ -19,9 +20,7 @@
 //!   (what the resolver answered for allowed names, with the answer's TTL as timeout).
 
 use std::fmt::Write as _;
-use std::io::Write as _;
 use std::net::Ipv4Addr;
-use std::process::{Command, Stdio};
 
 use dsec_wire::v1::{AllowRule, AllowTarget, NetworkMode};
 
@@ -183,27 +182,88 @@ impl Tables {
     }
 }
 
-/// Applies a script atomically (`nft -f -`: all of it or nothing).
+/// libnftables, loaded once per process, with one context (not thread-safe: behind a
+/// mutex).
+struct Lib {
+    ctx: std::sync::Mutex<usize>,
+    run: unsafe extern "C" fn(*mut libc::c_void, *const libc::c_char) -> libc::c_int,
+    error: unsafe extern "C" fn(*mut libc::c_void) -> *const libc::c_char,
+    // Keeps the library mapped for the function pointers above.
+    _lib: libloading::Library,
+}
+
+fn lib() -> Result<&'static Lib, NetError> {
+    static LIB: std::sync::OnceLock<Result<Lib, String>> = std::sync::OnceLock::new();
+    LIB.get_or_init(|| {
+        // SAFETY: loading the system's libnftables, whose initialisers have no
+        // preconditions; the symbols below are its documented C API.
+        unsafe {
+            let lib = libloading::Library::new("libnftables.so.1")
+                .map_err(|e| format!("load libnftables.so.1 (install Debian's nftables): {e}"))?;
+            type New = unsafe extern "C" fn(u32) -> *mut libc::c_void;
+            type Buffer = unsafe extern "C" fn(*mut libc::c_void) -> libc::c_int;
+            let sym = |name: &[u8]| -> Result<usize, String> {
+                lib.get::<*const libc::c_void>(name)
+                    .map(|s| *s as usize)
+                    .map_err(|e| format!("libnftables: {e}"))
+            };
+            let new: New = std::mem::transmute::<usize, New>(sym(b"nft_ctx_new\0")?);
+            let buffer_output: Buffer =
+                std::mem::transmute::<usize, Buffer>(sym(b"nft_ctx_buffer_output\0")?);
+            let buffer_error: Buffer =
+                std::mem::transmute::<usize, Buffer>(sym(b"nft_ctx_buffer_error\0")?);
+            let run = std::mem::transmute::<
+                usize,
+                unsafe extern "C" fn(*mut libc::c_void, *const libc::c_char) -> libc::c_int,
+            >(sym(b"nft_run_cmd_from_buffer\0")?);
+            let error = std::mem::transmute::<
+                usize,
+                unsafe extern "C" fn(*mut libc::c_void) -> *const libc::c_char,
+            >(sym(b"nft_ctx_get_error_buffer\0")?);
+            let ctx = new(0);
+            if ctx.is_null() {
+                return Err("nft_ctx_new failed".to_string());
+            }
+            // Keep messages in the context instead of printing them on our stdio.
+            buffer_output(ctx);
+            buffer_error(ctx);
+            Ok(Lib {
+                ctx: std::sync::Mutex::new(ctx as usize),
+                run,
+                error,
+                _lib: lib,
+            })
+        }
+    })
+    .as_ref()
+    .map_err(|e| NetError::Unavailable(e.clone()))
+}
+
+/// Applies a script as one nftables transaction: all of it or nothing.
 pub fn apply(script: &str) -> Result<(), NetError> {
-    let mut child = Command::new("nft")
-        .args(["-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| NetError::Unavailable(format!("run nft (is nftables installed?): {e}")))?;
-    if let Some(mut stdin) = child.stdin.take() {
-        stdin
-            .write_all(script.as_bytes())
-            .map_err(|e| NetError::Nft(format!("write to nft: {e}")))?;
-    }
-    let out = child
-        .wait_with_output()
-        .map_err(|e| NetError::Nft(format!("wait for nft: {e}")))?;
-    if !out.status.success() {
-        return Err(NetError::Nft(
-            String::from_utf8_lossy(&out.stderr).trim().to_string(),
-        ));
+    let lib = lib()?;
+    let script = std::ffi::CString::new(script)
+        .map_err(|_| NetError::Nft("script contains a NUL byte".into()))?;
+    let ctx = lib.ctx.lock().unwrap_or_else(|p| p.into_inner());
+    let ctx = *ctx as *mut libc::c_void;
+    // SAFETY: ctx is the live context made in lib() and used under the mutex only;
+    // script is a NUL-terminated string that outlives the call.
+    let rc = unsafe { (lib.run)(ctx, script.as_ptr()) };
+    if rc != 0 {
+        // SAFETY: the error buffer is a NUL-terminated string owned by the context,
+        // valid until the next command, which the mutex we hold prevents.
+        let msg = unsafe {
+            let p = (lib.error)(ctx);
+            if p.is_null() {
+                String::new()
+            } else {
+                std::ffi::CStr::from_ptr(p)
+                    .to_string_lossy()
+                    .trim()
+                    .to_string()
+            }
+        };
+        return Err(NetError::Nft(msg));
     }
     Ok(())
 }

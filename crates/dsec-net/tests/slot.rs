@@ -96,17 +96,28 @@ async fn a_slot_is_wired_filtered_and_released() {
     assert_eq!(net.live(), 2);
     net.release("a").expect("release");
     net.release("b").expect("release");
-    assert!(!std::path::Path::new(&format!("/sys/class/net/{link}")).exists());
+    assert_eq!(net.live(), 0);
+    // The links go with the namespaces, once nothing holds them.
     drop(lease);
     drop(other);
     drop(net);
+    let gone = (0..100).any(|_| {
+        std::thread::sleep(Duration::from_millis(100));
+        !std::path::Path::new(&format!("/sys/class/net/{link}")).exists()
+    });
+    assert!(gone, "link {link} outlived its namespace");
     let out = std::process::Command::new("nft")
         .args(["delete", "table", "inet", "dsec_slot_test"])
         .status()
         .expect("nft");
     assert!(out.success());
+    let clean = (0..100).any(|_| {
+        std::thread::sleep(Duration::from_millis(100));
+        dsec_net::netns::links_with_prefix("dst").is_empty()
+    });
     assert!(
-        dsec_net::netns::links_with_prefix("dst").is_empty(),
-        "links left"
+        clean,
+        "links left: {:?}",
+        dsec_net::netns::links_with_prefix("dst")
     );
 }

@@ -45,6 +45,29 @@ pub struct Capacity {
     pub sandboxes: usize,
     /// Count limit (0: none).
     pub max_sandboxes: usize,
+    /// Whether sandboxes get core-scheduling cookies (see [`core_scheduling_available`]).
+    pub core_scheduling: bool,
+}
+
+/// Whether the kernel does core scheduling (`CONFIG_SCHED_CORE`): then each sandbox gets
+/// its own cookie and never shares a core's SMT siblings with another sandbox. Probed
+/// once by asking for this process's cookie.
+pub fn core_scheduling_available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        let mut cookie: u64 = 0;
+        // SAFETY: PR_SCHED_CORE_GET writes one u64 to the pointer we pass.
+        let r = unsafe {
+            libc::prctl(
+                62,                 // PR_SCHED_CORE
+                0 as libc::c_ulong, // PR_SCHED_CORE_GET
+                0 as libc::c_ulong, // this process
+                0 as libc::c_ulong, // PIDTYPE_PID
+                &mut cookie as *mut u64,
+            )
+        };
+        r == 0
+    })
 }
 
 /// Tracks what starting sandboxes hold between the check and their runtime record.
@@ -108,6 +131,7 @@ impl Admission {
             memory_reserve_bytes: self.cfg.memory_reserve_bytes,
             sandboxes: live + p.1,
             max_sandboxes: self.cfg.max_sandboxes,
+            core_scheduling: core_scheduling_available(),
         }
     }
 

@@ -26,6 +26,10 @@ pub struct NodeConfig {
     /// Started on first use, so a node whose sandboxes never network touches neither
     /// nftables nor the host's forwarding setting.
     pub network: Option<dsec_net::NetConfig>,
+    /// Parent cgroup of this node's sandboxes (relative to each hierarchy's root). It
+    /// belongs to this node alone: on start, sandboxes under it that the node does not
+    /// know are destroyed.
+    pub cgroup_parent: String,
 }
 
 /// Size-limited sandbox disks (see `dsec-disk`).

@@ -28,7 +28,7 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use crate::backend::{Backend, Layers, RuntimeRecord};
 use crate::{NodeConfig, NodeCreateSpec, NodeError};
 
-/// Parent of every sandbox cgroup.
+/// Default parent of every sandbox cgroup (`dsec serve --cgroup-parent`).
 pub const CGROUP_PARENT: &str = "dsec";
 /// CPU weight (cgroup v2 units, default 100) of a latency-sensitive sandbox.
 pub const WEIGHT_LATENCY_SENSITIVE: u64 = 200;
@@ -124,13 +124,13 @@ impl ContainerBackend {
         if let Some(cg) = self.handles().get(id) {
             return Ok(cg.clone());
         }
-        let cg = std::sync::Arc::new(Cgroup::open(&self.cgroups, &Self::cgroup_path(id))?);
+        let cg = std::sync::Arc::new(Cgroup::open(&self.cgroups, &self.cgroup_path(id))?);
         self.handles().insert(id.to_string(), cg.clone());
         Ok(cg)
     }
 
-    fn cgroup_path(id: &str) -> String {
-        format!("{CGROUP_PARENT}/{id}")
+    fn cgroup_path(&self, id: &str) -> String {
+        format!("{}/{id}", self.cfg.cgroup_parent)
     }
 
     fn create_inner(
@@ -193,7 +193,7 @@ impl ContainerBackend {
                 Qos::BestEffort => WEIGHT_BEST_EFFORT,
             }),
         };
-        let cgroup = Cgroup::create(&self.cgroups, &Self::cgroup_path(id), &limits)?;
+        let cgroup = Cgroup::create(&self.cgroups, &self.cgroup_path(id), &limits)?;
 
         let lease = match spec.network.mode {
             NetworkMode::None => None,
@@ -218,6 +218,7 @@ impl ContainerBackend {
                 .as_ref()
                 .map(|l| format!("nameserver {}\noptions timeout:2 attempts:2\n", l.gateway)),
             sched_idle: spec.qos == Qos::BestEffort,
+            core_sched: crate::admission::core_scheduling_available(),
             rootfs: dir.join("rootfs").display().to_string(),
             cgroup_procs: cgroup
                 .procs_paths()
@@ -249,7 +250,7 @@ impl ContainerBackend {
             image_digest: layers.digest.clone(),
             pid,
             pid_start_time: start_time,
-            cgroup: Self::cgroup_path(id),
+            cgroup: self.cgroup_path(id),
             agent_socket: socket,
             disk_mb,
             layers: layers.layers.iter().map(|(d, _)| d.clone()).collect(),
@@ -449,7 +450,7 @@ impl Backend for ContainerBackend {
 
     fn destroy(&self, id: &str) -> Result<(), NodeError> {
         self.handles().remove(id);
-        match Cgroup::open(&self.cgroups, &Self::cgroup_path(id)) {
+        match Cgroup::open(&self.cgroups, &self.cgroup_path(id)) {
             Ok(cg) => cg.destroy()?,
             Err(dsec_cgroups::CgroupError::NotFound(_)) => {}
             Err(e) => return Err(e.into()),
@@ -500,7 +501,7 @@ impl Backend for ContainerBackend {
         // Cgroups with no sandbox directory: left by a crash between cgroup creation and
         // the directory, or by an earlier cleanup that failed.
         let known: std::collections::HashSet<&str> = alive.iter().map(|r| r.id.as_str()).collect();
-        for child in Cgroup::list_children(&self.cgroups, CGROUP_PARENT)? {
+        for child in Cgroup::list_children(&self.cgroups, &self.cfg.cgroup_parent)? {
             let id = child.rsplit('/').next().unwrap_or(&child).to_string();
             if !known.contains(id.as_str()) {
                 tracing::info!(cgroup = %child, "removing orphaned cgroup");

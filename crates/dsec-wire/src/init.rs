@@ -43,6 +43,10 @@ pub struct InitSpec {
     /// Contents for `/etc/resolv.conf` (networked sandboxes: the node's resolver).
     #[serde(default)]
     pub resolv_conf: Option<String>,
+    /// Give the sandbox its own core-scheduling cookie, so its tasks never share a
+    /// physical core's SMT siblings with another sandbox (kernels with `CONFIG_SCHED_CORE`).
+    #[serde(default)]
+    pub core_sched: bool,
     /// Run every process of the sandbox `SCHED_IDLE` (best-effort QoS).
     #[serde(default)]
     pub sched_idle: bool,

@@ -791,6 +791,10 @@ pub struct NodeCapacity {
     pub sandboxes: u64,
     /// Most sandboxes it runs (0: no count limit).
     pub max_sandboxes: u64,
+    /// Whether each sandbox gets its own core-scheduling cookie (kernels with
+    /// `CONFIG_SCHED_CORE`): no two sandboxes then share a core's SMT siblings.
+    #[serde(default)]
+    pub core_scheduling: bool,
 }
 
 #[cfg(test)]
