@@ -30,6 +30,25 @@ fn agent_bin(args: &ServeArgs) -> anyhow::Result<PathBuf> {
     Ok(candidate)
 }
 
+/// Marks every descriptor beyond stdio close-on-exec: whatever started `dsec serve` may
+/// have left some open (a shell's pipes), and no program the node runs (sandbox inits
+/// above all) may inherit them.
+fn close_inherited_fds() {
+    const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
+    // SAFETY: close_range with the CLOEXEC flag only changes descriptor flags.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3,
+            libc::c_uint::MAX,
+            CLOSE_RANGE_CLOEXEC,
+        )
+    };
+    if r != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "cannot mark inherited fds close-on-exec");
+    }
+}
+
 /// Raises the soft open-files limit to the hard limit: every sandbox holds a few fds.
 fn raise_nofile() {
     let mut lim = libc::rlimit {
@@ -83,6 +102,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     if unsafe { libc::geteuid() } != 0 {
         bail!("dsec serve must run as root: it creates namespaces, mounts and cgroups");
     }
+    close_inherited_fds();
     raise_nofile();
     raise_kernel_limits();
     let agent_bin = agent_bin(&args)?;

@@ -36,6 +36,9 @@ pub enum HardenError {
     /// prctl(PR_SET_NO_NEW_PRIVS) failed.
     #[error("no_new_privs: {0}")]
     NoNewPrivs(std::io::Error),
+    /// prctl(PR_SET_DUMPABLE) failed.
+    #[error("dumpable: {0}")]
+    Dumpable(std::io::Error),
     /// The seccomp policy did not compile.
     #[error("seccomp policy: {0}")]
     SeccompCompile(String),
@@ -50,6 +53,13 @@ pub fn apply() -> Result<(), HardenError> {
     // SAFETY: prctl with integer arguments only.
     if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
         return Err(HardenError::NoNewPrivs(std::io::Error::last_os_error()));
+    }
+    // The agent is the sandbox's PID 1 and runs as root like the code it serves: without
+    // this, any process inside could ptrace it (same uid), stop it, or read its memory
+    // through /proc/1/mem. Programs it starts are dumpable again after their execve.
+    // SAFETY: prctl with integer arguments only.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
+        return Err(HardenError::Dumpable(std::io::Error::last_os_error()));
     }
     for filter in compile_seccomp()? {
         seccompiler::apply_filter(&filter)

@@ -304,6 +304,11 @@ impl ContainerBackend {
                 {
                     return Err(std::io::Error::last_os_error());
                 }
+                // Nothing else crosses into the sandbox: not even descriptors the node
+                // itself inherited without close-on-exec from whoever started it.
+                if libc::syscall(libc::SYS_close_range, NETNS_FD + 1, libc::c_uint::MAX, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
                 // A sandbox must not share the node's session: a terminal's ^C to
                 // `dsec serve` must not reach sandboxes.
                 libc::setsid();

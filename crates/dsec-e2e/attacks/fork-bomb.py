@@ -1,0 +1,26 @@
+# Fork bomb: every process forks forever. The pids limit (128) stops it; the sandbox
+# stays usable once the bomb is killed.
+import os, signal, time
+
+leader = os.fork()
+if leader == 0:
+    os.setpgid(0, 0)
+    while True:
+        try:
+            os.fork()
+        except OSError:
+            time.sleep(0.01)
+time.sleep(5)
+peak = len([p for p in os.listdir("/proc") if p.isdigit()])
+os.killpg(leader, signal.SIGKILL)
+os.waitpid(leader, 0)
+if peak <= 130:
+    print(f"contained: fork bomb peaked at {peak} processes (limit 128)")
+else:
+    print(f"escaped: fork bomb reached {peak} processes")
+time.sleep(0.5)
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+print("contained: can fork again after the bomb")

@@ -1,0 +1,252 @@
+//! The attack suite: every program in `attacks/` runs in a fresh, small sandbox next to a
+//! neighbour sandbox; each must report only `contained:` outcomes, its sandbox must stay
+//! usable, and afterwards the host, the neighbour and the node must be untouched (see
+//! `attacks/README.md`).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use dsec_e2e::{host, require_root, sh, Server};
+use dsec_wire::v1::*;
+use futures::StreamExt;
+
+fn attacks_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("attacks")
+}
+
+fn reversed(s: &str) -> String {
+    s.chars().rev().collect()
+}
+
+/// Resident memory of a process in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// What one attack program did.
+#[derive(Debug)]
+struct Outcome {
+    name: String,
+    sandbox: String,
+    stdout: String,
+    stderr: String,
+    exit: ExitInfo,
+    stdout_bytes: usize,
+    usable_after: bool,
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_attack_is_contained_and_the_host_and_neighbour_are_untouched() {
+    if !require_root() {
+        return;
+    }
+    let s = Server::start_with("attacks", true, &["--disk-pool", "4"])
+        .await
+        .expect("server");
+    s.ensure_base(None).await.expect("base image");
+    let c = s.client();
+    let node_pid = {
+        let port = s.url.rsplit(':').next().expect("port").to_string();
+        let out = std::process::Command::new("sh")
+            .args(["-c", &format!("pgrep -f 'dsec serve.*127.0.0.1:{port}'")])
+            .output()
+            .expect("pgrep");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .next()
+            .and_then(|l| l.trim().parse::<u32>().ok())
+            .expect("node pid")
+    };
+    let node_rss_before = rss_kib(node_pid);
+
+    // Something only the host has, and a neighbour with something only it has.
+    let secret = format!("host-secret-{}", std::process::id() as u64 * 7919 + 12345);
+    let secret_file = std::env::temp_dir().join("dsec-e2e/attacks/host-secret.txt");
+    std::fs::write(&secret_file, &secret).expect("write host secret");
+    let mark = format!("neighbour-mark-{}", std::process::id());
+    let neighbour = c
+        .create_sandbox(CreateSandboxRequest::default())
+        .await
+        .expect("neighbour");
+    c.write_file(&neighbour.id, "/data.txt", None, b"neighbour data".to_vec())
+        .await
+        .expect("neighbour data");
+    c.start_process(
+        &neighbour.id,
+        StartProcessRequest {
+            cmd: dsec_wire::v1::Command::Argv(vec![
+                "sh".into(),
+                "-c".into(),
+                "sleep 3600".into(),
+                mark.clone(),
+            ]),
+            env: BTreeMap::new(),
+            cwd: None,
+            pty: None,
+            tag: None,
+            timeout_s: None,
+        },
+    )
+    .await
+    .expect("neighbour process");
+
+    let api_port = s.url.rsplit(':').next().expect("port").to_string();
+    let env = BTreeMap::from([
+        ("HOST_SECRET_REV".to_string(), reversed(&secret)),
+        ("NEIGHBOUR_MARK_REV".to_string(), reversed(&mark)),
+        ("API_PORT".to_string(), api_port),
+        (
+            "HOST_STATE_DIR".to_string(),
+            s.state_dir.display().to_string(),
+        ),
+    ]);
+    let mut programs: Vec<PathBuf> = std::fs::read_dir(attacks_dir())
+        .expect("attacks dir")
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| matches!(p.extension().and_then(|e| e.to_str()), Some("sh" | "py")))
+        .collect();
+    programs.sort();
+    assert!(programs.len() >= 14, "attack programs: {programs:?}");
+
+    let outcomes: Vec<Outcome> = futures::stream::iter(programs)
+        .map(|path| {
+            let (c, env) = (c.clone(), env.clone());
+            async move {
+                let name = path
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                let text = std::fs::read_to_string(&path).expect("attack program");
+                let interpreter = if name.ends_with(".py") {
+                    "python3"
+                } else {
+                    "sh"
+                };
+                let sb = c
+                    .create_sandbox(CreateSandboxRequest {
+                        resources: Resources {
+                            memory_mb: Some(256),
+                            disk_mb: Some(512),
+                            pids: Some(128),
+                            ..Default::default()
+                        },
+                        labels: BTreeMap::from([("attack".to_string(), name.clone())]),
+                        ..Default::default()
+                    })
+                    .await
+                    .unwrap_or_else(|e| panic!("create for {name}: {e}"));
+                let r = tokio::time::timeout(
+                    Duration::from_secs(200),
+                    c.exec(
+                        &sb.id,
+                        ExecRequest {
+                            cmd: dsec_wire::v1::Command::Argv(vec![
+                                interpreter.into(),
+                                "-c".into(),
+                                text,
+                            ]),
+                            env,
+                            timeout_s: Some(150.0),
+                            ..sh("")
+                        },
+                    ),
+                )
+                .await
+                .unwrap_or_else(|_| panic!("{name}: no answer in 200 s (agent stopped?)"))
+                .unwrap_or_else(|e| panic!("run {name}: {e}"));
+                let usable_after =
+                    tokio::time::timeout(Duration::from_secs(30), c.exec(&sb.id, sh("echo alive")))
+                        .await
+                        .is_ok_and(|r| r.is_ok_and(|r| r.stdout == "alive\n"));
+                Outcome {
+                    name,
+                    sandbox: sb.id,
+                    stdout_bytes: r.stdout.len(),
+                    stdout: r.stdout,
+                    stderr: r.stderr,
+                    exit: r.exit,
+                    usable_after,
+                }
+            }
+        })
+        .buffer_unordered(6)
+        .collect()
+        .await;
+
+    let mut report = String::new();
+    for o in &outcomes {
+        let lines: Vec<&str> = o
+            .stdout
+            .lines()
+            .filter(|l| l.starts_with("contained:") || l.starts_with("escaped:"))
+            .collect();
+        report.push_str(&format!("{}: {:?}\n", o.name, lines));
+        assert!(
+            !lines.iter().any(|l| l.starts_with("escaped:")),
+            "{}: {lines:?}\nstderr: {}",
+            o.name,
+            o.stderr
+        );
+        assert!(
+            lines.iter().any(|l| l.starts_with("contained:")),
+            "{} reported nothing (exit {:?}): stdout tail {:?} stderr {:?}",
+            o.name,
+            o.exit,
+            &o.stdout[o.stdout.len().saturating_sub(300)..],
+            o.stderr
+        );
+        assert!(o.usable_after, "{}: sandbox unusable afterwards", o.name);
+        if o.name == "yes-flood.sh" {
+            // 60 s of `yes` is gigabytes; what reached us is the tail the ring kept.
+            let cap = dsec_wire::agent::DEFAULT_OUTPUT_LIMIT as usize;
+            assert!(
+                o.stdout_bytes <= cap,
+                "yes output not capped at {cap}: {} bytes",
+                o.stdout_bytes
+            );
+        }
+    }
+    eprintln!("{report}");
+
+    // The neighbour: its process, its files, its agent.
+    let r = c
+        .exec(&neighbour.id, sh("cat /data.txt; echo; pgrep -c -x sleep"))
+        .await
+        .expect("neighbour exec");
+    assert_eq!(r.stdout, "neighbour data\n1\n", "neighbour disturbed");
+    // The host: the secret file as it was, the node healthy and not bloated.
+    assert_eq!(
+        std::fs::read_to_string(&secret_file).expect("secret"),
+        secret
+    );
+    c.health().await.expect("node healthy");
+    let node_rss_after = rss_kib(node_pid);
+    assert!(
+        node_rss_after < node_rss_before + 200 * 1024,
+        "node memory grew from {node_rss_before} KiB to {node_rss_after} KiB"
+    );
+    // Deleting leaves nothing of the attack sandboxes.
+    for o in &outcomes {
+        c.delete_sandbox(&o.sandbox).await.expect("delete");
+    }
+    for o in &outcomes {
+        let gone = dsec_e2e::wait_until(Duration::from_secs(10), || async {
+            (host::processes(&o.sandbox).is_empty() && host::cgroup_dirs(&o.sandbox).is_empty())
+                .then_some(())
+        })
+        .await;
+        assert!(gone.is_some(), "{} left processes or cgroups", o.name);
+    }
+    c.delete_sandbox(&neighbour.id)
+        .await
+        .expect("delete neighbour");
+}
