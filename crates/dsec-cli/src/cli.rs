@@ -159,6 +159,15 @@ pub struct ServeArgs {
     /// sandboxes under it that it does not know).
     #[arg(long, default_value = "dsec", value_parser = parse_cgroup_parent)]
     pub cgroup_parent: String,
+    /// Sandboxes run in a user namespace: root inside is host uid N (ids 0..65535 map
+    /// to N..N+65535), so root in a sandbox is nobody on the host. Layers and disks are
+    /// idmapped, so files keep their owners. Pick a range no user has in /etc/subuid.
+    #[arg(long, default_value_t = 1_000_000_000)]
+    pub userns_base: u32,
+    /// Run sandboxes without a user namespace (root inside is host root, with a reduced
+    /// capability set): for kernels without idmapped mounts.
+    #[arg(long)]
+    pub no_userns: bool,
     /// Network namespaces kept prepared for fast creates.
     #[arg(long, default_value_t = 8)]
     pub net_pool: usize,

@@ -130,6 +130,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             max_sandboxes: args.max_sandboxes,
         },
         cgroup_parent: args.cgroup_parent.clone(),
+        userns: (!args.no_userns).then_some((args.userns_base, 65536)),
         network: (!args.no_network).then(|| dsec_net::NetConfig {
             subnet: args.sandbox_subnet,
             table: args.nft_table.clone(),

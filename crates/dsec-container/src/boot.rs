@@ -24,6 +24,9 @@ pub enum BootError {
     /// A namespace could not be created.
     #[error("unshare namespaces: {0}")]
     Unshare(nix::Error),
+    /// Joining the user namespace or taking its root identity failed.
+    #[error("join user namespace: {0}")]
+    JoinUserns(nix::Error),
     /// Joining the prepared network namespace failed.
     #[error("join network namespace: {0}")]
     JoinNetns(nix::Error),
@@ -71,6 +74,8 @@ pub fn boot(spec: &InitSpec, status: &OwnedFd) -> Result<(), BootError> {
     if spec.core_sched {
         own_core_cookie()?;
     }
+    // The network namespace first: it belongs to the host's user namespace, whose
+    // privileges init gives up when it joins the sandbox's.
     let namespaces = match spec.netns_fd {
         Some(fd) => {
             // SAFETY: the node handed this fd to init for exactly this purpose; it is
@@ -81,6 +86,9 @@ pub fn boot(spec: &InitSpec, status: &OwnedFd) -> Result<(), BootError> {
         }
         None => NAMESPACES,
     };
+    if let Some(fd) = spec.userns_fd {
+        join_userns(fd)?;
+    }
     unshare(namespaces).map_err(BootError::Unshare)?;
     // SAFETY: the process is single-threaded here (init runs this before any thread or
     // runtime starts), so the child may run arbitrary code after fork.
@@ -102,6 +110,18 @@ pub fn boot(spec: &InitSpec, status: &OwnedFd) -> Result<(), BootError> {
         // SAFETY: closing an fd the node handed to us for this purpose only.
         unsafe { libc::close(fd) };
     }
+    if spec.userns_fd.is_some() {
+        // Likewise the idmapped layer trees (fds FIRST_LAYER_FD and up).
+        // SAFETY: close_range on fds handed to us for the mounts, now held by them.
+        unsafe {
+            libc::syscall(
+                libc::SYS_close_range,
+                dsec_wire::init::FIRST_LAYER_FD,
+                libc::c_uint::MAX,
+                0,
+            )
+        };
+    }
     nix::unistd::sethostname(&spec.sandbox_id).map_err(BootError::Hostname)?;
     if spec.netns_fd.is_none() {
         // A prepared namespace has loopback up already (and every link change takes
@@ -109,6 +129,27 @@ pub fn boot(spec: &InitSpec, status: &OwnedFd) -> Result<(), BootError> {
         net::loopback_up().map_err(BootError::Net)?;
     }
     harden::apply()?;
+    Ok(())
+}
+
+/// Joins the sandbox's user namespace and becomes its root (uid and gid 0 inside, the
+/// start of the node's range outside), with no supplementary groups left from the host.
+/// The namespaces made afterwards belong to it, so init keeps full capabilities over
+/// them while holding none over the host.
+fn join_userns(fd: i32) -> Result<(), BootError> {
+    // SAFETY: the node handed this fd to init for exactly this purpose; owned here.
+    let ns = unsafe { OwnedFd::from_raw_fd(fd) };
+    setns(&ns, CloneFlags::CLONE_NEWUSER).map_err(BootError::JoinUserns)?;
+    drop(ns);
+    // SAFETY: setgroups/setresgid/setresuid with constant arguments.
+    unsafe {
+        if libc::setgroups(0, std::ptr::null()) != 0
+            || libc::setresgid(0, 0, 0) != 0
+            || libc::setresuid(0, 0, 0) != 0
+        {
+            return Err(BootError::JoinUserns(nix::Error::last()));
+        }
+    }
     Ok(())
 }
 

@@ -94,12 +94,42 @@ pub fn build(spec: &InitSpec) -> Result<(), RootfsError> {
     )
     .map_err(err("make-rprivate", Path::new("/")))?;
 
-    let opts = format!(
-        "lowerdir={},upperdir={},workdir={}",
-        spec.lower_dirs.join(":"),
-        spec.upper_dir,
-        spec.work_dir
+    let (mut lower, mut upper, mut work) = (
+        spec.lower_dirs.clone(),
+        spec.upper_dir.clone(),
+        spec.work_dir.clone(),
     );
+    let mut root = root;
+    if spec.userns_fd.is_some() {
+        // overlayfs in a user namespace clones its layers privately, which it may only
+        // do for mounts of the mounter's own mount namespace: attach the idmapped trees
+        // the node handed over (`/proc/self/fd/N`) in a staging tmpfs first, and mount
+        // the root one level down. The staging mounts go with the old root at the pivot.
+        mount(
+            Some("tmpfs"),
+            &root,
+            Some("tmpfs"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            Some("size=64k,mode=0700"),
+        )
+        .map_err(err("mount staging tmpfs", &root))?;
+        for p in lower.iter_mut().chain([&mut upper, &mut work]) {
+            *p = attach_fd_path(&root, p)?;
+        }
+        root = root.join("root");
+        fs::create_dir(&root).map_err(io_err("mkdir", &root))?;
+    }
+    let mut opts = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        lower.join(":"),
+        upper,
+        work
+    );
+    if spec.userns_fd.is_some() {
+        // In a user namespace overlayfs cannot use trusted.* xattrs: its own metadata
+        // (opaque directories, ...) is user.overlay.*, which layers carry too.
+        opts.push_str(",userxattr");
+    }
     // nodev: device nodes shipped in an image or created in the upper are inert; the
     // sandbox's devices live on the separate /dev tmpfs below.
     mount(
@@ -115,8 +145,17 @@ pub fn build(spec: &InitSpec) -> Result<(), RootfsError> {
     mount_dev(&root)?;
     let sys = ensure_dir(&root, "sys")?;
     let ro = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
-    mount(Some("sysfs"), &sys, Some("sysfs"), ro, None::<&str>)
-        .map_err(err("mount sysfs", &sys))?;
+    match mount(Some("sysfs"), &sys, Some("sysfs"), ro, None::<&str>) {
+        Ok(()) => {}
+        // sysfs needs the network namespace to belong to the mounter's user namespace;
+        // a user-namespaced sandbox in a node-prepared network namespace gets an empty,
+        // read-only /sys instead of a view of the host's.
+        Err(nix::Error::EPERM) if spec.userns_fd.is_some() => {
+            mount(Some("tmpfs"), &sys, Some("tmpfs"), ro, Some("size=0"))
+                .map_err(err("mount /sys tmpfs", &sys))?
+        }
+        Err(e) => return Err(err("mount sysfs", &sys)(e)),
+    }
     let tmp = ensure_dir(&root, "tmp")?;
     let _ = fs::set_permissions(&tmp, fs::Permissions::from_mode(0o1777));
 
@@ -141,6 +180,45 @@ fn write_resolv_conf(conf: &str) -> Result<(), RootfsError> {
         Err(e) => return Err(io_err("remove", p)(e)),
     }
     fs::write(p, conf).map_err(io_err("write", p))
+}
+
+/// For a path `/proc/self/fd/N[/rest]`, attaches the detached mount of fd N at
+/// `staging/fdN` (once) and returns `staging/fdN[/rest]`; other paths are returned as
+/// they are.
+fn attach_fd_path(staging: &Path, path: &str) -> Result<String, RootfsError> {
+    let Some(tail) = path.strip_prefix("/proc/self/fd/") else {
+        return Ok(path.to_string());
+    };
+    let (num, rest) = tail.split_once('/').unwrap_or((tail, ""));
+    let Ok(fd) = num.parse::<i32>() else {
+        return Ok(path.to_string());
+    };
+    let at = staging.join(format!("fd{fd}"));
+    if !at.exists() {
+        fs::create_dir(&at).map_err(io_err("mkdir", &at))?;
+        let c = std::ffi::CString::new(at.as_os_str().as_encoded_bytes())
+            .map_err(|_| io_err("attach", &at)(std::io::ErrorKind::InvalidInput.into()))?;
+        const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
+        // SAFETY: move_mount of the detached tree held by fd onto a directory we made.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_move_mount,
+                fd,
+                c"".as_ptr(),
+                libc::AT_FDCWD,
+                c.as_ptr(),
+                MOVE_MOUNT_F_EMPTY_PATH,
+            )
+        };
+        if rc != 0 {
+            return Err(io_err("attach layer", &at)(std::io::Error::last_os_error()));
+        }
+    }
+    Ok(if rest.is_empty() {
+        at.display().to_string()
+    } else {
+        at.join(rest).display().to_string()
+    })
 }
 
 fn ensure_dir(root: &Path, rel: &str) -> Result<PathBuf, RootfsError> {
@@ -180,15 +258,33 @@ fn mount_dev(root: &Path) -> Result<(), RootfsError> {
     .map_err(err("mount /dev tmpfs", &dev))?;
     for (name, major, minor) in DEVICES {
         let p = dev.join(name);
-        mknod(
+        match mknod(
             &p,
             SFlag::S_IFCHR,
             Mode::from_bits_truncate(0o666),
             makedev(*major, *minor),
-        )
-        .map_err(err("mknod", &p))?;
-        // mknod honours the umask; devices must be world-usable.
-        fs::set_permissions(&p, fs::Permissions::from_mode(0o666)).map_err(io_err("chmod", &p))?;
+        ) {
+            Ok(()) => {
+                // mknod honours the umask; devices must be world-usable.
+                fs::set_permissions(&p, fs::Permissions::from_mode(0o666))
+                    .map_err(io_err("chmod", &p))?;
+            }
+            // A user namespace may not make device nodes: bind the host's instead (the
+            // host's /dev is still reachable until the pivot).
+            Err(nix::Error::EPERM) => {
+                fs::write(&p, b"").map_err(io_err("create", &p))?;
+                let host = Path::new("/dev").join(name);
+                mount(
+                    Some(&host),
+                    &p,
+                    None::<&str>,
+                    MsFlags::MS_BIND,
+                    None::<&str>,
+                )
+                .map_err(err("bind device", &p))?;
+            }
+            Err(e) => return Err(err("mknod", &p)(e)),
+        }
     }
     let pts = dev.join("pts");
     fs::create_dir(&pts).map_err(io_err("mkdir", &pts))?;

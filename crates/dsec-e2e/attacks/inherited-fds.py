@@ -17,7 +17,11 @@ else:
 
 state_dir = os.environ["HOST_STATE_DIR"]
 leaks, held = [], 0
-for fd in os.listdir("/proc/1/fd"):
+try:
+    pid1_fds = os.listdir("/proc/1/fd")
+except PermissionError:
+    pid1_fds = []  # PID 1 is not dumpable: its fds are not even listable
+for fd in pid1_fds:
     try:
         target = os.readlink(f"/proc/1/fd/{fd}")
     except OSError:

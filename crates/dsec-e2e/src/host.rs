@@ -3,17 +3,33 @@
 
 use std::path::Path;
 
-/// Cgroup directories named after the sandbox, in any hierarchy (v1 and v2).
+/// Cgroup parents a node may use (`dsec`, and the `dsec*` ones tests pass with
+/// `--cgroup-parent`) under a hierarchy root.
+fn parents(root: &Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(root)
+        .map(|d| {
+            d.flatten()
+                .filter(|e| e.file_name().to_string_lossy().starts_with("dsec"))
+                .map(|e| e.path())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Cgroup directories named after the sandbox, in any hierarchy (v1 and v2), under any
+/// `dsec*` parent.
 pub fn cgroup_dirs(id: &str) -> Vec<String> {
     let mut out = Vec::new();
     let Ok(entries) = std::fs::read_dir("/sys/fs/cgroup") else {
         return out;
     };
-    for e in entries.flatten() {
-        for candidate in [
-            e.path().join("dsec").join(id),
-            Path::new("/sys/fs/cgroup/dsec").join(id),
-        ] {
+    let roots = entries
+        .flatten()
+        .map(|e| e.path())
+        .chain([Path::new("/sys/fs/cgroup").to_path_buf()]);
+    for root in roots {
+        for parent in parents(&root) {
+            let candidate = parent.join(id);
             if candidate.exists() {
                 out.push(candidate.display().to_string());
             }
@@ -45,7 +61,14 @@ pub fn processes(id: &str) -> Vec<i32> {
             continue;
         };
         if let Ok(cg) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) {
-            if cg.contains(&format!("/dsec/{id}")) {
+            // `/dsec/ID` or `/dsec-something/ID`, the id as a whole path component.
+            let hit = cg.lines().any(|l| {
+                l.rsplit(':').next().is_some_and(|path| {
+                    let mut parts = path.rsplit('/');
+                    parts.next() == Some(id) && parts.next().is_some_and(|p| p.starts_with("dsec"))
+                })
+            });
+            if hit {
                 out.push(pid);
             }
         }

@@ -48,9 +48,31 @@ async fn every_attack_is_contained_and_the_host_and_neighbour_are_untouched() {
     if !require_root() {
         return;
     }
-    let s = Server::start_with("attacks", true, &["--disk-pool", "4"])
-        .await
-        .expect("server");
+    run_suite("attacks", &["--cgroup-parent", "dsec-attacks"]).await;
+}
+
+/// The same suite with sandboxes in a user namespace (root inside is uid 400000 outside).
+#[tokio::test(flavor = "multi_thread")]
+async fn every_attack_is_contained_in_user_namespaces_too() {
+    if !require_root() {
+        return;
+    }
+    run_suite(
+        "attacks-userns",
+        &[
+            "--cgroup-parent",
+            "dsec-attacks-userns",
+            "--userns-base",
+            "400000",
+        ],
+    )
+    .await;
+}
+
+async fn run_suite(name: &str, args: &[&str]) {
+    let mut all = vec!["--disk-pool", "4"];
+    all.extend_from_slice(args);
+    let s = Server::start_with(name, true, &all).await.expect("server");
     s.ensure_base(None).await.expect("base image");
     let c = s.client();
     let node_pid = {
@@ -69,7 +91,7 @@ async fn every_attack_is_contained_and_the_host_and_neighbour_are_untouched() {
 
     // Something only the host has, and a neighbour with something only it has.
     let secret = format!("host-secret-{}", std::process::id() as u64 * 7919 + 12345);
-    let secret_file = std::env::temp_dir().join("dsec-e2e/attacks/host-secret.txt");
+    let secret_file = std::env::temp_dir().join(format!("dsec-e2e/{name}/host-secret.txt"));
     std::fs::write(&secret_file, &secret).expect("write host secret");
     let mark = format!("neighbour-mark-{}", std::process::id());
     let neighbour = c
@@ -215,7 +237,7 @@ async fn every_attack_is_contained_and_the_host_and_neighbour_are_untouched() {
             );
         }
     }
-    eprintln!("{report}");
+    eprintln!("{name}:\n{report}");
 
     // The neighbour: its process, its files, its agent.
     let r = c

@@ -51,6 +51,10 @@ const OPAQUE_XATTR: &[u8] = b"trusted.overlay.opaque";
 const PAX_XATTR_PREFIX: &[u8] = b"SCHILY.xattr.";
 /// Xattrs overlayfs interprets (opaque dirs, redirects, metacopy); never taken from an archive.
 const OVERLAY_XATTR_PREFIX: &[u8] = b"trusted.overlay.";
+/// The opaque marker of overlayfs mounted in a user namespace (`userxattr`).
+const USER_OPAQUE_XATTR: &[u8] = b"user.overlay.opaque";
+/// Overlayfs metadata in user-namespaced mounts: an archive may not plant it either.
+const USER_OVERLAY_XATTR_PREFIX: &[u8] = b"user.overlay.";
 
 /// Sniff gzip magic or the `ustar` magic at offset 257.
 pub(crate) fn sniff(path: &Path) -> Result<Option<ArchiveKind>, ImageError> {
@@ -481,7 +485,10 @@ impl Unpacker<'_> {
             );
         }
         for dir in &self.opaque_dirs {
+            // Both markers: overlayfs mounted by the host reads trusted.*, in a user
+            // namespace (userxattr) user.*.
             lsetxattr(dir, OPAQUE_XATTR, b"y")?;
+            lsetxattr(dir, USER_OPAQUE_XATTR, b"y")?;
         }
         let explicit: HashSet<&Path> = self.dir_times.iter().map(|(p, _)| p.as_path()).collect();
         // Directories of lower layers keep their times unless this layer lists them.
@@ -516,7 +523,7 @@ fn entry_xattrs<R: Read>(entry: &mut tar::Entry<'_, R>) -> Vec<(Vec<u8>, Vec<u8>
     exts.filter_map(Result::ok)
         .filter_map(|e| {
             let key = e.key_bytes().strip_prefix(PAX_XATTR_PREFIX)?;
-            (!key.starts_with(OVERLAY_XATTR_PREFIX))
+            (!key.starts_with(OVERLAY_XATTR_PREFIX) && !key.starts_with(USER_OVERLAY_XATTR_PREFIX))
                 .then(|| (key.to_vec(), e.value_bytes().to_vec()))
         })
         .collect()

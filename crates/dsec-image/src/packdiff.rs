@@ -18,6 +18,10 @@ use std::path::Path;
 use crate::ImageError;
 
 const OPAQUE_XATTR: &[u8] = b"trusted.overlay.opaque";
+/// The opaque marker overlayfs writes when mounted in a user namespace (`userxattr`).
+const USER_OPAQUE_XATTR: &[u8] = b"user.overlay.opaque";
+/// Overlayfs's own metadata in user-namespaced mounts: never copied into a layer.
+const USER_OVERLAY_PREFIX: &[u8] = b"user.overlay.";
 
 /// What one copy did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -211,8 +215,10 @@ fn xattrs(path: &Path) -> Vec<(Vec<u8>, Vec<u8>)> {
     names.truncate(n as usize);
     let mut out = Vec::new();
     for name in names.split(|&b| b == 0).filter(|n| !n.is_empty()) {
-        let keep =
-            name == OPAQUE_XATTR || name.starts_with(b"user.") || name.starts_with(b"security.");
+        let keep = name == OPAQUE_XATTR
+            || name == USER_OPAQUE_XATTR
+            || (name.starts_with(b"user.") && !name.starts_with(USER_OVERLAY_PREFIX))
+            || name.starts_with(b"security.");
         if !keep {
             continue;
         }
@@ -240,7 +246,7 @@ fn xattrs(path: &Path) -> Vec<(Vec<u8>, Vec<u8>)> {
 fn is_opaque(dir: &Path) -> bool {
     xattrs(dir)
         .iter()
-        .any(|(n, v)| n == OPAQUE_XATTR && v.as_slice() == b"y")
+        .any(|(n, v)| (n == OPAQUE_XATTR || n == USER_OPAQUE_XATTR) && v.as_slice() == b"y")
 }
 
 /// Owner, mode and xattrs of `src` onto `dest` (times come last, see [`set_times`]).
@@ -252,7 +258,18 @@ fn copy_meta(src: &Path, dest: &Path, meta: &fs::Metadata) -> Result<(), ImageEr
             .map_err(|e| ImageError::io("chmod", dest, e))?;
     }
     let c = cpath(dest)?;
-    for (name, value) in xattrs(src) {
+    let mut attrs = xattrs(src);
+    // An opaque directory carries both markers, so the layer reads the same to overlayfs
+    // mounted by the host (trusted.*) and in a user namespace (user.*).
+    if attrs
+        .iter()
+        .any(|(n, v)| (n == OPAQUE_XATTR || n == USER_OPAQUE_XATTR) && v.as_slice() == b"y")
+    {
+        attrs.retain(|(n, _)| n != OPAQUE_XATTR && n != USER_OPAQUE_XATTR);
+        attrs.push((OPAQUE_XATTR.to_vec(), b"y".to_vec()));
+        attrs.push((USER_OPAQUE_XATTR.to_vec(), b"y".to_vec()));
+    }
+    for (name, value) in attrs {
         let Ok(cname) = CString::new(name) else {
             continue;
         };

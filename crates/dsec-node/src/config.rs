@@ -30,6 +30,9 @@ pub struct NodeConfig {
     /// belongs to this node alone: on start, sandboxes under it that the node does not
     /// know are destroyed.
     pub cgroup_parent: String,
+    /// Run sandboxes in a user namespace mapping 0..size to host `base..base+size`
+    /// (`None`: sandboxes' root is the host's root, with fewer capabilities).
+    pub userns: Option<(u32, u32)>,
 }
 
 /// Size-limited sandbox disks (see `dsec-disk`).

@@ -12,7 +12,7 @@
 use std::fs;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::net::UnixListener;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -20,7 +20,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use dsec_cgroups::{Cgroup, CgroupRoot, Limits};
-use dsec_wire::init::{InitSpec, DISK_FD, LISTEN_FD, NETNS_FD, STATUS_FD};
+use dsec_wire::init::{
+    InitSpec, DISK_FD, FIRST_LAYER_FD, LISTEN_FD, NETNS_FD, STATUS_FD, USERNS_FD,
+};
 use dsec_wire::v1::{NetworkMode, NetworkPolicy, Qos};
 use nix::fcntl::OFlag;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
@@ -30,6 +32,8 @@ use crate::{NodeConfig, NodeCreateSpec, NodeError};
 
 /// Default parent of every sandbox cgroup (`dsec serve --cgroup-parent`).
 pub const CGROUP_PARENT: &str = "dsec";
+/// Most layers a sandbox may stack in user namespace mode (each is one fd handed to init).
+pub const MAX_USERNS_LAYERS: usize = 48;
 /// CPU weight (cgroup v2 units, default 100) of a latency-sensitive sandbox.
 pub const WEIGHT_LATENCY_SENSITIVE: u64 = 200;
 /// CPU weight of a best-effort sandbox (which also runs `SCHED_IDLE`).
@@ -49,6 +53,8 @@ pub struct ContainerBackend {
     open: std::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<Cgroup>>>,
     /// Sandbox networking, once a networked sandbox needed it.
     network: std::sync::Mutex<Option<std::sync::Arc<dsec_net::Network>>>,
+    /// The user namespace sandboxes run in, when the node maps root away.
+    userns: Option<crate::userns::UserNs>,
 }
 
 fn create_err(id: &str, reason: impl std::fmt::Display) -> NodeError {
@@ -62,6 +68,12 @@ impl ContainerBackend {
     /// A backend over the host's cgroup hierarchy. Starts the disk pool, first releasing
     /// pooled disks an earlier run left.
     pub fn new(cfg: NodeConfig, cgroups: CgroupRoot) -> Result<Self, NodeError> {
+        let userns = match cfg.userns {
+            Some((base, size)) => Some(crate::userns::UserNs::create(base, size).map_err(|e| {
+                NodeError::Unsupported(format!("user namespace {base}+{size}: {e}"))
+            })?),
+            None => None,
+        };
         let disks = match cfg.disk {
             Some(d) => Some(dsec_disk::Disks::open(dsec_disk::DiskConfig {
                 root: cfg.disks_dir(),
@@ -78,6 +90,7 @@ impl ContainerBackend {
             held_disks: Default::default(),
             open: Default::default(),
             network: Default::default(),
+            userns,
         })
     }
 
@@ -147,6 +160,14 @@ impl ContainerBackend {
         for d in [&dir, &run] {
             builder.create(d).map_err(NodeError::io("mkdir", d))?;
         }
+        if self.userns.is_some() {
+            // Init mounts the root at dir/rootfs as the namespace's root, an unprivileged
+            // host uid: it must be able to walk there (search only; nothing is listed).
+            for d in [dir.parent().unwrap_or(&dir), dir.as_path()] {
+                fs::set_permissions(d, fs::Permissions::from_mode(0o711))
+                    .map_err(NodeError::io("chmod", d))?;
+            }
+        }
         let mut disk_fd = None;
         let (upper, work, disk_mb) = match (&self.disks, spec.disk_mb) {
             (Some(disks), size) => {
@@ -184,6 +205,45 @@ impl ContainerBackend {
                 .create(p)
                 .map_err(NodeError::io("mkdir", p))?;
         }
+        // User namespace mode: init gets idmapped clones of the layers and of the mount
+        // holding upper and work, never the node's own views of them.
+        let mut lower_dirs: Vec<String> = layers
+            .layers
+            .iter()
+            .rev()
+            .map(|(_, mnt)| mnt.display().to_string())
+            .collect();
+        let (mut upper, mut work) = (upper, work);
+        let mut layer_fds: Vec<OwnedFd> = Vec::new();
+        let mut upper_clone: Option<OwnedFd> = None;
+        if let Some(ns) = &self.userns {
+            if layers.layers.len() > MAX_USERNS_LAYERS {
+                return Err(NodeError::Unsupported(format!(
+                    "{} layers: a user-namespaced sandbox stacks at most {MAX_USERNS_LAYERS}",
+                    layers.layers.len()
+                )));
+            }
+            let idmap = |e: std::io::Error| create_err(id, format!("idmapped mount: {e}"));
+            for (_, mnt) in &layers.layers {
+                layer_fds.push(ns.idmapped_clone(mnt).map_err(idmap)?);
+            }
+            lower_dirs = (0..layer_fds.len())
+                .rev()
+                .map(|i| format!("/proc/self/fd/{}", FIRST_LAYER_FD + i as i32))
+                .collect();
+            let held = self.disks_held();
+            let clone = match held.get(id).and_then(|d| d.mount_fd()) {
+                Some(fd) => ns.idmapped_clone_fd(fd),
+                None => ns.idmapped_clone(upper.parent().unwrap_or(&dir)),
+            };
+            drop(held);
+            let clone = clone.map_err(idmap)?;
+            disk_fd = Some(clone.as_raw_fd());
+            let inside = PathBuf::from(format!("/proc/self/fd/{DISK_FD}"));
+            upper = inside.join(upper.file_name().unwrap_or_default());
+            work = inside.join(work.file_name().unwrap_or_default());
+            upper_clone = Some(clone);
+        }
         let limits = Limits {
             cpu_millis: Some(spec.cpu_millis),
             memory_bytes: Some(spec.memory_bytes),
@@ -204,16 +264,12 @@ impl ContainerBackend {
         let init = InitSpec {
             sandbox_id: id.clone(),
             // overlayfs wants the topmost layer first.
-            lower_dirs: layers
-                .layers
-                .iter()
-                .rev()
-                .map(|(_, mnt)| mnt.display().to_string())
-                .collect(),
+            lower_dirs,
             upper_dir: upper.display().to_string(),
             work_dir: work.display().to_string(),
             disk_fd: disk_fd.map(|_| DISK_FD),
             netns_fd: lease.as_ref().map(|_| NETNS_FD),
+            userns_fd: self.userns.as_ref().map(|_| USERNS_FD),
             resolv_conf: lease
                 .as_ref()
                 .map(|l| format!("nameserver {}\noptions timeout:2 attempts:2\n", l.gateway)),
@@ -233,9 +289,13 @@ impl ContainerBackend {
             listen: listener.as_raw_fd(),
             disk: disk_fd,
             netns: lease.as_ref().map(|l| l.netns.as_raw_fd()),
+            userns: self.userns.as_ref().map(|ns| ns.fd().as_raw_fd()),
+            layers: layer_fds.iter().map(|f| f.as_raw_fd()).collect(),
         };
-        let (pid, start_time) = self.spawn_init(id, &init, fds, &dir)?;
+        let (pid, start_time) = self.spawn_init(id, &init, &fds, &dir)?;
         drop(listener);
+        drop(layer_fds);
+        drop(upper_clone);
         // Init holds the namespace now.
         let net = lease.map(|l| dsec_net::NetRecord {
             slot: l.slot,
@@ -266,19 +326,30 @@ impl ContainerBackend {
         &self,
         id: &str,
         init: &InitSpec,
-        fds: InitFds,
+        fds: &InitFds,
         dir: &Path,
     ) -> Result<(i32, u64), NodeError> {
         let (status_r, status_w): (OwnedFd, OwnedFd) = nix::unistd::pipe2(OFlag::O_CLOEXEC)
             .map_err(|e| create_err(id, format!("pipe: {e}")))?;
         let log_path = dir.join("agent.log");
         let log = fs::File::create(&log_path).map_err(NodeError::io("create", &log_path))?;
-        let InitFds {
-            listen: listen_fd,
-            disk: disk_fd,
-            netns: netns_fd,
-        } = fds;
-        let status_fd = status_w.as_raw_fd();
+        // (host fd, number in init), fixed before the fork: the child may not allocate.
+        let mut pairs: Vec<(RawFd, i32)> =
+            vec![(fds.listen, LISTEN_FD), (status_w.as_raw_fd(), STATUS_FD)];
+        pairs.extend(fds.disk.map(|f| (f, DISK_FD)));
+        pairs.extend(fds.netns.map(|f| (f, NETNS_FD)));
+        pairs.extend(fds.userns.map(|f| (f, USERNS_FD)));
+        pairs.extend(
+            fds.layers
+                .iter()
+                .enumerate()
+                .map(|(i, f)| (*f, FIRST_LAYER_FD + i as i32)),
+        );
+        const MAX_FDS: usize = 64;
+        if pairs.len() > MAX_FDS {
+            return Err(create_err(id, "too many descriptors for init"));
+        }
+        let above = pairs.iter().map(|(_, n)| *n).max().unwrap_or(STATUS_FD) + 1;
         let mut cmd = Command::new(&self.cfg.agent_bin);
         // argv[0] without the host path: /proc/1/cmdline is readable inside.
         cmd.arg0("dsec-agent")
@@ -286,27 +357,27 @@ impl ContainerBackend {
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::from(log));
-        // SAFETY: the closure only calls async-signal-safe functions (fcntl, dup2, setsid).
+        // SAFETY: the closure only calls async-signal-safe functions (fcntl, dup2,
+        // close_range, setsid) and touches no allocation.
         unsafe {
             cmd.pre_exec(move || {
-                // Move all fds out of the way first so no dup2 clobbers another.
-                let l = libc::fcntl(listen_fd, libc::F_DUPFD_CLOEXEC, 10);
-                let s = libc::fcntl(status_fd, libc::F_DUPFD_CLOEXEC, 10);
-                let d = disk_fd.map(|d| libc::fcntl(d, libc::F_DUPFD_CLOEXEC, 10));
-                let n = netns_fd.map(|n| libc::fcntl(n, libc::F_DUPFD_CLOEXEC, 10));
-                if l < 0 || s < 0 || d.is_some_and(|d| d < 0) || n.is_some_and(|n| n < 0) {
-                    return Err(std::io::Error::last_os_error());
+                // Copy every fd above all target numbers first, so no dup2 clobbers a
+                // source still to be moved.
+                let mut copies = [0i32; MAX_FDS];
+                for (i, (src, _)) in pairs.iter().enumerate() {
+                    copies[i] = libc::fcntl(*src, libc::F_DUPFD_CLOEXEC, above);
+                    if copies[i] < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
                 }
-                if libc::dup2(l, LISTEN_FD) < 0
-                    || libc::dup2(s, STATUS_FD) < 0
-                    || d.is_some_and(|d| libc::dup2(d, DISK_FD) < 0)
-                    || n.is_some_and(|n| libc::dup2(n, NETNS_FD) < 0)
-                {
-                    return Err(std::io::Error::last_os_error());
+                for (i, (_, target)) in pairs.iter().enumerate() {
+                    if libc::dup2(copies[i], *target) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
                 }
                 // Nothing else crosses into the sandbox: not even descriptors the node
                 // itself inherited without close-on-exec from whoever started it.
-                if libc::syscall(libc::SYS_close_range, NETNS_FD + 1, libc::c_uint::MAX, 0) != 0 {
+                if libc::syscall(libc::SYS_close_range, above, libc::c_uint::MAX, 0) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
                 // A sandbox must not share the node's session: a terminal's ^C to
@@ -394,14 +465,18 @@ fn write_record(dir: &Path, rec: &RuntimeRecord) -> Result<(), NodeError> {
 }
 
 /// Host fds init inherits, at fixed numbers.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct InitFds {
     /// The agent's listening socket.
     listen: RawFd,
-    /// The detached disk mount, if any.
+    /// The mount holding upper and work, when detached or idmapped.
     disk: Option<RawFd>,
     /// The prepared network namespace, if any.
     netns: Option<RawFd>,
+    /// The user namespace, if any.
+    userns: Option<RawFd>,
+    /// Idmapped layer mounts, bottom first (user namespace mode).
+    layers: Vec<RawFd>,
 }
 
 /// Reads the status pipe until EOF or the deadline.

@@ -21,6 +21,7 @@ pub mod container;
 pub mod error;
 pub mod local;
 pub mod swap;
+pub mod userns;
 
 use std::collections::BTreeMap;
 

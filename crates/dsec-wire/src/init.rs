@@ -18,6 +18,11 @@ pub const STATUS_FD: i32 = 4;
 pub const DISK_FD: i32 = 5;
 /// File descriptor number of a prepared network namespace, when the sandbox has one.
 pub const NETNS_FD: i32 = 6;
+/// File descriptor number of the user namespace the sandbox joins, when it has one.
+pub const USERNS_FD: i32 = 7;
+/// First file descriptor number of the layer mounts handed to init (user namespace mode:
+/// idmapped clones of the layers, one fd each, bottom first from this number on).
+pub const FIRST_LAYER_FD: i32 = 8;
 
 /// Everything init needs to build the sandbox around itself.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -40,6 +45,11 @@ pub struct InitSpec {
     /// [`NETNS_FD`], instead of making one with only loopback. Init closes it after joining.
     #[serde(default)]
     pub netns_fd: Option<i32>,
+    /// Set when the sandbox runs in a user namespace, passed as fd [`USERNS_FD`]: init
+    /// joins it (becoming its root) before making the other namespaces, and the layers,
+    /// upper and work directories are idmapped mounts for it.
+    #[serde(default)]
+    pub userns_fd: Option<i32>,
     /// Contents for `/etc/resolv.conf` (networked sandboxes: the node's resolver).
     #[serde(default)]
     pub resolv_conf: Option<String>,
