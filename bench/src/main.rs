@@ -507,6 +507,8 @@ fn main() -> anyhow::Result<()> {
         if want("network") {
             let net = network::tti_by_mode(&server, n).await?;
             print_table("time to interactive by network mode (create -> exec true)", &net, "network none");
+            let ns = network::tti_by_userns(&server, n).await?;
+            print_table("time to interactive with and without the user namespace", &ns, "no user namespace");
         }
         let mut conc = Vec::new();
         for workers in [1usize, 8, 32].into_iter().filter(|_| want("concurrency")) {

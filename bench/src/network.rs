@@ -61,3 +61,46 @@ pub async fn tti_by_mode(server: &Server, n: usize) -> anyhow::Result<Vec<Stats>
         })
         .collect())
 }
+
+/// Time to interactive with sandboxes in the node's user namespace (the default) and
+/// without it (`--no-userns`, a second node in the same run), interleaved.
+pub async fn tti_by_userns(server: &Server, n: usize) -> anyhow::Result<Vec<Stats>> {
+    let plain = Server::start_with(
+        "bench-no-userns",
+        false,
+        &["--no-userns", "--cgroup-parent", "dsec-bench-no-userns"],
+    )
+    .await?;
+    plain.ensure_base(Some(server)).await?;
+    plain.delete_all().await;
+    let clients = [server.client(), plain.client()];
+    let mut samples: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    for i in 0..n + 2 {
+        for (k, c) in clients.iter().enumerate() {
+            let t = Instant::now();
+            let sb = c.create_sandbox(CreateSandboxRequest::default()).await?;
+            let r = c.exec(&sb.id, argv_true()).await?;
+            let ms = t.elapsed().as_secs_f64() * 1000.0;
+            if r.exit.exit_code != Some(0) {
+                bail!("exec true failed: {r:?}");
+            }
+            c.delete_sandbox(&sb.id).await?;
+            if i >= 2 {
+                samples[k].push(ms);
+            }
+        }
+    }
+    let [userns, no_userns] = samples;
+    Ok(vec![
+        Stats {
+            name: "no user namespace".into(),
+            samples: no_userns,
+            note: Some("dsec serve --no-userns".into()),
+        },
+        Stats {
+            name: "user namespace".into(),
+            samples: userns,
+            note: Some("default: idmapped layers and disk".into()),
+        },
+    ])
+}
