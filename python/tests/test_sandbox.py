@@ -229,6 +229,10 @@ def test_network_policy_create_and_replace(client: dsec.Client) -> None:
         info = sb.set_network("open")
         assert info.network.mode == "open" and info.network.allow == []
         assert sb.refresh().network.mode == "open"
+    with dsec.Sandbox.create(client, writable=["/tmp"]) as ro:
+        assert ro.info.filesystem == {"writable": ["/tmp"]}
+        r = ro.exec("(echo x > /etc/x) 2>/dev/null || echo denied; echo y > /tmp/y && echo ok")
+        assert r.stdout == "denied\nok\n"
     with dsec.Sandbox.create(client) as plain:
         assert plain.info.network.mode == "none" and plain.info.ip is None
         with pytest.raises(dsec.BadRequest):

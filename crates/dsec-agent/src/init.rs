@@ -47,11 +47,23 @@ pub fn init() -> Result<(), Box<dyn std::error::Error>> {
     if let Ok(null) = std::fs::File::open("/dev/null") {
         let _ = nix::unistd::dup2(std::os::fd::AsRawFd::as_raw_fd(&null), 0);
     }
+    let landlock = if spec.writable_paths.is_empty() {
+        None
+    } else {
+        match dsec_container::landlock::writable_ruleset(&spec.writable_paths) {
+            Ok(r) => Some(std::sync::Arc::new(r)),
+            Err(e) => {
+                report(&status, &format!("error filesystem.writable: {e}"));
+                return Err(e.into());
+            }
+        }
+    };
     let cfg = AgentConfig {
         root: "/".into(),
         default_env: spec.env.clone(),
         default_cwd: spec.workdir.clone(),
         is_init: true,
+        landlock,
     };
     report(&status, "ready");
     drop(status);

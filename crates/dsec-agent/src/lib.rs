@@ -49,6 +49,8 @@ pub struct AgentConfig {
     pub default_cwd: String,
     /// True when the agent is PID 1 of the sandbox and must reap orphans.
     pub is_init: bool,
+    /// Landlock ruleset every command is confined by (the sandbox's writable paths).
+    pub landlock: Option<std::sync::Arc<std::os::fd::OwnedFd>>,
 }
 
 impl Default for AgentConfig {
@@ -62,6 +64,7 @@ impl Default for AgentConfig {
             default_env,
             default_cwd: "/".to_string(),
             is_init: false,
+            landlock: None,
         }
     }
 }

@@ -76,7 +76,8 @@ pub fn spawn(cfg: &AgentConfig, spec: SpawnSpec<'_>) -> Result<Child, ApiError> 
     }
     let ctty = spec.ctty;
     let fd3 = spec.fd3;
-    if !ctty && fd3.is_none() {
+    let landlock = cfg.landlock.as_ref().map(|r| r.as_raw_fd());
+    if !ctty && fd3.is_none() && landlock.is_none() {
         // The common case (exec, background processes without a PTY): a new process group
         // is all the tree-kill needs, and without a pre_exec hook std can use
         // posix_spawn (vfork semantics) instead of fork, which is most of an exec's cost.
@@ -86,7 +87,14 @@ pub fn spawn(cfg: &AgentConfig, spec: SpawnSpec<'_>) -> Result<Child, ApiError> 
         // SAFETY: the closure only makes async-signal-safe syscalls (see sys::child_setup)
         // and captures plain integers.
         unsafe {
-            cmd.pre_exec(move || sys::child_setup(ctty, fd3));
+            cmd.pre_exec(move || {
+                sys::child_setup(ctty, fd3)?;
+                match landlock {
+                    // SAFETY: the fd is the sandbox's Landlock ruleset.
+                    Some(fd) => dsec_container::landlock::restrict_self(fd),
+                    None => Ok(()),
+                }
+            });
         }
     }
     cmd.spawn().map_err(|err| spawn_error(&err, program, &cwd))
@@ -121,6 +129,54 @@ pub struct Piped {
     pub stdout: OwnedFd,
     /// Read end of its stderr.
     pub stderr: OwnedFd,
+}
+
+/// [`spawn_piped`] for a sandbox with file rules: fork, confine the child with the
+/// Landlock ruleset, exec (posix_spawn has no place for that step).
+fn spawn_piped_confined(
+    cfg: &AgentConfig,
+    argv: &[String],
+    env: &BTreeMap<String, String>,
+    cwd: Option<&str>,
+    stdin_piped: bool,
+    ruleset: RawFd,
+) -> Result<Piped, ApiError> {
+    let program = argv.first().map(String::as_str).unwrap_or_default();
+    let cwd = resolve_cwd(cfg, cwd);
+    let mut cmd = Command::new(program);
+    cmd.args(&argv[1..])
+        .env_clear()
+        .envs(&cfg.default_env)
+        .envs(env)
+        .current_dir(&cwd)
+        .stdin(if stdin_piped {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    if !cfg.default_env.contains_key("PATH") && !env.contains_key("PATH") {
+        cmd.env("PATH", crate::DEFAULT_PATH);
+    }
+    // SAFETY: landlock_restrict_self is one async-signal-safe syscall on an integer.
+    unsafe {
+        cmd.pre_exec(move || dsec_container::landlock::restrict_self(ruleset));
+    }
+    let mut child = cmd
+        .spawn()
+        .map_err(|err| spawn_error(&err, program, &cwd))?;
+    let missing = || io_err(&io::Error::other("pipe missing"), "spawn", program);
+    let stdout = child.stdout.take().map(OwnedFd::from).ok_or_else(missing)?;
+    let stderr = child.stderr.take().map(OwnedFd::from).ok_or_else(missing)?;
+    // The agent reaps its children itself (waitpid(-1)); the handle is not waited on.
+    Ok(Piped {
+        pid: child.id(),
+        stdin: child.stdin.take().map(OwnedFd::from),
+        stdout,
+        stderr,
+    })
 }
 
 fn pipe_cloexec() -> io::Result<(OwnedFd, OwnedFd)> {
@@ -170,6 +226,9 @@ pub fn spawn_piped(
     let Some(program) = argv.first().filter(|p| !p.is_empty()) else {
         return Err(bad_request("empty command"));
     };
+    if let Some(ruleset) = &cfg.landlock {
+        return spawn_piped_confined(cfg, argv, env, cwd, stdin_piped, ruleset.as_raw_fd());
+    }
     let cwd = resolve_cwd(cfg, cwd);
     let mut full_env: BTreeMap<&str, &str> = cfg
         .default_env

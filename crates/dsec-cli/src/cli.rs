@@ -330,6 +330,9 @@ pub struct CreateArgs {
     /// IP or CIDR, each with an optional :PORT.
     #[arg(long = "allow", value_name = "DEST")]
     pub allow: Vec<String>,
+    /// Commands may write only beneath this path (repeatable; Landlock).
+    #[arg(long = "writable", value_name = "PATH")]
+    pub writable: Vec<String>,
     /// Lifetime (e.g. 3600, 90m, 1h; server default: 1h).
     #[arg(long, value_parser = parse_duration)]
     pub timeout: Option<Duration>,

@@ -151,6 +151,9 @@ async fn create(client: &Client, a: CreateArgs, json: bool) -> anyhow::Result<()
         files,
         workdir: a.workdir,
         network: a.network.policy(a.allow),
+        filesystem: dsec_wire::v1::FilesystemPolicy {
+            writable: a.writable,
+        },
         ..Default::default()
     };
     let sb = client.create_sandbox(req).await?;

@@ -12,6 +12,7 @@
 
 pub mod boot;
 pub mod harden;
+pub mod landlock;
 pub mod net;
 pub mod rootfs;
 

@@ -754,6 +754,7 @@ impl SandboxApi for ControlPlane {
             committed_layers: Vec::new(),
             network: req.network.clone(),
             ip: None,
+            filesystem: req.filesystem.clone(),
         };
         // A retried create finds its first attempt (the check and the insert under one
         // lock, so concurrent retries cannot both create).
@@ -805,6 +806,7 @@ impl SandboxApi for ControlPlane {
             env,
             workdir,
             network: req.network.clone(),
+            writable_paths: req.filesystem.writable.clone(),
         };
         let created = match self.node.create(spec).await {
             Ok(c) => c,

@@ -71,8 +71,24 @@ pub fn network(p: &NetworkPolicy) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Most writable paths one file policy may name.
+pub const MAX_WRITABLE_PATHS: usize = 64;
+
 pub fn create(req: &CreateSandboxRequest) -> Result<(), ApiError> {
     network(&req.network)?;
+    if req.filesystem.writable.len() > MAX_WRITABLE_PATHS {
+        return Err(bad(format!(
+            "filesystem.writable: at most {MAX_WRITABLE_PATHS} paths"
+        )));
+    }
+    for p in &req.filesystem.writable {
+        if !p.starts_with('/') || p.contains('\0') || p.split('/').any(|c| c == "..") {
+            return Err(ApiError::new(
+                ErrorCode::InvalidPath,
+                format!("filesystem.writable: {p:?} must be an absolute path without '..'"),
+            ));
+        }
+    }
     if let Some(cpu) = req.resources.cpu {
         if !cpu.is_finite() || cpu <= 0.0 || cpu > MAX_CPU {
             return Err(bad(format!(

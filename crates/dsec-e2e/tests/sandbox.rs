@@ -1606,3 +1606,83 @@ async fn image_build_makes_a_layer_per_step_and_rebuilds_only_what_changed() {
         c.delete_image(name).await.expect("delete image");
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn commands_write_only_beneath_the_writable_paths_while_the_api_writes_anywhere() {
+    if !require_root() {
+        return;
+    }
+    let c = server().client();
+    let sb = create(
+        &c,
+        CreateSandboxRequest {
+            filesystem: FilesystemPolicy {
+                writable: vec!["/tmp".into(), "/root".into()],
+            },
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(sb.filesystem.writable, vec!["/tmp", "/root"]);
+    let r = run(
+        &c,
+        &sb.id,
+        "echo a > /tmp/a && echo tmp-ok; echo b > /etc/b 2>/dev/null || echo etc-denied; \
+         rm /etc/hostname 2>/dev/null || echo rm-denied; mkdir /opt/x 2>/dev/null || echo mkdir-denied; \
+         echo x > /dev/null && echo devnull-ok; cat /etc/os-release | head -1 | cut -c1-5",
+    )
+    .await;
+    assert_eq!(
+        r.stdout,
+        "tmp-ok\netc-denied\nrm-denied\nmkdir-denied\ndevnull-ok\nPRETT\n"
+    );
+    // Sessions and background processes are confined too.
+    let sess = c
+        .create_session(&sb.id, CreateSessionRequest::default())
+        .await
+        .expect("session");
+    let out = c
+        .run_in_session(
+            &sb.id,
+            &sess.session,
+            SessionRunRequest {
+                command: "(echo c > /etc/c) 2>/dev/null || echo session-denied".into(),
+                timeout_s: None,
+            },
+        )
+        .await
+        .expect("session run");
+    assert_eq!(out.output, "session-denied\n");
+    // The platform is not: the files API writes where commands may not, and commands
+    // read what it wrote.
+    c.write_file(&sb.id, "/etc/from-api", None, b"api".to_vec())
+        .await
+        .expect("api write");
+    assert_eq!(run(&c, &sb.id, "cat /etc/from-api").await.stdout, "api");
+    c.delete_sandbox(&sb.id).await.expect("delete");
+
+    // Bad rules fail the create clearly and leave nothing.
+    let err = c
+        .create_sandbox(CreateSandboxRequest {
+            filesystem: FilesystemPolicy {
+                writable: vec!["tmp".into()],
+            },
+            ..Default::default()
+        })
+        .await
+        .expect_err("relative path");
+    assert_eq!(code(err), ErrorCode::InvalidPath);
+    let err = c
+        .create_sandbox(CreateSandboxRequest {
+            filesystem: FilesystemPolicy {
+                writable: vec!["/does/not/exist".into()],
+            },
+            ..Default::default()
+        })
+        .await
+        .expect_err("missing path");
+    assert!(
+        err.to_string().contains("/does/not/exist"),
+        "error names the path: {err}"
+    );
+}

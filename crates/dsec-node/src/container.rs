@@ -270,6 +270,7 @@ impl ContainerBackend {
             disk_fd: disk_fd.map(|_| DISK_FD),
             netns_fd: lease.as_ref().map(|_| NETNS_FD),
             userns_fd: self.userns.as_ref().map(|_| USERNS_FD),
+            writable_paths: spec.writable_paths.clone(),
             resolv_conf: lease
                 .as_ref()
                 .map(|l| format!("nameserver {}\noptions timeout:2 attempts:2\n", l.gateway)),

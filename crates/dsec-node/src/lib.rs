@@ -57,6 +57,8 @@ pub struct NodeCreateSpec {
     pub workdir: String,
     /// Network policy.
     pub network: dsec_wire::v1::NetworkPolicy,
+    /// Commands may write only beneath these paths, when not empty.
+    pub writable_paths: Vec<String>,
 }
 
 /// A sandbox as the node knows it.

@@ -50,6 +50,9 @@ pub struct InitSpec {
     /// upper and work directories are idmapped mounts for it.
     #[serde(default)]
     pub userns_fd: Option<i32>,
+    /// Commands may write only beneath these paths (Landlock), when not empty.
+    #[serde(default)]
+    pub writable_paths: Vec<String>,
     /// Contents for `/etc/resolv.conf` (networked sandboxes: the node's resolver).
     #[serde(default)]
     pub resolv_conf: Option<String>,

@@ -44,6 +44,17 @@ pub enum NetworkMode {
     Open,
 }
 
+/// File rules for the commands a sandbox runs (Landlock). The files API is not bound by
+/// them: the platform can always place and fetch files.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FilesystemPolicy {
+    /// When not empty, commands may create, change or delete files only beneath these
+    /// absolute paths (which must exist at create) and write to devices in `/dev`;
+    /// everything else is read-only to them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub writable: Vec<String>,
+}
+
 /// A sandbox's network: its mode and, for `allowlist`, what it may reach.
 ///
 /// On the wire either a bare mode (`"none"`) or `{"mode": "allowlist", "allow": [...]}`.
@@ -268,6 +279,9 @@ pub struct CreateSandboxRequest {
     /// Network; default `none` (loopback only).
     #[serde(default)]
     pub network: NetworkPolicy,
+    /// File rules for the commands it runs; default none.
+    #[serde(default)]
+    pub filesystem: FilesystemPolicy,
     /// Default working directory for commands; default `/`.
     #[serde(default)]
     pub workdir: Option<String>,
@@ -381,6 +395,9 @@ pub struct Sandbox {
     /// Its IPv4 address, when its mode is not `none`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ip: Option<String>,
+    /// Its file rules.
+    #[serde(default)]
+    pub filesystem: FilesystemPolicy,
 }
 
 /// One step of an image build.

@@ -98,6 +98,8 @@ class SandboxInfo(_Response):
     network: Network = Field(default_factory=Network)
     ip: Optional[str] = None
     """Its IPv4 address, when networked."""
+    filesystem: Dict[str, Any] = Field(default_factory=dict)
+    """Its file rules (``{"writable": [...]}``)."""
 
 
 class PauseResult(_Response):

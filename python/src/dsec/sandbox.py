@@ -54,6 +54,7 @@ def create_body(
     qos: Optional[str],
     auto_resume: bool,
     network: Any = None,
+    writable: Optional[Sequence[str]] = None,
 ) -> Dict[str, Any]:
     """The ``POST /v1/sandboxes`` body for :meth:`Sandbox.create` (and its async twin)."""
     body: Dict[str, Any] = {"auto_resume": auto_resume}
@@ -81,6 +82,8 @@ def create_body(
         body["qos"] = qos
     if network is not None:
         body["network"] = network_body(network)
+    if writable:
+        body["filesystem"] = {"writable": [str(p) for p in writable]}
     return body
 
 
@@ -128,6 +131,7 @@ class Sandbox:
         *,
         idle_timeout: Optional[int] = None,
         network: Union[str, Sequence[str], Mapping[str, Any], Network, None] = None,
+        writable: Optional[Sequence[str]] = None,
     ) -> "Sandbox":
         """Creates a sandbox and returns when it is ready.
 
@@ -147,6 +151,8 @@ class Sandbox:
             network: ``"none"`` (default: loopback only), ``"open"``, or the allowed
                 destinations of an allowlist, e.g. ``["pypi.org:443", "*.pythonhosted.org"]``
                 (names, ``*.suffix``, IPs or CIDRs, each with an optional ``:port``).
+            writable: Commands may write only beneath these absolute paths (Landlock);
+                the files API is not bound by it.
 
         Connection errors and ``capacity`` answers are retried with exponential backoff
         (``Client.create_retries`` times, default 5); other errors are raised at once.
@@ -155,7 +161,7 @@ class Sandbox:
         body = create_body(
             image=image, layers=layers, resources=resources, timeout=timeout,
             idle_timeout=idle_timeout, labels=labels, job=job, env=env, workdir=workdir,
-            qos=qos, auto_resume=auto_resume, network=network,
+            qos=qos, auto_resume=auto_resume, network=network, writable=writable,
         )
         return cls(client, client.create_sandbox(body))
 
