@@ -18,8 +18,10 @@ use clap::Parser;
 use dsec_e2e::{sh, Server};
 use dsec_wire::v1::{CreateSandboxRequest, ExecRequest};
 
+mod churn;
 mod lifecycle;
 mod network;
+mod peers;
 
 /// Command line.
 #[derive(Debug, Parser)]
@@ -31,7 +33,7 @@ struct Args {
     /// Iterations per measurement (default 40, quick 10).
     #[arg(long)]
     iterations: Option<usize>,
-    /// Write the results as JSON here.
+    /// Write every table as JSON here (default: target/dsec-bench/results.json).
     #[arg(long)]
     json: Option<PathBuf>,
     /// Run only these sections (comma-separated): runtimes, network, concurrency, cpu,
@@ -414,6 +416,16 @@ async fn concurrent_tti(server: &Server, workers: usize, total: usize) -> (Vec<f
 }
 
 fn print_concurrency(rows: &[(usize, Stats, usize, f64)]) {
+    record(
+        "time to interactive under concurrency",
+        rows.iter()
+            .map(|(c, st, failures, secs)| {
+                serde_json::json!({"concurrency": c, "ok": st.samples.len(), "failed": failures,
+                    "p50_ms": st.pct(50.0), "p99_ms": st.pct(99.0), "max_ms": st.pct(100.0),
+                    "cycles_per_s": st.samples.len() as f64 / secs})
+            })
+            .collect(),
+    );
     println!("\n## time to interactive under concurrency (create -> exec true -> delete loops)\n");
     println!("| concurrency | sandboxes | ok | p50 ms | p99 ms | max ms | cycles/s |");
     println!("|---|---|---|---|---|---|---|");
@@ -431,7 +443,35 @@ fn print_concurrency(rows: &[(usize, Stats, usize, f64)]) {
     }
 }
 
+/// Every table printed, for the JSON report.
+static REPORT: std::sync::Mutex<Vec<serde_json::Value>> = std::sync::Mutex::new(Vec::new());
+
+fn record(title: &str, rows: serde_json::Value) {
+    REPORT
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(serde_json::json!({"table": title, "rows": rows}));
+}
+
+fn stats_json(rows: &[Stats]) -> serde_json::Value {
+    rows.iter()
+        .map(|r| {
+            let v = |p: f64| {
+                if r.samples.is_empty() {
+                    None
+                } else {
+                    Some(r.pct(p))
+                }
+            };
+            serde_json::json!({"name": r.name, "n": r.samples.len(), "p50_ms": v(50.0),
+                "p95_ms": v(95.0), "p99_ms": v(99.0), "min_ms": v(0.0), "max_ms": v(100.0),
+                "note": r.note})
+        })
+        .collect()
+}
+
 fn print_table(title: &str, rows: &[Stats], baseline: &str) {
+    record(title, stats_json(rows));
     println!("\n## {title}\n");
     println!("| measurement | n | p50 ms | p99 ms | min ms | max ms | p50 vs {baseline} | note |");
     println!("|---|---|---|---|---|---|---|---|");
@@ -499,7 +539,10 @@ fn main() -> anyhow::Result<()> {
             let runc = runtime_run("runc", &bundle, n);
             let (dsec_tti, dsec_create, dsec_exec) = dsec_measurements(&server, n).await?;
             let crun_exec = crun_exec(&bundle, n * 5);
-            tti = vec![crun, crun_ovl, runc, dsec_tti, dsec_create];
+            let podman = peers::podman(&bundle.rootfs, n.min(20));
+            let bwrap = peers::bwrap(&bundle.rootfs, n);
+            let floor = peers::raw_floor(&bundle.rootfs, n);
+            tti = vec![crun, crun_ovl, runc, podman, bwrap, floor, dsec_tti, dsec_create];
             exec = vec![crun_exec, dsec_exec, spawn_floor(n * 5)];
             print_table("time to interactive (create -> first command done)", &tti, "crun run true");
             print_table("exec round trip on a running sandbox", &exec, "crun exec true");
@@ -511,7 +554,8 @@ fn main() -> anyhow::Result<()> {
             print_table("time to interactive with and without the user namespace", &ns, "no user namespace");
         }
         let mut conc = Vec::new();
-        for workers in [1usize, 8, 32].into_iter().filter(|_| want("concurrency")) {
+        let levels: &[usize] = if args.quick { &[1, 8, 32] } else { &[1, 8, 32, 128] };
+        for workers in levels.iter().copied().filter(|_| want("concurrency")) {
             let total = if args.quick { 32 } else { 160 }.max(workers * 2);
             let (samples, failures, secs) = concurrent_tti(&server, workers, total).await;
             let st = Stats { name: format!("c{workers}"), samples, note: None };
@@ -519,6 +563,29 @@ fn main() -> anyhow::Result<()> {
         }
         if !conc.is_empty() {
             print_concurrency(&conc);
+        }
+        if want("sustained") {
+            let secs = if args.quick { 10 } else { 60 };
+            let r = churn::sustained(&server, 32, secs).await;
+            println!("\n## sustained creation: create -> exec true -> delete loops for {secs} s\n");
+            println!("| concurrency | s | cycles | failed | cycles/s | p50 ms | p99 ms |");
+            println!("|---|---|---|---|---|---|---|");
+            println!("| {} | {:.0} | {} | {} | {:.0} | {:.2} | {:.2} |", r.workers, r.secs, r.ok, r.failed,
+                r.ok as f64 / r.secs, r.tti.pct(50.0), r.tti.pct(99.0));
+            record("sustained creation", serde_json::json!([{"concurrency": r.workers, "secs": r.secs,
+                "ok": r.ok, "failed": r.failed, "cycles_per_s": r.ok as f64 / r.secs,
+                "p50_ms": r.tti.pct(50.0), "p99_ms": r.tti.pct(99.0)}]));
+        }
+        if want("teardown") {
+            let t = churn::teardown(&server, if args.quick { 20 } else { 100 }).await?;
+            println!("\n## teardown\n");
+            println!("| deletes | p50 ms | p99 ms | max ms | mounts+cgroups+processes left | state dirs left |");
+            println!("|---|---|---|---|---|---|");
+            println!("| {} | {:.2} | {:.2} | {:.2} | {} | {} |", t.delete.samples.len(), t.delete.pct(50.0),
+                t.delete.pct(99.0), t.delete.pct(100.0), t.leftovers, t.dirs);
+            record("teardown", serde_json::json!([{"deletes": t.delete.samples.len(),
+                "p50_ms": t.delete.pct(50.0), "p99_ms": t.delete.pct(99.0), "max_ms": t.delete.pct(100.0),
+                "leftovers": t.leftovers, "dirs_left": t.dirs}]));
         }
 
         if want("cpu") {
@@ -565,15 +632,24 @@ fn main() -> anyhow::Result<()> {
             .map(|d| d.flatten().filter(|e| e.path().is_dir()).count())
             .unwrap_or(0);
         println!("\nleft behind after the run: {left} sandboxes, {cgroups} sandbox cgroups (v1 memory hierarchy)");
-        if let Some(path) = args.json {
-            let rows: Vec<serde_json::Value> = tti
-                .iter()
-                .chain(exec.iter())
-                .map(|r| serde_json::json!({"name": r.name, "n": r.samples.len(), "p50_ms": r.pct(50.0), "p99_ms": r.pct(99.0),
-                    "min_ms": r.pct(0.0), "max_ms": r.pct(100.0), "note": r.note}))
-                .collect();
-            std::fs::write(&path, serde_json::to_vec_pretty(&rows)?)?;
+        let path = args
+            .json
+            .clone()
+            .unwrap_or_else(|| dsec_e2e::target_dir().join("dsec-bench/results.json"));
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
         }
+        let tables = std::mem::take(&mut *REPORT.lock().unwrap_or_else(|p| p.into_inner()));
+        let report = serde_json::json!({
+            "iterations": n,
+            "quick": args.quick,
+            "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+            "cpus": std::thread::available_parallelism().map(|p| p.get()).unwrap_or(0),
+            "tables": tables,
+        });
+        std::fs::write(&path, serde_json::to_vec_pretty(&report)?)?;
+        println!("\nJSON: {}", path.display());
+        let _ = (&tti, &exec);
         drop(bundle);
         Ok::<_, anyhow::Error>(())
     })?;

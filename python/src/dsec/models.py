@@ -6,7 +6,7 @@ break an older SDK. Times are unix milliseconds; durations name their unit.
 
 from __future__ import annotations
 
-from typing import Annotated, Dict, List, Literal, Optional, Union
+from typing import Any, Annotated, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 

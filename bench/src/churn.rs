@@ -1,0 +1,121 @@
+//! Creation throughput sustained over a fixed time, and teardown: delete latency and
+//! what is left on the host afterwards.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dsec_e2e::{host, Server};
+use dsec_wire::v1::CreateSandboxRequest;
+
+use crate::{argv_true, Stats};
+
+/// Throughput over `secs` seconds with `workers` create -> exec -> delete loops.
+#[derive(Debug)]
+pub struct Sustained {
+    /// Workers.
+    pub workers: usize,
+    /// Wall time.
+    pub secs: f64,
+    /// Completed cycles.
+    pub ok: usize,
+    /// Failed creates, execs or deletes.
+    pub failed: usize,
+    /// Time to interactive of the completed cycles.
+    pub tti: Stats,
+}
+
+/// Runs create -> exec true -> delete in `workers` loops for `secs` seconds.
+pub async fn sustained(server: &Server, workers: usize, secs: u64) -> Sustained {
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..workers {
+        let (c, stop) = (server.client(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let (mut samples, mut failed) = (Vec::new(), 0usize);
+            while !stop.load(Ordering::Relaxed) {
+                let t = Instant::now();
+                let Ok(sb) = c.create_sandbox(CreateSandboxRequest::default()).await else {
+                    failed += 1;
+                    continue;
+                };
+                match c.exec(&sb.id, argv_true()).await {
+                    Ok(r) if r.exit.exit_code == Some(0) => {
+                        samples.push(t.elapsed().as_secs_f64() * 1000.0)
+                    }
+                    _ => failed += 1,
+                }
+                if c.delete_sandbox(&sb.id).await.is_err() {
+                    failed += 1;
+                }
+            }
+            (samples, failed)
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(secs)).await;
+    stop.store(true, Ordering::Relaxed);
+    let (mut all, mut failed) = (Vec::new(), 0);
+    for t in tasks {
+        if let Ok((s, f)) = t.await {
+            all.extend(s);
+            failed += f;
+        }
+    }
+    Sustained {
+        workers,
+        secs: start.elapsed().as_secs_f64(),
+        ok: all.len(),
+        failed,
+        tti: Stats {
+            name: format!("sustained c{workers}"),
+            samples: all,
+            note: None,
+        },
+    }
+}
+
+/// What a teardown run measured.
+#[derive(Debug)]
+pub struct Teardown {
+    /// Delete latency.
+    pub delete: Stats,
+    /// Host mounts, cgroups and processes still naming a deleted sandbox.
+    pub leftovers: usize,
+    /// State directories of deleted sandboxes still present.
+    pub dirs: usize,
+}
+
+/// Creates `n` sandboxes (each ran a command), deletes them one by one, timing each
+/// delete, then scans the host for anything left of them.
+pub async fn teardown(server: &Server, n: usize) -> anyhow::Result<Teardown> {
+    let c = server.client();
+    let mut ids = Vec::new();
+    for _ in 0..n {
+        let sb = c.create_sandbox(CreateSandboxRequest::default()).await?;
+        c.exec(&sb.id, dsec_e2e::sh("echo hi > /tmp/x")).await?;
+        ids.push(sb.id);
+    }
+    let mut samples = Vec::new();
+    for id in &ids {
+        let t = Instant::now();
+        c.delete_sandbox(id).await?;
+        samples.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    let mut leftovers = 0;
+    let mut dirs = 0;
+    for id in &ids {
+        leftovers +=
+            host::mounts(id).len() + host::cgroup_dirs(id).len() + host::processes(id).len();
+        dirs += usize::from(server.state_dir.join("sandboxes").join(id).exists());
+    }
+    Ok(Teardown {
+        delete: Stats {
+            name: "delete".into(),
+            samples,
+            note: Some(format!("{n} sandboxes that each ran a command")),
+        },
+        leftovers,
+        dirs,
+    })
+}
