@@ -119,3 +119,81 @@ pub async fn teardown(server: &Server, n: usize) -> anyhow::Result<Teardown> {
         dirs,
     })
 }
+
+/// What a burst against a full node did.
+#[derive(Debug)]
+pub struct Backlog {
+    /// Creates attempted at once.
+    pub attempted: usize,
+    /// Admitted.
+    pub admitted: usize,
+    /// Refused with `capacity`.
+    pub refused: usize,
+    /// Any other error.
+    pub other: usize,
+    /// Median time to a refusal, ms.
+    pub refusal_p50_ms: f64,
+    /// Records, mounts, cgroups or processes left after deleting the admitted ones.
+    pub leftovers: usize,
+}
+
+/// A node admitting `cap` sandboxes gets `attempted` creates at once: the rest must be
+/// refused cleanly (`capacity`, fast) and nothing may stay behind.
+pub async fn backlog(main: &Server, cap: usize, attempted: usize) -> anyhow::Result<Backlog> {
+    let s = Server::start_with(
+        "bench-backlog",
+        false,
+        &[
+            "--max-sandboxes",
+            &cap.to_string(),
+            "--cgroup-parent",
+            "dsec-bench-backlog",
+            "--disk-pool",
+            "4",
+        ],
+    )
+    .await?;
+    s.ensure_base(Some(main)).await?;
+    s.delete_all().await;
+    let c = s.client();
+    let results = futures::future::join_all((0..attempted).map(|_| {
+        let c = c.clone();
+        async move {
+            let t = Instant::now();
+            let r = c.create_sandbox(CreateSandboxRequest::default()).await;
+            (r, t.elapsed().as_secs_f64() * 1000.0)
+        }
+    }))
+    .await;
+    let (mut admitted, mut refused, mut other) = (Vec::new(), Vec::new(), 0);
+    for (r, ms) in results {
+        match r {
+            Ok(sb) => admitted.push(sb.id),
+            Err(e) if e.code() == Some(dsec_wire::ErrorCode::Capacity) => refused.push(ms),
+            Err(_) => other += 1,
+        }
+    }
+    let listed = c.list_sandboxes(Default::default()).await?.sandboxes.len();
+    for id in &admitted {
+        c.delete_sandbox(id).await?;
+    }
+    let mut leftovers = listed.saturating_sub(admitted.len());
+    for id in &admitted {
+        leftovers +=
+            host::mounts(id).len() + host::cgroup_dirs(id).len() + host::processes(id).len();
+    }
+    leftovers += c.list_sandboxes(Default::default()).await?.sandboxes.len();
+    let refusal = Stats {
+        name: "refusal".into(),
+        samples: refused.clone(),
+        note: None,
+    };
+    Ok(Backlog {
+        attempted,
+        admitted: admitted.len(),
+        refused: refused.len(),
+        other,
+        refusal_p50_ms: refusal.pct(50.0),
+        leftovers,
+    })
+}

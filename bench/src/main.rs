@@ -36,8 +36,8 @@ struct Args {
     /// Write every table as JSON here (default: target/dsec-bench/results.json).
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Run only these sections (comma-separated): runtimes, network, concurrency, cpu,
-    /// job, idle, density.
+    /// Run only these sections (comma-separated): runtimes, network, concurrency,
+    /// sustained, backlog, teardown, cpu, job, idle, density.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
 }
@@ -312,6 +312,32 @@ fn spawn_floor(n: usize) -> Stats {
     }
 }
 
+/// Time to interactive through the Python SDK (`bench/sdk_tti.py` in the venv named by
+/// `DSEC_PY_VENV`, which scripts/bench prepares).
+fn python_sdk_tti(server: &Server, n: usize) -> Stats {
+    let name = "dsec via Python SDK";
+    let Some(venv) = std::env::var_os("DSEC_PY_VENV") else {
+        return Stats::na(name, "DSEC_PY_VENV not set (scripts/bench sets it)".into());
+    };
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("sdk_tti.py");
+    let out = Command::new(Path::new(&venv).join("bin/python"))
+        .arg(&script)
+        .args([&server.url, &server.key, &n.to_string()])
+        .output();
+    match out {
+        Ok(o) if o.status.success() => match serde_json::from_slice::<Vec<f64>>(&o.stdout) {
+            Ok(samples) => Stats {
+                name: name.into(),
+                samples,
+                note: Some("Sandbox.create + exec(['true']), sequential (kill untimed)".into()),
+            },
+            Err(e) => Stats::na(name, format!("bad output: {e}")),
+        },
+        Ok(o) => Stats::na(name, String::from_utf8_lossy(&o.stderr).trim().to_string()),
+        Err(e) => Stats::na(name, format!("python: {e}")),
+    }
+}
+
 pub(crate) fn argv_true() -> ExecRequest {
     ExecRequest {
         cmd: dsec_wire::v1::Command::Argv(vec!["true".into()]),
@@ -542,7 +568,8 @@ fn main() -> anyhow::Result<()> {
             let podman = peers::podman(&bundle.rootfs, n.min(20));
             let bwrap = peers::bwrap(&bundle.rootfs, n);
             let floor = peers::raw_floor(&bundle.rootfs, n);
-            tti = vec![crun, crun_ovl, runc, podman, bwrap, floor, dsec_tti, dsec_create];
+            let sdk = python_sdk_tti(&server, n);
+            tti = vec![crun, crun_ovl, runc, podman, bwrap, floor, dsec_tti, sdk, dsec_create];
             exec = vec![crun_exec, dsec_exec, spawn_floor(n * 5)];
             print_table("time to interactive (create -> first command done)", &tti, "crun run true");
             print_table("exec round trip on a running sandbox", &exec, "crun exec true");
@@ -575,6 +602,16 @@ fn main() -> anyhow::Result<()> {
             record("sustained creation", serde_json::json!([{"concurrency": r.workers, "secs": r.secs,
                 "ok": r.ok, "failed": r.failed, "cycles_per_s": r.ok as f64 / r.secs,
                 "p50_ms": r.tti.pct(50.0), "p99_ms": r.tti.pct(99.0)}]));
+        }
+        if want("backlog") {
+            let b = churn::backlog(&server, 20, 60).await?;
+            println!("\n## a full node under a burst ({} creates at once, room for 20)\n", b.attempted);
+            println!("| admitted | refused (capacity) | other errors | refusal p50 ms | left behind |");
+            println!("|---|---|---|---|---|");
+            println!("| {} | {} | {} | {:.2} | {} |", b.admitted, b.refused, b.other, b.refusal_p50_ms, b.leftovers);
+            record("backlog", serde_json::json!([{"attempted": b.attempted, "admitted": b.admitted,
+                "refused": b.refused, "other": b.other, "refusal_p50_ms": b.refusal_p50_ms,
+                "leftovers": b.leftovers}]));
         }
         if want("teardown") {
             let t = churn::teardown(&server, if args.quick { 20 } else { 100 }).await?;

@@ -68,11 +68,19 @@ pub async fn tti_by_userns(server: &Server, n: usize) -> anyhow::Result<Vec<Stat
     let plain = Server::start_with(
         "bench-no-userns",
         false,
-        &["--no-userns", "--cgroup-parent", "dsec-bench-no-userns"],
+        &[
+            "--no-userns",
+            "--cgroup-parent",
+            "dsec-bench-no-userns",
+            "--disk-pool",
+            "8",
+        ],
     )
     .await?;
     plain.ensure_base(Some(server)).await?;
     plain.delete_all().await;
+    // Let the new node fill its disk pool before measuring both.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
     let clients = [server.client(), plain.client()];
     let mut samples: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
     for i in 0..n + 2 {
