@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use dsec_e2e::{host, Server};
 use dsec_wire::v1::CreateSandboxRequest;
 
-use crate::{argv_true, Stats};
+use crate::Stats;
 
 /// Throughput over `secs` seconds with `workers` create -> exec -> delete loops.
 #[derive(Debug)]
@@ -35,19 +35,9 @@ pub async fn sustained(server: &Server, workers: usize, secs: u64) -> Sustained 
         tasks.push(tokio::spawn(async move {
             let (mut samples, mut failed) = (Vec::new(), 0usize);
             while !stop.load(Ordering::Relaxed) {
-                let t = Instant::now();
-                let Ok(sb) = c.create_sandbox(CreateSandboxRequest::default()).await else {
-                    failed += 1;
-                    continue;
-                };
-                match c.exec(&sb.id, argv_true()).await {
-                    Ok(r) if r.exit.exit_code == Some(0) => {
-                        samples.push(t.elapsed().as_secs_f64() * 1000.0)
-                    }
-                    _ => failed += 1,
-                }
-                if c.delete_sandbox(&sb.id).await.is_err() {
-                    failed += 1;
+                match crate::cycle(&c, CreateSandboxRequest::default()).await {
+                    Ok(ms) => samples.push(ms),
+                    Err(_) => failed += 1,
                 }
             }
             (samples, failed)

@@ -338,6 +338,25 @@ fn python_sdk_tti(server: &Server, n: usize) -> Stats {
     }
 }
 
+/// One create -> exec `true` -> delete cycle; returns the time to interactive in ms
+/// (create until the exec's result, the delete untimed).
+pub(crate) async fn cycle(
+    c: &dsec_client::Client,
+    req: CreateSandboxRequest,
+) -> anyhow::Result<f64> {
+    let t = Instant::now();
+    let sb = c.create_sandbox(req).await?;
+    let r = c.exec(&sb.id, argv_true()).await;
+    let ms = t.elapsed().as_secs_f64() * 1000.0;
+    let deleted = c.delete_sandbox(&sb.id).await;
+    let r = r?;
+    if r.exit.exit_code != Some(0) {
+        bail!("exec true failed: {r:?}");
+    }
+    deleted?;
+    Ok(ms)
+}
+
 pub(crate) fn argv_true() -> ExecRequest {
     ExecRequest {
         cmd: dsec_wire::v1::Command::Argv(vec!["true".into()]),
@@ -406,22 +425,9 @@ async fn concurrent_tti(server: &Server, workers: usize, total: usize) -> (Vec<f
             let mut samples = Vec::new();
             let mut failures = 0;
             while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < total {
-                let t = Instant::now();
-                let sb = match c.create_sandbox(CreateSandboxRequest::default()).await {
-                    Ok(sb) => sb,
-                    Err(_) => {
-                        failures += 1;
-                        continue;
-                    }
-                };
-                match c.exec(&sb.id, argv_true()).await {
-                    Ok(r) if r.exit.exit_code == Some(0) => {
-                        samples.push(t.elapsed().as_secs_f64() * 1000.0)
-                    }
-                    _ => failures += 1,
-                }
-                if c.delete_sandbox(&sb.id).await.is_err() {
-                    failures += 1;
+                match cycle(&c, CreateSandboxRequest::default()).await {
+                    Ok(ms) => samples.push(ms),
+                    Err(_) => failures += 1,
                 }
             }
             (samples, failures)

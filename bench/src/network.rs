@@ -2,13 +2,10 @@
 //! `open` (a prepared namespace with a veth link and an nftables policy). Each mode runs
 //! as a block of create -> exec -> delete cycles.
 
-use std::time::Instant;
-
-use anyhow::bail;
 use dsec_e2e::Server;
 use dsec_wire::v1::{CreateSandboxRequest, NetworkMode, NetworkPolicy};
 
-use crate::{argv_true, Stats};
+use crate::Stats;
 
 fn policy(mode: NetworkMode) -> NetworkPolicy {
     NetworkPolicy {
@@ -29,19 +26,13 @@ pub async fn tti_by_mode(server: &Server, n: usize) -> anyhow::Result<Vec<Stats>
     // next namespace) lands on its own mode's numbers, not on the neighbours'.
     for (m, mode) in modes.iter().enumerate() {
         for i in 0..n + 2 {
-            let t = Instant::now();
-            let sb = c
-                .create_sandbox(CreateSandboxRequest {
-                    network: policy(*mode),
-                    ..Default::default()
-                })
-                .await?;
-            let r = c.exec(&sb.id, argv_true()).await?;
-            let ms = t.elapsed().as_secs_f64() * 1000.0;
-            if r.exit.exit_code != Some(0) {
-                bail!("exec true failed in a {mode:?} sandbox: {r:?}");
-            }
-            c.delete_sandbox(&sb.id).await?;
+            let req = CreateSandboxRequest {
+                network: policy(*mode),
+                ..Default::default()
+            };
+            let ms = crate::cycle(&c, req)
+                .await
+                .map_err(|e| anyhow::anyhow!("a {mode:?} sandbox: {e:#}"))?;
             if i >= 2 {
                 samples[m].push(ms);
             }
@@ -85,14 +76,7 @@ pub async fn tti_by_userns(server: &Server, n: usize) -> anyhow::Result<Vec<Stat
     let mut samples: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
     for i in 0..n + 2 {
         for (k, c) in clients.iter().enumerate() {
-            let t = Instant::now();
-            let sb = c.create_sandbox(CreateSandboxRequest::default()).await?;
-            let r = c.exec(&sb.id, argv_true()).await?;
-            let ms = t.elapsed().as_secs_f64() * 1000.0;
-            if r.exit.exit_code != Some(0) {
-                bail!("exec true failed: {r:?}");
-            }
-            c.delete_sandbox(&sb.id).await?;
+            let ms = crate::cycle(c, CreateSandboxRequest::default()).await?;
             if i >= 2 {
                 samples[k].push(ms);
             }
