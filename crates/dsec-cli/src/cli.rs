@@ -168,6 +168,10 @@ pub struct ServeArgs {
     /// capability set): for kernels without idmapped mounts.
     #[arg(long)]
     pub no_userns: bool,
+    /// OCI runtime for sandboxes created with isolation `oci` (default: runc from PATH,
+    /// if installed; runsc for gVisor).
+    #[arg(long)]
+    pub oci_runtime: Option<PathBuf>,
     /// Network namespaces kept prepared for fast creates.
     #[arg(long, default_value_t = 8)]
     pub net_pool: usize,
@@ -333,6 +337,9 @@ pub struct CreateArgs {
     /// Commands may write only beneath this path (repeatable; Landlock).
     #[arg(long = "writable", value_name = "PATH")]
     pub writable: Vec<String>,
+    /// Run under the node's OCI runtime (runc, runsc) instead of dsec's container.
+    #[arg(long)]
+    pub oci: bool,
     /// Lifetime (e.g. 3600, 90m, 1h; server default: 1h).
     #[arg(long, value_parser = parse_duration)]
     pub timeout: Option<Duration>,

@@ -154,6 +154,11 @@ async fn create(client: &Client, a: CreateArgs, json: bool) -> anyhow::Result<()
         filesystem: dsec_wire::v1::FilesystemPolicy {
             writable: a.writable,
         },
+        isolation: if a.oci {
+            dsec_wire::v1::Isolation::Oci
+        } else {
+            dsec_wire::v1::Isolation::Container
+        },
         ..Default::default()
     };
     let sb = client.create_sandbox(req).await?;

@@ -49,6 +49,15 @@ fn close_inherited_fds() {
     }
 }
 
+/// The first executable `name` on PATH.
+fn find_in_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join(name))
+            .find(|p| p.is_file())
+    })
+}
+
 /// Raises the soft open-files limit to the hard limit: every sandbox holds a few fds.
 fn raise_nofile() {
     let mut lim = libc::rlimit {
@@ -131,6 +140,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         },
         cgroup_parent: args.cgroup_parent.clone(),
         userns: (!args.no_userns).then_some((args.userns_base, 65536)),
+        oci_runtime: args.oci_runtime.clone().or_else(|| find_in_path("runc")),
         network: (!args.no_network).then(|| dsec_net::NetConfig {
             subnet: args.sandbox_subnet,
             table: args.nft_table.clone(),

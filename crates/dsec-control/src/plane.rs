@@ -755,6 +755,7 @@ impl SandboxApi for ControlPlane {
             network: req.network.clone(),
             ip: None,
             filesystem: req.filesystem.clone(),
+            isolation: req.isolation,
         };
         // A retried create finds its first attempt (the check and the insert under one
         // lock, so concurrent retries cannot both create).
@@ -807,6 +808,7 @@ impl SandboxApi for ControlPlane {
             workdir,
             network: req.network.clone(),
             writable_paths: req.filesystem.writable.clone(),
+            isolation: req.isolation,
         };
         let created = match self.node.create(spec).await {
             Ok(c) => c,

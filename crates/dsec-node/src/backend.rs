@@ -34,6 +34,9 @@ pub struct RuntimeRecord {
     /// Its network slot and policy, when it is networked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub net: Option<dsec_net::NetRecord>,
+    /// Its isolation level.
+    #[serde(default)]
+    pub isolation: dsec_wire::v1::Isolation,
 }
 
 impl RuntimeRecord {

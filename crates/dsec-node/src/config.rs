@@ -33,6 +33,8 @@ pub struct NodeConfig {
     /// Run sandboxes in a user namespace mapping 0..size to host `base..base+size`
     /// (`None`: sandboxes' root is the host's root, with fewer capabilities).
     pub userns: Option<(u32, u32)>,
+    /// OCI runtime for sandboxes of isolation level `oci` (`None`: level unavailable).
+    pub oci_runtime: Option<PathBuf>,
 }
 
 /// Size-limited sandbox disks (see `dsec-disk`).

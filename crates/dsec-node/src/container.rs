@@ -23,7 +23,7 @@ use dsec_cgroups::{Cgroup, CgroupRoot, Limits};
 use dsec_wire::init::{
     InitSpec, DISK_FD, FIRST_LAYER_FD, LISTEN_FD, NETNS_FD, STATUS_FD, USERNS_FD,
 };
-use dsec_wire::v1::{NetworkMode, NetworkPolicy, Qos};
+use dsec_wire::v1::{Isolation, NetworkMode, NetworkPolicy, Qos};
 use nix::fcntl::OFlag;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
@@ -216,7 +216,11 @@ impl ContainerBackend {
         let (mut upper, mut work) = (upper, work);
         let mut layer_fds: Vec<OwnedFd> = Vec::new();
         let mut upper_clone: Option<OwnedFd> = None;
-        if let Some(ns) = &self.userns {
+        let userns = self
+            .userns
+            .as_ref()
+            .filter(|_| spec.isolation == Isolation::Container);
+        if let Some(ns) = userns {
             if layers.layers.len() > MAX_USERNS_LAYERS {
                 return Err(NodeError::Unsupported(format!(
                     "{} layers: a user-namespaced sandbox stacks at most {MAX_USERNS_LAYERS}",
@@ -254,6 +258,13 @@ impl ContainerBackend {
             }),
         };
         let cgroup = Cgroup::create(&self.cgroups, &self.cgroup_path(id), &limits)?;
+        if spec.isolation == Isolation::Oci {
+            let rec = self.create_oci(spec, layers, &dir, &upper, &work, disk_mb)?;
+            self.handles()
+                .insert(id.clone(), std::sync::Arc::new(cgroup));
+            write_record(&dir, &rec)?;
+            return Ok(rec);
+        }
 
         let lease = match spec.network.mode {
             NetworkMode::None => None,
@@ -269,7 +280,7 @@ impl ContainerBackend {
             work_dir: work.display().to_string(),
             disk_fd: disk_fd.map(|_| DISK_FD),
             netns_fd: lease.as_ref().map(|_| NETNS_FD),
-            userns_fd: self.userns.as_ref().map(|_| USERNS_FD),
+            userns_fd: userns.map(|_| USERNS_FD),
             writable_paths: spec.writable_paths.clone(),
             resolv_conf: lease
                 .as_ref()
@@ -290,7 +301,7 @@ impl ContainerBackend {
             listen: listener.as_raw_fd(),
             disk: disk_fd,
             netns: lease.as_ref().map(|l| l.netns.as_raw_fd()),
-            userns: self.userns.as_ref().map(|ns| ns.fd().as_raw_fd()),
+            userns: userns.map(|ns| ns.fd().as_raw_fd()),
             layers: layer_fds.iter().map(|f| f.as_raw_fd()).collect(),
         };
         let (pid, start_time) = self.spawn_init(id, &init, &fds, &dir)?;
@@ -317,6 +328,7 @@ impl ContainerBackend {
             layers: layers.layers.iter().map(|(d, _)| d.clone()).collect(),
             cpu_millis: spec.cpu_millis,
             net,
+            isolation: Isolation::Container,
         };
         write_record(&dir, &rec)?;
         Ok(rec)
@@ -456,6 +468,92 @@ impl ContainerBackend {
     }
 }
 
+impl ContainerBackend {
+    /// Isolation level `oci`: mount the root on the host, write the bundle, let the
+    /// runtime start the agent in the sandbox's cgroup.
+    fn create_oci(
+        &self,
+        spec: &NodeCreateSpec,
+        layers: &Layers,
+        dir: &Path,
+        upper: &Path,
+        work: &Path,
+        disk_mb: Option<u64>,
+    ) -> Result<RuntimeRecord, NodeError> {
+        let id = &spec.id;
+        let bin = self.cfg.oci_runtime.as_ref().ok_or_else(|| {
+            NodeError::Unsupported(
+                "isolation oci: this node has no OCI runtime (dsec serve --oci-runtime)".into(),
+            )
+        })?;
+        if spec.network.mode != NetworkMode::None || !spec.writable_paths.is_empty() {
+            return Err(NodeError::Unsupported(
+                "isolation oci: network modes and file rules need isolation container".into(),
+            ));
+        }
+        // The node's own view of the disk (a detached one through its fd).
+        let (upper, work) = match self.disks_held().get(id) {
+            Some(d) => (
+                dsec_disk::upper_dir(&d.root()),
+                dsec_disk::work_dir(&d.root()),
+            ),
+            None => (upper.to_path_buf(), work.to_path_buf()),
+        };
+        let lower: Vec<String> = layers
+            .layers
+            .iter()
+            .rev()
+            .map(|(_, mnt)| mnt.display().to_string())
+            .collect();
+        let rootfs = dir.join("rootfs");
+        let opts = format!(
+            "lowerdir={},upperdir={},workdir={}",
+            lower.join(":"),
+            upper.display(),
+            work.display()
+        );
+        nix::mount::mount(
+            Some("overlay"),
+            &rootfs,
+            Some("overlay"),
+            nix::mount::MsFlags::MS_NODEV,
+            Some(opts.as_str()),
+        )
+        .map_err(|e| create_err(id, format!("mount root: {e}")))?;
+        let bundle = dir.join("bundle");
+        fs::create_dir_all(&bundle).map_err(NodeError::io("mkdir", &bundle))?;
+        let run = self.cfg.sandbox_run_dir(id);
+        let config = crate::oci::bundle_config(
+            spec,
+            &rootfs,
+            &self.cfg.agent_bin,
+            &run,
+            &self.cgroup_path(id),
+        );
+        let path = bundle.join("config.json");
+        fs::write(&path, config.to_string()).map_err(NodeError::io("write", &path))?;
+        let socket = self.cfg.agent_socket(id);
+        let state = crate::oci::state_dir(&self.cfg.run_dir);
+        let pid = crate::oci::start(bin, &state, &bundle, id, &socket, self.cfg.create_timeout)
+            .map_err(|e| create_err(id, e))?;
+        let start_time =
+            pid_start_time(pid).ok_or_else(|| create_err(id, "sandbox died right after start"))?;
+        Ok(RuntimeRecord {
+            id: id.clone(),
+            image_digest: layers.digest.clone(),
+            pid,
+            pid_start_time: start_time,
+            cgroup: self.cgroup_path(id),
+            agent_socket: socket,
+            disk_mb,
+            layers: layers.layers.iter().map(|(d, _)| d.clone()).collect(),
+            cpu_millis: spec.cpu_millis,
+            net: None,
+            isolation: Isolation::Oci,
+        })
+    }
+}
+
 /// Writes a sandbox's runtime record atomically.
 fn write_record(dir: &Path, rec: &RuntimeRecord) -> Result<(), NodeError> {
     let json = serde_json::to_vec_pretty(rec).map_err(|e| create_err(&rec.id, e))?;
@@ -531,6 +629,14 @@ impl Backend for ContainerBackend {
 
     fn destroy(&self, id: &str) -> Result<(), NodeError> {
         self.handles().remove(id);
+        let dir = self.cfg.sandbox_dir(id);
+        if dir.join("bundle").exists() {
+            // Isolation level oci: the runtime's container, then its root mount.
+            if let Some(bin) = &self.cfg.oci_runtime {
+                crate::oci::delete(bin, &crate::oci::state_dir(&self.cfg.run_dir), id);
+            }
+            let _ = nix::mount::umount2(&dir.join("rootfs"), nix::mount::MntFlags::MNT_DETACH);
+        }
         match Cgroup::open(&self.cgroups, &self.cgroup_path(id)) {
             Ok(cg) => cg.destroy()?,
             Err(dsec_cgroups::CgroupError::NotFound(_)) => {}

@@ -20,6 +20,7 @@ pub mod config;
 pub mod container;
 pub mod error;
 pub mod local;
+pub mod oci;
 pub mod swap;
 pub mod userns;
 
@@ -59,6 +60,8 @@ pub struct NodeCreateSpec {
     pub network: dsec_wire::v1::NetworkPolicy,
     /// Commands may write only beneath these paths, when not empty.
     pub writable_paths: Vec<String>,
+    /// Isolation level.
+    pub isolation: dsec_wire::v1::Isolation,
 }
 
 /// A sandbox as the node knows it.

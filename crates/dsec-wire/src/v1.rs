@@ -183,6 +183,18 @@ fn dns_name(s: &str) -> Option<String> {
     ok.then_some(s)
 }
 
+/// The isolation boundary of a sandbox.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Isolation {
+    /// dsec's own container: namespaces, cgroups, seccomp, user namespace.
+    #[default]
+    Container,
+    /// The node's installed OCI runtime (runc, runsc, ...) runs the sandbox, with the same
+    /// agent inside.
+    Oci,
+}
+
 /// How a sandbox's processes compete for CPU.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -282,6 +294,9 @@ pub struct CreateSandboxRequest {
     /// File rules for the commands it runs; default none.
     #[serde(default)]
     pub filesystem: FilesystemPolicy,
+    /// Isolation level; default `container`.
+    #[serde(default)]
+    pub isolation: Isolation,
     /// Default working directory for commands; default `/`.
     #[serde(default)]
     pub workdir: Option<String>,
@@ -398,6 +413,9 @@ pub struct Sandbox {
     /// Its file rules.
     #[serde(default)]
     pub filesystem: FilesystemPolicy,
+    /// Its isolation level.
+    #[serde(default)]
+    pub isolation: Isolation,
 }
 
 /// One step of an image build.

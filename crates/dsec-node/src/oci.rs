@@ -1,0 +1,222 @@
+//! Isolation level `oci`: the sandbox runs under an installed OCI runtime (runc here;
+//! runsc/gVisor where installed) instead of dsec's own init, for callers who want that
+//! runtime's boundary. The agent contract is the same: the node mounts the sandbox's
+//! root (its layers and disk under overlayfs), writes a bundle whose process is
+//! `dsec-agent serve` listening on the sandbox's usual socket (its run directory is
+//! bind-mounted in), and the runtime puts it in the sandbox's cgroup, so pause, reclaim,
+//! OOM accounting and commit work as for the default level.
+//!
+//! Unlike the default level, the root is one mount in the host's mount table per
+//! sandbox, and the runtime applies its own seccomp defaults (none for runc's spec).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::NodeCreateSpec;
+
+/// Where the agent binary and the socket directory appear inside.
+const AGENT_IN: &str = "/.dsec/dsec-agent";
+const RUN_IN: &str = "/.dsec/run";
+
+/// The bundle's `config.json` for a sandbox.
+pub fn bundle_config(
+    spec: &NodeCreateSpec,
+    rootfs: &Path,
+    agent_bin: &Path,
+    run_dir: &Path,
+    cgroup_path: &str,
+) -> serde_json::Value {
+    let caps: Vec<String> = dsec_container::harden::KEPT_CAPS
+        .iter()
+        .map(|c| c.to_string())
+        .collect();
+    let mut args = vec![
+        AGENT_IN.to_string(),
+        "serve".into(),
+        "--socket".into(),
+        format!("{RUN_IN}/agent.sock"),
+        "--cwd".into(),
+        spec.workdir.clone(),
+    ];
+    for (k, v) in &spec.env {
+        args.push("--env".into());
+        args.push(format!("{k}={v}"));
+    }
+    let period: u64 = 100_000;
+    json!({
+        "ociVersion": "1.0.2",
+        "root": {"path": rootfs, "readonly": false},
+        "hostname": spec.id,
+        "process": {
+            "terminal": false,
+            "user": {"uid": 0, "gid": 0},
+            "args": args,
+            "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+            "cwd": "/",
+            "noNewPrivileges": true,
+            "capabilities": {
+                "bounding": caps, "effective": caps, "permitted": caps,
+            },
+        },
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
+            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+             "options": ["nosuid", "noexec", "nodev", "ro"]},
+            {"destination": AGENT_IN, "type": "bind", "source": agent_bin,
+             "options": ["bind", "ro", "nosuid", "nodev"]},
+            {"destination": RUN_IN, "type": "bind", "source": run_dir,
+             "options": ["bind", "rw", "nosuid", "nodev", "noexec"]},
+        ],
+        "linux": {
+            "namespaces": [
+                {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
+                {"type": "network"}, {"type": "cgroup"},
+            ],
+            "cgroupsPath": format!("/{cgroup_path}"),
+            "resources": {
+                "memory": {"limit": spec.memory_bytes, "swap": spec.memory_bytes},
+                "pids": {"limit": spec.pids_max},
+                "cpu": {"quota": spec.cpu_millis * period / 1000, "period": period},
+            },
+            "maskedPaths": dsec_container::rootfs::MASKED_PATHS,
+            "readonlyPaths": dsec_container::rootfs::READONLY_PATHS,
+        },
+    })
+}
+
+/// The runtime command with its state under the node's run directory.
+fn runtime(bin: &Path, state: &Path) -> Command {
+    let mut c = Command::new(bin);
+    c.arg("--root").arg(state);
+    c
+}
+
+/// Starts the bundle at `bundle` as container `id` and waits for the agent's socket.
+/// Returns the container's init pid.
+pub fn start(
+    bin: &Path,
+    state: &Path,
+    bundle: &Path,
+    id: &str,
+    socket: &Path,
+    timeout: Duration,
+) -> Result<i32, String> {
+    // The detached container keeps the runtime's stdio: give it a log file, never a
+    // pipe we would wait on.
+    let log_path = bundle.join("output.log");
+    let log = std::fs::File::create(&log_path).map_err(|e| format!("create log: {e}"))?;
+    let log2 = log.try_clone().map_err(|e| format!("log: {e}"))?;
+    let status = runtime(bin, state)
+        .args(["run", "--detach", "--bundle"])
+        .arg(bundle)
+        .arg(id)
+        .stdin(std::process::Stdio::null())
+        .stdout(log)
+        .stderr(log2)
+        .status()
+        .map_err(|e| format!("start {}: {e}", bin.display()))?;
+    if !status.success() {
+        let msg = std::fs::read_to_string(&log_path).unwrap_or_default();
+        return Err(format!("{} run: {}", bin.display(), msg.trim()));
+    }
+    let deadline = Instant::now() + timeout;
+    while !socket.exists() {
+        if Instant::now() > deadline {
+            return Err("the agent did not start listening in time".into());
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let state_out = runtime(bin, state)
+        .arg("state")
+        .arg(id)
+        .output()
+        .map_err(|e| format!("state: {e}"))?;
+    serde_json::from_slice::<serde_json::Value>(&state_out.stdout)
+        .ok()
+        .and_then(|v| v.get("pid").and_then(|p| p.as_i64()))
+        .and_then(|p| i32::try_from(p).ok())
+        .filter(|p| *p > 0)
+        .ok_or_else(|| "runtime reported no pid".to_string())
+}
+
+/// Removes container `id` (killing what is left of it). A container the runtime does
+/// not know is fine.
+pub fn delete(bin: &Path, state: &Path, id: &str) {
+    let _ = runtime(bin, state)
+        .args(["delete", "--force", id])
+        .stderr(std::process::Stdio::null())
+        .status();
+}
+
+/// The runtime's state directory for this node.
+pub fn state_dir(run_dir: &Path) -> PathBuf {
+    run_dir.join("oci")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bundle_runs_the_agent_on_the_sandbox_socket_with_its_limits() {
+        let spec = NodeCreateSpec {
+            id: "sb-x".into(),
+            image: "base".into(),
+            layers: vec![],
+            cpu_millis: 500,
+            memory_bytes: 256 << 20,
+            pids_max: 128,
+            disk_mb: None,
+            qos: dsec_wire::v1::Qos::LatencySensitive,
+            env: [("A".to_string(), "b".to_string())].into(),
+            workdir: "/work".into(),
+            network: Default::default(),
+            writable_paths: vec![],
+            isolation: dsec_wire::v1::Isolation::Oci,
+        };
+        let c = bundle_config(
+            &spec,
+            Path::new("/s/rootfs"),
+            Path::new("/bin/agent"),
+            Path::new("/run/sb-x"),
+            "dsec/sb-x",
+        );
+        let args: Vec<&str> = c["process"]["args"]
+            .as_array()
+            .expect("args")
+            .iter()
+            .filter_map(|a| a.as_str())
+            .collect();
+        assert_eq!(
+            args,
+            [
+                AGENT_IN,
+                "serve",
+                "--socket",
+                "/.dsec/run/agent.sock",
+                "--cwd",
+                "/work",
+                "--env",
+                "A=b"
+            ]
+        );
+        assert_eq!(c["linux"]["cgroupsPath"], "/dsec/sb-x");
+        assert_eq!(c["linux"]["resources"]["cpu"]["quota"], 50_000);
+        assert_eq!(c["linux"]["resources"]["pids"]["limit"], 128);
+        assert!(c["linux"]["maskedPaths"]
+            .as_array()
+            .expect("masked")
+            .iter()
+            .any(|p| p == "/proc/kcore"));
+        assert_eq!(c["process"]["noNewPrivileges"], true);
+    }
+}
