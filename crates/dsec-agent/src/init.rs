@@ -47,17 +47,23 @@ pub fn init() -> Result<(), Box<dyn std::error::Error>> {
     if let Ok(null) = std::fs::File::open("/dev/null") {
         let _ = nix::unistd::dup2(std::os::fd::AsRawFd::as_raw_fd(&null), 0);
     }
-    let landlock = if spec.writable_paths.is_empty() {
-        None
-    } else {
-        match dsec_container::landlock::writable_ruleset(&spec.writable_paths) {
-            Ok(r) => Some(std::sync::Arc::new(r)),
-            Err(e) => {
-                report(&status, &format!("error filesystem.writable: {e}"));
-                return Err(e.into());
-            }
-        }
+    let rules = dsec_container::landlock::Rules {
+        writable: &spec.writable_paths,
+        tcp_bind: spec.tcp_bind.as_deref(),
+        tcp_connect: spec.tcp_connect.as_deref(),
     };
+    let landlock =
+        if rules.writable.is_empty() && rules.tcp_bind.is_none() && rules.tcp_connect.is_none() {
+            None
+        } else {
+            match dsec_container::landlock::ruleset(&rules) {
+                Ok(r) => Some(std::sync::Arc::new(r)),
+                Err(e) => {
+                    report(&status, &format!("error filesystem: {e}"));
+                    return Err(e.into());
+                }
+            }
+        };
     let cfg = AgentConfig {
         root: "/".into(),
         default_env: spec.env.clone(),

@@ -28,7 +28,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the dsec server (API + node) on this machine.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Create, inspect, use and remove sandboxes.
     #[command(subcommand, visible_alias = "sb")]
     Sandbox(SandboxCommand),
@@ -210,7 +210,7 @@ fn parse_subnet(s: &str) -> Result<(std::net::Ipv4Addr, u8), String> {
 #[derive(Debug, Subcommand)]
 pub enum SandboxCommand {
     /// Create a sandbox and print its id.
-    Create(CreateArgs),
+    Create(Box<CreateArgs>),
     /// List sandboxes.
     #[command(visible_alias = "list")]
     Ls {
@@ -337,6 +337,12 @@ pub struct CreateArgs {
     /// Commands may write only beneath this path (repeatable; Landlock).
     #[arg(long = "writable", value_name = "PATH")]
     pub writable: Vec<String>,
+    /// Commands may bind TCP sockets only to this port (repeatable; Landlock).
+    #[arg(long = "tcp-bind", value_name = "PORT")]
+    pub tcp_bind: Vec<u16>,
+    /// Commands may connect TCP sockets only to this port (repeatable; Landlock).
+    #[arg(long = "tcp-connect", value_name = "PORT")]
+    pub tcp_connect: Vec<u16>,
     /// Run under the node's OCI runtime (runc, runsc) instead of dsec's container.
     #[arg(long)]
     pub oci: bool,

@@ -46,7 +46,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Client::new(&cli.url, key).context("configuring the client")
     };
     match cli.command {
-        Command::Serve(args) => serve::run(args).await.map(|()| ExitCode::SUCCESS),
+        Command::Serve(args) => serve::run(*args).await.map(|()| ExitCode::SUCCESS),
         Command::Sandbox(cmd) => sandbox::run(&client()?, cmd, cli.json).await,
         Command::Image(cmd) => image::run(&client()?, cmd, cli.json)
             .await

@@ -27,7 +27,7 @@ const BROKEN_PIPE_EXIT: u8 = 141;
 /// Runs a sandbox command; returns the exit code.
 pub async fn run(client: &Client, cmd: SandboxCommand, json: bool) -> anyhow::Result<ExitCode> {
     match cmd {
-        SandboxCommand::Create(args) => create(client, args, json).await?,
+        SandboxCommand::Create(args) => create(client, *args, json).await?,
         SandboxCommand::Ls { labels } => ls(client, labels.into_iter().collect(), json).await?,
         SandboxCommand::Get { id } => {
             let sb = client.get_sandbox(&id).await?;
@@ -153,6 +153,8 @@ async fn create(client: &Client, a: CreateArgs, json: bool) -> anyhow::Result<()
         network: a.network.policy(a.allow),
         filesystem: dsec_wire::v1::FilesystemPolicy {
             writable: a.writable,
+            tcp_bind: (!a.tcp_bind.is_empty()).then_some(a.tcp_bind),
+            tcp_connect: (!a.tcp_connect.is_empty()).then_some(a.tcp_connect),
         },
         isolation: if a.oci {
             dsec_wire::v1::Isolation::Oci

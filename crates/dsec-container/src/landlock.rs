@@ -1,6 +1,7 @@
-//! Per-sandbox file rules with Landlock: when a sandbox names its writable paths, the
-//! commands it runs may create, change or delete files only beneath them (and write to
-//! the devices in `/dev`); reading and executing stay as they are. The agent itself is
+//! Per-sandbox file and socket rules with Landlock: when a sandbox names its writable
+//! paths, the commands it runs may create, change or delete files only beneath them (and
+//! write to the devices in `/dev`); reading and executing stay as they are. When it names
+//! TCP ports to bind or connect to, those are the only ones (Landlock ABI 4+). The agent itself is
 //! not restricted, so the files API and the platform's own uploads still reach every path.
 //!
 //! The ruleset is built once, inside the sandbox after the pivot; the agent applies it in
@@ -15,6 +16,9 @@ const SYS_LANDLOCK_ADD_RULE: libc::c_long = 445;
 const SYS_LANDLOCK_RESTRICT_SELF: libc::c_long = 446;
 const CREATE_RULESET_VERSION: u32 = 1;
 const RULE_PATH_BENEATH: libc::c_int = 1;
+const RULE_NET_PORT: libc::c_int = 2;
+const NET_BIND_TCP: u64 = 1 << 0;
+const NET_CONNECT_TCP: u64 = 1 << 1;
 
 const WRITE_FILE: u64 = 1 << 1;
 const REMOVE_DIR: u64 = 1 << 4;
@@ -35,6 +39,24 @@ const FILE_RIGHTS: u64 = WRITE_FILE | TRUNCATE;
 #[repr(C)]
 struct RulesetAttr {
     handled_access_fs: u64,
+    handled_access_net: u64,
+}
+
+#[repr(C, packed)]
+struct NetPortAttr {
+    allowed_access: u64,
+    port: u64,
+}
+
+/// What a sandbox's commands are held to.
+#[derive(Debug, Clone, Default)]
+pub struct Rules<'a> {
+    /// Writes only beneath these paths (none: writes unrestricted).
+    pub writable: &'a [String],
+    /// TCP ports `bind` may use (`None`: any).
+    pub tcp_bind: Option<&'a [u16]>,
+    /// TCP ports `connect` may reach (`None`: any).
+    pub tcp_connect: Option<&'a [u16]>,
 }
 
 #[repr(C, packed)]
@@ -81,11 +103,33 @@ fn write_rights(abi: u32) -> u64 {
 /// Builds the ruleset: writes allowed beneath each of `writable` (which must exist) and
 /// to files in `/dev`.
 pub fn writable_ruleset(writable: &[String]) -> io::Result<OwnedFd> {
+    ruleset(&Rules {
+        writable,
+        ..Rules::default()
+    })
+}
+
+/// Builds the ruleset for `rules`: file rights as in [`writable_ruleset`] when paths are
+/// given, and the listed TCP ports only when port lists are given.
+pub fn ruleset(rules: &Rules<'_>) -> io::Result<OwnedFd> {
     let abi = abi_version()
         .ok_or_else(|| io::Error::new(io::ErrorKind::Unsupported, "this kernel has no Landlock"))?;
-    let handled = write_rights(abi);
+    let net = (u64::from(rules.tcp_bind.is_some()) * NET_BIND_TCP)
+        | (u64::from(rules.tcp_connect.is_some()) * NET_CONNECT_TCP);
+    if net != 0 && abi < 4 {
+        return Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("TCP port rules need Landlock ABI 4; this kernel has {abi}"),
+        ));
+    }
+    let handled = if rules.writable.is_empty() {
+        0
+    } else {
+        write_rights(abi)
+    };
     let attr = RulesetAttr {
         handled_access_fs: handled,
+        handled_access_net: net,
     };
     // SAFETY: landlock_create_ruleset with a valid attribute of the size given.
     let fd = unsafe {
@@ -102,7 +146,36 @@ pub fn writable_ruleset(writable: &[String]) -> io::Result<OwnedFd> {
     // SAFETY: a new fd (close-on-exec) owned by nothing else.
     let ruleset = unsafe { OwnedFd::from_raw_fd(fd as i32) };
     let dev = ["/dev".to_string()];
-    for path in writable.iter().chain(dev.iter()) {
+    let dev: &[String] = if rules.writable.is_empty() { &[] } else { &dev };
+    for (access, ports) in [
+        (NET_BIND_TCP, rules.tcp_bind),
+        (NET_CONNECT_TCP, rules.tcp_connect),
+    ] {
+        for port in ports.unwrap_or_default() {
+            let rule = NetPortAttr {
+                allowed_access: access,
+                port: u64::from(*port),
+            };
+            // SAFETY: landlock_add_rule with a valid ruleset fd and net-port attribute.
+            let rc = unsafe {
+                libc::syscall(
+                    SYS_LANDLOCK_ADD_RULE,
+                    ruleset.as_raw_fd(),
+                    RULE_NET_PORT,
+                    &rule as *const NetPortAttr,
+                    0u32,
+                )
+            };
+            if rc != 0 {
+                let e = io::Error::last_os_error();
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("landlock port {port}: {e}"),
+                ));
+            }
+        }
+    }
+    for path in rules.writable.iter().chain(dev.iter()) {
         let c = CString::new(path.as_bytes())
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in path"))?;
         // SAFETY: open with O_PATH of a NUL-terminated path; checked and owned below.
@@ -170,6 +243,55 @@ mod tests {
         assert_eq!(write_rights(2) & REFER, REFER);
         assert_eq!(write_rights(3) & TRUNCATE, TRUNCATE);
         assert_eq!(std::mem::size_of::<PathBeneathAttr>(), 12);
+    }
+
+    #[test]
+    fn a_restricted_child_binds_and_connects_only_to_listed_ports() {
+        if abi_version().is_none_or(|v| v < 4) {
+            assert!(
+                std::env::var("CI").is_err(),
+                "CI=true: this kernel lacks Landlock ABI 4"
+            );
+            return;
+        }
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("listener");
+        let open_port = listener.local_addr().expect("addr").port();
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("listener");
+        let closed_port = closed.local_addr().expect("addr").port();
+        let ports = [open_port];
+        let ruleset = ruleset(&Rules {
+            writable: &[],
+            tcp_bind: Some(&[]),
+            tcp_connect: Some(&ports),
+        })
+        .expect("ruleset");
+        let fd = ruleset.as_raw_fd();
+        let script = format!(
+            "import socket\n\
+             def t(f):\n    try:\n        f(); return 'ok'\n    except OSError as e:\n        return e.__class__.__name__\n\
+             print(t(lambda: socket.create_connection(('127.0.0.1', {open_port}))))\n\
+             print(t(lambda: socket.create_connection(('127.0.0.1', {closed_port}))))\n\
+             print(t(lambda: socket.socket().bind(('127.0.0.1', 0))))\n"
+        );
+        let mut cmd = std::process::Command::new("python3");
+        cmd.args(["-c", &script]);
+        use std::os::unix::process::CommandExt;
+        // SAFETY: prctl and landlock_restrict_self are async-signal-safe.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                restrict_self(fd)
+            });
+        }
+        let out = cmd.output().expect("run");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "ok\nPermissionError\nPermissionError\n",
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     #[test]

@@ -808,6 +808,8 @@ impl SandboxApi for ControlPlane {
             workdir,
             network: req.network.clone(),
             writable_paths: req.filesystem.writable.clone(),
+            tcp_bind: req.filesystem.tcp_bind.clone(),
+            tcp_connect: req.filesystem.tcp_connect.clone(),
             isolation: req.isolation,
         };
         let created = match self.node.create(spec).await {

@@ -81,6 +81,18 @@ pub fn create(req: &CreateSandboxRequest) -> Result<(), ApiError> {
             "filesystem.writable: at most {MAX_WRITABLE_PATHS} paths"
         )));
     }
+    for (field, ports) in [
+        ("tcp_bind", &req.filesystem.tcp_bind),
+        ("tcp_connect", &req.filesystem.tcp_connect),
+    ] {
+        if let Some(ports) = ports {
+            if ports.len() > 64 || ports.contains(&0) {
+                return Err(bad(format!(
+                    "filesystem.{field}: at most 64 ports, each 1-65535"
+                )));
+            }
+        }
+    }
     for p in &req.filesystem.writable {
         if !p.starts_with('/') || p.contains('\0') || p.split('/').any(|c| c == "..") {
             return Err(ApiError::new(

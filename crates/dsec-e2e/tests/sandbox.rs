@@ -1618,6 +1618,7 @@ async fn commands_write_only_beneath_the_writable_paths_while_the_api_writes_any
         CreateSandboxRequest {
             filesystem: FilesystemPolicy {
                 writable: vec!["/tmp".into(), "/root".into()],
+                ..Default::default()
             },
             ..Default::default()
         },
@@ -1666,6 +1667,7 @@ async fn commands_write_only_beneath_the_writable_paths_while_the_api_writes_any
         .create_sandbox(CreateSandboxRequest {
             filesystem: FilesystemPolicy {
                 writable: vec!["tmp".into()],
+                ..Default::default()
             },
             ..Default::default()
         })
@@ -1676,6 +1678,7 @@ async fn commands_write_only_beneath_the_writable_paths_while_the_api_writes_any
         .create_sandbox(CreateSandboxRequest {
             filesystem: FilesystemPolicy {
                 writable: vec!["/does/not/exist".into()],
+                ..Default::default()
             },
             ..Default::default()
         })
@@ -1685,4 +1688,53 @@ async fn commands_write_only_beneath_the_writable_paths_while_the_api_writes_any
         err.to_string().contains("/does/not/exist"),
         "error names the path: {err}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn commands_bind_and_connect_only_to_the_listed_tcp_ports() {
+    if !require_root() {
+        return;
+    }
+    let c = server().client();
+    let sb = create(
+        &c,
+        CreateSandboxRequest {
+            filesystem: FilesystemPolicy {
+                tcp_bind: Some(vec![8080]),
+                tcp_connect: Some(vec![8080]),
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    )
+    .await;
+    let probe = r#"
+import socket
+def t(f):
+    try:
+        f(); return "ok"
+    except OSError as e:
+        return e.__class__.__name__
+srv = socket.socket(); srv.bind(("127.0.0.1", 8080)); srv.listen()
+print(t(lambda: socket.socket().bind(("127.0.0.1", 9090))))
+print(t(lambda: socket.create_connection(("127.0.0.1", 8080))))
+print(t(lambda: socket.create_connection(("127.0.0.1", 9090))))
+"#;
+    c.write_file(&sb.id, "/tmp/p.py", None, probe.as_bytes().to_vec())
+        .await
+        .expect("upload");
+    let r = run(&c, &sb.id, "python3 /tmp/p.py").await;
+    assert_eq!(r.stdout, "PermissionError\nok\nPermissionError\n", "{r:?}");
+    c.delete_sandbox(&sb.id).await.expect("delete");
+    let err = c
+        .create_sandbox(CreateSandboxRequest {
+            filesystem: FilesystemPolicy {
+                tcp_bind: Some(vec![0]),
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .await
+        .expect_err("port 0");
+    assert_eq!(code(err), ErrorCode::BadRequest);
 }

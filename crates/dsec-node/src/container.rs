@@ -282,6 +282,8 @@ impl ContainerBackend {
             netns_fd: lease.as_ref().map(|_| NETNS_FD),
             userns_fd: userns.map(|_| USERNS_FD),
             writable_paths: spec.writable_paths.clone(),
+            tcp_bind: spec.tcp_bind.clone(),
+            tcp_connect: spec.tcp_connect.clone(),
             resolv_conf: lease
                 .as_ref()
                 .map(|l| format!("nameserver {}\noptions timeout:2 attempts:2\n", l.gateway)),
@@ -486,7 +488,11 @@ impl ContainerBackend {
                 "isolation oci: this node has no OCI runtime (dsec serve --oci-runtime)".into(),
             )
         })?;
-        if spec.network.mode != NetworkMode::None || !spec.writable_paths.is_empty() {
+        if spec.network.mode != NetworkMode::None
+            || !spec.writable_paths.is_empty()
+            || spec.tcp_bind.is_some()
+            || spec.tcp_connect.is_some()
+        {
             return Err(NodeError::Unsupported(
                 "isolation oci: network modes and file rules need isolation container".into(),
             ));

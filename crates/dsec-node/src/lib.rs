@@ -60,6 +60,10 @@ pub struct NodeCreateSpec {
     pub network: dsec_wire::v1::NetworkPolicy,
     /// Commands may write only beneath these paths, when not empty.
     pub writable_paths: Vec<String>,
+    /// Commands may bind only these TCP ports, when set.
+    pub tcp_bind: Option<Vec<u16>>,
+    /// Commands may connect only to these TCP ports, when set.
+    pub tcp_connect: Option<Vec<u16>>,
     /// Isolation level.
     pub isolation: dsec_wire::v1::Isolation,
 }

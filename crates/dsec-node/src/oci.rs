@@ -181,6 +181,8 @@ mod tests {
             workdir: "/work".into(),
             network: Default::default(),
             writable_paths: vec![],
+            tcp_bind: None,
+            tcp_connect: None,
             isolation: dsec_wire::v1::Isolation::Oci,
         };
         let c = bundle_config(

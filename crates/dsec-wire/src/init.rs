@@ -53,6 +53,12 @@ pub struct InitSpec {
     /// Commands may write only beneath these paths (Landlock), when not empty.
     #[serde(default)]
     pub writable_paths: Vec<String>,
+    /// Commands may bind TCP sockets only to these ports, when set.
+    #[serde(default)]
+    pub tcp_bind: Option<Vec<u16>>,
+    /// Commands may connect TCP sockets only to these ports, when set.
+    #[serde(default)]
+    pub tcp_connect: Option<Vec<u16>>,
     /// Contents for `/etc/resolv.conf` (networked sandboxes: the node's resolver).
     #[serde(default)]
     pub resolv_conf: Option<String>,

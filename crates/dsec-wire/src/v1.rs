@@ -53,6 +53,13 @@ pub struct FilesystemPolicy {
     /// everything else is read-only to them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub writable: Vec<String>,
+    /// When set, commands may bind TCP sockets only to these ports (Landlock ABI 4+).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tcp_bind: Option<Vec<u16>>,
+    /// When set, commands may connect TCP sockets only to these ports, on any address
+    /// the network policy allows (loopback included).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tcp_connect: Option<Vec<u16>>,
 }
 
 /// A sandbox's network: its mode and, for `allowlist`, what it may reach.

@@ -55,6 +55,8 @@ def create_body(
     auto_resume: bool,
     network: Any = None,
     writable: Optional[Sequence[str]] = None,
+    tcp_bind: Optional[Sequence[int]] = None,
+    tcp_connect: Optional[Sequence[int]] = None,
 ) -> Dict[str, Any]:
     """The ``POST /v1/sandboxes`` body for :meth:`Sandbox.create` (and its async twin)."""
     body: Dict[str, Any] = {"auto_resume": auto_resume}
@@ -82,8 +84,15 @@ def create_body(
         body["qos"] = qos
     if network is not None:
         body["network"] = network_body(network)
+    fs: Dict[str, Any] = {}
     if writable:
-        body["filesystem"] = {"writable": [str(p) for p in writable]}
+        fs["writable"] = [str(p) for p in writable]
+    if tcp_bind is not None:
+        fs["tcp_bind"] = [int(p) for p in tcp_bind]
+    if tcp_connect is not None:
+        fs["tcp_connect"] = [int(p) for p in tcp_connect]
+    if fs:
+        body["filesystem"] = fs
     return body
 
 
@@ -132,6 +141,8 @@ class Sandbox:
         idle_timeout: Optional[int] = None,
         network: Union[str, Sequence[str], Mapping[str, Any], Network, None] = None,
         writable: Optional[Sequence[str]] = None,
+        tcp_bind: Optional[Sequence[int]] = None,
+        tcp_connect: Optional[Sequence[int]] = None,
     ) -> "Sandbox":
         """Creates a sandbox and returns when it is ready.
 
@@ -153,6 +164,8 @@ class Sandbox:
                 (names, ``*.suffix``, IPs or CIDRs, each with an optional ``:port``).
             writable: Commands may write only beneath these absolute paths (Landlock);
                 the files API is not bound by it.
+            tcp_bind, tcp_connect: When given, the only TCP ports commands may bind or
+                connect to (Landlock).
 
         Connection errors and ``capacity`` answers are retried with exponential backoff
         (``Client.create_retries`` times, default 5); other errors are raised at once.
@@ -162,6 +175,7 @@ class Sandbox:
             image=image, layers=layers, resources=resources, timeout=timeout,
             idle_timeout=idle_timeout, labels=labels, job=job, env=env, workdir=workdir,
             qos=qos, auto_resume=auto_resume, network=network, writable=writable,
+            tcp_bind=tcp_bind, tcp_connect=tcp_connect,
         )
         return cls(client, client.create_sandbox(body))
 
