@@ -137,7 +137,7 @@ async fn run_suite(name: &str, args: &[&str]) {
         .filter(|p| matches!(p.extension().and_then(|e| e.to_str()), Some("sh" | "py")))
         .collect();
     programs.sort();
-    assert!(programs.len() >= 14, "attack programs: {programs:?}");
+    assert!(programs.len() >= 15, "attack programs: {programs:?}");
 
     let outcomes: Vec<Outcome> = futures::stream::iter(programs)
         .map(|path| {
