@@ -245,6 +245,25 @@ mod tests {
         assert_eq!(std::mem::size_of::<PathBeneathAttr>(), 12);
     }
 
+    /// Runs `interpreter -c script` confined by `ruleset` (with no_new_privs, as in a
+    /// sandbox).
+    fn run_confined(interpreter: &str, script: &str, ruleset: &OwnedFd) -> std::process::Output {
+        use std::os::unix::process::CommandExt;
+        let fd = ruleset.as_raw_fd();
+        let mut cmd = std::process::Command::new(interpreter);
+        cmd.args(["-c", script]);
+        // SAFETY: prctl and landlock_restrict_self are async-signal-safe.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                restrict_self(fd)
+            });
+        }
+        cmd.output().expect("run")
+    }
+
     #[test]
     fn a_restricted_child_binds_and_connects_only_to_listed_ports() {
         if abi_version().is_none_or(|v| v < 4) {
@@ -265,7 +284,6 @@ mod tests {
             tcp_connect: Some(&ports),
         })
         .expect("ruleset");
-        let fd = ruleset.as_raw_fd();
         let script = format!(
             "import socket\n\
              def t(f):\n    try:\n        f(); return 'ok'\n    except OSError as e:\n        return e.__class__.__name__\n\
@@ -273,19 +291,7 @@ mod tests {
              print(t(lambda: socket.create_connection(('127.0.0.1', {closed_port}))))\n\
              print(t(lambda: socket.socket().bind(('127.0.0.1', 0))))\n"
         );
-        let mut cmd = std::process::Command::new("python3");
-        cmd.args(["-c", &script]);
-        use std::os::unix::process::CommandExt;
-        // SAFETY: prctl and landlock_restrict_self are async-signal-safe.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                restrict_self(fd)
-            });
-        }
-        let out = cmd.output().expect("run");
+        let out = run_confined("python3", &script, &ruleset);
         assert_eq!(
             String::from_utf8_lossy(&out.stdout),
             "ok\nPermissionError\nPermissionError\n",
@@ -308,25 +314,12 @@ mod tests {
         std::fs::create_dir_all(&ok_dir).expect("dir");
         std::fs::create_dir_all(&ro_dir).expect("dir");
         let ruleset = writable_ruleset(&[ok_dir.display().to_string()]).expect("ruleset");
-        let fd = ruleset.as_raw_fd();
         let script = format!(
             "echo a > {0}/f && echo allowed; echo b > {1}/f 2>/dev/null || echo denied; cat {1}/../w/f",
             ok_dir.display(),
             ro_dir.display()
         );
-        let mut cmd = std::process::Command::new("sh");
-        cmd.args(["-c", &script]);
-        use std::os::unix::process::CommandExt;
-        // SAFETY: prctl and landlock_restrict_self are async-signal-safe.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                restrict_self(fd)
-            });
-        }
-        let out = cmd.output().expect("run");
+        let out = run_confined("sh", &script, &ruleset);
         assert_eq!(String::from_utf8_lossy(&out.stdout), "allowed\ndenied\na\n");
         assert!(!ro_dir.join("f").exists());
         std::fs::remove_dir_all(&base).expect("cleanup");

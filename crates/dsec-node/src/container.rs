@@ -74,6 +74,15 @@ impl ContainerBackend {
             })?),
             None => None,
         };
+        if userns.is_some() {
+            let sandboxes = cfg.state_dir.join("sandboxes");
+            fs::DirBuilder::new()
+                .recursive(true)
+                .create(&sandboxes)
+                .map_err(NodeError::io("mkdir", &sandboxes))?;
+            fs::set_permissions(&sandboxes, fs::Permissions::from_mode(0o711))
+                .map_err(NodeError::io("chmod", &sandboxes))?;
+        }
         let disks = match cfg.disk {
             Some(d) => Some(dsec_disk::Disks::open(dsec_disk::DiskConfig {
                 root: cfg.disks_dir(),
@@ -155,19 +164,15 @@ impl ContainerBackend {
         let id = &spec.id;
         let dir = self.cfg.sandbox_dir(id);
         let run = self.cfg.sandbox_run_dir(id);
+        // With a user namespace, init mounts the root at dir/rootfs as the namespace's
+        // root, an unprivileged host uid: it must be able to walk there (search only;
+        // nothing is listed). `sandboxes/` itself gets that mode once, at start.
+        let mode = if self.userns.is_some() { 0o711 } else { 0o700 };
         let mut builder = fs::DirBuilder::new();
         builder.recursive(true).mode(0o700);
-        for d in [&dir, &run] {
-            builder.create(d).map_err(NodeError::io("mkdir", d))?;
-        }
-        if self.userns.is_some() {
-            // Init mounts the root at dir/rootfs as the namespace's root, an unprivileged
-            // host uid: it must be able to walk there (search only; nothing is listed).
-            for d in [dir.parent().unwrap_or(&dir), dir.as_path()] {
-                fs::set_permissions(d, fs::Permissions::from_mode(0o711))
-                    .map_err(NodeError::io("chmod", d))?;
-            }
-        }
+        builder.create(&run).map_err(NodeError::io("mkdir", &run))?;
+        builder.mode(mode);
+        builder.create(&dir).map_err(NodeError::io("mkdir", &dir))?;
         let mut disk_fd = None;
         let (upper, work, disk_mb) = match (&self.disks, spec.disk_mb) {
             (Some(disks), size) => {
@@ -319,19 +324,8 @@ impl ContainerBackend {
             init_us = prepared.elapsed().as_micros() as u64, "sandbox started");
         self.handles()
             .insert(id.clone(), std::sync::Arc::new(cgroup));
-        let rec = RuntimeRecord {
-            id: id.clone(),
-            image_digest: layers.digest.clone(),
-            pid,
-            pid_start_time: start_time,
-            cgroup: self.cgroup_path(id),
-            agent_socket: socket,
-            disk_mb,
-            layers: layers.layers.iter().map(|(d, _)| d.clone()).collect(),
-            cpu_millis: spec.cpu_millis,
-            net,
-            isolation: Isolation::Container,
-        };
+        let mut rec = self.record(spec, layers, (pid, start_time), disk_mb);
+        rec.net = net;
         write_record(&dir, &rec)?;
         Ok(rec)
     }
@@ -544,19 +538,30 @@ impl ContainerBackend {
             .map_err(|e| create_err(id, e))?;
         let start_time =
             pid_start_time(pid).ok_or_else(|| create_err(id, "sandbox died right after start"))?;
-        Ok(RuntimeRecord {
-            id: id.clone(),
+        Ok(self.record(spec, layers, (pid, start_time), disk_mb))
+    }
+
+    /// The runtime record of a sandbox just started (no network; the caller adds it).
+    fn record(
+        &self,
+        spec: &NodeCreateSpec,
+        layers: &Layers,
+        (pid, pid_start_time): (i32, u64),
+        disk_mb: Option<u64>,
+    ) -> RuntimeRecord {
+        RuntimeRecord {
+            id: spec.id.clone(),
             image_digest: layers.digest.clone(),
             pid,
-            pid_start_time: start_time,
-            cgroup: self.cgroup_path(id),
-            agent_socket: socket,
+            pid_start_time,
+            cgroup: self.cgroup_path(&spec.id),
+            agent_socket: self.cfg.agent_socket(&spec.id),
             disk_mb,
             layers: layers.layers.iter().map(|(d, _)| d.clone()).collect(),
             cpu_millis: spec.cpu_millis,
             net: None,
-            isolation: Isolation::Oci,
-        })
+            isolation: spec.isolation,
+        }
     }
 }
 
