@@ -32,6 +32,19 @@ ensure_toolchain() {
   command -v cargo >/dev/null || die "cargo not found: install the Rust toolchain (rustup)"
 }
 
+# An S3-compatible server for the shared blob store tests: moto (PyPI) in its own venv.
+S3_VENV="${DSEC_S3_VENV:-/tmp/dsec-s3}"
+MOTO_VERSION="5.2.5"
+
+ensure_s3_server() {
+  if ! "$S3_VENV/bin/python" -c "import moto, sys; sys.exit(moto.__version__ != '$MOTO_VERSION')" 2>/dev/null; then
+    log "installing moto $MOTO_VERSION (S3 test server) into $S3_VENV"
+    python3 -m venv "$S3_VENV"
+    "$S3_VENV/bin/python" -m pip install --quiet --disable-pip-version-check "moto[server]==$MOTO_VERSION"
+  fi
+  export DSEC_S3_SERVER="$S3_VENV/bin/moto_server"
+}
+
 # The default base image rootfs tarball (cached across runs).
 BASE_TAR="${DSEC_BASE_TAR:-/var/cache/dsec/base-bookworm.tar}"
 

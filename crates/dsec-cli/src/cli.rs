@@ -175,6 +175,17 @@ pub struct ServeArgs {
     /// Network namespaces kept prepared for fast creates.
     #[arg(long, default_value_t = 8)]
     pub net_pool: usize,
+    /// Blob store the nodes of a cluster share for image layers and names: a directory
+    /// (e.g. an NFS mount), s3://BUCKET/PREFIX (credentials, region and endpoint from
+    /// AWS_* variables or ?endpoint=URL&region=R), or http(s)://HOST/PREFIX. Imports
+    /// upload to it; layers are fetched from it on first use. Default: none (this node's
+    /// image directory is the only store).
+    #[arg(long)]
+    pub blob_store: Option<String>,
+    /// Size limit of this node's layer cache in MiB, with --blob-store: least recently
+    /// used layers that no sandbox mounts are evicted (0: no limit).
+    #[arg(long, default_value_t = 0, requires = "blob_store")]
+    pub layer_cache_mb: u64,
 }
 
 fn parse_cgroup_parent(s: &str) -> Result<String, String> {
@@ -403,11 +414,18 @@ pub enum ImageCommand {
         #[arg(long = "run", value_name = "CMD", required = true)]
         runs: Vec<String>,
     },
-    /// Drop `dsec image build`'s cache (and the layers only it used).
+    /// Drop `dsec image build`'s cache (and the layers only it used), trim the node's
+    /// layer cache to its limit, and with --shared sweep the shared blob store.
     Gc {
-        /// Keep entries younger than this (e.g. 24h; default: drop all).
+        /// Keep build-cache entries younger than this (e.g. 24h; default: drop all).
         #[arg(long, value_parser = parse_duration)]
         older_than: Option<Duration>,
+        /// Also delete layers no image uses from the shared blob store.
+        #[arg(long)]
+        shared: bool,
+        /// With --shared, keep layers written less than this long ago (default 1h).
+        #[arg(long, value_parser = parse_duration, requires = "shared")]
+        shared_grace: Option<Duration>,
     },
     /// Import an image from a directory or .tar/.tar.gz on the server's machine.
     Import {

@@ -38,18 +38,38 @@ pub async fn run(client: &Client, cmd: ImageCommand, json: bool) -> anyhow::Resu
                 );
             }
         }
-        ImageCommand::Gc { older_than } => {
+        ImageCommand::Gc {
+            older_than,
+            shared,
+            shared_grace,
+        } => {
             let r = client
-                .gc_images(older_than.map_or(0, |d| d.as_secs()))
+                .gc_images(&dsec_wire::v1::GcRequest {
+                    older_than_s: older_than.map_or(0, |d| d.as_secs()),
+                    shared_store: shared,
+                    shared_grace_s: shared_grace.map(|d| d.as_secs()),
+                })
                 .await?;
             if json {
                 print_json(&r)?;
             } else {
                 println!(
-                    "removed {} cache entries, freed {}",
+                    "removed {} build-cache entries, freed {}",
                     r.removed.len(),
                     output::bytes(r.freed_bytes)
                 );
+                println!(
+                    "evicted {} layers from the node cache, freed {}",
+                    r.evicted.len(),
+                    output::bytes(r.evicted_bytes)
+                );
+                if shared {
+                    println!(
+                        "deleted {} unused layers from the shared store, freed {}",
+                        r.shared_deleted.len(),
+                        output::bytes(r.shared_freed_bytes)
+                    );
+                }
             }
         }
         ImageCommand::Import {

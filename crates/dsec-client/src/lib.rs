@@ -516,9 +516,10 @@ impl Client {
         Self::json(self.post(&["images"], &req)).await
     }
 
-    /// `POST /v1/images/gc`: drops build-cache entries older than `older_than_s`.
-    pub async fn gc_images(&self, older_than_s: u64) -> Result<GcResult, ClientError> {
-        Self::json(self.post(&["images", "gc"], &GcRequest { older_than_s })).await
+    /// `POST /v1/images/gc`: drops build-cache entries, trims the layer cache, and
+    /// optionally sweeps the shared store (see [`GcRequest`]).
+    pub async fn gc_images(&self, req: &GcRequest) -> Result<GcResult, ClientError> {
+        Self::json(self.post(&["images", "gc"], req)).await
     }
 
     /// `POST /v1/images/build`: an image from a base and steps (each a cached layer).

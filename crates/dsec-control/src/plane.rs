@@ -904,15 +904,7 @@ impl SandboxApi for ControlPlane {
     }
 
     async fn gc_images(&self, req: GcRequest) -> ApiResult<GcResult> {
-        let (removed, freed_bytes) = self
-            .node
-            .gc_build_cache(Duration::from_secs(req.older_than_s))
-            .await
-            .map_err(ApiError::from)?;
-        Ok(GcResult {
-            removed,
-            freed_bytes,
-        })
+        self.node.gc_images(&req).await.map_err(ApiError::from)
     }
 
     async fn build_image(&self, req: BuildRequest) -> ApiResult<BuildResult> {

@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use dsec_client::Client;
 
+pub mod blob;
 pub mod host;
+pub mod s3;
 
 /// Whether privileged tests can run here. Under `CI=true` a missing prerequisite panics:
 /// CI must never skip silently.

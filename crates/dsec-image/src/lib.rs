@@ -21,6 +21,10 @@
 //! fixed `SOURCE_DATE_EPOCH` far in the future (which keeps per-file mtimes), so the same tree
 //! gives the same digest.
 //!
+//! With a shared blob store (see [`shared`]) the store above is the node's cache of it:
+//! imports and commits upload their layers and refs, resolves read refs from it, and
+//! layers missing here are downloaded on first use and evicted when the cache is full.
+//!
 //! Mounts use `mount(2)` with the blob file as source (a true file-backed EROFS mount, no loop
 //! device), `MS_RDONLY | MS_NODEV | MS_NOSUID`.
 
@@ -30,7 +34,7 @@ use std::io::{self, Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -42,6 +46,9 @@ mod extract;
 pub mod mountinfo;
 pub mod oci;
 pub mod packdiff;
+pub mod shared;
+
+pub use dsec_blob::BlobStore;
 
 /// Default store root on a node.
 pub const DEFAULT_ROOT: &str = "/var/lib/dsec/images";
@@ -141,6 +148,9 @@ pub enum ImageError {
     /// [`ImageStore::release`] of a layer that is not acquired.
     #[error("layer {0} is not acquired")]
     NotAcquired(String),
+    /// The shared blob store failed.
+    #[error("shared store: {0}")]
+    Shared(#[source] dsec_blob::BlobError),
     /// A `docker save` archive or OCI image layout is malformed or uses something unsupported.
     #[error("image {}: {message}", path.display())]
     InvalidImage {
@@ -225,7 +235,7 @@ pub struct Removed {
     pub blob_deleted: bool,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct RefEntry {
     digest: String,
     size: u64,
@@ -236,6 +246,10 @@ struct RefEntry {
     layers: Vec<String>,
     #[serde(default, skip_serializing_if = "ImageConfig::is_empty")]
     config: ImageConfig,
+    /// A local copy of a ref the shared store holds: gone there means removed in the
+    /// cluster (a ref that never was shared stays).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    shared: bool,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -337,18 +351,36 @@ fn now_ms() -> u64 {
 /// Holds `.lock` exclusively while alive.
 struct RefsLock(#[allow(dead_code)] nix::fcntl::Flock<File>);
 
+/// Where an [`ImageStore`] keeps layers besides its own directory.
+#[derive(Debug, Clone, Default)]
+pub struct StoreOptions {
+    /// The cluster's shared blob store; `None`: the node's directory is the only store.
+    pub shared: Option<Arc<dyn BlobStore>>,
+    /// Size limit of the node's layer cache in bytes (only layers the shared store holds
+    /// are evicted); `None`: unlimited.
+    pub cache_limit: Option<u64>,
+}
+
 /// The image store. Cheap operations only touch small files; `import` runs mkfs.erofs.
 /// Thread-safe: mount refcounts sit behind a mutex, refs.json updates behind `flock(2)`.
+/// With a shared store, calls may do network I/O: call them from blocking threads.
 #[derive(Debug)]
 pub struct ImageStore {
     root: PathBuf,
     /// Layer hex digest -> number of holders of its mount.
     mounts: Mutex<HashMap<String, usize>>,
+    shared: Option<Arc<dyn BlobStore>>,
+    cache_limit: Option<u64>,
 }
 
 impl ImageStore {
-    /// Open (creating if needed) the store rooted at `root`.
+    /// Open (creating if needed) the store rooted at `root`, with no shared store.
     pub fn open(root: impl AsRef<Path>) -> Result<Self> {
+        Self::open_with(root, StoreOptions::default())
+    }
+
+    /// Open (creating if needed) the store rooted at `root` in front of `opts.shared`.
+    pub fn open_with(root: impl AsRef<Path>, opts: StoreOptions) -> Result<Self> {
         let root = root.as_ref();
         for d in [
             root.to_path_buf(),
@@ -363,6 +395,8 @@ impl ImageStore {
         Ok(Self {
             root,
             mounts: Mutex::new(HashMap::new()),
+            shared: opts.shared,
+            cache_limit: opts.cache_limit,
         })
     }
 
@@ -669,12 +703,7 @@ impl ImageStore {
         if blob.exists() {
             tracing::debug!(digest = %hex, "identical layer already stored");
         } else {
-            std::fs::set_permissions(layer, std::fs::Permissions::from_mode(0o444))
-                .map_err(|e| ImageError::io("chmod", layer, e))?;
-            File::open(layer)
-                .and_then(|f| f.sync_all())
-                .map_err(|e| ImageError::io("fsync", layer, e))?;
-            std::fs::rename(layer, &blob).map_err(|e| ImageError::io("rename", &blob, e))?;
+            seal_blob(layer, &blob)?;
         }
         Ok((format!("sha256:{hex}"), size))
     }
@@ -689,14 +718,9 @@ impl ImageStore {
         config: ImageConfig,
     ) -> Result<Image> {
         validate_name(name)?;
-        // Every layer must be stored; the image's size is theirs together.
-        let mut size = 0;
-        for l in layers {
-            match std::fs::metadata(self.blob_path(&parse_digest(l)?)) {
-                Ok(m) => size += m.len(),
-                Err(_) => return Err(ImageError::NotFound(l.clone())),
-            }
-        }
+        // Every layer must be stored (here or in the shared store, where the missing ones
+        // are uploaded first); the image's size is theirs together.
+        let size = self.push_layers(layers, source)?;
         let entry = RefEntry {
             digest: image_digest(layers),
             size,
@@ -708,8 +732,10 @@ impl ImageStore {
                 layers.to_vec()
             },
             config,
+            shared: self.shared.is_some(),
         };
         let img = entry.to_image(name);
+        self.push_ref(name, &entry)?;
         let _lock = self.lock_refs()?;
         let mut refs = self.read_refs()?;
         let old = refs.refs.insert(name.to_string(), entry);
@@ -724,6 +750,10 @@ impl ImageStore {
             }
         }
         tracing::info!(name, digest = %img.digest, layers = layers.len(), size, "image stored");
+        if self.cache_limit.is_some() {
+            drop(_lock);
+            self.trim_cache_quietly();
+        }
         Ok(img)
     }
 
@@ -781,7 +811,7 @@ impl ImageStore {
                 });
             }
             let blob = self.blob_path(&hex);
-            if !blob.exists() {
+            if !blob.exists() && !self.shared_has_layer(&hex)? {
                 return Err(ImageError::NotFound(name_or_digest.to_string()));
             }
             return Ok(ResolvedImage {
@@ -792,9 +822,8 @@ impl ImageStore {
                 config: ImageConfig::default(),
             });
         }
-        let r = refs
-            .refs
-            .get(name_or_digest)
+        let r = self
+            .lookup_ref(name_or_digest, &refs)
             .ok_or_else(|| ImageError::NotFound(name_or_digest.to_string()))?;
         let layers = r.layer_digests();
         Ok(ResolvedImage {
@@ -810,7 +839,7 @@ impl ImageStore {
     /// as name, its blob's size and mtime, and an empty source.
     pub fn image_info(&self, name_or_digest: &str) -> Result<Image> {
         let refs = self.read_refs()?;
-        if let Some(r) = refs.refs.get(name_or_digest) {
+        if let Some(r) = self.lookup_ref(name_or_digest, &refs) {
             return Ok(r.to_image(name_or_digest));
         }
         let res = self.resolve(name_or_digest)?;
@@ -836,25 +865,99 @@ impl ImageStore {
         })
     }
 
-    /// All images (refs), sorted by name.
+    /// All images (refs), sorted by name: this node's and, with a shared store, the
+    /// cluster's (whose version wins where both have a name).
     pub fn list(&self) -> Result<Vec<Image>> {
-        Ok(self
-            .read_refs()?
-            .refs
-            .iter()
-            .map(|(n, r)| r.to_image(n))
-            .collect())
+        let mut all = self.read_refs()?.refs;
+        if self.shared.is_some() {
+            match self.shared_refs() {
+                Ok(shared) => {
+                    // Local copies of refs removed in the cluster are not listed.
+                    all.retain(|_, r| !r.shared);
+                    all.extend(shared);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "shared store unreachable; listing local refs")
+                }
+            }
+        }
+        Ok(all.iter().map(|(n, r)| r.to_image(n)).collect())
+    }
+
+    /// Ref `name`: the shared store's (refreshing the local copy when it differs), else
+    /// the local one.
+    /// A local copy of a shared ref the store no longer has is dropped (removed in the
+    /// cluster); when the store cannot be reached, the local ref serves.
+    fn lookup_ref(&self, name: &str, local: &RefsFile) -> Option<RefEntry> {
+        let local_entry = local.refs.get(name);
+        let fresh = match self.fetch_shared_ref(name) {
+            Err(e) => {
+                tracing::warn!(name, error = %e, "shared store unreachable; using the local ref");
+                return local_entry.cloned();
+            }
+            Ok(None) if local_entry.is_some_and(|r| r.shared) => None,
+            Ok(None) => return local_entry.cloned(),
+            Ok(Some(mut r)) => {
+                r.shared = true;
+                Some(r)
+            }
+        };
+        if local_entry != fresh.as_ref() {
+            let cached = (|| -> Result<()> {
+                let _lock = self.lock_refs()?;
+                let mut refs = self.read_refs()?;
+                let old = match &fresh {
+                    Some(r) => refs.refs.insert(name.to_string(), r.clone()),
+                    None => refs.refs.remove(name),
+                };
+                self.write_refs(&refs)?;
+                // Layers only the old version used leave the cache now.
+                let keep = fresh
+                    .as_ref()
+                    .map(RefEntry::layer_digests)
+                    .unwrap_or_default();
+                for l in old.map(|o| o.layer_digests()).unwrap_or_default() {
+                    if !keep.contains(&l) {
+                        self.gc_blob(&refs, &parse_digest(&l)?)?;
+                    }
+                }
+                Ok(())
+            })();
+            if let Err(e) = cached {
+                tracing::warn!(name, error = %e, "could not update the local copy of a shared ref");
+            }
+        }
+        fresh
+    }
+
+    /// Whether the shared store holds layer `hex` (false without one).
+    fn shared_has_layer(&self, hex: &str) -> Result<bool> {
+        match &self.shared {
+            Some(s) => Ok(s
+                .head(&shared::blob_key(hex))
+                .map_err(ImageError::Shared)?
+                .is_some()),
+            None => Ok(false),
+        }
     }
 
     /// Remove the ref `name`. Its blob is deleted too unless another ref points at it or it
     /// is mounted.
     pub fn remove(&self, name: &str) -> Result<Removed> {
+        let shared = self.delete_shared_ref(name)?;
         let _lock = self.lock_refs()?;
         let mut refs = self.read_refs()?;
-        let entry = refs
-            .refs
-            .remove(name)
-            .ok_or_else(|| ImageError::NotFound(name.to_string()))?;
+        let entry = match (refs.refs.remove(name), shared) {
+            (Some(local), _) => local,
+            (None, Some(shared)) => {
+                tracing::info!(name, "image removed from the shared store");
+                return Ok(Removed {
+                    image: shared.to_image(name),
+                    blob_deleted: false,
+                });
+            }
+            (None, None) => return Err(ImageError::NotFound(name.to_string())),
+        };
         self.write_refs(&refs)?;
         let mut blob_deleted = false;
         for l in entry.layer_digests() {
@@ -970,16 +1073,35 @@ impl ImageStore {
 
     /// Take a reference on the shared read-only mount of layer `digest` (`sha256:<hex>` or hex),
     /// mounting it on first use. Returns the mount point. Pair with [`ImageStore::release`].
+    /// A layer only the shared store holds is downloaded first.
     pub fn acquire(&self, digest: &str) -> Result<PathBuf> {
         let hex = parse_digest(digest)?;
-        let mut m = self.lock_mounts();
-        // An entry means "mounted by us", also at count 0 (idle, kept as a cache).
-        let mnt = match m.get(&hex) {
-            Some(_) => self.mount_path(&hex),
-            None => self.ensure_mounted(&hex)?,
-        };
-        *m.entry(hex).or_insert(0) += 1;
-        Ok(mnt)
+        let mut attempt = 0;
+        loop {
+            let fetched = self.shared.is_some() && self.fetch_blob(&hex)?;
+            let mut m = self.lock_mounts();
+            // An entry means "mounted by us", also at count 0 (idle, kept as a cache).
+            let mounted = match m.get(&hex) {
+                Some(_) => Ok(self.mount_path(&hex)),
+                None => self.ensure_mounted(&hex),
+            };
+            match mounted {
+                Ok(mnt) => {
+                    *m.entry(hex.clone()).or_insert(0) += 1;
+                    drop(m);
+                    self.touch_blob(&hex);
+                    if fetched {
+                        self.trim_cache_quietly();
+                    }
+                    return Ok(mnt);
+                }
+                // Evicted between download and mount by a concurrent trim: fetch again.
+                Err(ImageError::NotFound(_)) if self.shared.is_some() && attempt < 2 => {
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// Drop a reference taken by [`ImageStore::acquire`]. The last one leaves the layer
@@ -1025,6 +1147,11 @@ impl ImageStore {
         if n == 0 {
             m.remove(&hex);
             return self.unmount(&hex);
+        }
+        if self.shared.is_some() && !self.blob_path(&hex).exists() {
+            drop(m);
+            self.fetch_blob(&hex)?;
+            m = self.lock_mounts();
         }
         self.ensure_mounted(&hex)?;
         m.insert(hex, n);
@@ -1202,6 +1329,16 @@ fn build_erofs(
 }
 
 /// sha256 of a file as lowercase hex, and its size.
+/// Makes the finished layer file `tmp` read-only and durable and moves it to `blob`.
+pub(crate) fn seal_blob(tmp: &Path, blob: &Path) -> Result<()> {
+    std::fs::set_permissions(tmp, std::fs::Permissions::from_mode(0o444))
+        .map_err(|e| ImageError::io("chmod", tmp, e))?;
+    File::open(tmp)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| ImageError::io("fsync", tmp, e))?;
+    std::fs::rename(tmp, blob).map_err(|e| ImageError::io("rename", blob, e))
+}
+
 fn hash_file(path: &Path, progress: &dyn Fn(ImportProgress)) -> Result<(String, u64)> {
     let mut f = File::open(path).map_err(|e| ImageError::io("open", path, e))?;
     let total = f
@@ -1315,6 +1452,7 @@ mod tests {
                 source: "/x.tar".into(),
                 layers: Vec::new(),
                 config: ImageConfig::default(),
+                shared: false,
             },
         );
         let s = serde_json::to_string(&r).unwrap_or_default();

@@ -35,6 +35,11 @@ pub struct NodeConfig {
     pub userns: Option<(u32, u32)>,
     /// OCI runtime for sandboxes of isolation level `oci` (`None`: level unavailable).
     pub oci_runtime: Option<PathBuf>,
+    /// The cluster's shared blob store (a directory path, `s3://...`, `http(s)://...`;
+    /// see `dsec-blob`); `None`: the node's image directory is the only store.
+    pub blob_store: Option<String>,
+    /// Size limit of the node's layer cache in bytes (with a shared store; `None`: none).
+    pub layer_cache_bytes: Option<u64>,
 }
 
 /// Size-limited sandbox disks (see `dsec-disk`).

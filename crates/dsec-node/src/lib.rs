@@ -137,12 +137,12 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
     ) -> Result<Image, NodeError>;
     /// Removes an image name.
     async fn remove_image(&self, name: &str) -> Result<(), NodeError>;
-    /// Removes build-cache refs older than `min_age` and the layers only they used;
-    /// returns the names removed and the bytes freed.
-    async fn gc_build_cache(
+    /// Removes build-cache refs older than `req.older_than_s` and the layers only they
+    /// used, trims the layer cache to its limit and, if asked, sweeps the shared store.
+    async fn gc_images(
         &self,
-        min_age: std::time::Duration,
-    ) -> Result<(Vec<String>, u64), NodeError>;
+        req: &dsec_wire::v1::GcRequest,
+    ) -> Result<dsec_wire::v1::GcResult, NodeError>;
     /// Names `source`'s layers and config `name` too.
     async fn tag_image(&self, source: &str, name: &str) -> Result<Image, NodeError>;
 }

@@ -45,7 +45,21 @@ impl LocalNode {
             crate::swap::ensure(path, *mb)?;
         }
         let cgroups = CgroupRoot::detect()?;
-        let images = Arc::new(ImageStore::open(cfg.images_dir())?);
+        let shared = match &cfg.blob_store {
+            Some(url) => {
+                let store = dsec_blob::open(url).map_err(dsec_image::ImageError::Shared)?;
+                tracing::info!(store = %store.url(), cache_limit = ?cfg.layer_cache_bytes, "shared blob store");
+                Some(Arc::from(store))
+            }
+            None => None,
+        };
+        let images = Arc::new(ImageStore::open_with(
+            cfg.images_dir(),
+            dsec_image::StoreOptions {
+                shared,
+                cache_limit: cfg.layer_cache_bytes,
+            },
+        )?);
         let backend: Arc<dyn Backend> =
             Arc::new(ContainerBackend::new(cfg.clone(), cgroups.clone())?);
         // Sandbox inits are re-parented to us when their intermediate process exits, so
@@ -114,43 +128,18 @@ impl LocalNode {
         self.sandboxes.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Resolves the sandbox's image and extra layer images into one stack (a layer named
-    /// twice stays only at its topmost place, which gives the same tree) and takes a
-    /// mount reference on each layer.
-    fn mount_layers(&self, spec: &NodeCreateSpec) -> Result<Layers, NodeError> {
-        let base = self.images.resolve(&spec.image)?;
-        let mut digests = base.layers.clone();
-        for name in &spec.layers {
-            digests.extend(self.images.resolve(name)?.layers);
-        }
-        let mut seen = HashSet::new();
-        let mut stack: Vec<String> = digests
-            .into_iter()
-            .rev()
-            .filter(|d| seen.insert(d.clone()))
-            .collect();
-        stack.reverse();
-        let digest = if spec.layers.is_empty() {
-            base.digest
-        } else {
-            dsec_image::image_digest(&stack)
-        };
-        let mut mounted = Vec::with_capacity(stack.len());
-        for d in stack {
-            match self.images.acquire(&d) {
-                Ok(mnt) => mounted.push((d, mnt)),
-                Err(e) => {
-                    for (d, _) in &mounted {
-                        let _ = self.images.release(d);
-                    }
-                    return Err(e.into());
-                }
-            }
-        }
-        Ok(Layers {
-            digest,
-            layers: mounted,
-        })
+    /// Runs an image-store call on a blocking thread: with a shared blob store it may
+    /// wait on the network.
+    async fn blocking<T, F>(&self, f: F) -> Result<T, NodeError>
+    where
+        F: FnOnce(Arc<ImageStore>) -> Result<T, dsec_image::ImageError> + Send + 'static,
+        T: Send + 'static,
+    {
+        let images = self.images.clone();
+        tokio::task::spawn_blocking(move || f(images))
+            .await
+            .map_err(join_err)?
+            .map_err(NodeError::from)
     }
 
     /// Requested CPU (millicores) and number of the sandboxes with a runtime record.
@@ -172,6 +161,48 @@ impl LocalNode {
     }
 }
 
+/// Resolves the sandbox's image and extra layer images into one stack (a layer named
+/// twice stays only at its topmost place, which gives the same tree) and takes a mount
+/// reference on each layer (downloading layers only the shared store holds).
+fn mount_layers(
+    images: &ImageStore,
+    spec: &NodeCreateSpec,
+) -> Result<Layers, dsec_image::ImageError> {
+    let base = images.resolve(&spec.image)?;
+    let mut digests = base.layers.clone();
+    for name in &spec.layers {
+        digests.extend(images.resolve(name)?.layers);
+    }
+    let mut seen = HashSet::new();
+    let mut stack: Vec<String> = digests
+        .into_iter()
+        .rev()
+        .filter(|d| seen.insert(d.clone()))
+        .collect();
+    stack.reverse();
+    let digest = if spec.layers.is_empty() {
+        base.digest
+    } else {
+        dsec_image::image_digest(&stack)
+    };
+    let mut mounted = Vec::with_capacity(stack.len());
+    for d in stack {
+        match images.acquire(&d) {
+            Ok(mnt) => mounted.push((d, mnt)),
+            Err(e) => {
+                for (d, _) in &mounted {
+                    let _ = images.release(d);
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok(Layers {
+        digest,
+        layers: mounted,
+    })
+}
+
 #[async_trait::async_trait]
 impl NodeApi for LocalNode {
     fn name(&self) -> &str {
@@ -188,7 +219,11 @@ impl NodeApi for LocalNode {
     async fn create(&self, spec: NodeCreateSpec) -> Result<NodeSandbox, NodeError> {
         let (live_cpu, live) = self.load();
         let _ticket = self.admission.admit(spec.cpu_millis, live_cpu, live)?;
-        let layers = self.mount_layers(&spec)?;
+        let layers = {
+            let spec = spec.clone();
+            self.blocking(move |images| mount_layers(&images, &spec))
+                .await?
+        };
         let backend = self.backend.clone();
         let spec2 = spec.clone();
         let layers2 = layers.clone();
@@ -346,7 +381,8 @@ impl NodeApi for LocalNode {
     }
 
     async fn image(&self, name: &str) -> Result<Image, NodeError> {
-        Ok(self.images.image_info(name)?)
+        let name = name.to_string();
+        self.blocking(move |images| images.image_info(&name)).await
     }
 
     async fn capacity(&self) -> Capacity {
@@ -355,7 +391,7 @@ impl NodeApi for LocalNode {
     }
 
     async fn list_images(&self) -> Result<Vec<Image>, NodeError> {
-        Ok(self.images.list()?)
+        self.blocking(|images| images.list()).await
     }
 
     async fn import_image(
@@ -384,23 +420,42 @@ impl NodeApi for LocalNode {
         Ok(img)
     }
 
-    async fn gc_build_cache(
+    async fn gc_images(
         &self,
-        min_age: std::time::Duration,
-    ) -> Result<(Vec<String>, u64), NodeError> {
-        let images = self.images.clone();
-        tokio::task::spawn_blocking(move || images.gc_prefix("build-cache/", min_age))
-            .await
-            .map_err(join_err)?
-            .map_err(NodeError::from)
+        req: &dsec_wire::v1::GcRequest,
+    ) -> Result<dsec_wire::v1::GcResult, NodeError> {
+        let req = req.clone();
+        self.blocking(move |images| {
+            let min_age = std::time::Duration::from_secs(req.older_than_s);
+            let (removed, freed_bytes) = images.gc_prefix("build-cache/", min_age)?;
+            let trim = images.trim_cache()?;
+            let shared = if req.shared_store {
+                let grace = std::time::Duration::from_secs(req.shared_grace_s.unwrap_or(3600));
+                images.gc_shared(grace)?
+            } else {
+                Default::default()
+            };
+            Ok(dsec_wire::v1::GcResult {
+                removed,
+                freed_bytes,
+                evicted: trim.evicted,
+                evicted_bytes: trim.freed_bytes,
+                shared_deleted: shared.deleted,
+                shared_freed_bytes: shared.freed_bytes,
+            })
+        })
+        .await
     }
 
     async fn tag_image(&self, source: &str, name: &str) -> Result<Image, NodeError> {
-        Ok(self.images.tag(source, name)?)
+        let (source, name) = (source.to_string(), name.to_string());
+        self.blocking(move |images| images.tag(&source, &name))
+            .await
     }
 
     async fn remove_image(&self, name: &str) -> Result<(), NodeError> {
-        self.images.remove(name)?;
-        Ok(())
+        let name = name.to_string();
+        self.blocking(move |images| images.remove(&name).map(|_| ()))
+            .await
     }
 }

@@ -456,22 +456,42 @@ pub struct BuildRequest {
     pub step_timeout_s: Option<f64>,
 }
 
-/// `POST /v1/images/gc`: drops build-cache layers.
+/// `POST /v1/images/gc`: drops build-cache layers, trims the node's layer cache to its
+/// limit and, if asked, deletes layers no image uses from the shared store.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GcRequest {
-    /// Keep cache entries younger than this many seconds (default 0: drop all).
+    /// Keep build-cache entries younger than this many seconds (default 0: drop all).
     #[serde(default)]
     pub older_than_s: u64,
+    /// Also delete from the shared blob store the layers no image there uses.
+    #[serde(default)]
+    pub shared_store: bool,
+    /// ... of those, only the ones written more than this many seconds ago (default 3600;
+    /// an import on another node uploads its layers before naming them).
+    #[serde(default)]
+    pub shared_grace_s: Option<u64>,
 }
 
 /// What a GC removed.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GcResult {
-    /// Refs removed.
+    /// Build-cache refs removed.
     pub removed: Vec<String>,
-    /// Bytes of layers deleted (layers other images or sandboxes use stay).
+    /// Bytes of their layers deleted (layers other images or sandboxes use stay).
     pub freed_bytes: u64,
+    /// Layers evicted from the node's cache (the shared store still holds them).
+    #[serde(default)]
+    pub evicted: Vec<String>,
+    /// Bytes those took.
+    #[serde(default)]
+    pub evicted_bytes: u64,
+    /// Layers deleted from the shared store.
+    #[serde(default)]
+    pub shared_deleted: Vec<String>,
+    /// Bytes those took.
+    #[serde(default)]
+    pub shared_freed_bytes: u64,
 }
 
 /// What a build did.

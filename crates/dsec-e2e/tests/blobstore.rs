@@ -1,0 +1,55 @@
+//! Blob stores against real backends: a directory, and an S3-compatible server on loopback.
+
+use dsec_e2e::s3::{server_bin, S3Server};
+
+#[test]
+fn dir_store_conformance() {
+    let d = tempfile::tempdir().expect("tempdir");
+    let store = dsec_blob::open(&d.path().join("store").display().to_string()).expect("open");
+    std::fs::create_dir(d.path().join("scratch")).expect("mkdir");
+    dsec_e2e::blob::conformance(store.as_ref(), &d.path().join("scratch"));
+    let left = std::fs::read_dir(d.path().join("store/.tmp"))
+        .expect("tmp")
+        .count();
+    assert_eq!(left, 0, "writes left temporary files");
+    assert!(dsec_blob::DirStore::open("relative").is_err());
+}
+
+#[test]
+fn s3_store_conformance_and_errors() {
+    let Some(bin) = server_bin() else { return };
+    let server = S3Server::start(&bin).expect("S3 server");
+    server.create_bucket("layers").expect("bucket");
+    for (k, v) in server.env() {
+        std::env::set_var(k, v);
+    }
+    let store = dsec_blob::open(&server.store_url("layers", "cluster-a")).expect("open");
+    let d = tempfile::tempdir().expect("tempdir");
+    dsec_e2e::blob::conformance(store.as_ref(), d.path());
+
+    // A second prefix in the same bucket is a separate store.
+    let other = dsec_blob::open(&server.store_url("layers", "cluster-b")).expect("open");
+    assert!(other.list("").expect("list").is_empty());
+
+    // A missing bucket and a dead server are clear errors, not hangs.
+    let missing = dsec_blob::open(&server.store_url("no-such-bucket", "x")).expect("open");
+    let e = missing
+        .put("k", b"v")
+        .expect_err("missing bucket")
+        .to_string();
+    assert!(
+        e.contains("no-such-bucket") || e.contains("NoSuchBucket"),
+        "{e}"
+    );
+    let url = server.store_url("layers", "cluster-a");
+    drop(server);
+    let dead = dsec_blob::open(&url).expect("open");
+    let started = std::time::Instant::now();
+    let e = dead.get("a").expect_err("dead server").to_string();
+    assert!(e.contains("put") || e.contains("get"), "{e}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(60),
+        "took {:?}",
+        started.elapsed()
+    );
+}

@@ -1,0 +1,236 @@
+//! Two nodes sharing one S3-compatible blob store (moto on loopback): an image imported on
+//! one node runs on the other, the second node's layer cache stays within its limit
+//! without ever evicting a mounted layer, removals and GC reach the whole cluster, and a
+//! corrupt layer in the store is refused with a clear error.
+
+use std::path::Path;
+
+use dsec_e2e::s3::{server_bin, S3Server};
+use dsec_e2e::{require_root, sh, Server};
+use dsec_wire::v1::{CreateSandboxRequest, GcRequest, ImportImageRequest};
+
+fn blobs(state: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(state.join("images/blobs/sha256"))
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.ends_with(".erofs"))
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+fn create_req(layers: &[&str]) -> CreateSandboxRequest {
+    CreateSandboxRequest {
+        image: Some("base".into()),
+        layers: layers.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_share_images_through_s3() {
+    if !require_root() {
+        return;
+    }
+    let Some(bin) = server_bin() else { return };
+    let s3 = S3Server::start(&bin).expect("S3 server");
+    s3.create_bucket("dsec").expect("bucket");
+    // The nodes inherit the credentials.
+    for (k, v) in s3.env() {
+        std::env::set_var(k, v);
+    }
+    let store_url = s3.store_url("dsec", "cluster");
+    let node_args = |parent: &'static str, cache_mb: &'static str| {
+        vec![
+            "--blob-store".to_string(),
+            store_url.clone(),
+            "--layer-cache-mb".into(),
+            cache_mb.into(),
+            "--cgroup-parent".into(),
+            parent.into(),
+            "--disk-pool".into(),
+            "1".into(),
+            "--no-network".into(),
+        ]
+    };
+    let a_args = node_args("dsec-shared-a", "0");
+    let a_args: Vec<&str> = a_args.iter().map(String::as_str).collect();
+    let a = Server::start_with("shared-a", true, &a_args)
+        .await
+        .expect("node a");
+    a.ensure_base(None).await.expect("base on a");
+    let ca = a.client();
+
+    // A toolkit layer, imported on node A.
+    let tool = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir_all(tool.path().join("opt/tool")).expect("mkdir");
+    std::fs::write(tool.path().join("opt/tool/hello.txt"), "hello from a\n").expect("write");
+    let tool_img = ca
+        .import_image(ImportImageRequest {
+            name: "toolkit/hello:1".into(),
+            source: tool.path().display().to_string(),
+            flatten: false,
+        })
+        .await
+        .expect("import tool");
+
+    // Node B starts empty, with a cache far smaller than the base layer.
+    let b_args = node_args("dsec-shared-b", "1");
+    let b_args: Vec<&str> = b_args.iter().map(String::as_str).collect();
+    let b = Server::start_with("shared-b", true, &b_args)
+        .await
+        .expect("node b");
+    let cb = b.client();
+    assert!(blobs(&b.state_dir).is_empty());
+    let names: Vec<String> = cb
+        .list_images()
+        .await
+        .expect("list on b")
+        .images
+        .into_iter()
+        .map(|i| i.name)
+        .collect();
+    assert!(
+        names.contains(&"base".to_string()) && names.contains(&"toolkit/hello:1".to_string()),
+        "node b sees {names:?}"
+    );
+
+    // B runs a sandbox of A's images: it downloads both layers and keeps them while mounted.
+    let sb = cb
+        .create_sandbox(create_req(&["toolkit/hello:1"]))
+        .await
+        .expect("create on b");
+    let out = cb
+        .exec(
+            &sb.id,
+            sh("cat /opt/tool/hello.txt; cat /etc/debian_version"),
+        )
+        .await
+        .expect("exec");
+    assert_eq!(out.exit.exit_code, Some(0), "{out:?}");
+    assert!(out.stdout.starts_with("hello from a\n"), "{out:?}");
+    assert_eq!(blobs(&b.state_dir).len(), 2, "both layers cached on b");
+    let gc = cb.gc_images(&GcRequest::default()).await.expect("gc on b");
+    assert!(gc.evicted.is_empty(), "mounted layers evicted: {gc:?}");
+    assert_eq!(blobs(&b.state_dir).len(), 2);
+
+    // Unused, the least recently used go until the cache fits its limit: the base layer
+    // (used first) goes, the small toolkit layer fits and stays. A new sandbox fetches
+    // the base again.
+    cb.delete_sandbox(&sb.id).await.expect("delete");
+    let tool_file = format!("{}.erofs", tool_img.digest.trim_start_matches("sha256:"));
+    let gc = cb.gc_images(&GcRequest::default()).await.expect("gc on b");
+    assert_eq!(gc.evicted.len(), 1, "{gc:?}");
+    assert!(gc.evicted_bytes > 1 << 20, "{gc:?}");
+    assert_eq!(blobs(&b.state_dir), vec![tool_file.clone()]);
+    let sb = cb
+        .create_sandbox(create_req(&["toolkit/hello:1"]))
+        .await
+        .expect("create again on b");
+    let out = cb
+        .exec(&sb.id, sh("cat /opt/tool/hello.txt"))
+        .await
+        .expect("exec");
+    assert_eq!(out.stdout, "hello from a\n");
+    cb.delete_sandbox(&sb.id).await.expect("delete");
+
+    // A removal on A reaches B, also where B holds a local copy of the ref.
+    ca.delete_image("toolkit/hello:1")
+        .await
+        .expect("remove on a");
+    let names: Vec<String> = cb
+        .list_images()
+        .await
+        .expect("list on b")
+        .images
+        .into_iter()
+        .map(|i| i.name)
+        .collect();
+    assert!(!names.contains(&"toolkit/hello:1".to_string()), "{names:?}");
+    let err = cb
+        .create_sandbox(create_req(&["toolkit/hello:1"]))
+        .await
+        .expect_err("removed image");
+    assert!(err.to_string().contains("toolkit/hello:1"), "{err}");
+    assert!(
+        !blobs(&b.state_dir).contains(&tool_file),
+        "the removed image's layer stayed"
+    );
+
+    // GC of the shared store deletes the layer no image uses, and only that one.
+    let gc = cb
+        .gc_images(&GcRequest {
+            shared_store: true,
+            shared_grace_s: Some(0),
+            ..Default::default()
+        })
+        .await
+        .expect("shared gc");
+    assert_eq!(gc.shared_deleted, vec![tool_img.digest.clone()], "{gc:?}");
+    let store = dsec_blob::open(&store_url).expect("open store");
+    let hex = tool_img.digest.trim_start_matches("sha256:");
+    assert!(store
+        .head(&dsec_image::shared::blob_key(hex))
+        .expect("head")
+        .is_none());
+
+    // A corrupt layer in the store is refused, not mounted.
+    let base = cb
+        .list_images()
+        .await
+        .expect("list")
+        .images
+        .into_iter()
+        .find(|i| i.name == "base")
+        .expect("base on b");
+    let base_hex = base.digest.trim_start_matches("sha256:").to_string();
+    let key = dsec_image::shared::blob_key(&base_hex);
+    let good = store.get(&key).expect("get").expect("base layer in store");
+    let mut bad = good.clone();
+    bad[4096] ^= 0xff;
+    store.put(&key, &bad).expect("corrupt");
+    cb.gc_images(&GcRequest::default()).await.expect("gc on b");
+    assert!(blobs(&b.state_dir).is_empty());
+    let err = cb
+        .create_sandbox(create_req(&[]))
+        .await
+        .expect_err("corrupt layer");
+    assert!(err.to_string().contains("digest"), "{err}");
+    assert!(blobs(&b.state_dir).is_empty(), "a corrupt layer was kept");
+    let tmp_left = std::fs::read_dir(b.state_dir.join("images/tmp"))
+        .expect("tmp")
+        .count();
+    assert_eq!(tmp_left, 0, "a failed download left files");
+    store.put(&key, &good).expect("repair");
+    let sb = cb.create_sandbox(create_req(&[])).await.expect("create");
+    cb.delete_sandbox(&sb.id).await.expect("delete");
+}
+
+#[test]
+fn serve_refuses_an_unusable_blob_store() {
+    if !require_root() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = std::process::Command::new(dsec_e2e::dsec_bin())
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:1",
+            "--blob-store",
+            "ftp://x/y",
+        ])
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .arg("--run-dir")
+        .arg(dir.path().join("run"))
+        .args(["--cgroup-parent", "dsec-shared-bad", "--no-network"])
+        .output()
+        .expect("run dsec serve");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unknown scheme"), "{err}");
+}

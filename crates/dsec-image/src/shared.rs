@@ -1,0 +1,373 @@
+//! The image store's link to a shared [`BlobStore`]: the cluster-wide home of layers and
+//! refs, with the node's `blobs/` directory as a size-limited cache in front of it.
+//!
+//! Keys in the shared store:
+//!
+//! ```text
+//! blobs/sha256/<hex>.erofs   a layer (immutable, named by the sha256 of its bytes)
+//! blobs/sha256/<hex>.json    its manifest: digest, size, compression, source, created
+//! refs/<name>/@ref.json      a named image: its layers, config, size, source, created
+//! ```
+//!
+//! (`@` cannot occur in a name, so `refs/a/@ref.json` and `refs/a/b/@ref.json` never clash.)
+//!
+//! Writes go blobs first, then the ref, so no node ever sees a ref whose layers are
+//! missing. A node reads a ref from the shared store on every resolve (a small object) so
+//! that re-pointed names are seen at once, and falls back to its local copy when the store
+//! does not have it (images imported before the store was configured) or cannot be reached.
+//! Layers are downloaded on first use, verified against their digest, and kept in the
+//! cache; the cache is trimmed to its limit least recently used first, skipping any layer
+//! that is mounted or that the shared store does not hold (it could not be fetched again).
+
+use std::collections::HashSet;
+use std::fs::File;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{hash_file, mountinfo, now_ms, parse_digest, ImageError, ImageStore, RefEntry, Result};
+
+/// Key of layer `hex` in the shared store.
+pub fn blob_key(hex: &str) -> String {
+    format!("blobs/sha256/{hex}.erofs")
+}
+
+/// Key of layer `hex`'s manifest in the shared store.
+pub fn manifest_key(hex: &str) -> String {
+    format!("blobs/sha256/{hex}.json")
+}
+
+/// Key of ref `name` in the shared store.
+pub fn ref_key(name: &str) -> String {
+    format!("refs/{name}/@ref.json")
+}
+
+/// What the shared store records of one layer next to its bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerManifest {
+    /// `sha256:<hex>` of the EROFS blob.
+    pub digest: String,
+    /// Its size in bytes.
+    pub size: u64,
+    /// How file data inside the EROFS image is compressed.
+    pub compression: String,
+    /// Where it came from (the image source or the node that built it).
+    pub source: String,
+    /// Unix milliseconds of the upload.
+    pub created_at: u64,
+}
+
+/// A ref as stored in the shared store: the local entry plus its name.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct SharedRef {
+    name: String,
+    #[serde(flatten)]
+    entry: RefEntry,
+}
+
+/// What [`ImageStore::trim_cache`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CacheTrim {
+    /// Layers removed from the node's cache (`sha256:<hex>`).
+    pub evicted: Vec<String>,
+    /// Bytes they took.
+    pub freed_bytes: u64,
+    /// Bytes the cache holds now.
+    pub cached_bytes: u64,
+}
+
+/// What [`ImageStore::gc_shared`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SharedGc {
+    /// Layers deleted from the shared store (`sha256:<hex>`).
+    pub deleted: Vec<String>,
+    /// Bytes they took.
+    pub freed_bytes: u64,
+}
+
+fn shared_err(e: dsec_blob::BlobError) -> ImageError {
+    ImageError::Shared(e)
+}
+
+impl ImageStore {
+    /// Uploads every layer of `layers` the shared store lacks (blob, then manifest).
+    /// Returns the layers' total size. Without a shared store, sizes come from local blobs.
+    pub(crate) fn push_layers(&self, layers: &[String], source: &str) -> Result<u64> {
+        let mut size = 0;
+        for l in layers {
+            let hex = parse_digest(l)?;
+            let local = std::fs::metadata(self.blob_path(&hex))
+                .ok()
+                .map(|m| m.len());
+            let Some(shared) = &self.shared else {
+                size += local.ok_or_else(|| ImageError::NotFound(l.clone()))?;
+                continue;
+            };
+            let remote = shared.head(&blob_key(&hex)).map_err(shared_err)?;
+            match (remote, local) {
+                (Some(info), _) => size += info.size,
+                (None, Some(len)) => {
+                    shared
+                        .upload(&blob_key(&hex), &self.blob_path(&hex))
+                        .map_err(shared_err)?;
+                    let manifest = LayerManifest {
+                        digest: format!("sha256:{hex}"),
+                        size: len,
+                        compression: "lz4hc".into(),
+                        source: source.to_string(),
+                        created_at: now_ms(),
+                    };
+                    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| {
+                        ImageError::InvalidImage {
+                            path: self.blob_path(&hex),
+                            message: e.to_string(),
+                        }
+                    })?;
+                    shared.put(&manifest_key(&hex), &json).map_err(shared_err)?;
+                    tracing::info!(digest = %l, size = len, store = %shared.url(), "layer uploaded");
+                    size += len;
+                }
+                (None, None) => return Err(ImageError::NotFound(l.clone())),
+            }
+        }
+        Ok(size)
+    }
+
+    /// Writes ref `name` to the shared store (after [`ImageStore::push_layers`]).
+    pub(crate) fn push_ref(&self, name: &str, entry: &RefEntry) -> Result<()> {
+        let Some(shared) = &self.shared else {
+            return Ok(());
+        };
+        let json = serde_json::to_vec_pretty(&SharedRef {
+            name: name.to_string(),
+            entry: RefEntry {
+                shared: false,
+                ..entry.clone()
+            },
+        })
+        .map_err(|e| ImageError::Refs {
+            path: self.root.join(ref_key(name)),
+            source: e,
+        })?;
+        shared.put(&ref_key(name), &json).map_err(shared_err)
+    }
+
+    /// Deletes ref `name` from the shared store; what it was, if there.
+    pub(crate) fn delete_shared_ref(&self, name: &str) -> Result<Option<RefEntry>> {
+        let Some(shared) = &self.shared else {
+            return Ok(None);
+        };
+        let had = self.fetch_shared_ref(name)?;
+        shared.delete(&ref_key(name)).map_err(shared_err)?;
+        Ok(had)
+    }
+
+    /// Ref `name` from the shared store, if configured and present. A corrupt or
+    /// misnamed object is logged and treated as absent.
+    pub(crate) fn fetch_shared_ref(&self, name: &str) -> Result<Option<RefEntry>> {
+        let Some(shared) = self.shared.as_ref() else {
+            return Ok(None);
+        };
+        let Some(bytes) = shared.get(&ref_key(name)).map_err(shared_err)? else {
+            return Ok(None);
+        };
+        match serde_json::from_slice::<SharedRef>(&bytes) {
+            Ok(r) if r.name == name => Ok(Some(r.entry)),
+            Ok(r) => {
+                tracing::warn!(name, found = %r.name, "shared ref names another image; ignored");
+                Ok(None)
+            }
+            Err(e) => {
+                tracing::warn!(name, error = %e, "shared ref is corrupt; ignored");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Every ref in the shared store (empty without one).
+    pub(crate) fn shared_refs(&self) -> Result<Vec<(String, RefEntry)>> {
+        let Some(shared) = &self.shared else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::new();
+        for obj in shared.list("refs/").map_err(shared_err)? {
+            let Some(name) = obj
+                .key
+                .strip_prefix("refs/")
+                .and_then(|k| k.strip_suffix("/@ref.json"))
+            else {
+                continue;
+            };
+            if let Some(mut entry) = self.fetch_shared_ref(name)? {
+                entry.shared = true;
+                out.push((name.to_string(), entry));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Makes layer `hex` present in the local cache: downloads it from the shared store
+    /// into `tmp/`, checks its sha256 and moves it into `blobs/`. No-op when cached.
+    /// Returns whether it downloaded (the caller then trims the cache, once the new layer
+    /// is mounted and so safe from eviction).
+    pub(crate) fn fetch_blob(&self, hex: &str) -> Result<bool> {
+        let blob = self.blob_path(hex);
+        if blob.exists() {
+            return Ok(false);
+        }
+        let Some(shared) = &self.shared else {
+            return Err(ImageError::NotFound(format!("sha256:{hex}")));
+        };
+        let work = self.tempdir("fetch-")?;
+        let tmp = work.path().join("layer.erofs");
+        let started = std::time::Instant::now();
+        let size = match shared.download(&blob_key(hex), &tmp) {
+            Ok(n) => n,
+            Err(dsec_blob::BlobError::NotFound { .. }) => {
+                return Err(ImageError::NotFound(format!("sha256:{hex}")))
+            }
+            Err(e) => return Err(shared_err(e)),
+        };
+        let (actual, _) = hash_file(&tmp, &|_| {})?;
+        if actual != hex {
+            return Err(ImageError::DigestMismatch {
+                path: self.root.join(blob_key(hex)),
+                what: format!("layer from {}", shared.url()),
+                expected: format!("sha256:{hex}"),
+                actual: format!("sha256:{actual}"),
+            });
+        }
+        crate::seal_blob(&tmp, &blob)?;
+        tracing::info!(
+            digest = %hex, size, ms = started.elapsed().as_millis() as u64,
+            store = %shared.url(), "layer fetched"
+        );
+        Ok(true)
+    }
+
+    /// Marks layer `hex` as just used (its cache entry's mtime orders eviction).
+    pub(crate) fn touch_blob(&self, hex: &str) {
+        if self.cache_limit.is_none() {
+            return;
+        }
+        let p = self.blob_path(hex);
+        if let Ok(f) = File::open(&p) {
+            let _ = f.set_modified(SystemTime::now());
+        }
+    }
+
+    pub(crate) fn trim_cache_quietly(&self) {
+        if let Err(e) = self.trim_cache() {
+            tracing::warn!(error = %e, "trimming the layer cache failed");
+        }
+    }
+
+    /// Brings the node's layer cache under its limit, least recently used first. Only
+    /// layers that are not mounted and that the shared store holds are removed; without a
+    /// limit or a shared store nothing is.
+    pub fn trim_cache(&self) -> Result<CacheTrim> {
+        let dir = self.root.join("blobs/sha256");
+        let mut entries: Vec<(SystemTime, String, u64)> = Vec::new();
+        let rd = std::fs::read_dir(&dir).map_err(|e| ImageError::io("read_dir", &dir, e))?;
+        for ent in rd.flatten() {
+            let name = ent.file_name().to_string_lossy().into_owned();
+            let Some(hex) = name.strip_suffix(".erofs") else {
+                continue;
+            };
+            let Ok(m) = ent.metadata() else { continue };
+            let used = m.modified().unwrap_or(UNIX_EPOCH);
+            entries.push((used, hex.to_string(), m.len()));
+        }
+        let mut cached: u64 = entries.iter().map(|e| e.2).sum();
+        let mut out = CacheTrim::default();
+        let (Some(limit), Some(shared)) = (self.cache_limit, &self.shared) else {
+            out.cached_bytes = cached;
+            return Ok(out);
+        };
+        entries.sort();
+        let mut mounts = self.lock_mounts();
+        for (_, hex, len) in entries {
+            if cached <= limit {
+                break;
+            }
+            if mounts.get(&hex).copied().unwrap_or(0) > 0 {
+                continue;
+            }
+            if shared.head(&blob_key(&hex)).map_err(shared_err)?.is_none() {
+                continue;
+            }
+            if mounts.remove(&hex).is_some() {
+                // An idle cached mount: drop it with the blob.
+                self.unmount(&hex)?;
+            }
+            let mnt = self.mount_path(&hex);
+            if mountinfo::is_mounted(&mnt)
+                .map_err(|e| ImageError::io("read mountinfo for", &mnt, e))?
+            {
+                continue;
+            }
+            let blob = self.blob_path(&hex);
+            match std::fs::remove_file(&blob) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(ImageError::io("unlink", &blob, e)),
+            }
+            let _ = std::fs::remove_dir(&mnt);
+            tracing::info!(digest = %hex, size = len, "layer evicted from the node cache");
+            cached -= len;
+            out.freed_bytes += len;
+            out.evicted.push(format!("sha256:{hex}"));
+        }
+        out.cached_bytes = cached;
+        Ok(out)
+    }
+
+    /// Deletes from the shared store every layer no shared ref uses and that was written
+    /// more than `grace` ago (so a layer uploaded for a ref not yet written survives).
+    /// Layers in use on this node stay too.
+    pub fn gc_shared(&self, grace: Duration) -> Result<SharedGc> {
+        let Some(shared) = &self.shared else {
+            return Ok(SharedGc::default());
+        };
+        let mut used: HashSet<String> = HashSet::new();
+        for (_, r) in self.shared_refs()? {
+            used.extend(r.layer_digests());
+        }
+        let mounted: HashSet<String> = self
+            .lock_mounts()
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(h, _)| format!("sha256:{h}"))
+            .collect();
+        let now = SystemTime::now();
+        let mut out = SharedGc::default();
+        for obj in shared.list("blobs/sha256/").map_err(shared_err)? {
+            let Some(hex) = obj
+                .key
+                .strip_prefix("blobs/sha256/")
+                .and_then(|k| k.strip_suffix(".erofs"))
+            else {
+                continue;
+            };
+            let digest = format!("sha256:{hex}");
+            let young = now
+                .duration_since(obj.modified)
+                .map(|age| age < grace)
+                .unwrap_or(true);
+            if used.contains(&digest) || mounted.contains(&digest) || young {
+                continue;
+            }
+            shared.delete(&obj.key).map_err(shared_err)?;
+            shared.delete(&manifest_key(hex)).map_err(shared_err)?;
+            tracing::info!(%digest, size = obj.size, "layer deleted from the shared store");
+            out.freed_bytes += obj.size;
+            out.deleted.push(digest);
+        }
+        Ok(out)
+    }
+
+    /// The shared store's URL, if one is configured.
+    pub fn shared_url(&self) -> Option<String> {
+        self.shared.as_ref().map(|s| s.url())
+    }
+}
