@@ -28,6 +28,83 @@ use crate::{ImageError, ImportPhase, ImportProgress};
 pub(crate) enum ArchiveKind {
     Tar,
     TarGz,
+    TarZst,
+}
+
+impl ArchiveKind {
+    /// The decompressed stream of `r`, `compressed` bytes long, cut off with an error past
+    /// [`expansion_limit`].
+    pub(crate) fn decoder<'a, R: Read + 'a>(
+        self,
+        r: R,
+        compressed: u64,
+    ) -> io::Result<Box<dyn Read + 'a>> {
+        let limit = expansion_limit(compressed);
+        Ok(match self {
+            ArchiveKind::Tar => Box::new(r),
+            ArchiveKind::TarGz => {
+                Box::new(Limited::new(flate2::read::MultiGzDecoder::new(r), limit))
+            }
+            ArchiveKind::TarZst => {
+                Box::new(Limited::new(zstd::stream::read::Decoder::new(r)?, limit))
+            }
+        })
+    }
+}
+
+/// Most a compressed archive may expand to, relative to its size: real tarballs stay far
+/// below (text ~5-10x); decompression bombs reach 1000x and more.
+pub(crate) const MAX_EXPANSION_RATIO: u64 = 100;
+/// Small archives may always expand to this much.
+pub(crate) const MIN_EXPANSION_LIMIT: u64 = 256 << 20;
+
+/// How many bytes a compressed stream of `compressed` bytes may expand to.
+pub(crate) fn expansion_limit(compressed: u64) -> u64 {
+    compressed
+        .saturating_mul(MAX_EXPANSION_RATIO)
+        .max(MIN_EXPANSION_LIMIT)
+}
+
+/// A decompressed stream with a size limit: reading past it fails, so a decompression
+/// bomb ends in a clear error instead of a full disk.
+pub(crate) struct Limited<R> {
+    inner: R,
+    left: u64,
+    limit: u64,
+}
+
+impl<R> Limited<R> {
+    pub(crate) fn new(inner: R, limit: u64) -> Self {
+        Self {
+            inner,
+            left: limit,
+            limit,
+        }
+    }
+
+    /// The wrapped reader.
+    pub(crate) fn into_inner(self) -> R {
+        self.inner
+    }
+}
+
+impl<R: Read> Read for Limited<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        if n as u64 > self.left {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "decompresses to more than {} bytes ({MAX_EXPANSION_RATIO}x its size, at \
+                     least {} MiB): refusing a likely decompression bomb",
+                    self.limit,
+                    MIN_EXPANSION_LIMIT >> 20
+                ),
+            ));
+        }
+        self.left -= n as u64;
+        Ok(n)
+    }
 }
 
 /// What to do with OCI whiteout entries (`.wh.NAME`, `.wh..wh..opq`).
@@ -56,7 +133,7 @@ const USER_OPAQUE_XATTR: &[u8] = b"user.overlay.opaque";
 /// Overlayfs metadata in user-namespaced mounts: an archive may not plant it either.
 const USER_OVERLAY_XATTR_PREFIX: &[u8] = b"user.overlay.";
 
-/// Sniff gzip magic or the `ustar` magic at offset 257.
+/// Sniff gzip or zstd magic or the `ustar` magic at offset 257, else go by the name.
 pub(crate) fn sniff(path: &Path) -> Result<Option<ArchiveKind>, ImageError> {
     let mut f = File::open(path).map_err(|e| ImageError::io("open", path, e))?;
     let mut head = [0u8; 512];
@@ -72,12 +149,18 @@ pub(crate) fn sniff(path: &Path) -> Result<Option<ArchiveKind>, ImageError> {
     if n >= 2 && head[0] == 0x1f && head[1] == 0x8b {
         return Ok(Some(ArchiveKind::TarGz));
     }
+    if n >= 4 && head[..4] == [0x28, 0xb5, 0x2f, 0xfd] {
+        return Ok(Some(ArchiveKind::TarZst));
+    }
     if n >= 262 && &head[257..262] == b"ustar" {
         return Ok(Some(ArchiveKind::Tar));
     }
     let name = path.file_name().and_then(|s| s.to_str()).unwrap_or("");
     if name.ends_with(".tar.gz") || name.ends_with(".tgz") {
         return Ok(Some(ArchiveKind::TarGz));
+    }
+    if name.ends_with(".tar.zst") || name.ends_with(".tzst") {
+        return Ok(Some(ArchiveKind::TarZst));
     }
     if name.ends_with(".tar") {
         return Ok(Some(ArchiveKind::Tar));
@@ -154,6 +237,31 @@ fn archive_err(archive: &Path, message: String) -> ImageError {
     }
 }
 
+/// Decompresses `archive` (of `kind`) into the new file `dest`, reporting extraction
+/// progress against the compressed size.
+pub(crate) fn decompress(
+    archive: &Path,
+    kind: ArchiveKind,
+    dest: &Path,
+    progress: &dyn Fn(ImportProgress),
+) -> Result<u64, ImageError> {
+    let f = File::open(archive).map_err(|e| ImageError::io("open", archive, e))?;
+    let total = f
+        .metadata()
+        .map_err(|e| ImageError::io("stat", archive, e))?
+        .len();
+    let counting = Counting::new(BufReader::with_capacity(1 << 20, f), total, progress);
+    let mut reader = kind
+        .decoder(counting, total)
+        .map_err(|e| ImageError::io("decompress", archive, e))?;
+    let mut out = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(dest)
+        .map_err(|e| ImageError::io("create", dest, e))?;
+    io::copy(&mut reader, &mut out).map_err(|e| archive_err(archive, format!("decompressing: {e}")))
+}
+
 /// Extract the tar file `archive` into the existing, empty directory `dest`. Returns whether
 /// the archive had an entry for the root directory itself (`./`).
 pub(crate) fn extract(
@@ -173,10 +281,9 @@ pub(crate) fn extract(
         bytes_total: Some(total),
     });
     let counting = Counting::new(BufReader::with_capacity(1 << 20, f), total, progress);
-    let reader: Box<dyn Read + '_> = match kind {
-        ArchiveKind::Tar => Box::new(counting),
-        ArchiveKind::TarGz => Box::new(flate2::read::GzDecoder::new(counting)),
-    };
+    let reader = kind
+        .decoder(counting, total)
+        .map_err(|e| ImageError::io("decompress", archive, e))?;
     let (had_root, _) = extract_from(reader, archive, dest, Whiteouts::Keep)?;
     Ok(had_root)
 }

@@ -527,7 +527,43 @@ impl ImageStore {
         flatten: bool,
         progress: &dyn Fn(ImportProgress),
     ) -> Result<Image> {
-        oci::import(self, name, source, flatten, progress)
+        oci::import(self, name, source, source, flatten, progress)
+    }
+
+    /// Imports whatever `source` is: an `.erofs` file (stored as is); a `docker save`
+    /// archive or OCI image layout, also gzip- or zstd-compressed (one layer per image
+    /// layer, or one with `flatten`); else a root file system (a directory or a tar,
+    /// tar.gz or tar.zst) as one layer.
+    pub fn import_path(
+        &self,
+        name: &str,
+        source: &Path,
+        flatten: bool,
+        progress: &dyn Fn(ImportProgress),
+    ) -> Result<Image> {
+        if source.extension().is_some_and(|e| e == "erofs") {
+            return self.import_blob(name, source);
+        }
+        if oci::sniff_oci(source) {
+            return self.import_oci(name, source, flatten, progress);
+        }
+        if source.is_file() {
+            if let Some(kind @ (extract::ArchiveKind::TarGz | extract::ArchiveKind::TarZst)) =
+                extract::sniff(source)?
+            {
+                if oci::sniff_compressed(source, kind) {
+                    validate_name(name)?;
+                    // Image archives are read by random access: decompress once into tmp/.
+                    let work = self.tempdir("unpack-")?;
+                    let tar = work.path().join("image.tar");
+                    extract::decompress(source, kind, &tar, progress)?;
+                    let img = oci::import(self, name, &tar, source, flatten, progress)?;
+                    drop(work);
+                    return Ok(img);
+                }
+            }
+        }
+        self.import(name, source, progress)
     }
 
     /// packdiff: stores a sandbox's overlayfs upper directory `upper` as a new layer and

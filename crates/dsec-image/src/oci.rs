@@ -8,7 +8,7 @@
 //!
 //! Everything read is verified while it is read: OCI blobs (and `docker save` members named
 //! by digest) against their digests, each layer's uncompressed tar against the config's
-//! `rootfs.diff_ids`. Layers are plain or gzip tars (sniffed); zstd is refused. Member paths
+//! `rootfs.diff_ids`. Layers are plain, gzip or zstd tars (sniffed). Member paths
 //! with `..` or a leading `/` are refused, JSON documents are limited to 16 MiB.
 //!
 //! Each layer is extracted into a fresh directory in overlayfs form (whiteouts become 0:0
@@ -29,7 +29,7 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use sha2::{Digest as _, Sha256};
 
-use crate::extract::{self, Counting, Whiteouts};
+use crate::extract::{self, expansion_limit, Counting, Limited, Whiteouts};
 use crate::{
     build_erofs, parse_digest, validate_name, Image, ImageConfig, ImageError, ImageStore,
     ImportPhase, ImportProgress, Result,
@@ -55,11 +55,47 @@ pub fn sniff_oci(path: &Path) -> bool {
                 .is_ok())
 }
 
-/// [`ImageStore::import_oci`].
+/// Whether the compressed tar `path` holds a `docker save` archive or an OCI layout
+/// rather than a root file system: its first entries are image metadata (`oci-layout`,
+/// `index.json`, `manifest.json`, `repositories`, `blobs/`) or layer directories named by
+/// a 64-hex id. Reads only the first entries' headers.
+pub(crate) fn sniff_compressed(path: &Path, kind: extract::ArchiveKind) -> bool {
+    let Ok(f) = File::open(path) else {
+        return false;
+    };
+    let size = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let Ok(dec) = kind.decoder(BufReader::new(f), size) else {
+        return false;
+    };
+    let mut ar = tar::Archive::new(dec);
+    let Ok(entries) = ar.entries() else {
+        return false;
+    };
+    for e in entries.take(4) {
+        let Ok(e) = e else { return false };
+        let Ok(p) = e.path() else { return false };
+        let s = p.to_string_lossy();
+        let s = s.trim_start_matches("./");
+        let first = s.split('/').next().unwrap_or("");
+        let first = first.strip_suffix(".json").unwrap_or(first);
+        if matches!(
+            s,
+            "oci-layout" | "index.json" | "manifest.json" | "repositories"
+        ) || s.starts_with("blobs/")
+            || (first.len() == 64 && first.bytes().all(|b| b.is_ascii_hexdigit()))
+        {
+            return true;
+        }
+    }
+    false
+}
+
+/// [`ImageStore::import_oci`]; `label` is what the image's `source` records.
 pub(crate) fn import(
     store: &ImageStore,
     name: &str,
     source: &Path,
+    label: &Path,
     flatten: bool,
     progress: &dyn Fn(ImportProgress),
 ) -> Result<Image> {
@@ -95,8 +131,8 @@ pub(crate) fn import(
         }
     }
 
-    let source_str = std::fs::canonicalize(source)
-        .unwrap_or_else(|_| source.to_path_buf())
+    let source_str = std::fs::canonicalize(label)
+        .unwrap_or_else(|_| label.to_path_buf())
         .display()
         .to_string();
     let mut created = Vec::new();
@@ -705,13 +741,6 @@ impl Source {
         let mut layers = Vec::new();
         for (i, d) in layer_descs.iter().enumerate() {
             let media = d.media_type.as_deref().unwrap_or_default();
-            if media.contains("zstd") {
-                return Err(self.invalid(format!(
-                    "layer {} has media type {media}: zstd-compressed layers are not supported \
-                     (use gzip or uncompressed layers)",
-                    i + 1
-                )));
-            }
             if !media.is_empty() && !media.contains("tar") {
                 return Err(self.invalid(format!(
                     "layer {} has unsupported media type {media}",
@@ -820,13 +849,6 @@ impl Source {
         let head = buf
             .fill_buf()
             .map_err(|e| ImageError::io("read", &origin, e))?;
-        if head.starts_with(ZSTD_MAGIC) {
-            return Err(self.invalid(format!(
-                "layer {} ({}) is zstd-compressed, which is not supported \
-                 (use gzip or uncompressed layers)",
-                layer.index, layer.member
-            )));
-        }
         let drain = |r: &mut dyn Read| {
             io::copy(r, &mut io::sink())
                 .map(drop)
@@ -835,13 +857,28 @@ impl Source {
                     message: e.to_string(),
                 })
         };
-        let (had_root, diff_hex, mut buf) = if head.starts_with(GZIP_MAGIC) {
-            let gz = flate2::read::MultiGzDecoder::new(buf);
+        let (had_root, diff_hex, mut buf) = if head.starts_with(ZSTD_MAGIC) {
+            let zst =
+                zstd::stream::read::Decoder::with_buffer(buf).map_err(|e| ImageError::Archive {
+                    path: origin.clone(),
+                    message: format!("zstd: {e}"),
+                })?;
+            let zst = Limited::new(zst, expansion_limit(size));
+            let (had_root, mut h) =
+                extract::extract_from(Hashing::new(zst), &origin, dest, whiteouts)?;
+            drain(&mut h)?;
+            let (zst, diff_hex, _) = h.finish();
+            (had_root, diff_hex, zst.into_inner().finish())
+        } else if head.starts_with(GZIP_MAGIC) {
+            let gz = Limited::new(
+                flate2::read::MultiGzDecoder::new(buf),
+                expansion_limit(size),
+            );
             let (had_root, mut h) =
                 extract::extract_from(Hashing::new(gz), &origin, dest, whiteouts)?;
             drain(&mut h)?;
             let (gz, diff_hex, _) = h.finish();
-            (had_root, diff_hex, gz.into_inner())
+            (had_root, diff_hex, gz.into_inner().into_inner())
         } else {
             let (had_root, mut h) =
                 extract::extract_from(Hashing::new(buf), &origin, dest, whiteouts)?;

@@ -231,6 +231,29 @@ fn gzip(data: &[u8]) -> Vec<u8> {
     enc.finish().expect("gzip")
 }
 
+fn zstd(data: &[u8]) -> Vec<u8> {
+    zstd::stream::encode_all(data, 3).expect("zstd")
+}
+
+/// A gzip tar holding one 300 MiB file of zeros: about 300 KiB, a 1000x expansion.
+fn gzip_bomb() -> Vec<u8> {
+    let size: u64 = 300 << 20;
+    let mut h = tar::Header::new_ustar();
+    h.set_path("zeros").expect("path");
+    h.set_size(size);
+    h.set_mode(0o644);
+    h.set_entry_type(tar::EntryType::Regular);
+    h.set_cksum();
+    let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    enc.write_all(h.as_bytes()).expect("gzip");
+    let chunk = vec![0u8; 1 << 20];
+    for _ in 0..(size >> 20) {
+        enc.write_all(&chunk).expect("gzip");
+    }
+    enc.write_all(&[0u8; 1024]).expect("gzip");
+    enc.finish().expect("gzip")
+}
+
 fn sha256_hex(data: &[u8]) -> String {
     hex::encode(Sha256::digest(data))
 }
@@ -572,7 +595,13 @@ fn oci_members(layers: &Layers, config: &Value, media_types: &[&str]) -> Vec<(St
     let config_bytes = serde_json::to_vec(config).expect("json");
     let mut layer_descs = Vec::new();
     for (i, plain) in layers.plain.iter().enumerate() {
-        let data = if i == 0 { plain.clone() } else { gzip(plain) };
+        let data = if i == 0 {
+            plain.clone()
+        } else if media_types[i].ends_with("zstd") {
+            zstd(plain)
+        } else {
+            gzip(plain)
+        };
         layer_descs.push(descriptor(media_types[i], &data));
         blobs.push(data);
     }
@@ -1029,22 +1058,15 @@ fn bad_images_fail_cleanly() {
         matches!(e, ImageError::DigestMismatch { what, .. } if what.contains("layer 1") && what.contains("blob"))
     }));
 
-    // OCI: zstd layers are refused with a clear message.
-    let zstd = oci_members(
-        &layers,
-        &config,
-        &[
-            oci_types[0],
-            "application/vnd.oci.image.layer.v1.tar+zstd",
-            oci_types[2],
-        ],
-    );
-    let p = d.join("zstd");
-    write_dir(&p, &zstd);
+    // A decompression bomb as layer 2.
+    let mut bomb_layers = build_layers(&spec);
+    bomb_layers.stored[1] = gzip_bomb();
+    let p = d.join("bomb.tar");
+    write_tar(&p, &docker_members(&bomb_layers, &config));
     cases.push((
-        "zstd layer",
+        "gzip bomb layer",
         p,
-        |e| matches!(e, ImageError::InvalidImage { message, .. } if message.contains("zstd")),
+        |e| matches!(e, ImageError::Archive { message, .. } if message.contains("decompression bomb")),
     ));
 
     // Neither format.
@@ -1078,4 +1100,85 @@ fn bad_images_fail_cleanly() {
     // The good image is intact.
     let img = s.resolve("good").expect("resolve");
     assert_eq!(img.layers.len(), 3);
+}
+
+#[test]
+fn compressed_archives_and_zstd_layers() {
+    let Some(ts) = store("compressed_archives_and_zstd_layers") else {
+        return;
+    };
+    let s = &ts.store;
+    let d = ts.dir.path();
+    let spec = sample_layers();
+    let layers = build_layers(&spec);
+    let diff_ids: Vec<String> = layers.plain.iter().map(|t| sha256_hex(t)).collect();
+    let config = sample_config(&diff_ids);
+    let want = expected(&spec);
+
+    // `docker save`, then `| gzip` and `| zstd`: the same image three times.
+    let plain = d.join("image.tar");
+    write_tar(&plain, &docker_members(&layers, &config));
+    let bytes = std::fs::read(&plain).expect("read");
+    let gz = d.join("image.tar.gz");
+    std::fs::write(&gz, gzip(&bytes)).expect("write");
+    let zst = d.join("image.tar.zst");
+    std::fs::write(&zst, zstd(&bytes)).expect("write");
+    let a = s
+        .import_path("plain", &plain, false, &|_| {})
+        .expect("plain");
+    let b = s
+        .import_path("gz", &gz, false, &|_| {})
+        .expect("gzip archive");
+    let c = s
+        .import_path("zst", &zst, false, &|_| {})
+        .expect("zstd archive");
+    assert_eq!(a.layers.len(), 3);
+    assert_eq!(a.layers, b.layers);
+    assert_eq!(a.layers, c.layers);
+    assert_eq!(c.config, sample_image_config());
+    assert!(c.source.ends_with("image.tar.zst"), "{}", c.source);
+    let ov = Overlay::mount(s, &c.layers, &d.join("merged-zst"));
+    assert_tree(&snapshot(&ov.path), &want, "zstd docker archive");
+    drop(ov);
+
+    // An OCI layout whose layers are zstd (and gzip) compressed.
+    let members = oci_members(
+        &layers,
+        &config,
+        &[
+            "application/vnd.oci.image.layer.v1.tar",
+            "application/vnd.oci.image.layer.v1.tar+zstd",
+            "application/vnd.oci.image.layer.v1.tar+gzip",
+        ],
+    );
+    let layout = d.join("layout-zstd");
+    write_dir(&layout, &members);
+    check_import(&ts, "oci-zstd", &layout, &want);
+    assert_eq!(s.resolve("oci-zstd").expect("resolve").layers, a.layers);
+
+    // A root file system as .tar.zst gives the very layer its .tar gives.
+    let rootfs_tar = d.join("rootfs.tar");
+    std::fs::write(&rootfs_tar, layer_tar(&spec[0])).expect("write");
+    let rootfs_zst = d.join("rootfs.tar.zst");
+    std::fs::write(&rootfs_zst, zstd(&layers.plain[0])).expect("write");
+    let r1 = s
+        .import_path("rootfs", &rootfs_tar, false, &|_| {})
+        .expect("tar");
+    let r2 = s
+        .import_path("rootfs-zst", &rootfs_zst, false, &|_| {})
+        .expect("tar.zst");
+    assert_eq!(r1.digest, r2.digest);
+
+    // A decompression bomb as a root file system: refused, nothing kept.
+    let refs_before = s.list().expect("list");
+    let blobs_before = blobs(s);
+    let bomb = d.join("bomb.tar.gz");
+    std::fs::write(&bomb, gzip_bomb()).expect("write");
+    let e = s
+        .import_path("bomb", &bomb, false, &|_| {})
+        .expect_err("bomb");
+    assert!(e.to_string().contains("decompression bomb"), "{e}");
+    assert_eq!(s.list().expect("list"), refs_before);
+    assert_eq!(blobs(s), blobs_before);
+    assert!(tmp_entries(s).is_empty(), "{:?}", tmp_entries(s));
 }

@@ -403,17 +403,8 @@ impl NodeApi for LocalNode {
         let images = self.images.clone();
         let name = name.to_string();
         let source = source.to_path_buf();
-        // A ready EROFS blob is stored as is; docker/OCI images keep their layers;
-        // root file systems (directories, tarballs) are built into one layer.
-        let is_blob = source.extension().is_some_and(|e| e == "erofs");
         let img = tokio::task::spawn_blocking(move || {
-            if is_blob {
-                images.import_blob(&name, &source)
-            } else if dsec_image::oci::sniff_oci(&source) {
-                images.import_oci(&name, &source, flatten, &|_| {})
-            } else {
-                images.import(&name, &source, &|_| {})
-            }
+            images.import_path(&name, &source, flatten, &|_| {})
         })
         .await
         .map_err(join_err)??;
