@@ -83,24 +83,25 @@ pub async fn run(client: &Client, cmd: ImageCommand, json: bool) -> anyhow::Resu
                 .to_str()
                 .with_context(|| format!("{} is not valid UTF-8", source.display()))?
                 .to_owned();
-            let spinner = (!json && std::io::stderr().is_terminal()).then(|| {
+            let bar = (!json && std::io::stderr().is_terminal()).then(|| {
                 let pb = ProgressBar::new_spinner();
-                let style = ProgressStyle::with_template("{spinner} importing {msg} ({elapsed})")
-                    .unwrap_or_else(|_| ProgressStyle::default_spinner());
-                pb.set_style(style);
-                pb.set_message(format!("{name} from {source}"));
+                pb.set_style(spinner_style());
+                pb.set_message(format!("importing {name}"));
                 pb.enable_steady_tick(Duration::from_millis(100));
                 pb
             });
             let started = std::time::Instant::now();
-            let result = client
-                .import_image(ImportImageRequest {
-                    name,
+            let result = import_with_progress(
+                client,
+                ImportImageRequest {
+                    name: name.clone(),
                     source,
                     flatten,
-                })
-                .await;
-            if let Some(pb) = spinner {
+                },
+                bar.as_ref(),
+            )
+            .await;
+            if let Some(pb) = bar {
                 pb.finish_and_clear();
             }
             let image = result?;
@@ -144,4 +145,58 @@ pub async fn run(client: &Client, cmd: ImageCommand, json: bool) -> anyhow::Resu
         }
     }
     Ok(())
+}
+
+fn spinner_style() -> ProgressStyle {
+    ProgressStyle::with_template("{spinner} {msg} {bytes} ({elapsed})")
+        .unwrap_or_else(|_| ProgressStyle::default_spinner())
+}
+
+fn bar_style() -> ProgressStyle {
+    ProgressStyle::with_template(
+        "{msg:>10} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta} ({elapsed})",
+    )
+    .map(|s| s.progress_chars("=> "))
+    .unwrap_or_else(|_| ProgressStyle::default_bar())
+}
+
+/// Runs an import through the progress stream, showing each phase on `bar`: a bar where
+/// the phase's size is known (reading the source, hashing, storing), bytes written
+/// otherwise (building the layer).
+async fn import_with_progress(
+    client: &Client,
+    req: ImportImageRequest,
+    bar: Option<&ProgressBar>,
+) -> anyhow::Result<dsec_wire::v1::Image> {
+    use dsec_wire::v1::ImportEvent;
+    use futures::StreamExt;
+    let mut events = client.import_image_stream(req).await?;
+    let mut phase = String::new();
+    while let Some(ev) = events.next().await {
+        match ev.context("reading import progress")? {
+            ImportEvent::Progress {
+                phase: p,
+                bytes_done,
+                bytes_total,
+            } => {
+                let Some(pb) = bar else { continue };
+                if p != phase {
+                    pb.set_style(if bytes_total.is_some() {
+                        bar_style()
+                    } else {
+                        spinner_style()
+                    });
+                    pb.set_message(p.clone());
+                    phase = p;
+                }
+                if let Some(total) = bytes_total {
+                    pb.set_length(total);
+                }
+                pb.set_position(bytes_done);
+            }
+            ImportEvent::Done { image } => return Ok(image),
+            ImportEvent::Error { error } => return Err(dsec_client::ClientError::Api(error).into()),
+        }
+    }
+    anyhow::bail!("the server ended the import stream without a result")
 }

@@ -39,10 +39,10 @@ use dsec_wire::error::ErrorBody;
 use dsec_wire::v1::{
     BuildRequest, BuildResult, CommitRequest, CreateSandboxRequest, CreateSessionRequest,
     ExecRequest, ExecResult, FileInfo, FileList, GcRequest, GcResult, Health, Image, ImageList,
-    ImportImageRequest, JobResult, MkdirRequest, NetworkPolicy, PauseResult, ProcessInfo,
-    ProcessList, PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList,
-    SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest,
-    StdinRequest, WriteResult, API_KEY_HEADER,
+    ImportEvent, ImportImageRequest, JobResult, MkdirRequest, NetworkPolicy, PauseResult,
+    ProcessInfo, ProcessList, PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo,
+    SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
+    StartProcessRequest, StdinRequest, WriteResult, API_KEY_HEADER,
 };
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
@@ -514,6 +514,16 @@ impl Client {
     /// `POST /v1/images`: imports a directory or tarball found on the server's host.
     pub async fn import_image(&self, req: ImportImageRequest) -> Result<Image, ClientError> {
         Self::json(self.post(&["images"], &req)).await
+    }
+
+    /// `POST /v1/images/import/stream`: the import with its progress events; the last
+    /// is `Done` or `Error`.
+    pub async fn import_image_stream(
+        &self,
+        req: ImportImageRequest,
+    ) -> Result<BoxStream<'static, Result<ImportEvent, ClientError>>, ClientError> {
+        let resp = Self::send(self.post(&["images", "import", "stream"], &req)).await?;
+        Ok(ndjson::events(resp))
     }
 
     /// `POST /v1/images/gc`: drops build-cache entries, trims the layer cache, and

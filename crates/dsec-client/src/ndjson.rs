@@ -1,26 +1,41 @@
-//! Decoding of NDJSON event streams (`application/x-ndjson`, one `ExecEvent` per line).
+//! Decoding of NDJSON event streams (`application/x-ndjson`, one event per line: an
+//! `ExecEvent` of exec and process output, an `ImportEvent` of an image import).
+
+use std::marker::PhantomData;
 
 use bytes::{Buf, BytesMut};
 use dsec_wire::v1::ExecEvent;
+use futures::stream::BoxStream;
 use futures::StreamExt;
+use serde::de::DeserializeOwned;
 
-use crate::{ClientError, EventStream};
+use crate::ClientError;
 
-/// Splits bytes that arrive in arbitrary chunks into lines and decodes each line as an
-/// [`ExecEvent`]. Blank lines are skipped.
-#[derive(Debug, Default)]
-pub struct NdjsonDecoder {
+/// Splits bytes that arrive in arbitrary chunks into lines and decodes each line as a `T`
+/// (an [`ExecEvent`] by default). Blank lines are skipped.
+#[derive(Debug)]
+pub struct NdjsonDecoder<T = ExecEvent> {
     buf: BytesMut,
+    _event: PhantomData<fn() -> T>,
 }
 
-impl NdjsonDecoder {
+impl<T> Default for NdjsonDecoder<T> {
+    fn default() -> Self {
+        Self {
+            buf: BytesMut::new(),
+            _event: PhantomData,
+        }
+    }
+}
+
+impl<T: DeserializeOwned> NdjsonDecoder<T> {
     /// Appends a chunk.
     pub fn push(&mut self, chunk: &[u8]) {
         self.buf.extend_from_slice(chunk);
     }
 
     /// The next complete line's event, if a whole line is buffered.
-    pub fn next_event(&mut self) -> Option<Result<ExecEvent, ClientError>> {
+    pub fn next_event(&mut self) -> Option<Result<T, ClientError>> {
         loop {
             let pos = self.buf.iter().position(|&b| b == b'\n')?;
             let line = self.buf.split_to(pos + 1);
@@ -31,13 +46,13 @@ impl NdjsonDecoder {
     }
 
     /// At end of input: the event of a final line without a trailing newline, if any.
-    pub fn finish(&mut self) -> Option<Result<ExecEvent, ClientError>> {
+    pub fn finish(&mut self) -> Option<Result<T, ClientError>> {
         let rest = std::mem::take(&mut self.buf);
         decode_line(rest.chunk())
     }
 }
 
-fn decode_line(line: &[u8]) -> Option<Result<ExecEvent, ClientError>> {
+fn decode_line<T: DeserializeOwned>(line: &[u8]) -> Option<Result<T, ClientError>> {
     if line.iter().all(u8::is_ascii_whitespace) {
         return None;
     }
@@ -47,15 +62,17 @@ fn decode_line(line: &[u8]) -> Option<Result<ExecEvent, ClientError>> {
     }))
 }
 
-struct State {
-    body: futures::stream::BoxStream<'static, reqwest::Result<bytes::Bytes>>,
-    decoder: NdjsonDecoder,
+struct State<T> {
+    body: BoxStream<'static, reqwest::Result<bytes::Bytes>>,
+    decoder: NdjsonDecoder<T>,
     done: bool,
 }
 
 /// The events of an NDJSON response body. A transport error ends the stream after it is
 /// yielded.
-pub(crate) fn events(resp: reqwest::Response) -> EventStream {
+pub(crate) fn events<T: DeserializeOwned + Send + 'static>(
+    resp: reqwest::Response,
+) -> BoxStream<'static, Result<T, ClientError>> {
     let state = State {
         body: resp.bytes_stream().boxed(),
         decoder: NdjsonDecoder::default(),
@@ -98,7 +115,7 @@ mod tests {
             r#""stdout_bytes":3,"stderr_bytes":0,"stdout_truncated":false,"stderr_truncated":false,"oom_killed":false}"#
         );
         // Feed one byte at a time: every split point is exercised.
-        let mut d = NdjsonDecoder::default();
+        let mut d = NdjsonDecoder::<ExecEvent>::default();
         let mut events = Vec::new();
         for b in text.as_bytes() {
             d.push(std::slice::from_ref(b));
@@ -125,7 +142,7 @@ mod tests {
 
     #[test]
     fn garbage_is_a_decode_error() {
-        let mut d = NdjsonDecoder::default();
+        let mut d = NdjsonDecoder::<ExecEvent>::default();
         d.push(b"not json\n");
         assert!(matches!(d.next_event(), Some(Err(ClientError::Decode(_)))));
     }

@@ -9,9 +9,9 @@ use bytes::Bytes;
 use dsec_wire::v1::{
     BuildRequest, BuildResult, CommitRequest, CreateSandboxRequest, CreateSessionRequest,
     ExecEvent, ExecRequest, ExecResult, FileInfo, FileList, GcRequest, GcResult, Health, Image,
-    ImageList, ImportImageRequest, JobResult, MkdirRequest, NetworkPolicy, PauseResult,
-    ProcessInfo, ProcessList, PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo,
-    SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
+    ImageList, ImportEvent, ImportImageRequest, JobResult, MkdirRequest, NetworkPolicy,
+    PauseResult, ProcessInfo, ProcessList, PtySize, RenameRequest, Sandbox, SandboxList,
+    SessionInfo, SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
     StartProcessRequest, StdinRequest, WriteResult,
 };
 use dsec_wire::ApiError;
@@ -22,6 +22,9 @@ pub type ByteStream = BoxStream<'static, Result<Bytes, ApiError>>;
 
 /// A stream of exec/process events; the last item is `Exit`, `End` or `Error`.
 pub type EventStream = BoxStream<'static, ExecEvent>;
+
+/// Progress of an image import; the last item is `Done` or `Error`.
+pub type ImportStream = BoxStream<'static, ImportEvent>;
 
 /// Result type of the API.
 pub type ApiResult<T> = Result<T, ApiError>;
@@ -140,6 +143,16 @@ pub trait SandboxApi: Send + Sync + 'static {
     async fn list_images(&self) -> ApiResult<ImageList>;
     /// `POST /v1/images`.
     async fn import_image(&self, req: ImportImageRequest) -> ApiResult<Image>;
+    /// `POST /v1/images/import/stream`: the import with its progress. Bad requests fail
+    /// before the stream starts; a failed import ends it with `Error`. The default runs
+    /// [`SandboxApi::import_image`] and reports only its end.
+    async fn import_image_stream(&self, req: ImportImageRequest) -> ApiResult<ImportStream> {
+        let end = match self.import_image(req).await {
+            Ok(image) => ImportEvent::Done { image },
+            Err(error) => ImportEvent::Error { error },
+        };
+        Ok(Box::pin(futures::stream::once(async move { end })))
+    }
     /// `DELETE /v1/images/{name}`.
     async fn delete_image(&self, name: &str) -> ApiResult<()>;
 }

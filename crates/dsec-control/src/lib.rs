@@ -13,5 +13,5 @@ mod convert;
 pub mod plane;
 mod validate;
 
-pub use api::{ApiResult, ByteStream, EventStream, SandboxApi};
+pub use api::{ApiResult, ByteStream, EventStream, ImportStream, SandboxApi};
 pub use plane::{ControlConfig, ControlPlane};

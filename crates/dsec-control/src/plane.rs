@@ -18,7 +18,7 @@ use rand::Rng;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::api::{ApiResult, ByteStream, EventStream, SandboxApi};
+use crate::api::{ApiResult, ByteStream, EventStream, ImportStream, SandboxApi};
 use crate::convert::{error_event, Converted, EventConverter};
 use crate::validate;
 
@@ -1364,20 +1364,38 @@ impl SandboxApi for ControlPlane {
     }
 
     async fn import_image(&self, req: ImportImageRequest) -> ApiResult<Image> {
-        let source = PathBuf::from(&req.source);
-        if !source.is_absolute() {
-            return Err(ApiError::new(
-                ErrorCode::BadRequest,
-                format!(
-                    "source {:?} must be an absolute path on the server",
-                    req.source
-                ),
-            ));
-        }
+        let source = import_source(&req)?;
         self.node
-            .import_image(&req.name, &source, req.flatten)
+            .import_image(&req.name, &source, req.flatten, None)
             .await
             .map_err(ApiError::from)
+    }
+
+    async fn import_image_stream(&self, req: ImportImageRequest) -> ApiResult<ImportStream> {
+        let source = import_source(&req)?;
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let progress_tx = tx.clone();
+        let sink: dsec_node::ImportProgressSink = Arc::new(move |ev| {
+            let _ = progress_tx.send(ev);
+        });
+        let node = self.node.clone();
+        // The import runs to its end even if the client goes away: it then either stores
+        // the image or leaves nothing behind.
+        tokio::spawn(async move {
+            let end = match node
+                .import_image(&req.name, &source, req.flatten, Some(sink))
+                .await
+            {
+                Ok(image) => ImportEvent::Done { image },
+                Err(e) => ImportEvent::Error {
+                    error: ApiError::from(e),
+                },
+            };
+            let _ = tx.send(end);
+        });
+        Ok(Box::pin(
+            tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
+        ))
     }
 
     async fn delete_image(&self, name: &str) -> ApiResult<()> {
@@ -1388,3 +1406,18 @@ impl SandboxApi for ControlPlane {
 /// Keeps `agent` in the dependency graph explicit for readers: the protocol version this
 /// control plane speaks.
 pub const AGENT_PROTOCOL: u32 = agent::PROTOCOL_VERSION;
+
+/// The source path of an import request: absolute, on the server.
+fn import_source(req: &ImportImageRequest) -> ApiResult<PathBuf> {
+    let source = PathBuf::from(&req.source);
+    if !source.is_absolute() {
+        return Err(ApiError::new(
+            ErrorCode::BadRequest,
+            format!(
+                "source {:?} must be an absolute path on the server",
+                req.source
+            ),
+        ));
+    }
+    Ok(source)
+}

@@ -10,7 +10,7 @@ use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use dsec_control::{ByteStream, EventStream, SandboxApi};
+use dsec_control::{ByteStream, SandboxApi};
 use dsec_wire::v1::{
     CommitRequest, CreateSandboxRequest, CreateSessionRequest, ExecRequest, FileInfo,
     ImportImageRequest, MkdirRequest, NetworkPolicy, PtySize, RenameRequest, SessionRunRequest,
@@ -46,9 +46,12 @@ fn no_content(_: ()) -> Response {
     StatusCode::NO_CONTENT.into_response()
 }
 
-/// NDJSON, one [`dsec_wire::v1::ExecEvent`] per line; each event is its own body chunk,
-/// so hyper flushes it as soon as it is produced.
-fn ndjson(events: EventStream) -> Response {
+/// NDJSON, one event per line ([`dsec_wire::v1::ExecEvent`] or
+/// [`dsec_wire::v1::ImportEvent`]); each event is its own body chunk, so hyper flushes it
+/// as soon as it is produced.
+fn ndjson<E: serde::Serialize + Send + 'static>(
+    events: futures::stream::BoxStream<'static, E>,
+) -> Response {
     let body = Body::from_stream(events.map(|ev| {
         let mut line = serde_json::to_vec(&ev).unwrap_or_else(|e| {
             // Unreachable for these plain types; keep the stream well-formed anyway.
@@ -557,6 +560,14 @@ pub async fn import_image(
     Json(req): Json<ImportImageRequest>,
 ) -> HttpResult<Response> {
     Ok(created(api.import_image(req).await?))
+}
+
+/// `POST /v1/images/import/stream` (NDJSON progress, then `done` or `error`).
+pub async fn import_image_stream(
+    State(api): Api,
+    Json(req): Json<ImportImageRequest>,
+) -> HttpResult<Response> {
+    Ok(ndjson(api.import_image_stream(req).await?))
 }
 
 /// `POST /v1/images/gc`.

@@ -199,6 +199,18 @@ pub enum ImportPhase {
     Storing,
 }
 
+impl ImportPhase {
+    /// Its name on the wire (`extracting`, `building`, `hashing`, `storing`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ImportPhase::Extracting => "extracting",
+            ImportPhase::Building => "building",
+            ImportPhase::Hashing => "hashing",
+            ImportPhase::Storing => "storing",
+        }
+    }
+}
+
 /// One progress report of [`ImageStore::import`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ImportProgress {

@@ -86,6 +86,9 @@ pub struct NodeSandbox {
 }
 
 /// The node as the control plane sees it.
+/// Receives the progress of an image import, as wire `Progress` events.
+pub type ImportProgressSink = std::sync::Arc<dyn Fn(dsec_wire::v1::ImportEvent) + Send + Sync>;
+
 #[async_trait::async_trait]
 pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
     /// Node name.
@@ -128,12 +131,13 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
     async fn list_images(&self) -> Result<Vec<Image>, NodeError>;
     /// One image by name or digest.
     async fn image(&self, name: &str) -> Result<Image, NodeError>;
-    /// Imports an image from a path on this machine.
+    /// Imports an image from a path on this machine, reporting progress to `progress`.
     async fn import_image(
         &self,
         name: &str,
         source: &std::path::Path,
         flatten: bool,
+        progress: Option<ImportProgressSink>,
     ) -> Result<Image, NodeError>;
     /// Removes an image name.
     async fn remove_image(&self, name: &str) -> Result<(), NodeError>;

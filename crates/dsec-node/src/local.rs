@@ -399,12 +399,22 @@ impl NodeApi for LocalNode {
         name: &str,
         source: &Path,
         flatten: bool,
+        progress: Option<crate::ImportProgressSink>,
     ) -> Result<Image, NodeError> {
         let images = self.images.clone();
         let name = name.to_string();
         let source = source.to_path_buf();
         let img = tokio::task::spawn_blocking(move || {
-            images.import_path(&name, &source, flatten, &|_| {})
+            let report = |p: dsec_image::ImportProgress| {
+                if let Some(sink) = &progress {
+                    sink(dsec_wire::v1::ImportEvent::Progress {
+                        phase: p.phase.as_str().to_string(),
+                        bytes_done: p.bytes_done,
+                        bytes_total: p.bytes_total,
+                    });
+                }
+            };
+            images.import_path(&name, &source, flatten, &report)
         })
         .await
         .map_err(join_err)??;

@@ -820,6 +820,33 @@ pub struct ImportImageRequest {
     pub flatten: bool,
 }
 
+/// One line of the NDJSON answer of `POST /v1/images/import/stream`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ImportEvent {
+    /// Work done so far in the current phase.
+    Progress {
+        /// `extracting` (bytes of the source read), `building` (bytes of the layer
+        /// written), `hashing`, `storing` (also uploading to a shared store).
+        phase: String,
+        /// Bytes processed in this phase.
+        bytes_done: u64,
+        /// Bytes this phase will process, when known.
+        #[serde(default)]
+        bytes_total: Option<u64>,
+    },
+    /// The import finished; the last line.
+    Done {
+        /// The stored image.
+        image: Image,
+    },
+    /// The import failed and left nothing behind; the last line.
+    Error {
+        /// Why.
+        error: ApiError,
+    },
+}
+
 /// `GET /v1/health`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Health {
