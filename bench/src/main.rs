@@ -22,6 +22,7 @@ mod churn;
 mod lifecycle;
 mod network;
 mod peers;
+mod provision;
 
 /// Command line.
 #[derive(Debug, Parser)]
@@ -37,7 +38,7 @@ struct Args {
     #[arg(long)]
     json: Option<PathBuf>,
     /// Run only these sections (comma-separated): runtimes, network, concurrency,
-    /// sustained, backlog, teardown, cpu, job, idle, density.
+    /// sustained, backlog, teardown, cpu, job, idle, density, provision.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
 }
@@ -538,6 +539,88 @@ fn print_table(title: &str, rows: &[Stats], baseline: &str) {
     }
 }
 
+/// Workspace provisioning: EROFS layer mount vs tar.gz extraction (see `provision`).
+async fn provision_section(server: &Server, n: usize) -> anyhow::Result<()> {
+    println!("\n## provisioning a workspace: EROFS layer vs tar.gz extraction (cold cache)\n");
+    let Some((dir, tar)) = provision::workspace_paths() else {
+        println!("n/a: DSEC_BENCH_WORKSPACE and DSEC_BENCH_WORKSPACE_TAR unset (scripts/bench builds them)");
+        return Ok(());
+    };
+    let c = server.client();
+    let name = "bench/workspace";
+    let have = c
+        .list_images()
+        .await?
+        .images
+        .into_iter()
+        .find(|i| i.name == name);
+    let image = match have {
+        Some(i) => i,
+        None => {
+            c.import_image(dsec_wire::v1::ImportImageRequest {
+                name: name.into(),
+                source: dir.display().to_string(),
+                flatten: false,
+            })
+            .await?
+        }
+    };
+    let blob = server.state_dir.join(format!(
+        "images/blobs/sha256/{}.erofs",
+        image.digest.trim_start_matches("sha256:")
+    ));
+    let scratch = server.state_dir.join("bench-provision");
+    let (ws, ways) =
+        tokio::task::spawn_blocking(move || provision::compare(&blob, &tar, &scratch, n)).await??;
+    let mib = |b: u64| b as f64 / 1048576.0;
+    println!(
+        "workspace: {} paths, {:.0} MiB of files; tar.gz {:.0} MiB; EROFS layer (lz4hc) {:.0} MiB\n",
+        ws.files, mib(ws.bytes), mib(ws.tar_gz_bytes), mib(ws.erofs_bytes)
+    );
+    println!("| way | n | p50 ms | time vs tar.gz | p50 MiB written | written vs tar.gz |");
+    println!("|---|---|---|---|---|---|");
+    let p50 = |v: &[f64]| {
+        Stats {
+            name: String::new(),
+            samples: v.to_vec(),
+            note: None,
+        }
+        .pct(50.0)
+    };
+    let p50_bytes = |v: &[u64]| {
+        let mut s = v.to_vec();
+        s.sort_unstable();
+        s.get(s.len() / 2).copied().unwrap_or(0)
+    };
+    let (tar_ms, tar_w) = (p50(&ways[0].ms), p50_bytes(&ways[0].written));
+    let mut rows = Vec::new();
+    for (i, w) in ways.iter().enumerate() {
+        let (ms, wr) = (p50(&w.ms), p50_bytes(&w.written));
+        let ratio_w = match (i, wr) {
+            (0, _) => "baseline".to_string(),
+            (_, 0) => "no writes".to_string(),
+            _ => format!("{:.1}x fewer", tar_w as f64 / wr as f64),
+        };
+        println!(
+            "| {} | {} | {:.0} | {:.2}x | {:.1} | {} |",
+            w.name,
+            w.ms.len(),
+            ms,
+            ms / tar_ms,
+            mib(wr),
+            ratio_w
+        );
+        rows.push(serde_json::json!({"way": w.name, "n": w.ms.len(), "p50_ms": ms, "p50_bytes_written": wr,
+            "time_vs_tar": ms / tar_ms, "samples_ms": w.ms, "samples_written": w.written}));
+    }
+    record(
+        "provisioning a workspace",
+        serde_json::json!({"files": ws.files, "bytes": ws.bytes,
+        "tar_gz_bytes": ws.tar_gz_bytes, "erofs_bytes": ws.erofs_bytes, "ways": rows}),
+    );
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let n = args.iterations.unwrap_or(if args.quick { 10 } else { 40 });
@@ -667,6 +750,10 @@ fn main() -> anyhow::Result<()> {
             println!("| sandboxes | created in s | host memory MiB per sandbox | exec true p50 ms | exec true p99 ms |");
             println!("|---|---|---|---|---|");
             println!("| {} | {:.1} | {:.2} | {:.2} | {:.2} |", d.sandboxes, d.create_secs, d.mib_per_sandbox, d.exec.pct(50.0), d.exec.pct(99.0));
+        }
+
+        if want("provision") {
+            provision_section(&server, if args.quick { 2 } else { 5 }).await?;
         }
 
         let left = server.client().list_sandboxes(Default::default()).await?.sandboxes.len();

@@ -188,6 +188,30 @@ pub struct ServeArgs {
     pub layer_cache_mb: u64,
 }
 
+/// One `--run` or `--copy` of `dsec image build`, in command-line order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BuildArg {
+    /// `--run CMD`.
+    Run(String),
+    /// `--copy SRC:DEST`.
+    Copy(String),
+}
+
+/// `--run` and `--copy` values of `dsec image build` interleaved as they were given.
+pub fn build_order(m: &clap::ArgMatches) -> Vec<BuildArg> {
+    let mut steps: Vec<(usize, BuildArg)> = Vec::new();
+    for (id, make) in [
+        ("runs", BuildArg::Run as fn(String) -> BuildArg),
+        ("copies", BuildArg::Copy as fn(String) -> BuildArg),
+    ] {
+        if let (Some(idx), Some(vals)) = (m.indices_of(id), m.get_many::<String>(id)) {
+            steps.extend(idx.zip(vals.cloned().map(make)));
+        }
+    }
+    steps.sort_by_key(|(i, _)| *i);
+    steps.into_iter().map(|(_, s)| s).collect()
+}
+
 fn parse_cgroup_parent(s: &str) -> Result<String, String> {
     let ok = !s.is_empty()
         && s.split('/').all(|c| {
@@ -410,9 +434,16 @@ pub enum ImageCommand {
         /// Image to start from.
         #[arg(long, default_value = "base")]
         from: String,
-        /// A shell command (repeatable, in order).
-        #[arg(long = "run", value_name = "CMD", required = true)]
+        /// A shell command (repeatable; steps keep their command-line order).
+        #[arg(long = "run", value_name = "CMD", required_unless_present = "copies")]
         runs: Vec<String>,
+        /// Local files or a directory to place in the image (repeatable): SRC:DEST copies
+        /// the file SRC, or the contents of directory SRC, into directory DEST.
+        #[arg(long = "copy", value_name = "SRC:DEST")]
+        copies: Vec<String>,
+        /// `runs` and `copies` in command-line order (filled in by `main`).
+        #[arg(skip)]
+        order: Vec<BuildArg>,
     },
     /// Drop `dsec image build`'s cache (and the layers only it used), trim the node's
     /// layer cache to its limit, and with --shared sweep the shared blob store.

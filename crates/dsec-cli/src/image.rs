@@ -8,20 +8,26 @@ use dsec_client::Client;
 use dsec_wire::v1::ImportImageRequest;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::cli::ImageCommand;
+use crate::cli::{BuildArg, ImageCommand};
 use crate::output::{self, print_json, Table};
 
 /// Runs an image command.
 pub async fn run(client: &Client, cmd: ImageCommand, json: bool) -> anyhow::Result<()> {
     match cmd {
-        ImageCommand::Build { name, from, runs } => {
+        ImageCommand::Build {
+            name, from, order, ..
+        } => {
+            let mut steps = Vec::with_capacity(order.len());
+            for arg in order {
+                steps.push(match arg {
+                    BuildArg::Run(cmd) => dsec_wire::v1::BuildStep::Run(cmd),
+                    BuildArg::Copy(spec) => copy_step(&spec)?,
+                });
+            }
             let req = dsec_wire::v1::BuildRequest {
                 name,
                 base: from,
-                steps: runs
-                    .into_iter()
-                    .map(dsec_wire::v1::BuildStep::Run)
-                    .collect(),
+                steps,
                 step_timeout_s: None,
             };
             let r = client.build_image(req).await?;
@@ -199,4 +205,43 @@ async fn import_with_progress(
         }
     }
     anyhow::bail!("the server ended the import stream without a result")
+}
+
+/// A `--copy SRC:DEST` build step: SRC (a file, or a directory's contents) as a tar for
+/// directory DEST in the image. Symlinks are kept as links, not followed.
+fn copy_step(spec: &str) -> anyhow::Result<dsec_wire::v1::BuildStep> {
+    use base64::Engine;
+    let (src, dest) = spec
+        .rsplit_once(':')
+        .with_context(|| format!("--copy {spec:?}: expected SRC:DEST"))?;
+    if !dest.starts_with('/') {
+        anyhow::bail!("--copy {spec:?}: DEST must be an absolute path in the image");
+    }
+    let src = std::path::Path::new(src);
+    let meta = std::fs::symlink_metadata(src)
+        .with_context(|| format!("--copy: reading {}", src.display()))?;
+    let mut b = tar::Builder::new(Vec::new());
+    b.follow_symlinks(false);
+    if meta.is_dir() {
+        b.append_dir_all(".", src)
+    } else {
+        let name = src
+            .file_name()
+            .with_context(|| format!("--copy: {} has no file name", src.display()))?;
+        b.append_path_with_name(src, name)
+    }
+    .with_context(|| format!("--copy: archiving {}", src.display()))?;
+    let data = b.into_inner().context("--copy: finishing the archive")?;
+    if data.len() > 40 << 20 {
+        anyhow::bail!(
+            "--copy {}: {} MiB is more than a build step carries (40 MiB); copy it into a \
+             sandbox and commit it instead",
+            src.display(),
+            data.len() >> 20
+        );
+    }
+    Ok(dsec_wire::v1::BuildStep::Copy {
+        dest: dest.to_string(),
+        tar: base64::engine::general_purpose::STANDARD.encode(data),
+    })
 }

@@ -14,7 +14,7 @@ mod serve;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use dsec_client::{Client, ClientError};
 use dsec_wire::ErrorCode;
 
@@ -22,7 +22,20 @@ use crate::cli::{Cli, Command};
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let mut cli = match Cli::from_arg_matches(&matches) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
+    // Build steps keep their command-line order across --run and --copy.
+    if let (Command::Image(cli::ImageCommand::Build { order, .. }), Some(m)) = (
+        &mut cli.command,
+        matches
+            .subcommand_matches("image")
+            .and_then(|m| m.subcommand_matches("build")),
+    ) {
+        *order = cli::build_order(m);
+    }
     let url = cli.url.clone();
     match run(cli).await {
         Ok(code) => code,

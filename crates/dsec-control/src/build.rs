@@ -128,6 +128,24 @@ async fn run_steps(
                     futures::stream::iter([Ok(bytes::Bytes::from(content.clone()))]).boxed();
                 api.write_file(&id, path, None, body).await?;
             }
+            BuildStep::Copy { dest, tar } => {
+                use base64::Engine;
+                let data = base64::engine::general_purpose::STANDARD
+                    .decode(tar)
+                    .map_err(|e| {
+                        ApiError::new(
+                            ErrorCode::BadRequest,
+                            format!(
+                                "build step {}: copy to {dest}: tar is not base64: {e}",
+                                i + 1
+                            ),
+                        )
+                    })?;
+                api.mkdir(&id, MkdirRequest { path: dest.clone() }).await?;
+                let body: ByteStream =
+                    futures::stream::iter([Ok(bytes::Bytes::from(data))]).boxed();
+                api.upload_tar(&id, dest, body).await?;
+            }
         }
         let img = api
             .commit_sandbox(&id, CommitRequest { name: name.clone() })

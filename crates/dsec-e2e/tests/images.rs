@@ -93,7 +93,10 @@ async fn import_streams_progress_then_the_image_or_the_error() {
         .expect("stream");
     match events.last() {
         Some(ImportEvent::Error { error }) => {
-            assert!(error.message.contains("/nonexistent/rootfs.tar"), "{error:?}")
+            assert!(
+                error.message.contains("/nonexistent/rootfs.tar"),
+                "{error:?}"
+            )
         }
         other => panic!("expected an error event, got {other:?}"),
     }

@@ -1738,3 +1738,91 @@ print(t(lambda: socket.create_connection(("127.0.0.1", 9090))))
         .expect_err("port 0");
     assert_eq!(code(err), ErrorCode::BadRequest);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cli_build_copies_local_files_in_step_order() {
+    if !require_root() {
+        return;
+    }
+    let s = server();
+    let c = s.client();
+    let src = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir_all(src.path().join("pkg/sub")).expect("mkdir");
+    std::fs::write(src.path().join("pkg/a.txt"), "alpha\n").expect("write");
+    std::fs::write(src.path().join("pkg/sub/run.sh"), "#!/bin/sh\necho ran\n").expect("write");
+    std::fs::set_permissions(
+        src.path().join("pkg/sub/run.sh"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .expect("chmod");
+    std::os::unix::fs::symlink("a.txt", src.path().join("pkg/link")).expect("symlink");
+    std::fs::write(src.path().join("single.cfg"), "k=v\n").expect("write");
+    // The --run between the copies sees the first copy and not the second.
+    let out = std::process::Command::new(dsec_e2e::dsec_bin())
+        .args([
+            "--url",
+            &s.url,
+            "--api-key",
+            &s.key,
+            "image",
+            "build",
+            "e2e/copied",
+        ])
+        .args(["--run", "mkdir -p /opt"])
+        .arg("--copy")
+        .arg(format!("{}:/opt/src", src.path().join("pkg").display()))
+        .args([
+            "--run",
+            "ls /opt > /opt/seen; cat /opt/src/link > /opt/via-link",
+        ])
+        .arg("--copy")
+        .arg(format!(
+            "{}:/etc/app",
+            src.path().join("single.cfg").display()
+        ))
+        .output()
+        .expect("run dsec image build");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let sb = create(
+        &c,
+        CreateSandboxRequest {
+            image: Some("e2e/copied".into()),
+            ..Default::default()
+        },
+    )
+    .await;
+    let got = run(
+        &c,
+        &sb.id,
+        "cat /opt/seen /opt/via-link /etc/app/single.cfg; /opt/src/sub/run.sh; readlink /opt/src/link",
+    )
+    .await;
+    assert_eq!(got.stdout, "seen\nsrc\nalpha\nk=v\nran\na.txt\n", "{got:?}");
+    c.delete_sandbox(&sb.id).await.expect("delete");
+
+    // A relative destination is refused before anything is sent.
+    let out = std::process::Command::new(dsec_e2e::dsec_bin())
+        .args([
+            "--url",
+            &s.url,
+            "--api-key",
+            &s.key,
+            "image",
+            "build",
+            "e2e/bad",
+        ])
+        .arg("--copy")
+        .arg(format!("{}:opt", src.path().join("single.cfg").display()))
+        .output()
+        .expect("run dsec image build");
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("DEST must be an absolute path"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -438,6 +438,15 @@ pub enum BuildStep {
         /// Its content.
         content: String,
     },
+    /// Files and directories to place: a tar archive (base64) unpacked into `dest`
+    /// (created with its parents). `dsec image build --copy SRC:DEST` makes it from
+    /// local files.
+    Copy {
+        /// Absolute directory in the image.
+        dest: String,
+        /// The tar archive, base64.
+        tar: String,
+    },
 }
 
 /// `POST /v1/images/build`: an image from a base and steps, one layer per step, each
