@@ -131,6 +131,7 @@ impl Server {
         let root = std::env::temp_dir().join("dsec-e2e").join(name);
         if fresh && root.exists() {
             kill_leftovers(&root.join("state"));
+            unmount_under(&root);
             let _ = std::fs::remove_dir_all(&root);
         }
         std::fs::create_dir_all(&root)?;
@@ -305,6 +306,24 @@ impl Server {
                 let _ = c.delete_sandbox(&sb.id).await;
             }
         }
+    }
+}
+
+/// Detaches every mount at or below `root` (layer mounts an earlier, killed server left),
+/// deepest first, so the directory can be removed.
+fn unmount_under(root: &Path) {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return;
+    };
+    let mut points: Vec<PathBuf> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|p| PathBuf::from(p.replace("\\040", " ")))
+        .filter(|p| p.starts_with(root))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    for p in points {
+        let _ = nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH);
     }
 }
 
