@@ -54,6 +54,7 @@ async fn hogs(c: &Client, qos: Qos, n: usize) -> anyhow::Result<Vec<String>> {
                 pty: None,
                 tag: Some("hog".into()),
                 timeout_s: None,
+                user: None,
             },
         )
         .await?;

@@ -92,13 +92,19 @@ pub async fn exec(
     let limit =
         usize::try_from(spec.output_limit.unwrap_or(DEFAULT_OUTPUT_LIMIT)).unwrap_or(usize::MAX);
     let started = Instant::now();
-    let child = spawn_piped(
-        &agent.cfg,
-        &argv,
-        &spec.env,
-        spec.cwd.as_deref(),
-        spec.stdin,
-    );
+    let child = agent
+        .cfg
+        .identity(spec.user.as_deref())
+        .and_then(|identity| {
+            spawn_piped(
+                &agent.cfg,
+                &argv,
+                &spec.env,
+                spec.cwd.as_deref(),
+                spec.stdin,
+                identity.as_ref(),
+            )
+        });
     let child = match child {
         Ok(c) => c,
         Err(err) => {

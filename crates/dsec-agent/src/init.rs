@@ -70,6 +70,7 @@ pub fn init() -> Result<(), Box<dyn std::error::Error>> {
         default_cwd: spec.workdir.clone(),
         is_init: true,
         landlock,
+        default_user: spec.user.clone(),
     };
     report(&status, "ready");
     drop(status);

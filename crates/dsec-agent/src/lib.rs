@@ -29,6 +29,7 @@ pub mod session;
 pub mod spawn;
 pub mod sys;
 pub mod tar;
+pub mod users;
 
 pub use error::AgentError;
 
@@ -51,6 +52,22 @@ pub struct AgentConfig {
     pub is_init: bool,
     /// Landlock ruleset every command is confined by (the sandbox's writable paths).
     pub landlock: Option<std::sync::Arc<std::os::fd::OwnedFd>>,
+    /// User commands run as when the request names none (`None`: root).
+    pub default_user: Option<String>,
+}
+
+impl AgentConfig {
+    /// Who a command runs as: `requested`, else the default user, looked up in the
+    /// sandbox's files at each call (commands may add users). `None`: root, no switch.
+    pub fn identity(
+        &self,
+        requested: Option<&str>,
+    ) -> Result<Option<users::Identity>, dsec_wire::ApiError> {
+        match requested.or(self.default_user.as_deref()) {
+            None => Ok(None),
+            Some(spec) => users::resolve(&self.root, spec).map(Some),
+        }
+    }
 }
 
 impl Default for AgentConfig {
@@ -65,6 +82,7 @@ impl Default for AgentConfig {
             default_cwd: "/".to_string(),
             is_init: false,
             landlock: None,
+            default_user: None,
         }
     }
 }

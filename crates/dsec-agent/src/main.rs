@@ -48,6 +48,9 @@ struct ServeArgs {
     /// Extra environment for every process, as KEY=VALUE (repeatable).
     #[arg(long = "env", value_parser = parse_env)]
     env: Vec<(String, String)>,
+    /// Default user of commands (name or UID[:GID]; default root).
+    #[arg(long)]
+    user: Option<String>,
 }
 
 impl ServeArgs {
@@ -57,6 +60,7 @@ impl ServeArgs {
             root: self.root.clone(),
             default_cwd: self.cwd.clone(),
             is_init: std::process::id() == 1,
+            default_user: self.user.clone(),
             ..AgentConfig::default()
         };
         let extra: BTreeMap<String, String> = self.env.iter().cloned().collect();

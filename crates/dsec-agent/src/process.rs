@@ -119,6 +119,7 @@ pub fn start(agent: &Rc<Agent>, spec: ProcessSpec) -> ApiResult<ProcessInfo> {
     let limit =
         usize::try_from(spec.output_limit.unwrap_or(DEFAULT_OUTPUT_LIMIT)).unwrap_or(usize::MAX);
     let ierr = |what: &str, e: std::io::Error| internal(format!("{what}: {e}"));
+    let identity = agent.cfg.identity(spec.user.as_deref())?;
     let (child, master, out_fd, err_fd, stdin_fd) = if let Some(size) = spec.pty {
         let (master, slave) = sys::openpty(size.rows, size.cols).map_err(|e| ierr("openpty", e))?;
         let s1 = slave.try_clone().map_err(|e| ierr("dup pty", e))?;
@@ -135,6 +136,7 @@ pub fn start(agent: &Rc<Agent>, spec: ProcessSpec) -> ApiResult<ProcessInfo> {
                 ctty: true,
                 fd3: None,
                 fallback_env: &[("TERM", "xterm-256color")],
+                identity: identity.as_ref(),
             },
         )?;
         let rd = master.try_clone().map_err(|e| ierr("dup pty", e))?;
@@ -153,6 +155,7 @@ pub fn start(agent: &Rc<Agent>, spec: ProcessSpec) -> ApiResult<ProcessInfo> {
                 ctty: false,
                 fd3: None,
                 fallback_env: &[],
+                identity: identity.as_ref(),
             },
         )?;
         let o = child.stdout.take().map(OwnedFd::from);

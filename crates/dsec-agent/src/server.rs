@@ -117,8 +117,13 @@ async fn dispatch(agent: &Rc<Agent>, req: Request, rd: &mut FrameReader, wr: &mu
             .await
         }
         Request::Exec(spec) => exec::exec(agent, spec, rd, wr).await,
-        Request::SessionCreate { session, env, cwd } => {
-            let r = session::create(agent, session, env, cwd);
+        Request::SessionCreate {
+            session,
+            env,
+            cwd,
+            user,
+        } => {
+            let r = session::create(agent, session, env, cwd, user);
             respond(wr, r).await
         }
         Request::SessionRun {

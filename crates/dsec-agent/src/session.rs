@@ -122,6 +122,7 @@ pub fn create(
     id: String,
     env: BTreeMap<String, String>,
     cwd: Option<String>,
+    user: Option<String>,
 ) -> ApiResult<Reply> {
     if id.is_empty() {
         return Err(bad_request("session id must not be empty"));
@@ -129,6 +130,7 @@ pub fn create(
     if agent.sessions.map.borrow().contains_key(&id) {
         return Err(conflict(format!("session {id:?} already exists")));
     }
+    let identity = agent.cfg.identity(user.as_deref())?;
     let pipe_err = |e: std::io::Error| internal(format!("creating session pipes: {e}"));
     let (out_r, out_w) = sys::pipe().map_err(pipe_err)?;
     let (mark_r, mark_w) = sys::pipe().map_err(pipe_err)?;
@@ -150,6 +152,7 @@ pub fn create(
             ctty: false,
             fd3: Some(mark_w.as_raw_fd()),
             fallback_env: &[],
+            identity: identity.as_ref(),
         },
     )?;
     drop(mark_w);

@@ -17,6 +17,7 @@ use std::process::{Child, Command, Stdio};
 use dsec_wire::ApiError;
 
 use crate::error::{bad_request, io_err};
+use crate::users::Identity;
 use crate::{sys, AgentConfig};
 
 /// What to spawn.
@@ -40,6 +41,28 @@ pub struct SpawnSpec<'a> {
     pub fd3: Option<RawFd>,
     /// Environment entries set only if neither defaults nor request set them.
     pub fallback_env: &'a [(&'a str, &'a str)],
+    /// Run as this user (root when `None`).
+    pub identity: Option<&'a Identity>,
+}
+
+/// `HOME`, `USER` and `LOGNAME` of a non-root identity: they replace the defaults (root's)
+/// unless the request sets them.
+fn identity_env(identity: Option<&Identity>) -> Vec<(&'static str, String)> {
+    match identity {
+        Some(id) if !id.is_root() => vec![
+            ("HOME", id.home.clone()),
+            ("USER", id.name.clone()),
+            ("LOGNAME", id.name.clone()),
+        ],
+        _ => Vec::new(),
+    }
+}
+
+/// The identity to switch to in the child, if any (root needs no switch).
+fn switch_to(identity: Option<&Identity>) -> Option<(u32, u32, Vec<u32>)> {
+    identity
+        .filter(|id| !id.is_root())
+        .map(|id| (id.uid, id.gid, id.groups.clone()))
 }
 
 /// The working directory a request asks for.
@@ -61,6 +84,7 @@ pub fn spawn(cfg: &AgentConfig, spec: SpawnSpec<'_>) -> Result<Child, ApiError> 
     cmd.args(&spec.argv[1..])
         .env_clear()
         .envs(&cfg.default_env)
+        .envs(identity_env(spec.identity))
         .envs(spec.env)
         .current_dir(&cwd)
         .stdin(spec.stdin)
@@ -77,7 +101,8 @@ pub fn spawn(cfg: &AgentConfig, spec: SpawnSpec<'_>) -> Result<Child, ApiError> 
     let ctty = spec.ctty;
     let fd3 = spec.fd3;
     let landlock = cfg.landlock.as_ref().map(|r| r.as_raw_fd());
-    if !ctty && fd3.is_none() && landlock.is_none() {
+    let user = switch_to(spec.identity);
+    if !ctty && fd3.is_none() && landlock.is_none() && user.is_none() {
         // The common case (exec, background processes without a PTY): a new process group
         // is all the tree-kill needs, and without a pre_exec hook std can use
         // posix_spawn (vfork semantics) instead of fork, which is most of an exec's cost.
@@ -89,9 +114,12 @@ pub fn spawn(cfg: &AgentConfig, spec: SpawnSpec<'_>) -> Result<Child, ApiError> 
         unsafe {
             cmd.pre_exec(move || {
                 sys::child_setup(ctty, fd3)?;
-                match landlock {
-                    // SAFETY: the fd is the sandbox's Landlock ruleset.
-                    Some(fd) => dsec_container::landlock::restrict_self(fd),
+                if let Some(fd) = landlock {
+                    // Confined while still root (restricting needs no privilege then).
+                    dsec_container::landlock::restrict_self(fd)?;
+                }
+                match &user {
+                    Some((uid, gid, groups)) => sys::switch_user(*uid, *gid, groups),
                     None => Ok(()),
                 }
             });
@@ -131,22 +159,26 @@ pub struct Piped {
     pub stderr: OwnedFd,
 }
 
-/// [`spawn_piped`] for a sandbox with file rules: fork, confine the child with the
-/// Landlock ruleset, exec (posix_spawn has no place for that step).
-fn spawn_piped_confined(
+/// [`spawn_piped`] for a sandbox with file rules or a command of another user: fork,
+/// confine the child with the Landlock ruleset and/or switch its user, exec (posix_spawn
+/// has no place for those steps).
+fn spawn_piped_forked(
     cfg: &AgentConfig,
     argv: &[String],
     env: &BTreeMap<String, String>,
     cwd: Option<&str>,
     stdin_piped: bool,
-    ruleset: RawFd,
+    identity: Option<&Identity>,
 ) -> Result<Piped, ApiError> {
     let program = argv.first().map(String::as_str).unwrap_or_default();
     let cwd = resolve_cwd(cfg, cwd);
+    let ruleset = cfg.landlock.as_ref().map(|r| r.as_raw_fd());
+    let user = switch_to(identity);
     let mut cmd = Command::new(program);
     cmd.args(&argv[1..])
         .env_clear()
         .envs(&cfg.default_env)
+        .envs(identity_env(identity))
         .envs(env)
         .current_dir(&cwd)
         .stdin(if stdin_piped {
@@ -160,9 +192,18 @@ fn spawn_piped_confined(
     if !cfg.default_env.contains_key("PATH") && !env.contains_key("PATH") {
         cmd.env("PATH", crate::DEFAULT_PATH);
     }
-    // SAFETY: landlock_restrict_self is one async-signal-safe syscall on an integer.
+    // SAFETY: landlock_restrict_self and the id switches are async-signal-safe syscalls
+    // on integers and on a vector allocated before the fork.
     unsafe {
-        cmd.pre_exec(move || dsec_container::landlock::restrict_self(ruleset));
+        cmd.pre_exec(move || {
+            if let Some(fd) = ruleset {
+                dsec_container::landlock::restrict_self(fd)?;
+            }
+            match &user {
+                Some((uid, gid, groups)) => sys::switch_user(*uid, *gid, groups),
+                None => Ok(()),
+            }
+        });
     }
     let mut child = cmd
         .spawn()
@@ -222,12 +263,13 @@ pub fn spawn_piped(
     env: &BTreeMap<String, String>,
     cwd: Option<&str>,
     stdin_piped: bool,
+    identity: Option<&Identity>,
 ) -> Result<Piped, ApiError> {
     let Some(program) = argv.first().filter(|p| !p.is_empty()) else {
         return Err(bad_request("empty command"));
     };
-    if let Some(ruleset) = &cfg.landlock {
-        return spawn_piped_confined(cfg, argv, env, cwd, stdin_piped, ruleset.as_raw_fd());
+    if cfg.landlock.is_some() || switch_to(identity).is_some() {
+        return spawn_piped_forked(cfg, argv, env, cwd, stdin_piped, identity);
     }
     let cwd = resolve_cwd(cfg, cwd);
     let mut full_env: BTreeMap<&str, &str> = cfg

@@ -360,6 +360,22 @@ pub fn openpty(rows: u16, cols: u16) -> io::Result<(OwnedFd, OwnedFd)> {
     Ok((master, slave))
 }
 
+/// Switches the (forked, not yet exec'd) child to `uid`/`gid` with supplementary
+/// `groups`: setgroups, then setgid, then setuid, so no step is left half done.
+/// Only async-signal-safe syscalls; `groups` was allocated before the fork.
+pub fn switch_user(uid: u32, gid: u32, groups: &[u32]) -> io::Result<()> {
+    // SAFETY: plain syscalls on integers and on a slice that outlives the call.
+    unsafe {
+        if libc::setgroups(groups.len(), groups.as_ptr()) < 0
+            || libc::setresgid(gid, gid, gid) < 0
+            || libc::setresuid(uid, uid, uid) < 0
+        {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 /// Code run in a forked child before `exec`: new session (so the child leads its own
 /// process group), optional controlling terminal on fd 0, optional extra fd placed at 3,
 /// default signal dispositions and an empty signal mask.

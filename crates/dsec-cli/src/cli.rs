@@ -399,6 +399,10 @@ pub struct CreateArgs {
     /// Default working directory for commands.
     #[arg(long)]
     pub workdir: Option<String>,
+    /// Default user of commands (a name in the image, or UID[:GID]; default: the
+    /// image's user, else root).
+    #[arg(long)]
+    pub user: Option<String>,
 }
 
 /// `dsec sandbox exec`.
@@ -418,6 +422,9 @@ pub struct ExecArgs {
     /// Send this program's stdin (UTF-8 text, read to EOF) to the command.
     #[arg(long)]
     pub stdin: bool,
+    /// Run as this user (a name in the sandbox, or UID[:GID]; default: the sandbox's).
+    #[arg(long, short = 'u')]
+    pub user: Option<String>,
     /// The command and its arguments (after `--`).
     #[arg(last = true, required = true, value_name = "CMD")]
     pub cmd: Vec<String>,

@@ -150,6 +150,7 @@ async fn create(client: &Client, a: CreateArgs, json: bool) -> anyhow::Result<()
         labels: a.labels.into_iter().collect(),
         files,
         workdir: a.workdir,
+        user: a.user,
         network: a.network.policy(a.allow),
         filesystem: dsec_wire::v1::FilesystemPolicy {
             writable: a.writable,
@@ -378,6 +379,7 @@ async fn exec(client: &Client, a: ExecArgs, json: bool) -> anyhow::Result<ExitCo
         stdin,
         timeout_s: a.timeout.map(|d| d.as_secs_f64()),
         output_limit: None,
+        user: a.user,
     };
     let events = client.exec_stream(&a.id, req).await?;
     match print_events(events, json).await? {

@@ -355,6 +355,7 @@ async fn exec_stream_events() {
         stdin: None,
         timeout_s: None,
         output_limit: None,
+        user: None,
     };
     let events: Vec<ExecEvent> = c
         .exec_stream("sb", req)

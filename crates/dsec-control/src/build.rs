@@ -98,6 +98,7 @@ async fn run_steps(
                             stdin: None,
                             timeout_s: Some(req.step_timeout_s.unwrap_or(STEP_TIMEOUT_S)),
                             output_limit: None,
+                            user: None,
                         },
                     )
                     .await?;

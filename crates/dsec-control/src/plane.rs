@@ -611,6 +611,7 @@ impl ControlPlane {
             timeout_ms: ms_from_s("timeout_s", req.timeout_s)?,
             stream,
             output_limit: req.output_limit,
+            user: req.user.clone(),
         })
     }
 
@@ -710,6 +711,7 @@ impl SandboxApi for ControlPlane {
     }
 
     async fn create_sandbox(&self, req: CreateSandboxRequest) -> ApiResult<Sandbox> {
+        let req = validate::flatten_environment(req)?;
         validate::create(&req)?;
         let now = now_ms();
         let id = new_id();
@@ -795,6 +797,11 @@ impl SandboxApi for ControlPlane {
             .clone()
             .or(config.workdir)
             .unwrap_or_else(|| "/".into());
+        let user = req
+            .user
+            .clone()
+            .or(config.user)
+            .filter(|u| u != "root" && u != "0");
         let spec = NodeCreateSpec {
             id: id.clone(),
             image,
@@ -806,6 +813,7 @@ impl SandboxApi for ControlPlane {
             qos: req.qos,
             env,
             workdir,
+            user,
             network: req.network.clone(),
             writable_paths: req.filesystem.writable.clone(),
             tcp_bind: req.filesystem.tcp_bind.clone(),
@@ -1098,6 +1106,7 @@ impl SandboxApi for ControlPlane {
                     session,
                     env: req.env,
                     cwd: req.cwd,
+                    user: req.user,
                 },
             )
             .await?
@@ -1164,6 +1173,7 @@ impl SandboxApi for ControlPlane {
             stdin: None,
             timeout_s: req.timeout_s,
             output_limit: None,
+            user: req.user.clone(),
         };
         validate::exec(&as_exec)?;
         let spec = ProcessSpec {
@@ -1174,6 +1184,7 @@ impl SandboxApi for ControlPlane {
             tag: req.tag,
             output_limit: None,
             timeout_ms: ms_from_s("timeout_s", req.timeout_s)?,
+            user: req.user,
         };
         match self.call(id, Request::ProcessStart(spec)).await? {
             Reply::ProcessStarted(info) => Ok(info),

@@ -74,6 +74,48 @@ pub fn network(p: &NetworkPolicy) -> Result<(), ApiError> {
 /// Most writable paths one file policy may name.
 pub const MAX_WRITABLE_PATHS: usize = 64;
 
+/// Moves a create request's `environment` object into the top-level `image`, `layers`,
+/// `env`, `workdir` and `user`, refusing a request that sets both forms of a field.
+pub fn flatten_environment(
+    mut req: CreateSandboxRequest,
+) -> Result<CreateSandboxRequest, ApiError> {
+    let Some(env) = req.environment.take() else {
+        return Ok(req);
+    };
+    let both = |field: &str| {
+        Err(bad(format!(
+            "environment.{field} and {field} are both set: use one form"
+        )))
+    };
+    if req.image.is_some() {
+        return both("base (image)");
+    }
+    if !req.layers.is_empty() {
+        return both("layers");
+    }
+    if !req.env.is_empty() && !env.env.is_empty() {
+        return both("env");
+    }
+    if req.workdir.is_some() && env.workdir.is_some() {
+        return both("workdir");
+    }
+    if req.user.is_some() && env.user.is_some() {
+        return both("user");
+    }
+    if env.base.is_empty() {
+        return Err(bad("environment.base: an image name or digest is required"));
+    }
+    req.image = Some(env.base);
+    req.layers = env.layers;
+    if !env.env.is_empty() {
+        req.env = env.env;
+    }
+    req.workdir = req.workdir.or(env.workdir);
+    req.user = req.user.or(env.user);
+    Ok(req)
+}
+
+/// Checks a create request's fields (after [`flatten_environment`]).
 pub fn create(req: &CreateSandboxRequest) -> Result<(), ApiError> {
     network(&req.network)?;
     if req.filesystem.writable.len() > MAX_WRITABLE_PATHS {

@@ -81,6 +81,7 @@ pub fn sh(cmd: &str) -> dsec_wire::v1::ExecRequest {
         stdin: None,
         timeout_s: None,
         output_limit: None,
+        user: None,
     }
 }
 

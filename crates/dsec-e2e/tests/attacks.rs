@@ -115,6 +115,7 @@ async fn run_suite(name: &str, args: &[&str]) {
             pty: None,
             tag: None,
             timeout_s: None,
+            user: None,
         },
     )
     .await

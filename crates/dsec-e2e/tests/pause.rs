@@ -52,6 +52,7 @@ async fn pause_freezes_reclaims_and_resume_continues_where_it_stopped() {
             pty: None,
             tag: Some("spin".into()),
             timeout_s: None,
+            user: None,
         },
     )
     .await

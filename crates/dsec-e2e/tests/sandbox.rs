@@ -1826,3 +1826,133 @@ async fn cli_build_copies_local_files_in_step_order() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn commands_run_as_the_sandbox_user_or_the_one_they_name() {
+    if !require_root() {
+        return;
+    }
+    let c = server().client();
+    // A sandbox whose commands run as www-data (uid 33 in Debian's base-passwd).
+    let sb = create(
+        &c,
+        CreateSandboxRequest {
+            user: Some("www-data".into()),
+            ..Default::default()
+        },
+    )
+    .await;
+    let out = run(&c, &sb.id, "id -un; id -u; echo $HOME $USER").await;
+    assert_eq!(out.stdout, "www-data\n33\n/var/www www-data\n", "{out:?}");
+    let mut as_root = sh("id -u; touch /root/ok && echo wrote");
+    as_root.user = Some("root".into());
+    let out = c.exec(&sb.id, as_root).await.expect("exec as root");
+    assert_eq!(out.stdout, "0\nwrote\n", "{out:?}");
+    let out = run(&c, &sb.id, "touch /root/no").await;
+    assert_ne!(out.exit.exit_code, Some(0), "www-data wrote to /root: {out:?}");
+
+    // A user added by a command, with a supplementary group; an unnamed UID:GID.
+    let mut add = sh("echo 'alice:x:2000:2000::/home/alice:/bin/bash' >> /etc/passwd; \
+         printf 'alice:x:2000:\\nteam:x:3000:bob,alice\\n' >> /etc/group; \
+         mkdir -p /home/alice && chown 2000:2000 /home/alice");
+    add.user = Some("0".into());
+    assert_eq!(c.exec(&sb.id, add).await.expect("add user").exit.exit_code, Some(0));
+    let mut alice = sh("id -u; id -G; cd && pwd && touch mine && stat -c %u mine");
+    alice.user = Some("alice".into());
+    let out = c.exec(&sb.id, alice).await.expect("exec as alice");
+    assert_eq!(out.stdout, "2000\n2000 3000\n/home/alice\n2000\n", "{out:?}");
+    let mut unnamed = sh("id -u; id -g");
+    unnamed.user = Some("4321:4322".into());
+    let out = c.exec(&sb.id, unnamed).await.expect("exec as 4321");
+    assert_eq!(out.stdout, "4321\n4322\n", "{out:?}");
+
+    // Sessions and background processes take a user too.
+    let session = c
+        .create_session(
+            &sb.id,
+            CreateSessionRequest {
+                user: Some("alice".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("session as alice");
+    let r = c
+        .run_in_session(
+            &sb.id,
+            &session.session,
+            SessionRunRequest {
+                command: "whoami".into(),
+                timeout_s: None,
+            },
+        )
+        .await
+        .expect("run in session");
+    assert_eq!(r.output.trim(), "alice", "{r:?}");
+    let p = c
+        .start_process(
+            &sb.id,
+            StartProcessRequest {
+                cmd: Command::Shell("id -un".into()),
+                env: Default::default(),
+                cwd: None,
+                pty: None,
+                tag: None,
+                timeout_s: None,
+                user: Some("alice".into()),
+            },
+        )
+        .await
+        .expect("process as alice");
+    let mut events = c
+        .process_output(&sb.id, p.pid, 0, 0, true)
+        .await
+        .expect("output");
+    let mut stdout = String::new();
+    while let Some(ev) = futures::StreamExt::next(&mut events).await {
+        if let ExecEvent::Stdout { data } = ev.expect("event") {
+            stdout.push_str(&data);
+        }
+    }
+    assert_eq!(stdout, "alice\n");
+
+    // An unknown user is a clear error, and nothing runs.
+    let mut ghost = sh("touch /tmp/ghost");
+    ghost.user = Some("ghost".into());
+    let e = c.exec(&sb.id, ghost).await.expect_err("unknown user");
+    assert_eq!(code(e), ErrorCode::BadRequest);
+    let out = run(&c, &sb.id, "test -e /tmp/ghost && echo ran || echo not").await;
+    assert_eq!(out.stdout, "not\n");
+    c.delete_sandbox(&sb.id).await.expect("delete");
+
+    // The environment object: the same create in one field; both forms is an error.
+    let sb = create(
+        &c,
+        CreateSandboxRequest {
+            environment: Some(Environment {
+                base: "base".into(),
+                layers: vec![],
+                env: [("STAGE".to_string(), "env".to_string())].into(),
+                workdir: Some("/tmp".into()),
+                user: Some("www-data".into()),
+            }),
+            ..Default::default()
+        },
+    )
+    .await;
+    let out = run(&c, &sb.id, "pwd; id -un; echo $STAGE").await;
+    assert_eq!(out.stdout, "/tmp\nwww-data\nenv\n", "{out:?}");
+    c.delete_sandbox(&sb.id).await.expect("delete");
+    let e = c
+        .create_sandbox(CreateSandboxRequest {
+            image: Some("base".into()),
+            environment: Some(Environment {
+                base: "base".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .expect_err("both forms");
+    assert_eq!(code(e), ErrorCode::BadRequest);
+}

@@ -61,6 +61,7 @@ async fn with_a_node_swap_file_pause_takes_back_anonymous_memory_too() {
             pty: None,
             tag: None,
             timeout_s: None,
+            user: None,
         },
     )
     .await

@@ -177,6 +177,7 @@ async fn create_session(
             session: Some(req.session.clone()),
             env: Default::default(),
             cwd: None,
+            user: None,
         };
         api.create_session(&id, create).await?;
         let mut output = String::new();
@@ -396,6 +397,7 @@ async fn execute(
             stdin: None,
             timeout_s: req.timeout,
             output_limit: None,
+            user: None,
         };
         let r = api.exec(&id, exec).await?;
         if r.exit.timed_out {
@@ -550,6 +552,7 @@ async fn upload(
             stdin: None,
             timeout_s: Some(600.0),
             output_limit: None,
+            user: None,
         };
         let r = api.exec(&id, exec).await;
         let _ = api.remove_file(&id, &tmp, false).await;

@@ -302,6 +302,7 @@ impl ContainerBackend {
                 .collect(),
             env: spec.env.clone(),
             workdir: spec.workdir.clone(),
+            user: spec.user.clone(),
         };
         let prepared = Instant::now();
         let fds = InitFds {

@@ -56,6 +56,8 @@ pub struct NodeCreateSpec {
     pub env: BTreeMap<String, String>,
     /// Default working directory.
     pub workdir: String,
+    /// Default user of commands (name or `UID[:GID]`); `None`: root.
+    pub user: Option<String>,
     /// Network policy.
     pub network: dsec_wire::v1::NetworkPolicy,
     /// Commands may write only beneath these paths, when not empty.

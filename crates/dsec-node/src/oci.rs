@@ -41,6 +41,10 @@ pub fn bundle_config(
         "--cwd".into(),
         spec.workdir.clone(),
     ];
+    if let Some(user) = &spec.user {
+        args.push("--user".into());
+        args.push(user.clone());
+    }
     for (k, v) in &spec.env {
         args.push("--env".into());
         args.push(format!("{k}={v}"));
@@ -184,6 +188,7 @@ mod tests {
             tcp_bind: None,
             tcp_connect: None,
             isolation: dsec_wire::v1::Isolation::Oci,
+            user: None,
         };
         let c = bundle_config(
             &spec,

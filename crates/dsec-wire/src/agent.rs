@@ -77,6 +77,10 @@ pub struct ExecSpec {
     /// Ring size per stream for non-streaming exec; default [`DEFAULT_OUTPUT_LIMIT`].
     #[serde(default)]
     pub output_limit: Option<u64>,
+    /// User to run as: a name from the sandbox's `/etc/passwd`, or `UID[:GID]`; default:
+    /// the sandbox's user.
+    #[serde(default)]
+    pub user: Option<String>,
 }
 
 /// How a process ended.
@@ -134,6 +138,10 @@ pub struct ProcessSpec {
     /// Kill the process group after this many milliseconds.
     #[serde(default)]
     pub timeout_ms: Option<u64>,
+    /// User to run as: a name from the sandbox's `/etc/passwd`, or `UID[:GID]`; default:
+    /// the sandbox's user.
+    #[serde(default)]
+    pub user: Option<String>,
 }
 
 /// State of a background process.
@@ -236,6 +244,9 @@ pub enum Request {
         /// Initial working directory.
         #[serde(default)]
         cwd: Option<String>,
+        /// User the shell runs as (name or `UID[:GID]`); default: the sandbox's user.
+        #[serde(default)]
+        user: Option<String>,
     },
     /// Run one command in a session. Reply: `SessionResult`.
     SessionRun {

@@ -77,4 +77,7 @@ pub struct InitSpec {
     pub env: BTreeMap<String, String>,
     /// Default working directory of commands.
     pub workdir: String,
+    /// Default user of commands (name or `UID[:GID]`); `None`: root.
+    #[serde(default)]
+    pub user: Option<String>,
 }

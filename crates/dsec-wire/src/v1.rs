@@ -318,6 +318,35 @@ pub struct CreateSandboxRequest {
     /// (once it is past `creating`) instead of making another. Up to 128 characters.
     #[serde(default)]
     pub idempotency_key: Option<String>,
+    /// User commands run as unless they name one (a name from the image's `/etc/passwd`,
+    /// or `UID[:GID]`); default: the image's configured user, else root.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// The environment as one object (base image, layers, env, workdir, user): the same
+    /// as the top-level `image`, `layers`, `env`, `workdir` and `user`, which must then be
+    /// left unset.
+    #[serde(default)]
+    pub environment: Option<Environment>,
+}
+
+/// A sandbox's environment: an OS base plus workspace and toolkit layers, and defaults.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Environment {
+    /// Base image name or digest.
+    pub base: String,
+    /// Images stacked on the base, bottom first.
+    #[serde(default)]
+    pub layers: Vec<String>,
+    /// Environment variables of commands.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Default working directory.
+    #[serde(default)]
+    pub workdir: Option<String>,
+    /// Default user.
+    #[serde(default)]
+    pub user: Option<String>,
 }
 
 /// `POST /v1/sandboxes/{id}/pause`.
@@ -587,6 +616,10 @@ pub struct ExecRequest {
     /// Cap on recorded output per stream, bytes.
     #[serde(default)]
     pub output_limit: Option<u64>,
+    /// User to run as: a name from the sandbox's `/etc/passwd`, or `UID[:GID]`; default:
+    /// the sandbox's user.
+    #[serde(default)]
+    pub user: Option<String>,
 }
 
 /// Result of a non-streaming exec.
@@ -657,6 +690,10 @@ pub struct CreateSessionRequest {
     /// Initial working directory.
     #[serde(default)]
     pub cwd: Option<String>,
+    /// User to run as: a name from the sandbox's `/etc/passwd`, or `UID[:GID]`; default:
+    /// the sandbox's user.
+    #[serde(default)]
+    pub user: Option<String>,
 }
 
 /// `POST /v1/sandboxes/{id}/sessions/{session}/run`.
@@ -698,6 +735,10 @@ pub struct StartProcessRequest {
     /// Kill after this many seconds.
     #[serde(default)]
     pub timeout_s: Option<f64>,
+    /// User to run as: a name from the sandbox's `/etc/passwd`, or `UID[:GID]`; default:
+    /// the sandbox's user.
+    #[serde(default)]
+    pub user: Option<String>,
 }
 
 /// `GET /v1/sandboxes/{id}/processes`.
