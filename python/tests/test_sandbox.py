@@ -241,3 +241,86 @@ def test_network_policy_create_and_replace(client: dsec.Client) -> None:
         dsec.Sandbox.create(client, network=["http://pypi.org"])
     with pytest.raises(dsec.BadRequest):
         dsec.Sandbox.create(client, network={"mode": "open", "allow": ["pypi.org"]})
+
+
+def test_background_process_stdin_signal_and_reattach(sandbox: dsec.Sandbox) -> None:
+    # A process reading stdin: fed, closed, and its output read back from a re-attach.
+    p = sandbox.start("while read l; do echo got:$l; done; echo done >&2", tag="reader")
+    p.send_stdin("one\ntwo\n")
+    p.close_stdin()
+    again = sandbox.process(p.pid)
+    assert again.info.tag == "reader"
+    r = again.wait()
+    assert r.exit_code == 0
+    assert r.stdout == "got:one\ngot:two\n"
+    assert r.stderr == "done\n"
+    assert again.refresh().exit is not None
+
+    # Output read up to now, then continued from the offsets of the End event.
+    p = sandbox.start("echo first; sleep 30")
+    seen = ""
+    for _ in range(100):
+        evs = list(p.output())
+        seen = "".join(e.data for e in evs if isinstance(e, dsec.StdoutEvent))
+        if seen:
+            break
+    assert seen == "first\n"
+    end = [e for e in evs if isinstance(e, dsec.EndEvent)][-1]
+    assert end.stdout_offset == len("first\n")
+    p.signal("SIGTERM")
+    r = p.wait()
+    assert r.signal == 15
+
+    # As another user, and under a terminal.
+    p = sandbox.start(["id", "-un"], user="nobody")
+    assert p.wait().stdout == "nobody\n"
+    p = sandbox.start("stty size", pty=(100, 30))
+    assert p.wait().stdout.strip() == "30 100"
+    with pytest.raises(dsec.NotFound):
+        sandbox.process(999999)
+
+
+def test_upload_and_download_directories(sandbox: dsec.Sandbox, tmp_path) -> None:
+    src = tmp_path / "src"
+    (src / "pkg" / "sub").mkdir(parents=True)
+    (src / "pkg" / "a.py").write_text("print('a')\n")
+    (src / "pkg" / "sub" / "run.sh").write_text("#!/bin/sh\necho ran\n")
+    os.chmod(src / "pkg" / "sub" / "run.sh", 0o755)
+    os.symlink("a.py", src / "pkg" / "link.py")
+    sent = sandbox.upload_dir(str(src), "/work/project")
+    assert sent > 0
+    r = sandbox.exec("cat /work/project/pkg/link.py; /work/project/pkg/sub/run.sh")
+    assert r.stdout == "print('a')\nran\n"
+    sandbox.exec("echo made > /work/project/pkg/new.txt")
+    out = tmp_path / "out"
+    sandbox.download_dir("/work/project", str(out))
+    assert (out / "pkg" / "new.txt").read_text() == "made\n"
+    assert os.readlink(out / "pkg" / "link.py") == "a.py"
+    assert os.access(out / "pkg" / "sub" / "run.sh", os.X_OK)
+
+    # A sandbox-made link to a host path does not make the download write outside.
+    sandbox.exec("mkdir -p /work/evil && ln -s /etc/passwd /work/evil/x")
+    with pytest.raises(ValueError):
+        sandbox.download_dir("/work/evil", str(tmp_path / "evil"))
+    assert not (tmp_path / "evil" / "x").exists()
+
+
+def test_users_and_async_processes(client: dsec.Client) -> None:
+    import asyncio
+
+    with dsec.Sandbox.create(client, user="www-data", timeout=600) as sb:
+        assert sb.exec("id -un").stdout == "www-data\n"
+        assert sb.exec("id -u", user="root").stdout == "0\n"
+        with sb.session(user="nobody") as s:
+            assert s.run("whoami").output == "nobody\n"
+
+    async def go() -> None:
+        async with dsec.AsyncClient(client.url, client.api_key) as ac:
+            async with await dsec.AsyncSandbox.create(ac) as sb:
+                p = await sb.start("cat", user="nobody")
+                await p.send_stdin("hello", close=True)
+                r = await (await sb.process(p.pid)).wait()
+                assert r.stdout == "hello" and r.exit_code == 0
+                assert (await sb.exec("id -un", user="nobody")).stdout == "nobody\n"
+
+    asyncio.run(go())

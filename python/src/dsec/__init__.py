@@ -46,6 +46,8 @@ from .models import (
     JobResult,
     JobSandboxOutcome,
     PauseResult,
+    ProcessExit,
+    ProcessInfo,
     Resources,
     SandboxInfo,
     SessionInfo,
@@ -54,9 +56,9 @@ from .models import (
     StderrEvent,
     StdoutEvent,
 )
-from .sandbox import Sandbox, Session, resume_job, suspend_job
+from .sandbox import Process, Sandbox, Session, resume_job, suspend_job
 from . import aio
-from .aio import AsyncClient, AsyncSandbox, AsyncSession
+from .aio import AsyncClient, AsyncProcess, AsyncSandbox, AsyncSession
 
 __version__ = "0.1.0"
 
@@ -67,10 +69,12 @@ __all__ = [
     "API_KEY_HEADER",
     "Sandbox",
     "Session",
+    "Process",
     "suspend_job",
     "AsyncClient",
     "AsyncSandbox",
     "AsyncSession",
+    "AsyncProcess",
     "resume_job",
     # errors
     "DsecError",
@@ -108,6 +112,8 @@ __all__ = [
     "ErrorEvent",
     "SessionInfo",
     "SessionResult",
+    "ProcessInfo",
+    "ProcessExit",
     "FileInfo",
     "Image",
     "Health",

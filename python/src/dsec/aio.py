@@ -15,7 +15,7 @@ import asyncio
 import os
 import random
 import uuid
-from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import httpx
 
@@ -23,19 +23,24 @@ from .client import API_KEY_HEADER, DEFAULT_URL, _api_key_from_env, _parse_event
 from .errors import Capacity, ConnectionFailed, Expired, NotFound, error_from_body
 from .models import (
     ExecResult,
+    ExitEvent,
     FileInfo,
     Image,
     JobResult,
     PauseResult,
+    ProcessInfo,
     Resources,
     SandboxInfo,
     SessionInfo,
     SessionResult,
+    StderrEvent,
+    StdoutEvent,
     WriteResult,
 )
-from .sandbox import Command, Sandbox, create_body, network_body
+from .sandbox import Command, Sandbox, create_body, network_body, process_body
+from .transfer import extract_tar, tar_directory
 
-__all__ = ["AsyncClient", "AsyncSandbox", "AsyncSession"]
+__all__ = ["AsyncClient", "AsyncSandbox", "AsyncSession", "AsyncProcess"]
 
 
 class AsyncClient:
@@ -110,11 +115,21 @@ class AsyncClient:
     async def resume_job(self, job: str) -> JobResult:
         return JobResult.model_validate(await self._json("POST", f"/jobs/{_seg(job)}/resume", timeout=None))
 
-    async def stream_events(self, path: str, body: Dict[str, Any], timeout_s: Optional[float]) -> AsyncIterator[Any]:
+    async def stream_events(
+        self,
+        path: str,
+        body: Optional[Dict[str, Any]],
+        timeout_s: Optional[float],
+        *,
+        method: str = "POST",
+        params: Any = None,
+    ) -> AsyncIterator[Any]:
         """Yields the events of an NDJSON route; an ``error`` event is raised."""
         t = None if timeout_s is None else timeout_s + 60.0
         try:
-            async with self._http.stream("POST", path, json=body, timeout=httpx.Timeout(t, connect=10.0)) as resp:
+            async with self._http.stream(
+                method, path, json=body, params=params, timeout=httpx.Timeout(t, connect=10.0)
+            ) as resp:
                 if not resp.is_success:
                     await resp.aread()
                     try:
@@ -127,7 +142,7 @@ class AsyncClient:
                     if ev is not None:
                         yield ev
         except httpx.TransportError as e:
-            raise ConnectionFailed(f"POST {path}: {e!r}") from e
+            raise ConnectionFailed(f"{method} {path}: {e!r}") from e
 
 
 class AsyncSandbox:
@@ -153,13 +168,14 @@ class AsyncSandbox:
         auto_resume: bool = False,
         *,
         network: Any = None,
+        user: Optional[str] = None,
     ) -> "AsyncSandbox":
         """Creates a sandbox; arguments as for :meth:`dsec.Sandbox.create`."""
         client = client or AsyncClient()
         body = create_body(
             image=image, layers=layers, resources=resources, timeout=timeout, idle_timeout=None,
             labels=labels, job=job, env=env, workdir=workdir, qos=qos, auto_resume=auto_resume,
-            network=network,
+            network=network, user=user,
         )
         return cls(client, await client.create_sandbox(body))
 
@@ -208,27 +224,65 @@ class AsyncSandbox:
         return Image.model_validate(await self.client._json("POST", f"{self._base}/commit", json={"name": name}, timeout=None))
 
     async def exec(self, cmd: Command, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
-                   stdin: Union[str, bytes, None] = None, timeout: Optional[float] = None) -> ExecResult:
+                   stdin: Union[str, bytes, None] = None, timeout: Optional[float] = None,
+                   *, user: Optional[str] = None) -> ExecResult:
         """Runs a command to completion (see :meth:`dsec.Sandbox.exec`)."""
-        body = Sandbox._exec_body(cmd, env, cwd, stdin, timeout, None)
+        body = Sandbox._exec_body(cmd, env, cwd, stdin, timeout, None, user)
         t = None if timeout is None else timeout + 60.0
         return ExecResult.model_validate(await self.client._json("POST", f"{self._base}/exec", json=body, timeout=t))
 
     def exec_stream(self, cmd: Command, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
-                    stdin: Union[str, bytes, None] = None, timeout: Optional[float] = None) -> AsyncIterator[Any]:
+                    stdin: Union[str, bytes, None] = None, timeout: Optional[float] = None,
+                    *, user: Optional[str] = None) -> AsyncIterator[Any]:
         """Yields the command's events (see :meth:`dsec.Sandbox.exec_stream`)."""
-        body = Sandbox._exec_body(cmd, env, cwd, stdin, timeout, None)
+        body = Sandbox._exec_body(cmd, env, cwd, stdin, timeout, None, user)
         return self.client.stream_events(f"{self._base}/exec/stream", body, timeout)
 
-    async def session(self, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None) -> "AsyncSession":
+    async def session(self, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
+                      *, user: Optional[str] = None) -> "AsyncSession":
         """Opens a persistent bash session (``async with`` closes it)."""
         body: Dict[str, Any] = {}
         if env:
             body["env"] = dict(env)
         if cwd is not None:
             body["cwd"] = cwd
+        if user is not None:
+            body["user"] = user
         info = SessionInfo.model_validate(await self.client._json("POST", f"{self._base}/sessions", json=body))
         return AsyncSession(self, info)
+
+    async def start(self, cmd: Command, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
+                    *, pty: Optional[Tuple[int, int]] = None, tag: Optional[str] = None,
+                    timeout: Optional[float] = None, user: Optional[str] = None) -> "AsyncProcess":
+        """Starts a background process (see :meth:`dsec.Sandbox.start`)."""
+        body = process_body(cmd, env, cwd, pty, tag, timeout, user)
+        info = ProcessInfo.model_validate(await self.client._json("POST", f"{self._base}/processes", json=body))
+        return AsyncProcess(self, info)
+
+    async def processes(self) -> List[ProcessInfo]:
+        """The sandbox's background processes."""
+        data = await self.client._json("GET", f"{self._base}/processes")
+        return [ProcessInfo.model_validate(p) for p in data["processes"]]
+
+    async def process(self, pid: int) -> "AsyncProcess":
+        """Re-attaches to background process ``pid`` (raises :class:`dsec.NotFound`)."""
+        for p in await self.processes():
+            if p.pid == pid:
+                return AsyncProcess(self, p)
+        raise NotFound(f"no process {pid} in sandbox {self.id}")
+
+    async def upload_dir(self, local_dir: str, remote_dir: str) -> int:
+        """Copies a local directory's contents into ``remote_dir`` (see :meth:`dsec.Sandbox.upload_dir`)."""
+        data = tar_directory(local_dir)
+        await self.mkdir(remote_dir)
+        await self.client.request("PUT", f"{self._base}/files/tar", params={"path": remote_dir}, content=data,
+                                  headers={"content-type": "application/x-tar"}, timeout=None)
+        return len(data)
+
+    async def download_dir(self, remote_dir: str, local_dir: str) -> None:
+        """Copies ``remote_dir``'s contents into a local directory (see :meth:`dsec.Sandbox.download_dir`)."""
+        resp = await self.client.request("GET", f"{self._base}/files/tar", params={"path": remote_dir}, timeout=None)
+        extract_tar(resp.content, local_dir)
 
     async def write(self, path: str, data: Union[bytes, str], mode: Optional[int] = None) -> int:
         """Writes a file from bytes or str; returns the bytes written."""
@@ -290,3 +344,55 @@ class AsyncSession:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class AsyncProcess:
+    """Async counterpart of :class:`dsec.Process`."""
+
+    def __init__(self, sandbox: AsyncSandbox, info: ProcessInfo) -> None:
+        self.sandbox = sandbox
+        self.info = info
+
+    @property
+    def pid(self) -> int:
+        return self.info.pid
+
+    @property
+    def _base(self) -> str:
+        return f"{self.sandbox._base}/processes/{self.pid}"
+
+    def output(self, follow: bool = False, stdout_offset: int = 0, stderr_offset: int = 0) -> AsyncIterator[Any]:
+        """Its output events from the given offsets (see :meth:`dsec.Process.output`)."""
+        params = {"follow": "true" if follow else "false",
+                  "stdout_offset": stdout_offset, "stderr_offset": stderr_offset}
+        return self.sandbox.client.stream_events(f"{self._base}/output", None, None, method="GET", params=params)
+
+    async def wait(self) -> ExecResult:
+        """Waits for it to exit; its whole recorded output and exit status."""
+        out: List[str] = []
+        err: List[str] = []
+        exit_fields: Dict[str, Any] = {}
+        async for ev in self.output(follow=True):
+            if isinstance(ev, StdoutEvent):
+                out.append(ev.data)
+            elif isinstance(ev, StderrEvent):
+                err.append(ev.data)
+            elif isinstance(ev, ExitEvent):
+                exit_fields = ev.model_dump(exclude={"type"})
+        return ExecResult.model_validate({"stdout": "".join(out), "stderr": "".join(err), **exit_fields})
+
+    async def send_stdin(self, data: Union[str, bytes], close: bool = False) -> None:
+        body = {"data": data.decode("utf-8") if isinstance(data, bytes) else data, "close": close}
+        await self.sandbox.client.request("POST", f"{self._base}/stdin", json=body)
+
+    async def close_stdin(self) -> None:
+        await self.send_stdin("", close=True)
+
+    async def signal(self, signal: Union[str, int] = "SIGTERM") -> None:
+        await self.sandbox.client.request("POST", f"{self._base}/signal", json={"signal": str(signal)})
+
+    async def kill(self) -> None:
+        await self.signal("SIGKILL")
+
+    async def resize(self, cols: int, rows: int) -> None:
+        await self.sandbox.client.request("POST", f"{self._base}/resize", json={"cols": cols, "rows": rows})

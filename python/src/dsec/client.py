@@ -214,15 +214,25 @@ class Client:
 
     # ------------------------------------------------------------ streams
 
-    def stream_events(self, path: str, body: Dict[str, Any], timeout_s: Optional[float]) -> Iterator[Any]:
-        """POSTs ``body`` to an NDJSON route and yields its events as models.
+    def stream_events(
+        self,
+        path: str,
+        body: Optional[Dict[str, Any]],
+        timeout_s: Optional[float],
+        *,
+        method: str = "POST",
+        params: Any = None,
+    ) -> Iterator[Any]:
+        """Sends ``body`` to an NDJSON route (``GET`` with ``params`` for process output)
+        and yields its events as models.
 
         An ``error`` event is raised as the matching :class:`DsecError`; event types this
         SDK does not know are skipped.
         """
         try:
             with self._http.stream(
-                "POST", path, json=body, timeout=httpx.Timeout(self._exec_timeout(timeout_s), connect=10.0)
+                method, path, json=body, params=params,
+                timeout=httpx.Timeout(self._exec_timeout(timeout_s), connect=10.0),
             ) as resp:
                 if not resp.is_success:
                     resp.read()
@@ -232,7 +242,7 @@ class Client:
                     if ev is not None:
                         yield ev
         except httpx.TransportError as e:
-            raise ConnectionFailed(f"POST {path}: {e!r}") from e
+            raise ConnectionFailed(f"{method} {path}: {e!r}") from e
 
 
 def _parse_event(line: str) -> Any:

@@ -192,6 +192,28 @@ class ExitEvent(_Response):
     oom_killed: bool = False
 
 
+class ProcessExit(_Response):
+    """How a background process ended."""
+
+    exit_code: Optional[int] = None
+    signal: Optional[int] = None
+    duration_ms: int = 0
+    timed_out: bool = False
+
+
+class ProcessInfo(_Response):
+    """A background process (``POST/GET /v1/sandboxes/{id}/processes``)."""
+
+    pid: int
+    tag: Optional[str] = None
+    cmd: Any = None
+    pty: bool = False
+    exit: Optional[ProcessExit] = None
+    """``None`` while it runs."""
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+
+
 class EndEvent(_Response):
     """Output position at the end of a non-following read of a running process."""
 

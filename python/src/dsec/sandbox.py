@@ -2,25 +2,30 @@
 
 from __future__ import annotations
 
-from typing import IO, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import IO, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .client import Client, _seg, default_client
 from .errors import Expired, NotFound
 from .models import (
     ExecResult,
+    ExitEvent,
     FileInfo,
     Image,
     JobResult,
     Network,
     PauseResult,
+    ProcessInfo,
     Resources,
     SandboxInfo,
     SessionInfo,
     SessionResult,
+    StderrEvent,
+    StdoutEvent,
     WriteResult,
 )
+from .transfer import extract_tar, tar_directory
 
-__all__ = ["Sandbox", "Session", "suspend_job", "resume_job", "Command"]
+__all__ = ["Sandbox", "Session", "Process", "suspend_job", "resume_job", "Command"]
 
 Command = Union[str, Sequence[str]]
 """A shell command line (run by ``/bin/sh -c``) or an argv list (run directly)."""
@@ -57,6 +62,7 @@ def create_body(
     writable: Optional[Sequence[str]] = None,
     tcp_bind: Optional[Sequence[int]] = None,
     tcp_connect: Optional[Sequence[int]] = None,
+    user: Optional[str] = None,
 ) -> Dict[str, Any]:
     """The ``POST /v1/sandboxes`` body for :meth:`Sandbox.create` (and its async twin)."""
     body: Dict[str, Any] = {"auto_resume": auto_resume}
@@ -80,6 +86,8 @@ def create_body(
         body["env"] = dict(env)
     if workdir is not None:
         body["workdir"] = workdir
+    if user is not None:
+        body["user"] = user
     if qos is not None:
         body["qos"] = qos
     if network is not None:
@@ -94,6 +102,45 @@ def create_body(
     if fs:
         body["filesystem"] = fs
     return body
+
+
+def process_body(
+    cmd: Command,
+    env: Optional[Mapping[str, str]],
+    cwd: Optional[str],
+    pty: Optional[Tuple[int, int]],
+    tag: Optional[str],
+    timeout: Optional[float],
+    user: Optional[str],
+) -> Dict[str, Any]:
+    """The ``POST .../processes`` body for :meth:`Sandbox.start` (and its async twin)."""
+    body: Dict[str, Any] = {"cmd": _cmd(cmd)}
+    if env:
+        body["env"] = dict(env)
+    if cwd is not None:
+        body["cwd"] = cwd
+    if pty is not None:
+        body["pty"] = {"cols": int(pty[0]), "rows": int(pty[1])}
+    if tag is not None:
+        body["tag"] = tag
+    if timeout is not None:
+        body["timeout_s"] = float(timeout)
+    if user is not None:
+        body["user"] = user
+    return body
+
+
+def collect_output(events: Iterable[Any]) -> Tuple[str, str, Optional[Any]]:
+    """Stdout, stderr and the exit event (``None`` if the stream ended first) of events."""
+    out, err, exit_ev = [], [], None
+    for ev in events:
+        if isinstance(ev, StdoutEvent):
+            out.append(ev.data)
+        elif isinstance(ev, StderrEvent):
+            err.append(ev.data)
+        elif isinstance(ev, ExitEvent):
+            exit_ev = ev
+    return "".join(out), "".join(err), exit_ev
 
 
 def network_body(network: Any) -> Dict[str, Any]:
@@ -143,6 +190,7 @@ class Sandbox:
         writable: Optional[Sequence[str]] = None,
         tcp_bind: Optional[Sequence[int]] = None,
         tcp_connect: Optional[Sequence[int]] = None,
+        user: Optional[str] = None,
     ) -> "Sandbox":
         """Creates a sandbox and returns when it is ready.
 
@@ -166,6 +214,8 @@ class Sandbox:
                 the files API is not bound by it.
             tcp_bind, tcp_connect: When given, the only TCP ports commands may bind or
                 connect to (Landlock).
+            user: Default user of commands (a name in the image, or ``"UID[:GID]"``);
+                default: the image's user, else root.
 
         Connection errors and ``capacity`` answers are retried with exponential backoff
         (``Client.create_retries`` times, default 5); other errors are raised at once.
@@ -175,7 +225,7 @@ class Sandbox:
             image=image, layers=layers, resources=resources, timeout=timeout,
             idle_timeout=idle_timeout, labels=labels, job=job, env=env, workdir=workdir,
             qos=qos, auto_resume=auto_resume, network=network, writable=writable,
-            tcp_bind=tcp_bind, tcp_connect=tcp_connect,
+            tcp_bind=tcp_bind, tcp_connect=tcp_connect, user=user,
         )
         return cls(client, client.create_sandbox(body))
 
@@ -255,8 +305,11 @@ class Sandbox:
         stdin: Union[str, bytes, None],
         timeout: Optional[float],
         output_limit: Optional[int],
+        user: Optional[str] = None,
     ) -> Dict[str, Any]:
         body: Dict[str, Any] = {"cmd": _cmd(cmd)}
+        if user is not None:
+            body["user"] = user
         if env:
             body["env"] = dict(env)
         if cwd is not None:
@@ -278,6 +331,7 @@ class Sandbox:
         timeout: Optional[float] = None,
         *,
         output_limit: Optional[int] = None,
+        user: Optional[str] = None,
     ) -> ExecResult:
         """Runs a command to completion.
 
@@ -288,10 +342,11 @@ class Sandbox:
             stdin: Text fed to stdin, then closed (bytes must be UTF-8).
             timeout: Kill the process tree after this many seconds (``timed_out`` is set).
             output_limit: Cap on recorded output per stream, bytes.
+            user: Run as this user (a name in the sandbox, or ``"UID[:GID]"``).
 
         A non-zero exit is not an exception: check ``result.exit_code`` / ``result.ok``.
         """
-        body = self._exec_body(cmd, env, cwd, stdin, timeout, output_limit)
+        body = self._exec_body(cmd, env, cwd, stdin, timeout, output_limit, user)
         data = self.client._json("POST", f"{self._base}/exec", json_body=body, timeout=Client._exec_timeout(timeout))
         return ExecResult.model_validate(data)
 
@@ -304,11 +359,12 @@ class Sandbox:
         timeout: Optional[float] = None,
         *,
         output_limit: Optional[int] = None,
+        user: Optional[str] = None,
     ) -> Iterator[Any]:
         """Runs a command and yields its events as they happen: :class:`StartedEvent`,
         :class:`StdoutEvent` / :class:`StderrEvent` chunks, and a final :class:`ExitEvent`.
         Arguments as for :meth:`exec`. An ``error`` event is raised as a :class:`DsecError`."""
-        body = self._exec_body(cmd, env, cwd, stdin, timeout, output_limit)
+        body = self._exec_body(cmd, env, cwd, stdin, timeout, output_limit, user)
         return self.client.stream_events(f"{self._base}/exec/stream", body, timeout)
 
     # ------------------------------------------------------------ sessions
@@ -318,6 +374,7 @@ class Sandbox:
         env: Optional[Mapping[str, str]] = None,
         cwd: Optional[str] = None,
         name: Optional[str] = None,
+        user: Optional[str] = None,
     ) -> "Session":
         """Opens a persistent bash session: cwd, variables and shell state carry over
         between :meth:`Session.run` calls. Use it as a context manager to close it."""
@@ -328,8 +385,70 @@ class Sandbox:
             body["env"] = dict(env)
         if cwd is not None:
             body["cwd"] = cwd
+        if user is not None:
+            body["user"] = user
         info = SessionInfo.model_validate(self.client._json("POST", f"{self._base}/sessions", json_body=body))
         return Session(self, info)
+
+    # ------------------------------------------------------------ background processes
+
+    def start(
+        self,
+        cmd: Command,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        *,
+        pty: Optional[Tuple[int, int]] = None,
+        tag: Optional[str] = None,
+        timeout: Optional[float] = None,
+        user: Optional[str] = None,
+    ) -> "Process":
+        """Starts a background process and returns at once.
+
+        Args:
+            cmd, env, cwd, user: As for :meth:`exec`.
+            pty: ``(cols, rows)`` to run under a terminal (stdout and stderr merge).
+            tag: A label to find the process again in :meth:`processes`.
+            timeout: Kill the process tree after this many seconds.
+
+        Its output is kept by the sandbox, so any client can re-attach later with
+        :meth:`process` and read from any offset.
+        """
+        body = process_body(cmd, env, cwd, pty, tag, timeout, user)
+        info = ProcessInfo.model_validate(self.client._json("POST", f"{self._base}/processes", json_body=body))
+        return Process(self, info)
+
+    def processes(self) -> List[ProcessInfo]:
+        """The sandbox's background processes (running and recently ended)."""
+        data = self.client._json("GET", f"{self._base}/processes")
+        return [ProcessInfo.model_validate(p) for p in data["processes"]]
+
+    def process(self, pid: int) -> "Process":
+        """Re-attaches to background process ``pid`` (raises :class:`dsec.NotFound`)."""
+        for p in self.processes():
+            if p.pid == pid:
+                return Process(self, p)
+        raise NotFound(f"no process {pid} in sandbox {self.id}")
+
+    # ------------------------------------------------------------ directories
+
+    def upload_dir(self, local_dir: str, remote_dir: str) -> int:
+        """Copies the contents of local directory ``local_dir`` into ``remote_dir``
+        (created with its parents); returns the bytes of the archive sent."""
+        data = tar_directory(local_dir)
+        self.mkdir(remote_dir)
+        self.client.request(
+            "PUT", f"{self._base}/files/tar", params={"path": remote_dir}, content=data,
+            headers={"content-type": "application/x-tar"}, timeout=None,
+        )
+        return len(data)
+
+    def download_dir(self, remote_dir: str, local_dir: str) -> None:
+        """Copies the contents of ``remote_dir`` into local directory ``local_dir``
+        (created if missing). Entries that would land or link outside ``local_dir`` are
+        refused before anything is written."""
+        data = self.client.request("GET", f"{self._base}/files/tar", params={"path": remote_dir}, timeout=None).content
+        extract_tar(data, local_dir)
 
     # ------------------------------------------------------------ files
 
@@ -470,3 +589,63 @@ def suspend_job(job: str, client: Optional[Client] = None) -> JobResult:
 def resume_job(job: str, client: Optional[Client] = None) -> JobResult:
     """Resumes every sandbox of a suspended job."""
     return (client or default_client()).resume_job(job)
+
+
+class Process:
+    """A background process in a sandbox (see :meth:`Sandbox.start`)."""
+
+    def __init__(self, sandbox: Sandbox, info: ProcessInfo) -> None:
+        self.sandbox = sandbox
+        self.info = info
+
+    @property
+    def pid(self) -> int:
+        """Its pid inside the sandbox."""
+        return self.info.pid
+
+    @property
+    def _base(self) -> str:
+        return f"{self.sandbox._base}/processes/{self.pid}"
+
+    def output(self, follow: bool = False, stdout_offset: int = 0, stderr_offset: int = 0) -> Iterator[Any]:
+        """Its recorded output from the given byte offsets as events; with ``follow``,
+        live until it exits (the last event is then :class:`ExitEvent`), else up to now
+        (ending with :class:`EndEvent`, whose offsets continue the next read)."""
+        params = {"follow": "true" if follow else "false",
+                  "stdout_offset": stdout_offset, "stderr_offset": stderr_offset}
+        return self.sandbox.client.stream_events(f"{self._base}/output", None, None, method="GET", params=params)
+
+    def wait(self) -> ExecResult:
+        """Waits for it to exit; its whole recorded output and exit status."""
+        out, err, ev = collect_output(self.output(follow=True))
+        exit_fields = ev.model_dump(exclude={"type"}) if ev is not None else {}
+        return ExecResult.model_validate({"stdout": out, "stderr": err, **exit_fields})
+
+    def send_stdin(self, data: Union[str, bytes], close: bool = False) -> None:
+        """Writes ``data`` (UTF-8) to its stdin; ``close`` closes stdin afterwards."""
+        body = {"data": _text(data) or "", "close": close}
+        self.sandbox.client.request("POST", f"{self._base}/stdin", json_body=body)
+
+    def close_stdin(self) -> None:
+        """Closes its stdin (EOF)."""
+        self.send_stdin("", close=True)
+
+    def signal(self, signal: Union[str, int] = "SIGTERM") -> None:
+        """Sends ``signal`` (a name like ``"SIGINT"`` or a number) to its process group."""
+        self.sandbox.client.request("POST", f"{self._base}/signal", json_body={"signal": str(signal)})
+
+    def kill(self) -> None:
+        """Sends SIGKILL to its process group."""
+        self.signal("SIGKILL")
+
+    def resize(self, cols: int, rows: int) -> None:
+        """Resizes its terminal (processes started with ``pty``)."""
+        self.sandbox.client.request("POST", f"{self._base}/resize", json_body={"cols": cols, "rows": rows})
+
+    def refresh(self) -> ProcessInfo:
+        """Re-reads its state (``exit`` is set once it ended)."""
+        self.info = self.sandbox.process(self.pid).info
+        return self.info
+
+    def __repr__(self) -> str:
+        return f"dsec.Process(pid={self.pid}, sandbox={self.sandbox.id!r})"
