@@ -13,9 +13,9 @@ venv="${DSEC_PY_VENV:-/tmp/dsec-py}"
 if [[ ! -x "$venv/bin/python" ]]; then
   python3 -m venv "$venv"
 fi
-# swe-rex (+ aiohttp, which its RemoteRuntime imports but does not declare): the
-# compatibility tests drive dsec with the unmodified SWE-ReX client.
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$here" pytest swe-rex aiohttp
+# swe-rex (+ aiohttp, which its RemoteRuntime imports but does not declare) and e2b
+# (pinned): the compatibility tests drive dsec with the unmodified SWE-ReX and E2B clients.
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$here" pytest swe-rex aiohttp "e2b==2.63.0"
 
 cd "$repo"
 exec "$venv/bin/python" -m pytest "$here/tests" -q "$@"

@@ -1849,18 +1849,30 @@ async fn commands_run_as_the_sandbox_user_or_the_one_they_name() {
     let out = c.exec(&sb.id, as_root).await.expect("exec as root");
     assert_eq!(out.stdout, "0\nwrote\n", "{out:?}");
     let out = run(&c, &sb.id, "touch /root/no").await;
-    assert_ne!(out.exit.exit_code, Some(0), "www-data wrote to /root: {out:?}");
+    assert_ne!(
+        out.exit.exit_code,
+        Some(0),
+        "www-data wrote to /root: {out:?}"
+    );
 
     // A user added by a command, with a supplementary group; an unnamed UID:GID.
-    let mut add = sh("echo 'alice:x:2000:2000::/home/alice:/bin/bash' >> /etc/passwd; \
+    let mut add = sh(
+        "echo 'alice:x:2000:2000::/home/alice:/bin/bash' >> /etc/passwd; \
          printf 'alice:x:2000:\\nteam:x:3000:bob,alice\\n' >> /etc/group; \
-         mkdir -p /home/alice && chown 2000:2000 /home/alice");
+         mkdir -p /home/alice && chown 2000:2000 /home/alice",
+    );
     add.user = Some("0".into());
-    assert_eq!(c.exec(&sb.id, add).await.expect("add user").exit.exit_code, Some(0));
+    assert_eq!(
+        c.exec(&sb.id, add).await.expect("add user").exit.exit_code,
+        Some(0)
+    );
     let mut alice = sh("id -u; id -G; cd && pwd && touch mine && stat -c %u mine");
     alice.user = Some("alice".into());
     let out = c.exec(&sb.id, alice).await.expect("exec as alice");
-    assert_eq!(out.stdout, "2000\n2000 3000\n/home/alice\n2000\n", "{out:?}");
+    assert_eq!(
+        out.stdout, "2000\n2000 3000\n/home/alice\n2000\n",
+        "{out:?}"
+    );
     let mut unnamed = sh("id -u; id -g");
     unnamed.user = Some("4321:4322".into());
     let out = c.exec(&sb.id, unnamed).await.expect("exec as 4321");

@@ -20,6 +20,7 @@
 //!
 //! [`ApiError`]: dsec_wire::ApiError
 
+pub mod e2b;
 pub mod error;
 pub mod extract;
 pub mod handlers;
@@ -138,6 +139,7 @@ pub fn router(api: Arc<dyn SandboxApi>) -> Router {
     Router::new()
         .nest("/v1", v1)
         .merge(swerex)
+        .merge(e2b::routes(api.clone()))
         .fallback(h::not_found)
         .method_not_allowed_fallback(h::method_not_allowed)
         .layer(DefaultBodyLimit::max(JSON_BODY_LIMIT))

@@ -1,0 +1,380 @@
+//! E2B's REST API (the control-plane half): sandboxes created from templates, listed by
+//! metadata, killed, timed out, paused, resumed and connected to.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use dsec_control::SandboxApi;
+use dsec_wire::v1::{
+    Command, CreateSandboxRequest, ExecRequest, NetworkMode, NetworkPolicy, Sandbox, SandboxState,
+    SetTimeoutRequest,
+};
+use dsec_wire::{ApiError, ErrorCode};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::{rfc3339, DEFAULT_USER, ENVD_VERSION, META_PREFIX, TEMPLATE_LABEL};
+
+type Api = State<Arc<dyn SandboxApi>>;
+
+/// E2B's default sandbox lifetime when a create names none.
+const DEFAULT_TIMEOUT_S: u64 = 15;
+
+pub(super) fn routes() -> Router<Arc<dyn SandboxApi>> {
+    Router::new()
+        .route("/sandboxes", post(create).get(list))
+        .route("/v2/sandboxes", post(create).get(list))
+        .route("/sandboxes/{id}", get(detail).delete(kill))
+        .route("/sandboxes/{id}/timeout", post(set_timeout))
+        .route("/sandboxes/{id}/refreshes", post(refresh))
+        .route("/sandboxes/{id}/connect", post(connect))
+        .route("/v2/sandboxes/{id}/connect", post(connect))
+        .route("/sandboxes/{id}/pause", post(pause))
+        .route("/sandboxes/{id}/resume", post(resume))
+}
+
+/// An E2B error answer: the HTTP status and `{"code": status, "message"}`.
+pub(super) fn error(e: ApiError) -> Response {
+    let status =
+        StatusCode::from_u16(e.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (
+        status,
+        Json(json!({"code": status.as_u16(), "message": e.message})),
+    )
+        .into_response()
+}
+
+fn answer(r: Result<Response, ApiError>) -> Response {
+    r.unwrap_or_else(error)
+}
+
+fn metadata(sb: &Sandbox) -> Value {
+    let m: BTreeMap<&str, &str> = sb
+        .labels
+        .iter()
+        .filter_map(|(k, v)| k.strip_prefix(META_PREFIX).map(|k| (k, v.as_str())))
+        .collect();
+    json!(m)
+}
+
+fn template(sb: &Sandbox) -> String {
+    sb.labels
+        .get(TEMPLATE_LABEL)
+        .cloned()
+        .unwrap_or_else(|| sb.image.clone())
+}
+
+fn state(sb: &Sandbox) -> &'static str {
+    if sb.state == SandboxState::Paused {
+        "paused"
+    } else {
+        "running"
+    }
+}
+
+/// The `Sandbox` answer of create, connect and resume.
+fn created(sb: &Sandbox, token: Option<&str>) -> Value {
+    json!({
+        "templateID": template(sb),
+        "sandboxID": sb.id,
+        "clientID": "dsec",
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": token,
+        "domain": null,
+        "alias": template(sb),
+    })
+}
+
+/// `ListedSandbox` (and, with the token, `SandboxDetail`).
+fn listed(sb: &Sandbox, token: Option<&str>) -> Value {
+    let mut v = json!({
+        "templateID": template(sb),
+        "alias": template(sb),
+        "sandboxID": sb.id,
+        "clientID": "dsec",
+        "startedAt": rfc3339(sb.created_at),
+        "endAt": rfc3339(sb.expires_at),
+        "cpuCount": sb.resources.cpu.ceil().max(1.0) as u64,
+        "memoryMB": sb.resources.memory_mb,
+        "diskSizeMB": sb.resources.disk_mb.unwrap_or(0),
+        "state": state(sb),
+        "envdVersion": ENVD_VERSION,
+        "metadata": metadata(sb),
+    });
+    if let Some(t) = token {
+        v["envdAccessToken"] = json!(t);
+    }
+    v
+}
+
+fn api_key(h: &HeaderMap) -> Option<String> {
+    h.get(dsec_wire::v1::API_KEY_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct NewSandbox {
+    #[serde(rename = "templateID")]
+    template_id: String,
+    #[serde(default)]
+    timeout: Option<u64>,
+    #[serde(default)]
+    metadata: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    env_vars: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    auto_resume: Option<Value>,
+    #[serde(default, rename = "allow_internet_access")]
+    allow_internet_access: Option<bool>,
+}
+
+/// The commands that give an image E2B's `user` (uid 1000, home /home/user) when it has
+/// none.
+const ENSURE_USER: &str = "id -u user >/dev/null 2>&1 || { \
+    grep -q '^user:' /etc/group || echo 'user:x:1000:' >> /etc/group; \
+    echo 'user:x:1000:1000::/home/user:/bin/bash' >> /etc/passwd; }; \
+    mkdir -p /home/user && chown user:user /home/user";
+
+async fn create(State(api): Api, headers: HeaderMap, Json(req): Json<NewSandbox>) -> Response {
+    answer(
+        async {
+            let template = req.template_id.clone();
+            let mut labels: BTreeMap<String, String> = req
+                .metadata
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(k, v)| (format!("{META_PREFIX}{k}"), v))
+                .collect();
+            labels.insert(TEMPLATE_LABEL.into(), template.clone());
+            let sb = api
+                .create_sandbox(CreateSandboxRequest {
+                    image: Some(template),
+                    timeout_s: Some(req.timeout.unwrap_or(DEFAULT_TIMEOUT_S)),
+                    env: req.env_vars.unwrap_or_default(),
+                    labels,
+                    user: Some(DEFAULT_USER.into()),
+                    workdir: Some(format!("/home/{DEFAULT_USER}")),
+                    auto_resume: req.auto_resume.is_some_and(|v| v != Value::Bool(false)),
+                    network: NetworkPolicy {
+                        mode: if req.allow_internet_access == Some(true) {
+                            NetworkMode::Open
+                        } else {
+                            NetworkMode::None
+                        },
+                        allow: Vec::new(),
+                    },
+                    ..Default::default()
+                })
+                .await?;
+            let setup = api
+                .exec(
+                    &sb.id,
+                    ExecRequest {
+                        cmd: Command::Shell(ENSURE_USER.into()),
+                        env: Default::default(),
+                        cwd: Some("/".into()),
+                        stdin: None,
+                        timeout_s: Some(30.0),
+                        output_limit: None,
+                        user: Some("root".into()),
+                    },
+                )
+                .await;
+            match setup {
+                Ok(r) if r.exit.exit_code == Some(0) => {}
+                other => {
+                    let _ = api.delete_sandbox(&sb.id).await;
+                    let why = match other {
+                        Ok(r) => format!("exit {:?}: {}", r.exit.exit_code, r.stderr),
+                        Err(e) => e.message,
+                    };
+                    return Err(ApiError::new(
+                        ErrorCode::Failed,
+                        format!("preparing E2B's user in the sandbox failed: {why}"),
+                    ));
+                }
+            }
+            let token = api_key(&headers);
+            Ok((StatusCode::CREATED, Json(created(&sb, token.as_deref()))).into_response())
+        }
+        .await,
+    )
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ListQuery {
+    #[serde(default)]
+    metadata: Option<String>,
+    #[serde(default)]
+    state: Option<String>,
+    #[serde(default)]
+    limit: Option<usize>,
+    #[serde(default)]
+    next_token: Option<String>,
+}
+
+async fn list(State(api): Api, Query(q): Query<ListQuery>) -> Response {
+    answer(
+        async {
+            // `metadata` is itself a query string of URL-quoted pairs.
+            let mut filter = BTreeMap::new();
+            if let Some(m) = q.metadata.as_deref() {
+                for (k, v) in url::form_urlencoded::parse(m.as_bytes()) {
+                    let k = percent_decode(&k);
+                    let v = percent_decode(&v);
+                    filter.insert(format!("{META_PREFIX}{k}"), v);
+                }
+            }
+            let states: Vec<&str> = q
+                .state
+                .as_deref()
+                .map(|s| s.split(',').collect())
+                .unwrap_or_default();
+            let mut all: Vec<Sandbox> = api
+                .list_sandboxes(filter)
+                .await?
+                .sandboxes
+                .into_iter()
+                .filter(|s| matches!(s.state, SandboxState::Ready | SandboxState::Paused))
+                .filter(|s| states.is_empty() || states.contains(&state(s)))
+                .collect();
+            all.sort_by(|a, b| a.created_at.cmp(&b.created_at).then(a.id.cmp(&b.id)));
+            // Pages: `nextToken` is the id the next page starts after.
+            if let Some(after) = q.next_token.as_deref() {
+                if let Some(pos) = all.iter().position(|s| s.id == after) {
+                    all.drain(..=pos);
+                }
+            }
+            let limit = q.limit.unwrap_or(1000).clamp(1, 1000);
+            let next = (all.len() > limit).then(|| all[limit - 1].id.clone());
+            all.truncate(limit);
+            let body: Vec<Value> = all.iter().map(|s| listed(s, None)).collect();
+            let mut resp = Json(body).into_response();
+            if let Some(n) = next.and_then(|n| HeaderValue::from_str(&n).ok()) {
+                resp.headers_mut().insert("x-next-token", n);
+            }
+            Ok(resp)
+        }
+        .await,
+    )
+}
+
+/// `%XX` escapes (the SDK quotes metadata keys and values before form-encoding them).
+fn percent_decode(s: &str) -> String {
+    url::form_urlencoded::parse(format!("x={}", s.replace('+', "%2B")).as_bytes())
+        .next()
+        .map(|(_, v)| v.into_owned())
+        .unwrap_or_else(|| s.to_string())
+}
+
+async fn detail(State(api): Api, headers: HeaderMap, Path(id): Path<String>) -> Response {
+    answer(
+        async {
+            let sb = api.get_sandbox(&id).await?;
+            Ok(Json(listed(&sb, api_key(&headers).as_deref())).into_response())
+        }
+        .await,
+    )
+}
+
+async fn kill(State(api): Api, Path(id): Path<String>) -> Response {
+    answer(
+        api.delete_sandbox(&id)
+            .await
+            .map(|()| StatusCode::NO_CONTENT.into_response()),
+    )
+}
+
+#[derive(Debug, Deserialize)]
+struct TimeoutBody {
+    timeout: u64,
+}
+
+/// The body of `connect` (v2: every field optional).
+#[derive(Debug, Deserialize)]
+struct ConnectBody {
+    #[serde(default)]
+    timeout: Option<u64>,
+}
+
+async fn set_timeout(
+    State(api): Api,
+    Path(id): Path<String>,
+    Json(b): Json<TimeoutBody>,
+) -> Response {
+    answer(
+        api.set_timeout(
+            &id,
+            SetTimeoutRequest {
+                timeout_s: b.timeout,
+            },
+        )
+        .await
+        .map(|_| StatusCode::NO_CONTENT.into_response()),
+    )
+}
+
+async fn refresh(State(api): Api, Path(id): Path<String>) -> Response {
+    answer(
+        api.get_sandbox(&id)
+            .await
+            .map(|_| StatusCode::NO_CONTENT.into_response()),
+    )
+}
+
+/// Resumes a paused sandbox (and sets its timeout); answers its `Sandbox`.
+async fn connect(
+    State(api): Api,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Option<Json<ConnectBody>>,
+) -> Response {
+    answer(
+        async {
+            let mut sb = api.get_sandbox(&id).await?;
+            let resumed = sb.state == SandboxState::Paused;
+            if resumed {
+                sb = api.resume_sandbox(&id).await?;
+            }
+            if let Some(timeout_s) = body.and_then(|Json(b)| b.timeout) {
+                sb = api
+                    .set_timeout(&id, SetTimeoutRequest { timeout_s })
+                    .await?;
+            }
+            let status = if resumed {
+                StatusCode::CREATED
+            } else {
+                StatusCode::OK
+            };
+            Ok((status, Json(created(&sb, api_key(&headers).as_deref()))).into_response())
+        }
+        .await,
+    )
+}
+
+async fn pause(State(api): Api, Path(id): Path<String>) -> Response {
+    answer(
+        api.pause_sandbox(&id)
+            .await
+            .map(|_| StatusCode::NO_CONTENT.into_response()),
+    )
+}
+
+async fn resume(State(api): Api, headers: HeaderMap, Path(id): Path<String>) -> Response {
+    answer(api.resume_sandbox(&id).await.map(|sb| {
+        (
+            StatusCode::CREATED,
+            [(header::CONTENT_TYPE, "application/json")],
+            created(&sb, api_key(&headers).as_deref()).to_string(),
+        )
+            .into_response()
+    }))
+}
