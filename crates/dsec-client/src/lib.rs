@@ -21,6 +21,7 @@
 //!     stdin: None,
 //!     timeout_s: None,
 //!     output_limit: None,
+//!     user: None,
 //! };
 //! let out = client.exec(&sb.id, req).await?;
 //! assert_eq!(out.stdout, "hi\n");

@@ -15,15 +15,15 @@ use base64::Engine;
 use dsec_control::{ByteStream, SandboxApi};
 use dsec_wire::agent::{FileInfo, FileKind, ProcessInfo};
 use dsec_wire::v1::{
-    Command, ExecEvent, ExecRequest, MkdirRequest, PtySize, RenameRequest, SignalRequest,
-    StartProcessRequest, StdinRequest,
+    Command, ExecEvent, MkdirRequest, PtySize, RenameRequest, SignalRequest, StartProcessRequest,
+    StdinRequest,
 };
 use dsec_wire::{ApiError, ErrorCode};
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::{connect, rest, rfc3339, sandbox_id, DEFAULT_USER};
+use super::{connect, rest, rfc3339, run_as_root, sandbox_id, DEFAULT_USER};
 
 type Api = State<Arc<dyn SandboxApi>>;
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
@@ -81,20 +81,8 @@ async fn chown(api: &dyn SandboxApi, id: &str, path: &str, user: &str) -> Result
     if user == "root" {
         return Ok(());
     }
-    let r = api
-        .exec(
-            id,
-            ExecRequest {
-                cmd: Command::Argv(vec!["chown".into(), user.into(), path.into()]),
-                env: Default::default(),
-                cwd: Some("/".into()),
-                stdin: None,
-                timeout_s: Some(30.0),
-                output_limit: None,
-                user: Some("root".into()),
-            },
-        )
-        .await?;
+    let argv = vec!["chown".into(), user.into(), path.into()];
+    let r = run_as_root(api, id, Command::Argv(argv)).await?;
     if r.exit.exit_code != Some(0) {
         return Err(ApiError::new(
             ErrorCode::Failed,

@@ -80,6 +80,27 @@ fn sandbox_id(h: &HeaderMap) -> Result<String, ApiError> {
         })
 }
 
+/// Runs `cmd` as root in sandbox `id` (setup the front does on the caller's behalf).
+async fn run_as_root(
+    api: &dyn SandboxApi,
+    id: &str,
+    cmd: dsec_wire::v1::Command,
+) -> Result<dsec_wire::v1::ExecResult, ApiError> {
+    api.exec(
+        id,
+        dsec_wire::v1::ExecRequest {
+            cmd,
+            env: Default::default(),
+            cwd: Some("/".into()),
+            stdin: None,
+            timeout_s: Some(30.0),
+            output_limit: None,
+            user: Some("root".into()),
+        },
+    )
+    .await
+}
+
 /// RFC 3339 (UTC, millisecond precision) of unix milliseconds.
 fn rfc3339(ms: u64) -> String {
     let secs = ms / 1000;

@@ -11,14 +11,14 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use dsec_control::SandboxApi;
 use dsec_wire::v1::{
-    Command, CreateSandboxRequest, ExecRequest, NetworkMode, NetworkPolicy, Sandbox, SandboxState,
+    Command, CreateSandboxRequest, NetworkMode, NetworkPolicy, Sandbox, SandboxState,
     SetTimeoutRequest,
 };
 use dsec_wire::{ApiError, ErrorCode};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::{rfc3339, DEFAULT_USER, ENVD_VERSION, META_PREFIX, TEMPLATE_LABEL};
+use super::{rfc3339, run_as_root, DEFAULT_USER, ENVD_VERSION, META_PREFIX, TEMPLATE_LABEL};
 
 type Api = State<Arc<dyn SandboxApi>>;
 
@@ -173,20 +173,7 @@ async fn create(State(api): Api, headers: HeaderMap, Json(req): Json<NewSandbox>
                     ..Default::default()
                 })
                 .await?;
-            let setup = api
-                .exec(
-                    &sb.id,
-                    ExecRequest {
-                        cmd: Command::Shell(ENSURE_USER.into()),
-                        env: Default::default(),
-                        cwd: Some("/".into()),
-                        stdin: None,
-                        timeout_s: Some(30.0),
-                        output_limit: None,
-                        user: Some("root".into()),
-                    },
-                )
-                .await;
+            let setup = run_as_root(api.as_ref(), &sb.id, Command::Shell(ENSURE_USER.into())).await;
             match setup {
                 Ok(r) if r.exit.exit_code == Some(0) => {}
                 other => {
