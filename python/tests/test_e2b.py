@@ -3,6 +3,7 @@ E2B's own environment variables. Each test covers calls README's E2B section lis
 
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
 import pytest
@@ -115,3 +116,12 @@ def test_files(sbx: Sandbox) -> None:
     assert not sbx.files.exists("d")
     with pytest.raises(e2b.NotFoundException):
         sbx.files.read("/nonexistent/file")
+
+
+def test_command_timeout(sbx: Sandbox) -> None:
+    started = time.monotonic()
+    with pytest.raises(e2b.TimeoutException):
+        sbx.commands.run("sleep 20", timeout=1)
+    assert time.monotonic() - started < 10
+    # The sandbox still answers.
+    assert sbx.commands.run("echo ok").stdout == "ok\n"
