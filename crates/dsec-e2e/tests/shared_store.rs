@@ -186,6 +186,20 @@ async fn two_nodes_share_images_through_s3() {
         .into_iter()
         .find(|i| i.name == "base")
         .expect("base on b");
+    // Every uploaded layer carries the chunk index on-demand loading verifies against.
+    let manifest: dsec_image::shared::LayerManifest = serde_json::from_slice(
+        &store
+            .get(&dsec_image::shared::manifest_key(
+                base.digest.trim_start_matches("sha256:"),
+            ))
+            .expect("get manifest")
+            .expect("manifest in store"),
+    )
+    .expect("manifest json");
+    let index = manifest.chunk_index().expect("chunk index");
+    assert_eq!(index.size, manifest.size);
+    assert_eq!(index.chunks.len() as u64, manifest.size.div_ceil(index.chunk_size));
+
     let base_hex = base.digest.trim_start_matches("sha256:").to_string();
     let key = dsec_image::shared::blob_key(&base_hex);
     let good = store.get(&key).expect("get").expect("base layer in store");

@@ -55,6 +55,25 @@ pub struct LayerManifest {
     pub source: String,
     /// Unix milliseconds of the upload.
     pub created_at: u64,
+    /// Chunk size of `chunks` (on-demand loading fetches and verifies chunks).
+    #[serde(default)]
+    pub chunk_size: u64,
+    /// Hex sha256 of each chunk of the blob, in order.
+    #[serde(default)]
+    pub chunks: Vec<String>,
+}
+
+impl LayerManifest {
+    /// The chunk index on-demand loading needs, if the manifest carries one.
+    pub fn chunk_index(&self) -> Option<dsec_lazy::ChunkIndex> {
+        let index = dsec_lazy::ChunkIndex {
+            digest: self.digest.trim_start_matches("sha256:").to_string(),
+            size: self.size,
+            chunk_size: self.chunk_size,
+            chunks: self.chunks.clone(),
+        };
+        index.validate().ok().map(|()| index)
+    }
 }
 
 /// A ref as stored in the shared store: the local entry plus its name.
@@ -107,15 +126,18 @@ impl ImageStore {
             match (remote, local) {
                 (Some(info), _) => size += info.size,
                 (None, Some(len)) => {
-                    shared
-                        .upload(&blob_key(&hex), &self.blob_path(&hex))
-                        .map_err(shared_err)?;
+                    let blob = self.blob_path(&hex);
+                    let index = dsec_lazy::ChunkIndex::of_file(&blob, dsec_lazy::DEFAULT_CHUNK_SIZE)
+                        .map_err(|e| ImageError::io("index", &blob, std::io::Error::other(e)))?;
+                    shared.upload(&blob_key(&hex), &blob).map_err(shared_err)?;
                     let manifest = LayerManifest {
                         digest: format!("sha256:{hex}"),
                         size: len,
                         compression: "lz4hc".into(),
                         source: source.to_string(),
                         created_at: now_ms(),
+                        chunk_size: index.chunk_size,
+                        chunks: index.chunks,
                     };
                     let json = serde_json::to_vec_pretty(&manifest).map_err(|e| {
                         ImageError::InvalidImage {

@@ -1,0 +1,415 @@
+//! [`LazyMount`]: the FUSE file system of on-demand layer files (one flat directory,
+//! `<layer hex>.erofs` per layer) and the fetch path behind its reads.
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::time::{Duration, Instant, UNIX_EPOCH};
+
+use dsec_blob::BlobStore;
+use fuser::{
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, INodeNo, LockOwner, MountOption,
+    OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEntry, ReplyOpen, Request,
+};
+use sha2::{Digest, Sha256};
+
+use crate::{ChunkCache, ChunkIndex, LazyError, Result};
+
+/// How the fetch path behaves.
+#[derive(Debug, Clone)]
+pub struct LazyOptions {
+    /// Longest wait for one chunk fetch before the read fails with `EIO`.
+    pub fetch_timeout: Duration,
+    /// Fetch attempts per chunk (with 100 ms, 400 ms, ... backoff between them).
+    pub attempts: u32,
+    /// FUSE worker threads (reads of different chunks proceed in parallel).
+    pub threads: usize,
+}
+
+impl Default for LazyOptions {
+    fn default() -> Self {
+        Self {
+            fetch_timeout: Duration::from_secs(30),
+            attempts: 3,
+            threads: 4,
+        }
+    }
+}
+
+/// Accounting of one lazy layer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LayerStats {
+    /// Bytes fetched from the blob store (and written to the chunk cache).
+    pub fetched_bytes: u64,
+    /// Chunks fetched.
+    pub fetched_chunks: u64,
+    /// Bytes served from the chunk cache.
+    pub cached_bytes: u64,
+    /// Reads answered with `EIO` (store down, timeout, bad chunk).
+    pub faults: u64,
+    /// Sum of fetch latencies in microseconds (mean = this / fetched_chunks).
+    pub fetch_micros: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    fetched_bytes: AtomicU64,
+    fetched_chunks: AtomicU64,
+    cached_bytes: AtomicU64,
+    faults: AtomicU64,
+    fetch_micros: AtomicU64,
+}
+
+#[derive(Debug)]
+struct Layer {
+    ino: u64,
+    name: String,
+    key: String,
+    index: ChunkIndex,
+    counters: Counters,
+}
+
+/// One in-flight chunk fetch that later readers of the same chunk wait on.
+#[derive(Debug, Default)]
+struct Flight {
+    result: Mutex<Option<Option<Arc<Vec<u8>>>>>,
+    done: Condvar,
+}
+
+#[derive(Debug)]
+struct Inner {
+    store: Arc<dyn BlobStore>,
+    cache: Arc<ChunkCache>,
+    layers: RwLock<Vec<Arc<Layer>>>,
+    inflight: Mutex<HashMap<(u64, u64), Arc<Flight>>>,
+    opts: LazyOptions,
+}
+
+const ROOT: u64 = 1;
+const TTL: Duration = Duration::from_secs(3600);
+
+fn attr(ino: u64, size: u64, dir: bool) -> FileAttr {
+    FileAttr {
+        ino: INodeNo(ino),
+        size,
+        blocks: size.div_ceil(512),
+        atime: UNIX_EPOCH,
+        mtime: UNIX_EPOCH,
+        ctime: UNIX_EPOCH,
+        crtime: UNIX_EPOCH,
+        kind: if dir {
+            FileType::Directory
+        } else {
+            FileType::RegularFile
+        },
+        perm: if dir { 0o555 } else { 0o444 },
+        nlink: if dir { 2 } else { 1 },
+        uid: 0,
+        gid: 0,
+        rdev: 0,
+        blksize: 4096,
+        flags: 0,
+    }
+}
+
+impl Inner {
+    fn layer(&self, ino: u64) -> Option<Arc<Layer>> {
+        let layers = self.layers.read().unwrap_or_else(|e| e.into_inner());
+        ino.checked_sub(2)
+            .and_then(|i| layers.get(usize::try_from(i).ok()?))
+            .cloned()
+    }
+
+    /// The bytes `offset..offset+size` of `layer` (cut at its end), or `None` (→ EIO).
+    fn read(&self, layer: &Layer, offset: u64, size: u32) -> Option<Vec<u8>> {
+        let end = (offset + u64::from(size)).min(layer.index.size);
+        if offset >= end {
+            return Some(Vec::new());
+        }
+        let cs = layer.index.chunk_size;
+        let mut out = Vec::with_capacity((end - offset) as usize);
+        for i in offset / cs..=(end - 1) / cs {
+            let data = self.chunk(layer, i)?;
+            let range = layer.index.range(i);
+            let from = offset.max(range.start) - range.start;
+            let to = end.min(range.end) - range.start;
+            out.extend_from_slice(data.get(from as usize..to as usize)?);
+        }
+        Some(out)
+    }
+
+    /// Chunk `i` of `layer`: from the cache, or fetched once for all concurrent readers.
+    fn chunk(&self, layer: &Layer, i: u64) -> Option<Arc<Vec<u8>>> {
+        if let Some(d) = self.cache.get(&layer.index.digest, i) {
+            if d.len() as u64 == layer.index.range(i).end - layer.index.range(i).start {
+                layer
+                    .counters
+                    .cached_bytes
+                    .fetch_add(d.len() as u64, Ordering::Relaxed);
+                return Some(Arc::new(d));
+            }
+        }
+        let (flight, leader) = {
+            let mut inflight = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
+            match inflight.get(&(layer.ino, i)) {
+                Some(f) => (f.clone(), false),
+                None => {
+                    let f = Arc::new(Flight::default());
+                    inflight.insert((layer.ino, i), f.clone());
+                    (f, true)
+                }
+            }
+        };
+        if leader {
+            let got = self.fetch(layer, i);
+            *flight.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(got.clone());
+            flight.done.notify_all();
+            self.inflight
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&(layer.ino, i));
+            return got;
+        }
+        let wait = self.opts.fetch_timeout * (self.opts.attempts + 1);
+        let guard = flight.result.lock().unwrap_or_else(|e| e.into_inner());
+        let (guard, _) = flight
+            .done
+            .wait_timeout_while(guard, wait, |r| r.is_none())
+            .unwrap_or_else(|e| e.into_inner());
+        match guard.as_ref() {
+            Some(r) => r.clone(),
+            None => {
+                layer.counters.faults.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    /// Fetches, verifies and caches chunk `i`, retrying; `None` after the last attempt.
+    fn fetch(&self, layer: &Layer, i: u64) -> Option<Arc<Vec<u8>>> {
+        let range = layer.index.range(i);
+        let want = layer.index.chunks.get(usize::try_from(i).ok()?)?.clone();
+        let mut backoff = Duration::from_millis(100);
+        for attempt in 1..=self.opts.attempts.max(1) {
+            let started = Instant::now();
+            let (tx, rx) = std::sync::mpsc::channel();
+            let (store, key, r) = (self.store.clone(), layer.key.clone(), range.clone());
+            // The store call cannot be cancelled; bound the wait, not the call.
+            std::thread::spawn(move || {
+                let _ = tx.send(store.get_range(&key, r));
+            });
+            let problem = match rx.recv_timeout(self.opts.fetch_timeout) {
+                Ok(Ok(data)) => {
+                    if hex::encode(Sha256::digest(&data)) == want {
+                        if let Err(e) = self.cache.put(&layer.index.digest, i, &data) {
+                            tracing::warn!(error = %e, "chunk cache write failed");
+                        }
+                        let c = &layer.counters;
+                        c.fetched_bytes
+                            .fetch_add(data.len() as u64, Ordering::Relaxed);
+                        c.fetched_chunks.fetch_add(1, Ordering::Relaxed);
+                        c.fetch_micros
+                            .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+                        return Some(Arc::new(data));
+                    }
+                    "chunk digest mismatch".to_string()
+                }
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => format!("no answer within {:?}", self.opts.fetch_timeout),
+            };
+            tracing::warn!(
+                layer = %layer.index.digest, chunk = i, attempt, problem = %problem,
+                "lazy layer chunk fetch failed"
+            );
+            if attempt < self.opts.attempts {
+                std::thread::sleep(backoff);
+                backoff *= 4;
+            }
+        }
+        layer.counters.faults.fetch_add(1, Ordering::Relaxed);
+        None
+    }
+}
+
+/// The `Filesystem` fuser drives; the state is shared with [`LazyMount`].
+struct Fs(Arc<Inner>);
+
+impl Filesystem for Fs {
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        if u64::from(parent) != ROOT {
+            return reply.error(Errno::ENOENT);
+        }
+        let layers = self.0.layers.read().unwrap_or_else(|e| e.into_inner());
+        match layers.iter().find(|l| OsStr::new(&l.name) == name) {
+            Some(l) => reply.entry(
+                &TTL,
+                &attr(l.ino, l.index.size, false),
+                fuser::Generation(0),
+            ),
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        let ino = u64::from(ino);
+        if ino == ROOT {
+            return reply.attr(&TTL, &attr(ROOT, 0, true));
+        }
+        match self.0.layer(ino) {
+            Some(l) => reply.attr(&TTL, &attr(ino, l.index.size, false)),
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        match self.0.layer(u64::from(ino)) {
+            // Layers never change: let the kernel keep what it read.
+            Some(_) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        let Some(layer) = self.0.layer(u64::from(ino)) else {
+            return reply.error(Errno::ENOENT);
+        };
+        match self.0.read(&layer, offset, size) {
+            Some(data) => reply.data(&data),
+            None => reply.error(Errno::EIO),
+        }
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        if u64::from(ino) != ROOT {
+            return reply.error(Errno::ENOTDIR);
+        }
+        let layers = self.0.layers.read().unwrap_or_else(|e| e.into_inner());
+        let mut entries = vec![
+            (ROOT, FileType::Directory, ".".to_string()),
+            (ROOT, FileType::Directory, "..".to_string()),
+        ];
+        entries.extend(
+            layers
+                .iter()
+                .map(|l| (l.ino, FileType::RegularFile, l.name.clone())),
+        );
+        for (i, (ino, kind, name)) in entries.into_iter().enumerate().skip(offset as usize) {
+            if reply.add(INodeNo(ino), (i + 1) as u64, kind, name) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+}
+
+/// The mounted FUSE file system of lazy layer files. Dropping it unmounts it (unmount
+/// the EROFS mounts on its files first).
+pub struct LazyMount {
+    inner: Arc<Inner>,
+    dir: PathBuf,
+    _session: fuser::BackgroundSession,
+}
+
+impl std::fmt::Debug for LazyMount {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LazyMount")
+            .field("dir", &self.dir)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LazyMount {
+    /// Mounts an empty lazy file system at `dir` (created if missing) that fetches from
+    /// `store` into `cache`.
+    pub fn mount(
+        dir: &Path,
+        store: Arc<dyn BlobStore>,
+        cache: Arc<ChunkCache>,
+        opts: LazyOptions,
+    ) -> Result<Self> {
+        std::fs::create_dir_all(dir).map_err(|e| LazyError::io("mkdir", dir, e))?;
+        let inner = Arc::new(Inner {
+            store,
+            cache,
+            layers: RwLock::new(Vec::new()),
+            inflight: Mutex::new(HashMap::new()),
+            opts: opts.clone(),
+        });
+        let mut cfg = fuser::Config::default();
+        cfg.mount_options = vec![
+            MountOption::RO,
+            MountOption::NoSuid,
+            MountOption::NoDev,
+            MountOption::FSName("dsec-lazy".into()),
+        ];
+        cfg.n_threads = Some(opts.threads.max(1));
+        let session = fuser::spawn_mount(Fs(inner.clone()), dir, &cfg).map_err(|source| {
+            LazyError::Mount {
+                path: dir.to_path_buf(),
+                source,
+            }
+        })?;
+        Ok(Self {
+            inner,
+            dir: dir.to_path_buf(),
+            _session: session,
+        })
+    }
+
+    /// Serves layer `index` (stored at `key` in the blob store) as a file; returns its
+    /// path. Adding a layer twice returns the same file.
+    pub fn add_layer(&self, key: &str, index: ChunkIndex) -> Result<PathBuf> {
+        index.validate()?;
+        let name = format!("{}.erofs", index.digest);
+        let mut layers = self.inner.layers.write().unwrap_or_else(|e| e.into_inner());
+        if !layers.iter().any(|l| l.name == name) {
+            let ino = layers.len() as u64 + 2;
+            layers.push(Arc::new(Layer {
+                ino,
+                name: name.clone(),
+                key: key.to_string(),
+                index,
+                counters: Counters::default(),
+            }));
+        }
+        Ok(self.dir.join(name))
+    }
+
+    /// Accounting of layer `digest` (hex), if served here.
+    pub fn stats(&self, digest: &str) -> Option<LayerStats> {
+        let layers = self.inner.layers.read().unwrap_or_else(|e| e.into_inner());
+        let l = layers.iter().find(|l| l.index.digest == digest)?;
+        let c = &l.counters;
+        Some(LayerStats {
+            fetched_bytes: c.fetched_bytes.load(Ordering::Relaxed),
+            fetched_chunks: c.fetched_chunks.load(Ordering::Relaxed),
+            cached_bytes: c.cached_bytes.load(Ordering::Relaxed),
+            faults: c.faults.load(Ordering::Relaxed),
+            fetch_micros: c.fetch_micros.load(Ordering::Relaxed),
+        })
+    }
+
+    /// The mount point.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}

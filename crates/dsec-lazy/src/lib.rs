@@ -1,0 +1,156 @@
+//! On-demand layers: a node exposes a layer it does not hold as a file in a FUSE file
+//! system of its own, and mounts EROFS file-backed on that file. A read of a range the
+//! node lacks fetches the covering chunks (256 KiB by default) from the blob store with
+//! range reads, checks each against the layer's chunk index, keeps it in a node-local
+//! chunk cache (size-limited, least recently used out, surviving restarts), and answers.
+//! Concurrent reads of one chunk fetch it once.
+//!
+//! Failures never hang a sandbox: a fetch that does not finish within the fetch timeout,
+//! a store that keeps failing (three attempts with backoff), or a chunk whose digest is
+//! wrong answers the read with `EIO`, counts a fault and logs it.
+//!
+//! - [`ChunkIndex`]: a layer's size, chunk size and per-chunk sha256, computed at upload
+//!   and stored next to the blob.
+//! - [`ChunkCache`]: the node-local chunk files.
+//! - [`LazyMount`]: the FUSE file system; [`LazyMount::add_layer`] puts a layer's file in it.
+
+mod cache;
+mod fs;
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+pub use cache::ChunkCache;
+pub use fs::{LayerStats, LazyMount, LazyOptions};
+
+/// Default chunk size: 256 KiB.
+pub const DEFAULT_CHUNK_SIZE: u64 = 256 << 10;
+
+/// Errors of this crate.
+#[derive(Debug, thiserror::Error)]
+pub enum LazyError {
+    /// A local file operation failed.
+    #[error("{op} {}: {source}", path.display())]
+    Io {
+        /// What was attempted.
+        op: &'static str,
+        /// The path.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The FUSE mount failed.
+    #[error("mounting the lazy layer file system at {}: {source}", path.display())]
+    Mount {
+        /// The mount point.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A chunk index is inconsistent.
+    #[error("chunk index of {digest}: {reason}")]
+    BadIndex {
+        /// The layer.
+        digest: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+impl LazyError {
+    pub(crate) fn io(op: &'static str, path: &Path, source: std::io::Error) -> Self {
+        LazyError::Io {
+            op,
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+}
+
+/// Result alias of this crate.
+pub type Result<T, E = LazyError> = std::result::Result<T, E>;
+
+/// What a node needs to serve a layer lazily: its size and the digest of every chunk.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkIndex {
+    /// Hex sha256 of the whole layer (its name).
+    pub digest: String,
+    /// Layer size in bytes.
+    pub size: u64,
+    /// Chunk size in bytes; the last chunk may be shorter.
+    pub chunk_size: u64,
+    /// Hex sha256 of each chunk, in order.
+    pub chunks: Vec<String>,
+}
+
+impl ChunkIndex {
+    /// Reads `file` once and indexes it in chunks of `chunk_size` bytes.
+    pub fn of_file(file: &Path, chunk_size: u64) -> Result<Self> {
+        let mut f = std::fs::File::open(file).map_err(|e| LazyError::io("open", file, e))?;
+        let mut whole = Sha256::new();
+        let mut chunks = Vec::new();
+        let mut buf = vec![0u8; usize::try_from(chunk_size).unwrap_or(1 << 18)];
+        let mut size = 0u64;
+        loop {
+            let mut filled = 0;
+            while filled < buf.len() {
+                match f.read(&mut buf[filled..]) {
+                    Ok(0) => break,
+                    Ok(n) => filled += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(LazyError::io("read", file, e)),
+                }
+            }
+            if filled == 0 {
+                break;
+            }
+            whole.update(&buf[..filled]);
+            chunks.push(hex::encode(Sha256::digest(&buf[..filled])));
+            size += filled as u64;
+            if filled < buf.len() {
+                break;
+            }
+        }
+        Ok(Self {
+            digest: hex::encode(whole.finalize()),
+            size,
+            chunk_size,
+            chunks,
+        })
+    }
+
+    /// Checks that the chunk count matches the size.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |reason: String| LazyError::BadIndex {
+            digest: self.digest.clone(),
+            reason,
+        };
+        if self.chunk_size == 0 || self.chunk_size & 4095 != 0 {
+            return Err(bad(format!(
+                "chunk size {} is not a positive multiple of 4096",
+                self.chunk_size
+            )));
+        }
+        let want = self.size.div_ceil(self.chunk_size);
+        if self.chunks.len() as u64 != want {
+            return Err(bad(format!(
+                "{} chunk digests for {} bytes in chunks of {}",
+                self.chunks.len(),
+                self.size,
+                self.chunk_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// Byte range of chunk `i`.
+    pub fn range(&self, i: u64) -> std::ops::Range<u64> {
+        let start = i * self.chunk_size;
+        start..(start + self.chunk_size).min(self.size)
+    }
+}
