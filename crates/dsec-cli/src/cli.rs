@@ -186,6 +186,14 @@ pub struct ServeArgs {
     /// used layers that no sandbox mounts are evicted (0: no limit).
     #[arg(long, default_value_t = 0, requires = "blob_store")]
     pub layer_cache_mb: u64,
+    /// With --blob-store, do not download a layer whole: serve it on demand, fetching
+    /// 256 KiB chunks as sandboxes read them (a FUSE file under the image store that EROFS
+    /// mounts), verified against the chunk index the uploading node wrote.
+    #[arg(long, requires = "blob_store")]
+    pub lazy_layers: bool,
+    /// Size limit of the on-demand chunk cache in MiB (kept across restarts).
+    #[arg(long, default_value_t = 10240)]
+    pub chunk_cache_mb: u64,
 }
 
 /// One `--run` or `--copy` of `dsec image build`, in command-line order.

@@ -143,6 +143,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         oci_runtime: args.oci_runtime.clone().or_else(|| find_in_path("runc")),
         blob_store: args.blob_store.clone(),
         layer_cache_bytes: (args.layer_cache_mb > 0).then_some(args.layer_cache_mb << 20),
+        lazy_chunk_cache_bytes: args.lazy_layers.then_some(args.chunk_cache_mb << 20),
         network: (!args.no_network).then(|| dsec_net::NetConfig {
             subnet: args.sandbox_subnet,
             table: args.nft_table.clone(),

@@ -22,6 +22,21 @@ fn blobs(state: &Path) -> Vec<String> {
     v
 }
 
+fn dir_bytes(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            match e.metadata() {
+                Ok(m) if m.is_dir() => stack.push(e.path()),
+                Ok(m) => total += m.len(),
+                Err(_) => {}
+            }
+        }
+    }
+    total
+}
+
 fn create_req(layers: &[&str]) -> CreateSandboxRequest {
     CreateSandboxRequest {
         image: Some("base".into()),
@@ -137,6 +152,46 @@ async fn two_nodes_share_images_through_s3() {
     assert_eq!(out.stdout, "hello from a\n");
     cb.delete_sandbox(&sb.id).await.expect("delete");
 
+    // Node C serves layers on demand: nothing is downloaded whole, and booting a
+    // sandbox and reading two files fetches a small part of the base layer.
+    let mut c_args = node_args("dsec-shared-c", "0");
+    c_args.push("--lazy-layers".into());
+    let c_args: Vec<&str> = c_args.iter().map(String::as_str).collect();
+    let c = Server::start_with("shared-c", true, &c_args)
+        .await
+        .expect("node c");
+    let cc = c.client();
+    let sb = cc
+        .create_sandbox(create_req(&["toolkit/hello:1"]))
+        .await
+        .expect("create on c");
+    let out = cc
+        .exec(&sb.id, sh("cat /opt/tool/hello.txt /etc/debian_version"))
+        .await
+        .expect("exec on c");
+    assert_eq!(out.exit.exit_code, Some(0), "{out:?}");
+    assert!(out.stdout.starts_with("hello from a\n"), "{out:?}");
+    assert!(
+        blobs(&c.state_dir).is_empty(),
+        "node c downloaded layers whole"
+    );
+    let base_size = ca
+        .list_images()
+        .await
+        .expect("list")
+        .images
+        .into_iter()
+        .find(|i| i.name == "base")
+        .expect("base")
+        .size_bytes;
+    let chunks = dir_bytes(&c.state_dir.join("images/chunks"));
+    assert!(chunks > 0, "no chunks fetched");
+    assert!(
+        chunks * 4 < base_size,
+        "fetched {chunks} of a {base_size}-byte base layer"
+    );
+    cc.delete_sandbox(&sb.id).await.expect("delete on c");
+
     // A removal on A reaches B, also where B holds a local copy of the ref.
     ca.delete_image("toolkit/hello:1")
         .await
@@ -198,7 +253,10 @@ async fn two_nodes_share_images_through_s3() {
     .expect("manifest json");
     let index = manifest.chunk_index().expect("chunk index");
     assert_eq!(index.size, manifest.size);
-    assert_eq!(index.chunks.len() as u64, manifest.size.div_ceil(index.chunk_size));
+    assert_eq!(
+        index.chunks.len() as u64,
+        manifest.size.div_ceil(index.chunk_size)
+    );
 
     let base_hex = base.digest.trim_start_matches("sha256:").to_string();
     let key = dsec_image::shared::blob_key(&base_hex);

@@ -371,6 +371,9 @@ pub struct StoreOptions {
     /// Size limit of the node's layer cache in bytes (only layers the shared store holds
     /// are evicted); `None`: unlimited.
     pub cache_limit: Option<u64>,
+    /// Serve layers the node lacks on demand (see `dsec-lazy`) instead of downloading
+    /// them whole: the chunk cache's size limit in bytes. Needs a shared store.
+    pub lazy_chunk_cache: Option<u64>,
 }
 
 /// The image store. Cheap operations only touch small files; `import` runs mkfs.erofs.
@@ -383,6 +386,8 @@ pub struct ImageStore {
     mounts: Mutex<HashMap<String, usize>>,
     shared: Option<Arc<dyn BlobStore>>,
     cache_limit: Option<u64>,
+    /// The FUSE file system of on-demand layers, when enabled.
+    lazy: Option<dsec_lazy::LazyMount>,
 }
 
 impl ImageStore {
@@ -404,11 +409,16 @@ impl ImageStore {
         }
         let root =
             std::fs::canonicalize(root).map_err(|e| ImageError::io("canonicalize", root, e))?;
+        let lazy = match (opts.lazy_chunk_cache, &opts.shared) {
+            (Some(limit), Some(shared)) => Some(shared::mount_lazy(&root, shared.clone(), limit)?),
+            _ => None,
+        };
         Ok(Self {
             root,
             mounts: Mutex::new(HashMap::new()),
             shared: opts.shared,
             cache_limit: opts.cache_limit,
+            lazy,
         })
     }
 
@@ -1051,11 +1061,15 @@ impl ImageStore {
     /// Mount `hex` at its mount point unless something already is mounted there
     /// (re-adoption after a restart). Caller holds the mounts mutex.
     fn ensure_mounted(&self, hex: &str) -> Result<PathBuf> {
-        let blob = self.blob_path(hex);
+        let local = self.blob_path(hex);
         let mnt = self.mount_path(hex);
-        if !blob.exists() {
-            return Err(ImageError::NotFound(format!("sha256:{hex}")));
-        }
+        // The local blob, else the layer's on-demand file.
+        let blob = if local.exists() {
+            local
+        } else {
+            self.lazy_file(hex)?
+                .ok_or_else(|| ImageError::NotFound(format!("sha256:{hex}")))?
+        };
         std::fs::create_dir_all(&mnt).map_err(|e| ImageError::io("mkdir", &mnt, e))?;
         if mountinfo::is_mounted(&mnt).map_err(|e| ImageError::io("read mountinfo for", &mnt, e))? {
             tracing::debug!(digest = %hex, "reusing existing layer mount");
@@ -1126,7 +1140,12 @@ impl ImageStore {
         let hex = parse_digest(digest)?;
         let mut attempt = 0;
         loop {
-            let fetched = self.shared.is_some() && self.fetch_blob(&hex)?;
+            // With on-demand layers, a layer whose manifest has a chunk index is not
+            // downloaded: ensure_mounted mounts its lazy file.
+            let lazy = self.lazy.is_some()
+                && !self.blob_path(&hex).exists()
+                && self.lazy_file(&hex)?.is_some();
+            let fetched = self.shared.is_some() && !lazy && self.fetch_blob(&hex)?;
             let mut m = self.lock_mounts();
             // An entry means "mounted by us", also at count 0 (idle, kept as a cache).
             let mounted = match m.get(&hex) {
@@ -1196,7 +1215,10 @@ impl ImageStore {
             m.remove(&hex);
             return self.unmount(&hex);
         }
-        if self.shared.is_some() && !self.blob_path(&hex).exists() {
+        if self.shared.is_some()
+            && !self.blob_path(&hex).exists()
+            && self.lazy_file(&hex)?.is_none()
+        {
             drop(m);
             self.fetch_blob(&hex)?;
             m = self.lock_mounts();

@@ -84,6 +84,24 @@ struct SharedRef {
     entry: RefEntry,
 }
 
+/// Mounts the on-demand layer file system at `ROOT/lazy` with its chunk cache in
+/// `ROOT/chunks` (kept across restarts), replacing a stale mount an earlier run left.
+pub(crate) fn mount_lazy(
+    root: &std::path::Path,
+    shared: std::sync::Arc<dyn dsec_blob::BlobStore>,
+    limit: u64,
+) -> Result<dsec_lazy::LazyMount> {
+    let dir = root.join("lazy");
+    if mountinfo::is_mounted(&dir).unwrap_or(false) {
+        let _ = nix::mount::umount2(&dir, nix::mount::MntFlags::MNT_DETACH);
+    }
+    let lazy_err =
+        |e: dsec_lazy::LazyError| ImageError::io("lazy layers", &dir, std::io::Error::other(e));
+    let cache = dsec_lazy::ChunkCache::open(root.join("chunks"), limit).map_err(lazy_err)?;
+    dsec_lazy::LazyMount::mount(&dir, shared, std::sync::Arc::new(cache), Default::default())
+        .map_err(lazy_err)
+}
+
 /// What [`ImageStore::trim_cache`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CacheTrim {
@@ -127,8 +145,11 @@ impl ImageStore {
                 (Some(info), _) => size += info.size,
                 (None, Some(len)) => {
                     let blob = self.blob_path(&hex);
-                    let index = dsec_lazy::ChunkIndex::of_file(&blob, dsec_lazy::DEFAULT_CHUNK_SIZE)
-                        .map_err(|e| ImageError::io("index", &blob, std::io::Error::other(e)))?;
+                    let index =
+                        dsec_lazy::ChunkIndex::of_file(&blob, dsec_lazy::DEFAULT_CHUNK_SIZE)
+                            .map_err(|e| {
+                                ImageError::io("index", &blob, std::io::Error::other(e))
+                            })?;
                     shared.upload(&blob_key(&hex), &blob).map_err(shared_err)?;
                     let manifest = LayerManifest {
                         digest: format!("sha256:{hex}"),
@@ -226,6 +247,37 @@ impl ImageStore {
             }
         }
         Ok(out)
+    }
+
+    /// The on-demand file of layer `hex`, when lazy layers are on and the shared store has
+    /// the layer's chunk index (else `None`: the layer is downloaded whole).
+    pub(crate) fn lazy_file(&self, hex: &str) -> Result<Option<std::path::PathBuf>> {
+        let (Some(lazy), Some(shared)) = (&self.lazy, &self.shared) else {
+            return Ok(None);
+        };
+        if lazy.stats(hex).is_some() {
+            return Ok(Some(lazy.dir().join(format!("{hex}.erofs"))));
+        }
+        let Some(bytes) = shared.get(&manifest_key(hex)).map_err(shared_err)? else {
+            return Ok(None);
+        };
+        let Some(index) = serde_json::from_slice::<LayerManifest>(&bytes)
+            .ok()
+            .and_then(|m| m.chunk_index())
+            .filter(|i| i.digest == hex)
+        else {
+            return Ok(None);
+        };
+        let path = lazy
+            .add_layer(&blob_key(hex), index)
+            .map_err(|e| ImageError::io("lazy layer", lazy.dir(), std::io::Error::other(e)))?;
+        tracing::info!(digest = %hex, "layer served on demand");
+        Ok(Some(path))
+    }
+
+    /// On-demand accounting of layer `hex` (lazy layers only).
+    pub fn lazy_stats(&self, hex: &str) -> Option<dsec_lazy::LayerStats> {
+        self.lazy.as_ref()?.stats(hex)
     }
 
     /// Makes layer `hex` present in the local cache: downloads it from the shared store

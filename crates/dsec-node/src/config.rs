@@ -40,6 +40,9 @@ pub struct NodeConfig {
     pub blob_store: Option<String>,
     /// Size limit of the node's layer cache in bytes (with a shared store; `None`: none).
     pub layer_cache_bytes: Option<u64>,
+    /// Serve layers from the shared store on demand, fetching chunks as sandboxes read
+    /// them, with a chunk cache of this many bytes (`None`: download layers whole).
+    pub lazy_chunk_cache_bytes: Option<u64>,
 }
 
 /// Size-limited sandbox disks (see `dsec-disk`).

@@ -58,6 +58,7 @@ impl LocalNode {
             dsec_image::StoreOptions {
                 shared,
                 cache_limit: cfg.layer_cache_bytes,
+                lazy_chunk_cache: cfg.lazy_chunk_cache_bytes,
             },
         )?);
         let backend: Arc<dyn Backend> =
