@@ -16,6 +16,7 @@ use anyhow::{bail, Context};
 use dsec_client::Client;
 
 pub mod blob;
+pub mod blobserver;
 pub mod host;
 pub mod s3;
 

@@ -53,3 +53,40 @@ fn s3_store_conformance_and_errors() {
         started.elapsed()
     );
 }
+
+#[test]
+fn http_store_reads_by_range() {
+    let d = tempfile::tempdir().expect("tempdir");
+    let files = d.path().join("served/layers");
+    std::fs::create_dir_all(files.join("blobs")).expect("mkdir");
+    let data: Vec<u8> = (0..(3u32 << 20)).map(|i| (i % 251) as u8).collect();
+    std::fs::write(files.join("blobs/a.erofs"), &data).expect("write");
+    let server = dsec_e2e::blobserver::BlobServer::start(&d.path().join("served")).expect("server");
+    let store = dsec_blob::open(&format!("{}/layers", server.url)).expect("open");
+    assert_eq!(
+        store.head("blobs/a.erofs").expect("head").map(|i| i.size),
+        Some(data.len() as u64)
+    );
+    assert!(store.head("blobs/missing").expect("head").is_none());
+    assert_eq!(
+        store.get_range("blobs/a.erofs", 1000..1100).expect("range"),
+        &data[1000..1100]
+    );
+    let tail = store.get_range(
+        "blobs/a.erofs",
+        (data.len() - 10) as u64..(data.len() + 100) as u64,
+    );
+    assert_eq!(tail.expect("range past end"), &data[data.len() - 10..]);
+    let e = store
+        .get_range("blobs/a.erofs", data.len() as u64..data.len() as u64 + 1)
+        .expect_err("start past end");
+    assert!(matches!(e, dsec_blob::BlobError::BadRange { .. }), "{e}");
+    let out = d.path().join("dl");
+    assert_eq!(
+        store.download("blobs/a.erofs", &out).expect("download"),
+        data.len() as u64
+    );
+    assert!(std::fs::read(&out).expect("read") == data);
+    let e = store.get_range("blobs/missing", 0..1).expect_err("missing");
+    assert!(matches!(e, dsec_blob::BlobError::NotFound { .. }), "{e}");
+}
