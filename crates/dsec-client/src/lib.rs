@@ -527,6 +527,11 @@ impl Client {
         Ok(ndjson::events(resp))
     }
 
+    /// `GET /v1/images/layers`: on-demand accounting of the node's layers.
+    pub async fn layer_stats(&self) -> Result<dsec_wire::v1::LayerStatsList, ClientError> {
+        Self::json(self.get(&["images", "layers"])).await
+    }
+
     /// `POST /v1/images/gc`: drops build-cache entries, trims the layer cache, and
     /// optionally sweeps the shared store (see [`GcRequest`]).
     pub async fn gc_images(&self, req: &GcRequest) -> Result<GcResult, ClientError> {

@@ -9,10 +9,10 @@ use bytes::Bytes;
 use dsec_wire::v1::{
     BuildRequest, BuildResult, CommitRequest, CreateSandboxRequest, CreateSessionRequest,
     ExecEvent, ExecRequest, ExecResult, FileInfo, FileList, GcRequest, GcResult, Health, Image,
-    ImageList, ImportEvent, ImportImageRequest, JobResult, MkdirRequest, NetworkPolicy,
-    PauseResult, ProcessInfo, ProcessList, PtySize, RenameRequest, Sandbox, SandboxList,
-    SessionInfo, SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
-    StartProcessRequest, StdinRequest, WriteResult,
+    ImageList, ImportEvent, ImportImageRequest, JobResult, LayerStatsList, MkdirRequest,
+    NetworkPolicy, PauseResult, ProcessInfo, ProcessList, PtySize, RenameRequest, Sandbox,
+    SandboxList, SessionInfo, SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest,
+    SignalRequest, StartProcessRequest, StdinRequest, WriteResult,
 };
 use dsec_wire::ApiError;
 use futures::stream::BoxStream;
@@ -155,4 +155,8 @@ pub trait SandboxApi: Send + Sync + 'static {
     }
     /// `DELETE /v1/images/{name}`.
     async fn delete_image(&self, name: &str) -> ApiResult<()>;
+    /// `GET /v1/images/layers`: on-demand accounting of this node's layers.
+    async fn layer_stats(&self) -> ApiResult<LayerStatsList> {
+        Ok(LayerStatsList::default())
+    }
 }

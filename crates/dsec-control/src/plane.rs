@@ -1409,6 +1409,10 @@ impl SandboxApi for ControlPlane {
         ))
     }
 
+    async fn layer_stats(&self) -> ApiResult<LayerStatsList> {
+        self.node.layer_stats().await.map_err(ApiError::from)
+    }
+
     async fn delete_image(&self, name: &str) -> ApiResult<()> {
         self.node.remove_image(name).await.map_err(ApiError::from)
     }

@@ -190,6 +190,25 @@ async fn two_nodes_share_images_through_s3() {
         chunks * 4 < base_size,
         "fetched {chunks} of a {base_size}-byte base layer"
     );
+    // The API accounts for it per layer.
+    let stats = cc.layer_stats().await.expect("layer stats");
+    let base_digest = ca
+        .list_images()
+        .await
+        .expect("list")
+        .images
+        .into_iter()
+        .find(|i| i.name == "base")
+        .expect("base")
+        .digest;
+    let base_stats = stats
+        .lazy
+        .iter()
+        .find(|l| l.digest == base_digest)
+        .expect("base served on demand");
+    assert!(base_stats.fetched_bytes > 0 && base_stats.fetched_bytes * 4 < base_size);
+    assert_eq!(base_stats.faults, 0);
+    assert!(base_stats.mean_fetch_us > 0);
     cc.delete_sandbox(&sb.id).await.expect("delete on c");
 
     // A removal on A reaches B, also where B holds a local copy of the ref.

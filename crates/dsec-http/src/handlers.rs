@@ -570,6 +570,11 @@ pub async fn import_image_stream(
     Ok(ndjson(api.import_image_stream(req).await?))
 }
 
+/// `GET /v1/images/layers`.
+pub async fn layer_stats(State(api): Api) -> HttpResult<Response> {
+    Ok(json(api.layer_stats().await?))
+}
+
 /// `POST /v1/images/gc`.
 pub async fn gc_images(
     State(api): Api,

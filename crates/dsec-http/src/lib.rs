@@ -123,6 +123,7 @@ pub fn router(api: Arc<dyn SandboxApi>) -> Router {
         .route("/images/build", post(h::build_image))
         .route("/images/import/stream", post(h::import_image_stream))
         .route("/images/gc", post(h::gc_images))
+        .route("/images/layers", get(h::layer_stats))
         .route("/images/{name}", axum::routing::delete(h::delete_image))
         .route_layer(middleware::from_fn_with_state(
             api.clone(),

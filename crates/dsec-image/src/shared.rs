@@ -275,9 +275,12 @@ impl ImageStore {
         Ok(Some(path))
     }
 
-    /// On-demand accounting of layer `hex` (lazy layers only).
-    pub fn lazy_stats(&self, hex: &str) -> Option<dsec_lazy::LayerStats> {
-        self.lazy.as_ref()?.stats(hex)
+    /// On-demand accounting of every lazy layer, by digest (hex).
+    pub fn lazy_stats(&self) -> Vec<(String, dsec_lazy::LayerStats)> {
+        self.lazy
+            .as_ref()
+            .map(dsec_lazy::LazyMount::all_stats)
+            .unwrap_or_default()
     }
 
     /// Makes layer `hex` present in the local cache: downloads it from the shared store

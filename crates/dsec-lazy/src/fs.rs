@@ -408,6 +408,22 @@ impl LazyMount {
         })
     }
 
+    /// Accounting of every layer served here, by digest (hex).
+    pub fn all_stats(&self) -> Vec<(String, LayerStats)> {
+        let digests: Vec<String> = self
+            .inner
+            .layers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|l| l.index.digest.clone())
+            .collect();
+        digests
+            .into_iter()
+            .filter_map(|d| self.stats(&d).map(|s| (d, s)))
+            .collect()
+    }
+
     /// The mount point.
     pub fn dir(&self) -> &Path {
         &self.dir

@@ -149,6 +149,8 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
         &self,
         req: &dsec_wire::v1::GcRequest,
     ) -> Result<dsec_wire::v1::GcResult, NodeError>;
+    /// Accounting of the layers this node serves on demand.
+    async fn layer_stats(&self) -> Result<dsec_wire::v1::LayerStatsList, NodeError>;
     /// Names `source`'s layers and config `name` too.
     async fn tag_image(&self, source: &str, name: &str) -> Result<Image, NodeError>;
 }

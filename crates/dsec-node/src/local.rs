@@ -449,6 +449,23 @@ impl NodeApi for LocalNode {
         .await
     }
 
+    async fn layer_stats(&self) -> Result<dsec_wire::v1::LayerStatsList, NodeError> {
+        let lazy = self
+            .images
+            .lazy_stats()
+            .into_iter()
+            .map(|(hex, s)| dsec_wire::v1::LazyLayerStats {
+                digest: format!("sha256:{hex}"),
+                fetched_bytes: s.fetched_bytes,
+                fetched_chunks: s.fetched_chunks,
+                cached_bytes: s.cached_bytes,
+                faults: s.faults,
+                mean_fetch_us: s.fetch_micros.checked_div(s.fetched_chunks).unwrap_or(0),
+            })
+            .collect();
+        Ok(dsec_wire::v1::LayerStatsList { lazy })
+    }
+
     async fn tag_image(&self, source: &str, name: &str) -> Result<Image, NodeError> {
         let (source, name) = (source.to_string(), name.to_string());
         self.blocking(move |images| images.tag(&source, &name))

@@ -511,6 +511,30 @@ pub struct GcRequest {
     pub shared_grace_s: Option<u64>,
 }
 
+/// `GET /v1/images/layers`: how this node holds each layer it uses.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerStatsList {
+    /// Layers served on demand (with `--lazy-layers`), by digest.
+    pub lazy: Vec<LazyLayerStats>,
+}
+
+/// Accounting of one layer served on demand.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LazyLayerStats {
+    /// `sha256:<hex>`.
+    pub digest: String,
+    /// Bytes fetched from the blob store (and written to the chunk cache).
+    pub fetched_bytes: u64,
+    /// Chunks fetched.
+    pub fetched_chunks: u64,
+    /// Bytes served from the chunk cache.
+    pub cached_bytes: u64,
+    /// Reads answered with EIO (store down, timeout, corrupt chunk).
+    pub faults: u64,
+    /// Mean fetch latency of a chunk, microseconds.
+    pub mean_fetch_us: u64,
+}
+
 /// What a GC removed.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GcResult {
