@@ -308,8 +308,8 @@ pub fn image_digest(layers: &[String]) -> String {
     }
 }
 
-/// Check an image name: `[a-z0-9][a-z0-9._:/-]{0,127}`, and not `sha256:...` (that is how
-/// digests are written).
+/// Check an image name: `[a-z0-9][a-z0-9._:/-]{0,127}`, not `sha256:...` (that is how
+/// digests are written), and no empty, `.` or `..` component between `/`s.
 pub fn validate_name(name: &str) -> Result<()> {
     let bad = |reason| {
         Err(ImageError::InvalidName {
@@ -335,6 +335,13 @@ pub fn validate_name(name: &str) -> Result<()> {
     }
     if name.starts_with("sha256:") {
         return bad("`sha256:` prefix is reserved for digests");
+    }
+    // Names become paths in a shared store: no empty, `.` or `..` components.
+    if name
+        .split('/')
+        .any(|c| c.is_empty() || c == "." || c == "..")
+    {
+        return bad("has an empty, `.` or `..` path component");
     }
     Ok(())
 }
@@ -1480,6 +1487,10 @@ mod tests {
             "sha256:abc",
             &"a".repeat(129),
             "/x",
+            "a/../b",
+            "a//b",
+            "a/",
+            "a/./b",
         ] {
             assert!(
                 matches!(validate_name(bad), Err(ImageError::InvalidName { .. })),
