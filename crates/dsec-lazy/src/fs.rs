@@ -163,7 +163,18 @@ impl Inner {
             }
         };
         if leader {
-            let got = self.fetch(layer, i);
+            // A fetch that finished between our cache miss and now left the chunk in the
+            // cache (it is cached before its flight ends): do not fetch it again.
+            let got = match self.cache.get(&layer.index.digest, i) {
+                Some(d) => {
+                    layer
+                        .counters
+                        .cached_bytes
+                        .fetch_add(d.len() as u64, Ordering::Relaxed);
+                    Some(Arc::new(d))
+                }
+                None => self.fetch(layer, i),
+            };
             *flight.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(got.clone());
             flight.done.notify_all();
             self.inflight
