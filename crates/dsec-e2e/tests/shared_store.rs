@@ -37,6 +37,28 @@ fn dir_bytes(dir: &Path) -> u64 {
     total
 }
 
+/// Image `name` as node `c` lists it.
+async fn image(c: &dsec_client::Client, name: &str) -> dsec_wire::v1::Image {
+    c.list_images()
+        .await
+        .expect("list images")
+        .images
+        .into_iter()
+        .find(|i| i.name == name)
+        .unwrap_or_else(|| panic!("image {name} not listed"))
+}
+
+/// The image names node `c` lists.
+async fn image_names(c: &dsec_client::Client) -> Vec<String> {
+    c.list_images()
+        .await
+        .expect("list images")
+        .images
+        .into_iter()
+        .map(|i| i.name)
+        .collect()
+}
+
 fn create_req(layers: &[&str]) -> CreateSandboxRequest {
     CreateSandboxRequest {
         image: Some("base".into()),
@@ -100,14 +122,7 @@ async fn two_nodes_share_images_through_s3() {
         .expect("node b");
     let cb = b.client();
     assert!(blobs(&b.state_dir).is_empty());
-    let names: Vec<String> = cb
-        .list_images()
-        .await
-        .expect("list on b")
-        .images
-        .into_iter()
-        .map(|i| i.name)
-        .collect();
+    let names: Vec<String> = image_names(&cb).await;
     assert!(
         names.contains(&"base".to_string()) && names.contains(&"toolkit/hello:1".to_string()),
         "node b sees {names:?}"
@@ -175,15 +190,7 @@ async fn two_nodes_share_images_through_s3() {
         blobs(&c.state_dir).is_empty(),
         "node c downloaded layers whole"
     );
-    let base_size = ca
-        .list_images()
-        .await
-        .expect("list")
-        .images
-        .into_iter()
-        .find(|i| i.name == "base")
-        .expect("base")
-        .size_bytes;
+    let base_size = image(&ca, "base").await.size_bytes;
     let chunks = dir_bytes(&c.state_dir.join("images/chunks"));
     assert!(chunks > 0, "no chunks fetched");
     assert!(
@@ -192,15 +199,7 @@ async fn two_nodes_share_images_through_s3() {
     );
     // The API accounts for it per layer.
     let stats = cc.layer_stats().await.expect("layer stats");
-    let base_digest = ca
-        .list_images()
-        .await
-        .expect("list")
-        .images
-        .into_iter()
-        .find(|i| i.name == "base")
-        .expect("base")
-        .digest;
+    let base_digest = image(&ca, "base").await.digest;
     let base_stats = stats
         .lazy
         .iter()
@@ -215,14 +214,7 @@ async fn two_nodes_share_images_through_s3() {
     ca.delete_image("toolkit/hello:1")
         .await
         .expect("remove on a");
-    let names: Vec<String> = cb
-        .list_images()
-        .await
-        .expect("list on b")
-        .images
-        .into_iter()
-        .map(|i| i.name)
-        .collect();
+    let names: Vec<String> = image_names(&cb).await;
     assert!(!names.contains(&"toolkit/hello:1".to_string()), "{names:?}");
     let err = cb
         .create_sandbox(create_req(&["toolkit/hello:1"]))
@@ -252,14 +244,7 @@ async fn two_nodes_share_images_through_s3() {
         .is_none());
 
     // A corrupt layer in the store is refused, not mounted.
-    let base = cb
-        .list_images()
-        .await
-        .expect("list")
-        .images
-        .into_iter()
-        .find(|i| i.name == "base")
-        .expect("base on b");
+    let base = image(&cb, "base").await;
     // Every uploaded layer carries the chunk index on-demand loading verifies against.
     let manifest: dsec_image::shared::LayerManifest = serde_json::from_slice(
         &store
