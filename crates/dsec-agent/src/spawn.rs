@@ -159,9 +159,9 @@ pub struct Piped {
     pub stderr: OwnedFd,
 }
 
-/// [`spawn_piped`] for a sandbox with file rules or a command of another user: fork,
-/// confine the child with the Landlock ruleset and/or switch its user, exec (posix_spawn
-/// has no place for those steps).
+/// [`spawn_piped`] for a sandbox with file rules or a command of another user: [`spawn`]
+/// forks, confines the child with the Landlock ruleset and/or switches its user, and
+/// execs (posix_spawn has no place for those steps).
 fn spawn_piped_forked(
     cfg: &AgentConfig,
     argv: &[String],
@@ -170,44 +170,26 @@ fn spawn_piped_forked(
     stdin_piped: bool,
     identity: Option<&Identity>,
 ) -> Result<Piped, ApiError> {
+    let mut child = spawn(
+        cfg,
+        SpawnSpec {
+            argv,
+            env,
+            cwd,
+            stdin: if stdin_piped {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            },
+            stdout: Stdio::piped(),
+            stderr: Stdio::piped(),
+            ctty: false,
+            fd3: None,
+            fallback_env: &[],
+            identity,
+        },
+    )?;
     let program = argv.first().map(String::as_str).unwrap_or_default();
-    let cwd = resolve_cwd(cfg, cwd);
-    let ruleset = cfg.landlock.as_ref().map(|r| r.as_raw_fd());
-    let user = switch_to(identity);
-    let mut cmd = Command::new(program);
-    cmd.args(&argv[1..])
-        .env_clear()
-        .envs(&cfg.default_env)
-        .envs(identity_env(identity))
-        .envs(env)
-        .current_dir(&cwd)
-        .stdin(if stdin_piped {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
-    if !cfg.default_env.contains_key("PATH") && !env.contains_key("PATH") {
-        cmd.env("PATH", crate::DEFAULT_PATH);
-    }
-    // SAFETY: landlock_restrict_self and the id switches are async-signal-safe syscalls
-    // on integers and on a vector allocated before the fork.
-    unsafe {
-        cmd.pre_exec(move || {
-            if let Some(fd) = ruleset {
-                dsec_container::landlock::restrict_self(fd)?;
-            }
-            match &user {
-                Some((uid, gid, groups)) => sys::switch_user(*uid, *gid, groups),
-                None => Ok(()),
-            }
-        });
-    }
-    let mut child = cmd
-        .spawn()
-        .map_err(|err| spawn_error(&err, program, &cwd))?;
     let missing = || io_err(&io::Error::other("pipe missing"), "spawn", program);
     let stdout = child.stdout.take().map(OwnedFd::from).ok_or_else(missing)?;
     let stderr = child.stderr.take().map(OwnedFd::from).ok_or_else(missing)?;

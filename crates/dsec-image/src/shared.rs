@@ -362,16 +362,18 @@ impl ImageStore {
             return Ok(out);
         };
         entries.sort();
-        let mut mounts = self.lock_mounts();
+        let in_use = |hex: &str| self.lock_mounts().get(hex).copied().unwrap_or(0) > 0;
         for (_, hex, len) in entries {
             if cached <= limit {
                 break;
             }
-            if mounts.get(&hex).copied().unwrap_or(0) > 0 {
+            // The store is asked without holding the mounts lock: creates go on meanwhile.
+            if in_use(&hex) || shared.head(&blob_key(&hex)).map_err(shared_err)?.is_none() {
                 continue;
             }
-            if shared.head(&blob_key(&hex)).map_err(shared_err)?.is_none() {
-                continue;
+            let mut mounts = self.lock_mounts();
+            if mounts.get(&hex).copied().unwrap_or(0) > 0 {
+                continue; // acquired since
             }
             if mounts.remove(&hex).is_some() {
                 // An idle cached mount: drop it with the blob.
@@ -390,6 +392,7 @@ impl ImageStore {
                 Err(e) => return Err(ImageError::io("unlink", &blob, e)),
             }
             let _ = std::fs::remove_dir(&mnt);
+            drop(mounts);
             tracing::info!(digest = %hex, size = len, "layer evicted from the node cache");
             cached -= len;
             out.freed_bytes += len;

@@ -41,6 +41,14 @@ pub(super) fn routes() -> Router<Arc<dyn SandboxApi>> {
         .route("/filesystem.Filesystem/{method}", post(filesystem))
 }
 
+/// A method of an envd service that dsec does not serve.
+fn not_served(service: &str, method: &str) -> ApiError {
+    ApiError::new(
+        ErrorCode::NotFound,
+        format!("{service}/{method} is not served by dsec"),
+    )
+}
+
 fn bad(m: impl Into<String>) -> ApiError {
     ApiError::new(ErrorCode::BadRequest, m)
 }
@@ -337,10 +345,7 @@ async fn process(
         let r = match method.as_str() {
             "Start" => start(api, id, &user, &msg).await,
             "Connect" => reattach(api, id, &msg).await,
-            other => Err(ApiError::new(
-                ErrorCode::NotFound,
-                format!("process.Process/{other} is not a streaming method here"),
-            )),
+            other => Err(not_served("process.Process (streaming)", other)),
         };
         return match r {
             Ok(s) => connect::stream(s),
@@ -424,10 +429,7 @@ async fn process(
                 }
                 Ok(json!({}))
             }
-            other => Err(ApiError::new(
-                ErrorCode::NotFound,
-                format!("process.Process/{other} is not served by dsec"),
-            )),
+            other => Err(not_served("process.Process", other)),
         }
     }
     .await;
@@ -615,10 +617,7 @@ async fn filesystem(
                 api.remove_file(&id, &path("path")?, true).await?;
                 Ok(json!({}))
             }
-            other => Err(ApiError::new(
-                ErrorCode::NotFound,
-                format!("filesystem.Filesystem/{other} is not served by dsec"),
-            )),
+            other => Err(not_served("filesystem.Filesystem", other)),
         }
     }
     .await;

@@ -256,10 +256,9 @@ async fn list(State(api): Api, Query(q): Query<ListQuery>) -> Response {
 
 /// `%XX` escapes (the SDK quotes metadata keys and values before form-encoding them).
 fn percent_decode(s: &str) -> String {
-    url::form_urlencoded::parse(format!("x={}", s.replace('+', "%2B")).as_bytes())
-        .next()
-        .map(|(_, v)| v.into_owned())
-        .unwrap_or_else(|| s.to_string())
+    percent_encoding::percent_decode_str(s)
+        .decode_utf8_lossy()
+        .into_owned()
 }
 
 async fn detail(State(api): Api, headers: HeaderMap, Path(id): Path<String>) -> Response {
