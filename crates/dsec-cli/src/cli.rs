@@ -38,6 +38,12 @@ pub enum Command {
     /// Suspend or resume every sandbox of a job (sandboxes labelled job=NAME).
     #[command(subcommand)]
     Job(JobCommand),
+    /// The lazy layer server `dsec serve --lazy-layers` starts (internal).
+    #[command(hide = true)]
+    LazyServe {
+        /// Its configuration (`dsec_lazy::ServeConfig` as JSON).
+        config: String,
+    },
 }
 
 /// `dsec job ...`.
@@ -194,6 +200,11 @@ pub struct ServeArgs {
     /// Size limit of the on-demand chunk cache in MiB (kept across restarts).
     #[arg(long, default_value_t = 10240)]
     pub chunk_cache_mb: u64,
+    /// With --lazy-layers: a layer's reads in this many seconds after its first read are
+    /// saved to the shared store as its prefetch list, which nodes that add the layer
+    /// later fetch ahead of reads (0: record nothing; lists others wrote still replay).
+    #[arg(long, default_value_t = 30)]
+    pub prefetch_window_s: u64,
 }
 
 /// One `--run` or `--copy` of `dsec image build`, in command-line order.

@@ -65,6 +65,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             .await
             .map(|()| ExitCode::SUCCESS),
         Command::Job(cmd) => sandbox::job(&client()?, cmd, cli.json).await,
+        Command::LazyServe { config } => {
+            tokio::task::block_in_place(|| serve::lazy_serve(&config)).map(|()| ExitCode::SUCCESS)
+        }
     }
 }
 

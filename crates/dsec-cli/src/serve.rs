@@ -98,8 +98,7 @@ fn raise_kernel_limits() {
     }
 }
 
-/// Runs the server until SIGINT or SIGTERM.
-pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+fn init_tracing() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -107,6 +106,20 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .try_init();
+}
+
+/// `dsec lazy-serve CONFIG`: the lazy layer server `dsec serve --lazy-layers` starts; runs
+/// until its mount goes away.
+pub fn lazy_serve(config: &str) -> anyhow::Result<()> {
+    init_tracing();
+    let cfg: dsec_lazy::ServeConfig =
+        serde_json::from_str(config).context("parsing the lazy layer server's configuration")?;
+    dsec_lazy::server::serve(&cfg).context("serving lazy layers")
+}
+
+/// Runs the server until SIGINT or SIGTERM.
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    init_tracing();
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         bail!("dsec serve must run as root: it creates namespaces, mounts and cgroups");
@@ -144,6 +157,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         blob_store: args.blob_store.clone(),
         layer_cache_bytes: (args.layer_cache_mb > 0).then_some(args.layer_cache_mb << 20),
         lazy_chunk_cache_bytes: args.lazy_layers.then_some(args.chunk_cache_mb << 20),
+        lazy_prefetch_window: Duration::from_secs(args.prefetch_window_s),
+        lazy_launcher: None,
         network: (!args.no_network).then(|| dsec_net::NetConfig {
             subnet: args.sandbox_subnet,
             table: args.nft_table.clone(),

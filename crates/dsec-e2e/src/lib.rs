@@ -133,6 +133,7 @@ impl Server {
         let root = std::env::temp_dir().join("dsec-e2e").join(name);
         if fresh && root.exists() {
             kill_leftovers(&root.join("state"));
+            kill_lazy_servers(&root.join("state"));
             unmount_under(&root);
             let _ = std::fs::remove_dir_all(&root);
         }
@@ -329,6 +330,31 @@ fn unmount_under(root: &Path) {
     }
 }
 
+/// Process ids of the lazy layer servers (`dsec lazy-serve`) of a state directory.
+pub fn lazy_server_pids(state_dir: &Path) -> Vec<i32> {
+    let needle = state_dir.join("images").display().to_string();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    procs
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd);
+            cmd.contains("\0lazy-serve\0") && cmd.contains(&needle)
+        })
+        .collect()
+}
+
+/// Kills the lazy layer servers of a state directory.
+fn kill_lazy_servers(state_dir: &Path) {
+    for pid in lazy_server_pids(state_dir) {
+        // SAFETY: kill with a pid and a signal.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+}
+
 /// Kills the processes of every sandbox recorded under a state directory.
 fn kill_leftovers(state_dir: &Path) {
     if let Ok(entries) = std::fs::read_dir(state_dir.join("sandboxes")) {
@@ -343,6 +369,7 @@ impl Drop for Server {
         // Tests delete their sandboxes; this is the safety net for failed ones.
         self.kill();
         kill_leftovers(&self.state_dir);
+        kill_lazy_servers(&self.state_dir);
         let _ = std::fs::remove_dir_all(&self.run_dir);
     }
 }

@@ -4,6 +4,7 @@
 //! corrupt layer in the store is refused with a clear error.
 
 use std::path::Path;
+use std::time::Duration;
 
 use dsec_e2e::s3::{server_bin, S3Server};
 use dsec_e2e::{require_root, sh, Server};
@@ -172,7 +173,7 @@ async fn two_nodes_share_images_through_s3() {
     let mut c_args = node_args("dsec-shared-c", "0");
     c_args.push("--lazy-layers".into());
     let c_args: Vec<&str> = c_args.iter().map(String::as_str).collect();
-    let c = Server::start_with("shared-c", true, &c_args)
+    let mut c = Server::start_with("shared-c", true, &c_args)
         .await
         .expect("node c");
     let cc = c.client();
@@ -208,6 +209,72 @@ async fn two_nodes_share_images_through_s3() {
     assert!(base_stats.fetched_bytes > 0 && base_stats.fetched_bytes * 4 < base_size);
     assert_eq!(base_stats.faults, 0);
     assert!(base_stats.mean_fetch_us > 0);
+    assert_eq!(
+        base_stats.fetch_latency_ms.iter().map(|b| b.1).sum::<u64>(),
+        base_stats.fetched_chunks
+    );
+
+    // The daemon crashes and restarts: the lazy layer server outlives it, so the running
+    // sandbox reads data nobody fetched yet, byte-identical to a local layer's.
+    let servers = dsec_e2e::lazy_server_pids(&c.state_dir);
+    assert_eq!(servers.len(), 1, "{servers:?}");
+    let digest_cmd =
+        "find /usr/share/perl5 /usr/share/zoneinfo -type f | sort | xargs cat | sha256sum";
+    let sa = ca
+        .create_sandbox(create_req(&["toolkit/hello:1"]))
+        .await
+        .expect("create on a");
+    let want = ca.exec(&sa.id, sh(digest_cmd)).await.expect("exec on a");
+    assert_eq!(want.exit.exit_code, Some(0), "{want:?}");
+    ca.delete_sandbox(&sa.id).await.expect("delete on a");
+    let fetched_before = dir_bytes(&c.state_dir.join("images/chunks"));
+    c.kill();
+    c.spawn().await.expect("restart node c");
+    let cc = c.client();
+    assert_eq!(
+        dsec_e2e::lazy_server_pids(&c.state_dir),
+        servers,
+        "server replaced"
+    );
+    assert!(c.log().contains("adopted the running lazy layer server"));
+    let got = cc
+        .exec(&sb.id, sh(digest_cmd))
+        .await
+        .expect("exec after restart");
+    assert_eq!(got.exit.exit_code, Some(0), "{got:?}");
+    assert_eq!(got.stdout, want.stdout);
+    assert!(dir_bytes(&c.state_dir.join("images/chunks")) > fetched_before);
+    let stats = cc.layer_stats().await.expect("layer stats after restart");
+    assert!(stats.lazy.iter().any(|l| l.digest == base_digest));
+
+    // The lazy layer server itself dies: its mount is gone for good. The running sandbox
+    // gets EIO for what it had not read (never a hang), the next daemon start says so and
+    // starts a new server, and new sandboxes work.
+    for pid in &servers {
+        // SAFETY: kill with a pid and a signal.
+        unsafe { libc::kill(*pid, libc::SIGKILL) };
+    }
+    let started = std::time::Instant::now();
+    let lost = cc
+        .exec(
+            &sb.id,
+            sh("cat /usr/share/common-licenses/GPL-3 /usr/bin/perl* > /dev/null"),
+        )
+        .await
+        .expect("exec after the server died");
+    assert_ne!(lost.exit.exit_code, Some(0), "{lost:?}");
+    assert!(started.elapsed() < Duration::from_secs(30));
+    cc.delete_sandbox(&sb.id).await.expect("delete on c");
+    c.kill();
+    c.spawn().await.expect("restart node c");
+    let cc = c.client();
+    assert!(c.log().contains("lazy layer server died"), "{}", c.log());
+    let sb = cc
+        .create_sandbox(create_req(&["toolkit/hello:1"]))
+        .await
+        .expect("create on c after a new lazy layer server");
+    let got = cc.exec(&sb.id, sh(digest_cmd)).await.expect("exec");
+    assert_eq!(got.stdout, want.stdout);
     cc.delete_sandbox(&sb.id).await.expect("delete on c");
 
     // A removal on A reaches B, also where B holds a local copy of the ref.

@@ -379,8 +379,21 @@ pub struct StoreOptions {
     /// are evicted); `None`: unlimited.
     pub cache_limit: Option<u64>,
     /// Serve layers the node lacks on demand (see `dsec-lazy`) instead of downloading
-    /// them whole: the chunk cache's size limit in bytes. Needs a shared store.
-    pub lazy_chunk_cache: Option<u64>,
+    /// them whole. Needs a shared store.
+    pub lazy: Option<LazyLayers>,
+}
+
+/// How a store serves layers on demand.
+#[derive(Debug, Clone)]
+pub struct LazyLayers {
+    /// The chunk cache's size limit in bytes.
+    pub chunk_cache_limit: u64,
+    /// The shared store as `dsec_blob::open` takes it (the lazy layer server opens it).
+    pub store_spec: String,
+    /// How to start the lazy layer server process when none is running.
+    pub launcher: dsec_lazy::Launcher,
+    /// Fetch and prefetch behaviour.
+    pub opts: dsec_lazy::LazyOptions,
 }
 
 /// The image store. Cheap operations only touch small files; `import` runs mkfs.erofs.
@@ -393,8 +406,10 @@ pub struct ImageStore {
     mounts: Mutex<HashMap<String, usize>>,
     shared: Option<Arc<dyn BlobStore>>,
     cache_limit: Option<u64>,
-    /// The FUSE file system of on-demand layers, when enabled.
-    lazy: Option<dsec_lazy::LazyMount>,
+    /// The server of on-demand layers, when enabled.
+    lazy: Option<dsec_lazy::LazyClient>,
+    /// Layers (hex) this process has added to the lazy layer server.
+    lazy_added: Mutex<std::collections::HashSet<String>>,
 }
 
 impl ImageStore {
@@ -416,8 +431,8 @@ impl ImageStore {
         }
         let root =
             std::fs::canonicalize(root).map_err(|e| ImageError::io("canonicalize", root, e))?;
-        let lazy = match (opts.lazy_chunk_cache, &opts.shared) {
-            (Some(limit), Some(shared)) => Some(shared::mount_lazy(&root, shared.clone(), limit)?),
+        let lazy = match (&opts.lazy, &opts.shared) {
+            (Some(lazy), Some(_)) => Some(shared::attach_lazy(&root, lazy)?),
             _ => None,
         };
         Ok(Self {
@@ -426,6 +441,7 @@ impl ImageStore {
             shared: opts.shared,
             cache_limit: opts.cache_limit,
             lazy,
+            lazy_added: Mutex::new(Default::default()),
         })
     }
 

@@ -5,7 +5,9 @@
 //!
 //! ```text
 //! blobs/sha256/<hex>.erofs   a layer (immutable, named by the sha256 of its bytes)
-//! blobs/sha256/<hex>.json    its manifest: digest, size, compression, source, created
+//! blobs/sha256/<hex>.json    its manifest: digest, size, compression, source, created,
+//!                            chunk index
+//! blobs/sha256/<hex>.prefetch.json   the chunks its first sandbox read (on-demand layers)
 //! refs/<name>/@ref.json      a named image: its layers, config, size, source, created
 //! ```
 //!
@@ -35,6 +37,11 @@ pub fn blob_key(hex: &str) -> String {
 /// Key of layer `hex`'s manifest in the shared store.
 pub fn manifest_key(hex: &str) -> String {
     format!("blobs/sha256/{hex}.json")
+}
+
+/// Key of layer `hex`'s prefetch list in the shared store (see `dsec_lazy::PrefetchList`).
+pub fn prefetch_key(hex: &str) -> String {
+    format!("blobs/sha256/{hex}.prefetch.json")
 }
 
 /// Key of ref `name` in the shared store.
@@ -84,22 +91,47 @@ struct SharedRef {
     entry: RefEntry,
 }
 
-/// Mounts the on-demand layer file system at `ROOT/lazy` with its chunk cache in
-/// `ROOT/chunks` (kept across restarts), replacing a stale mount an earlier run left.
-pub(crate) fn mount_lazy(
+/// Connects to the lazy layer server of the store at `root` (mount `ROOT/lazy`, socket
+/// `ROOT/lazy.sock`, chunk cache `ROOT/chunks` kept across restarts), starting one if
+/// none runs. When a new server had to start, layer mounts an earlier (dead) server
+/// backed are unreadable: they are detached so that new sandboxes mount afresh, and
+/// logged, since sandboxes still using them read `EIO` for data they had not read yet.
+pub(crate) fn attach_lazy(
     root: &std::path::Path,
-    shared: std::sync::Arc<dyn dsec_blob::BlobStore>,
-    limit: u64,
-) -> Result<dsec_lazy::LazyMount> {
+    lazy: &crate::LazyLayers,
+) -> Result<dsec_lazy::LazyClient> {
     let dir = root.join("lazy");
-    if mountinfo::is_mounted(&dir).unwrap_or(false) {
-        let _ = nix::mount::umount2(&dir, nix::mount::MntFlags::MNT_DETACH);
+    let cfg = dsec_lazy::ServeConfig {
+        dir: dir.clone(),
+        socket: root.join("lazy.sock"),
+        chunks: root.join("chunks"),
+        chunk_cache_limit: lazy.chunk_cache_limit,
+        store: lazy.store_spec.clone(),
+        log: root.join("lazy.log"),
+        opts: lazy.opts.clone(),
+    };
+    let client = dsec_lazy::LazyClient::attach(&cfg, &lazy.launcher)
+        .map_err(|e| ImageError::io("lazy layers", &dir, std::io::Error::other(e)))?;
+    if client.started() {
+        let orphans: Vec<_> = mountinfo::read()
+            .map_err(|e| ImageError::io("read mountinfo for", root, e))?
+            .into_iter()
+            .filter(|m| {
+                m.fs_type == "erofs"
+                    && m.mount_point.starts_with(root.join("mnt"))
+                    && std::path::Path::new(&m.source).starts_with(&dir)
+            })
+            .collect();
+        for m in orphans {
+            tracing::error!(
+                layer = %m.mount_point.display(),
+                "this layer's lazy layer server died: sandboxes still on it read EIO for \
+                 data they had not read; new sandboxes mount it afresh"
+            );
+            let _ = nix::mount::umount2(&m.mount_point, nix::mount::MntFlags::MNT_DETACH);
+        }
     }
-    let lazy_err =
-        |e: dsec_lazy::LazyError| ImageError::io("lazy layers", &dir, std::io::Error::other(e));
-    let cache = dsec_lazy::ChunkCache::open(root.join("chunks"), limit).map_err(lazy_err)?;
-    dsec_lazy::LazyMount::mount(&dir, shared, std::sync::Arc::new(cache), Default::default())
-        .map_err(lazy_err)
+    Ok(client)
 }
 
 /// What [`ImageStore::trim_cache`] did.
@@ -255,7 +287,12 @@ impl ImageStore {
         let (Some(lazy), Some(shared)) = (&self.lazy, &self.shared) else {
             return Ok(None);
         };
-        if lazy.stats(hex).is_some() {
+        if self
+            .lazy_added
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(hex)
+        {
             return Ok(Some(lazy.dir().join(format!("{hex}.erofs"))));
         }
         let Some(bytes) = shared.get(&manifest_key(hex)).map_err(shared_err)? else {
@@ -269,18 +306,25 @@ impl ImageStore {
             return Ok(None);
         };
         let path = lazy
-            .add_layer(&blob_key(hex), index)
+            .add_layer(&blob_key(hex), index, Some(&prefetch_key(hex)))
             .map_err(|e| ImageError::io("lazy layer", lazy.dir(), std::io::Error::other(e)))?;
+        self.lazy_added
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(hex.to_string());
         tracing::info!(digest = %hex, "layer served on demand");
         Ok(Some(path))
     }
 
-    /// On-demand accounting of every lazy layer, by digest (hex).
-    pub fn lazy_stats(&self) -> Vec<(String, dsec_lazy::LayerStats)> {
-        self.lazy
-            .as_ref()
-            .map(dsec_lazy::LazyMount::all_stats)
-            .unwrap_or_default()
+    /// On-demand accounting of every lazy layer, by digest (hex); empty without lazy
+    /// layers.
+    pub fn lazy_stats(&self) -> Result<Vec<(String, dsec_lazy::LayerStats)>> {
+        match &self.lazy {
+            Some(lazy) => lazy
+                .stats()
+                .map_err(|e| ImageError::io("lazy layers", lazy.dir(), std::io::Error::other(e))),
+            None => Ok(Vec::new()),
+        }
     }
 
     /// Makes layer `hex` present in the local cache: downloads it from the shared store
@@ -439,6 +483,7 @@ impl ImageStore {
             }
             shared.delete(&obj.key).map_err(shared_err)?;
             shared.delete(&manifest_key(hex)).map_err(shared_err)?;
+            shared.delete(&prefetch_key(hex)).map_err(shared_err)?;
             tracing::info!(%digest, size = obj.size, "layer deleted from the shared store");
             out.freed_bytes += obj.size;
             out.deleted.push(digest);

@@ -40,6 +40,11 @@ impl ChunkCache {
         self.dir.join(layer).join(chunk.to_string())
     }
 
+    /// Whether a chunk is cached (without reading it).
+    pub fn contains(&self, layer: &str, chunk: u64) -> bool {
+        self.path(layer, chunk).is_file()
+    }
+
     /// The cached bytes of a chunk, if present.
     pub fn get(&self, layer: &str, chunk: u64) -> Option<Vec<u8>> {
         let p = self.path(layer, chunk);

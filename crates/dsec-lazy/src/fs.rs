@@ -13,12 +13,14 @@ use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, INodeNo, LockOwner, MountOption,
     OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEntry, ReplyOpen, Request,
 };
+use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::{ChunkCache, ChunkIndex, LazyError, Result};
 
 /// How the fetch path behaves.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct LazyOptions {
     /// Longest wait for one chunk fetch before the read fails with `EIO`.
     pub fetch_timeout: Duration,
@@ -26,6 +28,11 @@ pub struct LazyOptions {
     pub attempts: u32,
     /// FUSE worker threads (reads of different chunks proceed in parallel).
     pub threads: usize,
+    /// How long after a layer's first read its reads are recorded into its prefetch
+    /// list (only when the store has no list for it yet); zero turns recording off.
+    pub prefetch_window: Duration,
+    /// Parallel fetches when a layer's prefetch list is replayed.
+    pub prefetch_threads: usize,
 }
 
 impl Default for LazyOptions {
@@ -34,12 +41,18 @@ impl Default for LazyOptions {
             fetch_timeout: Duration::from_secs(30),
             attempts: 3,
             threads: 4,
+            prefetch_window: Duration::from_secs(30),
+            prefetch_threads: 4,
         }
     }
 }
 
+/// Upper bounds (milliseconds) of the fetch latency histogram's buckets; a last bucket
+/// holds the slower fetches.
+pub const FETCH_BUCKETS_MS: [u64; 11] = [1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 5000];
+
 /// Accounting of one lazy layer.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LayerStats {
     /// Bytes fetched from the blob store (and written to the chunk cache).
     pub fetched_bytes: u64,
@@ -51,6 +64,12 @@ pub struct LayerStats {
     pub faults: u64,
     /// Sum of fetch latencies in microseconds (mean = this / fetched_chunks).
     pub fetch_micros: u64,
+    /// Fetches per latency bucket ([`FETCH_BUCKETS_MS`], then one for slower ones).
+    pub fetch_buckets: Vec<u64>,
+    /// Chunks fetched ahead of any read, from the layer's prefetch list.
+    pub prefetched_chunks: u64,
+    /// The last fault: unix milliseconds and what went wrong.
+    pub last_fault: Option<(u64, String)>,
 }
 
 #[derive(Debug, Default)]
@@ -60,6 +79,54 @@ struct Counters {
     cached_bytes: AtomicU64,
     faults: AtomicU64,
     fetch_micros: AtomicU64,
+    fetch_buckets: [AtomicU64; FETCH_BUCKETS_MS.len() + 1],
+    prefetched_chunks: AtomicU64,
+    last_fault: Mutex<Option<(u64, String)>>,
+}
+
+impl Counters {
+    fn fault(&self, what: String) {
+        self.faults.fetch_add(1, Ordering::Relaxed);
+        let now = std::time::SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        *self.last_fault.lock().unwrap_or_else(|e| e.into_inner()) = Some((now, what));
+    }
+
+    fn fetched(&self, bytes: u64, took: Duration) {
+        self.fetched_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.fetched_chunks.fetch_add(1, Ordering::Relaxed);
+        self.fetch_micros
+            .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+        let ms = took.as_millis() as u64;
+        let bucket = FETCH_BUCKETS_MS
+            .iter()
+            .position(|&b| ms < b)
+            .unwrap_or(FETCH_BUCKETS_MS.len());
+        self.fetch_buckets[bucket].fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> LayerStats {
+        LayerStats {
+            fetched_bytes: self.fetched_bytes.load(Ordering::Relaxed),
+            fetched_chunks: self.fetched_chunks.load(Ordering::Relaxed),
+            cached_bytes: self.cached_bytes.load(Ordering::Relaxed),
+            faults: self.faults.load(Ordering::Relaxed),
+            fetch_micros: self.fetch_micros.load(Ordering::Relaxed),
+            fetch_buckets: self
+                .fetch_buckets
+                .iter()
+                .map(|b| b.load(Ordering::Relaxed))
+                .collect(),
+            prefetched_chunks: self.prefetched_chunks.load(Ordering::Relaxed),
+            last_fault: self
+                .last_fault
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -69,6 +136,33 @@ struct Layer {
     key: String,
     index: ChunkIndex,
     counters: Counters,
+    /// Records the chunks read in the layer's first window, when no prefetch list exists.
+    recorder: Mutex<Option<Recorder>>,
+}
+
+/// The chunks a layer's first readers touched, in first-read order.
+#[derive(Debug)]
+struct Recorder {
+    /// Where the finished list goes in the blob store.
+    save_to: String,
+    /// When the first read came (the window starts then).
+    started: Option<Instant>,
+    seen: std::collections::HashSet<u64>,
+    order: Vec<u64>,
+}
+
+/// A layer's prefetch list: the chunks its first sandbox read in its first seconds, in
+/// the order it read them. Stored next to the layer in the blob store.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrefetchList {
+    /// Hex sha256 of the layer.
+    pub digest: String,
+    /// Chunk size the indices count in.
+    pub chunk_size: u64,
+    /// Chunk indices, first read first.
+    pub chunks: Vec<u64>,
+    /// Length of the recording window, milliseconds.
+    pub window_ms: u64,
 }
 
 /// One in-flight chunk fetch that later readers of the same chunk wait on.
@@ -120,6 +214,98 @@ impl Inner {
         ino.checked_sub(2)
             .and_then(|i| layers.get(usize::try_from(i).ok()?))
             .cloned()
+    }
+
+    /// Notes the chunks a kernel read of `offset..offset+size` covers, while `layer`'s
+    /// recording window is open; the first read opens it and schedules the save.
+    fn record(self: &Arc<Self>, layer: &Arc<Layer>, offset: u64, size: u32) {
+        let end = (offset + u64::from(size)).min(layer.index.size);
+        if offset >= end {
+            return;
+        }
+        let mut guard = layer.recorder.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(rec) = guard.as_mut() else { return };
+        let started = *rec.started.get_or_insert_with(|| {
+            let (inner, layer) = (self.clone(), layer.clone());
+            let window = self.opts.prefetch_window;
+            std::thread::spawn(move || {
+                std::thread::sleep(window);
+                inner.save_recording(&layer);
+            });
+            Instant::now()
+        });
+        if started.elapsed() > self.opts.prefetch_window {
+            return;
+        }
+        let cs = layer.index.chunk_size;
+        for i in offset / cs..=(end - 1) / cs {
+            if rec.seen.insert(i) {
+                rec.order.push(i);
+            }
+        }
+    }
+
+    /// Ends `layer`'s recording and writes its prefetch list, unless another node wrote
+    /// one meanwhile.
+    fn save_recording(&self, layer: &Layer) {
+        let Some(rec) = layer
+            .recorder
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        else {
+            return;
+        };
+        if rec.order.is_empty() || matches!(self.store.head(&rec.save_to), Ok(Some(_))) {
+            return;
+        }
+        let list = PrefetchList {
+            digest: layer.index.digest.clone(),
+            chunk_size: layer.index.chunk_size,
+            chunks: rec.order,
+            window_ms: self.opts.prefetch_window.as_millis() as u64,
+        };
+        let saved = serde_json::to_vec(&list)
+            .map_err(std::io::Error::other)
+            .and_then(|b| {
+                self.store
+                    .put(&rec.save_to, &b)
+                    .map_err(std::io::Error::other)
+            });
+        match saved {
+            Ok(()) => tracing::info!(
+                layer = %list.digest, chunks = list.chunks.len(), "prefetch list recorded"
+            ),
+            Err(e) => tracing::warn!(layer = %list.digest, error = %e, "saving the prefetch list"),
+        }
+    }
+
+    /// Fetches the chunks of `list` that the cache lacks, `prefetch_threads` at a time,
+    /// through the same single-flight path as reads.
+    fn prefetch(self: &Arc<Self>, layer: &Arc<Layer>, list: PrefetchList) {
+        let n = layer.index.chunks.len() as u64;
+        let todo: Vec<u64> = list
+            .chunks
+            .into_iter()
+            .filter(|&i| i < n && !self.cache.contains(&layer.index.digest, i))
+            .collect();
+        let queue = Arc::new(Mutex::new(todo.into_iter()));
+        for _ in 0..self.opts.prefetch_threads.max(1) {
+            let (inner, layer, queue) = (self.clone(), layer.clone(), queue.clone());
+            std::thread::spawn(move || loop {
+                let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
+                let Some(i) = next else { return };
+                let before = layer.counters.fetched_chunks.load(Ordering::Relaxed);
+                if inner.chunk(&layer, i).is_some()
+                    && layer.counters.fetched_chunks.load(Ordering::Relaxed) > before
+                {
+                    layer
+                        .counters
+                        .prefetched_chunks
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+            });
+        }
     }
 
     /// The bytes `offset..offset+size` of `layer` (cut at its end), or `None` (→ EIO).
@@ -192,7 +378,9 @@ impl Inner {
         match guard.as_ref() {
             Some(r) => r.clone(),
             None => {
-                layer.counters.faults.fetch_add(1, Ordering::Relaxed);
+                layer
+                    .counters
+                    .fault(format!("chunk {i}: no fetch result within {wait:?}"));
                 None
             }
         }
@@ -203,6 +391,7 @@ impl Inner {
         let range = layer.index.range(i);
         let want = layer.index.chunks.get(usize::try_from(i).ok()?)?.clone();
         let mut backoff = Duration::from_millis(100);
+        let mut problem = String::new();
         for attempt in 1..=self.opts.attempts.max(1) {
             let started = Instant::now();
             let (tx, rx) = std::sync::mpsc::channel();
@@ -211,18 +400,13 @@ impl Inner {
             std::thread::spawn(move || {
                 let _ = tx.send(store.get_range(&key, r));
             });
-            let problem = match rx.recv_timeout(self.opts.fetch_timeout) {
+            problem = match rx.recv_timeout(self.opts.fetch_timeout) {
                 Ok(Ok(data)) => {
                     if hex::encode(Sha256::digest(&data)) == want {
                         if let Err(e) = self.cache.put(&layer.index.digest, i, &data) {
                             tracing::warn!(error = %e, "chunk cache write failed");
                         }
-                        let c = &layer.counters;
-                        c.fetched_bytes
-                            .fetch_add(data.len() as u64, Ordering::Relaxed);
-                        c.fetched_chunks.fetch_add(1, Ordering::Relaxed);
-                        c.fetch_micros
-                            .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+                        layer.counters.fetched(data.len() as u64, started.elapsed());
                         return Some(Arc::new(data));
                     }
                     "chunk digest mismatch".to_string()
@@ -239,7 +423,10 @@ impl Inner {
                 backoff *= 4;
             }
         }
-        layer.counters.faults.fetch_add(1, Ordering::Relaxed);
+        layer.counters.fault(format!(
+            "chunk {i}: {problem} ({} attempts)",
+            self.opts.attempts
+        ));
         None
     }
 }
@@ -296,6 +483,7 @@ impl Filesystem for Fs {
         let Some(layer) = self.0.layer(u64::from(ino)) else {
             return reply.error(Errno::ENOENT);
         };
+        self.0.record(&layer, offset, size);
         match self.0.read(&layer, offset, size) {
             Some(data) => reply.data(&data),
             None => reply.error(Errno::EIO),
@@ -337,7 +525,7 @@ impl Filesystem for Fs {
 pub struct LazyMount {
     inner: Arc<Inner>,
     dir: PathBuf,
-    _session: fuser::BackgroundSession,
+    session: fuser::BackgroundSession,
 }
 
 impl std::fmt::Debug for LazyMount {
@@ -382,41 +570,81 @@ impl LazyMount {
         Ok(Self {
             inner,
             dir: dir.to_path_buf(),
-            _session: session,
+            session,
         })
     }
 
     /// Serves layer `index` (stored at `key` in the blob store) as a file; returns its
     /// path. Adding a layer twice returns the same file.
-    pub fn add_layer(&self, key: &str, index: ChunkIndex) -> Result<PathBuf> {
+    ///
+    /// With `prefetch_key`: if the store holds a [`PrefetchList`] there, its chunks are
+    /// fetched in the background; if not, the layer's first reads are recorded and saved
+    /// there (see [`LazyOptions::prefetch_window`]).
+    pub fn add_layer(
+        &self,
+        key: &str,
+        index: ChunkIndex,
+        prefetch_key: Option<&str>,
+    ) -> Result<PathBuf> {
         index.validate()?;
         let name = format!("{}.erofs", index.digest);
-        let mut layers = self.inner.layers.write().unwrap_or_else(|e| e.into_inner());
-        if !layers.iter().any(|l| l.name == name) {
-            let ino = layers.len() as u64 + 2;
-            layers.push(Arc::new(Layer {
-                ino,
-                name: name.clone(),
-                key: key.to_string(),
-                index,
-                counters: Counters::default(),
-            }));
+        let added = {
+            let mut layers = self.inner.layers.write().unwrap_or_else(|e| e.into_inner());
+            if layers.iter().any(|l| l.name == name) {
+                None
+            } else {
+                let layer = Arc::new(Layer {
+                    ino: layers.len() as u64 + 2,
+                    name: name.clone(),
+                    key: key.to_string(),
+                    index,
+                    counters: Counters::default(),
+                    recorder: Mutex::new(None),
+                });
+                layers.push(layer.clone());
+                Some(layer)
+            }
+        };
+        if let (Some(layer), Some(pk)) = (added, prefetch_key) {
+            self.start_prefetch(&layer, pk);
         }
         Ok(self.dir.join(name))
+    }
+
+    /// Replays `layer`'s prefetch list from `pk`, or arms its recorder when there is none.
+    fn start_prefetch(&self, layer: &Arc<Layer>, pk: &str) {
+        let list = match self.inner.store.get(pk) {
+            Ok(Some(bytes)) => serde_json::from_slice::<PrefetchList>(&bytes)
+                .ok()
+                .filter(|l| {
+                    l.digest == layer.index.digest && l.chunk_size == layer.index.chunk_size
+                }),
+            Ok(None) => None,
+            Err(e) => {
+                // Neither replay nor record: another node may have written the list.
+                tracing::warn!(layer = %layer.index.digest, error = %e, "reading the prefetch list");
+                return;
+            }
+        };
+        match list {
+            Some(list) => self.inner.prefetch(layer, list),
+            None if !self.inner.opts.prefetch_window.is_zero() => {
+                *layer.recorder.lock().unwrap_or_else(|e| e.into_inner()) = Some(Recorder {
+                    save_to: pk.to_string(),
+                    started: None,
+                    seen: Default::default(),
+                    order: Vec::new(),
+                });
+            }
+            None => {}
+        }
     }
 
     /// Accounting of layer `digest` (hex), if served here.
     pub fn stats(&self, digest: &str) -> Option<LayerStats> {
         let layers = self.inner.layers.read().unwrap_or_else(|e| e.into_inner());
         let l = layers.iter().find(|l| l.index.digest == digest)?;
-        let c = &l.counters;
-        Some(LayerStats {
-            fetched_bytes: c.fetched_bytes.load(Ordering::Relaxed),
-            fetched_chunks: c.fetched_chunks.load(Ordering::Relaxed),
-            cached_bytes: c.cached_bytes.load(Ordering::Relaxed),
-            faults: c.faults.load(Ordering::Relaxed),
-            fetch_micros: c.fetch_micros.load(Ordering::Relaxed),
-        })
+        Some(l.counters.snapshot())
     }
 
     /// Accounting of every layer served here, by digest (hex).
@@ -438,5 +666,10 @@ impl LazyMount {
     /// The mount point.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Whether the FUSE session still runs (it ends when the mount goes away).
+    pub fn is_serving(&self) -> bool {
+        !self.session.guard.is_finished()
     }
 }

@@ -13,9 +13,14 @@
 //!   and stored next to the blob.
 //! - [`ChunkCache`]: the node-local chunk files.
 //! - [`LazyMount`]: the FUSE file system; [`LazyMount::add_layer`] puts a layer's file in it.
+//! - [`PrefetchList`]: the chunks a layer's first readers touched, replayed ahead of reads
+//!   on nodes that add the layer later.
+//! - [`server`]: the process that owns the mount so that it outlives daemon restarts, and
+//!   [`LazyClient`], the daemon's handle on it.
 
 mod cache;
 mod fs;
+pub mod server;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -24,7 +29,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 pub use cache::ChunkCache;
-pub use fs::{LayerStats, LazyMount, LazyOptions};
+pub use fs::{LayerStats, LazyMount, LazyOptions, PrefetchList, FETCH_BUCKETS_MS};
+pub use server::{Launcher, LazyClient, ServeConfig};
 
 /// Default chunk size: 256 KiB.
 pub const DEFAULT_CHUNK_SIZE: u64 = 256 << 10;

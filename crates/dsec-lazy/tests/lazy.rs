@@ -92,7 +92,181 @@ fn opts() -> LazyOptions {
         fetch_timeout: Duration::from_secs(5),
         attempts: 2,
         threads: 4,
+        ..LazyOptions::default()
     }
+}
+
+/// A layer in a directory store, with its index and key.
+struct StoredLayer {
+    src: PathBuf,
+    index: ChunkIndex,
+    key: String,
+    store: Arc<dyn BlobStore>,
+}
+
+fn stored_layer(dir: &Path) -> StoredLayer {
+    let (src, blob) = build_layer(dir);
+    let index = ChunkIndex::of_file(&blob, DEFAULT_CHUNK_SIZE).expect("index");
+    let key = format!("blobs/sha256/{}.erofs", index.digest);
+    let store: Arc<dyn BlobStore> = Arc::new(DirStore::open(dir.join("store")).expect("store"));
+    store.upload(&key, &blob).expect("upload");
+    StoredLayer {
+        src,
+        index,
+        key,
+        store,
+    }
+}
+
+fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn the_first_reads_become_a_prefetch_list_that_a_fresh_node_replays() {
+    if !ready() {
+        return;
+    }
+    let d = tempfile::tempdir().expect("tempdir");
+    let l = stored_layer(d.path());
+    let pk = format!("blobs/sha256/{}.prefetch.json", l.index.digest);
+    let recording = LazyOptions {
+        prefetch_window: Duration::from_secs(1),
+        ..opts()
+    };
+    let files = ["big03.bin", "big21.bin", "small/f9.txt"];
+
+    // Node A: no list yet, so its first second of reads is recorded and saved.
+    let cache = Arc::new(ChunkCache::open(d.path().join("cache-a"), 1 << 30).expect("cache"));
+    let a = LazyMount::mount(
+        &d.path().join("fuse-a"),
+        l.store.clone(),
+        cache,
+        recording.clone(),
+    )
+    .expect("fuse");
+    let file = a
+        .add_layer(&l.key, l.index.clone(), Some(&pk))
+        .expect("add");
+    let m = ErofsMount::new(&file, &d.path().join("mnt-a"));
+    for f in files {
+        assert_eq!(
+            std::fs::read(m.0.join(f)).expect("read"),
+            std::fs::read(l.src.join(f)).expect("src")
+        );
+    }
+    let fetched_a = a.stats(&l.index.digest).expect("stats").fetched_chunks;
+    wait_for("the prefetch list", || {
+        matches!(l.store.head(&pk), Ok(Some(_)))
+    });
+    let list: dsec_lazy::PrefetchList =
+        serde_json::from_slice(&l.store.get(&pk).expect("get").expect("list")).expect("json");
+    assert_eq!(list.digest, l.index.digest);
+    assert_eq!(list.chunks.len() as u64, fetched_a, "{list:?}");
+    assert!(list.chunks.len() < l.index.chunks.len() / 2, "{list:?}");
+    drop(m);
+    drop(a);
+
+    // Node B, cold: adding the layer fetches the listed chunks before anything reads;
+    // the same reads then fetch nothing more.
+    drop_caches();
+    let cache = Arc::new(ChunkCache::open(d.path().join("cache-b"), 1 << 30).expect("cache"));
+    let b = LazyMount::mount(&d.path().join("fuse-b"), l.store.clone(), cache, recording)
+        .expect("fuse");
+    let file = b
+        .add_layer(&l.key, l.index.clone(), Some(&pk))
+        .expect("add");
+    wait_for("the prefetch", || {
+        b.stats(&l.index.digest).expect("stats").prefetched_chunks == list.chunks.len() as u64
+    });
+    let m = ErofsMount::new(&file, &d.path().join("mnt-b"));
+    for f in files {
+        assert_eq!(
+            std::fs::read(m.0.join(f)).expect("read"),
+            std::fs::read(l.src.join(f)).expect("src")
+        );
+    }
+    let s = b.stats(&l.index.digest).expect("stats");
+    assert_eq!(
+        s.fetched_chunks, s.prefetched_chunks,
+        "reads fetched on their own: {s:?}"
+    );
+    drop(m);
+}
+
+#[test]
+fn a_server_is_adopted_by_a_new_client_and_exits_when_unmounted() {
+    if !ready() {
+        return;
+    }
+    let d = tempfile::tempdir().expect("tempdir");
+    let l = stored_layer(d.path());
+    let cfg = dsec_lazy::ServeConfig {
+        dir: d.path().join("lazy"),
+        socket: d.path().join("lazy.sock"),
+        chunks: d.path().join("chunks"),
+        chunk_cache_limit: 1 << 30,
+        store: d.path().join("store").display().to_string(),
+        log: d.path().join("lazy.log"),
+        opts: opts(),
+    };
+    let c = cfg.clone();
+    let server = std::thread::spawn(move || dsec_lazy::server::serve(&c));
+    // A launcher that cannot start anything: attaching must adopt the running server.
+    let never = dsec_lazy::Launcher {
+        program: d.path().join("no-such-program"),
+        args: vec![],
+    };
+    wait_for("the server socket", || cfg.socket.exists());
+    let client = dsec_lazy::LazyClient::attach(&cfg, &never).expect("adopt");
+    assert_eq!(client.pid(), std::process::id());
+    let file = client
+        .add_layer(&l.key, l.index.clone(), None)
+        .expect("add");
+    let m = ErofsMount::new(&file, &d.path().join("mnt"));
+    assert_eq!(
+        std::fs::read(m.0.join("big11.bin")).expect("read"),
+        std::fs::read(l.src.join("big11.bin")).expect("src")
+    );
+    let stats = client.stats().expect("stats");
+    assert_eq!(stats.len(), 1);
+    assert_eq!(stats[0].0, l.index.digest);
+    assert!(stats[0].1.fetched_chunks > 0);
+    assert_eq!(
+        stats[0].1.fetch_buckets.iter().sum::<u64>(),
+        stats[0].1.fetched_chunks
+    );
+
+    // A server for another store is refused, not silently shared.
+    let other = dsec_lazy::ServeConfig {
+        store: "/elsewhere".into(),
+        ..cfg.clone()
+    };
+    let err = dsec_lazy::LazyClient::attach(&other, &never).expect_err("other store");
+    assert!(err.to_string().contains("fetches from"), "{err}");
+
+    // Bad input gets an error answer.
+    let err = client
+        .add_layer(
+            &l.key,
+            ChunkIndex {
+                chunks: vec![],
+                ..l.index.clone()
+            },
+            None,
+        )
+        .expect_err("bad index");
+    assert!(err.to_string().contains("chunk"), "{err}");
+
+    drop(m);
+    nix::mount::umount2(&cfg.dir, nix::mount::MntFlags::MNT_DETACH).expect("umount");
+    wait_for("the server to exit", || server.is_finished());
+    server.join().expect("join").expect("serve");
+    assert!(!cfg.socket.exists());
 }
 
 #[test]
@@ -113,7 +287,7 @@ fn lazy_layer_reads_only_what_is_read_and_matches_the_layer() {
     let cache = Arc::new(ChunkCache::open(d.path().join("cache"), 1 << 30).expect("cache"));
     let lazy =
         LazyMount::mount(&d.path().join("fuse"), store.clone(), cache, opts()).expect("fuse");
-    let file = lazy.add_layer(&key, index.clone()).expect("add");
+    let file = lazy.add_layer(&key, index.clone(), None).expect("add");
     let m = ErofsMount::new(&file, &d.path().join("mnt"));
     for name in ["big07.bin", "small/f3.txt"] {
         let got = std::fs::read(m.0.join(name)).expect("read through the lazy layer");
@@ -163,7 +337,7 @@ fn lazy_layer_reads_only_what_is_read_and_matches_the_layer() {
     let cache = Arc::new(ChunkCache::open(d.path().join("cache"), 1 << 30).expect("cache"));
     assert!(cache.held_bytes() > 0);
     let lazy = LazyMount::mount(&d.path().join("fuse"), store, cache, opts()).expect("fuse");
-    let file = lazy.add_layer(&key, index.clone()).expect("add");
+    let file = lazy.add_layer(&key, index.clone(), None).expect("add");
     let m = ErofsMount::new(&file, &d.path().join("mnt"));
     assert_eq!(
         std::fs::read(m.0.join("big07.bin")).expect("read"),
@@ -197,7 +371,7 @@ fn corrupt_chunks_and_a_dead_store_give_eio_not_a_hang() {
     let cache = Arc::new(ChunkCache::open(d.path().join("cache"), 1 << 30).expect("cache"));
     let lazy =
         LazyMount::mount(&d.path().join("fuse"), store, cache.clone(), opts()).expect("fuse");
-    let file = lazy.add_layer(&key, index.clone()).expect("add");
+    let file = lazy.add_layer(&key, index.clone(), None).expect("add");
     // Read the lazy file itself: the corrupt chunk's range fails, the rest reads.
     let started = Instant::now();
     let mut f = std::fs::File::open(&file).expect("open");
@@ -216,7 +390,7 @@ fn corrupt_chunks_and_a_dead_store_give_eio_not_a_hang() {
         Arc::new(DirStore::open(d.path().join("empty")).expect("store"));
     let empty_cache = Arc::new(ChunkCache::open(d.path().join("cache2"), 1 << 30).expect("cache"));
     let lazy = LazyMount::mount(&d.path().join("fuse"), store, empty_cache, opts()).expect("fuse");
-    let file = lazy.add_layer(&key, index.clone()).expect("add");
+    let file = lazy.add_layer(&key, index.clone(), None).expect("add");
     let started = Instant::now();
     let e = std::fs::read(&file).expect_err("dead store");
     assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");

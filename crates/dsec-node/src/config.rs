@@ -43,6 +43,11 @@ pub struct NodeConfig {
     /// Serve layers from the shared store on demand, fetching chunks as sandboxes read
     /// them, with a chunk cache of this many bytes (`None`: download layers whole).
     pub lazy_chunk_cache_bytes: Option<u64>,
+    /// How long after a lazy layer's first read its reads are recorded as its prefetch
+    /// list (zero: no recording).
+    pub lazy_prefetch_window: std::time::Duration,
+    /// How to start the lazy layer server; `None`: this executable's `lazy-serve`.
+    pub lazy_launcher: Option<dsec_lazy::Launcher>,
 }
 
 /// Size-limited sandbox disks (see `dsec-disk`).

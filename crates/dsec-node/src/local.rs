@@ -58,7 +58,27 @@ impl LocalNode {
             dsec_image::StoreOptions {
                 shared,
                 cache_limit: cfg.layer_cache_bytes,
-                lazy_chunk_cache: cfg.lazy_chunk_cache_bytes,
+                lazy: match (cfg.lazy_chunk_cache_bytes, &cfg.blob_store) {
+                    (Some(limit), Some(spec)) => Some(dsec_image::LazyLayers {
+                        chunk_cache_limit: limit,
+                        store_spec: spec.clone(),
+                        launcher: match &cfg.lazy_launcher {
+                            Some(l) => l.clone(),
+                            None => dsec_lazy::Launcher {
+                                program: std::env::current_exe().map_err(NodeError::io(
+                                    "locate",
+                                    std::path::Path::new("this executable"),
+                                ))?,
+                                args: vec!["lazy-serve".into()],
+                            },
+                        },
+                        opts: dsec_lazy::LazyOptions {
+                            prefetch_window: cfg.lazy_prefetch_window,
+                            ..Default::default()
+                        },
+                    }),
+                    _ => None,
+                },
             },
         )?);
         let backend: Arc<dyn Backend> =
@@ -450,9 +470,11 @@ impl NodeApi for LocalNode {
     }
 
     async fn layer_stats(&self) -> Result<dsec_wire::v1::LayerStatsList, NodeError> {
-        let lazy = self
-            .images
-            .lazy_stats()
+        let images = self.images.clone();
+        let stats = tokio::task::spawn_blocking(move || images.lazy_stats())
+            .await
+            .map_err(join_err)??;
+        let lazy = stats
             .into_iter()
             .map(|(hex, s)| dsec_wire::v1::LazyLayerStats {
                 digest: format!("sha256:{hex}"),
@@ -461,6 +483,16 @@ impl NodeApi for LocalNode {
                 cached_bytes: s.cached_bytes,
                 faults: s.faults,
                 mean_fetch_us: s.fetch_micros.checked_div(s.fetched_chunks).unwrap_or(0),
+                fetch_latency_ms: dsec_lazy::FETCH_BUCKETS_MS
+                    .iter()
+                    .copied()
+                    .chain([u64::MAX])
+                    .zip(s.fetch_buckets.iter().copied())
+                    .collect(),
+                prefetched_chunks: s.prefetched_chunks,
+                last_fault: s
+                    .last_fault
+                    .map(|(at_ms, message)| dsec_wire::v1::LayerFault { at_ms, message }),
             })
             .collect();
         Ok(dsec_wire::v1::LayerStatsList { lazy })

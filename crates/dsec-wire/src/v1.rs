@@ -533,6 +533,25 @@ pub struct LazyLayerStats {
     pub faults: u64,
     /// Mean fetch latency of a chunk, microseconds.
     pub mean_fetch_us: u64,
+    /// Fetch latency histogram: (upper bound in ms, fetches at most that slow but slower
+    /// than the previous bound); the last bound is `u64::MAX`.
+    #[serde(default)]
+    pub fetch_latency_ms: Vec<(u64, u64)>,
+    /// Chunks fetched ahead of reads from the layer's prefetch list.
+    #[serde(default)]
+    pub prefetched_chunks: u64,
+    /// The last fault, if any: when (unix ms) and what.
+    #[serde(default)]
+    pub last_fault: Option<LayerFault>,
+}
+
+/// A fault of an on-demand layer: a read answered with EIO.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerFault {
+    /// Unix milliseconds.
+    pub at_ms: u64,
+    /// What went wrong (store error, timeout, digest mismatch).
+    pub message: String,
 }
 
 /// What a GC removed.
