@@ -213,6 +213,29 @@ async fn two_nodes_share_images_through_s3() {
         base_stats.fetch_latency_ms.iter().map(|b| b.1).sum::<u64>(),
         base_stats.fetched_chunks
     );
+    // ... and in Prometheus text, behind the API key.
+    let http = reqwest::Client::new();
+    let metrics = http
+        .get(format!("{}/metrics", c.url))
+        .bearer_auth(&c.key)
+        .send()
+        .await
+        .expect("GET /metrics");
+    assert!(metrics.status().is_success());
+    let text = metrics.text().await.expect("metrics text");
+    let series = format!("dsec_lazy_fetched_bytes_total{{layer=\"{base_digest}\"}} ");
+    let value: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix(&series)?.parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in {text}"));
+    assert!(value >= base_stats.fetched_bytes);
+    assert!(text.contains("dsec_lazy_fetch_duration_seconds_bucket{"));
+    let anonymous = http
+        .get(format!("{}/metrics", c.url))
+        .send()
+        .await
+        .expect("GET /metrics");
+    assert_eq!(anonymous.status(), reqwest::StatusCode::UNAUTHORIZED);
 
     // The daemon crashes and restarts: the lazy layer server outlives it, so the running
     // sandbox reads data nobody fetched yet, byte-identical to a local layer's.

@@ -575,6 +575,19 @@ pub async fn layer_stats(State(api): Api) -> HttpResult<Response> {
     Ok(json(api.layer_stats().await?))
 }
 
+/// `GET /metrics`: Prometheus text (see [`crate::metrics`]).
+pub async fn metrics(State(api): Api) -> HttpResult<Response> {
+    let (health, layers) = (api.health().await?, api.layer_stats().await?);
+    Ok((
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        crate::metrics::render(&health, &layers),
+    )
+        .into_response())
+}
+
 /// `POST /v1/images/gc`.
 pub async fn gc_images(
     State(api): Api,

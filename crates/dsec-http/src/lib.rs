@@ -24,7 +24,8 @@ pub mod e2b;
 pub mod error;
 pub mod extract;
 pub mod handlers;
-pub mod swerex;
+pub mod metrics;
+mod swerex;
 
 use std::any::Any;
 use std::future::Future;
@@ -137,8 +138,16 @@ pub fn router(api: Arc<dyn SandboxApi>) -> Router {
         extract::require_api_key,
     ));
 
+    let metrics = Router::new()
+        .route("/metrics", get(h::metrics))
+        .route_layer(middleware::from_fn_with_state(
+            api.clone(),
+            extract::require_api_key,
+        ));
+
     Router::new()
         .nest("/v1", v1)
+        .merge(metrics)
         .merge(swerex)
         .merge(e2b::routes(api.clone()))
         .fallback(h::not_found)

@@ -483,6 +483,7 @@ impl NodeApi for LocalNode {
                 cached_bytes: s.cached_bytes,
                 faults: s.faults,
                 mean_fetch_us: s.fetch_micros.checked_div(s.fetched_chunks).unwrap_or(0),
+                fetch_us_total: s.fetch_micros,
                 fetch_latency_ms: dsec_lazy::FETCH_BUCKETS_MS
                     .iter()
                     .copied()

@@ -533,6 +533,9 @@ pub struct LazyLayerStats {
     pub faults: u64,
     /// Mean fetch latency of a chunk, microseconds.
     pub mean_fetch_us: u64,
+    /// Sum of all chunk fetch latencies, microseconds.
+    #[serde(default)]
+    pub fetch_us_total: u64,
     /// Fetch latency histogram: (upper bound in ms, fetches at most that slow but slower
     /// than the previous bound); the last bound is `u64::MAX`.
     #[serde(default)]

@@ -1,0 +1,174 @@
+//! `GET /metrics`: the node's state in the Prometheus text exposition format (version
+//! 0.0.4), built per scrape from the same snapshots the JSON API serves (`/v1/health`,
+//! `/v1/images/layers`). The values live in other processes (the lazy layer server) and
+//! are snapshots, not live metric objects, so they are rendered directly.
+
+use std::fmt::Write;
+
+use dsec_wire::v1::{Health, LayerStatsList};
+
+/// Prometheus text of `health` and `layers`.
+pub fn render(health: &Health, layers: &LayerStatsList) -> String {
+    let mut out = String::new();
+    let mut gauge = |name: &str, help: &str, v: u64| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+    };
+    gauge(
+        "dsec_sandboxes",
+        "Live sandboxes on this node.",
+        health.sandboxes,
+    );
+    if let Some(c) = &health.capacity {
+        gauge(
+            "dsec_cpu_millis_requested",
+            "CPU its sandboxes requested, millicores.",
+            c.cpu_millis_requested,
+        );
+        gauge(
+            "dsec_cpu_millis_allocatable",
+            "CPU the node admits in total, millicores.",
+            c.cpu_millis_allocatable,
+        );
+        gauge(
+            "dsec_memory_available_bytes",
+            "Host memory available now.",
+            c.memory_available_bytes,
+        );
+        gauge(
+            "dsec_max_sandboxes",
+            "Most sandboxes the node runs (0: no count limit).",
+            c.max_sandboxes,
+        );
+    }
+
+    // One family at a time, each with a line per layer.
+    type Field = fn(&dsec_wire::v1::LazyLayerStats) -> u64;
+    let counters: [(&str, &str, Field); 5] = [
+        (
+            "dsec_lazy_fetched_bytes_total",
+            "Bytes of on-demand layers fetched from the blob store (each written once to the chunk cache).",
+            |l| l.fetched_bytes,
+        ),
+        (
+            "dsec_lazy_fetched_chunks_total",
+            "Chunks of on-demand layers fetched from the blob store.",
+            |l| l.fetched_chunks,
+        ),
+        (
+            "dsec_lazy_cache_served_bytes_total",
+            "Bytes of on-demand layers served from the node's chunk cache.",
+            |l| l.cached_bytes,
+        ),
+        (
+            "dsec_lazy_prefetched_chunks_total",
+            "Chunks fetched ahead of reads from layers' prefetch lists.",
+            |l| l.prefetched_chunks,
+        ),
+        (
+            "dsec_lazy_faults_total",
+            "Reads of on-demand layers answered with EIO (store down, timeout, bad chunk).",
+            |l| l.faults,
+        ),
+    ];
+    for (name, help, field) in counters {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+        for l in &layers.lazy {
+            let _ = writeln!(out, "{name}{{layer=\"{}\"}} {}", l.digest, field(l));
+        }
+    }
+    let name = "dsec_lazy_fetch_duration_seconds";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Time to fetch one chunk of an on-demand layer.\n# TYPE {name} histogram"
+    );
+    for l in &layers.lazy {
+        let mut cumulative = 0;
+        for (le_ms, count) in &l.fetch_latency_ms {
+            cumulative += count;
+            let le = if *le_ms == u64::MAX {
+                "+Inf".to_string()
+            } else {
+                format!("{}", *le_ms as f64 / 1000.0)
+            };
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{layer=\"{}\",le=\"{le}\"}} {cumulative}",
+                l.digest
+            );
+        }
+        let _ = writeln!(
+            out,
+            "{name}_sum{{layer=\"{}\"}} {}\n{name}_count{{layer=\"{}\"}} {}",
+            l.digest,
+            l.fetch_us_total as f64 / 1e6,
+            l.digest,
+            l.fetched_chunks
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dsec_wire::v1::LazyLayerStats;
+
+    fn value(text: &str, series: &str) -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[test]
+    fn layers_become_counters_and_a_cumulative_histogram() {
+        let health = Health {
+            status: "ok".into(),
+            version: "0".into(),
+            node: "n".into(),
+            cgroup: "v1".into(),
+            sandboxes: 3,
+            capacity: None,
+        };
+        let layers = LayerStatsList {
+            lazy: vec![LazyLayerStats {
+                digest: "sha256:ab".into(),
+                fetched_bytes: 1 << 20,
+                fetched_chunks: 4,
+                cached_bytes: 7,
+                faults: 1,
+                mean_fetch_us: 2500,
+                fetch_us_total: 10_000,
+                fetch_latency_ms: vec![(1, 1), (5, 2), (u64::MAX, 1)],
+                prefetched_chunks: 2,
+                last_fault: None,
+            }],
+        };
+        let text = render(&health, &layers);
+        assert_eq!(value(&text, "dsec_sandboxes"), Some(3.0));
+        let l = "{layer=\"sha256:ab\"}";
+        assert_eq!(
+            value(&text, &format!("dsec_lazy_fetched_bytes_total{l}")),
+            Some(1048576.0)
+        );
+        assert_eq!(
+            value(&text, &format!("dsec_lazy_faults_total{l}")),
+            Some(1.0)
+        );
+        let b = "dsec_lazy_fetch_duration_seconds_bucket{layer=\"sha256:ab\",le=";
+        assert_eq!(value(&text, &format!("{b}\"0.001\"}}")), Some(1.0));
+        assert_eq!(value(&text, &format!("{b}\"0.005\"}}")), Some(3.0));
+        assert_eq!(value(&text, &format!("{b}\"+Inf\"}}")), Some(4.0));
+        assert_eq!(
+            value(&text, &format!("dsec_lazy_fetch_duration_seconds_count{l}")),
+            Some(4.0)
+        );
+        assert_eq!(
+            value(&text, &format!("dsec_lazy_fetch_duration_seconds_sum{l}")),
+            Some(0.01)
+        );
+        // Every family is declared once, before its samples.
+        let types: Vec<&str> = text.lines().filter(|l| l.starts_with("# TYPE")).collect();
+        let mut unique = types.clone();
+        unique.dedup();
+        assert_eq!(types, unique);
+    }
+}
