@@ -90,3 +90,37 @@ fn http_store_reads_by_range() {
     let e = store.get_range("blobs/missing", 0..1).expect_err("missing");
     assert!(matches!(e, dsec_blob::BlobError::NotFound { .. }), "{e}");
 }
+
+#[test]
+fn a_throttled_server_shares_one_link_and_counts_what_it_served() {
+    let d = tempfile::tempdir().expect("tempdir");
+    let data: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % 253) as u8).collect();
+    std::fs::write(d.path().join("a"), &data).expect("write");
+    let throttle = dsec_e2e::blobserver::Throttle {
+        bytes_per_sec: 4 << 20,
+        latency: std::time::Duration::from_millis(50),
+    };
+    let server =
+        dsec_e2e::blobserver::BlobServer::start_with(d.path(), Some(throttle)).expect("server");
+    let store: std::sync::Arc<dyn dsec_blob::BlobStore> =
+        std::sync::Arc::from(dsec_blob::open(&server.url).expect("open"));
+    // Two whole reads at once share the 4 MiB/s link: 2 MiB take at least half a second.
+    let started = std::time::Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            let store = store.clone();
+            let data = &data;
+            s.spawn(move || {
+                let got = store.get("a").expect("get").expect("present");
+                assert!(&got == data);
+            });
+        }
+    });
+    assert!(started.elapsed() >= std::time::Duration::from_millis(450));
+    assert_eq!(server.served_bytes(), 2 << 20);
+    // A range read pays the latency and counts only its bytes.
+    let started = std::time::Instant::now();
+    assert_eq!(store.get_range("a", 10..20).expect("range"), &data[10..20]);
+    assert!(started.elapsed() >= throttle.latency);
+    assert_eq!(server.served_bytes(), (2 << 20) + 10);
+}
