@@ -410,6 +410,8 @@ pub struct ImageStore {
     lazy: Option<dsec_lazy::LazyClient>,
     /// Layers (hex) this process has added to the lazy layer server.
     lazy_added: Mutex<std::collections::HashSet<String>>,
+    /// One lock per layer being downloaded from the shared store.
+    fetching: Mutex<HashMap<String, Arc<Mutex<()>>>>,
 }
 
 impl ImageStore {
@@ -442,6 +444,7 @@ impl ImageStore {
             cache_limit: opts.cache_limit,
             lazy,
             lazy_added: Mutex::new(Default::default()),
+            fetching: Mutex::new(HashMap::new()),
         })
     }
 

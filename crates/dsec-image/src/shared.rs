@@ -331,6 +331,7 @@ impl ImageStore {
     /// into `tmp/`, checks its sha256 and moves it into `blobs/`. No-op when cached.
     /// Returns whether it downloaded (the caller then trims the cache, once the new layer
     /// is mounted and so safe from eviction).
+    /// Concurrent calls for one layer download it once: the others wait for it.
     pub(crate) fn fetch_blob(&self, hex: &str) -> Result<bool> {
         let blob = self.blob_path(hex);
         if blob.exists() {
@@ -339,6 +340,32 @@ impl ImageStore {
         let Some(shared) = &self.shared else {
             return Err(ImageError::NotFound(format!("sha256:{hex}")));
         };
+        let gate = self
+            .fetching
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(hex.to_string())
+            .or_default()
+            .clone();
+        let _one_at_a_time = gate.lock().unwrap_or_else(|e| e.into_inner());
+        let fetched = self.fetch_blob_now(hex, shared.as_ref(), &blob);
+        self.fetching
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(hex);
+        fetched
+    }
+
+    fn fetch_blob_now(
+        &self,
+        hex: &str,
+        shared: &dyn dsec_blob::BlobStore,
+        blob: &std::path::Path,
+    ) -> Result<bool> {
+        if blob.exists() {
+            // Another caller fetched it while this one waited.
+            return Ok(false);
+        }
         let work = self.tempdir("fetch-")?;
         let tmp = work.path().join("layer.erofs");
         let started = std::time::Instant::now();
@@ -358,7 +385,7 @@ impl ImageStore {
                 actual: format!("sha256:{actual}"),
             });
         }
-        crate::seal_blob(&tmp, &blob)?;
+        crate::seal_blob(&tmp, blob)?;
         tracing::info!(
             digest = %hex, size, ms = started.elapsed().as_millis() as u64,
             store = %shared.url(), "layer fetched"

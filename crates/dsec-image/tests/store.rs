@@ -677,3 +677,88 @@ fn tar_root_entry_devices_and_fifos() {
     );
     s.release(&img.digest).expect("release");
 }
+
+/// A directory store that counts whole-object downloads (the instrument, not a stand-in:
+/// every call goes to the real store).
+#[derive(Debug)]
+struct CountingStore {
+    inner: dsec_blob::DirStore,
+    downloads: std::sync::atomic::AtomicUsize,
+}
+
+impl dsec_blob::BlobStore for CountingStore {
+    fn url(&self) -> String {
+        self.inner.url()
+    }
+    fn head(&self, key: &str) -> dsec_blob::Result<Option<dsec_blob::ObjectInfo>> {
+        self.inner.head(key)
+    }
+    fn get(&self, key: &str) -> dsec_blob::Result<Option<Vec<u8>>> {
+        self.inner.get(key)
+    }
+    fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> dsec_blob::Result<Vec<u8>> {
+        self.inner.get_range(key, range)
+    }
+    fn download(&self, key: &str, dest: &Path) -> dsec_blob::Result<u64> {
+        self.downloads
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        // Slow enough that the other callers arrive while this one downloads.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        self.inner.download(key, dest)
+    }
+    fn put(&self, key: &str, data: &[u8]) -> dsec_blob::Result<()> {
+        self.inner.put(key, data)
+    }
+    fn upload(&self, key: &str, src: &Path) -> dsec_blob::Result<()> {
+        self.inner.upload(key, src)
+    }
+    fn delete(&self, key: &str) -> dsec_blob::Result<()> {
+        self.inner.delete(key)
+    }
+    fn list(&self, prefix: &str) -> dsec_blob::Result<Vec<dsec_blob::ObjectInfo>> {
+        self.inner.list(prefix)
+    }
+}
+
+#[test]
+fn concurrent_first_uses_of_a_shared_layer_download_it_once() {
+    let Some(ts) = store("concurrent_first_uses_of_a_shared_layer_download_it_once") else {
+        return;
+    };
+    let counting = std::sync::Arc::new(CountingStore {
+        inner: dsec_blob::DirStore::open(ts.dir.path().join("shared")).expect("dir store"),
+        downloads: Default::default(),
+    });
+    let opts = |shared: std::sync::Arc<CountingStore>| dsec_image::StoreOptions {
+        shared: Some(shared),
+        ..Default::default()
+    };
+    // Node A imports (and uploads); node B has nothing.
+    let a = ImageStore::open_with(ts.dir.path().join("a"), opts(counting.clone())).expect("a");
+    let src = ts.dir.path().join("src");
+    std::fs::create_dir(&src).expect("mkdir");
+    sample_tree(&src);
+    let img = a.import("base", &src, &|_| {}).expect("import");
+    let b = ImageStore::open_with(ts.dir.path().join("b"), opts(counting.clone())).expect("b");
+    let mounts: Vec<PathBuf> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..4)
+            .map(|_| s.spawn(|| b.acquire(&img.digest).expect("acquire")))
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("join")).collect()
+    });
+    assert!(mounts.windows(2).all(|w| w[0] == w[1]));
+    assert_eq!(
+        counting.downloads.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the layer was downloaded more than once"
+    );
+    assert_eq!(b.refcount(&img.digest).expect("refcount"), 4);
+    for _ in 0..4 {
+        b.release(&img.digest).expect("release");
+    }
+    for m in mountinfo::read().unwrap_or_default().iter().rev() {
+        if m.mount_point.starts_with(ts.dir.path()) {
+            let _ = nix::mount::umount2(&m.mount_point, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+}
