@@ -33,6 +33,10 @@ pub struct LazyOptions {
     pub prefetch_window: Duration,
     /// Parallel fetches when a layer's prefetch list is replayed.
     pub prefetch_threads: usize,
+    /// On a sequential read that misses (the chunk before it is cached), also fetch this
+    /// many following chunks in the background, so a file read front to back waits on
+    /// one round trip instead of one per chunk. Zero turns it off.
+    pub read_ahead_chunks: u64,
 }
 
 impl Default for LazyOptions {
@@ -40,9 +44,10 @@ impl Default for LazyOptions {
         Self {
             fetch_timeout: Duration::from_secs(30),
             attempts: 3,
-            threads: 4,
+            threads: 8,
             prefetch_window: Duration::from_secs(30),
             prefetch_threads: 4,
+            read_ahead_chunks: 2,
         }
     }
 }
@@ -308,6 +313,40 @@ impl Inner {
         }
     }
 
+    /// Starts background fetches of the chunks after this read's when the read continues
+    /// a sequential scan (the chunk before it is cached) into a chunk not cached yet.
+    fn read_ahead(self: &Arc<Self>, layer: &Arc<Layer>, offset: u64, size: u32) {
+        let (ra, cs, digest) = (
+            self.opts.read_ahead_chunks,
+            layer.index.chunk_size,
+            &layer.index.digest,
+        );
+        let end = (offset + u64::from(size)).min(layer.index.size);
+        if ra == 0 || offset >= end {
+            return;
+        }
+        let (first, last) = (offset / cs, (end - 1) / cs);
+        if first == 0
+            || !self.cache.contains(digest, first - 1)
+            || self.cache.contains(digest, last)
+        {
+            return;
+        }
+        let n = layer.index.chunks.len() as u64;
+        for j in last + 1..(last + 1 + ra).min(n) {
+            let busy = self
+                .inflight
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains_key(&(layer.ino, j));
+            if busy || self.cache.contains(digest, j) {
+                continue;
+            }
+            let (inner, layer) = (self.clone(), layer.clone());
+            std::thread::spawn(move || inner.chunk(&layer, j));
+        }
+    }
+
     /// The bytes `offset..offset+size` of `layer` (cut at its end), or `None` (→ EIO).
     fn read(&self, layer: &Layer, offset: u64, size: u32) -> Option<Vec<u8>> {
         let end = (offset + u64::from(size)).min(layer.index.size);
@@ -484,6 +523,7 @@ impl Filesystem for Fs {
             return reply.error(Errno::ENOENT);
         };
         self.0.record(&layer, offset, size);
+        self.0.read_ahead(&layer, offset, size);
         match self.0.read(&layer, offset, size) {
             Some(data) => reply.data(&data),
             None => reply.error(Errno::EIO),

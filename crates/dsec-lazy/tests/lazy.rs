@@ -92,6 +92,7 @@ fn opts() -> LazyOptions {
         fetch_timeout: Duration::from_secs(5),
         attempts: 2,
         threads: 4,
+        read_ahead_chunks: 0,
         ..LazyOptions::default()
     }
 }
@@ -417,4 +418,57 @@ fn chunk_cache_stays_within_its_limit() {
         chunks: vec![],
     };
     assert!(bad.validate().is_err());
+}
+
+#[test]
+fn read_ahead_fetches_each_chunk_once_and_reads_stay_identical() {
+    if !ready() {
+        return;
+    }
+    let d = tempfile::tempdir().expect("tempdir");
+    let l = stored_layer(d.path());
+    let cache = Arc::new(ChunkCache::open(d.path().join("cache"), 1 << 30).expect("cache"));
+    let ahead = LazyOptions {
+        read_ahead_chunks: 4,
+        ..opts()
+    };
+    let lazy = LazyMount::mount(
+        &d.path().join("fuse"),
+        l.store.clone(),
+        cache.clone(),
+        ahead,
+    )
+    .expect("fuse");
+    let file = lazy.add_layer(&l.key, l.index.clone(), None).expect("add");
+    let m = ErofsMount::new(&file, &d.path().join("mnt"));
+    let names: Vec<String> = (0..40).map(|i| format!("big{i:02}.bin")).collect();
+    std::thread::scope(|sc| {
+        for _ in 0..4 {
+            sc.spawn(|| {
+                for n in &names {
+                    let got = std::fs::read(m.0.join(n)).expect("read");
+                    assert!(
+                        got == std::fs::read(l.src.join(n)).expect("src"),
+                        "{n} differs"
+                    );
+                }
+            });
+        }
+    });
+    // Read-ahead threads may still be finishing: wait for the count to settle.
+    let mut last = u64::MAX;
+    wait_for("fetches to settle", || {
+        let now = lazy.stats(&l.index.digest).expect("stats").fetched_chunks;
+        std::thread::sleep(Duration::from_millis(200));
+        std::mem::replace(&mut last, now) == now
+    });
+    let s = lazy.stats(&l.index.digest).expect("stats");
+    assert!(
+        s.fetched_chunks <= l.index.chunks.len() as u64,
+        "{} fetches for {} chunks",
+        s.fetched_chunks,
+        l.index.chunks.len()
+    );
+    assert_eq!(s.faults, 0);
+    drop(m);
 }
