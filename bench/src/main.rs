@@ -18,6 +18,7 @@ use clap::Parser;
 use dsec_e2e::{sh, Server};
 use dsec_wire::v1::{CreateSandboxRequest, ExecRequest};
 
+mod burst;
 mod churn;
 mod lifecycle;
 mod network;
@@ -38,9 +39,21 @@ struct Args {
     #[arg(long)]
     json: Option<PathBuf>,
     /// Run only these sections (comma-separated): runtimes, network, concurrency,
-    /// sustained, backlog, teardown, cpu, job, idle, density, provision.
+    /// sustained, backlog, teardown, cpu, job, idle, density, provision, burst.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Containers in the burst section (default 256, quick 48).
+    #[arg(long)]
+    burst_n: Option<usize>,
+    /// Distinct images in the burst section (at most 26).
+    #[arg(long, default_value_t = 16)]
+    burst_images: usize,
+    /// Bandwidth of the burst's emulated remote store, MiB/s.
+    #[arg(long, default_value_t = 100)]
+    store_mibps: u64,
+    /// First-byte latency of the burst's emulated remote store, ms.
+    #[arg(long, default_value_t = 5)]
+    store_latency_ms: u64,
 }
 
 /// Summary of one measurement, in milliseconds.
@@ -621,6 +634,70 @@ async fn provision_section(server: &Server, n: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+async fn burst_section(
+    n: usize,
+    m: usize,
+    throttle: dsec_e2e::blobserver::Throttle,
+) -> anyhow::Result<()> {
+    println!("\n## burst: {n} containers over {m} images, each reading a sample of its image\n");
+    let Some((dir, _)) = provision::workspace_paths() else {
+        println!("n/a: DSEC_BENCH_WORKSPACE unset (scripts/bench builds it)");
+        return Ok(());
+    };
+    let cache = std::env::var_os("DSEC_BENCH_BURST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| dir.with_file_name("bench-burst"));
+    let workers = 8;
+    let b = burst::burst(&dir.join("venv"), &cache, n, m, workers, throttle).await?;
+    let mib = |x: u64| x as f64 / 1048576.0;
+    println!(
+        "{} images, {:.0} MiB of files in all; each container reads its image's sample ({:.1}% of \
+         its bytes) and one more file; {} at a time; store: {} MiB/s shared link, {} ms first byte\n",
+        b.images, mib(b.image_bytes), b.read_share * 100.0, b.workers,
+        b.throttle.bytes_per_sec >> 20, b.throttle.latency.as_millis()
+    );
+    println!("| mode | wall s | vs local | vs on-demand | container p50 ms | p99 ms | failed | fetched MiB | written MiB |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let local = b.modes.first().map(|m| m.wall_s).unwrap_or(f64::NAN);
+    let lazy = b.modes.get(1).map(|m| m.wall_s).unwrap_or(f64::NAN);
+    let mut rows = Vec::new();
+    for m in &b.modes {
+        println!(
+            "| {} | {:.1} | {:.2}x | {:.2}x | {:.0} | {:.0} | {} | {:.0} | {:.0} |",
+            m.name,
+            m.wall_s,
+            m.wall_s / local,
+            m.wall_s / lazy,
+            m.container_ms.pct(50.0),
+            m.container_ms.pct(99.0),
+            m.failed,
+            mib(m.fetched),
+            mib(m.written)
+        );
+        rows.push(
+            serde_json::json!({"mode": m.name, "wall_s": m.wall_s, "vs_local": m.wall_s / local,
+            "vs_on_demand": m.wall_s / lazy, "container_p50_ms": m.container_ms.pct(50.0),
+            "container_p99_ms": m.container_ms.pct(99.0), "failed": m.failed,
+            "fetched_bytes": m.fetched, "written_bytes": m.written}),
+        );
+    }
+    if let (Some(l), Some(t)) = (b.modes.get(1), b.modes.last()) {
+        println!(
+            "\ntargets: on-demand {:.2}x local (<= 1.1x); docker-like eager {:.2}x on-demand (>= 1.7x); \
+             on-demand writes {:.0}% of docker-like eager's bytes (<= 45%)",
+            l.wall_s / local, t.wall_s / l.wall_s, 100.0 * l.written as f64 / t.written.max(1) as f64
+        );
+    }
+    record(
+        "burst",
+        serde_json::json!({"n": b.n, "images": b.images, "workers": b.workers,
+        "image_bytes": b.image_bytes, "read_share": b.read_share,
+        "store_bytes_per_sec": b.throttle.bytes_per_sec, "store_latency_ms": b.throttle.latency.as_millis() as u64,
+        "modes": rows}),
+    );
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let n = args.iterations.unwrap_or(if args.quick { 10 } else { 40 });
@@ -754,6 +831,14 @@ fn main() -> anyhow::Result<()> {
 
         if want("provision") {
             provision_section(&server, if args.quick { 2 } else { 5 }).await?;
+        }
+        if want("burst") {
+            let n = args.burst_n.unwrap_or(if args.quick { 48 } else { 256 });
+            let throttle = dsec_e2e::blobserver::Throttle {
+                bytes_per_sec: args.store_mibps << 20,
+                latency: std::time::Duration::from_millis(args.store_latency_ms),
+            };
+            burst_section(n, args.burst_images, throttle).await?;
         }
 
         let left = server.client().list_sandboxes(Default::default()).await?.sandboxes.len();

@@ -200,6 +200,11 @@ pub struct ServeArgs {
     /// Size limit of the on-demand chunk cache in MiB (kept across restarts).
     #[arg(long, default_value_t = 10240)]
     pub chunk_cache_mb: u64,
+    /// With --blob-store: a name read from the store serves this many milliseconds before
+    /// it is read again, so creates do not each read the store; names re-pointed or
+    /// removed on other nodes are seen within this time (0: read on every create).
+    #[arg(long, default_value_t = 1000)]
+    pub ref_cache_ms: u64,
     /// With --lazy-layers: a layer's reads in this many seconds after its first read are
     /// saved to the shared store as its prefetch list, which nodes that add the layer
     /// later fetch ahead of reads (0: record nothing; lists others wrote still replay).

@@ -159,6 +159,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         lazy_chunk_cache_bytes: args.lazy_layers.then_some(args.chunk_cache_mb << 20),
         lazy_prefetch_window: Duration::from_secs(args.prefetch_window_s),
         lazy_launcher: None,
+        ref_ttl: Duration::from_millis(args.ref_cache_ms),
         network: (!args.no_network).then(|| dsec_net::NetConfig {
             subnet: args.sandbox_subnet,
             table: args.nft_table.clone(),

@@ -92,6 +92,9 @@ async fn two_nodes_share_images_through_s3() {
             "--disk-pool".into(),
             "1".into(),
             "--no-network".into(),
+            // Removals and re-points on one node must show on the others at once here.
+            "--ref-cache-ms".into(),
+            "0".into(),
         ]
     };
     let a_args = node_args("dsec-shared-a", "0");

@@ -381,6 +381,10 @@ pub struct StoreOptions {
     /// Serve layers the node lacks on demand (see `dsec-lazy`) instead of downloading
     /// them whole. Needs a shared store.
     pub lazy: Option<LazyLayers>,
+    /// How long a ref read from the shared store is reused before it is read again (zero:
+    /// every resolve reads the store). Names re-pointed or removed on other nodes are seen
+    /// within this time; this node's own changes at once.
+    pub ref_ttl: Duration,
 }
 
 /// How a store serves layers on demand.
@@ -412,6 +416,9 @@ pub struct ImageStore {
     lazy_added: Mutex<std::collections::HashSet<String>>,
     /// One lock per layer being downloaded from the shared store.
     fetching: Mutex<HashMap<String, Arc<Mutex<()>>>>,
+    /// Refs read from the shared store: when, and what (`None`: absent there).
+    ref_cache: Mutex<HashMap<String, (std::time::Instant, Option<RefEntry>)>>,
+    ref_ttl: Duration,
 }
 
 impl ImageStore {
@@ -445,6 +452,8 @@ impl ImageStore {
             lazy,
             lazy_added: Mutex::new(Default::default()),
             fetching: Mutex::new(HashMap::new()),
+            ref_cache: Mutex::new(HashMap::new()),
+            ref_ttl: opts.ref_ttl,
         })
     }
 

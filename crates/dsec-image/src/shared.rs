@@ -14,8 +14,8 @@
 //! (`@` cannot occur in a name, so `refs/a/@ref.json` and `refs/a/b/@ref.json` never clash.)
 //!
 //! Writes go blobs first, then the ref, so no node ever sees a ref whose layers are
-//! missing. A node reads a ref from the shared store on every resolve (a small object) so
-//! that re-pointed names are seen at once, and falls back to its local copy when the store
+//! missing. A node reads a ref from the shared store on resolve (a small object, reused for
+//! the store's ref TTL) so that re-pointed names are seen within that time, and falls back to its local copy when the store
 //! does not have it (images imported before the store was configured) or cannot be reached.
 //! Layers are downloaded on first use, verified against their digest, and kept in the
 //! cache; the cache is trimmed to its limit least recently used first, skipping any layer
@@ -224,7 +224,16 @@ impl ImageStore {
             path: self.root.join(ref_key(name)),
             source: e,
         })?;
+        self.forget_ref(name);
         shared.put(&ref_key(name), &json).map_err(shared_err)
+    }
+
+    /// Drops the cached copy of ref `name` (this node changed it).
+    fn forget_ref(&self, name: &str) {
+        self.ref_cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name);
     }
 
     /// Deletes ref `name` from the shared store; what it was, if there.
@@ -232,17 +241,44 @@ impl ImageStore {
         let Some(shared) = &self.shared else {
             return Ok(None);
         };
+        self.forget_ref(name);
         let had = self.fetch_shared_ref(name)?;
         shared.delete(&ref_key(name)).map_err(shared_err)?;
+        self.forget_ref(name);
         Ok(had)
     }
 
-    /// Ref `name` from the shared store, if configured and present. A corrupt or
-    /// misnamed object is logged and treated as absent.
+    /// Ref `name` from the shared store, if configured and present; a copy read less
+    /// than the ref TTL ago serves without a store read. A corrupt or misnamed object is
+    /// logged and treated as absent.
     pub(crate) fn fetch_shared_ref(&self, name: &str) -> Result<Option<RefEntry>> {
         let Some(shared) = self.shared.as_ref() else {
             return Ok(None);
         };
+        if !self.ref_ttl.is_zero() {
+            let cache = self.ref_cache.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some((at, entry)) = cache.get(name) {
+                if at.elapsed() < self.ref_ttl {
+                    return Ok(entry.clone());
+                }
+            }
+        }
+        let read_at = std::time::Instant::now();
+        let entry = self.read_shared_ref(shared.as_ref(), name)?;
+        if !self.ref_ttl.is_zero() {
+            self.ref_cache
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(name.to_string(), (read_at, entry.clone()));
+        }
+        Ok(entry)
+    }
+
+    fn read_shared_ref(
+        &self,
+        shared: &dyn dsec_blob::BlobStore,
+        name: &str,
+    ) -> Result<Option<RefEntry>> {
         let Some(bytes) = shared.get(&ref_key(name)).map_err(shared_err)? else {
             return Ok(None);
         };

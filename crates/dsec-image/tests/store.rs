@@ -684,6 +684,7 @@ fn tar_root_entry_devices_and_fifos() {
 struct CountingStore {
     inner: dsec_blob::DirStore,
     downloads: std::sync::atomic::AtomicUsize,
+    ref_reads: std::sync::atomic::AtomicUsize,
 }
 
 impl dsec_blob::BlobStore for CountingStore {
@@ -694,6 +695,10 @@ impl dsec_blob::BlobStore for CountingStore {
         self.inner.head(key)
     }
     fn get(&self, key: &str) -> dsec_blob::Result<Option<Vec<u8>>> {
+        if key.starts_with("refs/") {
+            self.ref_reads
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
         self.inner.get(key)
     }
     fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> dsec_blob::Result<Vec<u8>> {
@@ -728,6 +733,7 @@ fn concurrent_first_uses_of_a_shared_layer_download_it_once() {
     let counting = std::sync::Arc::new(CountingStore {
         inner: dsec_blob::DirStore::open(ts.dir.path().join("shared")).expect("dir store"),
         downloads: Default::default(),
+        ref_reads: Default::default(),
     });
     let opts = |shared: std::sync::Arc<CountingStore>| dsec_image::StoreOptions {
         shared: Some(shared),
@@ -761,4 +767,60 @@ fn concurrent_first_uses_of_a_shared_layer_download_it_once() {
             let _ = nix::mount::umount2(&m.mount_point, nix::mount::MntFlags::MNT_DETACH);
         }
     }
+}
+
+#[test]
+fn shared_refs_are_reused_for_their_ttl_and_own_changes_show_at_once() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let Some(ts) = store("shared_refs_are_reused_for_their_ttl_and_own_changes_show_at_once")
+    else {
+        return;
+    };
+    let counting = std::sync::Arc::new(CountingStore {
+        inner: dsec_blob::DirStore::open(ts.dir.path().join("shared")).expect("dir store"),
+        downloads: Default::default(),
+        ref_reads: Default::default(),
+    });
+    let ttl = std::time::Duration::from_millis(400);
+    let a = ImageStore::open_with(
+        ts.dir.path().join("a"),
+        dsec_image::StoreOptions {
+            shared: Some(counting.clone()),
+            ..Default::default()
+        },
+    )
+    .expect("a");
+    let b = ImageStore::open_with(
+        ts.dir.path().join("b"),
+        dsec_image::StoreOptions {
+            shared: Some(counting.clone()),
+            ref_ttl: ttl,
+            ..Default::default()
+        },
+    )
+    .expect("b");
+    let (one, two) = (ts.dir.path().join("one"), ts.dir.path().join("two"));
+    for (d, text) in [(&one, "one"), (&two, "two")] {
+        std::fs::create_dir(d).expect("mkdir");
+        std::fs::write(d.join("f"), text).expect("write");
+    }
+    let first = a.import("app", &one, &|_| {}).expect("import one");
+
+    // B reads the ref once for many resolves within the TTL.
+    let before = counting.ref_reads.load(SeqCst);
+    for _ in 0..5 {
+        assert_eq!(b.resolve("app").expect("resolve").digest, first.digest);
+    }
+    assert_eq!(counting.ref_reads.load(SeqCst) - before, 1);
+
+    // A re-points the name: B sees it once its copy is older than the TTL.
+    let second = a.import("app", &two, &|_| {}).expect("import two");
+    assert_ne!(first.digest, second.digest);
+    std::thread::sleep(ttl + std::time::Duration::from_millis(100));
+    assert_eq!(b.resolve("app").expect("resolve").digest, second.digest);
+
+    // B's own removal shows on B at once, cache or not.
+    assert_eq!(b.resolve("app").expect("resolve").digest, second.digest);
+    b.remove("app").expect("remove on b");
+    assert!(matches!(b.resolve("app"), Err(ImageError::NotFound(_))));
 }

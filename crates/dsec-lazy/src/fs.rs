@@ -47,7 +47,7 @@ impl Default for LazyOptions {
             threads: 8,
             prefetch_window: Duration::from_secs(30),
             prefetch_threads: 4,
-            read_ahead_chunks: 2,
+            read_ahead_chunks: 1,
         }
     }
 }
