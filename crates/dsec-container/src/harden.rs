@@ -97,6 +97,73 @@ pub fn compile_seccomp() -> Result<Vec<seccompiler::BpfProgram>, HardenError> {
     Ok(out)
 }
 
+/// The default policy as an OCI runtime spec's `linux.seccomp` (for isolation level
+/// `oci`): everything allowed but the policy's rules, each answered with its filter's
+/// errno. Argument conditions carry over (`masked_eq` becomes `SCMP_CMP_MASKED_EQ` with
+/// the mask as `value` and the expected bits as `valueTwo`).
+pub fn oci_seccomp() -> Result<serde_json::Value, HardenError> {
+    let bad = |what: String| HardenError::SeccompCompile(format!("OCI translation: {what}"));
+    let doc: serde_json::Value =
+        serde_json::from_str(SECCOMP_POLICY_JSON).map_err(|e| bad(e.to_string()))?;
+    let mut syscalls = Vec::new();
+    for filter in ["deny_eperm", "deny_enosys"] {
+        let f = &doc[filter];
+        let errno = f["filter_action"]["errno"]
+            .as_u64()
+            .ok_or_else(|| bad(format!("{filter}: filter_action is not an errno")))?;
+        for rule in f["filter"].as_array().into_iter().flatten() {
+            let name = rule["syscall"]
+                .as_str()
+                .ok_or_else(|| bad(format!("{filter}: rule without a syscall")))?;
+            let mut args = Vec::new();
+            for a in rule["args"].as_array().into_iter().flatten() {
+                let (index, val) = (a["index"].as_u64(), a["val"].as_u64());
+                let (Some(index), Some(val)) = (index, val) else {
+                    return Err(bad(format!("{name}: argument without index or val")));
+                };
+                let cond = match &a["op"] {
+                    serde_json::Value::String(op) => {
+                        let op = match op.as_str() {
+                            "eq" => "SCMP_CMP_EQ",
+                            "ne" => "SCMP_CMP_NE",
+                            "lt" => "SCMP_CMP_LT",
+                            "le" => "SCMP_CMP_LE",
+                            "gt" => "SCMP_CMP_GT",
+                            "ge" => "SCMP_CMP_GE",
+                            other => return Err(bad(format!("{name}: operator {other}"))),
+                        };
+                        serde_json::json!({"index": index, "value": val, "op": op})
+                    }
+                    serde_json::Value::Object(o) => {
+                        let mask = o
+                            .get("masked_eq")
+                            .and_then(serde_json::Value::as_u64)
+                            .ok_or_else(|| bad(format!("{name}: operator {o:?}")))?;
+                        serde_json::json!({
+                            "index": index, "value": mask, "valueTwo": val,
+                            "op": "SCMP_CMP_MASKED_EQ"
+                        })
+                    }
+                    other => return Err(bad(format!("{name}: operator {other}"))),
+                };
+                args.push(cond);
+            }
+            let mut entry = serde_json::json!({
+                "names": [name], "action": "SCMP_ACT_ERRNO", "errnoRet": errno
+            });
+            if !args.is_empty() {
+                entry["args"] = serde_json::Value::Array(args);
+            }
+            syscalls.push(entry);
+        }
+    }
+    Ok(serde_json::json!({
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "architectures": ["SCMP_ARCH_X86_64"],
+        "syscalls": syscalls,
+    }))
+}
+
 /// Syscall names the default policy denies, sorted (for review and snapshot tests).
 pub fn denied_syscalls() -> Vec<String> {
     let doc: serde_json::Value = serde_json::from_str(SECCOMP_POLICY_JSON).unwrap_or_default();
@@ -119,6 +186,42 @@ pub fn denied_syscalls() -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_oci_form_denies_the_same_set() {
+        let oci = oci_seccomp().expect("translates");
+        assert_eq!(oci["defaultAction"], "SCMP_ACT_ALLOW");
+        let rules = oci["syscalls"].as_array().expect("syscalls");
+        let mut names: Vec<String> = rules
+            .iter()
+            .map(|r| {
+                let n = r["names"][0].as_str().expect("name").to_string();
+                if r.get("args").is_some() {
+                    format!("{n}(filtered)")
+                } else {
+                    n
+                }
+            })
+            .collect();
+        names.sort();
+        assert_eq!(names, denied_syscalls());
+        let clone = rules
+            .iter()
+            .find(|r| r["names"][0] == "clone")
+            .expect("clone rule");
+        assert_eq!(clone["args"][0]["op"], "SCMP_CMP_MASKED_EQ");
+        assert_eq!(clone["args"][0]["value"], 0x1000_0000u64);
+        assert_eq!(clone["args"][0]["valueTwo"], 0x1000_0000u64);
+        assert_eq!(clone["errnoRet"], 1);
+        let clone3 = rules
+            .iter()
+            .find(|r| r["names"][0] == "clone3")
+            .expect("clone3 rule");
+        assert_eq!(
+            clone3["errnoRet"], 38,
+            "clone3 must look absent so libc falls back"
+        );
+    }
 
     #[test]
     fn policy_compiles() {

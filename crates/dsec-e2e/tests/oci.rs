@@ -52,6 +52,18 @@ async fn an_oci_sandbox_keeps_the_agent_contract_survives_a_restart_and_leaves_n
         r.stdout
     );
     assert_eq!(&lines[1..], [sb.id.as_str(), "t1", "hi"]);
+    // dsec's seccomp policy is in the bundle: a user namespace needs no capability, so
+    // only the filter stops it; the filter says so in the process's status too.
+    let r = c
+        .exec(
+            &sb.id,
+            sh("unshare --user true; echo rc=$?; grep -E '^Seccomp:' /proc/self/status"),
+        )
+        .await
+        .expect("exec");
+    assert!(r.stdout.contains("rc=1"), "{r:?}");
+    assert!(r.stderr.contains("Operation not permitted"), "{r:?}");
+    assert!(r.stdout.contains("Seccomp:\t2"), "{r:?}");
     // Files, pause and resume as at the default level.
     c.write_file(&sb.id, "/work/in.txt", None, b"data".to_vec())
         .await

@@ -7,7 +7,8 @@
 //! OOM accounting and commit work as for the default level.
 //!
 //! Unlike the default level, the root is one mount in the host's mount table per
-//! sandbox, and the runtime applies its own seccomp defaults (none for runc's spec).
+//! sandbox. The bundle carries dsec's own seccomp policy (the same rules as the default
+//! level, in the OCI form), which the runtime installs.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -50,6 +51,11 @@ pub fn bundle_config(
         args.push(format!("{k}={v}"));
     }
     let period: u64 = 100_000;
+    // The policy is static data with a translation test; failing here is a build bug.
+    let seccomp = dsec_container::harden::oci_seccomp().unwrap_or_else(|e| {
+        tracing::error!(error = %e, "no seccomp policy for the OCI bundle");
+        serde_json::Value::Null
+    });
     json!({
         "ociVersion": "1.0.2",
         "root": {"path": rootfs, "readonly": false},
@@ -91,6 +97,7 @@ pub fn bundle_config(
                 "pids": {"limit": spec.pids_max},
                 "cpu": {"quota": spec.cpu_millis * period / 1000, "period": period},
             },
+            "seccomp": seccomp,
             "maskedPaths": dsec_container::rootfs::MASKED_PATHS,
             "readonlyPaths": dsec_container::rootfs::READONLY_PATHS,
         },
