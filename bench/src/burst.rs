@@ -65,6 +65,7 @@ pub(crate) struct Burst {
     pub(crate) image_bytes: u64,
     pub(crate) read_share: f64,
     pub(crate) throttle: Throttle,
+    pub(crate) chunk_kib: u64,
     pub(crate) modes: Vec<Mode>,
 }
 
@@ -383,7 +384,8 @@ fn node_args(store: &str, parent: &str, lazy: bool) -> Vec<String> {
     .map(|s| s.to_string())
     .collect();
     if lazy {
-        a.push("--lazy-layers".into());
+        // Lists recorded during the burst are saved soon after it, for the next node.
+        a.extend(["--lazy-layers", "--prefetch-window-s", "5"].map(String::from));
     }
     a
 }
@@ -549,18 +551,22 @@ pub(crate) async fn burst(
     m: usize,
     workers: usize,
     throttle: Throttle,
+    chunk_kib: u64,
 ) -> anyhow::Result<Burst> {
-    let store_dir = cache.join("store");
+    // The chunk size is fixed at upload: one store (and publishing node) per size.
+    let store_dir = cache.join(format!("store-{chunk_kib}k"));
     std::fs::create_dir_all(&store_dir)?;
     let (v, c) = (venv.to_path_buf(), cache.to_path_buf());
     let envs = tokio::task::spawn_blocking(move || prepare_envs(&v, &c, m)).await??;
     let store_path = store_dir.display().to_string();
 
     // The local node imports the environments (so it holds every layer) and publishes them.
+    let mut publisher_args = node_args(&store_path, "dsec-burst-l", false);
+    publisher_args.extend(["--chunk-kib".to_string(), chunk_kib.to_string()]);
     let local = start_node(
-        "bench-burst-local",
+        &format!("bench-burst-local-{chunk_kib}k"),
         false,
-        &node_args(&store_path, "dsec-burst-l", false),
+        &publisher_args,
     )
     .await?;
     local.ensure_base(None).await?;
@@ -586,8 +592,23 @@ pub(crate) async fn burst(
     });
 
     // On-demand, then eager whole layers: fresh nodes on the throttled store.
+    // Prefetch lists of an earlier run would make the cold mode warm.
+    for e in std::fs::read_dir(store_dir.join("blobs/sha256"))?.flatten() {
+        if e.file_name().to_string_lossy().ends_with(".prefetch.json") {
+            std::fs::remove_file(e.path())?;
+        }
+    }
     for (name, lazy, node) in [
-        ("on-demand (dsec --lazy-layers)", true, "bench-burst-lazy"),
+        (
+            "on-demand, cold (dsec --lazy-layers)",
+            true,
+            "bench-burst-lazy",
+        ),
+        (
+            "on-demand, prefetch lists from an earlier node",
+            true,
+            "bench-burst-prefetch",
+        ),
         (
             "eager: whole EROFS layer before start (dsec)",
             false,
@@ -614,6 +635,22 @@ pub(crate) async fn burst(
             fetched: server.served_bytes() - before.0,
             written,
         });
+        if node.state_dir.ends_with("bench-burst-lazy/state") {
+            // Untimed: the cold node saves each layer's list 5 s after its first read.
+            let lists = || {
+                std::fs::read_dir(store_dir.join("blobs/sha256"))
+                    .map(|d| {
+                        d.flatten()
+                            .filter(|e| e.file_name().to_string_lossy().ends_with(".prefetch.json"))
+                            .count()
+                    })
+                    .unwrap_or(0)
+            };
+            let deadline = Instant::now() + std::time::Duration::from_secs(30);
+            while lists() < envs.len() && Instant::now() < deadline {
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        }
         drop(node);
     }
 
@@ -690,6 +727,7 @@ pub(crate) async fn burst(
         image_bytes,
         read_share: read as f64 / image_bytes.max(1) as f64,
         throttle,
+        chunk_kib,
         modes,
     })
 }

@@ -205,6 +205,11 @@ pub struct ServeArgs {
     /// removed on other nodes are seen within this time (0: read on every create).
     #[arg(long, default_value_t = 1000)]
     pub ref_cache_ms: u64,
+    /// With --blob-store: chunk size, in KiB, of the chunk index uploaded with each layer
+    /// (what --lazy-layers nodes fetch and verify; a multiple of 4). Smaller fetches less
+    /// beyond what sandboxes read, larger needs fewer requests to a high-latency store.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(4..=16384))]
+    pub chunk_kib: u64,
     /// With --lazy-layers: a layer's reads in this many seconds after its first read are
     /// saved to the shared store as its prefetch list, which nodes that add the layer
     /// later fetch ahead of reads (0: record nothing; lists others wrote still replay).

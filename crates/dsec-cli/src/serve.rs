@@ -160,6 +160,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         lazy_prefetch_window: Duration::from_secs(args.prefetch_window_s),
         lazy_launcher: None,
         ref_ttl: Duration::from_millis(args.ref_cache_ms),
+        chunk_size: args.chunk_kib << 10,
         network: (!args.no_network).then(|| dsec_net::NetConfig {
             subnet: args.sandbox_subnet,
             table: args.nft_table.clone(),

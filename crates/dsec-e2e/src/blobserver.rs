@@ -2,7 +2,8 @@
 //! with `Range` support (tower-http's `ServeDir`), as a remote store read by range would
 //! be. Optionally throttled to emulate a store across a network: every response waits a
 //! first-byte latency, and all response bodies together share one link of fixed
-//! bandwidth. It counts the body bytes it served.
+//! bandwidth. It counts the body bytes it served. `PUT` stores an object (what nodes do
+//! with prefetch lists), parent directories created, written to a temporary name first.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -49,6 +50,47 @@ impl Link {
     }
 }
 
+/// `PUT /KEY`: writes the body under the served directory.
+async fn put(root: Arc<std::path::PathBuf>, req: Request) -> Response {
+    use axum::http::StatusCode;
+    let status = |code: StatusCode| {
+        let mut r = Response::new(Body::empty());
+        *r.status_mut() = code;
+        r
+    };
+    // Decoded as ServeDir decodes GET paths, so a key reads back where it was written.
+    let Ok(key) = percent_encoding::percent_decode_str(req.uri().path().trim_start_matches('/'))
+        .decode_utf8()
+        .map(|k| k.into_owned())
+    else {
+        return status(StatusCode::BAD_REQUEST);
+    };
+    let plain = !key.is_empty()
+        && key
+            .split('/')
+            .all(|c| !c.is_empty() && c != "." && c != ".." && !c.contains('\\'));
+    if !plain {
+        return status(StatusCode::BAD_REQUEST);
+    }
+    let Ok(body) = axum::body::to_bytes(req.into_body(), 1 << 30).await else {
+        return status(StatusCode::PAYLOAD_TOO_LARGE);
+    };
+    let dest = root.join(&key);
+    let tmp = dest.with_extension(format!("part-{}", std::process::id()));
+    let written = dest
+        .parent()
+        .map_or(Ok(()), std::fs::create_dir_all)
+        .and_then(|()| std::fs::write(&tmp, &body))
+        .and_then(|()| std::fs::rename(&tmp, &dest));
+    match written {
+        Ok(()) => status(StatusCode::CREATED),
+        Err(_) => {
+            let _ = std::fs::remove_file(&tmp);
+            status(StatusCode::INTERNAL_SERVER_ERROR)
+        }
+    }
+}
+
 async fn shape(State(link): State<Arc<Link>>, req: Request, next: Next) -> Response {
     if let Some(t) = link.throttle {
         tokio::time::sleep(t.latency).await;
@@ -87,6 +129,7 @@ impl BlobServer {
         listener.set_nonblocking(true)?;
         let addr: SocketAddr = listener.local_addr()?;
         let root = root.to_path_buf();
+        let put_root = Arc::new(root.clone());
         let link = Arc::new(Link {
             throttle,
             free_at: tokio::sync::Mutex::new(tokio::time::Instant::now()),
@@ -105,8 +148,12 @@ impl BlobServer {
                 let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
                     return;
                 };
+                let serve = tower_http::services::ServeDir::new(root);
                 let app = axum::Router::new()
-                    .fallback_service(tower_http::services::ServeDir::new(root))
+                    .fallback(
+                        axum::routing::put(move |req: Request| put(put_root.clone(), req))
+                            .fallback_service(serve),
+                    )
                     .layer(axum::middleware::from_fn_with_state(shared, shape));
                 let _ = axum::serve(listener, app)
                     .with_graceful_shutdown(async {

@@ -123,4 +123,31 @@ fn a_throttled_server_shares_one_link_and_counts_what_it_served() {
     assert_eq!(store.get_range("a", 10..20).expect("range"), &data[10..20]);
     assert!(started.elapsed() >= throttle.latency);
     assert_eq!(server.served_bytes(), (2 << 20) + 10);
+    // PUT stores objects (parents created); keys that would leave the directory are refused.
+    store.put("lists/x/a.json", b"{}").expect("put");
+    assert_eq!(
+        store.get("lists/x/a.json").expect("get").as_deref(),
+        Some(&b"{}"[..])
+    );
+    assert_eq!(
+        std::fs::read(d.path().join("lists/x/a.json")).expect("file"),
+        b"{}"
+    );
+    for path in ["/lists/../../evil", "/lists/%2e%2e/%2e%2e/evil"] {
+        use std::io::{Read, Write};
+        let addr = server.url.trim_start_matches("http://");
+        let mut conn = std::net::TcpStream::connect(addr).expect("connect");
+        write!(
+            conn,
+            "PUT {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nConnection: close\r\n\r\nx"
+        )
+        .expect("send");
+        let mut answer = String::new();
+        let _ = conn.read_to_string(&mut answer);
+        assert!(answer.starts_with("HTTP/1.1 4"), "{path}: {answer}");
+    }
+    assert!(
+        !d.path().join("evil").exists()
+            && !d.path().parent().expect("parent").join("evil").exists()
+    );
 }

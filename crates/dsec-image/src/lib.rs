@@ -385,6 +385,10 @@ pub struct StoreOptions {
     /// every resolve reads the store). Names re-pointed or removed on other nodes are seen
     /// within this time; this node's own changes at once.
     pub ref_ttl: Duration,
+    /// Chunk size of the chunk index written with each uploaded layer (the unit
+    /// on-demand loading fetches and verifies; zero: 256 KiB). Smaller chunks fetch less
+    /// beyond what is read but need more requests: suit it to the store's latency.
+    pub chunk_size: u64,
 }
 
 /// How a store serves layers on demand.
@@ -419,6 +423,7 @@ pub struct ImageStore {
     /// Refs read from the shared store: when, and what (`None`: absent there).
     ref_cache: Mutex<HashMap<String, (std::time::Instant, Option<RefEntry>)>>,
     ref_ttl: Duration,
+    chunk_size: u64,
 }
 
 impl ImageStore {
@@ -438,6 +443,16 @@ impl ImageStore {
         ] {
             std::fs::create_dir_all(&d).map_err(|e| ImageError::io("mkdir", &d, e))?;
         }
+        if !opts.chunk_size.is_multiple_of(4096) {
+            return Err(ImageError::io(
+                "chunk size",
+                root,
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("{} bytes is not a multiple of 4096", opts.chunk_size),
+                ),
+            ));
+        }
         let root =
             std::fs::canonicalize(root).map_err(|e| ImageError::io("canonicalize", root, e))?;
         let lazy = match (&opts.lazy, &opts.shared) {
@@ -454,6 +469,10 @@ impl ImageStore {
             fetching: Mutex::new(HashMap::new()),
             ref_cache: Mutex::new(HashMap::new()),
             ref_ttl: opts.ref_ttl,
+            chunk_size: match opts.chunk_size {
+                0 => dsec_lazy::DEFAULT_CHUNK_SIZE,
+                n => n,
+            },
         })
     }
 

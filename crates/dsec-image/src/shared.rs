@@ -177,11 +177,8 @@ impl ImageStore {
                 (Some(info), _) => size += info.size,
                 (None, Some(len)) => {
                     let blob = self.blob_path(&hex);
-                    let index =
-                        dsec_lazy::ChunkIndex::of_file(&blob, dsec_lazy::DEFAULT_CHUNK_SIZE)
-                            .map_err(|e| {
-                                ImageError::io("index", &blob, std::io::Error::other(e))
-                            })?;
+                    let index = dsec_lazy::ChunkIndex::of_file(&blob, self.chunk_size)
+                        .map_err(|e| ImageError::io("index", &blob, std::io::Error::other(e)))?;
                     shared.upload(&blob_key(&hex), &blob).map_err(shared_err)?;
                     let manifest = LayerManifest {
                         digest: format!("sha256:{hex}"),

@@ -45,6 +45,35 @@ impl ChunkCache {
         self.path(layer, chunk).is_file()
     }
 
+    /// Bytes `part` of a cached chunk whose full length is `len`, if the chunk is cached
+    /// whole.
+    pub fn read_part(
+        &self,
+        layer: &str,
+        chunk: u64,
+        len: u64,
+        part: std::ops::Range<u64>,
+    ) -> Option<Vec<u8>> {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::File::open(self.path(layer, chunk)).ok()?;
+        if f.metadata().ok()?.len() != len || part.end > len || part.start > part.end {
+            return None;
+        }
+        let mut buf = vec![0u8; (part.end - part.start) as usize];
+        f.read_exact_at(&mut buf, part.start).ok()?;
+        // Mark it used for LRU, at most once a minute per chunk.
+        let stale = f
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_none_or(|age| age > std::time::Duration::from_secs(60));
+        if stale {
+            let _ = f.set_modified(SystemTime::now());
+        }
+        Some(buf)
+    }
+
     /// The cached bytes of a chunk, if present.
     pub fn get(&self, layer: &str, chunk: u64) -> Option<Vec<u8>> {
         let p = self.path(layer, chunk);

@@ -37,6 +37,10 @@ pub struct LazyOptions {
     /// many following chunks in the background, so a file read front to back waits on
     /// one round trip instead of one per chunk. Zero turns it off.
     pub read_ahead_chunks: u64,
+    /// The kernel's readahead on the layer files, bytes (at least 4096). The kernel's
+    /// default (128 KiB) often spills a small read into the next chunk and fetches it
+    /// for nothing; EROFS reads ahead inside files itself.
+    pub kernel_readahead: u32,
 }
 
 impl Default for LazyOptions {
@@ -48,6 +52,7 @@ impl Default for LazyOptions {
             prefetch_window: Duration::from_secs(30),
             prefetch_threads: 4,
             read_ahead_chunks: 1,
+            kernel_readahead: 32 << 10,
         }
     }
 }
@@ -356,10 +361,25 @@ impl Inner {
         let cs = layer.index.chunk_size;
         let mut out = Vec::with_capacity((end - offset) as usize);
         for i in offset / cs..=(end - 1) / cs {
-            let data = self.chunk(layer, i)?;
             let range = layer.index.range(i);
-            let from = offset.max(range.start) - range.start;
-            let to = end.min(range.end) - range.start;
+            let (from, to) = (
+                offset.max(range.start) - range.start,
+                end.min(range.end) - range.start,
+            );
+            // A cached chunk: read just the part asked for.
+            let chunk_len = range.end - range.start;
+            if let Some(part) = self
+                .cache
+                .read_part(&layer.index.digest, i, chunk_len, from..to)
+            {
+                layer
+                    .counters
+                    .cached_bytes
+                    .fetch_add(part.len() as u64, Ordering::Relaxed);
+                out.extend_from_slice(&part);
+                continue;
+            }
+            let data = self.chunk(layer, i)?;
             out.extend_from_slice(data.get(from as usize..to as usize)?);
         }
         Some(out)
@@ -474,6 +494,14 @@ impl Inner {
 struct Fs(Arc<Inner>);
 
 impl Filesystem for Fs {
+    fn init(&mut self, _req: &Request, config: &mut fuser::KernelConfig) -> std::io::Result<()> {
+        let want = self.0.opts.kernel_readahead.max(4096);
+        if let Err(max) = config.set_max_readahead(want) {
+            let _ = config.set_max_readahead(max);
+        }
+        Ok(())
+    }
+
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         if u64::from(parent) != ROOT {
             return reply.error(Errno::ENOENT);

@@ -46,6 +46,8 @@ pub struct NodeConfig {
     /// How long after a lazy layer's first read its reads are recorded as its prefetch
     /// list (zero: no recording).
     pub lazy_prefetch_window: std::time::Duration,
+    /// Chunk size of the chunk index uploaded with each layer (0: 256 KiB).
+    pub chunk_size: u64,
     /// How long a ref read from the shared store serves before it is read again.
     pub ref_ttl: std::time::Duration,
     /// How to start the lazy layer server; `None`: this executable's `lazy-serve`.

@@ -59,6 +59,7 @@ impl LocalNode {
                 shared,
                 cache_limit: cfg.layer_cache_bytes,
                 ref_ttl: cfg.ref_ttl,
+                chunk_size: cfg.chunk_size,
                 lazy: match (cfg.lazy_chunk_cache_bytes, &cfg.blob_store) {
                     (Some(limit), Some(spec)) => Some(dsec_image::LazyLayers {
                         chunk_cache_limit: limit,
