@@ -34,9 +34,9 @@ pub struct LazyOptions {
     /// Parallel fetches when a layer's prefetch list is replayed.
     pub prefetch_threads: usize,
     /// On a sequential read that misses (the chunk before it is cached), also fetch this
-    /// many following chunks in the background, so a file read front to back waits on
-    /// one round trip instead of one per chunk. Zero turns it off.
-    pub read_ahead_chunks: u64,
+    /// many bytes of following chunks (at least one chunk) in the background, in one
+    /// request, so a file read front to back waits on few round trips. Zero: off.
+    pub read_ahead_bytes: u64,
     /// The kernel's readahead on the layer files, bytes (at least 4096). The kernel's
     /// default (128 KiB) often spills a small read into the next chunk and fetches it
     /// for nothing; EROFS reads ahead inside files itself.
@@ -50,8 +50,8 @@ impl Default for LazyOptions {
             attempts: 3,
             threads: 8,
             prefetch_window: Duration::from_secs(30),
-            prefetch_threads: 4,
-            read_ahead_chunks: 1,
+            prefetch_threads: 8,
+            read_ahead_bytes: 256 << 10,
             kernel_readahead: 32 << 10,
         }
     }
@@ -290,39 +290,90 @@ impl Inner {
         }
     }
 
-    /// Fetches the chunks of `list` that the cache lacks, `prefetch_threads` at a time,
-    /// through the same single-flight path as reads.
+    /// Fetches the chunks of `list` that the cache lacks, `prefetch_threads` requests at
+    /// a time; consecutive chunks of the list go in one request (up to 1 MiB).
     fn prefetch(self: &Arc<Self>, layer: &Arc<Layer>, list: PrefetchList) {
         let n = layer.index.chunks.len() as u64;
-        let todo: Vec<u64> = list
-            .chunks
-            .into_iter()
-            .filter(|&i| i < n && !self.cache.contains(&layer.index.digest, i))
-            .collect();
-        let queue = Arc::new(Mutex::new(todo.into_iter()));
+        let max_run = ((1 << 20) / layer.index.chunk_size).max(1);
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for i in list.chunks.into_iter().filter(|&i| i < n) {
+            match runs.last_mut() {
+                Some((start, len)) if *start + *len == i && *len < max_run => *len += 1,
+                _ => runs.push((i, 1)),
+            }
+        }
+        let queue = Arc::new(Mutex::new(runs.into_iter()));
         for _ in 0..self.opts.prefetch_threads.max(1) {
             let (inner, layer, queue) = (self.clone(), layer.clone(), queue.clone());
             std::thread::spawn(move || loop {
                 let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
-                let Some(i) = next else { return };
-                let before = layer.counters.fetched_chunks.load(Ordering::Relaxed);
-                if inner.chunk(&layer, i).is_some()
-                    && layer.counters.fetched_chunks.load(Ordering::Relaxed) > before
-                {
+                let Some((start, len)) = next else { return };
+                let mut j = start;
+                while j < start + len {
+                    let claimed = inner.claim_run(&layer, j, start + len - j);
+                    if claimed.is_empty() {
+                        j += 1;
+                        continue;
+                    }
+                    j += claimed.len() as u64;
+                    let got = inner.fetch_claimed(&layer, claimed);
+                    let ok = got.iter().filter(|c| c.is_some()).count() as u64;
                     layer
                         .counters
                         .prefetched_chunks
-                        .fetch_add(1, Ordering::Relaxed);
+                        .fetch_add(ok, Ordering::Relaxed);
                 }
             });
         }
+    }
+
+    /// Claims up to `max` consecutive chunks from `start` for one fetch: it stops at the
+    /// first chunk that is cached or already being fetched. The caller must pass the
+    /// claim to [`Inner::fetch_claimed`].
+    fn claim_run(&self, layer: &Layer, start: u64, max: u64) -> Vec<(u64, Arc<Flight>)> {
+        let n = layer.index.chunks.len() as u64;
+        let mut inflight = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = Vec::new();
+        for j in start..start.saturating_add(max).min(n) {
+            if inflight.contains_key(&(layer.ino, j)) || self.cache.contains(&layer.index.digest, j)
+            {
+                break;
+            }
+            let f = Arc::new(Flight::default());
+            inflight.insert((layer.ino, j), f.clone());
+            out.push((j, f));
+        }
+        out
+    }
+
+    /// Fetches a claimed run in one request, ends its flights with the result, and
+    /// returns each chunk's data (`None` for all if the fetch failed).
+    fn fetch_claimed(
+        &self,
+        layer: &Layer,
+        claimed: Vec<(u64, Arc<Flight>)>,
+    ) -> Vec<Option<Arc<Vec<u8>>>> {
+        let (Some(first), Some(last)) = (claimed.first(), claimed.last()) else {
+            return Vec::new();
+        };
+        let got: Vec<Option<Arc<Vec<u8>>>> = match self.fetch_range(layer, first.0, last.0) {
+            Some(chunks) => chunks.into_iter().map(Some).collect(),
+            None => vec![None; claimed.len()],
+        };
+        let mut inflight = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
+        for ((j, f), r) in claimed.iter().zip(&got) {
+            *f.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(r.clone());
+            f.done.notify_all();
+            inflight.remove(&(layer.ino, *j));
+        }
+        got
     }
 
     /// Starts background fetches of the chunks after this read's when the read continues
     /// a sequential scan (the chunk before it is cached) into a chunk not cached yet.
     fn read_ahead(self: &Arc<Self>, layer: &Arc<Layer>, offset: u64, size: u32) {
         let (ra, cs, digest) = (
-            self.opts.read_ahead_chunks,
+            self.opts.read_ahead_bytes,
             layer.index.chunk_size,
             &layer.index.digest,
         );
@@ -337,18 +388,10 @@ impl Inner {
         {
             return;
         }
-        let n = layer.index.chunks.len() as u64;
-        for j in last + 1..(last + 1 + ra).min(n) {
-            let busy = self
-                .inflight
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .contains_key(&(layer.ino, j));
-            if busy || self.cache.contains(digest, j) {
-                continue;
-            }
+        let claimed = self.claim_run(layer, last + 1, (ra / cs).max(1));
+        if !claimed.is_empty() {
             let (inner, layer) = (self.clone(), layer.clone());
-            std::thread::spawn(move || inner.chunk(&layer, j));
+            std::thread::spawn(move || inner.fetch_claimed(&layer, claimed));
         }
     }
 
@@ -418,7 +461,7 @@ impl Inner {
                         .fetch_add(d.len() as u64, Ordering::Relaxed);
                     Some(Arc::new(d))
                 }
-                None => self.fetch(layer, i),
+                None => self.fetch_range(layer, i, i).and_then(|mut v| v.pop()),
             };
             *flight.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(got.clone());
             flight.done.notify_all();
@@ -445,10 +488,13 @@ impl Inner {
         }
     }
 
-    /// Fetches, verifies and caches chunk `i`, retrying; `None` after the last attempt.
-    fn fetch(&self, layer: &Layer, i: u64) -> Option<Arc<Vec<u8>>> {
-        let range = layer.index.range(i);
-        let want = layer.index.chunks.get(usize::try_from(i).ok()?)?.clone();
+    /// Fetches chunks `first..=last` in one range request, verifies and caches each,
+    /// retrying the whole request; `None` after the last attempt.
+    fn fetch_range(&self, layer: &Layer, first: u64, last: u64) -> Option<Vec<Arc<Vec<u8>>>> {
+        let range = layer.index.range(first).start..layer.index.range(last).end;
+        let want: Vec<String> = (first..=last)
+            .map(|i| layer.index.chunks.get(usize::try_from(i).ok()?).cloned())
+            .collect::<Option<_>>()?;
         let mut backoff = Duration::from_millis(100);
         let mut problem = String::new();
         for attempt in 1..=self.opts.attempts.max(1) {
@@ -460,21 +506,37 @@ impl Inner {
                 let _ = tx.send(store.get_range(&key, r));
             });
             problem = match rx.recv_timeout(self.opts.fetch_timeout) {
-                Ok(Ok(data)) => {
-                    if hex::encode(Sha256::digest(&data)) == want {
-                        if let Err(e) = self.cache.put(&layer.index.digest, i, &data) {
+                Ok(Ok(data)) if data.len() as u64 == range.end - range.start => {
+                    let took = started.elapsed();
+                    let mut out = Vec::with_capacity(want.len());
+                    for (k, i) in (first..=last).enumerate() {
+                        let r = layer.index.range(i);
+                        let part =
+                            &data[(r.start - range.start) as usize..(r.end - range.start) as usize];
+                        if hex::encode(Sha256::digest(part)) != want[k] {
+                            break;
+                        }
+                        if let Err(e) = self.cache.put(&layer.index.digest, i, part) {
                             tracing::warn!(error = %e, "chunk cache write failed");
                         }
-                        layer.counters.fetched(data.len() as u64, started.elapsed());
-                        return Some(Arc::new(data));
+                        layer.counters.fetched(part.len() as u64, took);
+                        out.push(Arc::new(part.to_vec()));
                     }
-                    "chunk digest mismatch".to_string()
+                    if out.len() == want.len() {
+                        return Some(out);
+                    }
+                    format!("chunk {} digest mismatch", first + out.len() as u64)
                 }
+                Ok(Ok(data)) => format!(
+                    "{} bytes for a range of {}",
+                    data.len(),
+                    range.end - range.start
+                ),
                 Ok(Err(e)) => e.to_string(),
                 Err(_) => format!("no answer within {:?}", self.opts.fetch_timeout),
             };
             tracing::warn!(
-                layer = %layer.index.digest, chunk = i, attempt, problem = %problem,
+                layer = %layer.index.digest, first, last, attempt, problem = %problem,
                 "lazy layer chunk fetch failed"
             );
             if attempt < self.opts.attempts {
@@ -483,7 +545,7 @@ impl Inner {
             }
         }
         layer.counters.fault(format!(
-            "chunk {i}: {problem} ({} attempts)",
+            "chunks {first}..={last}: {problem} ({} attempts)",
             self.opts.attempts
         ));
         None

@@ -92,7 +92,7 @@ fn opts() -> LazyOptions {
         fetch_timeout: Duration::from_secs(5),
         attempts: 2,
         threads: 4,
-        read_ahead_chunks: 0,
+        read_ahead_bytes: 0,
         ..LazyOptions::default()
     }
 }
@@ -429,7 +429,7 @@ fn read_ahead_fetches_each_chunk_once_and_reads_stay_identical() {
     let l = stored_layer(d.path());
     let cache = Arc::new(ChunkCache::open(d.path().join("cache"), 1 << 30).expect("cache"));
     let ahead = LazyOptions {
-        read_ahead_chunks: 4,
+        read_ahead_bytes: 4 * DEFAULT_CHUNK_SIZE,
         ..opts()
     };
     let lazy = LazyMount::mount(
