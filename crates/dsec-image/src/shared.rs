@@ -68,6 +68,10 @@ pub struct LayerManifest {
     /// Hex sha256 of each chunk of the blob, in order.
     #[serde(default)]
     pub chunks: Vec<String>,
+    /// The chunks holding the layer's file system metadata (fetched when a node adds the
+    /// layer on demand).
+    #[serde(default)]
+    pub meta_chunks: Vec<u64>,
 }
 
 impl LayerManifest {
@@ -78,6 +82,7 @@ impl LayerManifest {
             size: self.size,
             chunk_size: self.chunk_size,
             chunks: self.chunks.clone(),
+            meta: self.meta_chunks.clone(),
         };
         index.validate().ok().map(|()| index)
     }
@@ -179,6 +184,29 @@ impl ImageStore {
                     let blob = self.blob_path(&hex);
                     let index = dsec_lazy::ChunkIndex::of_file(&blob, self.chunk_size)
                         .map_err(|e| ImageError::io("index", &blob, std::io::Error::other(e)))?;
+                    let scratch = self.tempdir("meta-")?;
+                    let meta_chunks = match dsec_lazy::metadata_chunks(
+                        &blob,
+                        &index,
+                        &scratch.path().join("w"),
+                    ) {
+                        // Worth fetching up front only when compact: mkfs.erofs places
+                        // inodes next to their data, so in a layer of many small files
+                        // the metadata touches most chunks (prefetch lists carry it).
+                        Ok(m) if m.len() * 8 <= index.chunks.len() || m.len() <= 4 => m,
+                        Ok(m) => {
+                            tracing::info!(
+                                digest = %l, meta = m.len(), chunks = index.chunks.len(),
+                                "metadata spread over the layer: not fetched up front"
+                            );
+                            Vec::new()
+                        }
+                        Err(e) => {
+                            // On-demand nodes then fetch metadata as lookups need it.
+                            tracing::warn!(digest = %l, error = %e, "finding the layer's metadata chunks");
+                            Vec::new()
+                        }
+                    };
                     shared.upload(&blob_key(&hex), &blob).map_err(shared_err)?;
                     let manifest = LayerManifest {
                         digest: format!("sha256:{hex}"),
@@ -188,6 +216,7 @@ impl ImageStore {
                         created_at: now_ms(),
                         chunk_size: index.chunk_size,
                         chunks: index.chunks,
+                        meta_chunks,
                     };
                     let json = serde_json::to_vec_pretty(&manifest).map_err(|e| {
                         ImageError::InvalidImage {

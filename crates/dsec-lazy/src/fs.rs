@@ -735,10 +735,80 @@ impl LazyMount {
                 Some(layer)
             }
         };
+        if let Some(layer) = &added {
+            // Lookups must not wait on the store: metadata comes first, synchronously.
+            self.fetch_metadata(layer);
+        }
         if let (Some(layer), Some(pk)) = (added, prefetch_key) {
             self.start_prefetch(&layer, pk);
         }
         Ok(self.dir.join(name))
+    }
+
+    /// Records every read of layer `digest` from now on (no window, nothing saved);
+    /// [`LazyMount::take_recording`] returns them.
+    pub(crate) fn record_everything(&self, digest: &str) {
+        if let Some(l) = self.find(digest) {
+            *l.recorder.lock().unwrap_or_else(|e| e.into_inner()) = Some(Recorder {
+                save_to: String::new(),
+                // A window start far ahead: `record` keeps recording and never saves.
+                started: Some(Instant::now() + Duration::from_secs(1 << 30)),
+                seen: Default::default(),
+                order: Vec::new(),
+            });
+        }
+    }
+
+    /// The chunks recorded since [`LazyMount::record_everything`], in first-read order.
+    pub(crate) fn take_recording(&self, digest: &str) -> Vec<u64> {
+        self.find(digest)
+            .and_then(|l| l.recorder.lock().unwrap_or_else(|e| e.into_inner()).take())
+            .map(|r| r.order)
+            .unwrap_or_default()
+    }
+
+    fn find(&self, digest: &str) -> Option<Arc<Layer>> {
+        self.inner
+            .layers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|l| l.index.digest == digest)
+            .cloned()
+    }
+
+    /// Fetches `layer`'s metadata chunks now (runs of consecutive chunks in one request
+    /// each, `prefetch_threads` at a time) and waits for them.
+    fn fetch_metadata(&self, layer: &Arc<Layer>) {
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        let mut meta = layer.index.meta.clone();
+        meta.sort_unstable();
+        meta.dedup();
+        for i in meta {
+            match runs.last_mut() {
+                Some((start, len)) if *start + *len == i && *len < 16 => *len += 1,
+                _ => runs.push((i, 1)),
+            }
+        }
+        let queue = Mutex::new(runs.into_iter());
+        std::thread::scope(|s| {
+            for _ in 0..self.inner.opts.prefetch_threads.max(1) {
+                s.spawn(|| loop {
+                    let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
+                    let Some((start, len)) = next else { return };
+                    let mut j = start;
+                    while j < start + len {
+                        let claimed = self.inner.claim_run(layer, j, start + len - j);
+                        if claimed.is_empty() {
+                            j += 1;
+                            continue;
+                        }
+                        j += claimed.len() as u64;
+                        self.inner.fetch_claimed(layer, claimed);
+                    }
+                });
+            }
+        });
     }
 
     /// Replays `layer`'s prefetch list from `pk`, or arms its recorder when there is none.

@@ -92,6 +92,11 @@ pub struct ChunkIndex {
     pub chunk_size: u64,
     /// Hex sha256 of each chunk, in order.
     pub chunks: Vec<String>,
+    /// The chunks holding the file system's metadata (superblock, inodes, directories):
+    /// a node fetches them when it adds the layer, so path lookups never wait on the
+    /// store. Found at upload by [`metadata_chunks`].
+    #[serde(default)]
+    pub meta: Vec<u64>,
 }
 
 impl ChunkIndex {
@@ -127,6 +132,7 @@ impl ChunkIndex {
             size,
             chunk_size,
             chunks,
+            meta: Vec::new(),
         })
     }
 
@@ -143,6 +149,11 @@ impl ChunkIndex {
             )));
         }
         let want = self.size.div_ceil(self.chunk_size);
+        if let Some(bad_meta) = self.meta.iter().find(|&&m| m >= want) {
+            return Err(bad(format!(
+                "metadata chunk {bad_meta} past the last chunk"
+            )));
+        }
         if self.chunks.len() as u64 != want {
             return Err(bad(format!(
                 "{} chunk digests for {} bytes in chunks of {}",
@@ -158,5 +169,91 @@ impl ChunkIndex {
     pub fn range(&self, i: u64) -> std::ops::Range<u64> {
         let start = i * self.chunk_size;
         start..(start + self.chunk_size).min(self.size)
+    }
+}
+
+/// The chunks of the EROFS layer `blob` that a walk of its whole tree reads (every
+/// directory listed, every entry's inode looked up): its metadata, in first-read order.
+/// Serves the layer through a private [`LazyMount`] backed by the file itself, mounts it,
+/// walks it and records what the kernel asked for. Needs root and FUSE; `scratch` is a
+/// directory of its own (removed after).
+pub fn metadata_chunks(blob: &Path, index: &ChunkIndex, scratch: &Path) -> Result<Vec<u64>> {
+    let dir = blob
+        .parent()
+        .ok_or_else(|| LazyError::io("locate", blob, std::io::Error::other("no parent")))?;
+    let key = blob
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| LazyError::io("locate", blob, std::io::Error::other("bad name")))?
+        .to_string();
+    let store: std::sync::Arc<dyn dsec_blob::BlobStore> = std::sync::Arc::new(
+        dsec_blob::DirStore::open(dir)
+            .map_err(|e| LazyError::io("open", dir, std::io::Error::other(e)))?,
+    );
+    let cache = std::sync::Arc::new(ChunkCache::open(scratch.join("chunks"), u64::MAX)?);
+    let opts = LazyOptions {
+        read_ahead_bytes: 0,
+        kernel_readahead: 4096,
+        ..LazyOptions::default()
+    };
+    let walked = (|| {
+        let lazy = LazyMount::mount(&scratch.join("fuse"), store, cache, opts)?;
+        let file = lazy.add_layer(&key, index.clone(), None)?;
+        lazy.record_everything(&index.digest);
+        let mnt = scratch.join("mnt");
+        std::fs::create_dir_all(&mnt).map_err(|e| LazyError::io("mkdir", &mnt, e))?;
+        mount_erofs(&file, &mnt)?;
+        let mut stack = vec![mnt.clone()];
+        while let Some(d) = stack.pop() {
+            let Ok(entries) = std::fs::read_dir(&d) else {
+                continue;
+            };
+            for e in entries.flatten() {
+                if let Ok(m) = std::fs::symlink_metadata(e.path()) {
+                    if m.is_dir() {
+                        stack.push(e.path());
+                    }
+                }
+            }
+        }
+        detach(&mnt);
+        Ok(lazy.take_recording(&index.digest))
+    })();
+    let _ = std::fs::remove_dir_all(scratch);
+    walked
+}
+
+fn mount_erofs(file: &Path, at: &Path) -> Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| {
+        std::ffi::CString::new(p.as_os_str().as_bytes())
+            .map_err(|e| LazyError::io("path", p, std::io::Error::other(e)))
+    };
+    let (src, dst) = (c(file)?, c(at)?);
+    // SAFETY: valid C strings; a read-only EROFS mount of a regular file.
+    let rc = unsafe {
+        libc::mount(
+            src.as_ptr(),
+            dst.as_ptr(),
+            c"erofs".as_ptr(),
+            libc::MS_RDONLY | libc::MS_NODEV | libc::MS_NOSUID,
+            std::ptr::null(),
+        )
+    };
+    if rc != 0 {
+        return Err(LazyError::io(
+            "mount erofs on",
+            file,
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
+}
+
+fn detach(at: &Path) {
+    use std::os::unix::ffi::OsStrExt;
+    if let Ok(c) = std::ffi::CString::new(at.as_os_str().as_bytes()) {
+        // SAFETY: a valid C string; MNT_DETACH has no other preconditions.
+        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
     }
 }

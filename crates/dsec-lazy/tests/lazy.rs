@@ -416,8 +416,17 @@ fn chunk_cache_stays_within_its_limit() {
         size: 10,
         chunk_size: 4096,
         chunks: vec![],
+        meta: vec![],
     };
     assert!(bad.validate().is_err());
+    let bad_meta = ChunkIndex {
+        digest: "x".into(),
+        size: 10,
+        chunk_size: 4096,
+        chunks: vec!["00".into()],
+        meta: vec![1],
+    };
+    assert!(bad_meta.validate().is_err());
 }
 
 #[test]
@@ -470,5 +479,63 @@ fn read_ahead_fetches_each_chunk_once_and_reads_stay_identical() {
         l.index.chunks.len()
     );
     assert_eq!(s.faults, 0);
+    drop(m);
+}
+
+#[test]
+fn metadata_found_at_upload_is_fetched_when_the_layer_is_added() {
+    if !ready() {
+        return;
+    }
+    let d = tempfile::tempdir().expect("tempdir");
+    let (src, blob) = build_layer(d.path());
+    let mut index = ChunkIndex::of_file(&blob, 64 << 10).expect("index");
+    index.meta =
+        dsec_lazy::metadata_chunks(&blob, &index, &d.path().join("walk")).expect("metadata walk");
+    assert!(!d.path().join("walk").exists(), "scratch left behind");
+    assert!(!index.meta.is_empty());
+    assert!(
+        index.meta.len() * 4 < index.chunks.len(),
+        "{} metadata chunks of {}",
+        index.meta.len(),
+        index.chunks.len()
+    );
+    index.validate().expect("valid");
+    let key = format!("blobs/sha256/{}.erofs", index.digest);
+    let store: Arc<dyn BlobStore> =
+        Arc::new(DirStore::open(d.path().join("store")).expect("store"));
+    store.upload(&key, &blob).expect("upload");
+
+    // Adding the layer fetches its metadata before returning; walking the whole tree
+    // (every directory listed, every entry looked up) then fetches nothing.
+    drop_caches();
+    let cache = Arc::new(ChunkCache::open(d.path().join("cache"), 1 << 30).expect("cache"));
+    let lazy = LazyMount::mount(&d.path().join("fuse"), store, cache, opts()).expect("fuse");
+    let file = lazy.add_layer(&key, index.clone(), None).expect("add");
+    let after_add = lazy.stats(&index.digest).expect("stats").fetched_chunks;
+    assert_eq!(after_add, index.meta.len() as u64);
+    let m = ErofsMount::new(&file, &d.path().join("mnt"));
+    let mut stack = vec![m.0.clone()];
+    let mut seen = 0;
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).expect("read_dir").flatten() {
+            let md = std::fs::symlink_metadata(e.path()).expect("lstat");
+            seen += 1;
+            if md.is_dir() {
+                stack.push(e.path());
+            }
+        }
+    }
+    assert_eq!(seen, 40 + 1 + 50, "every entry found");
+    let s = lazy.stats(&index.digest).expect("stats");
+    assert_eq!(
+        s.fetched_chunks, after_add,
+        "lookups waited on the store: {s:?}"
+    );
+    // Data still reads right (fetched on demand).
+    assert_eq!(
+        std::fs::read(m.0.join("small/f7.txt")).expect("read"),
+        std::fs::read(src.join("small/f7.txt")).expect("src")
+    );
     drop(m);
 }
