@@ -395,9 +395,9 @@ async fn start_node(name: &str, fresh: bool, args: &[String]) -> anyhow::Result<
     Server::start_with(name, fresh, &args).await
 }
 
-/// Hard-links `from`'s base layer into `to`'s cache (every mode has the shared base).
-async fn seed_base(from: &Server, to: &Server) -> anyhow::Result<()> {
-    let digest = from
+/// The base layer's file (relative to a state directory) of the image `server` lists.
+async fn base_blob(server: &Server) -> anyhow::Result<String> {
+    let digest = server
         .client()
         .list_images()
         .await?
@@ -406,10 +406,15 @@ async fn seed_base(from: &Server, to: &Server) -> anyhow::Result<()> {
         .find(|i| i.name == "base")
         .context("no base image")?
         .digest;
-    let file = format!(
+    Ok(format!(
         "images/blobs/sha256/{}.erofs",
         digest.trim_start_matches("sha256:")
-    );
+    ))
+}
+
+/// Hard-links `from`'s base layer into `to`'s cache (every mode has the shared base).
+async fn seed_base(from: &Server, to: &Server) -> anyhow::Result<()> {
+    let file = base_blob(from).await?;
     let dest = to.state_dir.join(&file);
     if !dest.exists() {
         std::fs::hard_link(from.state_dir.join(&file), &dest)
@@ -655,21 +660,9 @@ pub(crate) async fn burst(
     }
 
     // Eager the docker way, with crun.
-    let base_digest = local
-        .client()
-        .list_images()
-        .await?
-        .images
-        .into_iter()
-        .find(|i| i.name == "base")
-        .context("no base")?
-        .digest;
     let base_root = std::env::temp_dir().join("dsec-bench-burst-base");
     std::fs::create_dir_all(&base_root)?;
-    let base_blob = local.state_dir.join(format!(
-        "images/blobs/sha256/{}.erofs",
-        base_digest.trim_start_matches("sha256:")
-    ));
+    let base_blob = local.state_dir.join(base_blob(&local).await?);
     nix::mount::mount(
         Some(&base_blob),
         &base_root,

@@ -250,7 +250,8 @@ fn mount_erofs(file: &Path, at: &Path) -> Result<()> {
     Ok(())
 }
 
-fn detach(at: &Path) {
+/// Detaches the mount at `at` (lazily: busy mounts go when their last user does).
+pub(crate) fn detach(at: &Path) {
     use std::os::unix::ffi::OsStrExt;
     if let Ok(c) = std::ffi::CString::new(at.as_os_str().as_bytes()) {
         // SAFETY: a valid C string; MNT_DETACH has no other preconditions.

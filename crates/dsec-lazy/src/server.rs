@@ -20,7 +20,9 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::{ChunkCache, ChunkIndex, LayerStats, LazyError, LazyMount, LazyOptions, Result};
+use crate::{
+    detach, ChunkCache, ChunkIndex, LayerStats, LazyError, LazyMount, LazyOptions, Result,
+};
 
 /// Everything a lazy layer server needs; passed to its process as one JSON argument.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -85,14 +87,6 @@ fn is_mount_point(dir: &Path) -> bool {
         (Ok(d), Ok(p)) => d.dev() != p.dev(),
         (Err(e), _) => e.raw_os_error() == Some(libc::ENOTCONN),
         _ => false,
-    }
-}
-
-fn detach(dir: &Path) {
-    use std::os::unix::ffi::OsStrExt;
-    if let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) {
-        // SAFETY: a valid C string; MNT_DETACH has no other preconditions.
-        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
     }
 }
 
