@@ -191,9 +191,10 @@ pub fn metadata_chunks(blob: &Path, index: &ChunkIndex, scratch: &Path) -> Resul
             .map_err(|e| LazyError::io("open", dir, std::io::Error::other(e)))?,
     );
     let cache = std::sync::Arc::new(ChunkCache::open(scratch.join("chunks"), u64::MAX)?);
+    // A node's kernel readahead, so the list holds what lookups on a node will read; no
+    // read-ahead of our own, which would add data chunks.
     let opts = LazyOptions {
         read_ahead_bytes: 0,
-        kernel_readahead: 4096,
         ..LazyOptions::default()
     };
     let walked = (|| {
