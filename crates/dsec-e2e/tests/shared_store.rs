@@ -213,6 +213,11 @@ async fn two_nodes_share_images_through_s3() {
     assert_eq!(base_stats.faults, 0);
     assert!(base_stats.mean_fetch_us > 0);
     assert_eq!(
+        stats.node.fetched_bytes,
+        stats.lazy.iter().map(|l| l.fetched_bytes).sum::<u64>()
+    );
+    assert!(stats.node.chunk_cache_bytes >= stats.node.fetched_bytes);
+    assert_eq!(
         base_stats.fetch_latency_ms.iter().map(|b| b.1).sum::<u64>(),
         base_stats.fetched_chunks
     );

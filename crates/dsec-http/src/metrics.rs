@@ -41,6 +41,13 @@ pub fn render(health: &Health, layers: &LayerStatsList) -> String {
         );
     }
 
+    let _ = writeln!(
+        out,
+        "# HELP dsec_lazy_chunk_cache_bytes Bytes the on-demand chunk cache holds on disk.\n\
+         # TYPE dsec_lazy_chunk_cache_bytes gauge\ndsec_lazy_chunk_cache_bytes {}",
+        layers.node.chunk_cache_bytes
+    );
+
     // One family at a time, each with a line per layer.
     type Field = fn(&dsec_wire::v1::LazyLayerStats) -> u64;
     let counters: [(&str, &str, Field); 5] = [
@@ -141,9 +148,14 @@ mod tests {
                 prefetched_chunks: 2,
                 last_fault: None,
             }],
+            node: dsec_wire::v1::LazyNodeStats {
+                chunk_cache_bytes: 5,
+                ..Default::default()
+            },
         };
         let text = render(&health, &layers);
         assert_eq!(value(&text, "dsec_sandboxes"), Some(3.0));
+        assert_eq!(value(&text, "dsec_lazy_chunk_cache_bytes"), Some(5.0));
         let l = "{layer=\"sha256:ab\"}";
         assert_eq!(
             value(&text, &format!("dsec_lazy_fetched_bytes_total{l}")),

@@ -378,14 +378,14 @@ impl ImageStore {
         Ok(Some(path))
     }
 
-    /// On-demand accounting of every lazy layer, by digest (hex); empty without lazy
-    /// layers.
-    pub fn lazy_stats(&self) -> Result<Vec<(String, dsec_lazy::LayerStats)>> {
+    /// On-demand accounting: every lazy layer by digest (hex), and the chunk cache's
+    /// size; empty without lazy layers.
+    pub fn lazy_stats(&self) -> Result<dsec_lazy::ServerStats> {
         match &self.lazy {
             Some(lazy) => lazy
                 .stats()
                 .map_err(|e| ImageError::io("lazy layers", lazy.dir(), std::io::Error::other(e))),
-            None => Ok(Vec::new()),
+            None => Ok(Default::default()),
         }
     }
 

@@ -868,6 +868,11 @@ impl LazyMount {
         &self.dir
     }
 
+    /// Bytes the chunk cache holds.
+    pub fn chunk_cache_bytes(&self) -> u64 {
+        self.inner.cache.held_bytes()
+    }
+
     /// Whether the FUSE session still runs (it ends when the mount goes away).
     pub fn is_serving(&self) -> bool {
         !self.session.guard.is_finished()

@@ -30,7 +30,7 @@ use sha2::{Digest, Sha256};
 
 pub use cache::ChunkCache;
 pub use fs::{LayerStats, LazyMount, LazyOptions, PrefetchList, FETCH_BUCKETS_MS};
-pub use server::{Launcher, LazyClient, ServeConfig};
+pub use server::{Launcher, LazyClient, ServeConfig, ServerStats};
 
 /// Default chunk size: 256 KiB.
 pub const DEFAULT_CHUNK_SIZE: u64 = 256 << 10;

@@ -68,10 +68,21 @@ enum Request {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "answer", rename_all = "snake_case")]
 enum Answer {
-    Hello { store: String, pid: u32 },
-    Path { path: PathBuf },
-    Stats { layers: Vec<(String, LayerStats)> },
-    Error { message: String },
+    Hello {
+        store: String,
+        pid: u32,
+    },
+    Path {
+        path: PathBuf,
+    },
+    Stats {
+        layers: Vec<(String, LayerStats)>,
+        #[serde(default)]
+        chunk_cache_bytes: u64,
+    },
+    Error {
+        message: String,
+    },
 }
 
 fn other(what: impl std::fmt::Display) -> std::io::Error {
@@ -150,6 +161,7 @@ fn answer(conn: UnixStream, mount: &LazyMount, store: &str) {
         },
         Ok(Request::Stats) => Answer::Stats {
             layers: mount.all_stats(),
+            chunk_cache_bytes: mount.chunk_cache_bytes(),
         },
     };
     if let Ok(mut bytes) = serde_json::to_vec(&reply) {
@@ -157,6 +169,15 @@ fn answer(conn: UnixStream, mount: &LazyMount, store: &str) {
         let mut conn = &conn;
         let _ = conn.write_all(&bytes);
     }
+}
+
+/// What a lazy layer server reports.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServerStats {
+    /// Accounting of every layer it serves, by digest (hex).
+    pub layers: Vec<(String, LayerStats)>,
+    /// Bytes its chunk cache holds on the node's disk.
+    pub chunk_cache_bytes: u64,
 }
 
 /// The daemon's handle on its lazy layer server.
@@ -308,9 +329,15 @@ impl LazyClient {
     }
 
     /// Accounting of every layer the server serves, by digest (hex).
-    pub fn stats(&self) -> Result<Vec<(String, LayerStats)>> {
+    pub fn stats(&self) -> Result<ServerStats> {
         match self.call(&Request::Stats)? {
-            Answer::Stats { layers } => Ok(layers),
+            Answer::Stats {
+                layers,
+                chunk_cache_bytes,
+            } => Ok(ServerStats {
+                layers,
+                chunk_cache_bytes,
+            }),
             a => Err(self.unexpected(a)),
         }
     }

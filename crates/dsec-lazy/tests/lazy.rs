@@ -233,7 +233,9 @@ fn a_server_is_adopted_by_a_new_client_and_exits_when_unmounted() {
         std::fs::read(m.0.join("big11.bin")).expect("read"),
         std::fs::read(l.src.join("big11.bin")).expect("src")
     );
-    let stats = client.stats().expect("stats");
+    let all = client.stats().expect("stats");
+    assert!(all.chunk_cache_bytes >= all.layers[0].1.fetched_bytes);
+    let stats = all.layers;
     assert_eq!(stats.len(), 1);
     assert_eq!(stats[0].0, l.index.digest);
     assert!(stats[0].1.fetched_chunks > 0);

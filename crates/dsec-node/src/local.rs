@@ -476,7 +476,15 @@ impl NodeApi for LocalNode {
         let stats = tokio::task::spawn_blocking(move || images.lazy_stats())
             .await
             .map_err(join_err)??;
+        let node = dsec_wire::v1::LazyNodeStats {
+            fetched_bytes: stats.layers.iter().map(|l| l.1.fetched_bytes).sum(),
+            cached_bytes: stats.layers.iter().map(|l| l.1.cached_bytes).sum(),
+            prefetched_chunks: stats.layers.iter().map(|l| l.1.prefetched_chunks).sum(),
+            faults: stats.layers.iter().map(|l| l.1.faults).sum(),
+            chunk_cache_bytes: stats.chunk_cache_bytes,
+        };
         let lazy = stats
+            .layers
             .into_iter()
             .map(|(hex, s)| dsec_wire::v1::LazyLayerStats {
                 digest: format!("sha256:{hex}"),
@@ -498,7 +506,7 @@ impl NodeApi for LocalNode {
                     .map(|(at_ms, message)| dsec_wire::v1::LayerFault { at_ms, message }),
             })
             .collect();
-        Ok(dsec_wire::v1::LayerStatsList { lazy })
+        Ok(dsec_wire::v1::LayerStatsList { lazy, node })
     }
 
     async fn tag_image(&self, source: &str, name: &str) -> Result<Image, NodeError> {

@@ -516,6 +516,24 @@ pub struct GcRequest {
 pub struct LayerStatsList {
     /// Layers served on demand (with `--lazy-layers`), by digest.
     pub lazy: Vec<LazyLayerStats>,
+    /// The node's totals over them.
+    #[serde(default)]
+    pub node: LazyNodeStats,
+}
+
+/// A node's on-demand loading in total.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LazyNodeStats {
+    /// Bytes fetched from the blob store (each written once to the chunk cache).
+    pub fetched_bytes: u64,
+    /// Bytes served from the chunk cache.
+    pub cached_bytes: u64,
+    /// Chunks fetched ahead of reads from prefetch lists.
+    pub prefetched_chunks: u64,
+    /// Reads answered with EIO.
+    pub faults: u64,
+    /// Bytes the chunk cache holds on the node's disk now.
+    pub chunk_cache_bytes: u64,
 }
 
 /// Accounting of one layer served on demand.
