@@ -235,7 +235,9 @@ mod tests {
     fn denied_set_snapshot() {
         let expected = "_sysctl acct add_key adjtimex bpf clock_adjtime clock_settime \
             clone(filtered) clone3 delete_module finit_module fsconfig fsmount fsopen fspick \
-            init_module io_uring_enter io_uring_register io_uring_setup ioperm iopl kcmp \
+            init_module io_uring_enter io_uring_register io_uring_setup \
+            ioctl(filtered) ioctl(filtered) ioctl(filtered) ioctl(filtered) ioctl(filtered) \
+            ioperm iopl kcmp \
             kexec_file_load kexec_load keyctl lookup_dcookie mbind migrate_pages mount \
             mount_setattr move_mount move_pages name_to_handle_at nfsservctl open_by_handle_at \
             open_tree perf_event_open pivot_root quotactl quotactl_fd reboot request_key \

@@ -1,5 +1,8 @@
-# Syscalls that reach deep into the kernel: BPF, perf, kexec, keyrings, userfaultfd.
+# Syscalls that reach deep into the kernel: BPF, perf, kexec, keyrings, userfaultfd; and
+# ioctls that dodge file protections or inject terminal input.
 import ctypes
+import fcntl
+import os
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
@@ -22,3 +25,23 @@ for name, args in attempts.items():
         print(f"contained: {name} refused (errno {err})")
     else:
         print(f"escaped: {name} reached the kernel (errno {err})")
+
+# ioctl commands: refused by the filter (EPERM) before any driver or file system sees
+# them; without it they would reach the kernel (ENOTTY, EINVAL, EBADF, ...).
+fd = os.open("/tmp/ioctl-target", os.O_RDWR | os.O_CREAT, 0o600)
+ioctls = {
+    "ioctl(TIOCSTI)": 0x5412,
+    "ioctl(TIOCLINUX)": 0x541C,
+    "ioctl(EXT4_IOC_MOVE_EXT)": 0xC028660F,
+    "ioctl(EXT4_IOC_SWAP_BOOT)": 0x6611,
+    "ioctl(XFS_IOC_SWAPEXT)": 0xC0C0586D,
+}
+for name, cmd in ioctls.items():
+    try:
+        fcntl.ioctl(fd, cmd, bytes(256))
+        print(f"escaped: {name} succeeded")
+    except OSError as e:
+        if e.errno == 1:
+            print(f"contained: {name} refused (errno 1)")
+        else:
+            print(f"escaped: {name} reached the kernel (errno {e.errno})")
