@@ -23,6 +23,7 @@ mod churn;
 mod lifecycle;
 mod network;
 mod peers;
+mod plot;
 mod provision;
 
 /// Command line.
@@ -494,6 +495,8 @@ fn print_concurrency(rows: &[(usize, Stats, usize, f64)]) {
 
 /// Every table printed, for the JSON report.
 static REPORT: std::sync::Mutex<Vec<serde_json::Value>> = std::sync::Mutex::new(Vec::new());
+/// Every printed table's samples, drawn into one SVG at the end.
+static PLOTS: std::sync::Mutex<Vec<plot::Panel>> = std::sync::Mutex::new(Vec::new());
 
 fn record(title: &str, rows: serde_json::Value) {
     REPORT
@@ -521,6 +524,16 @@ fn stats_json(rows: &[Stats]) -> serde_json::Value {
 
 fn print_table(title: &str, rows: &[Stats], baseline: &str) {
     record(title, stats_json(rows));
+    PLOTS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(plot::Panel {
+            title: title.to_string(),
+            series: rows
+                .iter()
+                .map(|r| (r.name.clone(), r.samples.clone()))
+                .collect(),
+        });
     println!("\n## {title}\n");
     println!("| measurement | n | p50 ms | p99 ms | min ms | max ms | p50 vs {baseline} | note |");
     println!("|---|---|---|---|---|---|---|---|");
@@ -879,6 +892,12 @@ fn main() -> anyhow::Result<()> {
         });
         std::fs::write(&path, serde_json::to_vec_pretty(&report)?)?;
         println!("\nJSON: {}", path.display());
+        let panels = std::mem::take(&mut *PLOTS.lock().unwrap_or_else(|p| p.into_inner()));
+        if !panels.is_empty() {
+            let svg = path.with_extension("svg");
+            std::fs::write(&svg, plot::svg(&panels))?;
+            println!("latency distributions: {}", svg.display());
+        }
         let _ = (&tti, &exec);
         drop(bundle);
         Ok::<_, anyhow::Error>(())
