@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use dsec_e2e::blobserver::{BlobServer, Throttle};
-use dsec_e2e::{sh, Server};
+use dsec_e2e::{dir_bytes, sh, Server};
 use dsec_wire::v1::{CreateSandboxRequest, ImportImageRequest};
 
 use crate::Stats;
@@ -56,6 +56,29 @@ pub(crate) struct Mode {
     pub(crate) written: u64,
 }
 
+impl Mode {
+    /// A mode's row from its burst's (wall seconds, container times, failures).
+    fn new(
+        name: &'static str,
+        (wall_s, samples, failed): (f64, Vec<f64>, usize),
+        fetched: u64,
+        written: u64,
+    ) -> Self {
+        Self {
+            name,
+            wall_s,
+            container_ms: Stats {
+                name: String::new(),
+                samples,
+                note: None,
+            },
+            failed,
+            fetched,
+            written,
+        }
+    }
+}
+
 /// The whole result.
 #[derive(Debug)]
 pub(crate) struct Burst {
@@ -75,21 +98,6 @@ fn run(cmd: &mut Command) -> anyhow::Result<()> {
         bail!("{cmd:?} failed: {st}");
     }
     Ok(())
-}
-
-fn dir_bytes(dir: &Path) -> u64 {
-    let mut total = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            match e.file_type() {
-                Ok(t) if t.is_dir() => stack.push(e.path()),
-                Ok(t) if t.is_file() => total += e.metadata().map(|m| m.len()).unwrap_or(0),
-                _ => {}
-            }
-        }
-    }
-    total
 }
 
 /// Regular files under `root`, as absolute paths inside the image, with sizes.
@@ -582,19 +590,8 @@ pub(crate) async fn burst(
 
     // Local.
     drop_caches();
-    let (wall, times, failed) = dsec_burst(&local, &envs, n, workers).await;
-    modes.push(Mode {
-        name: "local (layers in the node cache)",
-        wall_s: wall,
-        container_ms: Stats {
-            name: String::new(),
-            samples: times,
-            note: None,
-        },
-        failed,
-        fetched: 0,
-        written: 0,
-    });
+    let run = dsec_burst(&local, &envs, n, workers).await;
+    modes.push(Mode::new("local (layers in the node cache)", run, 0, 0));
 
     // On-demand, then eager whole layers: fresh nodes on the throttled store.
     // Prefetch lists of an earlier run would make the cold mode warm.
@@ -625,21 +622,15 @@ pub(crate) async fn burst(
         let images = node.state_dir.join("images");
         let before = (server.served_bytes(), dir_bytes(&images.join("blobs")));
         drop_caches();
-        let (wall, times, failed) = dsec_burst(&node, &envs, n, workers).await;
+        let run = dsec_burst(&node, &envs, n, workers).await;
         let written =
             dir_bytes(&images.join("chunks")) + dir_bytes(&images.join("blobs")) - before.1;
-        modes.push(Mode {
+        modes.push(Mode::new(
             name,
-            wall_s: wall,
-            container_ms: Stats {
-                name: String::new(),
-                samples: times,
-                note: None,
-            },
-            failed,
-            fetched: server.served_bytes() - before.0,
+            run,
+            server.served_bytes() - before.0,
             written,
-        });
+        ));
         if node.state_dir.ends_with("bench-burst-lazy/state") {
             // Untimed: the cold node saves each layer's list 5 s after its first read.
             let lists = || {
@@ -686,19 +677,12 @@ pub(crate) async fn burst(
     let written = dir_bytes(&scratch);
     let _ = nix::mount::umount2(&base_root, nix::mount::MntFlags::MNT_DETACH);
     let _ = std::fs::remove_dir_all(&scratch);
-    let (wall, times, failed) = r?;
-    modes.push(Mode {
-        name: "eager: tar.gz pulled + extracted, crun run (docker-like)",
-        wall_s: wall,
-        container_ms: Stats {
-            name: String::new(),
-            samples: times,
-            note: None,
-        },
-        failed,
-        fetched: server.served_bytes() - before,
+    modes.push(Mode::new(
+        "eager: tar.gz pulled + extracted, crun run (docker-like)",
+        r?,
+        server.served_bytes() - before,
         written,
-    });
+    ));
 
     let image_bytes = envs.iter().map(|e| e.bytes).sum();
     let read: u64 = envs

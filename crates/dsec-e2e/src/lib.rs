@@ -330,6 +330,23 @@ fn unmount_under(root: &Path) {
     }
 }
 
+/// Bytes of the regular files under `dir` (recursively, symlinks not followed); 0 if
+/// it does not exist.
+pub fn dir_bytes(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            match e.file_type() {
+                Ok(t) if t.is_dir() => stack.push(e.path()),
+                Ok(t) if t.is_file() => total += e.metadata().map(|m| m.len()).unwrap_or(0),
+                _ => {}
+            }
+        }
+    }
+    total
+}
+
 /// Process ids of the lazy layer servers (`dsec lazy-serve`) of a state directory.
 pub fn lazy_server_pids(state_dir: &Path) -> Vec<i32> {
     let needle = state_dir.join("images").display().to_string();

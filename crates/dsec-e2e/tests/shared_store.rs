@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use dsec_e2e::s3::{server_bin, S3Server};
-use dsec_e2e::{require_root, sh, Server};
+use dsec_e2e::{dir_bytes, require_root, sh, Server};
 use dsec_wire::v1::{CreateSandboxRequest, GcRequest, ImportImageRequest};
 
 fn blobs(state: &Path) -> Vec<String> {
@@ -21,21 +21,6 @@ fn blobs(state: &Path) -> Vec<String> {
         .unwrap_or_default();
     v.sort();
     v
-}
-
-fn dir_bytes(dir: &Path) -> u64 {
-    let mut total = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            match e.metadata() {
-                Ok(m) if m.is_dir() => stack.push(e.path()),
-                Ok(m) => total += m.len(),
-                Err(_) => {}
-            }
-        }
-    }
-    total
 }
 
 /// Image `name` as node `c` lists it.

@@ -290,41 +290,54 @@ impl Inner {
         }
     }
 
-    /// Fetches the chunks of `list` that the cache lacks, `prefetch_threads` requests at
-    /// a time; consecutive chunks of the list go in one request (up to 1 MiB).
+    /// Replays `layer`'s prefetch list in the background; counts what it fetched.
     fn prefetch(self: &Arc<Self>, layer: &Arc<Layer>, list: PrefetchList) {
+        let (inner, layer) = (self.clone(), layer.clone());
+        std::thread::spawn(move || {
+            let got = inner.fetch_chunks(&layer, list.chunks);
+            layer
+                .counters
+                .prefetched_chunks
+                .fetch_add(got, Ordering::Relaxed);
+        });
+    }
+
+    /// Fetches the chunks of `chunks` that are neither cached nor being fetched, and
+    /// waits for them: runs of consecutive chunks go in one request (up to 1 MiB),
+    /// `prefetch_threads` requests at a time. Returns how many chunks it fetched.
+    fn fetch_chunks(&self, layer: &Layer, chunks: Vec<u64>) -> u64 {
         let n = layer.index.chunks.len() as u64;
         let max_run = ((1 << 20) / layer.index.chunk_size).max(1);
         let mut runs: Vec<(u64, u64)> = Vec::new();
-        for i in list.chunks.into_iter().filter(|&i| i < n) {
+        for i in chunks.into_iter().filter(|&i| i < n) {
             match runs.last_mut() {
                 Some((start, len)) if *start + *len == i && *len < max_run => *len += 1,
                 _ => runs.push((i, 1)),
             }
         }
-        let queue = Arc::new(Mutex::new(runs.into_iter()));
-        for _ in 0..self.opts.prefetch_threads.max(1) {
-            let (inner, layer, queue) = (self.clone(), layer.clone(), queue.clone());
-            std::thread::spawn(move || loop {
-                let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
-                let Some((start, len)) = next else { return };
-                let mut j = start;
-                while j < start + len {
-                    let claimed = inner.claim_run(&layer, j, start + len - j);
-                    if claimed.is_empty() {
-                        j += 1;
-                        continue;
+        let queue = Mutex::new(runs.into_iter());
+        let fetched = AtomicU64::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..self.opts.prefetch_threads.max(1) {
+                s.spawn(|| loop {
+                    let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
+                    let Some((start, len)) = next else { return };
+                    let mut j = start;
+                    while j < start + len {
+                        let claimed = self.claim_run(layer, j, start + len - j);
+                        if claimed.is_empty() {
+                            j += 1;
+                            continue;
+                        }
+                        j += claimed.len() as u64;
+                        let got = self.fetch_claimed(layer, claimed);
+                        let ok = got.iter().filter(|c| c.is_some()).count() as u64;
+                        fetched.fetch_add(ok, Ordering::Relaxed);
                     }
-                    j += claimed.len() as u64;
-                    let got = inner.fetch_claimed(&layer, claimed);
-                    let ok = got.iter().filter(|c| c.is_some()).count() as u64;
-                    layer
-                        .counters
-                        .prefetched_chunks
-                        .fetch_add(ok, Ordering::Relaxed);
-                }
-            });
-        }
+                });
+            }
+        });
+        fetched.into_inner()
     }
 
     /// Claims up to `max` consecutive chunks from `start` for one fetch: it stops at the
@@ -777,38 +790,12 @@ impl LazyMount {
             .cloned()
     }
 
-    /// Fetches `layer`'s metadata chunks now (runs of consecutive chunks in one request
-    /// each, `prefetch_threads` at a time) and waits for them.
-    fn fetch_metadata(&self, layer: &Arc<Layer>) {
-        let mut runs: Vec<(u64, u64)> = Vec::new();
+    /// Fetches `layer`'s metadata chunks now and waits for them.
+    fn fetch_metadata(&self, layer: &Layer) {
         let mut meta = layer.index.meta.clone();
         meta.sort_unstable();
         meta.dedup();
-        for i in meta {
-            match runs.last_mut() {
-                Some((start, len)) if *start + *len == i && *len < 16 => *len += 1,
-                _ => runs.push((i, 1)),
-            }
-        }
-        let queue = Mutex::new(runs.into_iter());
-        std::thread::scope(|s| {
-            for _ in 0..self.inner.opts.prefetch_threads.max(1) {
-                s.spawn(|| loop {
-                    let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
-                    let Some((start, len)) = next else { return };
-                    let mut j = start;
-                    while j < start + len {
-                        let claimed = self.inner.claim_run(layer, j, start + len - j);
-                        if claimed.is_empty() {
-                            j += 1;
-                            continue;
-                        }
-                        j += claimed.len() as u64;
-                        self.inner.fetch_claimed(layer, claimed);
-                    }
-                });
-            }
-        });
+        self.inner.fetch_chunks(layer, meta);
     }
 
     /// Replays `layer`'s prefetch list from `pk`, or arms its recorder when there is none.
