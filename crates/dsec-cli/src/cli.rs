@@ -165,11 +165,21 @@ pub struct ServeArgs {
     /// sandboxes under it that it does not know).
     #[arg(long, default_value = "dsec", value_parser = parse_cgroup_parent)]
     pub cgroup_parent: String,
-    /// Sandboxes run in a user namespace: root inside is host uid N (ids 0..65535 map
-    /// to N..N+65535), so root in a sandbox is nobody on the host. Layers and disks are
-    /// idmapped, so files keep their owners. Pick a range no user has in /etc/subuid.
+    /// Sandboxes run in user namespaces whose ids 0..65535 map to a host range of
+    /// 65536 ids cut from N upwards, so root in a sandbox is nobody on the host. Layers
+    /// and disks are idmapped, so files keep their owners. Pick ids no user has in
+    /// /etc/subuid.
     #[arg(long, default_value_t = 1_000_000_000)]
     pub userns_base: u32,
+    /// Who shares a uid range: `sandbox` (each its own), `label:KEY` (sandboxes with the
+    /// same value of label KEY, e.g. a tenant; those without it get their own) or `node`
+    /// (all sandboxes share the first range).
+    #[arg(long, default_value = "sandbox")]
+    pub userns_scope: dsec_node::userns::UsernsScope,
+    /// How many ranges of 65536 ids from --userns-base the node may use (at most what
+    /// fits below 2^32): creates beyond that many ranges in use are refused.
+    #[arg(long, default_value_t = 16_384)]
+    pub userns_ranges: u32,
     /// Run sandboxes without a user namespace (root inside is host root, with a reduced
     /// capability set): for kernels without idmapped mounts.
     #[arg(long)]

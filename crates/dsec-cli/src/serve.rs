@@ -152,7 +152,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             max_sandboxes: args.max_sandboxes,
         },
         cgroup_parent: args.cgroup_parent.clone(),
-        userns: (!args.no_userns).then_some((args.userns_base, 65536)),
+        userns: (!args.no_userns).then(|| dsec_node::userns::UsernsConfig {
+            base: args.userns_base,
+            ranges: args.userns_ranges,
+            scope: args.userns_scope.clone(),
+        }),
         oci_runtime: args.oci_runtime.clone().or_else(|| find_in_path("runc")),
         blob_store: args.blob_store.clone(),
         layer_cache_bytes: (args.layer_cache_mb > 0).then_some(args.layer_cache_mb << 20),

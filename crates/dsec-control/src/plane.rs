@@ -819,6 +819,7 @@ impl SandboxApi for ControlPlane {
             tcp_bind: req.filesystem.tcp_bind.clone(),
             tcp_connect: req.filesystem.tcp_connect.clone(),
             isolation: req.isolation,
+            labels: req.labels.clone(),
         };
         let created = match self.node.create(spec).await {
             Ok(c) => c,

@@ -37,6 +37,9 @@ pub struct RuntimeRecord {
     /// Its isolation level.
     #[serde(default)]
     pub isolation: dsec_wire::v1::Isolation,
+    /// The host uid range of its user namespace, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub userns: Option<crate::userns::UsernsRecord>,
 }
 
 impl RuntimeRecord {

@@ -30,9 +30,9 @@ pub struct NodeConfig {
     /// belongs to this node alone: on start, sandboxes under it that the node does not
     /// know are destroyed.
     pub cgroup_parent: String,
-    /// Run sandboxes in a user namespace mapping 0..size to host `base..base+size`
-    /// (`None`: sandboxes' root is the host's root, with fewer capabilities).
-    pub userns: Option<(u32, u32)>,
+    /// Run sandboxes in user namespaces, each mapping ids 0..65535 to a host range of
+    /// the node's (`None`: sandboxes' root is the host's root, with fewer capabilities).
+    pub userns: Option<crate::userns::UsernsConfig>,
     /// OCI runtime for sandboxes of isolation level `oci` (`None`: level unavailable).
     pub oci_runtime: Option<PathBuf>,
     /// The cluster's shared blob store (a directory path, `s3://...`, `http(s)://...`;

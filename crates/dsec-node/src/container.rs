@@ -28,6 +28,7 @@ use nix::fcntl::OFlag;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
 use crate::backend::{Backend, Layers, RuntimeRecord};
+use crate::userns::{UidRanges, UserNs, UsernsConfig, UsernsRecord, UsernsScope, RANGE_SIZE};
 use crate::{NodeConfig, NodeCreateSpec, NodeError};
 
 /// Default parent of every sandbox cgroup (`dsec serve --cgroup-parent`).
@@ -53,8 +54,18 @@ pub struct ContainerBackend {
     open: std::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<Cgroup>>>,
     /// Sandbox networking, once a networked sandbox needed it.
     network: std::sync::Mutex<Option<std::sync::Arc<dsec_net::Network>>>,
-    /// The user namespace sandboxes run in, when the node maps root away.
-    userns: Option<crate::userns::UserNs>,
+    /// User namespaces, when the node maps root away.
+    userns: Option<Userns>,
+}
+
+/// The node's user namespace state.
+#[derive(Debug)]
+struct Userns {
+    cfg: UsernsConfig,
+    /// Ranges held by live sandboxes.
+    ranges: std::sync::Mutex<UidRanges>,
+    /// The one namespace of scope `node`, made at start.
+    shared: Option<UserNs>,
 }
 
 fn create_err(id: &str, reason: impl std::fmt::Display) -> NodeError {
@@ -68,10 +79,8 @@ impl ContainerBackend {
     /// A backend over the host's cgroup hierarchy. Starts the disk pool, first releasing
     /// pooled disks an earlier run left.
     pub fn new(cfg: NodeConfig, cgroups: CgroupRoot) -> Result<Self, NodeError> {
-        let userns = match cfg.userns {
-            Some((base, size)) => Some(crate::userns::UserNs::create(base, size).map_err(|e| {
-                NodeError::Unsupported(format!("user namespace {base}+{size}: {e}"))
-            })?),
+        let userns = match &cfg.userns {
+            Some(u) => Some(Userns::start(u)?),
             None => None,
         };
         if userns.is_some() {
@@ -221,10 +230,21 @@ impl ContainerBackend {
         let (mut upper, mut work) = (upper, work);
         let mut layer_fds: Vec<OwnedFd> = Vec::new();
         let mut upper_clone: Option<OwnedFd> = None;
-        let userns = self
+        let mut userns_rec = None;
+        let own_ns;
+        let userns = match self
             .userns
             .as_ref()
-            .filter(|_| spec.isolation == Isolation::Container);
+            .filter(|_| spec.isolation == Isolation::Container)
+        {
+            Some(u) => {
+                let (rec, ns) = u.namespace_for(spec)?;
+                userns_rec = Some(rec);
+                own_ns = ns;
+                own_ns.as_ref().or(u.shared.as_ref())
+            }
+            None => None,
+        };
         if let Some(ns) = userns {
             if layers.layers.len() > MAX_USERNS_LAYERS {
                 return Err(NodeError::Unsupported(format!(
@@ -327,6 +347,7 @@ impl ContainerBackend {
             .insert(id.clone(), std::sync::Arc::new(cgroup));
         let mut rec = self.record(spec, layers, (pid, start_time), disk_mb);
         rec.net = net;
+        rec.userns = userns_rec;
         write_record(&dir, &rec)?;
         Ok(rec)
     }
@@ -562,6 +583,68 @@ impl ContainerBackend {
             cpu_millis: spec.cpu_millis,
             net: None,
             isolation: spec.isolation,
+            userns: None,
+        }
+    }
+}
+
+impl Userns {
+    /// Checks that the kernel can make the namespaces; scope `node` makes its one now.
+    fn start(cfg: &UsernsConfig) -> Result<Self, NodeError> {
+        if cfg.usable_ranges() == 0 {
+            return Err(NodeError::Unsupported(format!(
+                "user namespaces: no range of {RANGE_SIZE} ids fits from {} (--userns-ranges {})",
+                cfg.base, cfg.ranges
+            )));
+        }
+        let probe = UserNs::create(cfg.base, RANGE_SIZE).map_err(|e| {
+            NodeError::Unsupported(format!("user namespace {}+{RANGE_SIZE}: {e}", cfg.base))
+        })?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            ranges: std::sync::Mutex::new(UidRanges::new(cfg)),
+            shared: (cfg.scope == UsernsScope::Node).then_some(probe),
+        })
+    }
+
+    fn ranges(&self) -> std::sync::MutexGuard<'_, UidRanges> {
+        self.ranges.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The range for a new sandbox, and its namespace when it gets one of its own
+    /// (`None`: the node's shared one).
+    fn namespace_for(
+        &self,
+        spec: &NodeCreateSpec,
+    ) -> Result<(UsernsRecord, Option<UserNs>), NodeError> {
+        let group = self.cfg.group_of(&spec.id, &spec.labels);
+        let rec = self
+            .ranges()
+            .acquire(&spec.id, &group)
+            .map_err(|e| NodeError::Capacity(e.to_string()))?;
+        if self.shared.is_some() {
+            return Ok((rec, None));
+        }
+        // The caller's cleanup (destroy) gives the range back if this fails.
+        let ns = UserNs::create(rec.base, rec.size)
+            .map_err(|e| create_err(&spec.id, format!("user namespace: {e}")))?;
+        Ok((rec, Some(ns)))
+    }
+
+    /// Marks a re-adopted sandbox's range taken. Records from before per-sandbox
+    /// ranges name none: those sandboxes ran in the node's one namespace, whose range
+    /// their init's uid map shows.
+    fn adopt(&self, rec: &RuntimeRecord) {
+        let range = rec.userns.clone().or_else(|| {
+            let (base, size) = crate::userns::range_of(rec.pid)?;
+            Some(UsernsRecord {
+                base,
+                size,
+                group: "node".into(),
+            })
+        });
+        if let Some(range) = range {
+            self.ranges().adopt(&rec.id, &range);
         }
     }
 }
@@ -641,6 +724,11 @@ impl Backend for ContainerBackend {
 
     fn destroy(&self, id: &str) -> Result<(), NodeError> {
         self.handles().remove(id);
+        if let Some(u) = &self.userns {
+            // Its processes die with the cgroup below, before any new create can take
+            // the lock: the range is free for reuse.
+            u.ranges().release(id);
+        }
         let dir = self.cfg.sandbox_dir(id);
         if dir.join("bundle").exists() {
             // Isolation level oci: the runtime's container, then its root mount.
@@ -688,6 +776,11 @@ impl Backend for ContainerBackend {
                     tracing::info!(%id, "cleaning up dead or half-created sandbox");
                     self.destroy(&id)?;
                 }
+            }
+        }
+        if let Some(u) = &self.userns {
+            for rec in alive.iter().filter(|r| r.isolation == Isolation::Container) {
+                u.adopt(rec);
             }
         }
         let networked: Vec<(String, dsec_net::NetRecord)> = alive

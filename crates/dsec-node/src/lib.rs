@@ -68,6 +68,8 @@ pub struct NodeCreateSpec {
     pub tcp_connect: Option<Vec<u16>>,
     /// Isolation level.
     pub isolation: dsec_wire::v1::Isolation,
+    /// The sandbox's labels (a label may name the tenant whose uid range it shares).
+    pub labels: BTreeMap<String, String>,
 }
 
 /// A sandbox as the node knows it.

@@ -196,6 +196,7 @@ mod tests {
             tcp_connect: None,
             isolation: dsec_wire::v1::Isolation::Oci,
             user: None,
+            labels: Default::default(),
         };
         let c = bundle_config(
             &spec,
