@@ -53,27 +53,29 @@ pub async fn tti_by_mode(server: &Server, n: usize) -> anyhow::Result<Vec<Stats>
         .collect())
 }
 
-/// Time to interactive with sandboxes in the node's user namespace (the default) and
-/// without it (`--no-userns`, a second node in the same run), interleaved.
+/// Time to interactive with a user namespace per sandbox (the default), with one for the
+/// whole node (`--userns-scope node`) and without any (`--no-userns`), each on a fresh node
+/// of its own in the same run, interleaved.
 pub async fn tti_by_userns(server: &Server, n: usize) -> anyhow::Result<Vec<Stats>> {
-    let plain = Server::start_with(
-        "bench-no-userns",
-        false,
-        &[
-            "--no-userns",
-            "--cgroup-parent",
-            "dsec-bench-no-userns",
-            "--disk-pool",
-            "8",
-        ],
-    )
-    .await?;
-    plain.ensure_base(Some(server)).await?;
-    plain.delete_all().await;
-    // Let the new node fill its disk pool before measuring both.
+    let mut nodes = Vec::new();
+    for (name, flag, value) in [
+        ("bench-no-userns", "--no-userns", None),
+        ("bench-userns-node", "--userns-scope", Some("node")),
+        ("bench-userns-sandbox", "--userns-scope", Some("sandbox")),
+    ] {
+        let cgroup = format!("dsec-{name}");
+        let mut args = vec![flag];
+        args.extend(value);
+        args.extend(["--cgroup-parent", &cgroup, "--disk-pool", "8"]);
+        let node = Server::start_with(name, false, &args).await?;
+        node.ensure_base(Some(server)).await?;
+        node.delete_all().await;
+        nodes.push(node);
+    }
+    // Let the new nodes fill their disk pools before measuring.
     tokio::time::sleep(std::time::Duration::from_secs(3)).await;
-    let clients = [server.client(), plain.client()];
-    let mut samples: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    let clients = [nodes[0].client(), nodes[1].client(), nodes[2].client()];
+    let mut samples: [Vec<f64>; 3] = Default::default();
     for i in 0..n + 2 {
         for (k, c) in clients.iter().enumerate() {
             let ms = crate::cycle(c, CreateSandboxRequest::default()).await?;
@@ -82,17 +84,22 @@ pub async fn tti_by_userns(server: &Server, n: usize) -> anyhow::Result<Vec<Stat
             }
         }
     }
-    let [userns, no_userns] = samples;
+    let [none, node, per_sandbox] = samples;
     Ok(vec![
         Stats {
             name: "no user namespace".into(),
-            samples: no_userns,
+            samples: none,
             note: Some("dsec serve --no-userns".into()),
         },
         Stats {
-            name: "user namespace".into(),
-            samples: userns,
-            note: Some("default: idmapped layers and disk".into()),
+            name: "one user namespace per node".into(),
+            samples: node,
+            note: Some("--userns-scope node: idmapped layers and disk".into()),
+        },
+        Stats {
+            name: "a uid range per sandbox".into(),
+            samples: per_sandbox,
+            note: Some("default: a namespace made per create".into()),
         },
     ])
 }
