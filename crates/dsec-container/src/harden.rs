@@ -1,6 +1,17 @@
 //! Privilege reduction of the sandbox's PID 1 (inherited by everything it starts):
-//! capabilities cut to [`KEPT_CAPS`], no_new_privs, and the default seccomp filter from
-//! `resources/seccomp-default.json` (policy as data; see its snapshot test).
+//! capabilities cut to [`KEPT_CAPS`], no_new_privs, and the default seccomp policy from
+//! `resources/seccomp-default.json` (policy as data; see its snapshot tests).
+//!
+//! The policy is three filters, installed in this order:
+//! - `allow`: an allowlist. A system call not on it fails with ENOSYS, as if the kernel
+//!   lacked it (so libraries fall back), including every call newer than the list.
+//! - `deny_eperm`: calls refused with EPERM, some by argument (namespace flags of
+//!   `clone`, extent-swapping and terminal-injecting ioctls, `AF_VSOCK` sockets).
+//! - `deny_enosys`: calls refused with ENOSYS: `clone3` (its flags live in memory a
+//!   filter cannot read) and the rest of the kernel's table that `allow` leaves out.
+//!
+//! The kernel runs every filter and keeps the most severe answer; among errnos, the
+//! filter installed last wins, so EPERM of `deny_eperm` beats ENOSYS of `allow`.
 
 use std::collections::HashSet;
 
@@ -82,13 +93,18 @@ fn drop_capabilities() -> Result<(), HardenError> {
     Ok(())
 }
 
+/// The policy's filters, in installation order.
+const FILTERS: [&str; 3] = ["allow", "deny_eperm", "deny_enosys"];
+/// Its filters that refuse calls.
+const DENY_FILTERS: [&str; 2] = ["deny_eperm", "deny_enosys"];
+
 /// Compiles the default policy into BPF programs, in installation order.
 pub fn compile_seccomp() -> Result<Vec<seccompiler::BpfProgram>, HardenError> {
     let arch = seccompiler::TargetArch::x86_64;
     let mut map = seccompiler::compile_from_json(SECCOMP_POLICY_JSON.as_bytes(), arch)
         .map_err(|e| HardenError::SeccompCompile(e.to_string()))?;
     let mut out = Vec::new();
-    for name in ["deny_eperm", "deny_enosys"] {
+    for name in FILTERS {
         let prog = map
             .remove(name)
             .ok_or_else(|| HardenError::SeccompCompile(format!("filter {name} missing")))?;
@@ -98,56 +114,21 @@ pub fn compile_seccomp() -> Result<Vec<seccompiler::BpfProgram>, HardenError> {
 }
 
 /// The default policy as an OCI runtime spec's `linux.seccomp` (for isolation level
-/// `oci`): everything allowed but the policy's rules, each answered with its filter's
-/// errno. Argument conditions carry over (`masked_eq` becomes `SCMP_CMP_MASKED_EQ` with
-/// the mask as `value` and the expected bits as `valueTwo`).
+/// `oci`): everything allowed but the deny filters' rules, each answered with its
+/// filter's errno. The allowlist does not carry over: libseccomp drops a rule that
+/// refuses some arguments of a call another rule allows (tested with runc 1.1.5), so
+/// "allow ioctl but these commands" has no form under a refusing default. Argument
+/// conditions carry over as `SCMP_CMP_MASKED_EQ` on the compared bits: a 32-bit
+/// argument (`dword`) is compared on its low 32 bits only, as the kernel reads it (a
+/// plain 64-bit compare is dodged by setting the high bits).
 pub fn oci_seccomp() -> Result<serde_json::Value, HardenError> {
-    let bad = |what: String| HardenError::SeccompCompile(format!("OCI translation: {what}"));
     let doc: serde_json::Value =
-        serde_json::from_str(SECCOMP_POLICY_JSON).map_err(|e| bad(e.to_string()))?;
+        serde_json::from_str(SECCOMP_POLICY_JSON).map_err(|e| oci_bad(e.to_string()))?;
     let mut syscalls = Vec::new();
-    for filter in ["deny_eperm", "deny_enosys"] {
-        let f = &doc[filter];
-        let errno = f["filter_action"]["errno"]
-            .as_u64()
-            .ok_or_else(|| bad(format!("{filter}: filter_action is not an errno")))?;
-        for rule in f["filter"].as_array().into_iter().flatten() {
-            let name = rule["syscall"]
-                .as_str()
-                .ok_or_else(|| bad(format!("{filter}: rule without a syscall")))?;
-            let mut args = Vec::new();
-            for a in rule["args"].as_array().into_iter().flatten() {
-                let (index, val) = (a["index"].as_u64(), a["val"].as_u64());
-                let (Some(index), Some(val)) = (index, val) else {
-                    return Err(bad(format!("{name}: argument without index or val")));
-                };
-                let cond = match &a["op"] {
-                    serde_json::Value::String(op) => {
-                        let op = match op.as_str() {
-                            "eq" => "SCMP_CMP_EQ",
-                            "ne" => "SCMP_CMP_NE",
-                            "lt" => "SCMP_CMP_LT",
-                            "le" => "SCMP_CMP_LE",
-                            "gt" => "SCMP_CMP_GT",
-                            "ge" => "SCMP_CMP_GE",
-                            other => return Err(bad(format!("{name}: operator {other}"))),
-                        };
-                        serde_json::json!({"index": index, "value": val, "op": op})
-                    }
-                    serde_json::Value::Object(o) => {
-                        let mask = o
-                            .get("masked_eq")
-                            .and_then(serde_json::Value::as_u64)
-                            .ok_or_else(|| bad(format!("{name}: operator {o:?}")))?;
-                        serde_json::json!({
-                            "index": index, "value": mask, "valueTwo": val,
-                            "op": "SCMP_CMP_MASKED_EQ"
-                        })
-                    }
-                    other => return Err(bad(format!("{name}: operator {other}"))),
-                };
-                args.push(cond);
-            }
+    for filter in DENY_FILTERS {
+        let errno = filter_errno(&doc, filter, "filter_action")?;
+        for rule in doc[filter]["filter"].as_array().into_iter().flatten() {
+            let (name, args) = oci_rule(filter, rule)?;
             let mut entry = serde_json::json!({
                 "names": [name], "action": "SCMP_ACT_ERRNO", "errnoRet": errno
             });
@@ -157,6 +138,35 @@ pub fn oci_seccomp() -> Result<serde_json::Value, HardenError> {
             syscalls.push(entry);
         }
     }
+    // Calls the allowlist admits for some arguments only (personality): refused, but
+    // for those arguments. libseccomp keeps an argument rule that allows under one that
+    // refuses (tested with runc 1.1.5), not the other way round.
+    let allow = doc["allow"]["filter"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let errno = filter_errno(&doc, "allow", "default_action")?;
+    let mut only_filtered: Vec<&str> = Vec::new();
+    for rule in &allow {
+        let name = rule["syscall"].as_str().unwrap_or_default();
+        let filtered = |r: &serde_json::Value| r["syscall"] == name && r.get("args").is_some();
+        if allow.iter().filter(|r| r["syscall"] == name).all(filtered)
+            && !only_filtered.contains(&name)
+        {
+            only_filtered.push(name);
+        }
+    }
+    for name in only_filtered {
+        syscalls.push(serde_json::json!({
+            "names": [name], "action": "SCMP_ACT_ERRNO", "errnoRet": errno
+        }));
+        for rule in allow.iter().filter(|r| r["syscall"] == name) {
+            let (_, args) = oci_rule("allow", rule)?;
+            syscalls.push(serde_json::json!({
+                "names": [name], "action": "SCMP_ACT_ALLOW", "args": args
+            }));
+        }
+    }
     Ok(serde_json::json!({
         "defaultAction": "SCMP_ACT_ALLOW",
         "architectures": ["SCMP_ARCH_X86_64"],
@@ -164,10 +174,75 @@ pub fn oci_seccomp() -> Result<serde_json::Value, HardenError> {
     }))
 }
 
+fn oci_bad(what: String) -> HardenError {
+    HardenError::SeccompCompile(format!("OCI translation: {what}"))
+}
+
+/// The errno of a filter's `filter_action` or `default_action`.
+fn filter_errno(doc: &serde_json::Value, filter: &str, action: &str) -> Result<u64, HardenError> {
+    doc[filter][action]["errno"]
+        .as_u64()
+        .ok_or_else(|| oci_bad(format!("{filter}: {action} is not an errno")))
+}
+
+/// A rule's syscall name and its argument conditions in OCI form.
+fn oci_rule(
+    filter: &str,
+    rule: &serde_json::Value,
+) -> Result<(String, Vec<serde_json::Value>), HardenError> {
+    let name = rule["syscall"]
+        .as_str()
+        .ok_or_else(|| oci_bad(format!("{filter}: rule without a syscall")))?;
+    let mut args = Vec::new();
+    for a in rule["args"].as_array().into_iter().flatten() {
+        let (index, val) = (a["index"].as_u64(), a["val"].as_u64());
+        let (Some(index), Some(val)) = (index, val) else {
+            return Err(oci_bad(format!("{name}: argument without index or val")));
+        };
+        let width = match a["type"].as_str() {
+            Some("dword") => u64::from(u32::MAX),
+            Some("qword") => u64::MAX,
+            other => return Err(oci_bad(format!("{name}: argument type {other:?}"))),
+        };
+        // Only equality is used (and only equality keeps its meaning under a mask);
+        // anything else must be translated deliberately.
+        let mask = match &a["op"] {
+            serde_json::Value::String(op) if op == "eq" => width,
+            serde_json::Value::Object(o) => o
+                .get("masked_eq")
+                .and_then(serde_json::Value::as_u64)
+                .map(|m| m & width)
+                .ok_or_else(|| oci_bad(format!("{name}: operator {o:?}")))?,
+            other => return Err(oci_bad(format!("{name}: operator {other}"))),
+        };
+        args.push(serde_json::json!({
+            "index": index, "value": mask, "valueTwo": val & mask,
+            "op": "SCMP_CMP_MASKED_EQ"
+        }));
+    }
+    Ok((name.to_string(), args))
+}
+
 /// Syscall names the default policy denies, sorted (for review and snapshot tests).
 pub fn denied_syscalls() -> Vec<String> {
+    rule_names(&DENY_FILTERS)
+}
+
+/// Syscall names on the default policy's allowlist, sorted, each once.
+pub fn allowed_syscalls() -> Vec<String> {
+    let mut names: Vec<String> = rule_names(&["allow"])
+        .into_iter()
+        .map(|n| n.trim_end_matches("(filtered)").to_string())
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// The rules of some filters by syscall name (`name(filtered)` for argument rules).
+fn rule_names(filters: &[&str]) -> Vec<String> {
     let doc: serde_json::Value = serde_json::from_str(SECCOMP_POLICY_JSON).unwrap_or_default();
-    let mut names: Vec<String> = ["deny_eperm", "deny_enosys"]
+    let mut names: Vec<String> = filters
         .iter()
         .flat_map(|f| doc[f]["filter"].as_array().cloned().unwrap_or_default())
         .filter_map(|r| {
@@ -192,6 +267,15 @@ mod tests {
         let oci = oci_seccomp().expect("translates");
         assert_eq!(oci["defaultAction"], "SCMP_ACT_ALLOW");
         let rules = oci["syscalls"].as_array().expect("syscalls");
+        // Besides the refusals, personality is refused but for the allowlist's values.
+        let (personality, rules): (Vec<_>, Vec<_>) =
+            rules.iter().partition(|r| r["names"][0] == "personality");
+        assert_eq!(personality[0]["action"], "SCMP_ACT_ERRNO");
+        assert!(personality[0].get("args").is_none());
+        assert_eq!(personality.len(), 6);
+        assert!(personality[1..]
+            .iter()
+            .all(|r| r["action"] == "SCMP_ACT_ALLOW" && r["args"][0]["valueTwo"].is_u64()));
         let mut names: Vec<String> = rules
             .iter()
             .map(|r| {
@@ -213,6 +297,14 @@ mod tests {
         assert_eq!(clone["args"][0]["value"], 0x1000_0000u64);
         assert_eq!(clone["args"][0]["valueTwo"], 0x1000_0000u64);
         assert_eq!(clone["errnoRet"], 1);
+        // A 32-bit argument is compared on its low half only: the kernel ignores the
+        // high half of an ioctl command, so a full 64-bit compare could be dodged.
+        let tiocsti = rules
+            .iter()
+            .find(|r| r["names"][0] == "ioctl" && r["args"][0]["valueTwo"] == 0x5412)
+            .expect("TIOCSTI rule");
+        assert_eq!(tiocsti["args"][0]["op"], "SCMP_CMP_MASKED_EQ");
+        assert_eq!(tiocsti["args"][0]["value"], 0xffff_ffffu64);
         let clone3 = rules
             .iter()
             .find(|r| r["names"][0] == "clone3")
@@ -226,23 +318,60 @@ mod tests {
     #[test]
     fn policy_compiles() {
         let progs = compile_seccomp().expect("policy compiles");
-        assert_eq!(progs.len(), 2);
+        assert_eq!(progs.len(), 3);
         assert!(progs.iter().all(|p| !p.is_empty()));
+    }
+
+    /// Snapshot of the allowlist (`resources/seccomp-allowed.txt`): a call added to it
+    /// must be added there too, deliberately.
+    #[test]
+    fn allowed_set_snapshot() {
+        let expected: Vec<&str> = include_str!("../resources/seccomp-allowed.txt")
+            .split_whitespace()
+            .collect();
+        assert_eq!(allowed_syscalls(), expected);
+        for must in [
+            "read",
+            "execve",
+            "clone",
+            "ioctl",
+            "socket",
+            "landlock_restrict_self",
+        ] {
+            assert!(expected.contains(&must), "{must}");
+        }
+    }
+
+    /// Nothing is both allowed and refused outright: a call on the allowlist is refused
+    /// only for some arguments.
+    #[test]
+    fn allowed_and_denied_calls_overlap_only_by_argument() {
+        let allowed = allowed_syscalls();
+        for denied in denied_syscalls() {
+            match denied.strip_suffix("(filtered)") {
+                Some(name) => assert!(allowed.iter().any(|a| a == name), "{name}"),
+                None => assert!(!allowed.contains(&denied), "{denied} allowed and denied"),
+            }
+        }
     }
 
     /// Snapshot of the policy: a change to the denied set must be deliberate.
     #[test]
     fn denied_set_snapshot() {
-        let expected = "_sysctl acct add_key adjtimex bpf clock_adjtime clock_settime \
-            clone(filtered) clone3 delete_module finit_module fsconfig fsmount fsopen fspick \
-            init_module io_uring_enter io_uring_register io_uring_setup \
+        let expected = "_sysctl acct add_key adjtimex afs_syscall bpf clock_adjtime \
+            clock_settime clone(filtered) clone3 create_module delete_module epoll_ctl_old \
+            epoll_wait_old fanotify_init finit_module fsconfig fsmount fsopen fspick \
+            get_kernel_syms get_mempolicy getpmsg init_module io_uring_enter \
+            io_uring_register io_uring_setup \
             ioctl(filtered) ioctl(filtered) ioctl(filtered) ioctl(filtered) ioctl(filtered) \
-            ioperm iopl kcmp \
-            kexec_file_load kexec_load keyctl lookup_dcookie mbind migrate_pages mount \
-            mount_setattr move_mount move_pages name_to_handle_at nfsservctl open_by_handle_at \
-            open_tree perf_event_open pivot_root quotactl quotactl_fd reboot request_key \
-            set_mempolicy setns settimeofday swapoff swapon sysfs syslog umount2 unshare \
-            uselib userfaultfd ustat vhangup";
+            ioperm iopl kcmp kexec_file_load kexec_load keyctl listmount lookup_dcookie \
+            lsm_get_self_attr lsm_list_modules lsm_set_self_attr mbind migrate_pages \
+            modify_ldt mount mount_setattr move_mount move_pages name_to_handle_at \
+            nfsservctl open_by_handle_at open_tree perf_event_open pidfd_getfd pivot_root \
+            process_madvise putpmsg query_module quotactl quotactl_fd reboot request_key \
+            security set_mempolicy set_mempolicy_home_node setdomainname sethostname setns \
+            settimeofday socket(filtered) statmount swapoff swapon sysfs syslog tuxcall \
+            umount2 unshare uretprobe uselib userfaultfd ustat vhangup vserver";
         let expected: Vec<&str> = expected.split_whitespace().collect();
         assert_eq!(denied_syscalls(), expected);
     }

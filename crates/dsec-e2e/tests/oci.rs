@@ -64,6 +64,18 @@ async fn an_oci_sandbox_keeps_the_agent_contract_survives_a_restart_and_leaves_n
     assert!(r.stdout.contains("rc=1"), "{r:?}");
     assert!(r.stderr.contains("Operation not permitted"), "{r:?}");
     assert!(r.stdout.contains("Seccomp:\t2"), "{r:?}");
+    // The attack suite's kernel interfaces program: every refusal holds here too,
+    // including ioctl commands with their (ignored) high bits set.
+    let program = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("attacks/kernel-interfaces.py"),
+    )
+    .expect("attack program");
+    let mut attack = sh("");
+    attack.cmd = Command::Argv(vec!["python3".into(), "-c".into(), program]);
+    let r = c.exec(&sb.id, attack).await.expect("exec");
+    assert_eq!(r.exit.exit_code, Some(0), "{r:?}");
+    assert!(!r.stdout.contains("escaped:"), "{}", r.stdout);
+    assert!(r.stdout.matches("contained:").count() >= 20, "{}", r.stdout);
     // Files, pause and resume as at the default level.
     c.write_file(&sb.id, "/work/in.txt", None, b"data".to_vec())
         .await
