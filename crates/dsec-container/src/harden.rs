@@ -5,6 +5,8 @@
 //! The policy is three filters, installed in this order:
 //! - `allow`: an allowlist. A system call not on it fails with ENOSYS, as if the kernel
 //!   lacked it (so libraries fall back), including every call newer than the list.
+//!   Built as a binary search by [`crate::allowlist`] from the calls' numbers in
+//!   `resources/seccomp-allowed.txt`.
 //! - `deny_eperm`: calls refused with EPERM, some by argument (namespace flags of
 //!   `clone`, extent-swapping and terminal-injecting ioctls, `AF_VSOCK` sockets).
 //! - `deny_enosys`: calls refused with ENOSYS: `clone3` (its flags live in memory a
@@ -93,24 +95,89 @@ fn drop_capabilities() -> Result<(), HardenError> {
     Ok(())
 }
 
-/// The policy's filters, in installation order.
-const FILTERS: [&str; 3] = ["allow", "deny_eperm", "deny_enosys"];
 /// Its filters that refuse calls.
 const DENY_FILTERS: [&str; 2] = ["deny_eperm", "deny_enosys"];
 
-/// Compiles the default policy into BPF programs, in installation order.
+/// The allowlist's calls with their x86_64 numbers (`NAME NUMBER` lines).
+pub const ALLOWED_NUMBERS: &str = include_str!("../resources/seccomp-allowed.txt");
+
+/// Compiles the default policy into BPF programs, in installation order: the allowlist
+/// as a binary search ([`crate::allowlist`]), the deny filters through seccompiler.
 pub fn compile_seccomp() -> Result<Vec<seccompiler::BpfProgram>, HardenError> {
+    let bad = |what: String| HardenError::SeccompCompile(what);
+    let mut doc: serde_json::Value =
+        serde_json::from_str(SECCOMP_POLICY_JSON).map_err(|e| bad(e.to_string()))?;
+    let allow = doc
+        .as_object_mut()
+        .and_then(|m| m.remove("allow"))
+        .ok_or_else(|| bad("filter allow missing".into()))?;
+    let errno = allow["default_action"]["errno"]
+        .as_u64()
+        .ok_or_else(|| bad("allow: default_action is not an errno".into()))?;
+    let mut out = vec![crate::allowlist::program(
+        &allowed_calls(&allow)?,
+        errno as u32,
+    )];
     let arch = seccompiler::TargetArch::x86_64;
-    let mut map = seccompiler::compile_from_json(SECCOMP_POLICY_JSON.as_bytes(), arch)
-        .map_err(|e| HardenError::SeccompCompile(e.to_string()))?;
-    let mut out = Vec::new();
-    for name in FILTERS {
+    let mut map = seccompiler::compile_from_json(doc.to_string().as_bytes(), arch)
+        .map_err(|e| bad(e.to_string()))?;
+    for name in DENY_FILTERS {
         let prog = map
             .remove(name)
-            .ok_or_else(|| HardenError::SeccompCompile(format!("filter {name} missing")))?;
+            .ok_or_else(|| bad(format!("filter {name} missing")))?;
         out.push(prog);
     }
     Ok(out)
+}
+
+/// The calls of the `allow` filter, numbered from [`ALLOWED_NUMBERS`], with their
+/// argument rules (each one `eq` test of a 32-bit argument).
+fn allowed_calls(
+    allow: &serde_json::Value,
+) -> Result<Vec<crate::allowlist::AllowedCall>, HardenError> {
+    let bad = |what: String| HardenError::SeccompCompile(format!("allow: {what}"));
+    let numbers: std::collections::HashMap<&str, u32> = ALLOWED_NUMBERS
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (name, nr) = l.split_once(' ')?;
+            Some((name, nr.trim().parse().ok()?))
+        })
+        .collect();
+    let mut calls: Vec<crate::allowlist::AllowedCall> = Vec::new();
+    for rule in allow["filter"].as_array().into_iter().flatten() {
+        let name = rule["syscall"].as_str().unwrap_or_default();
+        let nr = *numbers
+            .get(name)
+            .ok_or_else(|| bad(format!("{name} has no number in seccomp-allowed.txt")))?;
+        let when = match rule["args"].as_array() {
+            None => None,
+            Some(args) => {
+                let [a] = args.as_slice() else {
+                    return Err(bad(format!("{name}: one argument test per rule")));
+                };
+                let (index, val) = (a["index"].as_u64(), a["val"].as_u64());
+                match (index, val, a["type"].as_str(), a["op"].as_str()) {
+                    (Some(i), Some(v), Some("dword"), Some("eq")) if i < 6 && v <= 0xffff_ffff => {
+                        Some((i as u8, v as u32))
+                    }
+                    _ => return Err(bad(format!("{name}: only dword eq tests"))),
+                }
+            }
+        };
+        match calls.iter_mut().find(|c| c.nr == nr) {
+            // An unconditional rule allows the call whatever other rules say.
+            Some(c) => match when {
+                Some(w) if !c.when.is_empty() => c.when.push(w),
+                _ => c.when.clear(),
+            },
+            None => calls.push(crate::allowlist::AllowedCall {
+                nr,
+                when: when.into_iter().collect(),
+            }),
+        }
+    }
+    Ok(calls)
 }
 
 /// The default policy as an OCI runtime spec's `linux.seccomp` (for isolation level
@@ -326,8 +393,10 @@ mod tests {
     /// must be added there too, deliberately.
     #[test]
     fn allowed_set_snapshot() {
-        let expected: Vec<&str> = include_str!("../resources/seccomp-allowed.txt")
-            .split_whitespace()
+        let expected: Vec<&str> = ALLOWED_NUMBERS
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| l.split_whitespace().next())
             .collect();
         assert_eq!(allowed_syscalls(), expected);
         for must in [
@@ -339,6 +408,84 @@ mod tests {
             "landlock_restrict_self",
         ] {
             assert!(expected.contains(&must), "{must}");
+        }
+    }
+
+    /// The allowlist's numbers are the kernel's: seccompiler's table gives each name the
+    /// same number (its filter for the name alone tests that number).
+    #[test]
+    fn allowlist_numbers_match_seccompilers_table() {
+        for line in ALLOWED_NUMBERS.lines().filter(|l| !l.starts_with('#')) {
+            let (name, nr) = line.split_once(' ').expect("NAME NUMBER");
+            let nr: u32 = nr.parse().expect("number");
+            let json = format!(
+                r#"{{"f": {{"default_action": "allow", "filter_action": {{"errno": 1}},
+                   "filter": [{{"syscall": "{name}"}}]}}}}"#
+            );
+            let map =
+                seccompiler::compile_from_json(json.as_bytes(), seccompiler::TargetArch::x86_64)
+                    .expect("compiles");
+            let tested: Vec<u32> = map["f"]
+                .iter()
+                .filter(|i| i.code == 0x15)
+                .map(|i| i.k)
+                .collect();
+            assert!(tested.contains(&nr), "{name}: {nr} not in {tested:?}");
+        }
+    }
+
+    /// The allowlist filter in a real process: allowed calls work, calls off the list
+    /// and personality values off the list fail with ENOSYS, calls the deny filters
+    /// refuse fail with EPERM.
+    #[test]
+    fn the_installed_policy_answers_as_written() {
+        let progs = compile_seccomp().expect("compiles");
+        assert!(
+            progs[0].len() < 1000,
+            "allowlist of {} instructions",
+            progs[0].len()
+        );
+        // SAFETY: fork in a test; the child makes system calls only and leaves with _exit.
+        match unsafe { libc::fork() } {
+            // SAFETY: raw system calls with constant arguments, then _exit.
+            0 => unsafe {
+                let code = (|| {
+                    libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
+                    for p in &progs {
+                        if seccompiler::apply_filter(p).is_err() {
+                            return 10;
+                        }
+                    }
+                    let errno = || *libc::__errno_location();
+                    if libc::syscall(libc::SYS_getppid) <= 0 {
+                        return 11;
+                    }
+                    if libc::syscall(libc::SYS_personality, 0xffff_ffffu64) < 0 {
+                        return 12;
+                    }
+                    if libc::syscall(libc::SYS_personality, 0x0040000u64) >= 0 || errno() != 38 {
+                        return 13;
+                    }
+                    if libc::syscall(libc::SYS_modify_ldt, 0, 0, 0) >= 0 || errno() != 38 {
+                        return 14;
+                    }
+                    if libc::syscall(libc::SYS_unshare, 0) >= 0 || errno() != 1 {
+                        return 15;
+                    }
+                    if libc::syscall(libc::SYS_clone3, 0, 0) >= 0 || errno() != 38 {
+                        return 16;
+                    }
+                    0
+                })();
+                libc::_exit(code)
+            },
+            pid => {
+                let mut status = 0;
+                // SAFETY: waiting for our own child.
+                unsafe { libc::waitpid(pid, &mut status, 0) };
+                assert!(libc::WIFEXITED(status), "child status {status:#x}");
+                assert_eq!(libc::WEXITSTATUS(status), 0, "failed check");
+            }
         }
     }
 

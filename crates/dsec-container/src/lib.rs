@@ -10,6 +10,7 @@
 //! Architecture invariant: this crate runs inside the sandbox-to-be and must not start
 //! threads before [`boot`] forks; it does no async work.
 
+pub mod allowlist;
 pub mod boot;
 pub mod harden;
 pub mod landlock;
