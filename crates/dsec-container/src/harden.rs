@@ -2,22 +2,25 @@
 //! capabilities cut to [`KEPT_CAPS`], no_new_privs, and the default seccomp policy from
 //! `resources/seccomp-default.json` (policy as data; see its snapshot tests).
 //!
-//! The policy is three filters, installed in this order:
+//! The policy is written as three filters, as if installed in this order:
 //! - `allow`: an allowlist. A system call not on it fails with ENOSYS, as if the kernel
 //!   lacked it (so libraries fall back), including every call newer than the list.
-//!   Built as a binary search by [`crate::allowlist`] from the calls' numbers in
-//!   `resources/seccomp-allowed.txt`.
+
 //! - `deny_eperm`: calls refused with EPERM, some by argument (namespace flags of
 //!   `clone`, extent-swapping and terminal-injecting ioctls, `AF_VSOCK` sockets).
 //! - `deny_enosys`: calls refused with ENOSYS: `clone3` (its flags live in memory a
 //!   filter cannot read) and the rest of the kernel's table that `allow` leaves out.
 //!
 //! The kernel runs every filter and keeps the most severe answer; among errnos, the
-//! filter installed last wins, so EPERM of `deny_eperm` beats ENOSYS of `allow`.
+//! filter installed last wins, so EPERM of `deny_eperm` beats ENOSYS of `allow`. The
+//! agent installs them merged into one program with the same answers, a binary search
+//! over call numbers ([`crate::bpf`], numbers from `resources/syscalls-x86_64.txt`).
 
 use std::collections::HashSet;
 
 use caps::{CapSet, Capability};
+
+use crate::policy::{DENY_FILTERS, SECCOMP_POLICY_JSON};
 
 /// Capabilities a sandbox keeps: what a root user needs to administer files and users
 /// inside its own tree (Docker's default set without `MKNOD`, `NET_RAW`, `AUDIT_WRITE`).
@@ -36,9 +39,6 @@ pub const KEPT_CAPS: &[Capability] = &[
     Capability::CAP_NET_BIND_SERVICE,
     Capability::CAP_SYS_CHROOT,
 ];
-
-/// The default seccomp policy, as data.
-pub const SECCOMP_POLICY_JSON: &str = include_str!("../resources/seccomp-default.json");
 
 /// Dropping privileges failed.
 #[derive(Debug, thiserror::Error)]
@@ -74,11 +74,28 @@ pub fn apply() -> Result<(), HardenError> {
     if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
         return Err(HardenError::Dumpable(std::io::Error::last_os_error()));
     }
-    for filter in compile_seccomp()? {
-        seccompiler::apply_filter(&filter)
-            .map_err(|e| HardenError::SeccompInstall(e.to_string()))?;
-    }
+    seccompiler::apply_filter(&seccomp_program())
+        .map_err(|e| HardenError::SeccompInstall(e.to_string()))?;
     Ok(())
+}
+
+/// The policy's program as the build compiled it (`build.rs`: nothing is parsed or
+/// compiled at sandbox start).
+pub fn seccomp_program() -> seccompiler::BpfProgram {
+    const BPF: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/seccomp.bpf"));
+    BPF.chunks_exact(8)
+        .map(|i| seccompiler::sock_filter {
+            code: u16::from_le_bytes([i[0], i[1]]),
+            jt: i[2],
+            jf: i[3],
+            k: u32::from_le_bytes([i[4], i[5], i[6], i[7]]),
+        })
+        .collect()
+}
+
+/// Compiles the policy now (what the build did for [`seccomp_program`]).
+pub fn compile_seccomp() -> Result<seccompiler::BpfProgram, HardenError> {
+    crate::policy::compile().map_err(HardenError::SeccompCompile)
 }
 
 fn drop_capabilities() -> Result<(), HardenError> {
@@ -95,91 +112,6 @@ fn drop_capabilities() -> Result<(), HardenError> {
     Ok(())
 }
 
-/// Its filters that refuse calls.
-const DENY_FILTERS: [&str; 2] = ["deny_eperm", "deny_enosys"];
-
-/// The allowlist's calls with their x86_64 numbers (`NAME NUMBER` lines).
-pub const ALLOWED_NUMBERS: &str = include_str!("../resources/seccomp-allowed.txt");
-
-/// Compiles the default policy into BPF programs, in installation order: the allowlist
-/// as a binary search ([`crate::allowlist`]), the deny filters through seccompiler.
-pub fn compile_seccomp() -> Result<Vec<seccompiler::BpfProgram>, HardenError> {
-    let bad = |what: String| HardenError::SeccompCompile(what);
-    let mut doc: serde_json::Value =
-        serde_json::from_str(SECCOMP_POLICY_JSON).map_err(|e| bad(e.to_string()))?;
-    let allow = doc
-        .as_object_mut()
-        .and_then(|m| m.remove("allow"))
-        .ok_or_else(|| bad("filter allow missing".into()))?;
-    let errno = allow["default_action"]["errno"]
-        .as_u64()
-        .ok_or_else(|| bad("allow: default_action is not an errno".into()))?;
-    let mut out = vec![crate::allowlist::program(
-        &allowed_calls(&allow)?,
-        errno as u32,
-    )];
-    let arch = seccompiler::TargetArch::x86_64;
-    let mut map = seccompiler::compile_from_json(doc.to_string().as_bytes(), arch)
-        .map_err(|e| bad(e.to_string()))?;
-    for name in DENY_FILTERS {
-        let prog = map
-            .remove(name)
-            .ok_or_else(|| bad(format!("filter {name} missing")))?;
-        out.push(prog);
-    }
-    Ok(out)
-}
-
-/// The calls of the `allow` filter, numbered from [`ALLOWED_NUMBERS`], with their
-/// argument rules (each one `eq` test of a 32-bit argument).
-fn allowed_calls(
-    allow: &serde_json::Value,
-) -> Result<Vec<crate::allowlist::AllowedCall>, HardenError> {
-    let bad = |what: String| HardenError::SeccompCompile(format!("allow: {what}"));
-    let numbers: std::collections::HashMap<&str, u32> = ALLOWED_NUMBERS
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| {
-            let (name, nr) = l.split_once(' ')?;
-            Some((name, nr.trim().parse().ok()?))
-        })
-        .collect();
-    let mut calls: Vec<crate::allowlist::AllowedCall> = Vec::new();
-    for rule in allow["filter"].as_array().into_iter().flatten() {
-        let name = rule["syscall"].as_str().unwrap_or_default();
-        let nr = *numbers
-            .get(name)
-            .ok_or_else(|| bad(format!("{name} has no number in seccomp-allowed.txt")))?;
-        let when = match rule["args"].as_array() {
-            None => None,
-            Some(args) => {
-                let [a] = args.as_slice() else {
-                    return Err(bad(format!("{name}: one argument test per rule")));
-                };
-                let (index, val) = (a["index"].as_u64(), a["val"].as_u64());
-                match (index, val, a["type"].as_str(), a["op"].as_str()) {
-                    (Some(i), Some(v), Some("dword"), Some("eq")) if i < 6 && v <= 0xffff_ffff => {
-                        Some((i as u8, v as u32))
-                    }
-                    _ => return Err(bad(format!("{name}: only dword eq tests"))),
-                }
-            }
-        };
-        match calls.iter_mut().find(|c| c.nr == nr) {
-            // An unconditional rule allows the call whatever other rules say.
-            Some(c) => match when {
-                Some(w) if !c.when.is_empty() => c.when.push(w),
-                _ => c.when.clear(),
-            },
-            None => calls.push(crate::allowlist::AllowedCall {
-                nr,
-                when: when.into_iter().collect(),
-            }),
-        }
-    }
-    Ok(calls)
-}
-
 /// The default policy as an OCI runtime spec's `linux.seccomp` (for isolation level
 /// `oci`): everything allowed but the deny filters' rules, each answered with its
 /// filter's errno. The allowlist does not carry over: libseccomp drops a rule that
@@ -189,11 +121,12 @@ fn allowed_calls(
 /// argument (`dword`) is compared on its low 32 bits only, as the kernel reads it (a
 /// plain 64-bit compare is dodged by setting the high bits).
 pub fn oci_seccomp() -> Result<serde_json::Value, HardenError> {
-    let doc: serde_json::Value =
-        serde_json::from_str(SECCOMP_POLICY_JSON).map_err(|e| oci_bad(e.to_string()))?;
+    let doc: serde_json::Value = serde_json::from_str(SECCOMP_POLICY_JSON)
+        .map_err(|e| HardenError::SeccompCompile(e.to_string()))?;
     let mut syscalls = Vec::new();
     for filter in DENY_FILTERS {
-        let errno = filter_errno(&doc, filter, "filter_action")?;
+        let errno = crate::policy::filter_errno(&doc, filter, "filter_action")
+            .map_err(HardenError::SeccompCompile)?;
         for rule in doc[filter]["filter"].as_array().into_iter().flatten() {
             let (name, args) = oci_rule(filter, rule)?;
             let mut entry = serde_json::json!({
@@ -212,22 +145,23 @@ pub fn oci_seccomp() -> Result<serde_json::Value, HardenError> {
         .as_array()
         .cloned()
         .unwrap_or_default();
-    let errno = filter_errno(&doc, "allow", "default_action")?;
-    let mut only_filtered: Vec<&str> = Vec::new();
+    let errno = crate::policy::filter_errno(&doc, "allow", "default_action")
+        .map_err(HardenError::SeccompCompile)?;
+    // Argument rules by call, for calls the allowlist has no unconditional rule for.
+    let mut filtered: std::collections::BTreeMap<&str, Vec<&serde_json::Value>> =
+        Default::default();
     for rule in &allow {
-        let name = rule["syscall"].as_str().unwrap_or_default();
-        let filtered = |r: &serde_json::Value| r["syscall"] == name && r.get("args").is_some();
-        if allow.iter().filter(|r| r["syscall"] == name).all(filtered)
-            && !only_filtered.contains(&name)
-        {
-            only_filtered.push(name);
-        }
+        filtered
+            .entry(rule["syscall"].as_str().unwrap_or_default())
+            .or_default()
+            .push(rule);
     }
-    for name in only_filtered {
+    filtered.retain(|_, rules| rules.iter().all(|r| r.get("args").is_some()));
+    for (name, rules) in filtered {
         syscalls.push(serde_json::json!({
             "names": [name], "action": "SCMP_ACT_ERRNO", "errnoRet": errno
         }));
-        for rule in allow.iter().filter(|r| r["syscall"] == name) {
+        for rule in rules {
             let (_, args) = oci_rule("allow", rule)?;
             syscalls.push(serde_json::json!({
                 "names": [name], "action": "SCMP_ACT_ALLOW", "args": args
@@ -241,53 +175,23 @@ pub fn oci_seccomp() -> Result<serde_json::Value, HardenError> {
     }))
 }
 
-fn oci_bad(what: String) -> HardenError {
-    HardenError::SeccompCompile(format!("OCI translation: {what}"))
-}
-
-/// The errno of a filter's `filter_action` or `default_action`.
-fn filter_errno(doc: &serde_json::Value, filter: &str, action: &str) -> Result<u64, HardenError> {
-    doc[filter][action]["errno"]
-        .as_u64()
-        .ok_or_else(|| oci_bad(format!("{filter}: {action} is not an errno")))
-}
-
 /// A rule's syscall name and its argument conditions in OCI form.
 fn oci_rule(
     filter: &str,
     rule: &serde_json::Value,
 ) -> Result<(String, Vec<serde_json::Value>), HardenError> {
-    let name = rule["syscall"]
-        .as_str()
-        .ok_or_else(|| oci_bad(format!("{filter}: rule without a syscall")))?;
-    let mut args = Vec::new();
-    for a in rule["args"].as_array().into_iter().flatten() {
-        let (index, val) = (a["index"].as_u64(), a["val"].as_u64());
-        let (Some(index), Some(val)) = (index, val) else {
-            return Err(oci_bad(format!("{name}: argument without index or val")));
-        };
-        let width = match a["type"].as_str() {
-            Some("dword") => u64::from(u32::MAX),
-            Some("qword") => u64::MAX,
-            other => return Err(oci_bad(format!("{name}: argument type {other:?}"))),
-        };
-        // Only equality is used (and only equality keeps its meaning under a mask);
-        // anything else must be translated deliberately.
-        let mask = match &a["op"] {
-            serde_json::Value::String(op) if op == "eq" => width,
-            serde_json::Value::Object(o) => o
-                .get("masked_eq")
-                .and_then(serde_json::Value::as_u64)
-                .map(|m| m & width)
-                .ok_or_else(|| oci_bad(format!("{name}: operator {o:?}")))?,
-            other => return Err(oci_bad(format!("{name}: operator {other}"))),
-        };
-        args.push(serde_json::json!({
-            "index": index, "value": mask, "valueTwo": val & mask,
-            "op": "SCMP_CMP_MASKED_EQ"
-        }));
-    }
-    Ok((name.to_string(), args))
+    let (name, tests) =
+        crate::policy::parse_rule(filter, rule).map_err(HardenError::SeccompCompile)?;
+    let args = tests
+        .iter()
+        .map(|t| {
+            serde_json::json!({
+                "index": t.index, "value": t.mask, "valueTwo": t.value,
+                "op": "SCMP_CMP_MASKED_EQ"
+            })
+        })
+        .collect();
+    Ok((name, args))
 }
 
 /// Syscall names the default policy denies, sorted (for review and snapshot tests).
@@ -384,19 +288,73 @@ mod tests {
 
     #[test]
     fn policy_compiles() {
-        let progs = compile_seccomp().expect("policy compiles");
-        assert_eq!(progs.len(), 3);
-        assert!(progs.iter().all(|p| !p.is_empty()));
+        let prog = compile_seccomp().expect("policy compiles");
+        assert!(
+            !prog.is_empty() && prog.len() < 1500,
+            "{} instructions",
+            prog.len()
+        );
+        // What the build compiled is what the policy compiles to now.
+        assert_eq!(seccomp_program(), prog);
+    }
+
+    /// The merged program answers every call as the policy's three filters, compiled rule
+    /// by rule by seccompiler and installed in order, would (the kernel keeps the most
+    /// severe answer, and among errnos the last filter's).
+    #[test]
+    fn the_program_answers_as_the_three_filters_would() {
+        let prog = compile_seccomp().expect("compiles");
+        let mut filters = seccompiler::compile_from_json(
+            SECCOMP_POLICY_JSON.as_bytes(),
+            seccompiler::TargetArch::x86_64,
+        )
+        .expect("seccompiler compiles the policy");
+        let stack: Vec<_> = ["allow", "deny_eperm", "deny_enosys"]
+            .iter()
+            .map(|f| filters.remove(*f).expect("filter"))
+            .collect();
+        let arch = 62 | 0x8000_0000 | 0x4000_0000;
+        let stacked = |nr, args| {
+            let mut answer = 0x7fff_0000u32;
+            for f in stack.iter().rev() {
+                let r = crate::bpf::tests::run(f, arch, nr, args).0;
+                if ((r & 0xffff_0000) as i32) < ((answer & 0xffff_0000) as i32) {
+                    answer = r;
+                }
+            }
+            answer
+        };
+        // Every argument value any test names, and its neighbours and high-bit twins.
+        let doc: serde_json::Value = serde_json::from_str(SECCOMP_POLICY_JSON).expect("json");
+        let mut probes = vec![[0u64; 6], [u64::MAX; 6]];
+        for f in ["allow", "deny_eperm", "deny_enosys"] {
+            for rule in doc[f]["filter"].as_array().into_iter().flatten() {
+                for t in crate::policy::parse_rule(f, rule).expect("rule").1 {
+                    for v in [t.value, t.value | 1 << 32, t.value ^ 1, t.value | !t.mask] {
+                        let mut args = [0u64; 6];
+                        args[usize::from(t.index)] = v;
+                        probes.push(args);
+                    }
+                }
+            }
+        }
+        for nr in 0..500u32 {
+            for args in &probes {
+                assert_eq!(
+                    crate::bpf::tests::run(&prog, arch, nr, *args).0,
+                    stacked(nr, *args),
+                    "nr {nr} args {args:x?}"
+                );
+            }
+        }
     }
 
     /// Snapshot of the allowlist (`resources/seccomp-allowed.txt`): a call added to it
     /// must be added there too, deliberately.
     #[test]
     fn allowed_set_snapshot() {
-        let expected: Vec<&str> = ALLOWED_NUMBERS
-            .lines()
-            .filter(|l| !l.starts_with('#'))
-            .filter_map(|l| l.split_whitespace().next())
+        let expected: Vec<&str> = include_str!("../resources/seccomp-allowed.txt")
+            .split_whitespace()
             .collect();
         assert_eq!(allowed_syscalls(), expected);
         for must in [
@@ -411,11 +369,14 @@ mod tests {
         }
     }
 
-    /// The allowlist's numbers are the kernel's: seccompiler's table gives each name the
-    /// same number (its filter for the name alone tests that number).
+    /// The numbers are the kernel's: seccompiler's table gives each name the same number
+    /// (its filter for the name alone tests that number).
     #[test]
-    fn allowlist_numbers_match_seccompilers_table() {
-        for line in ALLOWED_NUMBERS.lines().filter(|l| !l.starts_with('#')) {
+    fn syscall_numbers_match_seccompilers_table() {
+        for line in crate::policy::SYSCALL_NUMBERS
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+        {
             let (name, nr) = line.split_once(' ').expect("NAME NUMBER");
             let nr: u32 = nr.parse().expect("number");
             let json = format!(
@@ -434,27 +395,20 @@ mod tests {
         }
     }
 
-    /// The allowlist filter in a real process: allowed calls work, calls off the list
-    /// and personality values off the list fail with ENOSYS, calls the deny filters
-    /// refuse fail with EPERM.
+    /// The policy in a real process: allowed calls work, calls off the list and
+    /// personality values off the list fail with ENOSYS, calls the deny filters refuse
+    /// fail with EPERM.
     #[test]
     fn the_installed_policy_answers_as_written() {
-        let progs = compile_seccomp().expect("compiles");
-        assert!(
-            progs[0].len() < 1000,
-            "allowlist of {} instructions",
-            progs[0].len()
-        );
+        let prog = compile_seccomp().expect("compiles");
         // SAFETY: fork in a test; the child makes system calls only and leaves with _exit.
         match unsafe { libc::fork() } {
             // SAFETY: raw system calls with constant arguments, then _exit.
             0 => unsafe {
                 let code = (|| {
                     libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
-                    for p in &progs {
-                        if seccompiler::apply_filter(p).is_err() {
-                            return 10;
-                        }
+                    if seccompiler::apply_filter(&prog).is_err() {
+                        return 10;
                     }
                     let errno = || *libc::__errno_location();
                     if libc::syscall(libc::SYS_getppid) <= 0 {

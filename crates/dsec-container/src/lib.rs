@@ -10,11 +10,12 @@
 //! Architecture invariant: this crate runs inside the sandbox-to-be and must not start
 //! threads before [`boot`] forks; it does no async work.
 
-pub mod allowlist;
 pub mod boot;
+pub mod bpf;
 pub mod harden;
 pub mod landlock;
 pub mod net;
+pub mod policy;
 pub mod rootfs;
 
 pub use boot::{boot, BootError};
