@@ -134,8 +134,9 @@ impl UserNs {
 /// A process parked in a fresh user namespace, killed and reaped on drop.
 struct Helper {
     pid: libc::pid_t,
-    /// The helper's stack; it shares the node's memory, so this must outlive it.
-    stack: Vec<u8>,
+    /// The helper's stack; it shares the node's memory, so this must outlive it (it is
+    /// freed with `Self`, after the helper is reaped).
+    _stack: Vec<u8>,
 }
 
 /// What the helper runs: nothing, until it is killed. Every signal is blocked (the mask
@@ -184,7 +185,7 @@ impl Helper {
             }
             pid
         };
-        Ok(Self { pid, stack })
+        Ok(Self { pid, _stack: stack })
     }
 }
 
@@ -197,7 +198,6 @@ impl Drop for Helper {
                 && io::Error::last_os_error().raw_os_error() == Some(libc::EINTR)
             {}
         }
-        self.stack.clear();
     }
 }
 
