@@ -8,7 +8,6 @@ use std::sync::{Arc, Mutex};
 use dsec_cgroups::{CgroupRoot, CgroupVersion};
 use dsec_image::ImageStore;
 use dsec_wire::v1::Image;
-use tokio::net::UnixStream;
 
 use crate::admission::{Admission, Capacity};
 use crate::backend::{Backend, Layers, RuntimeRecord};
@@ -324,12 +323,12 @@ impl NodeApi for LocalNode {
 
     async fn connect(&self, id: &str) -> Result<AgentConn, NodeError> {
         let rec = self.record(id)?;
-        let stream = UnixStream::connect(&rec.agent_socket)
-            .await
-            .map_err(|source| NodeError::Agent {
+        let stream = crate::agent_conn::connect_now(&rec.agent_socket).map_err(|source| {
+            NodeError::Agent {
                 id: id.to_string(),
                 source,
-            })?;
+            }
+        })?;
         Ok(AgentConn::new(stream))
     }
 

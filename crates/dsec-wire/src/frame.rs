@@ -73,6 +73,11 @@ impl Frame {
         out
     }
 
+    /// Length of the encoded frame: header and payload.
+    pub fn encoded_len(&self) -> usize {
+        5 + self.payload_len()
+    }
+
     fn payload_len(&self) -> usize {
         match self {
             Frame::Json(b) | Frame::Stdout(b) | Frame::Stderr(b) | Frame::Data(b) => b.len(),
