@@ -14,9 +14,7 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::net::UnixListener;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use dsec_cgroups::{Cgroup, CgroupRoot, Limits};
@@ -380,57 +378,35 @@ impl ContainerBackend {
         if pairs.len() > MAX_FDS {
             return Err(create_err(id, "too many descriptors for init"));
         }
-        let above = pairs.iter().map(|(_, n)| *n).max().unwrap_or(STATUS_FD) + 1;
-        let mut cmd = Command::new(&self.cfg.agent_bin);
+        let (stdin_r, stdin_w): (OwnedFd, OwnedFd) = nix::unistd::pipe2(OFlag::O_CLOEXEC)
+            .map_err(|e| create_err(id, format!("pipe: {e}")))?;
+        let devnull = fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/null")
+            .map_err(NodeError::io("open", Path::new("/dev/null")))?;
         // argv[0] without the host path: /proc/1/cmdline is readable inside.
-        cmd.arg0("dsec-agent")
-            .arg("init")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log));
-        // SAFETY: the closure only calls async-signal-safe functions (fcntl, dup2,
-        // close_range, setsid) and touches no allocation.
-        unsafe {
-            cmd.pre_exec(move || {
-                // Copy every fd above all target numbers first, so no dup2 clobbers a
-                // source still to be moved.
-                let mut copies = [0i32; MAX_FDS];
-                for (i, (src, _)) in pairs.iter().enumerate() {
-                    copies[i] = libc::fcntl(*src, libc::F_DUPFD_CLOEXEC, above);
-                    if copies[i] < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                for (i, (_, target)) in pairs.iter().enumerate() {
-                    if libc::dup2(copies[i], *target) < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                // Nothing else crosses into the sandbox: not even descriptors the node
-                // itself inherited without close-on-exec from whoever started it.
-                if libc::syscall(libc::SYS_close_range, above, libc::c_uint::MAX, 0) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // A sandbox must not share the node's session: a terminal's ^C to
-                // `dsec serve` must not reach sandboxes.
-                libc::setsid();
-                Ok(())
-            });
-        }
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| create_err(id, format!("start {}: {e}", self.cfg.agent_bin.display())))?;
-        drop(status_w);
+        let child = crate::spawn::spawn(
+            &self.cfg.agent_bin,
+            &["dsec-agent", "init"],
+            &crate::spawn::SpawnFds {
+                stdin: stdin_r.as_raw_fd(),
+                stdout: devnull.as_raw_fd(),
+                stderr: log.as_raw_fd(),
+                fixed: &pairs,
+            },
+        )
+        .map_err(|e| create_err(id, format!("start {}: {e}", self.cfg.agent_bin.display())))?;
+        drop((stdin_r, devnull, log, status_w));
         let json = serde_json::to_vec(init).map_err(|e| create_err(id, e))?;
-        if let Some(mut stdin) = child.stdin.take() {
-            stdin
-                .write_all(&json)
-                .map_err(|e| create_err(id, format!("send init spec: {e}")))?;
-        }
-        let report = read_status(&status_r, self.cfg.create_timeout);
-        // The intermediate process exits right after the fork; reap it.
-        let _ = child.wait();
-        let report = report.map_err(|e| create_err(id, e))?;
+        let sent = fs::File::from(stdin_w)
+            .write_all(&json)
+            .map_err(|e| create_err(id, format!("send init spec: {e}")));
+        let report = sent.and_then(|()| {
+            read_status(&status_r, self.cfg.create_timeout).map_err(|e| create_err(id, e))
+        });
+        // The intermediate process exits right after its fork (or failed); reap it.
+        let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(child), None);
+        let report = report?;
         let mut pid = None;
         let mut ready = false;
         for line in report.lines() {
@@ -723,7 +699,7 @@ impl Backend for ContainerBackend {
     }
 
     fn destroy(&self, id: &str) -> Result<(), NodeError> {
-        self.handles().remove(id);
+        let cached = self.handles().remove(id);
         if let Some(u) = &self.userns {
             // Its processes die with the cgroup below, before any new create can take
             // the lock: the range is free for reuse.
@@ -737,7 +713,11 @@ impl Backend for ContainerBackend {
             }
             let _ = nix::mount::umount2(&dir.join("rootfs"), nix::mount::MntFlags::MNT_DETACH);
         }
-        match Cgroup::open(&self.cgroups, &self.cgroup_path(id)) {
+        let cgroup = match cached {
+            Some(cg) => Ok(cg),
+            None => Cgroup::open(&self.cgroups, &self.cgroup_path(id)).map(std::sync::Arc::new),
+        };
+        match cgroup {
             Ok(cg) => cg.destroy()?,
             Err(dsec_cgroups::CgroupError::NotFound(_)) => {}
             Err(e) => return Err(e.into()),

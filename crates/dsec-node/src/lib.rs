@@ -21,6 +21,7 @@ pub mod container;
 pub mod error;
 pub mod local;
 pub mod oci;
+pub mod spawn;
 pub mod swap;
 pub mod userns;
 
