@@ -147,6 +147,8 @@ pub fn detect_at(mount_root: &Path) -> Result<CgroupVersion> {
 pub struct CgroupRoot {
     mount_root: PathBuf,
     version: CgroupVersion,
+    /// The v1 hierarchies, probed on first use.
+    v1_layout: std::sync::OnceLock<v1::Layout>,
 }
 
 impl CgroupRoot {
@@ -162,6 +164,7 @@ impl CgroupRoot {
         Ok(Self {
             mount_root,
             version,
+            v1_layout: std::sync::OnceLock::new(),
         })
     }
 
@@ -170,6 +173,7 @@ impl CgroupRoot {
         Self {
             mount_root: mount_root.into(),
             version,
+            v1_layout: std::sync::OnceLock::new(),
         }
     }
 
@@ -215,6 +219,9 @@ pub trait CgroupManager: fmt::Debug + Send + Sync {
     fn procs_paths(&self) -> Vec<PathBuf>;
     /// PIDs in this cgroup and its descendants, sorted and deduplicated.
     fn pids(&self) -> Result<Vec<i32>>;
+    /// Whether a process is in the cgroup itself (descendants not looked at): one read
+    /// per hierarchy, no directory listing.
+    fn has_own_pids(&self) -> Result<bool>;
     /// Send SIGKILL to every process, once (no waiting).
     fn signal_kill(&self) -> Result<()>;
     /// Remove the cgroup directories (descendants first). Missing directories are fine.
@@ -265,7 +272,16 @@ impl Cgroup {
     fn handle(root: &CgroupRoot, rel_path: &str) -> Result<Self> {
         let rel = util::validate_rel_path(rel_path)?;
         let manager = match root.version {
-            CgroupVersion::V1 => AnyManager::V1(v1::V1Manager::new(root.mount_root(), &rel)?),
+            CgroupVersion::V1 => {
+                let layout = match root.v1_layout.get() {
+                    Some(layout) => layout,
+                    None => {
+                        let layout = v1::Layout::probe(root.mount_root())?;
+                        root.v1_layout.get_or_init(|| layout)
+                    }
+                };
+                AnyManager::V1(v1::V1Manager::with_layout(layout, &rel))
+            }
             CgroupVersion::V2 => AnyManager::V2(v2::V2Manager::new(root.mount_root(), &rel)),
         };
         Ok(Self {
@@ -364,6 +380,8 @@ impl Cgroup {
         let deadline = std::time::Instant::now() + timeout;
         let mut sleep = Duration::from_millis(1);
         loop {
+            // A full walk (descendants too) decides; while the killed processes exit only
+            // the cgroup's own `cgroup.procs` is polled, which lists no directories.
             let pids = m.pids()?;
             if pids.is_empty() {
                 return Ok(());
@@ -372,16 +390,21 @@ impl Cgroup {
             // A frozen task (v1 freezer) dies only once thawed; killed first, it never
             // runs user code again.
             let _ = m.set_frozen(false, Duration::from_millis(200));
-            if std::time::Instant::now() >= deadline {
-                let path = m.dirs().into_iter().next().unwrap_or_default();
-                return Err(CgroupError::Timeout {
-                    path,
-                    what: format!("{} process(es) to exit: {pids:?}", pids.len()),
-                    timeout,
-                });
+            loop {
+                if std::time::Instant::now() >= deadline {
+                    let path = m.dirs().into_iter().next().unwrap_or_default();
+                    return Err(CgroupError::Timeout {
+                        path,
+                        what: format!("{} process(es) to exit: {pids:?}", pids.len()),
+                        timeout,
+                    });
+                }
+                std::thread::sleep(sleep);
+                sleep = (sleep * 2).min(Duration::from_millis(20));
+                if !m.has_own_pids()? {
+                    break;
+                }
             }
-            std::thread::sleep(sleep);
-            sleep = (sleep * 2).min(Duration::from_millis(20));
         }
     }
 

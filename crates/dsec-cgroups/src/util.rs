@@ -150,6 +150,16 @@ pub(crate) fn tree_post_order(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(out)
 }
 
+/// Whether `dir`'s own `cgroup.procs` lists a process (a missing cgroup has none).
+pub(crate) fn has_procs(dir: &Path) -> Result<bool> {
+    let procs = dir.join("cgroup.procs");
+    match std::fs::read(&procs) {
+        Ok(s) => Ok(s.iter().any(u8::is_ascii_digit)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(io_err("read", &procs, e)),
+    }
+}
+
 /// PIDs of `dir`'s `cgroup.procs` and those of every descendant.
 pub(crate) fn tree_pids(dir: &Path, out: &mut Vec<i32>) -> Result<()> {
     for d in tree_post_order(dir)? {

@@ -53,9 +53,15 @@ pub struct V1Manager {
     hiers: Vec<Hier>,
 }
 
-impl V1Manager {
-    /// Handle for `<mount_root>/<controller>/<rel>`; fails if a [`REQUIRED`] hierarchy is missing.
-    pub fn new(mount_root: &Path, rel: &str) -> Result<Self> {
+/// The mounted hierarchies and which of our controllers each one holds. Fixed while the
+/// host runs, so a [`crate::CgroupRoot`] probes it once (the probe canonicalises every
+/// controller's directory: dozens of syscalls per cgroup handle otherwise).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout(Vec<(Vec<&'static str>, PathBuf)>);
+
+impl Layout {
+    /// Reads the layout under `mount_root`; fails if a [`REQUIRED`] hierarchy is missing.
+    pub fn probe(mount_root: &Path) -> Result<Self> {
         for req in REQUIRED {
             let dir = mount_root.join(req);
             if !dir.join("cgroup.procs").exists() {
@@ -65,9 +71,8 @@ impl V1Manager {
                 });
             }
         }
-        let found = hierarchy_dirs(mount_root);
-        let mut hiers: Vec<Hier> = Vec::new();
-        for (c, hroot) in found {
+        let mut out = Vec::new();
+        for (c, hroot) in hierarchy_dirs(mount_root) {
             // Which of our controllers live in this hierarchy: those whose dir canonicalises to it.
             let canon = std::fs::canonicalize(&hroot).unwrap_or_else(|_| hroot.clone());
             let controllers = REQUIRED
@@ -82,12 +87,29 @@ impl V1Manager {
                             .unwrap_or(false)
                 })
                 .collect();
-            hiers.push(Hier {
-                controllers,
-                dir: hroot.join(rel),
-            });
+            out.push((controllers, hroot));
         }
-        Ok(Self { hiers })
+        Ok(Self(out))
+    }
+}
+
+impl V1Manager {
+    /// Handle for `<mount_root>/<controller>/<rel>`; fails if a [`REQUIRED`] hierarchy is missing.
+    pub fn new(mount_root: &Path, rel: &str) -> Result<Self> {
+        Ok(Self::with_layout(&Layout::probe(mount_root)?, rel))
+    }
+
+    /// Handle for `rel` in every hierarchy of `layout`.
+    pub fn with_layout(layout: &Layout, rel: &str) -> Self {
+        let hiers = layout
+            .0
+            .iter()
+            .map(|(controllers, root)| Hier {
+                controllers: controllers.clone(),
+                dir: root.join(rel),
+            })
+            .collect();
+        Self { hiers }
     }
 
     fn dir_of(&self, controller: &'static str) -> Result<&Path> {
@@ -169,6 +191,15 @@ impl CgroupManager for V1Manager {
         out.sort_unstable();
         out.dedup();
         Ok(out)
+    }
+
+    fn has_own_pids(&self) -> Result<bool> {
+        for h in &self.hiers {
+            if util::has_procs(&h.dir)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     fn signal_kill(&self) -> Result<()> {

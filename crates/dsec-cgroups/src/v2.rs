@@ -118,6 +118,10 @@ impl CgroupManager for V2Manager {
         Ok(out)
     }
 
+    fn has_own_pids(&self) -> Result<bool> {
+        util::has_procs(&self.dir)
+    }
+
     fn signal_kill(&self) -> Result<()> {
         let kill = self.dir.join("cgroup.kill");
         if kill.exists() {
