@@ -382,7 +382,10 @@ pub(crate) fn argv_true() -> ExecRequest {
     }
 }
 
-async fn dsec_measurements(server: &Server, n: usize) -> anyhow::Result<(Stats, Stats, Stats)> {
+async fn dsec_measurements(
+    server: &Server,
+    n: usize,
+) -> anyhow::Result<(Stats, Stats, Stats, Stats)> {
     let c = server.client();
     let mut create_exec = Vec::new();
     let mut create_only = Vec::new();
@@ -410,6 +413,15 @@ async fn dsec_measurements(server: &Server, n: usize) -> anyhow::Result<(Stats, 
             exec.push(t.elapsed().as_secs_f64() * 1000.0);
         }
     }
+    // The same path without a process: what an exec costs beyond spawning its command.
+    let mut call = Vec::new();
+    for i in 0..(n * 5) + 5 {
+        let t = Instant::now();
+        c.stat_file(&sb.id, "/etc/hostname").await?;
+        if i >= 5 {
+            call.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
+    }
     c.delete_sandbox(&sb.id).await?;
     Ok((
         Stats {
@@ -426,6 +438,11 @@ async fn dsec_measurements(server: &Server, n: usize) -> anyhow::Result<(Stats, 
             name: "dsec exec true".into(),
             samples: exec,
             note: Some("HTTP API on a running sandbox".into()),
+        },
+        Stats {
+            name: "dsec agent call, no process".into(),
+            samples: call,
+            note: Some("stat of a file: HTTP + node + agent, the RPC part of an exec".into()),
         },
     ))
 }
@@ -757,14 +774,14 @@ fn main() -> anyhow::Result<()> {
             let crun = runtime_run("crun", &bundle, n);
             let crun_ovl = crun_run_overlay(&bundle, n);
             let runc = runtime_run("runc", &bundle, n);
-            let (dsec_tti, dsec_create, dsec_exec) = dsec_measurements(&server, n).await?;
+            let (dsec_tti, dsec_create, dsec_exec, dsec_call) = dsec_measurements(&server, n).await?;
             let crun_exec = crun_exec(&bundle, n * 5);
             let podman = peers::podman(&bundle.rootfs, n.min(20));
             let bwrap = peers::bwrap(&bundle.rootfs, n);
             let floor = peers::raw_floor(&bundle.rootfs, n);
             let sdk = python_sdk_tti(&server, n);
             tti = vec![crun, crun_ovl, runc, podman, bwrap, floor, dsec_tti, sdk, dsec_create];
-            exec = vec![crun_exec, dsec_exec, spawn_floor(n * 5)];
+            exec = vec![crun_exec, dsec_exec, dsec_call, spawn_floor(n * 5)];
             print_table("time to interactive (create -> first command done)", &tti, "crun run true");
             print_table("exec round trip on a running sandbox", &exec, "crun exec true");
         }
