@@ -362,7 +362,7 @@ impl ContainerBackend {
             .map_err(|e| create_err(id, format!("pipe: {e}")))?;
         let log_path = dir.join("agent.log");
         let log = fs::File::create(&log_path).map_err(NodeError::io("create", &log_path))?;
-        // (host fd, number in init), fixed before the fork: the child may not allocate.
+        // (host fd, number in init).
         let mut pairs: Vec<(RawFd, i32)> =
             vec![(fds.listen, LISTEN_FD), (status_w.as_raw_fd(), STATUS_FD)];
         pairs.extend(fds.disk.map(|f| (f, DISK_FD)));
@@ -404,8 +404,14 @@ impl ContainerBackend {
         let report = sent.and_then(|()| {
             read_status(&status_r, self.cfg.create_timeout).map_err(|e| create_err(id, e))
         });
-        // The intermediate process exits right after its fork (or failed); reap it.
-        let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(child), None);
+        // The intermediate process exits right after its fork (or failed); reap it. One
+        // that never reported (spec not taken, status timed out) may still be running:
+        // kill it first, so the wait cannot hang the create.
+        let child = nix::unistd::Pid::from_raw(child);
+        if report.is_err() {
+            let _ = nix::sys::signal::kill(child, nix::sys::signal::Signal::SIGKILL);
+        }
+        let _ = nix::sys::wait::waitpid(child, None);
         let report = report?;
         let mut pid = None;
         let mut ready = false;
