@@ -292,28 +292,13 @@ pub fn spawn_piped(
     };
     let devnull = c"/dev/null";
 
-    // SAFETY: standard posix_spawn usage: attr and file actions are initialised before use
+    // SAFETY: standard posix_spawn usage: the file actions are initialised before use
     // and destroyed after; every pointer passed stays valid for the duration of the call.
     unsafe {
-        let mut attr: libc::posix_spawnattr_t = std::mem::zeroed();
+        let attr =
+            dsec_container::spawnattr::SpawnAttr::new(libc::POSIX_SPAWN_SETPGROUP as libc::c_short);
         let mut fa: libc::posix_spawn_file_actions_t = std::mem::zeroed();
-        libc::posix_spawnattr_init(&mut attr);
         libc::posix_spawn_file_actions_init(&mut fa);
-        // Handlers reset on exec by themselves; only ignored signals survive it, and the
-        // agent ignores just SIGPIPE (the Rust runtime does). Defaulting the full set
-        // would cost ~64 rt_sigaction calls, each through seccomp, on every exec.
-        let mut ignored: libc::sigset_t = std::mem::zeroed();
-        let mut none: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut ignored);
-        libc::sigaddset(&mut ignored, libc::SIGPIPE);
-        libc::sigemptyset(&mut none);
-        libc::posix_spawnattr_setsigdefault(&mut attr, &ignored);
-        libc::posix_spawnattr_setsigmask(&mut attr, &none);
-        libc::posix_spawnattr_setpgroup(&mut attr, 0);
-        let flags = libc::POSIX_SPAWN_SETPGROUP
-            | libc::POSIX_SPAWN_SETSIGDEF
-            | libc::POSIX_SPAWN_SETSIGMASK;
-        libc::posix_spawnattr_setflags(&mut attr, flags as libc::c_short);
         match &stdin_pipe {
             Some((r, _)) => libc::posix_spawn_file_actions_adddup2(&mut fa, r.as_raw_fd(), 0),
             None => libc::posix_spawn_file_actions_addopen(
@@ -332,12 +317,11 @@ pub fn spawn_piped(
             &mut pid,
             exe_c.as_ptr(),
             &fa,
-            &attr,
+            attr.as_ptr(),
             argv_p.as_ptr() as *const *mut libc::c_char,
             env_p.as_ptr() as *const *mut libc::c_char,
         );
         libc::posix_spawn_file_actions_destroy(&mut fa);
-        libc::posix_spawnattr_destroy(&mut attr);
         if rc != 0 {
             return Err(spawn_error(
                 &io::Error::from_raw_os_error(rc),

@@ -70,29 +70,14 @@ pub fn spawn(exe: &Path, argv: &[&str], fds: &SpawnFds<'_>) -> io::Result<libc::
         })
         .collect::<io::Result<Vec<_>>>()?;
 
-    // SAFETY: attr and file actions are initialised before use and destroyed after;
+    // SAFETY: the file actions are initialised before use and destroyed after;
     // every pointer passed stays valid for the duration of the call.
     unsafe {
-        let mut attr: libc::posix_spawnattr_t = std::mem::zeroed();
+        let attr = dsec_container::spawnattr::SpawnAttr::new(libc::POSIX_SPAWN_SETSID);
         let mut fa: libc::posix_spawn_file_actions_t = std::mem::zeroed();
-        libc::posix_spawnattr_init(&mut attr);
         libc::posix_spawn_file_actions_init(&mut fa);
-        // The node ignores SIGPIPE (the Rust runtime does); init starts with the default,
-        // and with an empty mask. Handled signals reset on exec by themselves.
-        let mut sigdef: libc::sigset_t = std::mem::zeroed();
-        let mut empty: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut sigdef);
-        libc::sigaddset(&mut sigdef, libc::SIGPIPE);
-        libc::sigemptyset(&mut empty);
-        libc::posix_spawnattr_setsigdefault(&mut attr, &sigdef);
-        libc::posix_spawnattr_setsigmask(&mut attr, &empty);
-        // A sandbox must not share the node's session: a terminal's ^C to `dsec serve`
-        // must not reach sandboxes.
-        let flags = libc::POSIX_SPAWN_SETSIGDEF | libc::POSIX_SPAWN_SETSIGMASK;
-        libc::posix_spawnattr_setflags(
-            &mut attr,
-            flags as libc::c_short | libc::POSIX_SPAWN_SETSID,
-        );
+        // A sandbox must not share the node's session (POSIX_SPAWN_SETSID): a terminal's
+        // ^C to `dsec serve` must not reach sandboxes.
         // Standard streams first: their sources may sit at numbers that targets reuse.
         for (src, n) in [(fds.stdin, 0), (fds.stdout, 1), (fds.stderr, 2)] {
             libc::posix_spawn_file_actions_adddup2(&mut fa, src, n);
@@ -114,12 +99,11 @@ pub fn spawn(exe: &Path, argv: &[&str], fds: &SpawnFds<'_>) -> io::Result<libc::
             &mut pid,
             exe_c.as_ptr(),
             &fa,
-            &attr,
+            attr.as_ptr(),
             argv_p.as_ptr(),
             env_p.as_ptr(),
         );
         libc::posix_spawn_file_actions_destroy(&mut fa);
-        libc::posix_spawnattr_destroy(&mut attr);
         if rc != 0 {
             return Err(io::Error::from_raw_os_error(rc));
         }
