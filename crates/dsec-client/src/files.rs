@@ -4,9 +4,15 @@
 use std::io::{self, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use dsec_wire::v1::{FileInfo, WriteResult};
+use futures::stream::BoxStream;
+use futures::task::AtomicWaker;
 use futures::{StreamExt, TryStream, TryStreamExt};
 use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
@@ -15,58 +21,142 @@ use crate::{Client, ClientError};
 
 /// A request body for uploads: bytes in memory, an open `tokio::fs::File`, or any stream
 /// of byte chunks. Files and streams are sent chunk by chunk, never buffered whole.
-#[derive(Debug)]
-pub struct UploadBody(reqwest::Body);
+pub struct UploadBody(Body);
+
+enum Body {
+    /// Bytes in memory: sent whole.
+    Whole(reqwest::Body),
+    /// Chunks as they come; stopped once the server has answered (see [`Answered`]).
+    Streamed(BoxStream<'static, Result<Bytes, BoxError>>),
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+impl std::fmt::Debug for UploadBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            Body::Whole(b) => f.debug_tuple("UploadBody").field(b).finish(),
+            Body::Streamed(_) => f.write_str("UploadBody(<stream>)"),
+        }
+    }
+}
 
 impl UploadBody {
     /// A body from a stream of chunks; an error item aborts the upload.
     pub fn from_stream<S>(stream: S) -> Self
     where
         S: TryStream + Send + 'static,
-        S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        S::Error: Into<BoxError>,
         Bytes: From<S::Ok>,
     {
-        Self(reqwest::Body::wrap_stream(stream))
+        Self(Body::Streamed(
+            stream.map_ok(Bytes::from).map_err(Into::into).boxed(),
+        ))
     }
 
-    pub(crate) fn into_reqwest(self) -> reqwest::Body {
-        self.0
+    /// The body for one request, streamed ones cut off once `answered` is set.
+    pub(crate) fn into_reqwest(self, answered: &Answered) -> reqwest::Body {
+        match self.0 {
+            Body::Whole(b) => b,
+            Body::Streamed(inner) => reqwest::Body::wrap_stream(StopWhenAnswered {
+                inner,
+                answered: answered.0.clone(),
+                stopped: false,
+            }),
+        }
+    }
+}
+
+/// Set once the response to an upload has been read (or the upload was dropped).
+///
+/// A server may answer before the body ends (`no_space` after 256 MiB of a 10 GiB
+/// upload). HTTP/1 clients go on sending regardless, and the server can only read and
+/// discard the rest for a while before it must close, which resets the connection; a
+/// client still sending may then see the reset instead of the answer. Stopping the body as
+/// soon as the answer is in makes the order certain and wastes nothing.
+#[derive(Debug, Default)]
+pub(crate) struct Answered(Arc<AnsweredState>);
+
+#[derive(Debug, Default)]
+struct AnsweredState {
+    set: AtomicBool,
+    waker: AtomicWaker,
+}
+
+impl Answered {
+    /// Marks the answer as read and wakes the body so it stops.
+    pub(crate) fn set(&self) {
+        self.0.set.store(true, Ordering::Release);
+        self.0.waker.wake();
+    }
+}
+
+impl Drop for Answered {
+    fn drop(&mut self) {
+        // A caller that dropped the upload's future wants nothing more sent either.
+        self.set();
+    }
+}
+
+/// A body stream that fails once its request is answered, which aborts the connection
+/// instead of sending the rest.
+struct StopWhenAnswered {
+    inner: BoxStream<'static, Result<Bytes, BoxError>>,
+    answered: Arc<AnsweredState>,
+    stopped: bool,
+}
+
+impl futures::Stream for StopWhenAnswered {
+    type Item = Result<Bytes, BoxError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if self.stopped {
+            return Poll::Ready(None);
+        }
+        self.answered.waker.register(cx.waker());
+        if self.answered.set.load(Ordering::Acquire) {
+            self.stopped = true;
+            return Poll::Ready(Some(Err(
+                "the server answered before the upload ended".into()
+            )));
+        }
+        self.inner.poll_next_unpin(cx)
     }
 }
 
 impl From<tokio::fs::File> for UploadBody {
     fn from(f: tokio::fs::File) -> Self {
-        Self(reqwest::Body::from(f))
+        Self::from_stream(tokio_util::io::ReaderStream::new(f))
     }
 }
 
 impl From<Bytes> for UploadBody {
     fn from(b: Bytes) -> Self {
-        Self(reqwest::Body::from(b))
+        Self(Body::Whole(reqwest::Body::from(b)))
     }
 }
 
 impl From<Vec<u8>> for UploadBody {
     fn from(b: Vec<u8>) -> Self {
-        Self(reqwest::Body::from(b))
+        Self(Body::Whole(reqwest::Body::from(b)))
     }
 }
 
 impl From<String> for UploadBody {
     fn from(s: String) -> Self {
-        Self(reqwest::Body::from(s))
+        Self(Body::Whole(reqwest::Body::from(s)))
     }
 }
 
 impl From<&'static str> for UploadBody {
     fn from(s: &'static str) -> Self {
-        Self(reqwest::Body::from(s))
+        Self(Body::Whole(reqwest::Body::from(s)))
     }
 }
 
 impl From<&'static [u8]> for UploadBody {
     fn from(b: &'static [u8]) -> Self {
-        Self(reqwest::Body::from(b))
+        Self(Body::Whole(reqwest::Body::from(b)))
     }
 }
 

@@ -431,12 +431,16 @@ impl Client {
         if let Some(m) = mode {
             query.push(("mode", format!("0{m:o}")));
         }
+        let answered = files::Answered::default();
         let rb = self
             .request(Method::PUT, &["sandboxes", id, "files"])
             .query(&query)
             .header(header::CONTENT_TYPE, "application/octet-stream")
-            .body(body.into().into_reqwest());
-        Self::json(rb).await
+            .body(body.into().into_reqwest(&answered));
+        let answer = Self::json(rb).await;
+        // The answer is in: a body the server stopped reading early stops too.
+        answered.set();
+        answer
     }
 
     /// `GET /v1/sandboxes/{id}/files/list?path=`.
@@ -497,12 +501,16 @@ impl Client {
         path: &str,
         body: impl Into<UploadBody>,
     ) -> Result<WriteResult, ClientError> {
+        let answered = files::Answered::default();
         let rb = self
             .request(Method::PUT, &["sandboxes", id, "files", "tar"])
             .query(&[("path", path)])
             .header(header::CONTENT_TYPE, "application/x-tar")
-            .body(body.into().into_reqwest());
-        Self::json(rb).await
+            .body(body.into().into_reqwest(&answered));
+        let answer = Self::json(rb).await;
+        // The answer is in: a body the server stopped reading early stops too.
+        answered.set();
+        answer
     }
 
     // ------------------------------------------------------------ images

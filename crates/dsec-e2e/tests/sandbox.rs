@@ -493,8 +493,19 @@ async fn a_10_gib_upload_into_a_small_disk_fails_cleanly_and_loses_nothing() {
         .await
         .expect_err("10 GiB cannot fit in 256 MiB");
     assert_eq!(code(err), ErrorCode::NoSpace);
-    let sent = sent.load(Ordering::Relaxed) >> 20;
-    assert!(sent < 2048, "the server read {sent} MiB before giving up");
+    let at_answer = sent.load(Ordering::Relaxed) >> 20;
+    assert!(
+        at_answer < 2048,
+        "the server read {at_answer} MiB before giving up"
+    );
+    // Answered, the client stops sending: nothing beyond what was already in flight.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let after = sent.load(Ordering::Relaxed) >> 20;
+    assert!(
+        after - at_answer < 64,
+        "{} MiB more sent after the answer",
+        after - at_answer
+    );
     assert!(started.elapsed() < Duration::from_secs(60));
 
     // Nothing lost, nothing left: the old file is intact, the partial upload is gone and

@@ -76,9 +76,11 @@ fn bytes_body(stream: ByteStream, content_type: &'static str) -> Response {
 /// After an upload is answered early (e.g. `no_space`), how long and how much of the
 /// unread rest of its body is still read and thrown away. Closing at once would make the
 /// kernel reset the connection, and a client still sending would see the reset instead
-/// of the answer; this "lingering close" lets it read the answer first.
-const LINGER_TIME: std::time::Duration = std::time::Duration::from_secs(2);
-const LINGER_BYTES: usize = 64 << 20;
+/// of the answer; this "lingering close" gives it time to read the answer first. The
+/// dsec clients stop sending once they have the answer, which ends the linger at once;
+/// the limits are for clients that send everything before they read.
+const LINGER_TIME: std::time::Duration = std::time::Duration::from_secs(5);
+const LINGER_BYTES: usize = 1 << 30;
 
 /// The request body as the trait's [`ByteStream`], not buffered and not size-limited.
 /// A task feeds it, so that when the consumer stops early the task can linger (above).
