@@ -668,7 +668,8 @@ impl Filesystem for Fs {
 pub struct LazyMount {
     inner: Arc<Inner>,
     dir: PathBuf,
-    session: fuser::BackgroundSession,
+    /// Taken only by `Drop`.
+    session: Option<fuser::BackgroundSession>,
 }
 
 impl std::fmt::Debug for LazyMount {
@@ -676,6 +677,31 @@ impl std::fmt::Debug for LazyMount {
         f.debug_struct("LazyMount")
             .field("dir", &self.dir)
             .finish_non_exhaustive()
+    }
+}
+
+impl Drop for LazyMount {
+    /// Unmounts the file system. A layer mount that was just detached can keep it busy
+    /// for a moment; the unmount is retried, then detached, so no dead FUSE mount
+    /// ("Transport endpoint is not connected") outlives the process.
+    fn drop(&mut self) {
+        let Some(session) = self.session.take() else {
+            return;
+        };
+        if session.umount_and_join().is_ok() {
+            return;
+        }
+        for _ in 0..40 {
+            match nix::mount::umount2(&self.dir, nix::mount::MntFlags::empty()) {
+                Err(nix::errno::Errno::EBUSY) => {
+                    std::thread::sleep(std::time::Duration::from_millis(25))
+                }
+                // Unmounted now, or by someone else already.
+                _ => return,
+            }
+        }
+        tracing::warn!(dir = %self.dir.display(), "lazy file system still busy: detaching it");
+        let _ = nix::mount::umount2(&self.dir, nix::mount::MntFlags::MNT_DETACH);
     }
 }
 
@@ -713,7 +739,7 @@ impl LazyMount {
         Ok(Self {
             inner,
             dir: dir.to_path_buf(),
-            session,
+            session: Some(session),
         })
     }
 
@@ -862,6 +888,8 @@ impl LazyMount {
 
     /// Whether the FUSE session still runs (it ends when the mount goes away).
     pub fn is_serving(&self) -> bool {
-        !self.session.guard.is_finished()
+        self.session
+            .as_ref()
+            .is_some_and(|s| !s.guard.is_finished())
     }
 }

@@ -81,6 +81,14 @@ impl Drop for ErofsMount {
     }
 }
 
+/// Whether `path` is a mount point of this mount namespace.
+fn mounted(path: &Path) -> bool {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    let path = path.display().to_string();
+    info.lines()
+        .any(|l| l.split(' ').nth(4) == Some(path.as_str()))
+}
+
 fn drop_caches() {
     // SAFETY: sync has no preconditions.
     unsafe { libc::sync() };
@@ -334,6 +342,11 @@ fn lazy_layer_reads_only_what_is_read_and_matches_the_layer() {
     );
     drop(m);
     drop(lazy);
+    // Right after its layer mount went, the lazy file system is gone too.
+    assert!(
+        !mounted(&d.path().join("fuse")),
+        "lazy fs outlived its drop"
+    );
 
     // A restart keeps the chunk cache: the same reads fetch nothing.
     drop_caches();
@@ -350,6 +363,11 @@ fn lazy_layer_reads_only_what_is_read_and_matches_the_layer() {
     assert_eq!(s.fetched_bytes, 0, "{s:?}");
     assert!(s.cached_bytes > 0);
     drop(m);
+    drop(lazy);
+    assert!(
+        !mounted(&d.path().join("fuse")),
+        "lazy fs outlived its drop"
+    );
 }
 
 #[test]
