@@ -28,6 +28,23 @@ ensure_root() {
   [ "$(id -u)" -eq 0 ] || die "run as root: dsec creates namespaces, mounts and cgroups"
 }
 
+# What a clean run of the whole suite takes on disk (build, base image, test state),
+# measured from a fresh clone; see docs/testing.md.
+SUITE_DISK_GB=20
+
+# Says how much disk the build and the tests have, and warns when it is likely too
+# little: a full disk shows up much later as a linker "Bus error" or failed writes.
+report_free_disk() {
+  local where free_gb
+  for where in "$(repo_root)" "${TMPDIR:-/tmp}"; do
+    free_gb=$(( $(df -Pk "$where" | awk 'NR==2{print $4}') / 1024 / 1024 ))
+    log "free disk at $where: ${free_gb} GB"
+    if [ "$free_gb" -lt "$SUITE_DISK_GB" ]; then
+      log "warning: a clean run needs about ${SUITE_DISK_GB} GB free; expect failures"
+    fi
+  done
+}
+
 ensure_toolchain() {
   command -v cargo >/dev/null || die "cargo not found: install the Rust toolchain (rustup)"
 }

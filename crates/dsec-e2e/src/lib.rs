@@ -118,12 +118,15 @@ pub struct Server {
     child: Option<Child>,
     root: PathBuf,
     extra_args: Vec<String>,
+    /// Started fresh: its directory goes when it drops after a passing test.
+    remove_on_drop: bool,
 }
 
 impl Server {
     /// Starts a server in `/tmp/dsec-e2e/NAME`. With `fresh`, the directory is wiped
-    /// first; otherwise an earlier run's state (images, leftover sandboxes) is reused and
-    /// the server's own recovery cleans it.
+    /// first, and removed again when the server drops unless the test failed (its log and
+    /// state are kept for a look); otherwise an earlier run's state (images, leftover
+    /// sandboxes) is reused and the server's own recovery cleans it.
     pub async fn start(name: &str, fresh: bool) -> anyhow::Result<Self> {
         Self::start_with(name, fresh, &[]).await
     }
@@ -146,6 +149,7 @@ impl Server {
             child: None,
             root,
             extra_args: args.iter().map(|a| a.to_string()).collect(),
+            remove_on_drop: fresh,
         };
         s.spawn().await?;
         Ok(s)
@@ -388,5 +392,10 @@ impl Drop for Server {
         kill_leftovers(&self.state_dir);
         kill_lazy_servers(&self.state_dir);
         let _ = std::fs::remove_dir_all(&self.run_dir);
+        // Each server holds a copy of the base image: a suite's worth of them is gigabytes.
+        if self.remove_on_drop && !std::thread::panicking() {
+            unmount_under(&self.root);
+            let _ = std::fs::remove_dir_all(&self.root);
+        }
     }
 }
