@@ -29,8 +29,8 @@ ensure_root() {
 }
 
 # What a clean run of the whole suite takes on disk (build, base image, test state),
-# measured from a fresh clone; see docs/testing.md.
-SUITE_DISK_GB=20
+# measured from a fresh clone (about 4 GB at peak, plus the base image); see README.
+SUITE_DISK_GB=10
 
 # Says how much disk the build and the tests have, and warns when it is likely too
 # little: a full disk shows up much later as a linker "Bus error" or failed writes.
