@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use base64::Engine;
 use bytes::Bytes;
 use dsec_node::{AgentConn, NodeApi, NodeCreateSpec};
-use dsec_state::StateStore;
+use dsec_state::{StateError, StateStore};
 use dsec_wire::agent::{self, ExecSpec, ProcessSpec, Reply, Request};
 use dsec_wire::frame::{Frame, DATA_CHUNK};
 use dsec_wire::v1::*;
@@ -174,7 +174,7 @@ impl ControlPlane {
                 Some(false) | None if sb.state == SandboxState::Creating => {
                     tracing::info!(%id, "removing half-created sandbox");
                     let _ = plane.node.destroy(&id).await;
-                    plane.store.delete(NS_SANDBOXES, &id).map_err(internal)?;
+                    plane.unstore(NS_SANDBOXES, &id).await?;
                     continue;
                 }
                 _ => {
@@ -184,7 +184,7 @@ impl ControlPlane {
                     let _ = plane.node.destroy(&id).await;
                 }
             }
-            plane.persist(&sb)?;
+            plane.persist(&sb).await?;
             plane.lock().insert(id, sb);
         }
         plane.clone().spawn_reaper();
@@ -195,14 +195,32 @@ impl ControlPlane {
         self.records.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn persist(&self, sb: &Sandbox) -> ApiResult<()> {
+    async fn persist(&self, sb: &Sandbox) -> ApiResult<()> {
         let bytes = serde_json::to_vec(&Record {
             sandbox: sb.clone(),
         })
         .map_err(internal)?;
-        self.store
-            .put(NS_SANDBOXES, &sb.id, &bytes)
+        let id = sb.id.clone();
+        self.stored(move |s| s.put(NS_SANDBOXES, &id, &bytes)).await
+    }
+
+    /// Runs a state store call on the blocking pool: a write returns once it is durable
+    /// (an fsync), which must not stall a runtime worker and every request queued on it.
+    async fn stored<T: Send + 'static>(
+        &self,
+        call: impl FnOnce(&dyn StateStore) -> Result<T, StateError> + Send + 'static,
+    ) -> ApiResult<T> {
+        let store = self.store.clone();
+        tokio::task::spawn_blocking(move || call(store.as_ref()))
+            .await
+            .map_err(internal)?
             .map_err(internal)
+    }
+
+    /// Forgets a sandbox's record in the store.
+    async fn unstore(&self, ns: &'static str, id: &str) -> ApiResult<()> {
+        let id = id.to_string();
+        self.stored(move |s| s.delete(ns, &id)).await
     }
 
     fn spawn_reaper(self: Arc<Self>) {
@@ -277,7 +295,7 @@ impl ControlPlane {
         };
         for sb in died {
             tracing::warn!(id = %sb.id, "sandbox died");
-            let _ = self.persist(&sb);
+            let _ = self.persist(&sb).await;
         }
         let expired: Vec<String> = self
             .tombstones
@@ -292,7 +310,7 @@ impl ControlPlane {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .remove(&id);
-            let _ = self.store.delete(NS_TOMBSTONES, &id);
+            let _ = self.unstore(NS_TOMBSTONES, &id).await;
         }
     }
 
@@ -312,15 +330,15 @@ impl ControlPlane {
                 at: now_ms(),
             };
             let bytes = serde_json::to_vec(&t).map_err(internal)?;
-            self.store
-                .put(NS_TOMBSTONES, id, &bytes)
-                .map_err(internal)?;
+            let key = id.to_string();
+            self.stored(move |s| s.put(NS_TOMBSTONES, &key, &bytes))
+                .await?;
             self.tombstones
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .insert(id.to_string(), t);
         }
-        self.store.delete(NS_SANDBOXES, id).map_err(internal)?;
+        self.unstore(NS_SANDBOXES, id).await?;
         self.lock().remove(id);
         Ok(())
     }
@@ -776,7 +794,7 @@ impl SandboxApi for ControlPlane {
         if let Some(first) = existing {
             return self.await_created(&first).await;
         }
-        if let Err(e) = self.persist(&sb) {
+        if let Err(e) = self.persist(&sb).await {
             self.lock().remove(&id);
             return Err(e);
         }
@@ -825,7 +843,7 @@ impl SandboxApi for ControlPlane {
             Ok(c) => c,
             Err(e) => {
                 self.lock().remove(&id);
-                let _ = self.store.delete(NS_SANDBOXES, &id);
+                let _ = self.unstore(NS_SANDBOXES, &id).await;
                 return Err(e.into());
             }
         };
@@ -838,7 +856,7 @@ impl SandboxApi for ControlPlane {
             let _ = self.remove(&id, None).await;
             return Err(e);
         }
-        self.persist(&sb)?;
+        self.persist(&sb).await?;
         Ok(sb)
     }
 
@@ -881,7 +899,7 @@ impl SandboxApi for ControlPlane {
             }
         };
         let sandbox = self.get_sandbox(id).await?;
-        self.persist(&sandbox)?;
+        self.persist(&sandbox).await?;
         Ok(PauseResult {
             sandbox,
             memory_before_bytes: before,
@@ -906,7 +924,7 @@ impl SandboxApi for ControlPlane {
                 }
             }
             let sandbox = self.get_sandbox(id).await?;
-            self.persist(&sandbox)?;
+            self.persist(&sandbox).await?;
             return Ok(sandbox);
         }
         self.get_sandbox(id).await
@@ -955,7 +973,7 @@ impl SandboxApi for ControlPlane {
             })
         };
         if let Some(rec) = updated {
-            self.persist(&rec)?;
+            self.persist(&rec).await?;
         }
         Ok(img)
     }
@@ -971,7 +989,7 @@ impl SandboxApi for ControlPlane {
                             rec.job_suspended_at.get_or_insert_with(now_ms);
                             sb = rec.clone();
                         }
-                        let error = self.persist(&sb).err();
+                        let error = self.persist(&sb).await.err();
                         JobSandboxOutcome {
                             id,
                             state: sb.state,
@@ -1020,7 +1038,7 @@ impl SandboxApi for ControlPlane {
             sb.network = policy;
             sb.clone()
         };
-        self.persist(&sb)?;
+        self.persist(&sb).await?;
         Ok(sb)
     }
 
@@ -1040,7 +1058,7 @@ impl SandboxApi for ControlPlane {
             sb.expires_at = now_ms() + req.timeout_s * 1000;
             sb.clone()
         };
-        self.persist(&sb)?;
+        self.persist(&sb).await?;
         Ok(sb)
     }
 
