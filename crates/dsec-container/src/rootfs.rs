@@ -329,20 +329,37 @@ fn pivot(root: &Path) -> Result<(), RootfsError> {
 }
 
 fn mask_paths() -> Result<(), RootfsError> {
+    // Directories are hidden under one empty read-only tmpfs, bound over each of them: a
+    // file system per directory would cost a superblock to set up and tear down each.
+    let mut empty: Option<&Path> = None;
     for p in MASKED_PATHS {
         let path = Path::new(p);
         let Ok(meta) = fs::symlink_metadata(path) else {
             continue;
         };
         if meta.is_dir() {
-            mount(
-                Some("tmpfs"),
-                path,
-                Some("tmpfs"),
-                MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
-                Some("size=0"),
-            )
+            match empty {
+                // The superblock is read-only, so every bind of it is too.
+                Some(first) => mount(
+                    Some(first),
+                    path,
+                    None::<&str>,
+                    MsFlags::MS_BIND,
+                    None::<&str>,
+                ),
+                None => mount(
+                    Some("tmpfs"),
+                    path,
+                    Some("tmpfs"),
+                    MsFlags::MS_RDONLY
+                        | MsFlags::MS_NOSUID
+                        | MsFlags::MS_NODEV
+                        | MsFlags::MS_NOEXEC,
+                    Some("size=0"),
+                ),
+            }
             .map_err(err("mask dir", path))?;
+            empty.get_or_insert(path);
         } else {
             mount(
                 Some("/dev/null"),

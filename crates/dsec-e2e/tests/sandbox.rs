@@ -184,6 +184,8 @@ async fn isolation_is_in_place() {
          mount -t tmpfs x /mnt 2>&1 || echo mount-denied; \
          unshare -U true 2>&1 || echo userns-denied; \
          cat /proc/keys /proc/timer_list 2>/dev/null | wc -c; ls /proc/acpi 2>/dev/null | wc -l; \
+         find /sys/firmware /sys/kernel/debug /sys/kernel/tracing -mindepth 1 2>/dev/null | wc -l; \
+         touch /sys/firmware/x /proc/acpi/x 2>&1 | grep -c 'Read-only file system'; \
          echo x > /proc/sys/kernel/hostname 2>&1 || echo procsys-ro; \
          ls /dev | tr '\\n' ' '",
     )
@@ -208,6 +210,11 @@ async fn isolation_is_in_place() {
     assert!(
         out.contains("\n0\n0\n"),
         "masked /proc paths read empty: {out}"
+    );
+    // Masked directories are empty and cannot be written (one read-only tmpfs).
+    assert!(
+        out.contains("\n0\n0\n0\n2\n"),
+        "masked /sys directories empty and read-only: {out}"
     );
     for dev in ["null", "zero", "urandom", "tty", "ptmx", "pts", "shm"] {
         assert!(out.contains(dev), "/dev/{dev} missing: {out}");
