@@ -126,7 +126,8 @@ impl futures::Stream for StopWhenAnswered {
 
 impl From<tokio::fs::File> for UploadBody {
     fn from(f: tokio::fs::File) -> Self {
-        Self::from_stream(tokio_util::io::ReaderStream::new(f))
+        // 64 KiB reads: the default 4 KiB makes a chunk (and a blocking-pool trip) per page.
+        Self::from_stream(tokio_util::io::ReaderStream::with_capacity(f, 64 << 10))
     }
 }
 
