@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
@@ -85,6 +85,8 @@ pub struct ControlPlane {
     /// Cache of the store's sandbox records (the store is written on every change).
     records: Mutex<HashMap<String, Sandbox>>,
     tombstones: Mutex<HashMap<String, Tombstone>>,
+    /// This plane itself, for the tasks of [`ControlPlane::to_end`].
+    me: Weak<ControlPlane>,
 }
 
 fn now_ms() -> u64 {
@@ -157,12 +159,13 @@ impl ControlPlane {
             }
         }
         let now = now_ms();
-        let plane = Arc::new(Self {
+        let plane = Arc::new_cyclic(|me| Self {
             cfg,
             node,
             store,
             records: Mutex::new(HashMap::new()),
             tombstones: Mutex::new(tombstones),
+            me: me.clone(),
         });
         for (id, mut sb) in records {
             match running.get(&id) {
@@ -215,6 +218,25 @@ impl ControlPlane {
             .await
             .map_err(internal)?
             .map_err(internal)
+    }
+
+    /// Runs a state-changing call on its own task and waits for it. The call runs to its
+    /// end even if the caller goes away: an HTTP client that times out or is killed in the
+    /// middle of a create (a preempted trainer) must not leave a half-made sandbox, stuck in
+    /// `creating`, with processes and mounts nobody owns. A create finished that way is an
+    /// ordinary sandbox: found again by its idempotency key or labels, or reaped at the end
+    /// of its lifetime.
+    async fn to_end<T, F, Fut>(&self, call: F) -> ApiResult<T>
+    where
+        F: FnOnce(Arc<Self>) -> Fut,
+        Fut: std::future::Future<Output = ApiResult<T>> + Send + 'static,
+        T: Send + 'static,
+    {
+        let me = self
+            .me
+            .upgrade()
+            .ok_or_else(|| internal("the control plane is shutting down"))?;
+        tokio::spawn(call(me)).await.map_err(internal)?
     }
 
     /// Forgets a sandbox's record in the store.
@@ -694,41 +716,10 @@ async fn oom_check(node: &Arc<dyn NodeApi>, id: &str, before: u64, frame: &Frame
     }
 }
 
-#[async_trait::async_trait]
-impl SandboxApi for ControlPlane {
-    fn authenticate(&self, key: Option<&str>) -> ApiResult<()> {
-        match key {
-            Some(k) if crate::auth::keys_equal(k, &self.cfg.api_key) => Ok(()),
-            Some(_) => Err(ApiError::new(ErrorCode::Unauthorized, "invalid API key")),
-            None => Err(ApiError::new(
-                ErrorCode::Unauthorized,
-                "missing API key: send it in the x-api-key header (or Authorization: Bearer)",
-            )),
-        }
-    }
-
-    async fn health(&self) -> ApiResult<Health> {
-        let c = self.node.capacity().await;
-        let sandboxes = self.lock().len() as u64;
-        Ok(Health {
-            status: "ok".into(),
-            version: env!("CARGO_PKG_VERSION").into(),
-            node: self.node.name().into(),
-            cgroup: self.node.cgroup_version().into(),
-            sandboxes,
-            capacity: Some(NodeCapacity {
-                cpu_millis_allocatable: c.cpu_millis_allocatable,
-                cpu_millis_requested: c.cpu_millis_requested,
-                memory_available_bytes: c.memory_available_bytes,
-                memory_reserve_bytes: c.memory_reserve_bytes,
-                sandboxes: c.sandboxes as u64,
-                max_sandboxes: c.max_sandboxes as u64,
-                core_scheduling: c.core_scheduling,
-            }),
-        })
-    }
-
-    async fn create_sandbox(&self, req: CreateSandboxRequest) -> ApiResult<Sandbox> {
+/// The state-changing calls. Each runs on its own task through [`ControlPlane::to_end`],
+/// so it finishes even if its caller goes away.
+impl ControlPlane {
+    async fn create_sandbox_to_end(&self, req: CreateSandboxRequest) -> ApiResult<Sandbox> {
         let req = validate::flatten_environment(req)?;
         validate::create(&req)?;
         let now = now_ms();
@@ -860,27 +851,11 @@ impl SandboxApi for ControlPlane {
         Ok(sb)
     }
 
-    async fn get_sandbox(&self, id: &str) -> ApiResult<Sandbox> {
-        let found = self.lock().get(id).cloned();
-        found.ok_or_else(|| self.missing(id))
-    }
-
-    async fn list_sandboxes(&self, labels: BTreeMap<String, String>) -> ApiResult<SandboxList> {
-        let mut sandboxes: Vec<Sandbox> = self
-            .lock()
-            .values()
-            .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(v)))
-            .cloned()
-            .collect();
-        sandboxes.sort_by(|a, b| a.created_at.cmp(&b.created_at).then(a.id.cmp(&b.id)));
-        Ok(SandboxList { sandboxes })
-    }
-
-    async fn delete_sandbox(&self, id: &str) -> ApiResult<()> {
+    async fn delete_sandbox_to_end(&self, id: &str) -> ApiResult<()> {
         self.remove(id, None).await
     }
 
-    async fn pause_sandbox(&self, id: &str) -> ApiResult<PauseResult> {
+    async fn pause_sandbox_to_end(&self, id: &str) -> ApiResult<PauseResult> {
         if !self.transition(id, SandboxState::Ready, SandboxState::Paused)? {
             let sandbox = self.get_sandbox(id).await?;
             return Ok(PauseResult {
@@ -907,7 +882,7 @@ impl SandboxApi for ControlPlane {
         })
     }
 
-    async fn resume_sandbox(&self, id: &str) -> ApiResult<Sandbox> {
+    async fn resume_sandbox_to_end(&self, id: &str) -> ApiResult<Sandbox> {
         if self.transition(id, SandboxState::Paused, SandboxState::Ready)? {
             if let Err(e) = self.node.resume(id).await {
                 let _ = self.transition(id, SandboxState::Ready, SandboxState::Paused);
@@ -930,15 +905,15 @@ impl SandboxApi for ControlPlane {
         self.get_sandbox(id).await
     }
 
-    async fn gc_images(&self, req: GcRequest) -> ApiResult<GcResult> {
+    async fn gc_images_to_end(&self, req: GcRequest) -> ApiResult<GcResult> {
         self.node.gc_images(&req).await.map_err(ApiError::from)
     }
 
-    async fn build_image(&self, req: BuildRequest) -> ApiResult<BuildResult> {
+    async fn build_image_to_end(&self, req: BuildRequest) -> ApiResult<BuildResult> {
         crate::build::build(self, self.node.as_ref(), req).await
     }
 
-    async fn commit_sandbox(&self, id: &str, req: CommitRequest) -> ApiResult<Image> {
+    async fn commit_sandbox_to_end(&self, id: &str, req: CommitRequest) -> ApiResult<Image> {
         let sb = self.get_sandbox(id).await?;
         // Still files while the copy runs: pause a running sandbox, resume it after.
         let paused_here = match sb.state {
@@ -978,7 +953,7 @@ impl SandboxApi for ControlPlane {
         Ok(img)
     }
 
-    async fn suspend_job(&self, job: &str) -> ApiResult<JobResult> {
+    async fn suspend_job_to_end(&self, job: &str) -> ApiResult<JobResult> {
         let ids = self.job_members(job)?;
         let outcomes = futures::stream::iter(ids)
             .map(|id| async move {
@@ -1007,7 +982,7 @@ impl SandboxApi for ControlPlane {
         Ok(Self::job_result(job, outcomes))
     }
 
-    async fn resume_job(&self, job: &str) -> ApiResult<JobResult> {
+    async fn resume_job_to_end(&self, job: &str) -> ApiResult<JobResult> {
         let ids = self.job_members(job)?;
         let outcomes = futures::stream::iter(ids)
             .map(|id| async move {
@@ -1028,7 +1003,7 @@ impl SandboxApi for ControlPlane {
         Ok(Self::job_result(job, outcomes))
     }
 
-    async fn set_network(&self, id: &str, policy: NetworkPolicy) -> ApiResult<Sandbox> {
+    async fn set_network_to_end(&self, id: &str, policy: NetworkPolicy) -> ApiResult<Sandbox> {
         validate::network(&policy)?;
         self.ready(id)?;
         self.node.set_network(id, policy.clone()).await?;
@@ -1042,7 +1017,7 @@ impl SandboxApi for ControlPlane {
         Ok(sb)
     }
 
-    async fn set_timeout(&self, id: &str, req: SetTimeoutRequest) -> ApiResult<Sandbox> {
+    async fn set_timeout_to_end(&self, id: &str, req: SetTimeoutRequest) -> ApiResult<Sandbox> {
         if req.timeout_s == 0 || req.timeout_s > MAX_TIMEOUT_S {
             return Err(ApiError::new(
                 ErrorCode::BadRequest,
@@ -1060,6 +1035,132 @@ impl SandboxApi for ControlPlane {
         };
         self.persist(&sb).await?;
         Ok(sb)
+    }
+
+    async fn import_image_to_end(&self, req: ImportImageRequest) -> ApiResult<Image> {
+        let source = import_source(&req)?;
+        self.node
+            .import_image(&req.name, &source, req.flatten, None)
+            .await
+            .map_err(ApiError::from)
+    }
+
+    async fn delete_image_to_end(&self, name: &str) -> ApiResult<()> {
+        self.node.remove_image(name).await.map_err(ApiError::from)
+    }
+}
+
+#[async_trait::async_trait]
+impl SandboxApi for ControlPlane {
+    fn authenticate(&self, key: Option<&str>) -> ApiResult<()> {
+        match key {
+            Some(k) if crate::auth::keys_equal(k, &self.cfg.api_key) => Ok(()),
+            Some(_) => Err(ApiError::new(ErrorCode::Unauthorized, "invalid API key")),
+            None => Err(ApiError::new(
+                ErrorCode::Unauthorized,
+                "missing API key: send it in the x-api-key header (or Authorization: Bearer)",
+            )),
+        }
+    }
+
+    async fn health(&self) -> ApiResult<Health> {
+        let c = self.node.capacity().await;
+        let sandboxes = self.lock().len() as u64;
+        Ok(Health {
+            status: "ok".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            node: self.node.name().into(),
+            cgroup: self.node.cgroup_version().into(),
+            sandboxes,
+            capacity: Some(NodeCapacity {
+                cpu_millis_allocatable: c.cpu_millis_allocatable,
+                cpu_millis_requested: c.cpu_millis_requested,
+                memory_available_bytes: c.memory_available_bytes,
+                memory_reserve_bytes: c.memory_reserve_bytes,
+                sandboxes: c.sandboxes as u64,
+                max_sandboxes: c.max_sandboxes as u64,
+                core_scheduling: c.core_scheduling,
+            }),
+        })
+    }
+
+    async fn create_sandbox(&self, req: CreateSandboxRequest) -> ApiResult<Sandbox> {
+        self.to_end(move |me| async move { me.create_sandbox_to_end(req).await })
+            .await
+    }
+
+    async fn get_sandbox(&self, id: &str) -> ApiResult<Sandbox> {
+        let found = self.lock().get(id).cloned();
+        found.ok_or_else(|| self.missing(id))
+    }
+
+    async fn list_sandboxes(&self, labels: BTreeMap<String, String>) -> ApiResult<SandboxList> {
+        let mut sandboxes: Vec<Sandbox> = self
+            .lock()
+            .values()
+            .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(v)))
+            .cloned()
+            .collect();
+        sandboxes.sort_by(|a, b| a.created_at.cmp(&b.created_at).then(a.id.cmp(&b.id)));
+        Ok(SandboxList { sandboxes })
+    }
+
+    async fn delete_sandbox(&self, id: &str) -> ApiResult<()> {
+        let id = id.to_string();
+        self.to_end(move |me| async move { me.delete_sandbox_to_end(&id).await })
+            .await
+    }
+
+    async fn pause_sandbox(&self, id: &str) -> ApiResult<PauseResult> {
+        let id = id.to_string();
+        self.to_end(move |me| async move { me.pause_sandbox_to_end(&id).await })
+            .await
+    }
+
+    async fn resume_sandbox(&self, id: &str) -> ApiResult<Sandbox> {
+        let id = id.to_string();
+        self.to_end(move |me| async move { me.resume_sandbox_to_end(&id).await })
+            .await
+    }
+
+    async fn gc_images(&self, req: GcRequest) -> ApiResult<GcResult> {
+        self.to_end(move |me| async move { me.gc_images_to_end(req).await })
+            .await
+    }
+
+    async fn build_image(&self, req: BuildRequest) -> ApiResult<BuildResult> {
+        self.to_end(move |me| async move { me.build_image_to_end(req).await })
+            .await
+    }
+
+    async fn commit_sandbox(&self, id: &str, req: CommitRequest) -> ApiResult<Image> {
+        let id = id.to_string();
+        self.to_end(move |me| async move { me.commit_sandbox_to_end(&id, req).await })
+            .await
+    }
+
+    async fn suspend_job(&self, job: &str) -> ApiResult<JobResult> {
+        let job = job.to_string();
+        self.to_end(move |me| async move { me.suspend_job_to_end(&job).await })
+            .await
+    }
+
+    async fn resume_job(&self, job: &str) -> ApiResult<JobResult> {
+        let job = job.to_string();
+        self.to_end(move |me| async move { me.resume_job_to_end(&job).await })
+            .await
+    }
+
+    async fn set_network(&self, id: &str, policy: NetworkPolicy) -> ApiResult<Sandbox> {
+        let id = id.to_string();
+        self.to_end(move |me| async move { me.set_network_to_end(&id, policy).await })
+            .await
+    }
+
+    async fn set_timeout(&self, id: &str, req: SetTimeoutRequest) -> ApiResult<Sandbox> {
+        let id = id.to_string();
+        self.to_end(move |me| async move { me.set_timeout_to_end(&id, req).await })
+            .await
     }
 
     async fn exec(&self, id: &str, req: ExecRequest) -> ApiResult<ExecResult> {
@@ -1394,11 +1495,8 @@ impl SandboxApi for ControlPlane {
     }
 
     async fn import_image(&self, req: ImportImageRequest) -> ApiResult<Image> {
-        let source = import_source(&req)?;
-        self.node
-            .import_image(&req.name, &source, req.flatten, None)
+        self.to_end(move |me| async move { me.import_image_to_end(req).await })
             .await
-            .map_err(ApiError::from)
     }
 
     async fn import_image_stream(&self, req: ImportImageRequest) -> ApiResult<ImportStream> {
@@ -1433,7 +1531,9 @@ impl SandboxApi for ControlPlane {
     }
 
     async fn delete_image(&self, name: &str) -> ApiResult<()> {
-        self.node.remove_image(name).await.map_err(ApiError::from)
+        let name = name.to_string();
+        self.to_end(move |me| async move { me.delete_image_to_end(&name).await })
+            .await
     }
 }
 

@@ -1987,3 +1987,66 @@ async fn commands_run_as_the_sandbox_user_or_the_one_they_name() {
         .expect_err("both forms");
     assert_eq!(code(e), ErrorCode::BadRequest);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_hangs_up_mid_create_leaves_no_half_made_sandbox() {
+    if !require_root() {
+        return;
+    }
+    use std::io::Write;
+    let s = server();
+    let c = s.client();
+    // Raw requests whose connection closes a few milliseconds in, while the create runs:
+    // a trainer killed (or timing out) in the middle of its call.
+    let mark = format!("hangup-{}", std::process::id());
+    let body = format!(r#"{{"labels":{{"suite":"{mark}"}}}}"#);
+    let addr = s.url.trim_start_matches("http://").to_string();
+    for i in 0..8u64 {
+        let mut conn = std::net::TcpStream::connect(&addr).expect("connect");
+        write!(
+            conn,
+            "POST /v1/sandboxes HTTP/1.1\r\nHost: {addr}\r\nx-api-key: {}\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            s.key,
+            body.len()
+        )
+        .expect("send");
+        // From before the create starts to well into it (a create takes 5-10 ms).
+        std::thread::sleep(Duration::from_millis(2 + 2 * i));
+        drop(conn);
+    }
+    // Every create the server accepted finishes as an ordinary, usable sandbox.
+    let labels = BTreeMap::from([("suite".to_string(), mark.clone())]);
+    let settled = wait_until(Duration::from_secs(30), || {
+        let c = c.clone();
+        let labels = labels.clone();
+        async move {
+            let list = c.list_sandboxes(labels).await.ok()?.sandboxes;
+            list.iter()
+                .all(|sb| sb.state != SandboxState::Creating)
+                .then_some(list)
+        }
+    })
+    .await
+    .expect("creates still in `creating` after 30 s");
+    assert!(
+        !settled.is_empty(),
+        "no create got far enough to be accepted"
+    );
+    for sb in &settled {
+        assert_eq!(sb.state, SandboxState::Ready, "{sb:?}");
+        assert_eq!(run(&c, &sb.id, "echo ok").await.stdout, "ok\n");
+        c.delete_sandbox(&sb.id).await.expect("delete");
+        assert!(
+            host::processes(&sb.id).is_empty(),
+            "{} left processes",
+            sb.id
+        );
+        assert!(
+            host::cgroup_dirs(&sb.id).is_empty(),
+            "{} left cgroups",
+            sb.id
+        );
+        assert!(host::mounts(&sb.id).is_empty(), "{} left mounts", sb.id);
+    }
+}
