@@ -96,6 +96,26 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// Why streaming a body to the agent stopped.
+enum PumpError {
+    /// The body (the client's upload) failed.
+    Body(ApiError),
+    /// Sending to the agent failed.
+    Agent(ApiError),
+}
+
+impl From<PumpError> for ApiError {
+    fn from(e: PumpError) -> Self {
+        match e {
+            PumpError::Body(e) | PumpError::Agent(e) => e,
+        }
+    }
+}
+
+/// How long an upload whose body broke off waits for an answer the agent may already
+/// have sent.
+const AGENT_ANSWER_GRACE: Duration = Duration::from_millis(50);
+
 fn internal(e: impl std::fmt::Display) -> ApiError {
     ApiError::new(ErrorCode::Internal, e.to_string())
 }
@@ -546,26 +566,43 @@ impl ControlPlane {
     }
 
     /// Sends `body` as Data frames then Eof on `conn`.
-    async fn pump(conn: &mut AgentConn, mut body: ByteStream) -> ApiResult<()> {
+    async fn pump(conn: &mut AgentConn, mut body: ByteStream) -> Result<(), PumpError> {
         while let Some(chunk) = body.next().await {
-            let chunk = chunk?;
+            let chunk = chunk.map_err(PumpError::Body)?;
             for piece in chunk.chunks(DATA_CHUNK) {
-                conn.send(&Frame::Data(piece.to_vec())).await?;
+                conn.send(&Frame::Data(piece.to_vec()))
+                    .await
+                    .map_err(PumpError::Agent)?;
             }
         }
-        conn.send(&Frame::Eof).await?;
-        conn.flush().await
+        conn.send(&Frame::Eof).await.map_err(PumpError::Agent)?;
+        conn.flush().await.map_err(PumpError::Agent)
     }
 
     /// Sends `req`, then `body` as Data frames, and returns the agent's byte count.
     async fn upload(mut conn: AgentConn, req: Request, body: ByteStream) -> ApiResult<WriteResult> {
         conn.send(&Frame::json(&req)).await?;
-        if let Err(e) = Self::pump(&mut conn, body).await {
-            // The agent may already have refused (e.g. no space): prefer its reason.
-            if let Ok(Reply::Error(agent_err)) | Err(agent_err) = conn.recv_reply().await {
-                return Err(agent_err);
+        match Self::pump(&mut conn, body).await {
+            Ok(()) => {}
+            // The agent stopped reading, most likely because it refused (e.g. no space):
+            // prefer its reason.
+            Err(PumpError::Agent(e)) => {
+                if let Ok(Reply::Error(agent_err)) | Err(agent_err) = conn.recv_reply().await {
+                    return Err(agent_err);
+                }
+                return Err(e);
             }
-            return Err(e);
+            // The upload itself broke off (its client went away). The agent still waits
+            // for data, so waiting for its answer would hang: take one only if it is
+            // already there, and drop the connection, which makes the agent remove its
+            // temporary file.
+            Err(PumpError::Body(e)) => {
+                let answered = tokio::time::timeout(AGENT_ANSWER_GRACE, conn.recv_reply()).await;
+                if let Ok(Ok(Reply::Error(agent_err))) = answered {
+                    return Err(agent_err);
+                }
+                return Err(e);
+            }
         }
         match conn.recv_reply().await? {
             Reply::Written { bytes } => Ok(WriteResult { bytes }),

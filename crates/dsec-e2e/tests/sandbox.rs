@@ -2050,3 +2050,57 @@ async fn a_client_that_hangs_up_mid_create_leaves_no_half_made_sandbox() {
         assert!(host::mounts(&sb.id).is_empty(), "{} left mounts", sb.id);
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upload_cut_off_by_its_client_leaves_the_old_file_and_no_temp_file() {
+    if !require_root() {
+        return;
+    }
+    use std::io::Write;
+    let s = server();
+    let c = s.client();
+    let sb = create(&c, CreateSandboxRequest::default()).await;
+    c.write_file(&sb.id, "/work/f.txt", None, "precious")
+        .await
+        .expect("write");
+    let addr = s.url.trim_start_matches("http://").to_string();
+    // One upload with a length it never reaches, one chunked one that never ends; both
+    // clients go away mid-body.
+    let head = |framing: &str| {
+        format!(
+            "PUT /v1/sandboxes/{}/files?path=/work/f.txt HTTP/1.1\r\nHost: {addr}\r\n\
+             x-api-key: {}\r\nContent-Type: application/octet-stream\r\n{framing}\r\n\r\n",
+            sb.id, s.key
+        )
+    };
+    let mut sized = std::net::TcpStream::connect(&addr).expect("connect");
+    sized
+        .write_all(head("Content-Length: 10000000").as_bytes())
+        .expect("send");
+    sized.write_all(&vec![b'x'; 3 << 20]).expect("send");
+    let mut chunked = std::net::TcpStream::connect(&addr).expect("connect");
+    chunked
+        .write_all(head("Transfer-Encoding: chunked").as_bytes())
+        .expect("send");
+    chunked
+        .write_all(format!("{:x}\r\n", 1 << 20).as_bytes())
+        .expect("send");
+    chunked.write_all(&vec![b'y'; 1 << 20]).expect("send");
+    chunked.write_all(b"\r\n").expect("send");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(sized);
+    drop(chunked);
+    let listing = wait_until(Duration::from_secs(10), || {
+        let c = c.clone();
+        let id = sb.id.clone();
+        async move {
+            let r = c.exec(&id, sh("ls -A /work")).await.ok()?;
+            (r.stdout == "f.txt\n").then_some(r.stdout)
+        }
+    })
+    .await;
+    let now = run(&c, &sb.id, "ls -A /work; cat /work/f.txt").await.stdout;
+    assert!(listing.is_some(), "temporary files left behind: {now}");
+    assert_eq!(now, "f.txt\nprecious");
+    c.delete_sandbox(&sb.id).await.expect("delete");
+}
