@@ -117,6 +117,11 @@ pub struct ServeArgs {
     /// size-limited file system); 0 lets sandboxes write to the node's disk unlimited.
     #[arg(long, default_value_t = 10240)]
     pub disk_mb: u64,
+    /// An upload (file or tar) that sends no data for this many seconds is aborted, its
+    /// partial file removed: a client that vanished without closing its connection (a
+    /// preempted machine) must not hold it forever.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub upload_idle_timeout_s: u64,
     /// Sandboxes' requested CPU may add up to this many times the host's CPUs (most
     /// sandboxes idle; memory is what really fills a node).
     #[arg(long, default_value_t = 1000.0)]

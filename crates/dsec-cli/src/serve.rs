@@ -218,7 +218,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             "shutting down; sandboxes keep running and are re-adopted on the next start"
         );
     };
-    dsec_http::serve(listener, plane, shutdown)
+    let http = dsec_http::HttpOptions {
+        upload_idle_timeout: std::time::Duration::from_secs(args.upload_idle_timeout_s),
+    };
+    dsec_http::serve(listener, plane, http, shutdown)
         .await
         .context("serving HTTP")?;
     Ok(())

@@ -295,7 +295,12 @@ async fn start() -> (SocketAddr, Arc<Fake>) {
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
     let api: Arc<dyn SandboxApi> = fake.clone();
-    tokio::spawn(dsec_http::serve(listener, api, std::future::pending()));
+    tokio::spawn(dsec_http::serve(
+        listener,
+        api,
+        dsec_http::HttpOptions::default(),
+        std::future::pending(),
+    ));
     (addr, fake)
 }
 

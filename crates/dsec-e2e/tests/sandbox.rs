@@ -2104,3 +2104,65 @@ async fn an_upload_cut_off_by_its_client_leaves_the_old_file_and_no_temp_file() 
     assert_eq!(now, "f.txt\nprecious");
     c.delete_sandbox(&sb.id).await.expect("delete");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stalled_upload_times_out_but_a_slow_one_goes_through() {
+    if !require_root() {
+        return;
+    }
+    use std::io::{Read, Write};
+    let s = Server::start_with("upload-idle", true, &["--upload-idle-timeout-s", "1"])
+        .await
+        .expect("server");
+    s.ensure_base(Some(server())).await.expect("base image");
+    let c = s.client();
+    let sb = create(&c, CreateSandboxRequest::default()).await;
+    c.write_file(&sb.id, "/work/f.txt", None, "precious")
+        .await
+        .expect("write");
+    let addr = s.url.trim_start_matches("http://").to_string();
+    let put = |path: &str, len: usize| {
+        format!(
+            "PUT /v1/sandboxes/{}/files?path={path} HTTP/1.1\r\nHost: {addr}\r\n\
+             x-api-key: {}\r\nContent-Type: application/octet-stream\r\n\
+             Content-Length: {len}\r\nConnection: close\r\n\r\n",
+            sb.id, s.key
+        )
+    };
+    let answer = |mut conn: std::net::TcpStream| {
+        conn.set_read_timeout(Some(Duration::from_secs(15)))
+            .expect("timeout");
+        let mut out = String::new();
+        let _ = conn.read_to_string(&mut out);
+        out
+    };
+
+    // A client that goes silent (its machine vanished without closing the connection).
+    let started = Instant::now();
+    let mut stalled = std::net::TcpStream::connect(&addr).expect("connect");
+    stalled
+        .write_all(put("/work/f.txt", 10_000_000).as_bytes())
+        .expect("send");
+    stalled.write_all(&vec![b'x'; 1 << 20]).expect("send");
+    let out = answer(stalled);
+    assert!(out.starts_with("HTTP/1.1 504"), "{out}");
+    assert!(out.contains("upload stalled"), "{out}");
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_secs(1), "{waited:?}");
+    assert!(waited < Duration::from_secs(10), "{waited:?}");
+    let r = run(&c, &sb.id, "ls -A /work; cat /work/f.txt").await;
+    assert_eq!(r.stdout, "f.txt\nprecious", "old file kept, no temp file");
+
+    // A slow but steady upload (a byte every 0.4 s for 2.4 s) is not cut off.
+    let mut slow = std::net::TcpStream::connect(&addr).expect("connect");
+    slow.write_all(put("/work/slow.txt", 6).as_bytes())
+        .expect("send");
+    for b in b"steady" {
+        std::thread::sleep(Duration::from_millis(400));
+        slow.write_all(&[*b]).expect("send");
+    }
+    let out = answer(slow);
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    assert_eq!(run(&c, &sb.id, "cat /work/slow.txt").await.stdout, "steady");
+    c.delete_sandbox(&sb.id).await.expect("delete");
+}

@@ -9,6 +9,7 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use bytes::Bytes;
 use dsec_control::{ByteStream, SandboxApi};
 use dsec_wire::v1::{
@@ -22,6 +23,7 @@ use serde::Deserialize;
 
 use crate::error::HttpError;
 use crate::extract::{Json, Path, Query};
+use crate::HttpOptions;
 
 /// Header of `GET /files` that carries the file's [`FileInfo`] as JSON (ASCII-only).
 pub const FILE_INFO_HEADER: &str = "x-dsec-file-info";
@@ -84,11 +86,24 @@ const LINGER_BYTES: usize = 1 << 30;
 
 /// The request body as the trait's [`ByteStream`], not buffered and not size-limited.
 /// A task feeds it, so that when the consumer stops early the task can linger (above).
-fn body_stream(body: Body) -> ByteStream {
+/// A body that brings no data for `idle` ends with a `timeout` error.
+fn body_stream(body: Body, idle: std::time::Duration) -> ByteStream {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, ApiError>>(4);
     tokio::spawn(async move {
         let mut data = body.into_data_stream();
-        while let Some(item) = data.next().await {
+        loop {
+            let item = match tokio::time::timeout(idle, data.next()).await {
+                Ok(Some(item)) => item,
+                Ok(None) => return,
+                Err(_) => {
+                    let stalled = ApiError::new(
+                        ErrorCode::Timeout,
+                        format!("upload stalled: no data for {} s", idle.as_secs()),
+                    );
+                    let _ = tx.send(Err(stalled)).await;
+                    return;
+                }
+            };
             let item = item.map_err(|e| {
                 ApiError::new(ErrorCode::BadRequest, format!("reading request body: {e}"))
             });
@@ -469,15 +484,14 @@ pub async fn read_file(
 /// `PUT /v1/sandboxes/{id}/files?path=&mode=`: the body (streamed) is the file's bytes.
 pub async fn write_file(
     State(api): Api,
+    Extension(opts): Extension<HttpOptions>,
     Path(id): Path<String>,
     Query(q): Query<WriteQuery>,
     body: Body,
 ) -> HttpResult<Response> {
     let mode = q.mode.as_deref().map(parse_mode).transpose()?;
-    Ok(json(
-        api.write_file(&id, &q.path, mode, body_stream(body))
-            .await?,
-    ))
+    let body = body_stream(body, opts.upload_idle_timeout);
+    Ok(json(api.write_file(&id, &q.path, mode, body).await?))
 }
 
 /// `DELETE /v1/sandboxes/{id}/files?path=&recursive=`.
@@ -542,11 +556,13 @@ pub async fn download_tar(
 /// `PUT /v1/sandboxes/{id}/files/tar?path=`: the (streamed) tar body is extracted there.
 pub async fn upload_tar(
     State(api): Api,
+    Extension(opts): Extension<HttpOptions>,
     Path(id): Path<String>,
     Query(q): Query<PathQuery>,
     body: Body,
 ) -> HttpResult<Response> {
-    Ok(json(api.upload_tar(&id, &q.path, body_stream(body)).await?))
+    let body = body_stream(body, opts.upload_idle_timeout);
+    Ok(json(api.upload_tar(&id, &q.path, body).await?))
 }
 
 // ---------------------------------------------------------------- images

@@ -47,8 +47,28 @@ pub use handlers::{FILE_INFO_HEADER, NDJSON};
 /// Largest accepted JSON request body (64 MiB; inline files in a create request count).
 pub const JSON_BODY_LIMIT: usize = 64 * 1024 * 1024;
 
-/// Builds the router for the whole `/v1` API on top of `api`.
+/// Transport settings of the API server.
+#[derive(Debug, Clone)]
+pub struct HttpOptions {
+    /// An upload body that brings no data for this long is aborted (`timeout`).
+    pub upload_idle_timeout: std::time::Duration,
+}
+
+impl Default for HttpOptions {
+    fn default() -> Self {
+        Self {
+            upload_idle_timeout: std::time::Duration::from_secs(60),
+        }
+    }
+}
+
+/// Builds the router for the whole `/v1` API on top of `api`, with default options.
 pub fn router(api: Arc<dyn SandboxApi>) -> Router {
+    router_with(api, HttpOptions::default())
+}
+
+/// Builds the router for the whole `/v1` API on top of `api`.
+pub fn router_with(api: Arc<dyn SandboxApi>, opts: HttpOptions) -> Router {
     use handlers as h;
 
     // Streamed uploads are not size-limited here; the API enforces disk quotas.
@@ -153,6 +173,7 @@ pub fn router(api: Arc<dyn SandboxApi>) -> Router {
         .fallback(h::not_found)
         .method_not_allowed_fallback(h::method_not_allowed)
         .layer(DefaultBodyLimit::max(JSON_BODY_LIMIT))
+        .layer(axum::Extension(opts))
         .layer(TraceLayer::new_for_http())
         .layer(CatchPanicLayer::custom(panic_response))
         .with_state(api)
@@ -162,12 +183,13 @@ pub fn router(api: Arc<dyn SandboxApi>) -> Router {
 pub async fn serve(
     listener: tokio::net::TcpListener,
     api: Arc<dyn SandboxApi>,
+    opts: HttpOptions,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "dsec API listening");
     }
-    axum::serve(listener, router(api))
+    axum::serve(listener, router_with(api, opts))
         .with_graceful_shutdown(shutdown)
         .await
 }
