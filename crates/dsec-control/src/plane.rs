@@ -646,7 +646,13 @@ impl ControlPlane {
         tokio::spawn(async move {
             let mut conv = EventConverter::default();
             loop {
-                let frame = match conn.recv().await {
+                let received = tokio::select! {
+                    r = conn.recv() => r,
+                    // The caller went away while the command is silent (`sleep 300`):
+                    // dropping the connection stops the exec too.
+                    () = tx.closed() => return,
+                };
+                let frame = match received {
                     Ok(Some(f)) => f,
                     Ok(None) => {
                         let _ = tx

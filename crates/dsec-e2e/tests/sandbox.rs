@@ -2166,3 +2166,69 @@ async fn a_stalled_upload_times_out_but_a_slow_one_goes_through() {
     assert_eq!(run(&c, &sb.id, "cat /work/slow.txt").await.stdout, "steady");
     c.delete_sandbox(&sb.id).await.expect("delete");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_command_whose_caller_goes_away_is_killed() {
+    if !require_root() {
+        return;
+    }
+    let c = server().client();
+    let sb = create(&c, CreateSandboxRequest::default()).await;
+    let gone = |pattern: &'static str| {
+        let c = c.clone();
+        let id = sb.id.clone();
+        async move {
+            wait_until(Duration::from_secs(10), || {
+                let c = c.clone();
+                let id = id.clone();
+                async move {
+                    let r = c
+                        .exec(&id, sh(&format!("pgrep -f '{pattern}' || true")))
+                        .await;
+                    r.ok().filter(|r| r.stdout.is_empty()).map(|_| ())
+                }
+            })
+            .await
+        }
+    };
+    // Streaming: the caller drops the stream of a silent command.
+    let mut events = c
+        .exec_stream(&sb.id, sh("sleep 301"))
+        .await
+        .expect("exec stream");
+    let first = events.next().await.expect("an event").expect("event");
+    assert!(matches!(first, ExecEvent::Started { .. }), "{first:?}");
+    let r = run(&c, &sb.id, "pgrep -f 'sleep 30[1]' | wc -l").await;
+    assert_ne!(r.stdout, "0\n", "running while watched");
+    drop(events);
+    assert!(
+        gone("sleep 30[1]").await.is_some(),
+        "sleep 301 outlived its caller"
+    );
+
+    // Not streaming: the caller's request is cancelled (its connection closes).
+    let call = tokio::spawn({
+        let c = c.clone();
+        let id = sb.id.clone();
+        async move { c.exec(&id, sh("sleep 302")).await }
+    });
+    let started = wait_until(Duration::from_secs(10), || {
+        let c = c.clone();
+        let id = sb.id.clone();
+        async move {
+            let r = c
+                .exec(&id, sh("pgrep -f 'sleep 30[2]' || true"))
+                .await
+                .ok()?;
+            (!r.stdout.is_empty()).then_some(())
+        }
+    })
+    .await;
+    assert!(started.is_some(), "sleep 302 never started");
+    call.abort();
+    assert!(
+        gone("sleep 30[2]").await.is_some(),
+        "sleep 302 outlived its caller"
+    );
+    c.delete_sandbox(&sb.id).await.expect("delete");
+}
