@@ -122,6 +122,11 @@ pub struct ServeArgs {
     /// preempted machine) must not hold it forever.
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     pub upload_idle_timeout_s: u64,
+    /// API connections silent for this many seconds are probed (TCP keepalive); a client
+    /// that does not answer for about twice as long is dropped, and a command it was
+    /// streaming is stopped.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub tcp_keepalive_s: u64,
     /// Sandboxes' requested CPU may add up to this many times the host's CPUs (most
     /// sandboxes idle; memory is what really fills a node).
     #[arg(long, default_value_t = 1000.0)]

@@ -220,6 +220,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     let http = dsec_http::HttpOptions {
         upload_idle_timeout: std::time::Duration::from_secs(args.upload_idle_timeout_s),
+        tcp_keepalive: std::time::Duration::from_secs(args.tcp_keepalive_s),
     };
     dsec_http::serve(listener, plane, http, shutdown)
         .await

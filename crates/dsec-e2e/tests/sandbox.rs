@@ -2232,3 +2232,102 @@ async fn a_command_whose_caller_goes_away_is_killed() {
     );
     c.delete_sandbox(&sb.id).await.expect("delete");
 }
+
+/// Drops every packet of one local TCP port (both directions) while it lives: the peer on
+/// that port looks like a machine that vanished.
+struct Blackhole(String);
+
+impl Blackhole {
+    fn port(port: u16) -> Self {
+        let table = format!("dsec_e2e_blackhole_{}", std::process::id());
+        let rules = format!(
+            "table inet {table} {{\n chain input {{\n  type filter hook input priority -10;\n  \
+             tcp sport {port} drop\n  tcp dport {port} drop\n }}\n}}\n"
+        );
+        let ok = std::process::Command::new("nft")
+            .args(["-f", "-"])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .and_then(|mut child| {
+                use std::io::Write;
+                if let Some(mut stdin) = child.stdin.take() {
+                    stdin.write_all(rules.as_bytes())?;
+                }
+                child.wait()
+            })
+            .expect("nft")
+            .success();
+        assert!(ok, "nft refused {rules}");
+        Blackhole(table)
+    }
+}
+
+impl Drop for Blackhole {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("nft")
+            .args(["delete", "table", "inet", &self.0])
+            .status();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_vanishes_mid_stream_is_noticed_and_its_command_stopped() {
+    if !require_root() {
+        return;
+    }
+    use std::io::{Read, Write};
+    let s = Server::start_with("keepalive", true, &["--tcp-keepalive-s", "1"])
+        .await
+        .expect("server");
+    s.ensure_base(Some(server())).await.expect("base image");
+    let c = s.client();
+    let sb = create(&c, CreateSandboxRequest::default()).await;
+    let addr = s.url.trim_start_matches("http://").to_string();
+    let body = serde_json::to_string(&sh("sleep 303")).expect("json");
+    let mut conn = std::net::TcpStream::connect(&addr).expect("connect");
+    write!(
+        conn,
+        "POST /v1/sandboxes/{}/exec/stream HTTP/1.1\r\nHost: {addr}\r\nx-api-key: {}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        sb.id,
+        s.key,
+        body.len()
+    )
+    .expect("send");
+    // The first event (started) is in: the command runs.
+    let mut first = [0u8; 512];
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let n = conn.read(&mut first).expect("read");
+    let head = String::from_utf8_lossy(&first[..n]).into_owned();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let running = run(&c, &sb.id, "pgrep -f 'sleep 30[3]' | wc -l").await;
+    assert_ne!(running.stdout, "0\n");
+
+    // The client's machine vanishes: no FIN, no RST, its socket stays open here.
+    let port = conn.local_addr().expect("addr").port();
+    let hole = Blackhole::port(port);
+    let started = Instant::now();
+    let stopped = wait_until(Duration::from_secs(30), || {
+        let c = c.clone();
+        let id = sb.id.clone();
+        async move {
+            let r = c
+                .exec(&id, sh("pgrep -f 'sleep 30[3]' || true"))
+                .await
+                .ok()?;
+            r.stdout.is_empty().then_some(())
+        }
+    })
+    .await;
+    let waited = started.elapsed();
+    drop(hole);
+    drop(conn);
+    assert!(
+        stopped.is_some(),
+        "the vanished client's command still runs"
+    );
+    // Probes after 1 s of silence, four 1 s apart: gone after ~5 s, not at once.
+    assert!(waited >= Duration::from_secs(2), "{waited:?}");
+    c.delete_sandbox(&sb.id).await.expect("delete");
+}

@@ -30,6 +30,7 @@ mod swerex;
 use std::any::Any;
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::DefaultBodyLimit;
 use axum::middleware;
@@ -51,15 +52,38 @@ pub const JSON_BODY_LIMIT: usize = 64 * 1024 * 1024;
 #[derive(Debug, Clone)]
 pub struct HttpOptions {
     /// An upload body that brings no data for this long is aborted (`timeout`).
-    pub upload_idle_timeout: std::time::Duration,
+    pub upload_idle_timeout: Duration,
+    /// A connection silent for this long is probed (TCP keepalive); one whose peer does
+    /// not answer, or leaves sent data unacknowledged, for about twice this long is
+    /// closed, and what its requests started (a streamed command) is stopped.
+    pub tcp_keepalive: Duration,
 }
 
 impl Default for HttpOptions {
     fn default() -> Self {
         Self {
-            upload_idle_timeout: std::time::Duration::from_secs(60),
+            upload_idle_timeout: Duration::from_secs(60),
+            tcp_keepalive: Duration::from_secs(60),
         }
     }
+}
+
+/// Probes sent after `idle` of silence before a peer counts as gone.
+const KEEPALIVE_PROBES: u32 = 4;
+
+/// Turns on keepalive probes and the matching user timeout for an accepted connection.
+fn watch_peer(tcp: &tokio::net::TcpStream, idle: Duration) -> std::io::Result<()> {
+    let interval = (idle / KEEPALIVE_PROBES).max(Duration::from_secs(1));
+    let sock = socket2::SockRef::from(tcp);
+    sock.set_tcp_keepalive(
+        &socket2::TcpKeepalive::new()
+            .with_time(idle)
+            .with_interval(interval)
+            .with_retries(KEEPALIVE_PROBES),
+    )?;
+    // Keepalive only runs while nothing is in flight; this covers a stream being written
+    // to a peer that no longer acknowledges.
+    sock.set_tcp_user_timeout(Some(idle + interval * KEEPALIVE_PROBES))
 }
 
 /// Builds the router for the whole `/v1` API on top of `api`, with default options.
@@ -189,6 +213,13 @@ pub async fn serve(
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "dsec API listening");
     }
+    use axum::serve::ListenerExt;
+    let idle = opts.tcp_keepalive;
+    let listener = listener.tap_io(move |tcp| {
+        if let Err(e) = watch_peer(tcp, idle) {
+            tracing::debug!(error = %e, "TCP keepalive not set");
+        }
+    });
     axum::serve(listener, router_with(api, opts))
         .with_graceful_shutdown(shutdown)
         .await
