@@ -131,7 +131,14 @@ async fn with_job_suspend_keeps_lifetime_a_suspended_sandbox_still_expires() {
     let s = Server::start_with(
         "job-clock",
         true,
-        &["--job-suspend-keeps-lifetime", "--disk-pool", "2"],
+        // Its own cgroup parent: the capacity test's node runs beside it.
+        &[
+            "--job-suspend-keeps-lifetime",
+            "--disk-pool",
+            "2",
+            "--cgroup-parent",
+            "dsec-job-clock",
+        ],
     )
     .await
     .expect("server");

@@ -12,7 +12,10 @@ async fn restart_readopts_20_live_sandboxes() {
         return;
     }
     let seed = Server::shared("restart-seed");
-    let mut s = Server::start("restart", true).await.expect("server");
+    // Its own cgroup parent: the seed server beside it holds the default one.
+    let mut s = Server::start_with("restart", true, &["--cgroup-parent", "dsec-restart"])
+        .await
+        .expect("server");
     s.ensure_base(Some(seed)).await.expect("base image");
     let c = s.client();
     let mut ids = Vec::new();

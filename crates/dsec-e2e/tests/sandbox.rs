@@ -34,6 +34,21 @@ async fn image(c: &Client, name: &str) -> Image {
         .unwrap_or_else(|| panic!("image {name} not listed"))
 }
 
+/// Flags for a second server beside the shared one: its own cgroup parent (a node
+/// destroys the sandboxes under its parent that it has no record of), its own uid range,
+/// no network (the shared server owns the default table, links and DNS port), and `extra`.
+fn own_node(name: &str, userns_base: u32, extra: &[&str]) -> Vec<String> {
+    let mut args = vec![
+        "--cgroup-parent".to_string(),
+        format!("dsec-{name}"),
+        "--userns-base".to_string(),
+        userns_base.to_string(),
+        "--no-network".to_string(),
+    ];
+    args.extend(extra.iter().map(|a| a.to_string()));
+    args
+}
+
 fn code(e: ClientError) -> ErrorCode {
     e.code()
         .unwrap_or_else(|| panic!("expected an API error, got {e}"))
@@ -2111,7 +2126,13 @@ async fn a_stalled_upload_times_out_but_a_slow_one_goes_through() {
         return;
     }
     use std::io::{Read, Write};
-    let s = Server::start_with("upload-idle", true, &["--upload-idle-timeout-s", "1"])
+    let args = own_node(
+        "upload-idle",
+        600_000_000,
+        &["--upload-idle-timeout-s", "1"],
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let s = Server::start_with("upload-idle", true, &args)
         .await
         .expect("server");
     s.ensure_base(Some(server())).await.expect("base image");
@@ -2233,16 +2254,17 @@ async fn a_command_whose_caller_goes_away_is_killed() {
     c.delete_sandbox(&sb.id).await.expect("delete");
 }
 
-/// Drops every packet of one local TCP port (both directions) while it lives: the peer on
-/// that port looks like a machine that vanished.
+/// Drops every packet of one loopback TCP connection (both directions) while it lives:
+/// the client looks like a machine that vanished.
 struct Blackhole(String);
 
 impl Blackhole {
-    fn port(port: u16) -> Self {
+    fn connection(client: u16, server: u16) -> Self {
         let table = format!("dsec_e2e_blackhole_{}", std::process::id());
         let rules = format!(
             "table inet {table} {{\n chain input {{\n  type filter hook input priority -10;\n  \
-             tcp sport {port} drop\n  tcp dport {port} drop\n }}\n}}\n"
+             tcp sport {client} tcp dport {server} drop\n  \
+             tcp sport {server} tcp dport {client} drop\n }}\n}}\n"
         );
         let ok = std::process::Command::new("nft")
             .args(["-f", "-"])
@@ -2276,7 +2298,9 @@ async fn a_client_that_vanishes_mid_stream_is_noticed_and_its_command_stopped() 
         return;
     }
     use std::io::{Read, Write};
-    let s = Server::start_with("keepalive", true, &["--tcp-keepalive-s", "1"])
+    let args = own_node("keepalive", 700_000_000, &["--tcp-keepalive-s", "1"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let s = Server::start_with("keepalive", true, &args)
         .await
         .expect("server");
     s.ensure_base(Some(server())).await.expect("base image");
@@ -2305,8 +2329,10 @@ async fn a_client_that_vanishes_mid_stream_is_noticed_and_its_command_stopped() 
     assert_ne!(running.stdout, "0\n");
 
     // The client's machine vanishes: no FIN, no RST, its socket stays open here.
-    let port = conn.local_addr().expect("addr").port();
-    let hole = Blackhole::port(port);
+    let hole = Blackhole::connection(
+        conn.local_addr().expect("addr").port(),
+        conn.peer_addr().expect("addr").port(),
+    );
     let started = Instant::now();
     let stopped = wait_until(Duration::from_secs(30), || {
         let c = c.clone();
@@ -2329,5 +2355,31 @@ async fn a_client_that_vanishes_mid_stream_is_noticed_and_its_command_stopped() 
     );
     // Probes after 1 s of silence, four 1 s apart: gone after ~5 s, not at once.
     assert!(waited >= Duration::from_secs(2), "{waited:?}");
+    c.delete_sandbox(&sb.id).await.expect("delete");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_node_on_the_same_cgroup_parent_is_refused_and_harms_nothing() {
+    if !require_root() {
+        return;
+    }
+    let c = server().client();
+    let sb = create(&c, CreateSandboxRequest::default()).await;
+    // The shared server holds the default parent; a node started beside it with the same
+    // one would take its sandboxes for leftovers of a crash and destroy them.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = std::process::Command::new(dsec_e2e::dsec_bin())
+        .args(["serve", "--listen", "127.0.0.1:1", "--no-network"])
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .arg("--run-dir")
+        .arg(dir.path().join("run"))
+        .output()
+        .expect("run dsec serve");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("belongs to another dsec node"), "{err}");
+    assert!(err.contains("--cgroup-parent"), "{err}");
+    assert_eq!(run(&c, &sb.id, "echo alive").await.stdout, "alive\n");
     c.delete_sandbox(&sb.id).await.expect("delete");
 }

@@ -24,6 +24,9 @@ async fn with_a_node_swap_file_pause_takes_back_anonymous_memory_too() {
             "512",
             "--disk-pool",
             "2",
+            // The shared `pause` server it takes the base image from holds the default.
+            "--cgroup-parent",
+            "dsec-pause-swap",
         ],
     )
     .await

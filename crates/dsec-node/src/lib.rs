@@ -16,6 +16,7 @@
 pub mod admission;
 pub mod agent_conn;
 pub mod backend;
+pub mod claims;
 pub mod config;
 pub mod container;
 pub mod error;

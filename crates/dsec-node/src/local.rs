@@ -23,6 +23,8 @@ pub struct LocalNode {
     backend: Arc<dyn Backend>,
     sandboxes: Mutex<HashMap<String, RuntimeRecord>>,
     admission: Admission,
+    /// The host-wide names this node owns while it runs.
+    _claims: crate::claims::HostClaims,
 }
 
 fn join_err(e: tokio::task::JoinError) -> NodeError {
@@ -37,6 +39,15 @@ impl LocalNode {
     /// Opens the node: prepares directories, then re-adopts live sandboxes and cleans up
     /// whatever an earlier run left half-done.
     pub async fn open(cfg: NodeConfig) -> Result<Arc<Self>, NodeError> {
+        // Before anything is cleaned up: another node's sandboxes must not look like ours.
+        let claims = crate::claims::HostClaims::acquire(
+            std::path::Path::new(crate::claims::CLAIMS_DIR),
+            &[(
+                "cgroup parent",
+                cfg.cgroup_parent.as_str(),
+                "--cgroup-parent",
+            )],
+        )?;
         for d in [&cfg.state_dir, &cfg.run_dir] {
             std::fs::create_dir_all(d).map_err(NodeError::io("mkdir", d))?;
         }
@@ -107,6 +118,7 @@ impl LocalNode {
         images.cleanup_unused(&refs.keys().cloned().collect::<HashSet<_>>())?;
         let node = Arc::new(Self {
             admission: Admission::new(cfg.admission),
+            _claims: claims,
             cfg,
             cgroup_version: cgroups.version(),
             images,
