@@ -888,7 +888,9 @@ fn main() -> anyhow::Result<()> {
 
         let left = server.client().list_sandboxes(Default::default()).await?.sandboxes.len();
         // Sandbox cgroups are the subdirectories (the parent also holds control files).
-        let cgroups = std::fs::read_dir("/sys/fs/cgroup/memory/dsec")
+        let cgroups = std::fs::read_dir(
+            Path::new("/sys/fs/cgroup/memory").join(dsec_e2e::TEST_CGROUP_PARENT),
+        )
             .map(|d| d.flatten().filter(|e| e.path().is_dir()).count())
             .unwrap_or(0);
         println!("\nleft behind after the run: {left} sandboxes, {cgroups} sandbox cgroups (v1 memory hierarchy)");

@@ -94,6 +94,8 @@ def server() -> Iterator[Server]:
             # Networking of its own, apart from any other dsec on this host.
             "--nft-table", "dsec_py", "--link-prefix", "dspy", "--sandbox-subnet", "10.239.0.0/16",
             "--dns-port", "15369", "--net-pool", "1",
+            # Its own cgroup parent: a node on the default one (the quick start's) keeps it.
+            "--cgroup-parent", "dsec-py",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -104,6 +104,10 @@ where
     }
 }
 
+/// The cgroup parent of test servers that name none: not the default `dsec`, which a
+/// node on this host (the quick start's) may hold; a node refuses a parent another holds.
+pub const TEST_CGROUP_PARENT: &str = "dsec-e2e";
+
 /// A running `dsec serve`.
 #[derive(Debug)]
 pub struct Server {
@@ -148,7 +152,7 @@ impl Server {
             key: String::new(),
             child: None,
             root,
-            extra_args: args.iter().map(|a| a.to_string()).collect(),
+            extra_args: with_test_parent(args),
             remove_on_drop: fresh,
         };
         s.spawn().await?;
@@ -314,6 +318,18 @@ impl Server {
             }
         }
     }
+}
+
+/// `args`, with `--cgroup-parent` [`TEST_CGROUP_PARENT`] unless they name one.
+fn with_test_parent(args: &[&str]) -> Vec<String> {
+    let mut out: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    if !args.contains(&"--cgroup-parent") {
+        out.extend([
+            "--cgroup-parent".to_string(),
+            TEST_CGROUP_PARENT.to_string(),
+        ]);
+    }
+    out
 }
 
 /// Detaches every mount at or below `root` (layer mounts an earlier, killed server left),

@@ -10,15 +10,19 @@ use dsec_e2e::{host, require_root, sh, Server};
 use dsec_wire::v1::*;
 use dsec_wire::ErrorCode;
 
-/// Sandbox cgroups (subdirectories of `dsec/`) in every v1 hierarchy or in v2.
+/// Sandbox cgroups (subdirectories of the test servers' parent) in every v1 hierarchy or in v2.
 fn sandbox_cgroups() -> Vec<String> {
     let mut out = Vec::new();
     let roots: Vec<_> = std::fs::read_dir("/sys/fs/cgroup")
-        .map(|d| d.flatten().map(|e| e.path().join("dsec")).collect())
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.path().join(dsec_e2e::TEST_CGROUP_PARENT))
+                .collect()
+        })
         .unwrap_or_default();
     for dir in roots
         .into_iter()
-        .chain([Path::new("/sys/fs/cgroup/dsec").to_path_buf()])
+        .chain([Path::new("/sys/fs/cgroup").join(dsec_e2e::TEST_CGROUP_PARENT)])
     {
         if let Ok(entries) = std::fs::read_dir(&dir) {
             out.extend(
@@ -132,13 +136,15 @@ async fn failed_and_half_created_sandboxes_leave_nothing() {
     for ctrl in ["memory", "pids", "cpu", "freezer"] {
         let dir = Path::new("/sys/fs/cgroup")
             .join(ctrl)
-            .join("dsec")
+            .join(dsec_e2e::TEST_CGROUP_PARENT)
             .join(orphan);
         if std::fs::create_dir_all(&dir).is_ok() {
             joined |= std::fs::write(dir.join("cgroup.procs"), sleeper.id().to_string()).is_ok();
         }
     }
-    let v2 = Path::new("/sys/fs/cgroup/dsec").join(orphan);
+    let v2 = Path::new("/sys/fs/cgroup")
+        .join(dsec_e2e::TEST_CGROUP_PARENT)
+        .join(orphan);
     if Path::new("/sys/fs/cgroup/cgroup.controllers").exists()
         && std::fs::create_dir_all(&v2).is_ok()
     {

@@ -1112,10 +1112,12 @@ async fn best_effort_sandboxes_run_sched_idle_with_the_lowest_weight() {
     );
     // The cgroup weights seen from the host.
     let weight = |id: &str| -> String {
-        let v1 = std::path::Path::new("/sys/fs/cgroup/cpu/dsec")
+        let v1 = std::path::Path::new("/sys/fs/cgroup/cpu")
+            .join(dsec_e2e::TEST_CGROUP_PARENT)
             .join(id)
             .join("cpu.shares");
-        let v2 = std::path::Path::new("/sys/fs/cgroup/dsec")
+        let v2 = std::path::Path::new("/sys/fs/cgroup")
+            .join(dsec_e2e::TEST_CGROUP_PARENT)
             .join(id)
             .join("cpu.weight");
         std::fs::read_to_string(if v1.exists() { v1 } else { v2 })
@@ -2365,11 +2367,12 @@ async fn a_second_node_on_the_same_cgroup_parent_is_refused_and_harms_nothing() 
     }
     let c = server().client();
     let sb = create(&c, CreateSandboxRequest::default()).await;
-    // The shared server holds the default parent; a node started beside it with the same
-    // one would take its sandboxes for leftovers of a crash and destroy them.
+    // A node started beside the shared server on its cgroup parent would take its
+    // sandboxes for leftovers of a crash and destroy them.
     let dir = tempfile::tempdir().expect("tempdir");
     let out = std::process::Command::new(dsec_e2e::dsec_bin())
         .args(["serve", "--listen", "127.0.0.1:1", "--no-network"])
+        .args(["--cgroup-parent", dsec_e2e::TEST_CGROUP_PARENT])
         .arg("--state-dir")
         .arg(dir.path().join("state"))
         .arg("--run-dir")
