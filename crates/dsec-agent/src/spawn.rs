@@ -14,6 +14,7 @@ use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 
+use dsec_container::spawnattr::{FileActions, SpawnAttr};
 use dsec_wire::ApiError;
 
 use crate::error::{bad_request, io_err};
@@ -277,11 +278,6 @@ pub fn spawn_piped(
         .map(|(k, v)| cstr(&format!("{k}={v}")))
         .collect::<Result<Vec<_>, _>>()?;
     let cwd_c = CString::new(cwd.as_os_str().as_bytes()).map_err(|_| bad_request("NUL in cwd"))?;
-    let mut argv_p: Vec<*const libc::c_char> = argv_c.iter().map(|c| c.as_ptr()).collect();
-    argv_p.push(std::ptr::null());
-    let mut env_p: Vec<*const libc::c_char> = env_c.iter().map(|c| c.as_ptr()).collect();
-    env_p.push(std::ptr::null());
-
     let io_fail = |e: io::Error| io_err(&e, "creating pipes for", program);
     let (out_r, out_w) = pipe_cloexec().map_err(io_fail)?;
     let (err_r, err_w) = pipe_cloexec().map_err(io_fail)?;
@@ -290,50 +286,22 @@ pub fn spawn_piped(
     } else {
         None
     };
-    let devnull = c"/dev/null";
 
-    // SAFETY: standard posix_spawn usage: the file actions are initialised before use
-    // and destroyed after; every pointer passed stays valid for the duration of the call.
-    unsafe {
-        let attr =
-            dsec_container::spawnattr::SpawnAttr::new(libc::POSIX_SPAWN_SETPGROUP as libc::c_short);
-        let mut fa: libc::posix_spawn_file_actions_t = std::mem::zeroed();
-        libc::posix_spawn_file_actions_init(&mut fa);
-        match &stdin_pipe {
-            Some((r, _)) => libc::posix_spawn_file_actions_adddup2(&mut fa, r.as_raw_fd(), 0),
-            None => libc::posix_spawn_file_actions_addopen(
-                &mut fa,
-                0,
-                devnull.as_ptr(),
-                libc::O_RDONLY,
-                0,
-            ),
-        };
-        libc::posix_spawn_file_actions_adddup2(&mut fa, out_w.as_raw_fd(), 1);
-        libc::posix_spawn_file_actions_adddup2(&mut fa, err_w.as_raw_fd(), 2);
-        libc::posix_spawn_file_actions_addchdir_np(&mut fa, cwd_c.as_ptr());
-        let mut pid: libc::pid_t = 0;
-        let rc = libc::posix_spawn(
-            &mut pid,
-            exe_c.as_ptr(),
-            &fa,
-            attr.as_ptr(),
-            argv_p.as_ptr() as *const *mut libc::c_char,
-            env_p.as_ptr() as *const *mut libc::c_char,
-        );
-        libc::posix_spawn_file_actions_destroy(&mut fa);
-        if rc != 0 {
-            return Err(spawn_error(
-                &io::Error::from_raw_os_error(rc),
-                program,
-                &cwd,
-            ));
-        }
-        Ok(Piped {
-            pid: pid as u32,
-            stdin: stdin_pipe.map(|(_, w)| w),
-            stdout: out_r,
-            stderr: err_r,
-        })
+    let attr = SpawnAttr::new(libc::POSIX_SPAWN_SETPGROUP as libc::c_short);
+    let mut actions = FileActions::new();
+    match &stdin_pipe {
+        Some((r, _)) => actions.dup2(r.as_raw_fd(), 0),
+        None => actions.open(0, c"/dev/null", libc::O_RDONLY, 0),
     }
+    actions.dup2(out_w.as_raw_fd(), 1);
+    actions.dup2(err_w.as_raw_fd(), 2);
+    actions.chdir(&cwd_c);
+    let pid = dsec_container::spawnattr::spawn(&exe_c, &argv_c, &env_c, &actions, &attr)
+        .map_err(|e| spawn_error(&e, program, &cwd))?;
+    Ok(Piped {
+        pid: pid as u32,
+        stdin: stdin_pipe.map(|(_, w)| w),
+        stdout: out_r,
+        stderr: err_r,
+    })
 }

@@ -12,6 +12,8 @@ use std::ffi::{CString, OsStr};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
+
+use dsec_container::spawnattr::{FileActions, SpawnAttr};
 use std::path::Path;
 
 /// What the spawned process gets as stdin, stdout and stderr, and at fixed numbers.
@@ -48,11 +50,6 @@ pub fn spawn(exe: &Path, argv: &[&str], fds: &SpawnFds<'_>) -> io::Result<libc::
             cstring(&kv)
         })
         .collect::<io::Result<Vec<_>>>()?;
-    let mut argv_p: Vec<*mut libc::c_char> = argv_c.iter().map(|c| c.as_ptr() as *mut _).collect();
-    argv_p.push(std::ptr::null_mut());
-    let mut env_p: Vec<*mut libc::c_char> = env_c.iter().map(|c| c.as_ptr() as *mut _).collect();
-    env_p.push(std::ptr::null_mut());
-
     // Copies above every target number, made here: no dup2 in the child can then clobber
     // a source still to be moved. They are close-on-exec and closed again below.
     let above = fds.fixed.iter().map(|(_, n)| *n).max().unwrap_or(2) + 1;
@@ -70,45 +67,27 @@ pub fn spawn(exe: &Path, argv: &[&str], fds: &SpawnFds<'_>) -> io::Result<libc::
         })
         .collect::<io::Result<Vec<_>>>()?;
 
-    // SAFETY: the file actions are initialised before use and destroyed after;
-    // every pointer passed stays valid for the duration of the call.
-    unsafe {
-        let attr = dsec_container::spawnattr::SpawnAttr::new(libc::POSIX_SPAWN_SETSID);
-        let mut fa: libc::posix_spawn_file_actions_t = std::mem::zeroed();
-        libc::posix_spawn_file_actions_init(&mut fa);
-        // A sandbox must not share the node's session (POSIX_SPAWN_SETSID): a terminal's
-        // ^C to `dsec serve` must not reach sandboxes.
-        // Standard streams first: their sources may sit at numbers that targets reuse.
-        for (src, n) in [(fds.stdin, 0), (fds.stdout, 1), (fds.stderr, 2)] {
-            libc::posix_spawn_file_actions_adddup2(&mut fa, src, n);
-        }
-        for (copy, (_, n)) in copies.iter().zip(fds.fixed) {
-            libc::posix_spawn_file_actions_adddup2(&mut fa, copy.as_raw_fd(), *n);
-        }
-        // Nothing else crosses into the sandbox: not even descriptors the node itself
-        // inherited without close-on-exec from whoever started it (closing a number that
-        // is not open is no error).
-        for n in 3..above {
-            if !fds.fixed.iter().any(|(_, t)| *t == n) {
-                libc::posix_spawn_file_actions_addclose(&mut fa, n);
-            }
-        }
-        libc::posix_spawn_file_actions_addclosefrom_np(&mut fa, above);
-        let mut pid: libc::pid_t = 0;
-        let rc = libc::posix_spawn(
-            &mut pid,
-            exe_c.as_ptr(),
-            &fa,
-            attr.as_ptr(),
-            argv_p.as_ptr(),
-            env_p.as_ptr(),
-        );
-        libc::posix_spawn_file_actions_destroy(&mut fa);
-        if rc != 0 {
-            return Err(io::Error::from_raw_os_error(rc));
-        }
-        Ok(pid)
+    // A sandbox must not share the node's session (POSIX_SPAWN_SETSID): a terminal's ^C
+    // to `dsec serve` must not reach sandboxes.
+    let attr = SpawnAttr::new(libc::POSIX_SPAWN_SETSID);
+    let mut actions = FileActions::new();
+    // Standard streams first: their sources may sit at numbers that targets reuse.
+    for (src, n) in [(fds.stdin, 0), (fds.stdout, 1), (fds.stderr, 2)] {
+        actions.dup2(src, n);
     }
+    for (copy, (_, n)) in copies.iter().zip(fds.fixed) {
+        actions.dup2(copy.as_raw_fd(), *n);
+    }
+    // Nothing else crosses into the sandbox: not even descriptors the node itself
+    // inherited without close-on-exec from whoever started it (closing a number that is
+    // not open is no error).
+    for n in 3..above {
+        if !fds.fixed.iter().any(|(_, t)| *t == n) {
+            actions.close(n);
+        }
+    }
+    actions.close_from(above);
+    dsec_container::spawnattr::spawn(&exe_c, &argv_c, &env_c, &actions, &attr)
 }
 
 #[cfg(test)]
