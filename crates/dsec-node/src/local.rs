@@ -40,14 +40,16 @@ impl LocalNode {
     /// whatever an earlier run left half-done.
     pub async fn open(cfg: NodeConfig) -> Result<Arc<Self>, NodeError> {
         // Before anything is cleaned up: another node's sandboxes must not look like ours.
-        let claims = crate::claims::HostClaims::acquire(
-            std::path::Path::new(crate::claims::CLAIMS_DIR),
-            &[(
-                "cgroup parent",
-                cfg.cgroup_parent.as_str(),
-                "--cgroup-parent",
-            )],
-        )?;
+        // It may wait for a node that is still exiting: off the async workers.
+        let parent = cfg.cgroup_parent.clone();
+        let claims = tokio::task::spawn_blocking(move || {
+            crate::claims::HostClaims::acquire(
+                std::path::Path::new(crate::claims::CLAIMS_DIR),
+                &[("cgroup parent", parent.as_str(), "--cgroup-parent")],
+            )
+        })
+        .await
+        .map_err(join_err)??;
         for d in [&cfg.state_dir, &cfg.run_dir] {
             std::fs::create_dir_all(d).map_err(NodeError::io("mkdir", d))?;
         }
