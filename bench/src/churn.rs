@@ -8,39 +8,24 @@ use std::time::{Duration, Instant};
 use dsec_e2e::{host, Server};
 use dsec_wire::v1::CreateSandboxRequest;
 
-use crate::Stats;
-
-/// Throughput over `secs` seconds with `workers` create -> exec -> delete loops.
-#[derive(Debug)]
-pub struct Sustained {
-    /// Workers.
-    pub workers: usize,
-    /// Wall time.
-    pub secs: f64,
-    /// Completed cycles.
-    pub ok: usize,
-    /// Failed creates, execs or deletes.
-    pub failed: usize,
-    /// Time to interactive of the completed cycles.
-    pub tti: Stats,
-}
+use crate::{Churn, Stats};
 
 /// Runs create -> exec true -> delete in `workers` loops for `secs` seconds.
-pub async fn sustained(server: &Server, workers: usize, secs: u64) -> Sustained {
+pub async fn sustained(server: &Server, workers: usize, secs: u64) -> Churn {
     let stop = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
     let mut tasks = Vec::new();
     for _ in 0..workers {
         let (c, stop) = (server.client(), stop.clone());
         tasks.push(tokio::spawn(async move {
-            let (mut samples, mut failed) = (Vec::new(), 0usize);
+            let (mut cycles, mut failed) = (Vec::new(), 0usize);
             while !stop.load(Ordering::Relaxed) {
                 match crate::cycle(&c, CreateSandboxRequest::default()).await {
-                    Ok(ms) => samples.push(ms),
+                    Ok(cy) => cycles.push(cy),
                     Err(_) => failed += 1,
                 }
             }
-            (samples, failed)
+            (cycles, failed)
         }));
     }
     tokio::time::sleep(Duration::from_secs(secs)).await;
@@ -52,17 +37,13 @@ pub async fn sustained(server: &Server, workers: usize, secs: u64) -> Sustained 
             failed += f;
         }
     }
-    Sustained {
+    Churn::new(
+        format!("sustained c{workers}"),
         workers,
-        secs: start.elapsed().as_secs_f64(),
-        ok: all.len(),
+        all,
         failed,
-        tti: Stats {
-            name: format!("sustained c{workers}"),
-            samples: all,
-            note: None,
-        },
-    }
+        start.elapsed().as_secs_f64(),
+    )
 }
 
 /// What a teardown run measured.

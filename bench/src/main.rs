@@ -358,21 +358,32 @@ fn python_sdk_tti(server: &Server, n: usize) -> Stats {
 
 /// One create -> exec `true` -> delete cycle; returns the time to interactive in ms
 /// (create until the exec's result, the delete untimed).
+/// One create -> exec true -> delete cycle as a client sees it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Cycle {
+    /// Time to interactive: the create call until the exec's result is back.
+    pub tti_ms: f64,
+    /// The delete call that follows.
+    pub delete_ms: f64,
+}
+
 pub(crate) async fn cycle(
     c: &dsec_client::Client,
     req: CreateSandboxRequest,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<Cycle> {
     let t = Instant::now();
     let sb = c.create_sandbox(req).await?;
     let r = c.exec(&sb.id, argv_true()).await;
-    let ms = t.elapsed().as_secs_f64() * 1000.0;
+    let tti_ms = t.elapsed().as_secs_f64() * 1000.0;
+    let t = Instant::now();
     let deleted = c.delete_sandbox(&sb.id).await;
+    let delete_ms = t.elapsed().as_secs_f64() * 1000.0;
     let r = r?;
     if r.exit.exit_code != Some(0) {
         bail!("exec true failed: {r:?}");
     }
     deleted?;
-    Ok(ms)
+    Ok(Cycle { tti_ms, delete_ms })
 }
 
 pub(crate) fn argv_true() -> ExecRequest {
@@ -448,8 +459,8 @@ async fn dsec_measurements(
 }
 
 /// One concurrency level: `workers` tasks each loop create -> exec true -> delete until
-/// `total` sandboxes were attempted. Returns (TTI samples in ms, failures, wall seconds).
-async fn concurrent_tti(server: &Server, workers: usize, total: usize) -> (Vec<f64>, usize, f64) {
+/// `total` sandboxes were attempted.
+async fn concurrent_tti(server: &Server, workers: usize, total: usize) -> Churn {
     let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let start = Instant::now();
     let mut tasks = Vec::new();
@@ -457,15 +468,15 @@ async fn concurrent_tti(server: &Server, workers: usize, total: usize) -> (Vec<f
         let c = server.client();
         let next = next.clone();
         tasks.push(tokio::spawn(async move {
-            let mut samples = Vec::new();
+            let mut cycles = Vec::new();
             let mut failures = 0;
             while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < total {
                 match cycle(&c, CreateSandboxRequest::default()).await {
-                    Ok(ms) => samples.push(ms),
+                    Ok(cy) => cycles.push(cy),
                     Err(_) => failures += 1,
                 }
             }
-            (samples, failures)
+            (cycles, failures)
         }));
     }
     let mut all = Vec::new();
@@ -479,33 +490,94 @@ async fn concurrent_tti(server: &Server, workers: usize, total: usize) -> (Vec<f
             Err(_) => failures += 1,
         }
     }
-    (all, failures, start.elapsed().as_secs_f64())
+    Churn::new(
+        format!("c{workers}"),
+        workers,
+        all,
+        failures,
+        start.elapsed().as_secs_f64(),
+    )
 }
 
-fn print_concurrency(rows: &[(usize, Stats, usize, f64)]) {
+/// What a run of create -> exec -> delete loops measured.
+#[derive(Debug)]
+pub(crate) struct Churn {
+    /// Workers (the concurrency).
+    pub workers: usize,
+    /// Time to interactive of the completed cycles.
+    pub tti: Stats,
+    /// Delete latency of the completed cycles.
+    pub delete: Stats,
+    /// Failed creates, execs or deletes.
+    pub failed: usize,
+    /// Wall time of the run.
+    pub secs: f64,
+}
+
+impl Churn {
+    pub(crate) fn new(
+        name: String,
+        workers: usize,
+        cycles: Vec<Cycle>,
+        failed: usize,
+        secs: f64,
+    ) -> Self {
+        Self {
+            workers,
+            tti: Stats {
+                name: name.clone(),
+                samples: cycles.iter().map(|c| c.tti_ms).collect(),
+                note: None,
+            },
+            delete: Stats {
+                name: format!("{name} delete"),
+                samples: cycles.iter().map(|c| c.delete_ms).collect(),
+                note: None,
+            },
+            failed,
+            secs,
+        }
+    }
+
+    /// Completed cycles.
+    pub(crate) fn ok(&self) -> usize {
+        self.tti.samples.len()
+    }
+
+    /// Completed cycles per second.
+    pub(crate) fn rate(&self) -> f64 {
+        self.ok() as f64 / self.secs
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({"concurrency": self.workers, "ok": self.ok(), "failed": self.failed,
+            "secs": self.secs, "cycles_per_s": self.rate(),
+            "p50_ms": self.tti.pct(50.0), "p99_ms": self.tti.pct(99.0), "max_ms": self.tti.pct(100.0),
+            "delete_p50_ms": self.delete.pct(50.0), "delete_p99_ms": self.delete.pct(99.0)})
+    }
+}
+
+fn print_concurrency(rows: &[Churn]) {
     record(
         "time to interactive under concurrency",
-        rows.iter()
-            .map(|(c, st, failures, secs)| {
-                serde_json::json!({"concurrency": c, "ok": st.samples.len(), "failed": failures,
-                    "p50_ms": st.pct(50.0), "p99_ms": st.pct(99.0), "max_ms": st.pct(100.0),
-                    "cycles_per_s": st.samples.len() as f64 / secs})
-            })
-            .collect(),
+        rows.iter().map(Churn::json).collect(),
     );
     println!("\n## time to interactive under concurrency (create -> exec true -> delete loops)\n");
-    println!("| concurrency | sandboxes | ok | p50 ms | p99 ms | max ms | cycles/s |");
-    println!("|---|---|---|---|---|---|---|");
-    for (c, st, failures, secs) in rows {
-        let n = st.samples.len();
+    println!("| concurrency | sandboxes | ok | p50 ms | p99 ms | max ms | delete p50 ms | delete p99 ms | cycles/s |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        let n = r.ok();
         println!(
-            "| {c} | {} | {:.1}% | {:.2} | {:.2} | {:.2} | {:.0} |",
-            n + failures,
-            100.0 * n as f64 / (n + failures).max(1) as f64,
-            st.pct(50.0),
-            st.pct(99.0),
-            st.pct(100.0),
-            n as f64 / secs
+            "| {} | {} | {:.1}% | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.0} |",
+            r.workers,
+            n + r.failed,
+            100.0 * n as f64 / (n + r.failed).max(1) as f64,
+            r.tti.pct(50.0),
+            r.tti.pct(99.0),
+            r.tti.pct(100.0),
+            r.delete.pct(50.0),
+            r.delete.pct(99.0),
+            r.rate()
         );
     }
 }
@@ -795,9 +867,7 @@ fn main() -> anyhow::Result<()> {
         let levels: &[usize] = if args.quick { &[1, 8, 32] } else { &[1, 8, 32, 128] };
         for workers in levels.iter().copied().filter(|_| want("concurrency")) {
             let total = if args.quick { 32 } else { 160 }.max(workers * 2);
-            let (samples, failures, secs) = concurrent_tti(&server, workers, total).await;
-            let st = Stats { name: format!("c{workers}"), samples, note: None };
-            conc.push((workers, st, failures, secs));
+            conc.push(concurrent_tti(&server, workers, total).await);
         }
         if !conc.is_empty() {
             print_concurrency(&conc);
@@ -806,13 +876,11 @@ fn main() -> anyhow::Result<()> {
             let secs = if args.quick { 10 } else { 60 };
             let r = churn::sustained(&server, 32, secs).await;
             println!("\n## sustained creation: create -> exec true -> delete loops for {secs} s\n");
-            println!("| concurrency | s | cycles | failed | cycles/s | p50 ms | p99 ms |");
-            println!("|---|---|---|---|---|---|---|");
-            println!("| {} | {:.0} | {} | {} | {:.0} | {:.2} | {:.2} |", r.workers, r.secs, r.ok, r.failed,
-                r.ok as f64 / r.secs, r.tti.pct(50.0), r.tti.pct(99.0));
-            record("sustained creation", serde_json::json!([{"concurrency": r.workers, "secs": r.secs,
-                "ok": r.ok, "failed": r.failed, "cycles_per_s": r.ok as f64 / r.secs,
-                "p50_ms": r.tti.pct(50.0), "p99_ms": r.tti.pct(99.0)}]));
+            println!("| concurrency | s | cycles | failed | cycles/s | p50 ms | p99 ms | delete p50 ms | delete p99 ms |");
+            println!("|---|---|---|---|---|---|---|---|---|");
+            println!("| {} | {:.0} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} |", r.workers, r.secs, r.ok(), r.failed,
+                r.rate(), r.tti.pct(50.0), r.tti.pct(99.0), r.delete.pct(50.0), r.delete.pct(99.0));
+            record("sustained creation", serde_json::json!([r.json()]));
         }
         if want("backlog") {
             let b = churn::backlog(&server, 20, 60).await?;

@@ -32,7 +32,8 @@ pub async fn tti_by_mode(server: &Server, n: usize) -> anyhow::Result<Vec<Stats>
             };
             let ms = crate::cycle(&c, req)
                 .await
-                .map_err(|e| anyhow::anyhow!("a {mode:?} sandbox: {e:#}"))?;
+                .map_err(|e| anyhow::anyhow!("a {mode:?} sandbox: {e:#}"))?
+                .tti_ms;
             if i >= 2 {
                 samples[m].push(ms);
             }
@@ -78,7 +79,9 @@ pub async fn tti_by_userns(server: &Server, n: usize) -> anyhow::Result<Vec<Stat
     let mut samples: [Vec<f64>; 3] = Default::default();
     for i in 0..n + 2 {
         for (k, c) in clients.iter().enumerate() {
-            let ms = crate::cycle(c, CreateSandboxRequest::default()).await?;
+            let ms = crate::cycle(c, CreateSandboxRequest::default())
+                .await?
+                .tti_ms;
             if i >= 2 {
                 samples[k].push(ms);
             }
