@@ -32,7 +32,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 
@@ -163,11 +163,22 @@ struct Shared {
     stop: AtomicBool,
     /// Serialises template creation.
     templates: Mutex<()>,
+    /// When a deleted sandbox's disk last came back into the pool.
+    recycled_at: Mutex<Option<Instant>>,
 }
+
+/// While deleted sandboxes' disks have come back within this long, the pool waits for
+/// more of them instead of making new disks (unless it runs low): under create/delete
+/// churn, new disks would only be released again when the recycled ones overflow it.
+const RECYCLE_WINDOW: Duration = Duration::from_secs(2);
 
 impl Shared {
     fn ready(&self) -> MutexGuard<'_, Vec<Disk>> {
         self.ready.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn recycled_at(&self) -> Option<Instant> {
+        *self.recycled_at.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn pool_dir(&self) -> PathBuf {
@@ -243,8 +254,23 @@ impl Shared {
         loop {
             {
                 let mut ready = self.ready();
-                while ready.len() >= self.cfg.pool_size && !self.stop.load(Ordering::Acquire) {
-                    ready = self.wake.wait(ready).unwrap_or_else(|p| p.into_inner());
+                let low = (self.cfg.pool_size / 4).max(1);
+                while !self.stop.load(Ordering::Acquire) {
+                    if ready.len() >= self.cfg.pool_size {
+                        ready = self.wake.wait(ready).unwrap_or_else(|p| p.into_inner());
+                        continue;
+                    }
+                    let since = self.recycled_at().map(|t| t.elapsed());
+                    match since {
+                        Some(since) if since < RECYCLE_WINDOW && ready.len() >= low => {
+                            ready = self
+                                .wake
+                                .wait_timeout(ready, RECYCLE_WINDOW - since)
+                                .unwrap_or_else(|p| p.into_inner())
+                                .0;
+                        }
+                        _ => break,
+                    }
                 }
             }
             if self.stop.load(Ordering::Acquire) {
@@ -432,6 +458,7 @@ impl Disks {
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
             templates: Mutex::new(()),
+            recycled_at: Mutex::new(None),
         };
         // Make the default template now: a broken mkfs shows at start, not at create.
         shared.template(shared.cfg.default_mb)?;
@@ -616,6 +643,11 @@ impl Disks {
             ));
         }
         disk.dir = dest;
+        *self
+            .shared
+            .recycled_at
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
         self.shared.ready().push(disk);
         Ok(())
     }

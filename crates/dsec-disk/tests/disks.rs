@@ -311,6 +311,60 @@ fn lightly_used_disks_are_recycled_empty_and_heavy_ones_released() {
 }
 
 #[test]
+fn while_disks_come_back_the_pool_makes_no_new_ones() {
+    if !usable() {
+        return;
+    }
+    let dir = scratch("churn");
+    let disks = open(&dir, 128, 4, MountMode::Detached);
+    wait_pooled(&disks, 4);
+    let entries = || {
+        let mut v: Vec<String> = std::fs::read_dir(dir.join("root/pool"))
+            .expect("pool dir")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    // A delete brings a disk back; two creates right after leave the pool below its
+    // size, but disks are coming back, so it waits for them rather than making disks
+    // that would go again.
+    let a = disks.provision(128, &dir.join("a")).expect("provision");
+    wait_pooled(&disks, 4);
+    assert!(disks.recycle(a).expect("recycle"));
+    let b = disks.provision(128, &dir.join("b")).expect("provision");
+    let c = disks.provision(128, &dir.join("c")).expect("provision");
+    let after_creates = entries();
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_eq!(disks.pooled(), 3, "no disk made while they come back");
+    assert_eq!(entries(), after_creates);
+    release(c).expect("release");
+    // Once none came back for a while, it fills up again.
+    wait_pooled(&disks, 4);
+    // And a pool that runs dry refills at once, recycling or not (the wait for returning
+    // disks is 2 s; making one takes a fraction of that).
+    assert!(disks.recycle(b).expect("recycle"));
+    let recycled = std::time::Instant::now();
+    let taken: Vec<Disk> = (0..5)
+        .map(|i| {
+            disks
+                .provision(128, &dir.join(format!("t{i}")))
+                .expect("provision")
+        })
+        .collect();
+    wait_pooled(&disks, 1);
+    assert!(
+        recycled.elapsed() < std::time::Duration::from_millis(1500),
+        "a dry pool waited for returning disks: {:?}",
+        recycled.elapsed()
+    );
+    for d in taken {
+        release(d).expect("release");
+    }
+}
+
+#[test]
 fn probing_picks_a_mode_whose_disks_work() {
     if !usable() {
         return;
