@@ -83,7 +83,8 @@ def server() -> Iterator[Server]:
 
     root = Path(os.environ.get("DSEC_PY_TEST_DIR", "/tmp/dsec-pytest"))
     root.mkdir(parents=True, exist_ok=True)
-    state, run = root / "state", root / "run"
+    # The run directory on a tmpfs, like a real node's /run/dsec.
+    state, run = root / "state", Path(os.environ.get("DSEC_PY_RUN_DIR", "/run/dsec-pytest"))
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(root / "serve.log", "ab")

@@ -108,6 +108,9 @@ where
 /// node on this host (the quick start's) may hold; a node refuses a parent another holds.
 pub const TEST_CGROUP_PARENT: &str = "dsec-e2e";
 
+/// Where test servers keep their run directories (`/run/dsec-e2e/NAME`).
+pub const TEST_RUN_ROOT: &str = "/run/dsec-e2e";
+
 /// A running `dsec serve`.
 #[derive(Debug)]
 pub struct Server {
@@ -138,16 +141,20 @@ impl Server {
     /// [`Server::start`] with more `dsec serve` flags.
     pub async fn start_with(name: &str, fresh: bool, args: &[&str]) -> anyhow::Result<Self> {
         let root = std::env::temp_dir().join("dsec-e2e").join(name);
+        // On a tmpfs, like the default /run/dsec of a real node.
+        let run_dir = Path::new(TEST_RUN_ROOT).join(name);
         if fresh && root.exists() {
             kill_leftovers(&root.join("state"));
             kill_lazy_servers(&root.join("state"));
             unmount_under(&root);
+            unmount_under(&run_dir);
             let _ = std::fs::remove_dir_all(&root);
+            let _ = std::fs::remove_dir_all(&run_dir);
         }
         std::fs::create_dir_all(&root)?;
         let mut s = Server {
             state_dir: root.join("state"),
-            run_dir: root.join("run"),
+            run_dir,
             url: String::new(),
             key: String::new(),
             child: None,
@@ -407,6 +414,7 @@ impl Drop for Server {
         self.kill();
         kill_leftovers(&self.state_dir);
         kill_lazy_servers(&self.state_dir);
+        unmount_under(&self.run_dir);
         let _ = std::fs::remove_dir_all(&self.run_dir);
         // Each server holds a copy of the base image: a suite's worth of them is gigabytes.
         if self.remove_on_drop && !std::thread::panicking() {

@@ -100,7 +100,7 @@ async fn failed_and_half_created_sandboxes_leave_nothing() {
         .expect("create");
     let rec: serde_json::Value = serde_json::from_slice(
         &std::fs::read(
-            s.state_dir
+            s.run_dir
                 .join("sandboxes")
                 .join(&victim.id)
                 .join("runtime.json"),
@@ -109,7 +109,23 @@ async fn failed_and_half_created_sandboxes_leave_nothing() {
     )
     .expect("json");
     let init_pid = rec["pid"].as_i64().expect("pid") as i32;
+    // And one that lives on, whose record an older node kept in the state directory.
+    let survivor = c
+        .create_sandbox(CreateSandboxRequest::default())
+        .await
+        .expect("create");
     s.kill();
+    let record_now = s
+        .run_dir
+        .join("sandboxes")
+        .join(&survivor.id)
+        .join("runtime.json");
+    let record_before = s
+        .state_dir
+        .join("sandboxes")
+        .join(&survivor.id)
+        .join("runtime.json");
+    std::fs::rename(&record_now, &record_before).expect("move the record where it used to be");
     // SAFETY: kill with a pid read from the sandbox's own record.
     unsafe { libc::kill(init_pid, libc::SIGKILL) };
 
@@ -188,6 +204,18 @@ async fn failed_and_half_created_sandboxes_leave_nothing() {
     })
     .await;
     assert!(leaked.is_some(), "loop devices of dead disks left");
+
+    // The survivor is adopted from its old record, which moves to the run directory.
+    let r = c
+        .exec(&survivor.id, sh("echo alive"))
+        .await
+        .expect("exec survivor");
+    assert_eq!(r.stdout, "alive\n");
+    assert!(record_now.exists(), "record moved to the run directory");
+    assert!(!record_before.exists(), "old record removed");
+    c.delete_sandbox(&survivor.id)
+        .await
+        .expect("delete survivor");
 
     // The sandbox that died while the server was down is reported, not silently lost.
     let sb = c.get_sandbox(&victim.id).await.expect("record kept");

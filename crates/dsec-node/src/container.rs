@@ -1,13 +1,16 @@
 //! The container backend: the node starts `dsec-agent init`, which builds the sandbox
 //! around itself (see `dsec-container`) and becomes its PID 1.
 //!
-//! Per sandbox, on the host: `state_dir/sandboxes/ID/{runtime.json,disk/,rootfs,agent.log}`
-//! (`disk/` holds the image of a size-limited ext4 with the overlay's `upper` and `work`,
-//! mounted detached (held by an fd, handed to init) or at `disk/mnt`; a node without disk
-//! limits has plain `upper/` and `work/` directories instead),
-//! `run_dir/sandboxes/ID/agent.sock`, and cgroup `dsec/ID`. Nothing else: the overlay
-//! lives in the sandbox's mount namespace, the shared layer mount belongs to the image
-//! store.
+//! Per sandbox, on the host: `state_dir/sandboxes/ID/disk/` (the image of a size-limited
+//! ext4 with the overlay's `upper` and `work`, mounted detached (held by an fd, handed to
+//! init) or at `disk/mnt`; a node without disk limits has plain `upper/` and `work/`
+//! directories there instead), `run_dir/sandboxes/ID/{runtime.json,agent.sock,agent.log,
+//! rootfs}`, and cgroup `dsec/ID`. Nothing else: the overlay lives in the sandbox's mount
+//! namespace, the shared layer mount belongs to the image store.
+//!
+//! What describes a running sandbox (its record, socket, log and root mount point) lives
+//! in the run directory (a tmpfs such as `/run`): it dies with the host as the sandbox
+//! does, and a create touches the state file system only to move a pooled disk in.
 
 use std::fs;
 use std::io::{Read, Write};
@@ -82,13 +85,19 @@ impl ContainerBackend {
             None => None,
         };
         if userns.is_some() {
-            let sandboxes = cfg.state_dir.join("sandboxes");
-            fs::DirBuilder::new()
-                .recursive(true)
-                .create(&sandboxes)
-                .map_err(NodeError::io("mkdir", &sandboxes))?;
-            fs::set_permissions(&sandboxes, fs::Permissions::from_mode(0o711))
-                .map_err(NodeError::io("chmod", &sandboxes))?;
+            // Init, an unprivileged host uid then, walks to its root mount point in the
+            // run directory (search only; nothing is listed).
+            for sandboxes in [
+                cfg.state_dir.join("sandboxes"),
+                cfg.run_dir.join("sandboxes"),
+            ] {
+                fs::DirBuilder::new()
+                    .recursive(true)
+                    .create(&sandboxes)
+                    .map_err(NodeError::io("mkdir", &sandboxes))?;
+                fs::set_permissions(&sandboxes, fs::Permissions::from_mode(0o711))
+                    .map_err(NodeError::io("chmod", &sandboxes))?;
+            }
         }
         let disks = match cfg.disk {
             Some(d) => Some(dsec_disk::Disks::open(dsec_disk::DiskConfig {
@@ -171,14 +180,13 @@ impl ContainerBackend {
         let id = &spec.id;
         let dir = self.cfg.sandbox_dir(id);
         let run = self.cfg.sandbox_run_dir(id);
-        // With a user namespace, init mounts the root at dir/rootfs as the namespace's
+        // With a user namespace, init mounts the root at run/rootfs as the namespace's
         // root, an unprivileged host uid: it must be able to walk there (search only;
         // nothing is listed). `sandboxes/` itself gets that mode once, at start.
         let mode = if self.userns.is_some() { 0o711 } else { 0o700 };
         let mut builder = fs::DirBuilder::new();
-        builder.recursive(true).mode(0o700);
+        builder.recursive(true).mode(mode);
         builder.create(&run).map_err(NodeError::io("mkdir", &run))?;
-        builder.mode(mode);
         builder.create(&dir).map_err(NodeError::io("mkdir", &dir))?;
         let mut disk_fd = None;
         let (upper, work, disk_mb) = match (&self.disks, spec.disk_mb) {
@@ -207,7 +215,7 @@ impl ContainerBackend {
             (None, None) => (dir.join("upper"), dir.join("work"), None),
         };
         // A disk comes with its upper and work directories; plain ones are made here.
-        let mut dirs = vec![dir.join("rootfs")];
+        let mut dirs = vec![run.join("rootfs")];
         if disk_mb.is_none() {
             dirs.extend([upper.clone(), work.clone()]);
         }
@@ -282,10 +290,10 @@ impl ContainerBackend {
         };
         let cgroup = Cgroup::create(&self.cgroups, &self.cgroup_path(id), &limits)?;
         if spec.isolation == Isolation::Oci {
-            let rec = self.create_oci(spec, layers, &dir, &upper, &work, disk_mb)?;
+            let rec = self.create_oci(spec, layers, &run, &upper, &work, disk_mb)?;
             self.handles()
                 .insert(id.clone(), std::sync::Arc::new(cgroup));
-            write_record(&dir, &rec)?;
+            write_record(&run, &rec)?;
             return Ok(rec);
         }
 
@@ -312,7 +320,7 @@ impl ContainerBackend {
                 .map(|l| format!("nameserver {}\noptions timeout:2 attempts:2\n", l.gateway)),
             sched_idle: spec.qos == Qos::BestEffort,
             core_sched: crate::admission::core_scheduling_available(),
-            rootfs: dir.join("rootfs").display().to_string(),
+            rootfs: run.join("rootfs").display().to_string(),
             cgroup_procs: cgroup
                 .procs_paths()
                 .iter()
@@ -330,7 +338,7 @@ impl ContainerBackend {
             userns: userns.map(|ns| ns.fd().as_raw_fd()),
             layers: layer_fds.iter().map(|f| f.as_raw_fd()).collect(),
         };
-        let (pid, start_time) = self.spawn_init(id, &init, &fds, &dir)?;
+        let (pid, start_time) = self.spawn_init(id, &init, &fds, &run)?;
         drop(listener);
         drop(layer_fds);
         drop(upper_clone);
@@ -346,7 +354,7 @@ impl ContainerBackend {
         let mut rec = self.record(spec, layers, (pid, start_time), disk_mb);
         rec.net = net;
         rec.userns = userns_rec;
-        write_record(&dir, &rec)?;
+        write_record(&run, &rec)?;
         Ok(rec)
     }
 
@@ -356,11 +364,11 @@ impl ContainerBackend {
         id: &str,
         init: &InitSpec,
         fds: &InitFds,
-        dir: &Path,
+        run: &Path,
     ) -> Result<(i32, u64), NodeError> {
         let (status_r, status_w): (OwnedFd, OwnedFd) = nix::unistd::pipe2(OFlag::O_CLOEXEC)
             .map_err(|e| create_err(id, format!("pipe: {e}")))?;
-        let log_path = dir.join("agent.log");
+        let log_path = run.join("agent.log");
         let log = fs::File::create(&log_path).map_err(NodeError::io("create", &log_path))?;
         // (host fd, number in init).
         let mut pairs: Vec<(RawFd, i32)> =
@@ -475,7 +483,7 @@ impl ContainerBackend {
         &self,
         spec: &NodeCreateSpec,
         layers: &Layers,
-        dir: &Path,
+        run: &Path,
         upper: &Path,
         work: &Path,
         disk_mb: Option<u64>,
@@ -509,7 +517,7 @@ impl ContainerBackend {
             .rev()
             .map(|(_, mnt)| mnt.display().to_string())
             .collect();
-        let rootfs = dir.join("rootfs");
+        let rootfs = run.join("rootfs");
         let opts = format!(
             "lowerdir={},upperdir={},workdir={}",
             lower.join(":"),
@@ -524,14 +532,13 @@ impl ContainerBackend {
             Some(opts.as_str()),
         )
         .map_err(|e| create_err(id, format!("mount root: {e}")))?;
-        let bundle = dir.join("bundle");
+        let bundle = run.join("bundle");
         fs::create_dir_all(&bundle).map_err(NodeError::io("mkdir", &bundle))?;
-        let run = self.cfg.sandbox_run_dir(id);
         let config = crate::oci::bundle_config(
             spec,
             &rootfs,
             &self.cfg.agent_bin,
-            &run,
+            run,
             &self.cgroup_path(id),
         );
         let path = bundle.join("config.json");
@@ -631,11 +638,43 @@ impl Userns {
     }
 }
 
+impl ContainerBackend {
+    /// A sandbox's runtime record, if it has a readable one. A record an older node wrote
+    /// in the state directory is moved to the run directory, where this one keeps it.
+    fn read_record(&self, id: &str) -> Option<RuntimeRecord> {
+        let read = |dir: &Path| -> Option<RuntimeRecord> {
+            let bytes = fs::read(dir.join(RECORD_FILE)).ok()?;
+            serde_json::from_slice(&bytes).ok()
+        };
+        let run = self.cfg.sandbox_run_dir(id);
+        if let Some(rec) = read(&run) {
+            return Some(rec);
+        }
+        let legacy = self.cfg.sandbox_dir(id);
+        let rec = read(&legacy)?;
+        let moved = fs::create_dir_all(&run)
+            .map_err(NodeError::io("mkdir", &run))
+            .and_then(|()| write_record(&run, &rec));
+        match moved {
+            Ok(()) => {
+                let _ = fs::remove_file(legacy.join(RECORD_FILE));
+            }
+            Err(e) => {
+                tracing::warn!(%id, error = %e, "moving the runtime record to the run directory")
+            }
+        }
+        Some(rec)
+    }
+}
+
+/// The name of a sandbox's runtime record in its run directory.
+const RECORD_FILE: &str = "runtime.json";
+
 /// Writes a sandbox's runtime record atomically.
 fn write_record(dir: &Path, rec: &RuntimeRecord) -> Result<(), NodeError> {
     let json = serde_json::to_vec_pretty(rec).map_err(|e| create_err(&rec.id, e))?;
-    let rec_path = dir.join("runtime.json");
-    let tmp = dir.join("runtime.json.tmp");
+    let rec_path = dir.join(RECORD_FILE);
+    let tmp = dir.join(format!("{RECORD_FILE}.tmp"));
     fs::write(&tmp, json).map_err(NodeError::io("write", &tmp))?;
     fs::rename(&tmp, &rec_path).map_err(NodeError::io("rename", &rec_path))
 }
@@ -711,13 +750,13 @@ impl Backend for ContainerBackend {
             // the lock: the range is free for reuse.
             u.ranges().release(id);
         }
-        let dir = self.cfg.sandbox_dir(id);
-        if dir.join("bundle").exists() {
+        let run = self.cfg.sandbox_run_dir(id);
+        if run.join("bundle").exists() {
             // Isolation level oci: the runtime's container, then its root mount.
             if let Some(bin) = &self.cfg.oci_runtime {
                 crate::oci::delete(bin, &crate::oci::state_dir(&self.cfg.run_dir), id);
             }
-            let _ = nix::mount::umount2(&dir.join("rootfs"), nix::mount::MntFlags::MNT_DETACH);
+            let _ = nix::mount::umount2(&run.join("rootfs"), nix::mount::MntFlags::MNT_DETACH);
         }
         let cgroup = match cached {
             Some(cg) => Ok(cg),
@@ -735,25 +774,31 @@ impl Backend for ContainerBackend {
     }
 
     fn recover(&self) -> Result<Vec<RuntimeRecord>, NodeError> {
-        let root = self.cfg.state_dir.join("sandboxes");
-        let mut alive = Vec::new();
-        let entries = match fs::read_dir(&root) {
-            Ok(e) => e.filter_map(Result::ok).collect::<Vec<_>>(),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => {
-                return Err(NodeError::Io {
-                    op: "read_dir",
-                    path: root.display().to_string(),
-                    source: e,
-                })
+        // A sandbox may have left a state directory (its disk), a run directory (its
+        // record and socket), or both.
+        let mut ids = std::collections::BTreeSet::new();
+        for root in [
+            self.cfg.state_dir.join("sandboxes"),
+            self.cfg.run_dir.join("sandboxes"),
+        ] {
+            match fs::read_dir(&root) {
+                Ok(e) => ids.extend(
+                    e.filter_map(Result::ok)
+                        .map(|e| e.file_name().to_string_lossy().into_owned()),
+                ),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(NodeError::Io {
+                        op: "read_dir",
+                        path: root.display().to_string(),
+                        source: e,
+                    })
+                }
             }
-        };
-        for entry in entries {
-            let id = entry.file_name().to_string_lossy().into_owned();
-            let rec: Option<RuntimeRecord> = fs::read(entry.path().join("runtime.json"))
-                .ok()
-                .and_then(|b| serde_json::from_slice(&b).ok());
-            match rec {
+        }
+        let mut alive = Vec::new();
+        for id in ids {
+            match self.read_record(&id) {
                 Some(rec) if self.is_alive(&rec) && rec.agent_socket.exists() => {
                     tracing::info!(%id, pid = rec.pid, "re-adopting live sandbox");
                     alive.push(rec);
@@ -784,15 +829,6 @@ impl Backend for ContainerBackend {
             if !known.contains(id.as_str()) {
                 tracing::info!(cgroup = %child, "removing orphaned cgroup");
                 self.destroy(&id)?;
-            }
-        }
-        // Stray socket directories.
-        if let Ok(entries) = fs::read_dir(self.cfg.run_dir.join("sandboxes")) {
-            for e in entries.filter_map(Result::ok) {
-                let id = e.file_name().to_string_lossy().into_owned();
-                if !known.contains(id.as_str()) {
-                    let _ = fs::remove_dir_all(e.path());
-                }
             }
         }
         Ok(alive)
@@ -853,13 +889,11 @@ impl Backend for ContainerBackend {
         };
         net.set_policy(id, policy)?;
         // Keep the record true for a restart.
-        let path = self.cfg.sandbox_dir(id).join("runtime.json");
-        let mut rec: RuntimeRecord = fs::read(&path)
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
+        let mut rec = self
+            .read_record(id)
             .ok_or_else(|| NodeError::NotFound(id.to_string()))?;
         rec.net = net.record(id);
-        write_record(&self.cfg.sandbox_dir(id), &rec)
+        write_record(&self.cfg.sandbox_run_dir(id), &rec)
     }
 
     fn address(&self, rec: &RuntimeRecord) -> Option<std::net::Ipv4Addr> {
