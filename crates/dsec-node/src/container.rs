@@ -763,7 +763,16 @@ impl Backend for ContainerBackend {
             None => Cgroup::open(&self.cgroups, &self.cgroup_path(id)).map(std::sync::Arc::new),
         };
         match cgroup {
-            Ok(cg) => cg.destroy()?,
+            Ok(cg) => {
+                // The dying processes tear down their memory, mounts and namespaces in
+                // their own time slices: at the lowest weight, after the creates.
+                let last = Limits {
+                    cpu_weight: Some(1),
+                    ..Limits::default()
+                };
+                let _ = cg.set_limits(&last);
+                cg.destroy()?
+            }
             Err(dsec_cgroups::CgroupError::NotFound(_)) => {}
             Err(e) => return Err(e.into()),
         }

@@ -22,6 +22,7 @@ pub mod container;
 pub mod error;
 pub mod local;
 pub mod oci;
+pub mod priority;
 pub mod spawn;
 pub mod swap;
 pub mod userns;

@@ -305,9 +305,12 @@ impl NodeApi for LocalNode {
         let rec = self.lock().get(id).cloned();
         let backend = self.backend.clone();
         let id2 = id.to_string();
-        tokio::task::spawn_blocking(move || backend.destroy(&id2))
-            .await
-            .map_err(join_err)??;
+        tokio::task::spawn_blocking(move || {
+            let _bg = crate::priority::Background::enter();
+            backend.destroy(&id2)
+        })
+        .await
+        .map_err(join_err)??;
         if let Some(rec) = rec {
             let _ = nix::sys::wait::waitpid(
                 nix::unistd::Pid::from_raw(rec.pid),
