@@ -364,6 +364,51 @@ fn while_disks_come_back_the_pool_makes_no_new_ones() {
     }
 }
 
+/// The ext4 superblock's journal size in bytes, or `None` without `has_journal`.
+fn journal_bytes(img: &Path) -> Option<u64> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(img).expect("open image");
+    let mut sb = [0u8; 1024];
+    f.read_exact_at(&mut sb, 1024).expect("read superblock");
+    let u32_at = |o: usize| u32::from_le_bytes(sb[o..o + 4].try_into().expect("4 bytes"));
+    assert_eq!(
+        u16::from_le_bytes([sb[0x38], sb[0x39]]),
+        0xEF53,
+        "ext4 magic"
+    );
+    const HAS_JOURNAL: u32 = 0x4;
+    if u32_at(0x5C) & HAS_JOURNAL == 0 {
+        return None;
+    }
+    // s_jnl_blocks[17]: the journal inode's i_block, then i_size_high and i_size.
+    let (high, low) = (u32_at(0x10C + 15 * 4), u32_at(0x10C + 16 * 4));
+    Some((u64::from(high) << 32) | u64::from(low))
+}
+
+#[test]
+fn disks_have_a_small_journal_and_old_templates_go() {
+    if !usable() {
+        return;
+    }
+    let dir = scratch("journal");
+    // A template an older node made, of another format.
+    std::fs::create_dir_all(dir.join("root/templates")).expect("mkdir");
+    std::fs::write(dir.join("root/templates/128.img"), b"old").expect("old template");
+    let disks = open(&dir, 128, 1, MountMode::Detached);
+    assert!(
+        !dir.join("root/templates/128.img").exists(),
+        "old template removed"
+    );
+    let disk = disks.provision(128, &dir.join("d")).expect("provision");
+    let journal = journal_bytes(&disk.dir().join("disk.img")).expect("has a journal");
+    assert_eq!(journal, 4 << 20, "a 4 MiB journal");
+    // Its file system works with it: files come and go.
+    let upper = upper_dir(&disk.root());
+    std::fs::write(upper.join("a"), b"x").expect("write");
+    std::fs::remove_file(upper.join("a")).expect("remove");
+    release(disk).expect("release");
+}
+
 #[test]
 fn probing_picks_a_mode_whose_disks_work() {
     if !usable() {
