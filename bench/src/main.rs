@@ -20,6 +20,7 @@ use dsec_wire::v1::{CreateSandboxRequest, ExecRequest};
 
 mod burst;
 mod churn;
+mod files;
 mod lifecycle;
 mod network;
 mod peers;
@@ -40,7 +41,7 @@ struct Args {
     #[arg(long)]
     json: Option<PathBuf>,
     /// Run only these sections (comma-separated): runtimes, network, concurrency,
-    /// sustained, backlog, teardown, cpu, job, idle, density, provision, burst.
+    /// sustained, backlog, teardown, cpu, job, idle, density, files, provision, burst.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Containers in the burst section (default 256, quick 48).
@@ -942,6 +943,18 @@ fn main() -> anyhow::Result<()> {
             println!("| {} | {:.1} | {:.2} | {:.2} | {:.2} |", d.sandboxes, d.create_secs, d.mib_per_sandbox, d.exec.pct(50.0), d.exec.pct(99.0));
         }
 
+        if want("files") {
+            let n = if args.quick { 5000 } else { 20000 };
+            let rows = files::churn(&server, n).await?;
+            println!("\n## file churn: creating {n} files fresh and right after deleting {n}\n");
+            println!("| where | fresh us/file | after a delete us/file | slowdown |");
+            println!("|---|---|---|---|");
+            for r in &rows {
+                println!("| {} | {:.1} | {:.1} | {:.1}x |", r.name, r.fresh_us, r.after_delete_us, r.after_delete_us / r.fresh_us);
+            }
+            record("file churn", rows.iter().map(|r| serde_json::json!({"where": r.name,
+                "fresh_us": r.fresh_us, "after_delete_us": r.after_delete_us})).collect());
+        }
         if want("provision") {
             provision_section(&server, if args.quick { 2 } else { 5 }).await?;
         }
