@@ -69,8 +69,14 @@ pub fn attach(backing: &File) -> Result<LoopDevice, DiskError> {
             source,
         })?;
     let mut direct_io = true;
-    // Two attaches racing for the same free device: the loser gets EBUSY and retries.
-    for _ in 0..64 {
+    // Attaches of this process take turns: between LOOP_CTL_GET_FREE and LOOP_CONFIGURE
+    // the device is still free, so concurrent attaches would all pick it and all but one
+    // fail (128 creates at once lost 64 retries in a row).
+    static ATTACH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = ATTACH.lock().unwrap_or_else(|p| p.into_inner());
+    // Another process racing for the same free device: the loser gets EBUSY and retries.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while std::time::Instant::now() < deadline {
         // SAFETY: LOOP_CTL_GET_FREE takes no argument and returns a device number.
         let n = unsafe { libc::ioctl(ctl.as_raw_fd(), LOOP_CTL_GET_FREE as _) };
         if n < 0 {
@@ -111,7 +117,10 @@ pub fn attach(backing: &File) -> Result<LoopDevice, DiskError> {
             return Ok(LoopDevice { path, _dev: dev });
         }
         match std::io::Error::last_os_error().raw_os_error() {
-            Some(libc::EBUSY) => continue,
+            Some(libc::EBUSY) => {
+                std::thread::sleep(std::time::Duration::from_micros(200));
+                continue;
+            }
             // The backing file system cannot do direct I/O: use the page cache.
             Some(libc::EINVAL) if direct_io => direct_io = false,
             _ => return Err(ioctl_err("LOOP_CONFIGURE")),

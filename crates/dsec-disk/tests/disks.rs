@@ -410,6 +410,32 @@ fn disks_have_a_small_journal_and_old_templates_go() {
 }
 
 #[test]
+fn many_disks_made_at_once_all_get_a_loop_device() {
+    if !usable() {
+        return;
+    }
+    // A burst of creates with the pool empty: each makes its disk, all at the same time.
+    let dir = scratch("burst");
+    let disks = open(&dir, 16, 0, MountMode::Detached);
+    let made: Vec<Disk> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..64)
+            .map(|i| {
+                let (disks, dir) = (&disks, &dir);
+                s.spawn(move || disks.provision(16, &dir.join(format!("b{i}"))))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("thread").expect("provision"))
+            .collect()
+    });
+    assert_eq!(loops_under(&dir).len(), 64, "one loop device each");
+    for d in made {
+        release(d).expect("release");
+    }
+}
+
+#[test]
 fn probing_picks_a_mode_whose_disks_work() {
     if !usable() {
         return;
