@@ -103,20 +103,15 @@ fn claim(dir: &Path, kind: &str, name: &str, flag: &str) -> Result<File, NodeErr
 /// Whether `pid` is gone or tearing down (`PF_EXITING`, a zombie or dead task): the lock
 /// it holds is about to go.
 fn process_is_exiting(pid: i32) -> bool {
+    use crate::procstat::{at, fields};
     const PF_EXITING: u64 = 0x4;
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+    let Some(f) = fields(pid) else {
         return true;
     };
-    // The command name may hold spaces and parentheses: fields start after the last ')'.
-    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
-        return false;
-    };
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // fields[0] is the state (field 3), fields[6] the flags (field 9).
-    let state = fields.first().copied().unwrap_or("");
-    let flags = fields
-        .get(6)
-        .and_then(|f| f.parse::<u64>().ok())
+    let state = f.get(at(3)).map_or("", String::as_str);
+    let flags = f
+        .get(at(9))
+        .and_then(|v| v.parse::<u64>().ok())
         .unwrap_or(0);
     matches!(state, "Z" | "X" | "x") || flags & PF_EXITING != 0
 }

@@ -725,11 +725,8 @@ fn read_status(fd: &OwnedFd, timeout: Duration) -> Result<String, String> {
 
 /// Start time (clock ticks since boot) of a pid, or `None` if it does not exist.
 pub fn pid_start_time(pid: i32) -> Option<u64> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name may contain spaces and parentheses: split after the last ')'.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    // Fields after the name start at field 3; starttime is field 22.
-    rest.split_whitespace().nth(22 - 3)?.parse().ok()
+    let fields = crate::procstat::fields(pid)?;
+    fields.get(crate::procstat::at(22))?.parse().ok()
 }
 
 impl Backend for ContainerBackend {
@@ -914,8 +911,6 @@ impl Backend for ContainerBackend {
 }
 
 fn is_zombie(pid: i32) -> bool {
-    fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| s.rfind(')').map(|i| s[i + 2..].starts_with('Z')))
-        .unwrap_or(true)
+    crate::procstat::fields(pid)
+        .is_none_or(|f| f.get(crate::procstat::at(3)).is_some_and(|s| s == "Z"))
 }

@@ -23,6 +23,7 @@ pub mod error;
 pub mod local;
 pub mod oci;
 pub mod priority;
+mod procstat;
 pub mod spawn;
 pub mod swap;
 pub mod userns;
