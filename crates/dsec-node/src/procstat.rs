@@ -21,7 +21,11 @@ mod tests {
     #[test]
     fn own_stat_parses() {
         let f = fields(std::process::id() as i32).expect("own stat");
-        assert!(["R", "S"].contains(&f[at(3)].as_str()), "state {}", f[at(3)]);
+        assert!(
+            ["R", "S"].contains(&f[at(3)].as_str()),
+            "state {}",
+            f[at(3)]
+        );
         assert_eq!(f[at(4)], std::os::unix::process::parent_id().to_string());
         assert!(fields(i32::MAX).is_none());
     }
