@@ -222,8 +222,9 @@ pub trait CgroupManager: fmt::Debug + Send + Sync {
     /// Whether a process is in the cgroup itself (descendants not looked at): one read
     /// per hierarchy, no directory listing.
     fn has_own_pids(&self) -> Result<bool>;
-    /// Send SIGKILL to every process, once (no waiting).
-    fn signal_kill(&self) -> Result<()>;
+    /// Send SIGKILL to every process, once (no waiting). `pids` is what [`Self::pids`]
+    /// just listed; a version with a kill-all file does not need it.
+    fn signal_kill(&self, pids: &[i32]) -> Result<()>;
     /// Remove the cgroup directories (descendants first). Missing directories are fine.
     fn remove_dirs(&self) -> Result<()>;
     /// Current memory usage in bytes.
@@ -386,7 +387,7 @@ impl Cgroup {
             if pids.is_empty() {
                 return Ok(());
             }
-            m.signal_kill()?;
+            m.signal_kill(&pids)?;
             // A frozen task (v1 freezer) dies only once thawed; killed first, it never
             // runs user code again.
             let _ = m.set_frozen(false, Duration::from_millis(200));

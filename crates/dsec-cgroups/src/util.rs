@@ -112,7 +112,19 @@ pub(crate) fn parse_pids(path: &Path, content: &str) -> Result<Vec<i32>> {
 }
 
 /// Names of the subdirectories of `dir` (child cgroups). Missing `dir` yields nothing.
+///
+/// A directory's link count is 2 plus its subdirectories on cgroupfs (kernfs) as on most
+/// file systems (those that do not count report 1): a count of 2 means no child cgroups
+/// without listing the directory, whose dozens of control files make a listing the
+/// costliest step of a teardown.
 pub(crate) fn subdirs(dir: &Path) -> Result<Vec<String>> {
+    use std::os::unix::fs::MetadataExt;
+    match std::fs::symlink_metadata(dir) {
+        Ok(m) if m.is_dir() && m.nlink() == 2 => return Ok(Vec::new()),
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err("stat", dir, e)),
+    }
     let rd = match std::fs::read_dir(dir) {
         Ok(rd) => rd,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),

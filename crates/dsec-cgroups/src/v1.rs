@@ -202,9 +202,8 @@ impl CgroupManager for V1Manager {
         Ok(false)
     }
 
-    fn signal_kill(&self) -> Result<()> {
-        let pids = self.pids()?;
-        util::kill_pids(&pids);
+    fn signal_kill(&self, pids: &[i32]) -> Result<()> {
+        util::kill_pids(pids);
         // Frozen tasks die only once thawed.
         if let Some(state) = self.freezer_state_path() {
             if let Ok(s) = std::fs::read_to_string(&state) {

@@ -122,12 +122,12 @@ impl CgroupManager for V2Manager {
         util::has_procs(&self.dir)
     }
 
-    fn signal_kill(&self) -> Result<()> {
+    fn signal_kill(&self, pids: &[i32]) -> Result<()> {
         let kill = self.dir.join("cgroup.kill");
         if kill.exists() {
             write_file(&kill, "1")
         } else {
-            util::kill_pids(&self.pids()?);
+            util::kill_pids(pids);
             Ok(())
         }
     }
