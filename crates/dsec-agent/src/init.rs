@@ -1,6 +1,7 @@
 //! `dsec-agent init`: the sandbox's PID 1.
 //!
-//! Started by the node with the [`InitSpec`] on stdin, the agent's listening socket on fd
+//! Started by the node (or forked by `dsec-agent zygote`, see `zygote.rs`) with the
+//! [`InitSpec`] on stdin (or in the zygote request), the agent's listening socket on fd
 //! [`LISTEN_FD`] and a status pipe on fd [`STATUS_FD`]. Builds the sandbox around itself
 //! with [`dsec_container::boot`], reports `ready` (or `error ...`) on the status pipe and
 //! then serves the agent protocol for the sandbox's whole life.
@@ -16,7 +17,8 @@ fn report(status: &OwnedFd, line: &str) {
     let _ = nix::unistd::write(status, format!("{line}\n").as_bytes());
 }
 
-/// Runs init; returns only on failure (after reporting it on the status pipe).
+/// Runs an exec'd init (spec on stdin); returns only on failure (after reporting it on
+/// the status pipe).
 pub fn init() -> Result<(), Box<dyn std::error::Error>> {
     // SAFETY: the node guarantees fd 4 is the write end of the status pipe, owned by us.
     let status = unsafe { OwnedFd::from_raw_fd(STATUS_FD) };
@@ -32,7 +34,14 @@ pub fn init() -> Result<(), Box<dyn std::error::Error>> {
             return Err(e.into());
         }
     };
-    if let Err(e) = dsec_container::boot(&spec, &status) {
+    run(&spec, status)
+}
+
+/// Builds the sandbox described by `spec` around this process and serves it as its PID 1
+/// (the listener and `status` at their fixed numbers); returns only on failure.
+pub fn run(spec: &InitSpec, status: OwnedFd) -> Result<(), Box<dyn std::error::Error>> {
+    unignore_signals();
+    if let Err(e) = dsec_container::boot(spec, &status) {
         report(&status, &format!("error {e}"));
         return Err(e.into());
     }
@@ -76,4 +85,61 @@ pub fn init() -> Result<(), Box<dyn std::error::Error>> {
     drop(status);
     dsec_agent::run(listener, cfg)?;
     Ok(())
+}
+
+/// Resets every signal the node's own launcher left ignored (`nohup` ignores SIGHUP, a
+/// background job in a script SIGINT and SIGQUIT) to its default: ignored signals cross
+/// `exec`, so every command in the sandbox would otherwise inherit them, and a command
+/// that ignores SIGINT cannot be interrupted. SIGPIPE stays as the agent runtime set it;
+/// the commands it starts get it back at its default. Raw `rt_sigaction`, because libc's
+/// wrapper hides the signals it reserves (32 and 33), which are inherited all the same.
+fn unignore_signals() {
+    /// The kernel's `struct sigaction` on x86_64 and aarch64.
+    #[repr(C)]
+    struct KernelSigaction {
+        handler: usize,
+        flags: u64,
+        restorer: usize,
+        mask: u64,
+    }
+    const SIGSET_SIZE: usize = 8;
+    for sig in 1..=64 {
+        if sig == libc::SIGKILL || sig == libc::SIGSTOP || sig == libc::SIGPIPE {
+            continue;
+        }
+        let mut old = KernelSigaction {
+            handler: 0,
+            flags: 0,
+            restorer: 0,
+            mask: 0,
+        };
+        // SAFETY: rt_sigaction reading into a kernel-layout struct we own.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_rt_sigaction,
+                sig,
+                std::ptr::null::<KernelSigaction>(),
+                &mut old as *mut KernelSigaction,
+                SIGSET_SIZE,
+            )
+        };
+        if r == 0 && old.handler == libc::SIG_IGN {
+            let dfl = KernelSigaction {
+                handler: libc::SIG_DFL,
+                flags: 0,
+                restorer: 0,
+                mask: 0,
+            };
+            // SAFETY: installing SIG_DFL (no handler, so no restorer is needed).
+            unsafe {
+                libc::syscall(
+                    libc::SYS_rt_sigaction,
+                    sig,
+                    &dfl as *const KernelSigaction,
+                    std::ptr::null_mut::<KernelSigaction>(),
+                    SIGSET_SIZE,
+                )
+            };
+        }
+    }
 }

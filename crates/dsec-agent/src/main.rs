@@ -6,6 +6,8 @@
 //!
 //! - `init`: PID 1 of a container sandbox: `dsec-container` builds the sandbox around the
 //!   process, then it serves with `is_init = true`.
+//!
+//! - `zygote`: a warm agent the node keeps running and forks inits from (`zygote.rs`).
 
 use std::collections::BTreeMap;
 use std::os::unix::net::UnixListener;
@@ -13,6 +15,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 mod init;
+mod zygote;
 
 use clap::{Args, Parser, Subcommand};
 use dsec_agent::AgentConfig;
@@ -31,6 +34,8 @@ enum Cmd {
     Serve(ServeArgs),
     /// Run as a container sandbox's PID 1 (started by the node; see `init.rs`).
     Init,
+    /// Fork sandbox inits on the node's request (started by the node; see `zygote.rs`).
+    Zygote,
 }
 
 /// Options of `serve` (shared with a future `init`).
@@ -103,6 +108,7 @@ fn main() -> ExitCode {
     let res = match &cli.cmd {
         Cmd::Serve(args) => serve(args),
         Cmd::Init => init::init(),
+        Cmd::Zygote => zygote::zygote(),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

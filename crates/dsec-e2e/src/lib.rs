@@ -125,6 +125,9 @@ pub struct Server {
     child: Option<Child>,
     root: PathBuf,
     extra_args: Vec<String>,
+    /// Signals the server process starts with ignored (as `nohup` or a shell's background
+    /// job would leave them).
+    ignored_signals: Vec<i32>,
     /// Started fresh: its directory goes when it drops after a passing test.
     remove_on_drop: bool,
 }
@@ -140,6 +143,17 @@ impl Server {
 
     /// [`Server::start`] with more `dsec serve` flags.
     pub async fn start_with(name: &str, fresh: bool, args: &[&str]) -> anyhow::Result<Self> {
+        Self::start_ignoring(name, fresh, args, &[]).await
+    }
+
+    /// [`Server::start_with`], the server process starting with `ignored` signals ignored
+    /// (on every start, restarts included).
+    pub async fn start_ignoring(
+        name: &str,
+        fresh: bool,
+        args: &[&str],
+        ignored: &[i32],
+    ) -> anyhow::Result<Self> {
         let root = std::env::temp_dir().join("dsec-e2e").join(name);
         // On a tmpfs, like the default /run/dsec of a real node.
         let run_dir = Path::new(TEST_RUN_ROOT).join(name);
@@ -160,6 +174,7 @@ impl Server {
             child: None,
             root,
             extra_args: with_test_parent(args),
+            ignored_signals: ignored.to_vec(),
             remove_on_drop: fresh,
         };
         s.spawn().await?;
@@ -174,11 +189,15 @@ impl Server {
             .append(true)
             .open(self.root.join("serve.log"))?;
         let mut cmd = Command::new(dsec_bin());
-        // SAFETY: prctl is async-signal-safe. The server dies with the thread that
-        // started it (see `Server::shared`), so no test run leaves a server behind.
+        let ignored = self.ignored_signals.clone();
+        // SAFETY: prctl and signal are async-signal-safe. The server dies with the thread
+        // that started it (see `Server::shared`), so no test run leaves a server behind.
         unsafe {
-            cmd.pre_exec(|| {
+            cmd.pre_exec(move || {
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                for &sig in &ignored {
+                    libc::signal(sig, libc::SIG_IGN);
+                }
                 Ok(())
             });
         }
@@ -259,6 +278,11 @@ impl Server {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+
+    /// The server process's pid, while it runs.
+    pub fn pid(&self) -> Option<i32> {
+        self.child.as_ref().map(|c| c.id() as i32)
     }
 
     /// The server's log so far.

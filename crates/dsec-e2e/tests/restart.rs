@@ -142,3 +142,128 @@ async fn restart_readopts_20_live_sandboxes() {
         );
     }
 }
+
+/// The pids of `parent`'s children whose command line has `arg` as an argument.
+fn children_with_arg(parent: i32, arg: &str) -> Vec<i32> {
+    let needle = format!("\0{arg}\0");
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            // Field 4, after the parenthesised command name.
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<i32>().ok());
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            ppid == Some(parent) && String::from_utf8_lossy(&cmd).contains(&needle)
+        })
+        .collect()
+}
+
+/// Whether `pid` is gone (or only a zombie waiting for its parent).
+fn gone(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        Err(_) => true,
+    }
+}
+
+/// Inits are forked from the node's zygote; one that dies is replaced on the next create,
+/// and it does not outlive its node. Signals the node's launcher ignored (`nohup`, a
+/// script's background job) do not reach the commands sandboxes run.
+#[tokio::test(flavor = "multi_thread")]
+async fn inits_fork_from_a_zygote_that_is_replaced_when_lost_and_dies_with_its_node() {
+    if !require_root() {
+        return;
+    }
+    let seed = Server::shared("restart-seed");
+    let mut s = Server::start_ignoring(
+        "zygote",
+        true,
+        &["--cgroup-parent", "dsec-zygote"],
+        &[libc::SIGHUP, libc::SIGINT, libc::SIGQUIT],
+    )
+    .await
+    .expect("server");
+    s.ensure_base(Some(seed)).await.expect("base image");
+    let c = s.client();
+    let node = s.pid().expect("server pid");
+    let zygotes = children_with_arg(node, "zygote");
+    assert_eq!(zygotes.len(), 1, "one zygote: {zygotes:?}");
+    let first = zygotes[0];
+
+    let a = c
+        .create_sandbox(CreateSandboxRequest::default())
+        .await
+        .expect("create");
+    let r = c
+        .exec(
+            &a.id,
+            sh("tr '\\0' ' ' < /proc/1/cmdline; echo; sed -n 's/^SigIgn:\\t//p' /proc/self/status"),
+        )
+        .await
+        .expect("exec");
+    assert_eq!(r.exit.exit_code, Some(0), "{r:?}");
+    let (cmdline, ignored) = r.stdout.split_once('\n').expect("two lines");
+    assert_eq!(
+        cmdline, "dsec-agent init ",
+        "PID 1 is named as an exec'd init"
+    );
+    // Signals 1-31 (bits 0-30); glibc's posix_spawn leaves its own two (32, 33) ignored.
+    let ignored = u64::from_str_radix(ignored.trim(), 16).expect("SigIgn");
+    assert_eq!(
+        ignored & 0x7fff_ffff,
+        0,
+        "commands ignore no signal: {ignored:x}"
+    );
+    assert!(
+        !s.log().contains("exec'ing init"),
+        "forked, not exec'd: {}",
+        s.log()
+    );
+
+    // A lost zygote is replaced by the next create, which succeeds.
+    // SAFETY: kill with a pid and a signal.
+    unsafe { libc::kill(first, libc::SIGKILL) };
+    let b = c
+        .create_sandbox(CreateSandboxRequest::default())
+        .await
+        .expect("create after the zygote died");
+    let r = c.exec(&b.id, sh("echo ok")).await.expect("exec");
+    assert_eq!(r.stdout, "ok\n");
+    let zygotes = children_with_arg(node, "zygote");
+    assert_eq!(zygotes.len(), 1, "a new zygote: {zygotes:?}");
+    assert_ne!(zygotes[0], first);
+    assert!(gone(first), "the old zygote was reaped");
+    assert!(
+        s.log().contains("zygote lost; restarting it"),
+        "{}",
+        s.log()
+    );
+
+    // The zygote ends with its node (a crash here); the sandboxes do not.
+    let second = zygotes[0];
+    s.kill();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !gone(second) && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(gone(second), "the zygote outlived its node");
+    s.spawn().await.expect("restart");
+    let c = s.client();
+    for id in [&a.id, &b.id] {
+        let r = c
+            .exec(id, sh("echo still"))
+            .await
+            .expect("exec after restart");
+        assert_eq!(r.stdout, "still\n");
+        c.delete_sandbox(id).await.expect("delete");
+        assert!(host::processes(id).is_empty(), "{id} left processes");
+    }
+}

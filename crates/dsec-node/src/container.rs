@@ -57,6 +57,8 @@ pub struct ContainerBackend {
     network: std::sync::Mutex<Option<std::sync::Arc<dsec_net::Network>>>,
     /// User namespaces, when the node maps root away.
     userns: Option<Userns>,
+    /// The warm agent inits are forked from.
+    zygote: crate::zygote::Zygote,
 }
 
 /// The node's user namespace state.
@@ -108,7 +110,9 @@ impl ContainerBackend {
             })?),
             None => None,
         };
+        let zygote = crate::zygote::Zygote::new(&cfg.agent_bin, cfg.run_dir.join("zygote.log"));
         Ok(Self {
+            zygote,
             cfg,
             cgroups,
             disks,
@@ -382,44 +386,40 @@ impl ContainerBackend {
                 .enumerate()
                 .map(|(i, f)| (*f, FIRST_LAYER_FD + i as i32)),
         );
-        const MAX_FDS: usize = 64;
+        // One more, init's stderr, goes to the zygote.
+        const MAX_FDS: usize = dsec_wire::init::ZYGOTE_MAX_FDS - 1;
         if pairs.len() > MAX_FDS {
             return Err(create_err(id, "too many descriptors for init"));
         }
-        let (stdin_r, stdin_w): (OwnedFd, OwnedFd) = nix::unistd::pipe2(OFlag::O_CLOEXEC)
-            .map_err(|e| create_err(id, format!("pipe: {e}")))?;
-        let devnull = fs::OpenOptions::new()
-            .write(true)
-            .open("/dev/null")
-            .map_err(NodeError::io("open", Path::new("/dev/null")))?;
-        // argv[0] without the host path: /proc/1/cmdline is readable inside.
-        let child = crate::spawn::spawn(
-            &self.cfg.agent_bin,
-            &["dsec-agent", "init"],
-            &crate::spawn::SpawnFds {
-                stdin: stdin_r.as_raw_fd(),
-                stdout: devnull.as_raw_fd(),
-                stderr: log.as_raw_fd(),
-                fixed: &pairs,
-            },
-        )
-        .map_err(|e| create_err(id, format!("start {}: {e}", self.cfg.agent_bin.display())))?;
-        drop((stdin_r, devnull, log, status_w));
-        let json = serde_json::to_vec(init).map_err(|e| create_err(id, e))?;
-        let sent = fs::File::from(stdin_w)
-            .write_all(&json)
-            .map_err(|e| create_err(id, format!("send init spec: {e}")));
-        let report = sent.and_then(|()| {
-            read_status(&status_r, self.cfg.create_timeout).map_err(|e| create_err(id, e))
-        });
-        // The intermediate process exits right after its fork (or failed); reap it. One
-        // that never reported (spec not taken, status timed out) may still be running:
-        // kill it first, so the wait cannot hang the create.
-        let child = nix::unistd::Pid::from_raw(child);
+        // Forked from the warm zygote; exec'd when the zygote cannot take it.
+        let mut forked = pairs.clone();
+        forked.push((log.as_raw_fd(), 2));
+        let (child, report) = match self.zygote.fork_init(init, &forked) {
+            Ok(pid) => {
+                drop((log, status_w));
+                let report =
+                    read_status(&status_r, self.cfg.create_timeout).map_err(|e| create_err(id, e));
+                (Exec::Forked(pid), report)
+            }
+            Err(e) => {
+                tracing::warn!(%id, error = %e, "zygote unavailable; exec'ing init");
+                let (pid, report) = self.exec_init(id, init, &pairs, log, status_w, &status_r)?;
+                (Exec::Spawned(pid), report)
+            }
+        };
+        // One that never reported (spec not taken, status timed out) may still be
+        // running: kill it, so no half-built sandbox outlives the failed create.
         if report.is_err() {
-            let _ = nix::sys::signal::kill(child, nix::sys::signal::Signal::SIGKILL);
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child.pid()),
+                nix::sys::signal::Signal::SIGKILL,
+            );
         }
-        let _ = nix::sys::wait::waitpid(child, None);
+        // The intermediate process exits right after its fork (or failed): a spawned one
+        // is ours to reap, a forked one the zygote's (the kernel reaps it).
+        if let Exec::Spawned(pid) = child {
+            let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None);
+        }
         let report = report?;
         let mut pid = None;
         let mut ready = false;
@@ -445,6 +445,46 @@ impl ContainerBackend {
         let start =
             pid_start_time(pid).ok_or_else(|| create_err(id, "init died right after start"))?;
         Ok((pid, start))
+    }
+
+    /// Execs `dsec-agent init` with the spec on its stdin (when the zygote is not
+    /// available). Returns its pid and its status report.
+    fn exec_init(
+        &self,
+        id: &str,
+        init: &InitSpec,
+        pairs: &[(RawFd, i32)],
+        log: fs::File,
+        status_w: OwnedFd,
+        status_r: &OwnedFd,
+    ) -> Result<(i32, Result<String, NodeError>), NodeError> {
+        let (stdin_r, stdin_w): (OwnedFd, OwnedFd) = nix::unistd::pipe2(OFlag::O_CLOEXEC)
+            .map_err(|e| create_err(id, format!("pipe: {e}")))?;
+        let devnull = fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/null")
+            .map_err(NodeError::io("open", Path::new("/dev/null")))?;
+        // argv[0] without the host path: /proc/1/cmdline is readable inside.
+        let child = crate::spawn::spawn(
+            &self.cfg.agent_bin,
+            &["dsec-agent", "init"],
+            &crate::spawn::SpawnFds {
+                stdin: stdin_r.as_raw_fd(),
+                stdout: devnull.as_raw_fd(),
+                stderr: log.as_raw_fd(),
+                fixed: pairs,
+            },
+        )
+        .map_err(|e| create_err(id, format!("start {}: {e}", self.cfg.agent_bin.display())))?;
+        drop((stdin_r, devnull, log, status_w));
+        let json = serde_json::to_vec(init).map_err(|e| create_err(id, e))?;
+        let sent = fs::File::from(stdin_w)
+            .write_all(&json)
+            .map_err(|e| create_err(id, format!("send init spec: {e}")));
+        let report = sent.and_then(|()| {
+            read_status(status_r, self.cfg.create_timeout).map_err(|e| create_err(id, e))
+        });
+        Ok((child, report))
     }
 
     fn remove_dirs(&self, id: &str) -> Result<(), NodeError> {
@@ -677,6 +717,23 @@ fn write_record(dir: &Path, rec: &RuntimeRecord) -> Result<(), NodeError> {
     let tmp = dir.join(format!("{RECORD_FILE}.tmp"));
     fs::write(&tmp, json).map_err(NodeError::io("write", &tmp))?;
     fs::rename(&tmp, &rec_path).map_err(NodeError::io("rename", &rec_path))
+}
+
+/// How an init was started.
+#[derive(Debug, Clone, Copy)]
+enum Exec {
+    /// Forked by the zygote (its child; the kernel reaps it).
+    Forked(i32),
+    /// Spawned by the node (its child; the node reaps it).
+    Spawned(i32),
+}
+
+impl Exec {
+    fn pid(self) -> i32 {
+        match self {
+            Exec::Forked(p) | Exec::Spawned(p) => p,
+        }
+    }
 }
 
 /// Host fds init inherits, at fixed numbers.

@@ -27,6 +27,7 @@ mod procstat;
 pub mod spawn;
 pub mod swap;
 pub mod userns;
+pub mod zygote;
 
 use std::collections::BTreeMap;
 

@@ -5,6 +5,12 @@
 //! as fd 5. Init reports on the status pipe, one
 //! line each: `pid <host-pid>` (the sandbox's PID 1 as the host sees it), then either
 //! `ready` or `error <message>`.
+//!
+//! Usually init is not exec'd but forked from `dsec-agent zygote`, a warm copy of the
+//! agent the node keeps running: the node sends it a [`ZygoteRequest`] on a
+//! `SOCK_SEQPACKET` socket (fd [`ZYGOTE_FD`] in the zygote) with the descriptors as
+//! `SCM_RIGHTS`, and gets a [`ZygoteReply`] back. The forked child sees exactly what an
+//! exec'd init sees: the same descriptors at the same numbers.
 
 use std::collections::BTreeMap;
 
@@ -23,6 +29,41 @@ pub const USERNS_FD: i32 = 7;
 /// First file descriptor number of the layer mounts handed to init (user namespace mode:
 /// idmapped clones of the layers, one fd each, bottom first from this number on).
 pub const FIRST_LAYER_FD: i32 = 8;
+
+/// File descriptor number of the request socket in `dsec-agent zygote`.
+pub const ZYGOTE_FD: i32 = 3;
+/// Largest [`ZygoteRequest`] the zygote takes, in bytes of JSON.
+pub const ZYGOTE_MAX_REQUEST: usize = 256 << 10;
+/// Most descriptors one [`ZygoteRequest`] carries.
+pub const ZYGOTE_MAX_FDS: usize = 64;
+
+/// Fork an init: sent with one `SCM_RIGHTS` descriptor per entry of `fds`, in order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ZygoteRequest {
+    /// The number each passed descriptor gets in the child (2 is its stderr; stdin and
+    /// stdout are `/dev/null`).
+    pub fds: Vec<i32>,
+    /// What the child builds.
+    pub spec: InitSpec,
+}
+
+/// The zygote's answer to a [`ZygoteRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ZygoteReply {
+    /// The child runs; it reports on its status pipe as an exec'd init would.
+    Forked {
+        /// Host pid of the child (the intermediate process; it exits once it forked the
+        /// sandbox's PID 1).
+        pid: i32,
+    },
+    /// Nothing was started.
+    Error {
+        /// Why.
+        message: String,
+    },
+}
 
 /// Everything init needs to build the sandbox around itself.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
