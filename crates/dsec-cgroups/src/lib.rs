@@ -25,6 +25,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+pub mod dynmods;
 pub mod v1;
 pub mod v2;
 

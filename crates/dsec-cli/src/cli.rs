@@ -175,6 +175,11 @@ pub struct ServeArgs {
     /// sandboxes under it that it does not know).
     #[arg(long, default_value = "dsec", value_parser = parse_cgroup_parent)]
     pub cgroup_parent: String,
+    /// Leave the host's cgroup2 mount options alone. By default the node adds
+    /// `favordynmods` (keeping every other option): without it each sandbox's join of its
+    /// cgroup may wait for an RCU grace period, 10-20 ms.
+    #[arg(long)]
+    pub keep_cgroup_mount: bool,
     /// Sandboxes run in user namespaces whose ids 0..65535 map to a host range of
     /// 65536 ids cut from N upwards, so root in a sandbox is nobody on the host. Layers
     /// and disks are idmapped, so files keep their owners. Pick ids no user has in

@@ -152,6 +152,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             max_sandboxes: args.max_sandboxes,
         },
         cgroup_parent: args.cgroup_parent.clone(),
+        cgroup_favor_dynmods: !args.keep_cgroup_mount,
         userns: (!args.no_userns).then(|| dsec_node::userns::UsernsConfig {
             base: args.userns_base,
             ranges: args.userns_ranges,

@@ -30,6 +30,9 @@ pub struct NodeConfig {
     /// belongs to this node alone: on start, sandboxes under it that the node does not
     /// know are destroyed.
     pub cgroup_parent: String,
+    /// Add `favordynmods` to the host's cgroup2 mount at start (see
+    /// `dsec_cgroups::dynmods`): joining a cgroup then never waits for an RCU grace period.
+    pub cgroup_favor_dynmods: bool,
     /// Run sandboxes in user namespaces, each mapping ids 0..65535 to a host range of
     /// the node's (`None`: sandboxes' root is the host's root, with fewer capabilities).
     pub userns: Option<crate::userns::UsernsConfig>,

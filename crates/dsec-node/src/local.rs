@@ -57,6 +57,22 @@ impl LocalNode {
             crate::swap::ensure(path, *mb)?;
         }
         let cgroups = CgroupRoot::detect()?;
+        if cfg.cgroup_favor_dynmods {
+            use dsec_cgroups::dynmods::{favor_dynmods, DynmodsOutcome};
+            match favor_dynmods() {
+                Ok(DynmodsOutcome::Enabled(at)) => tracing::info!(
+                    mount = %at.display(),
+                    "cgroup2 remounted with favordynmods (cheap cgroup joins; --keep-cgroup-mount leaves it alone)"
+                ),
+                Ok(DynmodsOutcome::AlreadyOn(_)) => {}
+                Ok(DynmodsOutcome::NoCgroup2) => tracing::info!(
+                    "no cgroup2 mount for favordynmods: cgroup joins may wait for RCU grace periods"
+                ),
+                Err(e) => {
+                    tracing::warn!(error = %e, "favordynmods not set; cgroup joins may wait for RCU grace periods")
+                }
+            }
+        }
         let shared = match &cfg.blob_store {
             Some(url) => {
                 let store = dsec_blob::open(url).map_err(dsec_image::ImageError::Shared)?;
