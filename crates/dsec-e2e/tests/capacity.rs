@@ -166,3 +166,69 @@ async fn with_job_suspend_keeps_lifetime_a_suspended_sandbox_still_expires() {
         "the lifetime ran on while the job was suspended"
     );
 }
+
+/// A deleted sandbox's processes first die at the lowest CPU weight (teardown yields to
+/// creates), but not for long: next to busy neighbours, a process at that weight, or a
+/// best-effort (`SCHED_IDLE`) one, may not run for seconds, and it has to run to die.
+/// Every delete must finish, and quickly, on a node whose CPUs are all taken.
+#[tokio::test(flavor = "multi_thread")]
+async fn deletes_finish_promptly_next_to_busy_neighbours() {
+    if !require_root() {
+        return;
+    }
+    let s = Server::start_with("busy", true, &["--cgroup-parent", "dsec-busy"])
+        .await
+        .expect("server");
+    s.ensure_base(None).await.expect("base image");
+    let c = s.client();
+    // Spinning, with memory to tear down: four per core, one of them best-effort.
+    let hog =
+        "x = bytearray(192 << 20)\nfor i in range(0, len(x), 4096): x[i] = 1\nwhile True: pass";
+    let cores = std::thread::available_parallelism()
+        .map(|p| p.get())
+        .unwrap_or(2);
+    let mut ids = Vec::new();
+    for i in 0..4 * cores {
+        let qos = if i == 0 {
+            Qos::BestEffort
+        } else {
+            Qos::LatencySensitive
+        };
+        let sb = c
+            .create_sandbox(CreateSandboxRequest {
+                qos,
+                ..Default::default()
+            })
+            .await
+            .expect("create");
+        c.start_process(
+            &sb.id,
+            StartProcessRequest {
+                cmd: Command::Argv(vec!["python3".into(), "-c".into(), hog.into()]),
+                env: Default::default(),
+                cwd: None,
+                pty: None,
+                tag: None,
+                timeout_s: None,
+                user: None,
+            },
+        )
+        .await
+        .expect("start hog");
+        ids.push(sb.id);
+    }
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    // The best-effort one first, while every other one spins.
+    for id in &ids {
+        let t = std::time::Instant::now();
+        c.delete_sandbox(id)
+            .await
+            .expect("delete next to busy neighbours");
+        let took = t.elapsed();
+        eprintln!("deleting {id} took {took:?}");
+        assert!(
+            took < std::time::Duration::from_secs(3),
+            "deleting {id} took {took:?}"
+        );
+    }
+}

@@ -40,6 +40,11 @@ pub const MAX_USERNS_LAYERS: usize = 48;
 pub const WEIGHT_LATENCY_SENSITIVE: u64 = 200;
 /// CPU weight of a best-effort sandbox (which also runs `SCHED_IDLE`).
 pub const WEIGHT_BEST_EFFORT: u64 = 1;
+/// CPU weight (the default) of a sandbox whose processes did not die within
+/// [`LOW_PRIORITY_KILL`] at the lowest weight.
+pub const WEIGHT_DYING: u64 = 100;
+/// How long a deleted sandbox's processes get to die at the lowest CPU weight.
+pub const LOW_PRIORITY_KILL: Duration = Duration::from_millis(200);
 
 /// The container backend.
 #[derive(Debug)]
@@ -819,12 +824,18 @@ impl Backend for ContainerBackend {
         match cgroup {
             Ok(cg) => {
                 // The dying processes tear down their memory, mounts and namespaces in
-                // their own time slices: at the lowest weight, after the creates.
-                let last = Limits {
-                    cpu_weight: Some(1),
+                // their own time slices: at the lowest weight, after the creates. Not for
+                // long: next to busy neighbours a process at that weight (or a
+                // best-effort one) may not run for seconds, and it has to run to die.
+                let weight = |w| Limits {
+                    cpu_weight: Some(w),
                     ..Limits::default()
                 };
-                let _ = cg.set_limits(&last);
+                let _ = cg.set_limits(&weight(1));
+                if let Err(e) = cg.kill_all_timeout(LOW_PRIORITY_KILL) {
+                    tracing::debug!(%id, error = %e, "slow to die at the lowest weight; raising it");
+                    let _ = cg.set_limits(&weight(WEIGHT_DYING));
+                }
                 cg.destroy()?
             }
             Err(dsec_cgroups::CgroupError::NotFound(_)) => {}
