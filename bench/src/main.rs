@@ -853,9 +853,15 @@ fn main() -> anyhow::Result<()> {
             let bwrap = peers::bwrap(&bundle.rootfs, n);
             let floor = peers::raw_floor(&bundle.rootfs, n);
             let sdk = python_sdk_tti(&server, n);
+            // Issue #8's targets, each against the peer measured in this run.
+            let ratio = |peer: &Stats, v: f64| if peer.samples.is_empty() { "n/a".to_string() } else { format!("{v:.2}x") };
+            let d = dsec_tti.pct(50.0);
+            let targets = format!("targets: dsec create + exec true {d:.2} ms = {} crun run true (<= 1.0x); podman run true / dsec = {} (>= 20x)",
+                ratio(&crun, d / crun.pct(50.0)), ratio(&podman, podman.pct(50.0) / d));
             tti = vec![crun, crun_ovl, runc, podman, bwrap, floor, dsec_tti, sdk, dsec_create];
             exec = vec![crun_exec, dsec_exec, dsec_call, spawn_floor(n * 5)];
             print_table("time to interactive (create -> first command done)", &tti, "crun run true");
+            println!("\n{targets}");
             print_table("exec round trip on a running sandbox", &exec, "crun exec true");
         }
         if want("network") {
