@@ -51,48 +51,17 @@ pub enum DynmodsOutcome {
     NoCgroup2,
 }
 
-/// Undoes the octal escapes (`\040` for a space, ...) of a mountinfo field.
-fn unescape(field: &str) -> String {
-    let bytes = field.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'\\' && i + 4 <= bytes.len() {
-            if let Some(v) = field
-                .get(i + 1..i + 4)
-                .and_then(|oct| u8::from_str_radix(oct, 8).ok())
-            {
-                out.push(v);
-                i += 4;
-                continue;
-            }
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
 /// The first cgroup2 mount in `mountinfo` text.
 pub fn find_cgroup2(mountinfo: &str) -> Option<Cgroup2Mount> {
-    mountinfo.lines().find_map(|line| {
-        let (pre, post) = line.split_once(" - ")?;
-        let mut post = post.split(' ');
-        if post.next()? != "cgroup2" {
-            return None;
-        }
-        let _source = post.next()?;
-        let fs_options = post.next()?.split(',').map(str::to_string).collect();
-        let pre: Vec<&str> = pre.split(' ').collect();
-        // id parent major:minor root target options [optional fields...]
-        let target = unescape(pre.get(4)?);
-        let mount_options = pre.get(5)?.split(',').map(str::to_string).collect();
-        Some(Cgroup2Mount {
-            target: PathBuf::from(target),
-            mount_options,
-            fs_options,
+    let split = |o: &str| o.split(',').map(str::to_string).collect();
+    dsec_mountinfo::parse(mountinfo)
+        .into_iter()
+        .find(|m| m.fs_type == "cgroup2")
+        .map(|m| Cgroup2Mount {
+            target: m.mount_point,
+            mount_options: split(&m.mount_options),
+            fs_options: split(&m.super_options),
         })
-    })
 }
 
 /// The `mount(2)` flags and data that remount `m` with its options plus `add`.

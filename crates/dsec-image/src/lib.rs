@@ -43,7 +43,7 @@ use sha2::{Digest as _, Sha256};
 pub use dsec_wire::v1::{Image, ImageConfig};
 
 mod extract;
-pub mod mountinfo;
+pub use dsec_mountinfo as mountinfo;
 pub mod oci;
 pub mod packdiff;
 pub mod shared;
