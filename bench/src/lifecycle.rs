@@ -2,7 +2,6 @@
 //! sandbox from best-effort ones, job suspend/resume with memory reclaim, and the host
 //! cost of an idle sandbox.
 
-use std::collections::BTreeMap;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
@@ -48,13 +47,8 @@ async fn hogs(c: &Client, qos: Qos, n: usize) -> anyhow::Result<Vec<String>> {
         c.start_process(
             &sb.id,
             StartProcessRequest {
-                cmd: Command::Shell("while :; do :; done".into()),
-                env: BTreeMap::new(),
-                cwd: None,
-                pty: None,
                 tag: Some("hog".into()),
-                timeout_s: None,
-                user: None,
+                ..dsec_e2e::background(Command::Shell("while :; do :; done".into()))
             },
         )
         .await?;

@@ -86,6 +86,19 @@ pub fn sh(cmd: &str) -> dsec_wire::v1::ExecRequest {
     }
 }
 
+/// A background process running `cmd`, everything else at its default.
+pub fn background(cmd: dsec_wire::v1::Command) -> dsec_wire::v1::StartProcessRequest {
+    dsec_wire::v1::StartProcessRequest {
+        cmd,
+        env: Default::default(),
+        cwd: None,
+        pty: None,
+        tag: None,
+        timeout_s: None,
+        user: None,
+    }
+}
+
 /// Polls `f` until it returns `Some` or the timeout passes.
 pub async fn wait_until<T, F, Fut>(timeout: Duration, mut f: F) -> Option<T>
 where

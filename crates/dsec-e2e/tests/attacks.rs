@@ -103,20 +103,12 @@ async fn run_suite(name: &str, args: &[&str]) {
         .expect("neighbour data");
     c.start_process(
         &neighbour.id,
-        StartProcessRequest {
-            cmd: dsec_wire::v1::Command::Argv(vec![
-                "sh".into(),
-                "-c".into(),
-                "sleep 3600".into(),
-                mark.clone(),
-            ]),
-            env: BTreeMap::new(),
-            cwd: None,
-            pty: None,
-            tag: None,
-            timeout_s: None,
-            user: None,
-        },
+        dsec_e2e::background(dsec_wire::v1::Command::Argv(vec![
+            "sh".into(),
+            "-c".into(),
+            "sleep 3600".into(),
+            mark.clone(),
+        ])),
     )
     .await
     .expect("neighbour process");

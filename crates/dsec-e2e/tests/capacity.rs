@@ -203,15 +203,11 @@ async fn deletes_finish_promptly_next_to_busy_neighbours() {
             .expect("create");
         c.start_process(
             &sb.id,
-            StartProcessRequest {
-                cmd: Command::Argv(vec!["python3".into(), "-c".into(), hog.into()]),
-                env: Default::default(),
-                cwd: None,
-                pty: None,
-                tag: None,
-                timeout_s: None,
-                user: None,
-            },
+            dsec_e2e::background(Command::Argv(vec![
+                "python3".into(),
+                "-c".into(),
+                hog.into(),
+            ])),
         )
         .await
         .expect("start hog");

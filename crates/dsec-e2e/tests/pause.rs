@@ -46,13 +46,8 @@ async fn pause_freezes_reclaims_and_resume_continues_where_it_stopped() {
     c.start_process(
         &sb.id,
         StartProcessRequest {
-            cmd: Command::Shell("while :; do :; done".into()),
-            env: Default::default(),
-            cwd: None,
-            pty: None,
             tag: Some("spin".into()),
-            timeout_s: None,
-            user: None,
+            ..dsec_e2e::background(Command::Shell("while :; do :; done".into()))
         },
     )
     .await

@@ -57,15 +57,7 @@ async fn with_a_node_swap_file_pause_takes_back_anonymous_memory_too() {
         .expect("write");
     c.start_process(
         &sb.id,
-        StartProcessRequest {
-            cmd: Command::Argv(vec!["python3".into(), "/tmp/hog.py".into()]),
-            env: Default::default(),
-            cwd: None,
-            pty: None,
-            tag: None,
-            timeout_s: None,
-            user: None,
-        },
+        dsec_e2e::background(Command::Argv(vec!["python3".into(), "/tmp/hog.py".into()])),
     )
     .await
     .expect("hog");
