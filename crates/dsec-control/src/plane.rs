@@ -828,10 +828,6 @@ impl ControlPlane {
         if let Some(first) = existing {
             return self.await_created(&first).await;
         }
-        if let Err(e) = self.persist(&sb).await {
-            self.lock().remove(&id);
-            return Err(e);
-        }
         let mut env = BTreeMap::from([
             (
                 "PATH".to_string(),
@@ -873,12 +869,25 @@ impl ControlPlane {
             isolation: req.isolation,
             labels: req.labels.clone(),
         };
-        let created = match self.node.create(spec).await {
-            Ok(c) => c,
-            Err(e) => {
+        // The `creating` record is made durable while the node builds the sandbox: a
+        // crash before it is written leaves a sandbox without a record, which the next
+        // start destroys, as it does one still `creating`.
+        let (persisted, created) = tokio::join!(self.persist(&sb), self.node.create(spec));
+        let created = match (persisted, created) {
+            (Ok(()), Ok(c)) => c,
+            (persisted, created) => {
                 self.lock().remove(&id);
-                let _ = self.unstore(NS_SANDBOXES, &id).await;
-                return Err(e.into());
+                if persisted.is_ok() {
+                    let _ = self.unstore(NS_SANDBOXES, &id).await;
+                }
+                let err = match created {
+                    Ok(_) => {
+                        let _ = self.node.destroy(&id).await;
+                        persisted.err()
+                    }
+                    Err(e) => Some(e.into()),
+                };
+                return Err(err.unwrap_or_else(|| internal("create failed without an error")));
             }
         };
         sb.image_digest = created.image_digest;
