@@ -91,55 +91,14 @@ pub fn run(spec: &InitSpec, status: OwnedFd) -> Result<(), Box<dyn std::error::E
 /// background job in a script SIGINT and SIGQUIT) to its default: ignored signals cross
 /// `exec`, so every command in the sandbox would otherwise inherit them, and a command
 /// that ignores SIGINT cannot be interrupted. SIGPIPE stays as the agent runtime set it;
-/// the commands it starts get it back at its default. Raw `rt_sigaction`, because libc's
-/// wrapper hides the signals it reserves (32 and 33), which are inherited all the same.
+/// the commands it starts get it back at its default.
 fn unignore_signals() {
-    /// The kernel's `struct sigaction` on x86_64 and aarch64.
-    #[repr(C)]
-    struct KernelSigaction {
-        handler: usize,
-        flags: u64,
-        restorer: usize,
-        mask: u64,
-    }
-    const SIGSET_SIZE: usize = 8;
     for sig in 1..=64 {
         if sig == libc::SIGKILL || sig == libc::SIGSTOP || sig == libc::SIGPIPE {
             continue;
         }
-        let mut old = KernelSigaction {
-            handler: 0,
-            flags: 0,
-            restorer: 0,
-            mask: 0,
-        };
-        // SAFETY: rt_sigaction reading into a kernel-layout struct we own.
-        let r = unsafe {
-            libc::syscall(
-                libc::SYS_rt_sigaction,
-                sig,
-                std::ptr::null::<KernelSigaction>(),
-                &mut old as *mut KernelSigaction,
-                SIGSET_SIZE,
-            )
-        };
-        if r == 0 && old.handler == libc::SIG_IGN {
-            let dfl = KernelSigaction {
-                handler: libc::SIG_DFL,
-                flags: 0,
-                restorer: 0,
-                mask: 0,
-            };
-            // SAFETY: installing SIG_DFL (no handler, so no restorer is needed).
-            unsafe {
-                libc::syscall(
-                    libc::SYS_rt_sigaction,
-                    sig,
-                    &dfl as *const KernelSigaction,
-                    std::ptr::null_mut::<KernelSigaction>(),
-                    SIGSET_SIZE,
-                )
-            };
+        if crate::signals::is_ignored(sig) {
+            let _ = crate::signals::set_default(sig, 0);
         }
     }
 }

@@ -15,6 +15,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 mod init;
+mod signals;
 mod zygote;
 
 use clap::{Args, Parser, Subcommand};

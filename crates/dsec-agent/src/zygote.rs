@@ -260,17 +260,8 @@ fn place(fds: &[OwnedFd], targets: &[i32]) -> std::io::Result<()> {
 /// With `on`, exited children are reaped by the kernel (no zombies, no waiting);
 /// without, SIGCHLD is back to its default.
 fn set_child_reaping(on: bool) -> std::io::Result<()> {
-    // SAFETY: a zeroed sigaction with SIG_DFL and plain flags is valid.
-    unsafe {
-        let mut sa: libc::sigaction = std::mem::zeroed();
-        sa.sa_sigaction = libc::SIG_DFL;
-        sa.sa_flags = if on { libc::SA_NOCLDWAIT } else { 0 };
-        libc::sigemptyset(&mut sa.sa_mask);
-        if libc::sigaction(libc::SIGCHLD, &sa, std::ptr::null_mut()) != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-    }
-    Ok(())
+    let flags = if on { libc::SA_NOCLDWAIT } else { 0 };
+    crate::signals::set_default(libc::SIGCHLD, flags)
 }
 
 #[cfg(test)]
