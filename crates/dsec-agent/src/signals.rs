@@ -69,6 +69,9 @@ mod tests {
         assert!(is_ignored(libc::SIGUSR2));
         set_default(libc::SIGUSR2, 0).expect("reset");
         assert!(!is_ignored(libc::SIGUSR2));
-        assert!(set_default(libc::SIGKILL, 0).is_err(), "SIGKILL cannot change");
+        assert!(
+            set_default(libc::SIGKILL, 0).is_err(),
+            "SIGKILL cannot change"
+        );
     }
 }
