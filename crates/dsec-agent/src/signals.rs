@@ -13,6 +13,15 @@ struct KernelSigaction {
 /// Size of the kernel's signal set, in bytes.
 const SIGSET_SIZE: usize = 8;
 
+/// `rt_sigaction(sig, new, old)`; returns the raw result.
+fn rt_sigaction(sig: i32, new: Option<&KernelSigaction>, old: Option<&mut KernelSigaction>) -> i64 {
+    let new = new.map_or(std::ptr::null(), |n| n as *const KernelSigaction);
+    let old = old.map_or(std::ptr::null_mut(), |o| o as *mut KernelSigaction);
+    // SAFETY: kernel-layout structs we own (or null), with the kernel's sigset size; a
+    // new action is only ever SIG_DFL, which needs no handler and no restorer.
+    unsafe { libc::syscall(libc::SYS_rt_sigaction, sig, new, old, SIGSET_SIZE) }
+}
+
 /// Whether `sig` is ignored (`SIG_IGN`) now.
 pub fn is_ignored(sig: i32) -> bool {
     let mut old = KernelSigaction {
@@ -21,17 +30,7 @@ pub fn is_ignored(sig: i32) -> bool {
         restorer: 0,
         mask: 0,
     };
-    // SAFETY: rt_sigaction reading into a kernel-layout struct we own.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_rt_sigaction,
-            sig,
-            std::ptr::null::<KernelSigaction>(),
-            &mut old as *mut KernelSigaction,
-            SIGSET_SIZE,
-        )
-    };
-    r == 0 && old.handler == libc::SIG_IGN
+    rt_sigaction(sig, None, Some(&mut old)) == 0 && old.handler == libc::SIG_IGN
 }
 
 /// Sets `sig` to its default action with `flags` (`SA_NOCLDWAIT` for SIGCHLD, or 0).
@@ -42,17 +41,7 @@ pub fn set_default(sig: i32, flags: libc::c_int) -> std::io::Result<()> {
         restorer: 0,
         mask: 0,
     };
-    // SAFETY: installing SIG_DFL (no handler, so no restorer is needed).
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_rt_sigaction,
-            sig,
-            &dfl as *const KernelSigaction,
-            std::ptr::null_mut::<KernelSigaction>(),
-            SIGSET_SIZE,
-        )
-    };
-    if r != 0 {
+    if rt_sigaction(sig, Some(&dfl), None) != 0 {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())

@@ -33,6 +33,7 @@ pub fn zygote() -> Result<(), Box<dyn std::error::Error>> {
     // SAFETY: the node starts the zygote with its request socket at this number.
     let sock = unsafe { OwnedFd::from_raw_fd(ZYGOTE_FD) };
     set_child_reaping(true)?;
+    let name = InitName::prepare();
     let mut buf = vec![0u8; ZYGOTE_MAX_REQUEST];
     loop {
         let (len, fds, truncated) = match receive(&sock, &mut buf) {
@@ -45,7 +46,7 @@ pub fn zygote() -> Result<(), Box<dyn std::error::Error>> {
             return Ok(());
         }
         let reply = match parse(&buf[..len], fds.len(), truncated) {
-            Ok(req) => fork_init(&req, &fds),
+            Ok(req) => fork_init(&req, &fds, name),
             Err(message) => ZygoteReply::Error { message },
         };
         // The child has its copies; the zygote keeps nothing of a sandbox.
@@ -112,14 +113,14 @@ fn parse(bytes: &[u8], fd_count: usize, truncated: bool) -> Result<ZygoteRequest
     Ok(req)
 }
 
-fn fork_init(req: &ZygoteRequest, fds: &[OwnedFd]) -> ZygoteReply {
+fn fork_init(req: &ZygoteRequest, fds: &[OwnedFd], name: InitName) -> ZygoteReply {
     // SAFETY: the zygote is single-threaded, so the child may run arbitrary code.
     match unsafe { nix::unistd::fork() } {
         Ok(nix::unistd::ForkResult::Parent { child }) => ZygoteReply::Forked {
             pid: child.as_raw(),
         },
         Ok(nix::unistd::ForkResult::Child) => {
-            let code = match child(req, fds) {
+            let code = match child(req, fds, name) {
                 Ok(()) => 0,
                 Err(e) => {
                     eprintln!("dsec-agent: {e}");
@@ -135,9 +136,13 @@ fn fork_init(req: &ZygoteRequest, fds: &[OwnedFd]) -> ZygoteReply {
 }
 
 /// In the forked child: become what an exec'd init is, then run it.
-fn child(req: &ZygoteRequest, fds: &[OwnedFd]) -> Result<(), Box<dyn std::error::Error>> {
+fn child(
+    req: &ZygoteRequest,
+    fds: &[OwnedFd],
+    name: InitName,
+) -> Result<(), Box<dyn std::error::Error>> {
     set_child_reaping(false)?;
-    name_as_init();
+    name.apply();
     // Its own session, as the node gives an exec'd init.
     nix::unistd::setsid()?;
     place(fds, &req.fds)?;
@@ -149,74 +154,92 @@ fn child(req: &ZygoteRequest, fds: &[OwnedFd]) -> Result<(), Box<dyn std::error:
 /// The command line an exec'd init has.
 static INIT_CMDLINE: &[u8] = b"dsec-agent\0init\0";
 
-/// Makes `/proc/PID/cmdline` read `dsec-agent init`, as for an exec'd init, so `ps` on
-/// the host and in the sandbox tells sandbox inits from the zygote. Uses `PR_SET_MM_MAP`
-/// (which needs no capability unless the executable changes, unlike the single-field
-/// `PR_SET_MM` calls), with every other field as it is. Cosmetic: a failure is ignored.
-fn name_as_init() {
-    /// `struct prctl_mm_map` (linux/prctl.h).
-    #[repr(C)]
-    struct PrctlMmMap {
-        start_code: u64,
-        end_code: u64,
-        start_data: u64,
-        end_data: u64,
-        start_brk: u64,
-        brk: u64,
-        start_stack: u64,
-        arg_start: u64,
-        arg_end: u64,
-        env_start: u64,
-        env_end: u64,
-        auxv: *mut u64,
-        auxv_size: u32,
-        exe_fd: u32,
+/// `struct prctl_mm_map` (linux/prctl.h).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct PrctlMmMap {
+    start_code: u64,
+    end_code: u64,
+    start_data: u64,
+    end_data: u64,
+    start_brk: u64,
+    brk: u64,
+    start_stack: u64,
+    arg_start: u64,
+    arg_end: u64,
+    env_start: u64,
+    env_end: u64,
+    auxv: *mut u64,
+    auxv_size: u32,
+    exe_fd: u32,
+}
+
+/// Makes a forked child's `/proc/PID/cmdline` read `dsec-agent init`, as for an exec'd
+/// init, so `ps` on the host and in the sandbox tells sandbox inits from the zygote. Uses
+/// `PR_SET_MM_MAP` (which needs no capability unless the executable changes, unlike the
+/// single-field `PR_SET_MM` calls), with every other field as it is. Prepared once in the
+/// zygote (a child's layout is the zygote's); cosmetic: failures are ignored.
+#[derive(Debug, Clone, Copy)]
+struct InitName {
+    map: Option<PrctlMmMap>,
+}
+
+impl InitName {
+    /// Reads the zygote's layout and puts the new command line on its heap (the kernel
+    /// reads command lines from anonymous memory only; every child inherits it).
+    fn prepare() -> Self {
+        let map = std::fs::read_to_string("/proc/self/stat")
+            .ok()
+            .and_then(|stat| {
+                // Fields after the parenthesised command name, numbered from 3 (state).
+                let (_, rest) = stat.rsplit_once(')')?;
+                let fields: Vec<u64> = rest
+                    .split_whitespace()
+                    .map(|f| f.parse().unwrap_or(0))
+                    .collect();
+                let field = |n: usize| fields.get(n - 3).copied().unwrap_or(0);
+                let cmdline: &'static [u8] = Box::leak(INIT_CMDLINE.to_vec().into_boxed_slice());
+                let start = cmdline.as_ptr() as u64;
+                Some(PrctlMmMap {
+                    start_code: field(26),
+                    end_code: field(27),
+                    start_data: field(45),
+                    end_data: field(46),
+                    start_brk: field(47),
+                    brk: 0,
+                    start_stack: field(28),
+                    arg_start: start,
+                    arg_end: start + cmdline.len() as u64,
+                    env_start: field(50),
+                    env_end: field(51),
+                    auxv: std::ptr::null_mut(),
+                    auxv_size: 0,
+                    exe_fd: u32::MAX,
+                })
+            });
+        Self { map }
     }
-    const PR_SET_MM_MAP: libc::c_ulong = 14;
-    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
-        return;
-    };
-    // Fields after the parenthesised command name, numbered from 3 (state).
-    let Some((_, rest)) = stat.rsplit_once(')') else {
-        return;
-    };
-    let fields: Vec<u64> = rest
-        .split_whitespace()
-        .map(|f| f.parse().unwrap_or(0))
-        .collect();
-    let field = |n: usize| fields.get(n - 3).copied().unwrap_or(0);
-    // SAFETY: brk(0) only reports the current break.
-    let brk = unsafe { libc::syscall(libc::SYS_brk, 0) } as u64;
-    // On the heap: the kernel reads command lines from anonymous memory only.
-    let cmdline: &'static [u8] = Box::leak(INIT_CMDLINE.to_vec().into_boxed_slice());
-    let start = cmdline.as_ptr() as u64;
-    let map = PrctlMmMap {
-        start_code: field(26),
-        end_code: field(27),
-        start_data: field(45),
-        end_data: field(46),
-        start_brk: field(47),
-        brk,
-        start_stack: field(28),
-        arg_start: start,
-        arg_end: start + cmdline.len() as u64,
-        env_start: field(50),
-        env_end: field(51),
-        auxv: std::ptr::null_mut(),
-        auxv_size: 0,
-        exe_fd: u32::MAX,
-    };
-    // SAFETY: PR_SET_MM_MAP reads `map` (its size passed along); the new argument range
-    // is leaked, so it lives as long as the process.
-    unsafe {
-        libc::prctl(
-            libc::PR_SET_MM,
-            PR_SET_MM_MAP,
-            &map as *const PrctlMmMap,
-            std::mem::size_of::<PrctlMmMap>(),
-            0,
-        )
-    };
+
+    /// In a forked child: switch the command line (the break as it is now).
+    fn apply(self) {
+        const PR_SET_MM_MAP: libc::c_ulong = 14;
+        let Some(mut map) = self.map else {
+            return;
+        };
+        // SAFETY: brk(0) only reports the current break.
+        map.brk = unsafe { libc::syscall(libc::SYS_brk, 0) } as u64;
+        // SAFETY: PR_SET_MM_MAP reads `map` (its size passed along); the new argument
+        // range was leaked, so it lives as long as the process.
+        unsafe {
+            libc::prctl(
+                libc::PR_SET_MM,
+                PR_SET_MM_MAP,
+                &map as *const PrctlMmMap,
+                std::mem::size_of::<PrctlMmMap>(),
+                0,
+            )
+        };
+    }
 }
 
 /// Puts `fds[i]` at number `targets[i]` and closes every other descriptor above 2 (the

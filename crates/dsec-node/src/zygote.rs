@@ -81,11 +81,6 @@ impl Zygote {
         self.running.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The zygote's pid, when it runs.
-    pub fn pid(&self) -> Option<libc::pid_t> {
-        self.lock().as_ref().map(|r| r.pid)
-    }
-
     fn start(&self) -> io::Result<Running> {
         let (ours, theirs) = socketpair(
             AddressFamily::Unix,
