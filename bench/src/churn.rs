@@ -14,6 +14,7 @@ use crate::{Churn, Stats};
 pub async fn sustained(server: &Server, workers: usize, secs: u64) -> Churn {
     let stop = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
+    let cpu = crate::HostCpu::now();
     let mut tasks = Vec::new();
     for _ in 0..workers {
         let (c, stop) = (server.client(), stop.clone());
@@ -43,6 +44,7 @@ pub async fn sustained(server: &Server, workers: usize, secs: u64) -> Churn {
         all,
         failed,
         start.elapsed().as_secs_f64(),
+        cpu.elapsed_ms(),
     )
 }
 

@@ -56,6 +56,9 @@ struct Args {
     /// First-byte latency of the burst's emulated remote store, ms.
     #[arg(long, default_value_t = 5)]
     store_latency_ms: u64,
+    /// Length of the sustained run, s (default 60, quick 10).
+    #[arg(long)]
+    sustained_secs: Option<u64>,
     /// Chunk size of the burst's layers in the store, KiB (`dsec serve --chunk-kib`).
     #[arg(long, default_value_t = 64)]
     chunk_kib: u64,
@@ -464,6 +467,7 @@ async fn dsec_measurements(
 async fn concurrent_tti(server: &Server, workers: usize, total: usize) -> Churn {
     let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let start = Instant::now();
+    let cpu = HostCpu::now();
     let mut tasks = Vec::new();
     for _ in 0..workers {
         let c = server.client();
@@ -497,7 +501,40 @@ async fn concurrent_tti(server: &Server, workers: usize, total: usize) -> Churn 
         all,
         failures,
         start.elapsed().as_secs_f64(),
+        cpu.elapsed_ms(),
     )
+}
+
+/// Busy CPU time of the whole host (all cores, every process and kernel thread), from
+/// `/proc/stat`: what a churn run costs, load generator included.
+pub(crate) struct HostCpu(Option<u64>);
+
+impl HostCpu {
+    fn busy_ticks() -> Option<u64> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let line = stat.lines().next()?.strip_prefix("cpu ")?;
+        let v: Vec<u64> = line
+            .split_whitespace()
+            .filter_map(|x| x.parse().ok())
+            .collect();
+        // user nice system idle iowait irq softirq steal: busy is all but idle and iowait.
+        Some(v.iter().take(8).sum::<u64>() - v.get(3)? - v.get(4)?)
+    }
+
+    /// Starts counting.
+    pub(crate) fn now() -> Self {
+        Self(Self::busy_ticks())
+    }
+
+    /// Busy milliseconds since [`HostCpu::now`] (NaN if /proc/stat is unreadable).
+    pub(crate) fn elapsed_ms(&self) -> f64 {
+        // SAFETY: sysconf with a constant name.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        match (self.0, Self::busy_ticks()) {
+            (Some(a), Some(b)) => b.saturating_sub(a) as f64 * 1000.0 / hz,
+            _ => f64::NAN,
+        }
+    }
 }
 
 /// What a run of create -> exec -> delete loops measured.
@@ -513,6 +550,8 @@ pub(crate) struct Churn {
     pub failed: usize,
     /// Wall time of the run.
     pub secs: f64,
+    /// Busy host CPU over the run, ms (all cores).
+    pub cpu_ms: f64,
 }
 
 impl Churn {
@@ -522,6 +561,7 @@ impl Churn {
         cycles: Vec<Cycle>,
         failed: usize,
         secs: f64,
+        cpu_ms: f64,
     ) -> Self {
         Self {
             workers,
@@ -537,7 +577,13 @@ impl Churn {
             },
             failed,
             secs,
+            cpu_ms,
         }
+    }
+
+    /// Busy host CPU per completed cycle, ms.
+    pub(crate) fn cpu_per_cycle(&self) -> f64 {
+        self.cpu_ms / self.ok().max(1) as f64
     }
 
     /// Completed cycles.
@@ -554,7 +600,8 @@ impl Churn {
         serde_json::json!({"concurrency": self.workers, "ok": self.ok(), "failed": self.failed,
             "secs": self.secs, "cycles_per_s": self.rate(),
             "p50_ms": self.tti.pct(50.0), "p99_ms": self.tti.pct(99.0), "max_ms": self.tti.pct(100.0),
-            "delete_p50_ms": self.delete.pct(50.0), "delete_p99_ms": self.delete.pct(99.0)})
+            "delete_p50_ms": self.delete.pct(50.0), "delete_p99_ms": self.delete.pct(99.0),
+            "host_cpu_ms_per_cycle": self.cpu_per_cycle()})
     }
 }
 
@@ -564,12 +611,12 @@ fn print_concurrency(rows: &[Churn]) {
         rows.iter().map(Churn::json).collect(),
     );
     println!("\n## time to interactive under concurrency (create -> exec true -> delete loops)\n");
-    println!("| concurrency | sandboxes | ok | p50 ms | p99 ms | max ms | delete p50 ms | delete p99 ms | cycles/s |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| concurrency | sandboxes | ok | p50 ms | p99 ms | max ms | delete p50 ms | delete p99 ms | cycles/s | host CPU ms/cycle |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         let n = r.ok();
         println!(
-            "| {} | {} | {:.1}% | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.0} |",
+            "| {} | {} | {:.1}% | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.0} | {:.1} |",
             r.workers,
             n + r.failed,
             100.0 * n as f64 / (n + r.failed).max(1) as f64,
@@ -578,7 +625,8 @@ fn print_concurrency(rows: &[Churn]) {
             r.tti.pct(100.0),
             r.delete.pct(50.0),
             r.delete.pct(99.0),
-            r.rate()
+            r.rate(),
+            r.cpu_per_cycle()
         );
     }
 }
@@ -880,13 +928,13 @@ fn main() -> anyhow::Result<()> {
             print_concurrency(&conc);
         }
         if want("sustained") {
-            let secs = if args.quick { 10 } else { 60 };
+            let secs = args.sustained_secs.unwrap_or(if args.quick { 10 } else { 60 });
             let r = churn::sustained(&server, 32, secs).await;
             println!("\n## sustained creation: create -> exec true -> delete loops for {secs} s\n");
-            println!("| concurrency | s | cycles | failed | cycles/s | p50 ms | p99 ms | delete p50 ms | delete p99 ms |");
-            println!("|---|---|---|---|---|---|---|---|---|");
-            println!("| {} | {:.0} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} |", r.workers, r.secs, r.ok(), r.failed,
-                r.rate(), r.tti.pct(50.0), r.tti.pct(99.0), r.delete.pct(50.0), r.delete.pct(99.0));
+            println!("| concurrency | s | cycles | failed | cycles/s | p50 ms | p99 ms | delete p50 ms | delete p99 ms | host CPU ms/cycle |");
+            println!("|---|---|---|---|---|---|---|---|---|---|");
+            println!("| {} | {:.0} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} |", r.workers, r.secs, r.ok(), r.failed,
+                r.rate(), r.tti.pct(50.0), r.tti.pct(99.0), r.delete.pct(50.0), r.delete.pct(99.0), r.cpu_per_cycle());
             record("sustained creation", serde_json::json!([r.json()]));
         }
         if want("backlog") {

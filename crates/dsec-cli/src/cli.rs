@@ -104,9 +104,13 @@ pub struct ServeArgs {
     /// Persistent state: database, images, API key.
     #[arg(long, default_value = "/var/lib/dsec")]
     pub state_dir: PathBuf,
-    /// Runtime state: sandbox roots, sockets.
+    /// Runtime state: sandbox roots, sockets, agent logs. Volatile: when it is on disk
+    /// and empty at start, the node mounts a tmpfs on it (like `/run` on most hosts).
     #[arg(long, default_value = "/run/dsec")]
     pub run_dir: PathBuf,
+    /// Keep the run directory on disk even when it is not on a tmpfs.
+    #[arg(long)]
+    pub run_dir_on_disk: bool,
     /// The in-sandbox agent binary (default: found next to this executable).
     #[arg(long)]
     pub agent_bin: Option<PathBuf>,

@@ -33,6 +33,9 @@ pub struct NodeConfig {
     /// Add `favordynmods` to the host's cgroup2 mount at start (see
     /// `dsec_cgroups::dynmods`): joining a cgroup then never waits for an RCU grace period.
     pub cgroup_favor_dynmods: bool,
+    /// Mount a tmpfs on the run directory at start when it is on disk and empty (see
+    /// [`crate::rundir`]).
+    pub run_dir_tmpfs: bool,
     /// Run sandboxes in user namespaces, each mapping ids 0..65535 to a host range of
     /// the node's (`None`: sandboxes' root is the host's root, with fewer capabilities).
     pub userns: Option<crate::userns::UsernsConfig>,

@@ -24,6 +24,7 @@ pub mod local;
 pub mod oci;
 pub mod priority;
 mod procstat;
+pub mod rundir;
 pub mod spawn;
 pub mod swap;
 pub mod userns;

@@ -53,6 +53,21 @@ impl LocalNode {
         for d in [&cfg.state_dir, &cfg.run_dir] {
             std::fs::create_dir_all(d).map_err(NodeError::io("mkdir", d))?;
         }
+        if cfg.run_dir_tmpfs {
+            use crate::rundir::{ensure_tmpfs, RunDirOutcome};
+            match ensure_tmpfs(&cfg.run_dir)? {
+                RunDirOutcome::Mounted => tracing::info!(
+                    dir = %cfg.run_dir.display(),
+                    "run directory on a tmpfs (--run-dir-on-disk leaves it on disk)"
+                ),
+                RunDirOutcome::KeptOnDisk(dir) => tracing::warn!(
+                    dir = %dir.display(),
+                    "run directory is on disk and holds an earlier run's files: left there; \
+                     creates and deletes are slower than on a tmpfs"
+                ),
+                RunDirOutcome::InMemory => {}
+            }
+        }
         if let Some((path, mb)) = &cfg.swap_file {
             crate::swap::ensure(path, *mb)?;
         }
