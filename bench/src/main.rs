@@ -367,6 +367,8 @@ fn python_sdk_tti(server: &Server, n: usize) -> Stats {
 pub(crate) struct Cycle {
     /// Time to interactive: the create call until the exec's result is back.
     pub tti_ms: f64,
+    /// The create call alone (the first part of `tti_ms`).
+    pub create_ms: f64,
     /// The delete call that follows.
     pub delete_ms: f64,
 }
@@ -377,6 +379,7 @@ pub(crate) async fn cycle(
 ) -> anyhow::Result<Cycle> {
     let t = Instant::now();
     let sb = c.create_sandbox(req).await?;
+    let create_ms = t.elapsed().as_secs_f64() * 1000.0;
     let r = c.exec(&sb.id, argv_true()).await;
     let tti_ms = t.elapsed().as_secs_f64() * 1000.0;
     let t = Instant::now();
@@ -387,7 +390,11 @@ pub(crate) async fn cycle(
         bail!("exec true failed: {r:?}");
     }
     deleted?;
-    Ok(Cycle { tti_ms, delete_ms })
+    Ok(Cycle {
+        tti_ms,
+        create_ms,
+        delete_ms,
+    })
 }
 
 pub(crate) fn argv_true() -> ExecRequest {
@@ -544,6 +551,8 @@ pub(crate) struct Churn {
     pub workers: usize,
     /// Time to interactive of the completed cycles.
     pub tti: Stats,
+    /// Create latency (the first part of the time to interactive).
+    pub create: Stats,
     /// Delete latency of the completed cycles.
     pub delete: Stats,
     /// Failed creates, execs or deletes.
@@ -568,6 +577,11 @@ impl Churn {
             tti: Stats {
                 name: name.clone(),
                 samples: cycles.iter().map(|c| c.tti_ms).collect(),
+                note: None,
+            },
+            create: Stats {
+                name: format!("{name} create"),
+                samples: cycles.iter().map(|c| c.create_ms).collect(),
                 note: None,
             },
             delete: Stats {
@@ -600,6 +614,7 @@ impl Churn {
         serde_json::json!({"concurrency": self.workers, "ok": self.ok(), "failed": self.failed,
             "secs": self.secs, "cycles_per_s": self.rate(),
             "p50_ms": self.tti.pct(50.0), "p99_ms": self.tti.pct(99.0), "max_ms": self.tti.pct(100.0),
+            "create_p50_ms": self.create.pct(50.0), "create_p99_ms": self.create.pct(99.0),
             "delete_p50_ms": self.delete.pct(50.0), "delete_p99_ms": self.delete.pct(99.0),
             "host_cpu_ms_per_cycle": self.cpu_per_cycle()})
     }
@@ -931,10 +946,11 @@ fn main() -> anyhow::Result<()> {
             let secs = args.sustained_secs.unwrap_or(if args.quick { 10 } else { 60 });
             let r = churn::sustained(&server, 32, secs).await;
             println!("\n## sustained creation: create -> exec true -> delete loops for {secs} s\n");
-            println!("| concurrency | s | cycles | failed | cycles/s | p50 ms | p99 ms | delete p50 ms | delete p99 ms | host CPU ms/cycle |");
-            println!("|---|---|---|---|---|---|---|---|---|---|");
-            println!("| {} | {:.0} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} |", r.workers, r.secs, r.ok(), r.failed,
-                r.rate(), r.tti.pct(50.0), r.tti.pct(99.0), r.delete.pct(50.0), r.delete.pct(99.0), r.cpu_per_cycle());
+            println!("| concurrency | s | cycles | failed | cycles/s | p50 ms | p99 ms | create p50 ms | create p99 ms | delete p50 ms | delete p99 ms | host CPU ms/cycle |");
+            println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+            println!("| {} | {:.0} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} |", r.workers, r.secs, r.ok(), r.failed,
+                r.rate(), r.tti.pct(50.0), r.tti.pct(99.0), r.create.pct(50.0), r.create.pct(99.0),
+                r.delete.pct(50.0), r.delete.pct(99.0), r.cpu_per_cycle());
             record("sustained creation", serde_json::json!([r.json()]));
         }
         if want("backlog") {

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 mod init;
-mod signals;
+use dsec_container::signals;
 mod zygote;
 
 use clap::{Args, Parser, Subcommand};

@@ -17,6 +17,7 @@ pub mod landlock;
 pub mod net;
 pub mod policy;
 pub mod rootfs;
+pub mod signals;
 pub mod spawnattr;
 
 pub use boot::{boot, BootError};

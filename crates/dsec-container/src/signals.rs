@@ -1,4 +1,5 @@
-//! Signal dispositions through the raw `rt_sigaction` system call: libc's wrapper hides
+//! Signal dispositions through the raw `rt_sigaction` system call (init's reset, the
+//! zygote's reaping, the spawned child's defaults): libc's wrapper hides
 //! the signals it reserves (32 and 33), which a process inherits all the same.
 
 /// The kernel's `struct sigaction` on x86_64 and aarch64.
