@@ -162,7 +162,7 @@ pub struct Piped {
 
 /// [`spawn_piped`] for a sandbox with file rules or a command of another user: [`spawn`]
 /// forks, confines the child with the Landlock ruleset and/or switches its user, and
-/// execs (posix_spawn has no place for those steps).
+/// execs (the vfork-style child has no place for those steps).
 fn spawn_piped_forked(
     cfg: &AgentConfig,
     argv: &[String],
@@ -236,10 +236,10 @@ fn cstr(s: &str) -> Result<CString, ApiError> {
 }
 
 /// Spawns a child with piped stdout/stderr (and stdin if `stdin_piped`, else /dev/null)
-/// in a new process group, with glibc's `posix_spawn` (vfork semantics: no page-table
-/// copy of the agent). This is the exec hot path; std's `Command` would fall back to
-/// fork in a static binary because it finds `posix_spawn_file_actions_addchdir_np` by
-/// dlsym.
+/// in a new process group, with [`dsec_container::spawnattr::spawn`] (vfork semantics:
+/// no page-table copy of the agent, about ten system calls in the child). This is the
+/// exec hot path; std's `Command` would fall back to fork in a static binary because it
+/// finds `posix_spawn_file_actions_addchdir_np` by dlsym.
 pub fn spawn_piped(
     cfg: &AgentConfig,
     argv: &[String],

@@ -1,11 +1,12 @@
-//! Starting a sandbox's init from the node with `posix_spawn` (vfork semantics).
+//! Starting a sandbox's init (and the zygote) from the node with a vfork-style child
+//! ([`dsec_container::spawnattr`]).
 //!
 //! `std::process::Command` with a `pre_exec` hook must `fork` the node: with a
 //! multi-threaded server of tens of MiB, the fork copies its page tables, and every page
 //! the node then writes takes a copy-on-write fault plus a TLB shootdown on the other
 //! CPUs. Under create churn that was a quarter of the node's CPU. The only things init
 //! needs from the hook (descriptors at fixed numbers, nothing else inherited, a new
-//! session) are all `posix_spawn` file actions or flags, so the child shares the node's
+//! session) are all recorded file actions or flags, so the child shares the node's
 //! memory until it execs and nothing is copied.
 
 use std::ffi::{CString, OsStr};
