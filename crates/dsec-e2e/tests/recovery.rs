@@ -125,7 +125,9 @@ async fn failed_and_half_created_sandboxes_leave_nothing() {
         .join("sandboxes")
         .join(&survivor.id)
         .join("runtime.json");
-    std::fs::rename(&record_now, &record_before).expect("move the record where it used to be");
+    // Copied, not renamed: the run directory is a tmpfs of its own.
+    std::fs::copy(&record_now, &record_before).expect("copy the record where it used to be");
+    std::fs::remove_file(&record_now).expect("remove the record from the run directory");
     // SAFETY: kill with a pid read from the sandbox's own record.
     unsafe { libc::kill(init_pid, libc::SIGKILL) };
 
