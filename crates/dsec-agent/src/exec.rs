@@ -33,8 +33,11 @@ pub const EXIT_GRACE: Duration = Duration::from_millis(100);
 /// Upper bound on draining after exit (a left-over child may write forever).
 pub const EXIT_DRAIN_MAX: Duration = Duration::from_secs(1);
 
-/// Size of one pipe read.
+/// Size of one pipe read once output flows.
 pub const READ_CHUNK: usize = 64 * 1024;
+
+/// Size of a pipe's first read.
+const FIRST_READ: usize = 4 * 1024;
 
 /// Spawns a task that reads `fd` until EOF and sends the chunks, tagged with `kind`.
 pub fn pipe_reader(
@@ -44,11 +47,16 @@ pub fn pipe_reader(
 ) -> std::io::Result<JoinHandle<()>> {
     let rd = FdReader::new(fd)?;
     Ok(tokio::task::spawn_local(async move {
-        let mut buf = vec![0u8; READ_CHUNK];
+        // Most commands write little or nothing: start small (the buffer is zeroed, and in
+        // a fresh sandbox its pages are new) and grow once a read fills it.
+        let mut buf = vec![0u8; FIRST_READ];
         loop {
             match rd.read(&mut buf).await {
                 Ok(0) | Err(_) => break,
                 Ok(n) => {
+                    if n == buf.len() && buf.len() < READ_CHUNK {
+                        buf.resize(READ_CHUNK, 0);
+                    }
                     if tx.send((kind, buf[..n].to_vec())).await.is_err() {
                         break;
                     }
