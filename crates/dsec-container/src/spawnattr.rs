@@ -92,16 +92,19 @@ const CHILD_STACK: usize = 64 << 10;
 /// unmapped when the thread ends. Its lowest page is a guard.
 struct ChildStack {
     base: *mut libc::c_void,
+    len: usize,
 }
 
 impl ChildStack {
     fn new() -> std::io::Result<Self> {
-        let page = 4096;
+        // SAFETY: sysconf with a constant name.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+        let len = CHILD_STACK + page;
         // SAFETY: an anonymous private mapping; the result is checked.
         let base = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                CHILD_STACK + page,
+                len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK,
                 -1,
@@ -113,20 +116,20 @@ impl ChildStack {
         }
         // SAFETY: the first page of the mapping just made.
         unsafe { libc::mprotect(base, page, libc::PROT_NONE) };
-        Ok(Self { base })
+        Ok(Self { base, len })
     }
 
-    /// The (16-byte aligned) top: stacks grow down.
+    /// The (page-aligned) top: stacks grow down.
     fn top(&self) -> *mut libc::c_void {
         // SAFETY: one past the end of our own mapping.
-        unsafe { self.base.cast::<u8>().add(CHILD_STACK + 4096).cast() }
+        unsafe { self.base.cast::<u8>().add(self.len).cast() }
     }
 }
 
 impl Drop for ChildStack {
     fn drop(&mut self) {
         // SAFETY: the mapping made in `new`, unmapped once.
-        unsafe { libc::munmap(self.base, CHILD_STACK + 4096) };
+        unsafe { libc::munmap(self.base, self.len) };
     }
 }
 
@@ -149,7 +152,7 @@ struct ChildArgs<'a> {
 }
 
 /// Blocks every signal of the calling thread (the internal ones of glibc too) and
-/// returns the previous mask; `restore` puts a mask back.
+/// returns the previous mask, for [`set_signal_mask`] to put back.
 fn block_all_signals() -> u64 {
     let all: u64 = !0;
     let mut old: u64 = 0;
@@ -166,6 +169,7 @@ fn block_all_signals() -> u64 {
     old
 }
 
+/// Sets the calling thread's signal mask.
 fn set_signal_mask(mask: u64) {
     // SAFETY: rt_sigprocmask with an 8-byte set on our own stack.
     unsafe {
