@@ -53,9 +53,10 @@ impl LocalNode {
         for d in [&cfg.state_dir, &cfg.run_dir] {
             std::fs::create_dir_all(d).map_err(NodeError::io("mkdir", d))?;
         }
-        if cfg.run_dir_tmpfs {
-            use crate::rundir::{ensure_tmpfs, RunDirOutcome};
-            match ensure_tmpfs(&cfg.run_dir)? {
+        let run_dir_mount = if cfg.run_dir_tmpfs {
+            use crate::rundir::{ensure_tmpfs, RunDirOutcome, UnmountOnFailure};
+            let outcome = ensure_tmpfs(&cfg.run_dir)?;
+            match &outcome {
                 RunDirOutcome::Mounted => tracing::info!(
                     dir = %cfg.run_dir.display(),
                     "run directory on a tmpfs (--run-dir-on-disk leaves it on disk)"
@@ -67,7 +68,10 @@ impl LocalNode {
                 ),
                 RunDirOutcome::InMemory => {}
             }
-        }
+            Some(UnmountOnFailure::new(&cfg.run_dir, &outcome))
+        } else {
+            None
+        };
         if let Some((path, mb)) = &cfg.swap_file {
             crate::swap::ensure(path, *mb)?;
         }
@@ -159,6 +163,9 @@ impl LocalNode {
             sandboxes: Mutex::new(table),
         });
         node.clone().spawn_reaper();
+        if let Some(guard) = run_dir_mount {
+            guard.disarm();
+        }
         Ok(node)
     }
 

@@ -64,6 +64,34 @@ pub fn ensure_tmpfs(dir: &Path) -> Result<RunDirOutcome, NodeError> {
     Ok(RunDirOutcome::Mounted)
 }
 
+/// Unmounts a run directory's tmpfs that this start mounted, unless [`disarm`]ed: a node
+/// that fails to open leaves no mount behind.
+///
+/// [`disarm`]: UnmountOnFailure::disarm
+#[derive(Debug)]
+pub struct UnmountOnFailure(Option<PathBuf>);
+
+impl UnmountOnFailure {
+    /// Guards `dir` when [`ensure_tmpfs`] mounted it (`outcome` is `Mounted`).
+    pub fn new(dir: &Path, outcome: &RunDirOutcome) -> Self {
+        Self((*outcome == RunDirOutcome::Mounted).then(|| dir.to_path_buf()))
+    }
+
+    /// The node opened: the tmpfs stays.
+    pub fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for UnmountOnFailure {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0.take() {
+            // Nothing ran from it yet: it was empty when mounted.
+            let _ = nix::mount::umount2(&dir, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -126,6 +154,14 @@ mod tests {
             .expect("the tmpfs is in the mount table");
         assert!(line.contains("nosuid") && line.contains("nodev"), "{line}");
         assert!(!line.contains("shared:"), "private: {line}");
+        // A start that got no further: the guard takes the mount away again.
+        drop(UnmountOnFailure::new(&empty, &RunDirOutcome::Mounted));
+        assert_eq!(fs_type(&empty), on_disk);
+        // One that opened keeps it; one that found it in memory never unmounts.
+        let outcome = ensure_tmpfs(&empty).expect("ensure");
+        UnmountOnFailure::new(&empty, &outcome).disarm();
+        drop(UnmountOnFailure::new(&empty, &RunDirOutcome::InMemory));
+        assert_eq!(fs_type(&empty), TMPFS_MAGIC);
         nix::mount::umount2(&empty, nix::mount::MntFlags::MNT_DETACH).expect("umount");
         std::fs::remove_dir_all(&base).expect("cleanup");
     }
