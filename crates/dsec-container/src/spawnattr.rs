@@ -2,7 +2,8 @@
 //! memory, the parent suspended until the exec) that applies recorded file actions,
 //! optionally starts a new session or process group, sets every signal this process
 //! ignores back to its default (the Rust runtime ignores SIGPIPE, and ignored signals
-//! survive exec), empties the signal mask and execs. Shared by the node (init) and the agent (commands).
+//! survive exec), empties the signal mask and execs. Shared by the node (init) and the
+//! agent (commands).
 //!
 //! glibc's `posix_spawn` does the same but visits all 64 signals in the child (two
 //! `rt_sigaction` calls each) and leaves its two internal signals ignored in the new
@@ -23,7 +24,7 @@ pub struct SpawnAttr {
 impl SpawnAttr {
     /// Attributes from `POSIX_SPAWN_SETSID` and/or `POSIX_SPAWN_SETPGROUP` (the child
     /// then leads a new session, or a new process group). The signal mask is always
-    /// emptied and SIGPIPE defaulted.
+    /// emptied and every ignored signal defaulted.
     pub fn new(flags: libc::c_short) -> Self {
         Self { flags }
     }
@@ -151,36 +152,21 @@ struct ChildArgs<'a> {
     error: std::sync::atomic::AtomicI32,
 }
 
-/// Blocks every signal of the calling thread (the internal ones of glibc too) and
-/// returns the previous mask, for [`set_signal_mask`] to put back.
-fn block_all_signals() -> u64 {
-    let all: u64 = !0;
+/// Sets the calling thread's signal mask (every bit a signal, glibc's internal ones
+/// too, which its wrappers refuse to block) and returns the previous one.
+fn set_signal_mask(mask: u64) -> u64 {
     let mut old: u64 = 0;
     // SAFETY: rt_sigprocmask with 8-byte sets on our own stack.
     unsafe {
         libc::syscall(
             libc::SYS_rt_sigprocmask,
             libc::SIG_SETMASK,
-            &all as *const u64,
+            &mask as *const u64,
             &mut old as *mut u64,
             8usize,
         )
     };
     old
-}
-
-/// Sets the calling thread's signal mask.
-fn set_signal_mask(mask: u64) {
-    // SAFETY: rt_sigprocmask with an 8-byte set on our own stack.
-    unsafe {
-        libc::syscall(
-            libc::SYS_rt_sigprocmask,
-            libc::SIG_SETMASK,
-            &mask as *const u64,
-            std::ptr::null_mut::<u64>(),
-            8usize,
-        )
-    };
 }
 
 /// Signals to set back to their default in the child, as a mask (bit `n - 1` for
@@ -294,7 +280,7 @@ pub fn spawn(
             *slot = Some(ChildStack::new()?);
         }
         let top = slot.as_ref().map_or(std::ptr::null_mut(), ChildStack::top);
-        let old = block_all_signals();
+        let old = set_signal_mask(!0);
         // SAFETY: CLONE_VM|CLONE_VFORK: the child runs `child_main` on its own stack and
         // this thread stays suspended until it execs or exits, so `args` (and the
         // strings it points at) outlive every use by the child.

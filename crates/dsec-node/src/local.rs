@@ -53,25 +53,10 @@ impl LocalNode {
         for d in [&cfg.state_dir, &cfg.run_dir] {
             std::fs::create_dir_all(d).map_err(NodeError::io("mkdir", d))?;
         }
-        let run_dir_mount = if cfg.run_dir_tmpfs {
-            use crate::rundir::{ensure_tmpfs, RunDirOutcome, UnmountOnFailure};
-            let outcome = ensure_tmpfs(&cfg.run_dir)?;
-            match &outcome {
-                RunDirOutcome::Mounted => tracing::info!(
-                    dir = %cfg.run_dir.display(),
-                    "run directory on a tmpfs (--run-dir-on-disk leaves it on disk)"
-                ),
-                RunDirOutcome::KeptOnDisk(dir) => tracing::warn!(
-                    dir = %dir.display(),
-                    "run directory is on disk and holds an earlier run's files: left there; \
-                     creates and deletes are slower than on a tmpfs"
-                ),
-                RunDirOutcome::InMemory => {}
-            }
-            Some(UnmountOnFailure::new(&cfg.run_dir, &outcome))
-        } else {
-            None
-        };
+        let run_dir_mount = cfg
+            .run_dir_tmpfs
+            .then(|| crate::rundir::prepare(&cfg.run_dir))
+            .transpose()?;
         if let Some((path, mb)) = &cfg.swap_file {
             crate::swap::ensure(path, *mb)?;
         }
