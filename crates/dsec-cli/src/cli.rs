@@ -111,6 +111,10 @@ pub struct ServeArgs {
     /// Keep the run directory on disk even when it is not on a tmpfs.
     #[arg(long)]
     pub run_dir_on_disk: bool,
+    /// Network namespaces kept ready for sandboxes of network mode none (0: each
+    /// sandbox makes its own while it starts).
+    #[arg(long, default_value_t = 16)]
+    pub netns_pool: usize,
     /// The in-sandbox agent binary (default: found next to this executable).
     #[arg(long)]
     pub agent_bin: Option<PathBuf>,

@@ -74,8 +74,9 @@ pub fn boot(spec: &InitSpec, status: &OwnedFd) -> Result<(), BootError> {
     if spec.core_sched {
         own_core_cookie()?;
     }
-    // The network namespace first: it belongs to the host's user namespace, whose
-    // privileges init gives up when it joins the sandbox's.
+    // The network namespace first: it may belong to the host's user namespace (a
+    // networked sandbox's), whose privileges init gives up when it joins the sandbox's;
+    // a pooled one of network mode none belongs to the sandbox's own.
     let namespaces = match spec.netns_fd {
         Some(fd) => {
             // SAFETY: the node handed this fd to init for exactly this purpose; it is

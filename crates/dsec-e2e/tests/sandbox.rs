@@ -238,7 +238,10 @@ async fn isolation_is_in_place() {
     }
     // The root overlay never syncs its upper (writes do not outlive the host anyway);
     // fsync inside still succeeds.
-    assert!(out.contains("volatile=1"), "root overlay not volatile: {out}");
+    assert!(
+        out.contains("volatile=1"),
+        "root overlay not volatile: {out}"
+    );
     assert!(out.contains("fsync-ok"), "{out}");
     c.delete_sandbox(&sb.id).await.expect("delete");
 }

@@ -36,6 +36,9 @@ pub struct NodeConfig {
     /// Mount a tmpfs on the run directory at start when it is on disk and empty (see
     /// [`crate::rundir`]).
     pub run_dir_tmpfs: bool,
+    /// Network namespaces (with their user namespaces) kept ready for creates of network
+    /// mode `none` (see [`crate::nspool`]); 0 lets each init make its own.
+    pub netns_pool: usize,
     /// Run sandboxes in user namespaces, each mapping ids 0..65535 to a host range of
     /// the node's (`None`: sandboxes' root is the host's root, with fewer capabilities).
     pub userns: Option<crate::userns::UsernsConfig>,

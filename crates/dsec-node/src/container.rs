@@ -64,14 +64,19 @@ pub struct ContainerBackend {
     userns: Option<Userns>,
     /// The warm agent inits are forked from.
     zygote: crate::zygote::Zygote,
+    /// Namespaces made ahead for network mode `none`.
+    nspool: crate::nspool::NetnsPool,
+    /// Pooled namespaces live sandboxes hold, to go back to the pool when they are
+    /// deleted.
+    lent: std::sync::Mutex<std::collections::HashMap<String, crate::nspool::Lent>>,
 }
 
 /// The node's user namespace state.
 #[derive(Debug)]
 struct Userns {
     cfg: UsernsConfig,
-    /// Ranges held by live sandboxes.
-    ranges: std::sync::Mutex<UidRanges>,
+    /// Ranges held by live sandboxes (and by the namespace pool).
+    ranges: std::sync::Arc<std::sync::Mutex<UidRanges>>,
     /// The one namespace of scope `node`, made at start.
     shared: Option<UserNs>,
 }
@@ -116,8 +121,20 @@ impl ContainerBackend {
             None => None,
         };
         let zygote = crate::zygote::Zygote::new(&cfg.agent_bin, cfg.run_dir.join("zygote.log"));
+        // Pooled namespaces hold uid ranges: at most a quarter of them. A node whose
+        // sandboxes share one user namespace makes theirs at create.
+        let nspool = match &userns {
+            Some(u) if u.shared.is_some() => crate::nspool::NetnsPool::start(0, None),
+            Some(u) => crate::nspool::NetnsPool::start(
+                cfg.netns_pool.min(u.cfg.usable_ranges() as usize / 4),
+                Some(u.ranges.clone()),
+            ),
+            None => crate::nspool::NetnsPool::start(cfg.netns_pool, None),
+        };
         Ok(Self {
             zygote,
+            nspool,
+            lent: Default::default(),
             cfg,
             cgroups,
             disks,
@@ -161,6 +178,12 @@ impl ContainerBackend {
         self.open.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn lent_map(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, crate::nspool::Lent>> {
+        self.lent.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn disks_held(
         &self,
     ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, dsec_disk::Disk>> {
@@ -174,6 +197,48 @@ impl ContainerBackend {
         let cg = std::sync::Arc::new(Cgroup::open(&self.cgroups, &self.cgroup_path(id))?);
         self.handles().insert(id.to_string(), cg.clone());
         Ok(cg)
+    }
+
+    /// Kills a sandbox's processes (an OCI one's runtime container first) and removes its
+    /// cgroup.
+    fn kill_and_remove_cgroup(
+        &self,
+        id: &str,
+        cached: Option<std::sync::Arc<Cgroup>>,
+    ) -> Result<(), NodeError> {
+        let run = self.cfg.sandbox_run_dir(id);
+        if run.join("bundle").exists() {
+            // Isolation level oci: the runtime's container, then its root mount.
+            if let Some(bin) = &self.cfg.oci_runtime {
+                crate::oci::delete(bin, &crate::oci::state_dir(&self.cfg.run_dir), id);
+            }
+            let _ = nix::mount::umount2(&run.join("rootfs"), nix::mount::MntFlags::MNT_DETACH);
+        }
+        let cgroup = match cached {
+            Some(cg) => Ok(cg),
+            None => Cgroup::open(&self.cgroups, &self.cgroup_path(id)).map(std::sync::Arc::new),
+        };
+        match cgroup {
+            Ok(cg) => {
+                // The dying processes tear down their memory, mounts and namespaces in
+                // their own time slices: at the lowest weight, after the creates. Not for
+                // long: next to busy neighbours a process at that weight (or a
+                // best-effort one) may not run for seconds, and it has to run to die.
+                let weight = |w| Limits {
+                    cpu_weight: Some(w),
+                    ..Limits::default()
+                };
+                let _ = cg.set_limits(&weight(1));
+                if let Err(e) = cg.kill_all_timeout(LOW_PRIORITY_KILL) {
+                    tracing::debug!(%id, error = %e, "slow to die at the lowest weight; raising it");
+                    let _ = cg.set_limits(&weight(WEIGHT_DYING));
+                }
+                cg.destroy()?
+            }
+            Err(dsec_cgroups::CgroupError::NotFound(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+        Ok(())
     }
 
     fn cgroup_path(&self, id: &str) -> String {
@@ -246,14 +311,29 @@ impl ContainerBackend {
         let mut layer_fds: Vec<OwnedFd> = Vec::new();
         let mut upper_clone: Option<OwnedFd> = None;
         let mut userns_rec = None;
-        let own_ns;
+        // Network mode none: namespaces made ahead, when the pool has some.
+        let mut made_ahead = match (spec.isolation, &spec.network.mode) {
+            (Isolation::Container, NetworkMode::None) => self.nspool.take(
+                id,
+                &self
+                    .userns
+                    .as_ref()
+                    .map(|u| u.cfg.group_of(id, &spec.labels))
+                    .unwrap_or_default(),
+            ),
+            _ => None,
+        };
+        let mut own_ns: Option<UserNs> = None;
         let userns = match self
             .userns
             .as_ref()
             .filter(|_| spec.isolation == Isolation::Container)
         {
             Some(u) => {
-                let (rec, ns) = u.namespace_for(spec)?;
+                let (rec, ns) = match made_ahead.as_mut().and_then(|p| p.userns.take()) {
+                    Some((ns, rec)) => (rec, Some(ns)),
+                    None => u.namespace_for(spec, &self.nspool)?,
+                };
                 userns_rec = Some(rec);
                 own_ns = ns;
                 own_ns.as_ref().or(u.shared.as_ref())
@@ -319,7 +399,7 @@ impl ContainerBackend {
             upper_dir: upper.display().to_string(),
             work_dir: work.display().to_string(),
             disk_fd: disk_fd.map(|_| DISK_FD),
-            netns_fd: lease.as_ref().map(|_| NETNS_FD),
+            netns_fd: (lease.is_some() || made_ahead.is_some()).then_some(NETNS_FD),
             userns_fd: userns.map(|_| USERNS_FD),
             writable_paths: spec.writable_paths.clone(),
             tcp_bind: spec.tcp_bind.clone(),
@@ -343,7 +423,10 @@ impl ContainerBackend {
         let fds = InitFds {
             listen: listener.as_raw_fd(),
             disk: disk_fd,
-            netns: lease.as_ref().map(|l| l.netns.as_raw_fd()),
+            netns: lease
+                .as_ref()
+                .map(|l| l.netns.as_raw_fd())
+                .or(made_ahead.as_ref().map(|p| p.netns.as_raw_fd())),
             userns: userns.map(|ns| ns.fd().as_raw_fd()),
             layers: layer_fds.iter().map(|f| f.as_raw_fd()).collect(),
         };
@@ -351,13 +434,28 @@ impl ContainerBackend {
         drop(listener);
         drop(layer_fds);
         drop(upper_clone);
+        let pooled_netns = made_ahead.is_some();
+        if let Some(p) = made_ahead {
+            // Back to the pool at delete, when nothing of the sandbox is left in them and
+            // the uid range was its own.
+            let own_range = userns_rec
+                .as_ref()
+                .is_none_or(|r| r.group == format!("sandbox:{id}"));
+            if own_range {
+                let lent = crate::nspool::Lent {
+                    netns: p.netns,
+                    userns: own_ns.take(),
+                };
+                self.lent_map().insert(id.clone(), lent);
+            }
+        }
         // Init holds the namespace now.
         let net = lease.map(|l| dsec_net::NetRecord {
             slot: l.slot,
             policy: spec.network.clone(),
         });
         tracing::debug!(%id, prepare_us = (prepared - started).as_micros() as u64,
-            init_us = prepared.elapsed().as_micros() as u64, "sandbox started");
+            init_us = prepared.elapsed().as_micros() as u64, pooled_netns, "sandbox started");
         self.handles()
             .insert(id.clone(), std::sync::Arc::new(cgroup));
         let mut rec = self.record(spec, layers, (pid, start_time), disk_mb);
@@ -636,7 +734,7 @@ impl Userns {
         })?;
         Ok(Self {
             cfg: cfg.clone(),
-            ranges: std::sync::Mutex::new(UidRanges::new(cfg)),
+            ranges: std::sync::Arc::new(std::sync::Mutex::new(UidRanges::new(cfg))),
             shared: (cfg.scope == UsernsScope::Node).then_some(probe),
         })
     }
@@ -650,12 +748,17 @@ impl Userns {
     fn namespace_for(
         &self,
         spec: &NodeCreateSpec,
+        pool: &crate::nspool::NetnsPool,
     ) -> Result<(UsernsRecord, Option<UserNs>), NodeError> {
         let group = self.cfg.group_of(&spec.id, &spec.labels);
-        let rec = self
-            .ranges()
-            .acquire(&spec.id, &group)
-            .map_err(|e| NodeError::Capacity(e.to_string()))?;
+        let rec = loop {
+            match self.ranges().acquire(&spec.id, &group) {
+                Ok(rec) => break rec,
+                // Ranges the pool holds go to sandboxes first.
+                Err(_) if pool.give_back_one() => continue,
+                Err(e) => return Err(NodeError::Capacity(e.to_string())),
+            }
+        };
         if self.shared.is_some() {
             return Ok((rec, None));
         }
@@ -804,43 +907,27 @@ impl Backend for ContainerBackend {
 
     fn destroy(&self, id: &str) -> Result<(), NodeError> {
         let cached = self.handles().remove(id);
-        if let Some(u) = &self.userns {
-            // Its processes die with the cgroup below, before any new create can take
-            // the lock: the range is free for reuse.
+        let lent = self.lent_map().remove(id);
+        if let (Some(u), None) = (&self.userns, &lent) {
+            // Its processes die with the cgroup below, before any new create can take the
+            // lock: the range is free for reuse.
             u.ranges().release(id);
         }
-        let run = self.cfg.sandbox_run_dir(id);
-        if run.join("bundle").exists() {
-            // Isolation level oci: the runtime's container, then its root mount.
-            if let Some(bin) = &self.cfg.oci_runtime {
-                crate::oci::delete(bin, &crate::oci::state_dir(&self.cfg.run_dir), id);
-            }
-            let _ = nix::mount::umount2(&run.join("rootfs"), nix::mount::MntFlags::MNT_DETACH);
-        }
-        let cgroup = match cached {
-            Some(cg) => Ok(cg),
-            None => Cgroup::open(&self.cgroups, &self.cgroup_path(id)).map(std::sync::Arc::new),
-        };
-        match cgroup {
-            Ok(cg) => {
-                // The dying processes tear down their memory, mounts and namespaces in
-                // their own time slices: at the lowest weight, after the creates. Not for
-                // long: next to busy neighbours a process at that weight (or a
-                // best-effort one) may not run for seconds, and it has to run to die.
-                let weight = |w| Limits {
-                    cpu_weight: Some(w),
-                    ..Limits::default()
-                };
-                let _ = cg.set_limits(&weight(1));
-                if let Err(e) = cg.kill_all_timeout(LOW_PRIORITY_KILL) {
-                    tracing::debug!(%id, error = %e, "slow to die at the lowest weight; raising it");
-                    let _ = cg.set_limits(&weight(WEIGHT_DYING));
+        let emptied = self.kill_and_remove_cgroup(id, cached);
+        if let Some(lent) = lent {
+            match &emptied {
+                // No process of the sandbox is left: its namespaces may serve another.
+                Ok(()) => {
+                    self.nspool.give_back(id, lent);
                 }
-                cg.destroy()?
+                Err(_) => {
+                    if let Some(u) = &self.userns {
+                        u.ranges().release(id);
+                    }
+                }
             }
-            Err(dsec_cgroups::CgroupError::NotFound(_)) => {}
-            Err(e) => return Err(e.into()),
         }
+        emptied?;
         if let Some(net) = self.network_if_started() {
             net.release(id)?;
         }

@@ -43,13 +43,25 @@ impl UserNs {
     /// namespace (sharing the node's memory, so nothing is copied), the node writes its
     /// maps, keeps a handle and kills the helper. About 0.2 ms.
     pub fn create(base: u32, size: u32) -> io::Result<Self> {
+        Self::make(base, size, false).map(|(ns, _)| ns)
+    }
+
+    /// Like [`UserNs::create`], with a new network namespace that belongs to it (so root
+    /// in the namespace may mount sysfs for it). Its loopback is down.
+    pub fn create_with_netns(base: u32, size: u32) -> io::Result<(Self, OwnedFd)> {
+        let (ns, net) = Self::make(base, size, true)?;
+        let net = net.ok_or_else(|| io::Error::other("network namespace not made"))?;
+        Ok((ns, net))
+    }
+
+    fn make(base: u32, size: u32, netns: bool) -> io::Result<(Self, Option<OwnedFd>)> {
         if size == 0 || base == 0 || base.checked_add(size).is_none() {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!("user namespace range {base}+{size}: base and size must be > 0"),
             ));
         }
-        let helper = Helper::spawn()?;
+        let helper = Helper::spawn(if netns { libc::CLONE_NEWNET } else { 0 })?;
         let made = (|| {
             let pid = helper.pid;
             for map in ["uid_map", "gid_map"] {
@@ -58,14 +70,16 @@ impl UserNs {
                     .open(format!("/proc/{pid}/{map}"))?
                     .write_all(format!("0 {base} {size}\n").as_bytes())?;
             }
-            File::open(format!("/proc/{pid}/ns/user")).map(OwnedFd::from)
+            let user = File::open(format!("/proc/{pid}/ns/user")).map(OwnedFd::from)?;
+            let net = match netns {
+                true => Some(File::open(format!("/proc/{pid}/ns/net")).map(OwnedFd::from)?),
+                false => None,
+            };
+            Ok::<_, io::Error>((user, net))
         })();
         drop(helper);
-        Ok(Self {
-            fd: made?,
-            base,
-            size,
-        })
+        let (fd, net) = made?;
+        Ok((Self { fd, base, size }, net))
     }
 
     /// The namespace, to hand to a sandbox's init.
@@ -160,7 +174,9 @@ extern "C" fn park(_: *mut libc::c_void) -> libc::c_int {
 impl Helper {
     const STACK: usize = 16 * 1024;
 
-    fn spawn() -> io::Result<Self> {
+    /// A helper in a new user namespace, and in new namespaces of `extra` clone flags
+    /// (which then belong to that user namespace).
+    fn spawn(extra: libc::c_int) -> io::Result<Self> {
         let mut stack = vec![0u8; Self::STACK];
         // The stack grows down from its 16-byte aligned top.
         let top = (stack.as_mut_ptr() as usize + Self::STACK) & !15;
@@ -175,7 +191,7 @@ impl Helper {
             let pid = libc::clone(
                 park,
                 top as *mut libc::c_void,
-                libc::CLONE_NEWUSER | libc::CLONE_VM | libc::SIGCHLD,
+                libc::CLONE_NEWUSER | extra | libc::CLONE_VM | libc::SIGCHLD,
                 std::ptr::null_mut(),
             );
             let err = io::Error::last_os_error();
@@ -358,6 +374,22 @@ impl UidRanges {
         }
     }
 
+    /// Hands the range `from` holds alone to `sandbox` as the range of `group`, which must
+    /// not have one yet. Returns the sandbox's record, or `None` (nothing changed) when
+    /// `from` holds nothing or shares its range, or `group` already has one.
+    pub fn transfer(&mut self, from: &str, sandbox: &str, group: &str) -> Option<UsernsRecord> {
+        if self.groups.contains_key(group) || self.sandboxes.contains_key(sandbox) {
+            return None;
+        }
+        let (_, index) = self.sandboxes.get(from)?.clone();
+        if self.users.get(&index) != Some(&1) {
+            return None;
+        }
+        self.release(from);
+        self.hold(sandbox, group, index);
+        Some(self.record(index, group))
+    }
+
     /// The range a sandbox holds.
     pub fn held(&self, sandbox: &str) -> Option<UsernsRecord> {
         let (group, index) = self.sandboxes.get(sandbox)?;
@@ -486,6 +518,28 @@ mod tests {
     }
 
     #[test]
+    fn a_range_held_alone_moves_between_holders() {
+        let c = cfg(UsernsScope::Label("tenant".into()), 4);
+        let mut r = UidRanges::new(&c);
+        let pooled = r.acquire("pool:0", "pool:0").expect("pool");
+        let got = r.transfer("pool:0", "a", "sandbox:a").expect("transfer");
+        assert_eq!(got.base, pooled.base);
+        assert_eq!(got.group, "sandbox:a");
+        assert!(r.held("pool:0").is_none());
+        assert_eq!(r.in_use(), 1);
+        // Back again once the sandbox is gone.
+        assert!(r.transfer("a", "pool:1", "pool:1").is_some());
+        assert_eq!(r.held("pool:1").expect("held").base, pooled.base);
+        // A shared range (a label group's) never moves; nor into a group that has one.
+        let t1 = r.acquire("b", "label:tenant=t1").expect("b");
+        r.acquire("c", "label:tenant=t1").expect("c");
+        assert!(r.transfer("b", "pool:2", "pool:2").is_none());
+        assert!(r.transfer("pool:1", "d", "label:tenant=t1").is_none());
+        assert_eq!(r.held("b").expect("b").base, t1.base);
+        assert!(r.transfer("nobody", "e", "sandbox:e").is_none());
+    }
+
+    #[test]
     fn adopted_ranges_are_not_handed_out_again() {
         let c = cfg(UsernsScope::Sandbox, 4);
         let mut r = UidRanges::new(&c);
@@ -545,7 +599,7 @@ mod tests {
         assert_eq!(inodes.len(), 64);
         // A helper lives in a namespace of its own until dropped, and is then gone,
         // not even a zombie.
-        let helper = Helper::spawn().expect("helper");
+        let helper = Helper::spawn(0).expect("helper");
         let pid = helper.pid;
         assert_ne!(
             std::fs::read_link(format!("/proc/{pid}/ns/user")).expect("helper ns"),

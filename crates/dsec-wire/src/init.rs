@@ -83,7 +83,8 @@ pub struct InitSpec {
     #[serde(default)]
     pub disk_fd: Option<i32>,
     /// Set when the sandbox joins a prepared network namespace, passed as fd
-    /// [`NETNS_FD`], instead of making one with only loopback. Init closes it after joining.
+    /// [`NETNS_FD`] (loopback already up), instead of making one with only loopback. Init
+    /// closes it after joining.
     #[serde(default)]
     pub netns_fd: Option<i32>,
     /// Set when the sandbox runs in a user namespace, passed as fd [`USERNS_FD`]: init
