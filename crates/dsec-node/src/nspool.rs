@@ -119,9 +119,9 @@ impl NetnsPool {
         lock(&self.inner.ready).len()
     }
 
-    /// Takes an entry for `sandbox`, whose uid range is to be that of `group` (a user
-    /// namespace node): `None` when the pool is empty, or when `group` has a range
-    /// already (its sandboxes share it; the pooled one has another).
+    /// Takes an entry for `sandbox`, whose uid range is to be that of `group` (on a node
+    /// with user namespaces): `None` when the pool is empty, or when `group` has a range
+    /// already (its sandboxes share it; the pooled one is another).
     pub fn take(&self, sandbox: &str, group: &str) -> Option<Prepared> {
         let entry = lock(&self.inner.ready).pop_front()?;
         self.inner.wake.notify_one();
@@ -154,10 +154,10 @@ impl NetnsPool {
     }
 
     /// Takes back the namespaces `sandbox` was lent, once its processes are all gone.
-    /// They are pooled again when the pool holds less than twice its target, the sandbox held its uid range alone
-    /// and nothing of it is left in the network namespace ([`dsec_net::netns::
-    /// is_pristine`]); otherwise they are dropped and the range is released. Returns
-    /// whether they were pooled.
+    /// They are pooled again when the pool holds less than twice its target, the
+    /// sandbox held its uid range alone and nothing of it is left in the network
+    /// namespace ([`dsec_net::netns::is_pristine`]); otherwise they are dropped and the
+    /// range is released. Returns whether they were pooled.
     pub fn give_back(&self, sandbox: &str, lent: Lent) -> bool {
         let pooled = self.pool_again(sandbox, lent);
         if !pooled {
