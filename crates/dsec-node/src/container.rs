@@ -312,7 +312,7 @@ impl ContainerBackend {
         let mut upper_clone: Option<OwnedFd> = None;
         let mut userns_rec = None;
         // Network mode none: namespaces made ahead, when the pool has some.
-        let mut made_ahead = match (spec.isolation, &spec.network.mode) {
+        let made_ahead = match (spec.isolation, &spec.network.mode) {
             (Isolation::Container, NetworkMode::None) => self.nspool.take(
                 id,
                 &self
@@ -323,20 +323,28 @@ impl ContainerBackend {
             ),
             _ => None,
         };
-        let mut own_ns: Option<UserNs> = None;
+        let own_ns;
         let userns = match self
             .userns
             .as_ref()
             .filter(|_| spec.isolation == Isolation::Container)
         {
             Some(u) => {
-                let (rec, ns) = match made_ahead.as_mut().and_then(|p| p.userns.take()) {
-                    Some((ns, rec)) => (rec, Some(ns)),
-                    None => u.namespace_for(spec, &self.nspool)?,
-                };
-                userns_rec = Some(rec);
-                own_ns = ns;
-                own_ns.as_ref().or(u.shared.as_ref())
+                let pooled = made_ahead
+                    .as_ref()
+                    .and_then(|(lent, rec)| Some((lent.userns.as_ref()?, rec.clone()?)));
+                match pooled {
+                    Some((ns, rec)) => {
+                        userns_rec = Some(rec);
+                        Some(ns)
+                    }
+                    None => {
+                        let (rec, ns) = u.namespace_for(spec, &self.nspool)?;
+                        userns_rec = Some(rec);
+                        own_ns = ns;
+                        own_ns.as_ref().or(u.shared.as_ref())
+                    }
+                }
             }
             None => None,
         };
@@ -426,7 +434,7 @@ impl ContainerBackend {
             netns: lease
                 .as_ref()
                 .map(|l| l.netns.as_raw_fd())
-                .or(made_ahead.as_ref().map(|p| p.netns.as_raw_fd())),
+                .or(made_ahead.as_ref().map(|(lent, _)| lent.netns.as_raw_fd())),
             userns: userns.map(|ns| ns.fd().as_raw_fd()),
             layers: layer_fds.iter().map(|f| f.as_raw_fd()).collect(),
         };
@@ -435,19 +443,9 @@ impl ContainerBackend {
         drop(layer_fds);
         drop(upper_clone);
         let pooled_netns = made_ahead.is_some();
-        if let Some(p) = made_ahead {
-            // Back to the pool at delete, when nothing of the sandbox is left in them and
-            // the uid range was its own.
-            let own_range = userns_rec
-                .as_ref()
-                .is_none_or(|r| r.group == format!("sandbox:{id}"));
-            if own_range {
-                let lent = crate::nspool::Lent {
-                    netns: p.netns,
-                    userns: own_ns.take(),
-                };
-                self.lent_map().insert(id.clone(), lent);
-            }
+        if let Some((lent, _)) = made_ahead {
+            // Back to the pool at delete (see `NetnsPool::give_back`).
+            self.lent_map().insert(id.clone(), lent);
         }
         // Init holds the namespace now.
         let net = lease.map(|l| dsec_net::NetRecord {

@@ -30,23 +30,13 @@ use crate::userns::{UidRanges, UserNs, UsernsRecord};
 /// How long the filler waits after failing to make a namespace.
 const RETRY_AFTER: Duration = Duration::from_secs(1);
 
-/// Namespaces for one sandbox, ready to hand to its init.
-#[derive(Debug)]
-pub struct Prepared {
-    /// Network namespace with loopback up.
-    pub netns: OwnedFd,
-    /// The user namespace that owns it and its range, now held by the sandbox (`None`
-    /// on a node without user namespaces: the network namespace is the host's user
-    /// namespace's).
-    pub userns: Option<(UserNs, UsernsRecord)>,
-}
-
-/// Namespaces a live sandbox took from the pool, kept by the node until it is deleted.
+/// Namespaces a sandbox took from the pool, kept by the node until it is deleted.
 #[derive(Debug)]
 pub struct Lent {
-    /// Its network namespace.
+    /// Its network namespace, loopback up.
     pub netns: OwnedFd,
-    /// Its user namespace (`None` on a node without).
+    /// The user namespace that owns it (`None` on a node without user namespaces: the
+    /// network namespace is the host's user namespace's).
     pub userns: Option<UserNs>,
 }
 
@@ -120,37 +110,29 @@ impl NetnsPool {
     }
 
     /// Takes an entry for `sandbox`, whose uid range is to be that of `group` (on a node
-    /// with user namespaces): `None` when the pool is empty, or when `group` has a range
-    /// already (its sandboxes share it; the pooled one is another).
-    pub fn take(&self, sandbox: &str, group: &str) -> Option<Prepared> {
+    /// with user namespaces; the range's record comes with the entry): `None` when the
+    /// pool is empty, or when `group` has a range already (its sandboxes share it; the
+    /// pooled one is another).
+    pub fn take(&self, sandbox: &str, group: &str) -> Option<(Lent, Option<UsernsRecord>)> {
         let entry = lock(&self.inner.ready).pop_front()?;
         self.inner.wake.notify_one();
-        let userns = match (&self.inner.ranges, entry.userns) {
-            (Some(ranges), Some(ns)) => {
-                let mut r = lock(ranges);
-                match r.transfer(&entry.key, sandbox, group) {
-                    Some(rec) => Some((ns, rec)),
-                    None => {
-                        drop(r);
-                        // Back to the pool for a sandbox of another group.
-                        lock(&self.inner.ready).push_front(Entry {
-                            key: entry.key,
-                            netns: entry.netns,
-                            userns: Some(ns),
-                        });
-                        return None;
-                    }
+        let rec = match &self.inner.ranges {
+            Some(ranges) => {
+                let moved = lock(ranges).transfer(&entry.key, sandbox, group);
+                if moved.is_none() {
+                    // Back to the pool for a sandbox of another group.
+                    lock(&self.inner.ready).push_front(entry);
+                    return None;
                 }
+                moved
             }
-            (_, ns) => {
-                debug_assert!(ns.is_none());
-                None
-            }
+            None => None,
         };
-        Some(Prepared {
+        let lent = Lent {
             netns: entry.netns,
-            userns,
-        })
+            userns: entry.userns,
+        };
+        Some((lent, rec))
     }
 
     /// Takes back the namespaces `sandbox` was lent, once its processes are all gone.
@@ -338,8 +320,9 @@ mod tests {
         wait_ready(&pool, 2);
         assert_eq!(lock(&ranges).in_use(), 2, "each entry holds a range");
 
-        let got = pool.take("a", "sandbox:a").expect("an entry");
-        let (ns, rec) = got.userns.expect("a user namespace");
+        let (got, rec) = pool.take("a", "sandbox:a").expect("an entry");
+        let rec = rec.expect("a range");
+        let ns = got.userns.as_ref().expect("a user namespace");
         assert_eq!(lock(&ranges).held("a"), Some(rec.clone()));
         assert_eq!((rec.group.as_str(), rec.size), ("sandbox:a", 65_536));
         // The network namespace is the user namespace's: its owner is that namespace.
@@ -366,11 +349,7 @@ mod tests {
         assert_eq!(pool.ready(), 2);
 
         // Back in the pool: the range is the pool's again.
-        let lent = Lent {
-            netns: got.netns,
-            userns: Some(ns),
-        };
-        assert!(pool.give_back("a", lent));
+        assert!(pool.give_back("a", got));
         assert!(lock(&ranges).held("a").is_none());
         assert_eq!(pool.ready(), 3);
         assert_eq!(lock(&ranges).in_use(), 4, "3 pooled and the label's");
@@ -386,8 +365,8 @@ mod tests {
         }
         let pool = NetnsPool::start(1, None);
         wait_ready(&pool, 1);
-        let got = pool.take("a", "").expect("entry");
-        assert!(got.userns.is_none());
+        let (got, rec) = pool.take("a", "").expect("entry");
+        assert!(got.userns.is_none() && rec.is_none());
         assert!(dsec_net::netns::is_pristine(got.netns.as_fd()).expect("check"));
         assert!(
             NetnsPool::start(0, None).take("a", "").is_none(),
