@@ -30,6 +30,9 @@ pub enum BootError {
     /// Joining the prepared network namespace failed.
     #[error("join network namespace: {0}")]
     JoinNetns(nix::Error),
+    /// Joining the node's skeleton mount namespace failed.
+    #[error("join skeleton mount namespace: {0}")]
+    JoinMntns(nix::Error),
     /// fork failed.
     #[error("fork: {0}")]
     Fork(nix::Error),
@@ -87,6 +90,13 @@ pub fn boot(spec: &InitSpec, status: &OwnedFd) -> Result<(), BootError> {
         }
         None => NAMESPACES,
     };
+    if let Some(fd) = spec.mntns_fd {
+        // While init still holds the host's privileges: the skeleton belongs to the
+        // host's user namespace. The namespace unshared below is a copy of it.
+        // SAFETY: the node handed this fd to init for exactly this purpose; owned here.
+        let ns = unsafe { OwnedFd::from_raw_fd(fd) };
+        setns(&ns, CloneFlags::CLONE_NEWNS).map_err(BootError::JoinMntns)?;
+    }
     if let Some(fd) = spec.userns_fd {
         join_userns(fd)?;
     }

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use dsec_cgroups::{Cgroup, CgroupRoot, Limits};
 use dsec_wire::init::{
-    InitSpec, DISK_FD, FIRST_LAYER_FD, LISTEN_FD, NETNS_FD, STATUS_FD, USERNS_FD,
+    InitSpec, DISK_FD, FIRST_LAYER_FD, LISTEN_FD, MNTNS_FD, NETNS_FD, STATUS_FD, USERNS_FD,
 };
 use dsec_wire::v1::{Isolation, NetworkMode, NetworkPolicy, Qos};
 use nix::fcntl::OFlag;
@@ -69,6 +69,9 @@ pub struct ContainerBackend {
     /// Pooled namespaces live sandboxes hold, to go back to the pool when they are
     /// deleted.
     lent: std::sync::Mutex<std::collections::HashMap<String, crate::nspool::Lent>>,
+    /// The mount namespace user-namespaced inits start from (see `mntns`); without it
+    /// they start from the host's.
+    skeleton: Option<crate::mntns::Skeleton>,
 }
 
 /// The node's user namespace state.
@@ -111,6 +114,23 @@ impl ContainerBackend {
                     .map_err(NodeError::io("chmod", &sandboxes))?;
             }
         }
+        let skeleton = match &userns {
+            Some(_) => {
+                let dir = cfg.run_dir.join("skeleton");
+                let made = fs::DirBuilder::new()
+                    .recursive(true)
+                    .create(&dir)
+                    .and_then(|()| crate::mntns::Skeleton::create(&dir));
+                match made {
+                    Ok(sk) => Some(sk),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "no skeleton mount namespace; inits copy the host's");
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
         let disks = match cfg.disk {
             Some(d) => Some(dsec_disk::Disks::open(dsec_disk::DiskConfig {
                 root: cfg.disks_dir(),
@@ -142,6 +162,7 @@ impl ContainerBackend {
             open: Default::default(),
             network: Default::default(),
             userns,
+            skeleton,
         })
     }
 
@@ -400,6 +421,9 @@ impl ContainerBackend {
         };
         let socket = self.cfg.agent_socket(id);
         let listener = UnixListener::bind(&socket).map_err(NodeError::io("bind", &socket))?;
+        // Everything a user-namespaced init mounts comes as an fd: it can start from the
+        // skeleton instead of a copy of the host's mounts.
+        let skeleton = self.skeleton.as_ref().filter(|_| userns.is_some());
         let init = InitSpec {
             sandbox_id: id.clone(),
             // overlayfs wants the topmost layer first.
@@ -409,6 +433,7 @@ impl ContainerBackend {
             disk_fd: disk_fd.map(|_| DISK_FD),
             netns_fd: (lease.is_some() || made_ahead.is_some()).then_some(NETNS_FD),
             userns_fd: userns.map(|_| USERNS_FD),
+            mntns_fd: skeleton.map(|_| MNTNS_FD),
             writable_paths: spec.writable_paths.clone(),
             tcp_bind: spec.tcp_bind.clone(),
             tcp_connect: spec.tcp_connect.clone(),
@@ -417,7 +442,10 @@ impl ContainerBackend {
                 .map(|l| format!("nameserver {}\noptions timeout:2 attempts:2\n", l.gateway)),
             sched_idle: spec.qos == Qos::BestEffort,
             core_sched: crate::admission::core_scheduling_available(),
-            rootfs: run.join("rootfs").display().to_string(),
+            rootfs: match skeleton {
+                Some(_) => crate::mntns::STAGE.to_string(),
+                None => run.join("rootfs").display().to_string(),
+            },
             cgroup_procs: cgroup
                 .procs_paths()
                 .iter()
@@ -436,6 +464,7 @@ impl ContainerBackend {
                 .map(|l| l.netns.as_raw_fd())
                 .or(made_ahead.as_ref().map(|(lent, _)| lent.netns.as_raw_fd())),
             userns: userns.map(|ns| ns.fd().as_raw_fd()),
+            mntns: skeleton.map(|sk| sk.fd().as_raw_fd()),
             layers: layer_fds.iter().map(|f| f.as_raw_fd()).collect(),
         };
         let (pid, start_time) = self.spawn_init(id, &init, &fds, &run)?;
@@ -481,6 +510,7 @@ impl ContainerBackend {
         pairs.extend(fds.disk.map(|f| (f, DISK_FD)));
         pairs.extend(fds.netns.map(|f| (f, NETNS_FD)));
         pairs.extend(fds.userns.map(|f| (f, USERNS_FD)));
+        pairs.extend(fds.mntns.map(|f| (f, MNTNS_FD)));
         pairs.extend(
             fds.layers
                 .iter()
@@ -853,6 +883,8 @@ struct InitFds {
     netns: Option<RawFd>,
     /// The user namespace, if any.
     userns: Option<RawFd>,
+    /// The skeleton mount namespace, if init starts from it.
+    mntns: Option<RawFd>,
     /// Idmapped layer mounts, bottom first (user namespace mode).
     layers: Vec<RawFd>,
 }

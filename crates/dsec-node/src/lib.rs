@@ -21,6 +21,7 @@ pub mod config;
 pub mod container;
 pub mod error;
 pub mod local;
+pub mod mntns;
 pub mod nspool;
 pub mod oci;
 pub mod priority;

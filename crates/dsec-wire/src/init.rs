@@ -26,9 +26,11 @@ pub const DISK_FD: i32 = 5;
 pub const NETNS_FD: i32 = 6;
 /// File descriptor number of the user namespace the sandbox joins, when it has one.
 pub const USERNS_FD: i32 = 7;
+/// File descriptor number of the mount namespace init starts from, when it is given one.
+pub const MNTNS_FD: i32 = 8;
 /// First file descriptor number of the layer mounts handed to init (user namespace mode:
 /// idmapped clones of the layers, one fd each, bottom first from this number on).
-pub const FIRST_LAYER_FD: i32 = 8;
+pub const FIRST_LAYER_FD: i32 = 9;
 
 /// File descriptor number of the request socket in `dsec-agent zygote`.
 pub const ZYGOTE_FD: i32 = 3;
@@ -92,6 +94,12 @@ pub struct InitSpec {
     /// upper and work directories are idmapped mounts for it.
     #[serde(default)]
     pub userns_fd: Option<i32>,
+    /// Set when init starts from the node's skeleton mount namespace, passed as fd
+    /// [`MNTNS_FD`]: init joins it (before the user namespace) so that the namespace it
+    /// unshares copies a handful of mounts, not the host's whole tree. `rootfs` is then
+    /// a path in the skeleton.
+    #[serde(default)]
+    pub mntns_fd: Option<i32>,
     /// Commands may write only beneath these paths (Landlock), when not empty.
     #[serde(default)]
     pub writable_paths: Vec<String>,
@@ -111,7 +119,8 @@ pub struct InitSpec {
     /// Run every process of the sandbox `SCHED_IDLE` (best-effort QoS).
     #[serde(default)]
     pub sched_idle: bool,
-    /// Host path of the (empty) directory where the root file system is assembled.
+    /// Path of the (empty) directory where the root file system is assembled: on the
+    /// host, or in the skeleton when `mntns_fd` is set.
     pub rootfs: String,
     /// `cgroup.procs` files to join before unsharing the cgroup namespace.
     pub cgroup_procs: Vec<String>,
