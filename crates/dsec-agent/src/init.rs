@@ -41,9 +41,13 @@ pub fn init() -> Result<(), Box<dyn std::error::Error>> {
 /// (the listener and `status` at their fixed numbers); returns only on failure.
 pub fn run(spec: &InitSpec, status: OwnedFd) -> Result<(), Box<dyn std::error::Error>> {
     unignore_signals();
-    if let Err(e) = dsec_container::boot(spec, &status) {
-        report(&status, &format!("error {e}"));
-        return Err(e.into());
+    match dsec_container::boot(spec, &status) {
+        // Every process start waits for it first (`spawn.rs`).
+        Ok(old_root) => old_root.defer(),
+        Err(e) => {
+            report(&status, &format!("error {e}"));
+            return Err(e.into());
+        }
     }
     // Now PID 1 inside the sandbox. Nothing we start may inherit the listener or the pipe.
     for fd in [LISTEN_FD, STATUS_FD] {

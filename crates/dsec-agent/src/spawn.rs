@@ -80,6 +80,7 @@ pub fn spawn(cfg: &AgentConfig, spec: SpawnSpec<'_>) -> Result<Child, ApiError> 
     let Some(program) = spec.argv.first().filter(|p| !p.is_empty()) else {
         return Err(bad_request("empty command"));
     };
+    root_settled()?;
     let cwd = resolve_cwd(cfg, spec.cwd);
     let mut cmd = Command::new(program);
     cmd.args(&spec.argv[1..])
@@ -127,6 +128,13 @@ pub fn spawn(cfg: &AgentConfig, spec: SpawnSpec<'_>) -> Result<Child, ApiError> 
         }
     }
     cmd.spawn().map_err(|err| spawn_error(&err, program, &cwd))
+}
+
+/// Nothing starts in the sandbox before init's old root is gone (a no-op in an agent
+/// that is not a sandbox's init).
+fn root_settled() -> Result<(), ApiError> {
+    dsec_container::rootfs::old_root_gone()
+        .map_err(|e| ApiError::new(dsec_wire::ErrorCode::Internal, format!("sandbox root: {e}")))
 }
 
 fn spawn_error(err: &io::Error, program: &str, cwd: &std::path::Path) -> ApiError {
@@ -251,6 +259,7 @@ pub fn spawn_piped(
     let Some(program) = argv.first().filter(|p| !p.is_empty()) else {
         return Err(bad_request("empty command"));
     };
+    root_settled()?;
     if cfg.landlock.is_some() || switch_to(identity).is_some() {
         return spawn_piped_forked(cfg, argv, env, cwd, stdin_piped, identity);
     }

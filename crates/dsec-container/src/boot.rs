@@ -63,11 +63,14 @@ pub const NAMESPACES: CloneFlags = CloneFlags::CLONE_NEWNS
 
 /// Turns the calling process into the sandbox's PID 1.
 ///
+/// The old root may still be detaching when this returns: wait for it, or defer the
+/// wait to [`rootfs::old_root_gone`], before starting anything in the sandbox.
+///
 /// Writes `pid <host-pid>` to `status` from the intermediate process, which then exits;
 /// returns in the new PID 1 once the sandbox is built (the caller writes `ready` and
 /// starts serving). Errors are returned in the child (or the intermediate process if they
 /// happen before the fork); the caller reports them on `status` and exits.
-pub fn boot(spec: &InitSpec, status: &OwnedFd) -> Result<(), BootError> {
+pub fn boot(spec: &InitSpec, status: &OwnedFd) -> Result<rootfs::OldRoot, BootError> {
     for path in &spec.cgroup_procs {
         join_cgroup(path)?;
     }
@@ -114,7 +117,7 @@ pub fn boot(spec: &InitSpec, status: &OwnedFd) -> Result<(), BootError> {
         }
         ForkResult::Child => {}
     }
-    rootfs::build(spec)?;
+    let old_root = rootfs::build(spec)?;
     if let Some(fd) = spec.disk_fd {
         // The overlay holds the disk now; the raw disk root must not stay reachable
         // through PID 1's fds.
@@ -140,7 +143,7 @@ pub fn boot(spec: &InitSpec, status: &OwnedFd) -> Result<(), BootError> {
         net::loopback_up().map_err(BootError::Net)?;
     }
     harden::apply()?;
-    Ok(())
+    Ok(old_root)
 }
 
 /// Joins the sandbox's user namespace and becomes its root (uid and gid 0 inside, the

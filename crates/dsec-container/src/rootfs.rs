@@ -80,9 +80,89 @@ pub const MASKED_PATHS: &[&str] = &[
 /// Paths made read-only inside the sandbox.
 pub const READONLY_PATHS: &[&str] = &["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys"];
 
+/// Paths of [`MASKED_PATHS`] and [`READONLY_PATHS`] that a user-namespaced sandbox gets
+/// as they are, saving a mount each: files only the host's root may open (mode 0400 or
+/// 0200, owned by host uid 0, which the sandbox's user namespace does not map, so its
+/// root has neither the owner's rights nor capabilities over them) and directories whose
+/// files only the host's root may write. `/proc/sys` is not one of them: the network
+/// and other namespaces' settings there belong to the sandbox's root.
+pub const HOST_ROOT_ONLY: &[&str] = &[
+    "/proc/kmsg",
+    "/proc/kpagecgroup",
+    "/proc/kpagecount",
+    "/proc/kpageflags",
+    "/proc/pagetypeinfo",
+    "/proc/sysrq-trigger",
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+];
+
+/// The old root, being detached on a thread of its own: unmounting it waits for an RCU
+/// grace period (the kernel's `namespace_unlock`) after it is already off the tree,
+/// milliseconds on a busy host, which the rest of the boot and the first round trip with
+/// the node overlap. [`OldRoot::wait`], or [`OldRoot::defer`] to the first
+/// [`old_root_gone`], before the sandbox runs anything.
+#[must_use = "the old root must be gone before the sandbox runs anything"]
+#[derive(Debug)]
+pub struct OldRoot(Option<std::thread::JoinHandle<Result<(), RootfsError>>>);
+
+/// The old root init left detaching (see [`OldRoot::defer`]).
+static PENDING_OLD_ROOT: std::sync::Mutex<Option<OldRoot>> = std::sync::Mutex::new(None);
+/// Set when detaching the old root failed: the sandbox must not run anything.
+static OLD_ROOT_FAILED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Returns once the old root is detached (at once after the first call). Everything
+/// that starts a process in the sandbox calls it first; an error (the detach failed)
+/// is returned on every call.
+pub fn old_root_gone() -> Result<(), RootfsError> {
+    let pending = PENDING_OLD_ROOT
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take();
+    if let Some(old) = pending {
+        if let Err(e) = old.wait() {
+            OLD_ROOT_FAILED.store(true, std::sync::atomic::Ordering::SeqCst);
+            return Err(e);
+        }
+    }
+    if OLD_ROOT_FAILED.load(std::sync::atomic::Ordering::SeqCst) {
+        return Err(RootfsError {
+            op: "detach old root",
+            path: "/".into(),
+            source: std::io::Error::other("failed earlier"),
+        });
+    }
+    Ok(())
+}
+
+impl OldRoot {
+    /// Leaves the wait to the first [`old_root_gone`] (the sandbox's PID 1 answers the
+    /// node meanwhile, and starts no process before that call).
+    pub fn defer(self) {
+        *PENDING_OLD_ROOT
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(self);
+    }
+
+    /// Waits until the old root is detached.
+    pub fn wait(self) -> Result<(), RootfsError> {
+        match self.0 {
+            Some(t) => t.join().unwrap_or_else(|_| {
+                Err(RootfsError {
+                    op: "detach old root",
+                    path: "/".into(),
+                    source: std::io::Error::other("detaching thread panicked"),
+                })
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Builds the root and pivots into it. Must run in a fresh mount namespace and, for the
 /// `/proc` mount to show the sandbox's own processes, in its new pid namespace.
-pub fn build(spec: &InitSpec) -> Result<(), RootfsError> {
+pub fn build(spec: &InitSpec) -> Result<OldRoot, RootfsError> {
     let root = PathBuf::from(&spec.rootfs);
     // Nothing we mount may propagate back to the host.
     mount(
@@ -161,14 +241,21 @@ pub fn build(spec: &InitSpec) -> Result<(), RootfsError> {
         Err(e) => return Err(err("mount sysfs", &sys)(e)),
     }
     let tmp = ensure_dir(&root, "tmp")?;
-    let _ = fs::set_permissions(&tmp, fs::Permissions::from_mode(0o1777));
+    // Only when it differs: a chmod copies /tmp up into the sandbox's disk.
+    if fs::symlink_metadata(&tmp)
+        .ok()
+        .map(|m| m.permissions().mode() & 0o7777)
+        != Some(0o1777)
+    {
+        let _ = fs::set_permissions(&tmp, fs::Permissions::from_mode(0o1777));
+    }
 
-    pivot(&root)?;
+    let old_root = pivot(&root)?;
     if let Some(conf) = &spec.resolv_conf {
         write_resolv_conf(conf)?;
     }
-    mask_paths()?;
-    Ok(())
+    mask_paths(spec.userns_fd.is_some())?;
+    Ok(old_root)
 }
 
 /// Points the sandbox at the node's resolver. Runs after the pivot, so a symlink the
@@ -323,20 +410,33 @@ fn mount_dev(root: &Path) -> Result<(), RootfsError> {
     Ok(())
 }
 
-fn pivot(root: &Path) -> Result<(), RootfsError> {
+fn pivot(root: &Path) -> Result<OldRoot, RootfsError> {
     nix::unistd::chdir(root).map_err(err("chdir", root))?;
     // pivot_root(".", ".") stacks the old root on top of the new one; detaching it then
-    // leaves only the new root, with no directory needed for the old one.
+    // leaves only the new root, with no directory needed for the old one. Root and
+    // working directory are the new root already: path walks from either start below
+    // the stacked old root, which only a mount-point lookup of "." (the umount) reaches.
     nix::unistd::pivot_root(".", ".").map_err(err("pivot_root", root))?;
-    umount2(".", MntFlags::MNT_DETACH).map_err(err("detach old root", root))?;
-    nix::unistd::chdir("/").map_err(err("chdir", Path::new("/")))
+    let detach =
+        || umount2(".", MntFlags::MNT_DETACH).map_err(err("detach old root", Path::new("/")));
+    // The thread shares this process's root and working directory, and has its
+    // privileges until it ends (capabilities and seccomp filters are per thread).
+    match std::thread::Builder::new()
+        .name("detach-old-root".into())
+        .spawn(detach)
+    {
+        Ok(t) => Ok(OldRoot(Some(t))),
+        // No thread: detach here and wait.
+        Err(_) => detach().map(|()| OldRoot(None)),
+    }
 }
 
-fn mask_paths() -> Result<(), RootfsError> {
+fn mask_paths(userns: bool) -> Result<(), RootfsError> {
+    let wanted = |p: &&&str| !(userns && HOST_ROOT_ONLY.contains(p));
     // Directories are hidden under one empty read-only tmpfs, bound over each of them: a
     // file system per directory would cost a superblock to set up and tear down each.
     let mut empty: Option<&Path> = None;
-    for p in MASKED_PATHS {
+    for p in MASKED_PATHS.iter().filter(wanted) {
         let path = Path::new(p);
         let Ok(meta) = fs::symlink_metadata(path) else {
             continue;
@@ -375,7 +475,7 @@ fn mask_paths() -> Result<(), RootfsError> {
             .map_err(err("mask file", path))?;
         }
     }
-    for p in READONLY_PATHS {
+    for p in READONLY_PATHS.iter().filter(wanted) {
         let path = Path::new(p);
         if fs::symlink_metadata(path).is_err() {
             continue;
@@ -398,4 +498,49 @@ fn mask_paths() -> Result<(), RootfsError> {
             .map_err(err("remount read-only", path))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    #[test]
+    fn host_root_only_paths_are_masked_ones_and_only_root_may_use_them_here() {
+        for p in HOST_ROOT_ONLY {
+            assert!(
+                MASKED_PATHS.contains(p) || READONLY_PATHS.contains(p),
+                "{p} is neither masked nor read-only"
+            );
+            assert!(!Path::new(p).starts_with("/proc/sys"), "{p}");
+        }
+        // The premise, on this kernel: files owned by root with no rights for anyone else
+        // (a directory: nothing beneath it writable by anyone but root).
+        let mut checked = 0;
+        let mut stack: Vec<PathBuf> = HOST_ROOT_ONLY.iter().map(PathBuf::from).collect();
+        while let Some(p) = stack.pop() {
+            let Ok(m) = fs::symlink_metadata(&p) else {
+                continue;
+            };
+            if m.file_type().is_symlink() {
+                continue;
+            }
+            assert_eq!(m.uid(), 0, "{} not root's", p.display());
+            if m.is_dir() {
+                if let Ok(rd) = fs::read_dir(&p) {
+                    stack.extend(rd.filter_map(Result::ok).map(|e| e.path()));
+                }
+            } else {
+                let mode = m.mode() & 0o7777;
+                let others = if HOST_ROOT_ONLY.contains(&p.to_str().unwrap_or_default()) {
+                    0o077
+                } else {
+                    0o022
+                };
+                assert_eq!(mode & others, 0, "{} mode {mode:o}", p.display());
+            }
+            checked += 1;
+        }
+        assert!(checked > 5, "only {checked} paths found");
+    }
 }

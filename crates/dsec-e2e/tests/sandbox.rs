@@ -204,6 +204,12 @@ async fn isolation_is_in_place() {
          echo x > /proc/sys/kernel/hostname 2>&1 || echo procsys-ro; \
          ls /dev | tr '\\n' ' '; echo; \
          echo volatile=$(grep -c ' / overlay .*volatile' /proc/self/mounts); \
+         echo hostroot=$(for f in /proc/kmsg /proc/kpageflags /proc/kpagecount /proc/pagetypeinfo; do \
+           dd if=$f bs=64 count=1 iflag=nonblock status=none 2>/dev/null; done | wc -c); \
+         echo 1 > /proc/irq/default_smp_affinity 2>/dev/null || echo irq-write-denied; \
+         echo roots=$(awk '$5 == \"/\"' /proc/self/mountinfo | wc -l) \
+           foreign=$(awk '$5 != \"/\" && $5 !~ \"^/(proc|dev|sys)(/|$)\"' /proc/self/mountinfo | wc -l) \
+           mounts=$(wc -l < /proc/self/mountinfo); \
          dd if=/dev/zero of=/var/tmp/f bs=4k count=4 conv=fsync status=none && echo fsync-ok",
     )
     .await;
@@ -243,6 +249,20 @@ async fn isolation_is_in_place() {
         "root overlay not volatile: {out}"
     );
     assert!(out.contains("fsync-ok"), "{out}");
+    // Files only the host's root may open read nothing (masked, or, in a user namespace,
+    // refused: host uid 0 is not mapped there), and /proc/irq takes no writes.
+    assert!(out.contains("hostroot=0\n"), "{out}");
+    assert!(out.contains("irq-write-denied"), "{out}");
+    // Only the sandbox's own mounts: one root (the old one, stacked on it by the pivot,
+    // is gone), nothing of the host's or the node's skeleton, and no more than it makes.
+    assert!(out.contains("roots=1 foreign=0 "), "{out}");
+    let mounts: usize = out
+        .split("mounts=")
+        .nth(1)
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("mount count");
+    assert!(mounts <= 32, "{mounts} mounts: {out}");
     c.delete_sandbox(&sb.id).await.expect("delete");
 }
 
