@@ -115,6 +115,10 @@ pub struct ServeArgs {
     /// sandbox makes its own while it starts).
     #[arg(long, default_value_t = 16)]
     pub netns_pool: usize,
+    /// Sandbox deletes torn down at once; further deletes wait their turn, so a burst
+    /// of deletes cannot take the CPU from creates (0: no limit).
+    #[arg(long, default_value_t = 4)]
+    pub delete_concurrency: usize,
     /// The in-sandbox agent binary (default: found next to this executable).
     #[arg(long)]
     pub agent_bin: Option<PathBuf>,

@@ -155,6 +155,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         cgroup_favor_dynmods: !args.keep_cgroup_mount,
         run_dir_tmpfs: !args.run_dir_on_disk,
         netns_pool: args.netns_pool,
+        delete_concurrency: args.delete_concurrency,
         userns: (!args.no_userns).then(|| dsec_node::userns::UsernsConfig {
             base: args.userns_base,
             ranges: args.userns_ranges,

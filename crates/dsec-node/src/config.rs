@@ -39,6 +39,9 @@ pub struct NodeConfig {
     /// Network namespaces (with their user namespaces) kept ready for creates of network
     /// mode `none` (see [`crate::nspool`]); 0 lets each init make its own.
     pub netns_pool: usize,
+    /// Sandbox deletes torn down at once (0: no limit); further deletes wait their turn,
+    /// so a burst of deletes does not take the CPU from creates (see `LocalNode::destroy`).
+    pub delete_concurrency: usize,
     /// Run sandboxes in user namespaces, each mapping ids 0..65535 to a host range of
     /// the node's (`None`: sandboxes' root is the host's root, with fewer capabilities).
     pub userns: Option<crate::userns::UsernsConfig>,

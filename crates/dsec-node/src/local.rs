@@ -23,6 +23,8 @@ pub struct LocalNode {
     backend: Arc<dyn Backend>,
     sandboxes: Mutex<HashMap<String, RuntimeRecord>>,
     admission: Admission,
+    /// Turns of deletes (`NodeConfig::delete_concurrency`; `None`: no limit).
+    delete_turns: Option<tokio::sync::Semaphore>,
     /// The host-wide names this node owns while it runs.
     _claims: crate::claims::HostClaims,
 }
@@ -140,6 +142,8 @@ impl LocalNode {
         images.cleanup_unused(&refs.keys().cloned().collect::<HashSet<_>>())?;
         let node = Arc::new(Self {
             admission: Admission::new(cfg.admission),
+            delete_turns: (cfg.delete_concurrency > 0)
+                .then(|| tokio::sync::Semaphore::new(cfg.delete_concurrency)),
             _claims: claims,
             cfg,
             cgroup_version: cgroups.version(),
@@ -325,6 +329,24 @@ impl NodeApi for LocalNode {
     }
 
     async fn destroy(&self, id: &str) -> Result<(), NodeError> {
+        // Creates and deletes share the CPU; with every delete torn down at once, a
+        // closed loop of create -> exec -> delete spends as long in creates as in deletes
+        // (Little's law: the cycle is shared where the work waits). A few at a time, the
+        // rest wait here, asleep: creates get the CPU and the queue forms among deletes.
+        let _turn = match &self.delete_turns {
+            Some(turns) => {
+                // Not even killed before its turn: dying is most of a delete's work (the
+                // processes' memory, mounts and namespaces), and many dying at once
+                // hold the kernel's locks creates need.
+                let turn = turns.acquire().await.map_err(|e| NodeError::Io {
+                    op: "wait for a delete turn",
+                    path: String::new(),
+                    source: std::io::Error::other(e),
+                })?;
+                Some(turn)
+            }
+            None => None,
+        };
         let rec = self.lock().get(id).cloned();
         let backend = self.backend.clone();
         let id2 = id.to_string();
