@@ -107,42 +107,50 @@ pub const HOST_ROOT_ONLY: &[&str] = &[
 #[derive(Debug)]
 pub struct OldRoot(Option<std::thread::JoinHandle<Result<(), RootfsError>>>);
 
-/// The old root init left detaching (see [`OldRoot::defer`]).
-static PENDING_OLD_ROOT: std::sync::Mutex<Option<OldRoot>> = std::sync::Mutex::new(None);
-/// Set when detaching the old root failed: the sandbox must not run anything.
-static OLD_ROOT_FAILED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// Where the old root init left detaching is (see [`OldRoot::defer`]).
+#[derive(Debug)]
+enum Detach {
+    /// Gone (or never deferred: an agent that is not a sandbox's init).
+    Done,
+    /// Still detaching.
+    Pending(OldRoot),
+    /// The detach failed: the sandbox must not run anything.
+    Failed(String),
+}
+
+static DEFERRED: std::sync::Mutex<Detach> = std::sync::Mutex::new(Detach::Done);
 
 /// Returns once the old root is detached (at once after the first call). Everything
 /// that starts a process in the sandbox calls it first; an error (the detach failed)
 /// is returned on every call.
 pub fn old_root_gone() -> Result<(), RootfsError> {
-    let pending = PENDING_OLD_ROOT
+    let mut state = DEFERRED
         .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .take();
-    if let Some(old) = pending {
-        if let Err(e) = old.wait() {
-            OLD_ROOT_FAILED.store(true, std::sync::atomic::Ordering::SeqCst);
-            return Err(e);
-        }
-    }
-    if OLD_ROOT_FAILED.load(std::sync::atomic::Ordering::SeqCst) {
-        return Err(RootfsError {
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    *state = match std::mem::replace(&mut *state, Detach::Done) {
+        Detach::Pending(old) => match old.wait() {
+            Ok(()) => Detach::Done,
+            Err(e) => Detach::Failed(e.to_string()),
+        },
+        settled => settled,
+    };
+    match &*state {
+        Detach::Failed(why) => Err(RootfsError {
             op: "detach old root",
             path: "/".into(),
-            source: std::io::Error::other("failed earlier"),
-        });
+            source: std::io::Error::other(why.clone()),
+        }),
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 impl OldRoot {
     /// Leaves the wait to the first [`old_root_gone`] (the sandbox's PID 1 answers the
     /// node meanwhile, and starts no process before that call).
     pub fn defer(self) {
-        *PENDING_OLD_ROOT
+        *DEFERRED
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(self);
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Detach::Pending(self);
     }
 
     /// Waits until the old root is detached.

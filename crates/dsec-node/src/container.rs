@@ -275,9 +275,10 @@ impl ContainerBackend {
         let id = &spec.id;
         let dir = self.cfg.sandbox_dir(id);
         let run = self.cfg.sandbox_run_dir(id);
-        // With a user namespace, init mounts the root at run/rootfs as the namespace's
-        // root, an unprivileged host uid: it must be able to walk there (search only;
-        // nothing is listed). `sandboxes/` itself gets that mode once, at start.
+        // With a user namespace and no skeleton (it could not be made), init mounts the
+        // root at run/rootfs as the namespace's root, an unprivileged host uid: it must
+        // be able to walk there (search only; nothing is listed). `sandboxes/` itself
+        // gets that mode once, at start.
         let mode = if self.userns.is_some() { 0o711 } else { 0o700 };
         let mut builder = fs::DirBuilder::new();
         builder.recursive(true).mode(mode);
@@ -309,8 +310,17 @@ impl ContainerBackend {
             )),
             (None, None) => (dir.join("upper"), dir.join("work"), None),
         };
+        // A user-namespaced init gets everything it mounts as an fd: it starts from the
+        // skeleton and assembles its root there, not in the run directory.
+        let skeleton = self
+            .skeleton
+            .as_ref()
+            .filter(|_| self.userns.is_some() && spec.isolation == Isolation::Container);
         // A disk comes with its upper and work directories; plain ones are made here.
-        let mut dirs = vec![run.join("rootfs")];
+        let mut dirs = Vec::new();
+        if skeleton.is_none() {
+            dirs.push(run.join("rootfs"));
+        }
         if disk_mb.is_none() {
             dirs.extend([upper.clone(), work.clone()]);
         }
@@ -421,9 +431,6 @@ impl ContainerBackend {
         };
         let socket = self.cfg.agent_socket(id);
         let listener = UnixListener::bind(&socket).map_err(NodeError::io("bind", &socket))?;
-        // Everything a user-namespaced init mounts comes as an fd: it can start from the
-        // skeleton instead of a copy of the host's mounts.
-        let skeleton = self.skeleton.as_ref().filter(|_| userns.is_some());
         let init = InitSpec {
             sandbox_id: id.clone(),
             // overlayfs wants the topmost layer first.

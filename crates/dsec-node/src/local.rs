@@ -333,18 +333,15 @@ impl NodeApi for LocalNode {
         // closed loop of create -> exec -> delete spends as long in creates as in deletes
         // (Little's law: the cycle is shared where the work waits). A few at a time, the
         // rest wait here, asleep: creates get the CPU and the queue forms among deletes.
+        // The sandbox is not even killed before its turn: dying is most of a delete's
+        // work (the processes' memory, mounts and namespaces), and many dying at once
+        // hold the kernel's locks creates need.
         let _turn = match &self.delete_turns {
-            Some(turns) => {
-                // Not even killed before its turn: dying is most of a delete's work (the
-                // processes' memory, mounts and namespaces), and many dying at once
-                // hold the kernel's locks creates need.
-                let turn = turns.acquire().await.map_err(|e| NodeError::Io {
-                    op: "wait for a delete turn",
-                    path: String::new(),
-                    source: std::io::Error::other(e),
-                })?;
-                Some(turn)
-            }
+            Some(turns) => Some(turns.acquire().await.map_err(|e| NodeError::Io {
+                op: "wait for a delete turn",
+                path: String::new(),
+                source: std::io::Error::other(e),
+            })?),
             None => None,
         };
         let rec = self.lock().get(id).cloned();
