@@ -40,7 +40,7 @@ struct Args {
     /// Write every table as JSON here (default: target/dsec-bench/results.json).
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Run only these sections (comma-separated): runtimes, network, concurrency,
+    /// Run only these sections (comma-separated): runtimes, exec (its exec table alone), network, concurrency,
     /// sustained, backlog, teardown, cpu, job, idle, density, files, provision, burst.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -426,6 +426,26 @@ async fn dsec_measurements(
             create_only.push(created.as_secs_f64() * 1000.0);
         }
     }
+    let (exec, call) = dsec_exec_round_trip(server, n).await?;
+    Ok((
+        Stats {
+            name: "dsec create + exec true".into(),
+            samples: create_exec,
+            note: Some("HTTP API, until the exec returns".into()),
+        },
+        Stats {
+            name: "dsec create (ready)".into(),
+            samples: create_only,
+            note: Some("HTTP API, agent answering".into()),
+        },
+        exec,
+        call,
+    ))
+}
+
+/// `exec true` on one running sandbox, and the same path without a process (a stat).
+async fn dsec_exec_round_trip(server: &Server, n: usize) -> anyhow::Result<(Stats, Stats)> {
+    let c = server.client();
     let sb = c.create_sandbox(CreateSandboxRequest::default()).await?;
     let mut exec = Vec::new();
     for i in 0..(n * 5) + 5 {
@@ -446,16 +466,6 @@ async fn dsec_measurements(
     }
     c.delete_sandbox(&sb.id).await?;
     Ok((
-        Stats {
-            name: "dsec create + exec true".into(),
-            samples: create_exec,
-            note: Some("HTTP API, until the exec returns".into()),
-        },
-        Stats {
-            name: "dsec create (ready)".into(),
-            samples: create_only,
-            note: Some("HTTP API, agent answering".into()),
-        },
         Stats {
             name: "dsec exec true".into(),
             samples: exec,
@@ -925,6 +935,11 @@ fn main() -> anyhow::Result<()> {
             exec = vec![crun_exec, dsec_exec, dsec_call, spawn_floor(n * 5)];
             print_table("time to interactive (create -> first command done)", &tti, "crun run true");
             println!("\n{targets}");
+            print_table("exec round trip on a running sandbox", &exec, "crun exec true");
+        } else if want("exec") {
+            // The exec table alone (part of `runtimes`), for quick before/after runs.
+            let (dsec_exec, dsec_call) = dsec_exec_round_trip(&server, n).await?;
+            exec = vec![crun_exec(&bundle, n * 5), dsec_exec, dsec_call, spawn_floor(n * 5)];
             print_table("exec round trip on a running sandbox", &exec, "crun exec true");
         }
         if want("network") {
