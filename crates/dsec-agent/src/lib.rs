@@ -92,6 +92,8 @@ impl Default for AgentConfig {
 /// Returns only if the agent cannot start (runtime, root directory, signal handler) or the
 /// listener fails for good.
 pub fn run(listener: UnixListener, cfg: AgentConfig) -> Result<(), AgentError> {
+    // Before the runtime's threads exist, so that they inherit it (see `reaper`).
+    reaper::block_sigchld().map_err(AgentError::Signal)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

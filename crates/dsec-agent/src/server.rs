@@ -11,13 +11,12 @@ use std::time::Duration;
 use dsec_wire::agent::{Reply, Request, PROTOCOL_VERSION};
 use dsec_wire::frame::Frame;
 use tokio::net::UnixStream;
-use tokio::signal::unix::{signal, SignalKind};
 
 use crate::conn::{self, FrameReader, FrameWriter};
 use crate::error::{bad_request, AgentError};
 use crate::pathsafe::Root;
 use crate::process::ProcessTable;
-use crate::reaper::Reaper;
+use crate::reaper::{ChildSignals, Reaper};
 use crate::session::Sessions;
 use crate::{exec, files, process, session, tar, AgentConfig};
 
@@ -36,14 +35,16 @@ pub struct Agent {
     pub procs: ProcessTable,
 }
 
-/// Serves connections until the listener fails. Must run inside a `LocalSet`.
+/// Serves connections until the listener fails. Must run inside a `LocalSet`, with
+/// SIGCHLD blocked in every thread ([`crate::run`] sees to both).
 pub async fn serve(listener: StdUnixListener, cfg: AgentConfig) -> Result<(), AgentError> {
     let root = Root::new(&cfg.root, &cfg.default_cwd).map_err(|source| AgentError::Root {
         path: cfg.root.clone(),
         source,
     })?;
-    // Install the SIGCHLD handler before any child can exist.
-    let sigchld = signal(SignalKind::child()).map_err(AgentError::Signal)?;
+    // Watch SIGCHLD before any child can exist (it is blocked since `run`; one that is
+    // already pending shows on the descriptor).
+    let sigchld = ChildSignals::new().map_err(AgentError::Signal)?;
     let reaper = Reaper::new();
     tokio::task::spawn_local(reaper.clone().run(sigchld));
 

@@ -211,6 +211,16 @@ fn spawn_piped_forked(
     })
 }
 
+/// The agent's own read-only `/dev/null` (close-on-exec), opened at the first use: a
+/// child without input gets it dup'ed to fd 0 instead of looking the path up itself,
+/// on the exec path while the agent waits (vfork). `None` if it cannot be opened.
+fn dev_null() -> Option<RawFd> {
+    static NULL: std::sync::OnceLock<Option<OwnedFd>> = std::sync::OnceLock::new();
+    NULL.get_or_init(|| std::fs::File::open("/dev/null").ok().map(OwnedFd::from))
+        .as_ref()
+        .map(AsRawFd::as_raw_fd)
+}
+
 fn pipe_cloexec() -> io::Result<(OwnedFd, OwnedFd)> {
     let mut fds = [0; 2];
     // SAFETY: pipe2 writes two fds into the array on success.
@@ -298,9 +308,10 @@ pub fn spawn_piped(
 
     let attr = SpawnAttr::new(libc::POSIX_SPAWN_SETPGROUP as libc::c_short);
     let mut actions = FileActions::new();
-    match &stdin_pipe {
-        Some((r, _)) => actions.dup2(r.as_raw_fd(), 0),
-        None => actions.open(0, c"/dev/null", libc::O_RDONLY, 0),
+    match (&stdin_pipe, dev_null()) {
+        (Some((r, _)), _) => actions.dup2(r.as_raw_fd(), 0),
+        (None, Some(null)) => actions.dup2(null, 0),
+        (None, None) => actions.open(0, c"/dev/null", libc::O_RDONLY, 0),
     }
     actions.dup2(out_w.as_raw_fd(), 1);
     actions.dup2(err_w.as_raw_fd(), 2);

@@ -428,14 +428,28 @@ fn pivot(root: &Path) -> Result<OldRoot, RootfsError> {
     let detach =
         || umount2(".", MntFlags::MNT_DETACH).map_err(err("detach old root", Path::new("/")));
     // The thread shares this process's root and working directory, and has its
-    // privileges until it ends (capabilities and seccomp filters are per thread).
+    // privileges until it ends (capabilities and seccomp filters are per thread). It
+    // takes no signals: the agent reads SIGCHLD from a signalfd, which only sees signals
+    // that every thread blocks.
     match std::thread::Builder::new()
         .name("detach-old-root".into())
-        .spawn(detach)
-    {
+        .spawn(move || {
+            block_all_signals();
+            detach()
+        }) {
         Ok(t) => Ok(OldRoot(Some(t))),
         // No thread: detach here and wait.
         Err(_) => detach().map(|()| OldRoot(None)),
+    }
+}
+
+/// Blocks every signal on the calling thread.
+fn block_all_signals() {
+    // SAFETY: sigfillset initialises a set we own; pthread_sigmask only reads it.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut set);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
     }
 }
 
