@@ -1,7 +1,7 @@
 //! dsec-agent: the only dsec code inside a sandbox.
 //!
 //! The agent serves the node <-> agent protocol of [`dsec_wire::agent`] on a unix socket:
-//! one connection carries one request. It runs commands ([`exec`]), persistent bash
+//! a connection carries one request at a time. It runs commands ([`exec`]), persistent bash
 //! sessions ([`session`]), background processes with re-attachable output ([`process`]),
 //! and file and tar transfers confined to the sandbox root ([`files`], [`tar`],
 //! [`pathsafe`]).

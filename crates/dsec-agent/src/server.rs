@@ -74,36 +74,40 @@ pub async fn serve(listener: StdUnixListener, cfg: AgentConfig) -> Result<(), Ag
     }
 }
 
-/// Handles one connection: one request.
+/// Handles one connection: requests one after another while each
+/// [`Request::keeps_connection`], until the node closes its side.
 async fn handle(agent: Rc<Agent>, stream: UnixStream) {
     let (mut rd, mut wr) = conn::split(stream);
-    let req = match rd.next().await {
-        Ok(Some(Frame::Json(bytes))) => match serde_json::from_slice::<Request>(&bytes) {
-            Ok(req) => req,
+    loop {
+        let req = match rd.next().await {
+            Ok(Some(Frame::Json(bytes))) => match serde_json::from_slice::<Request>(&bytes) {
+                Ok(req) => req,
+                Err(err) => {
+                    let _ = wr
+                        .error(bad_request(format!("invalid request: {err}")))
+                        .await;
+                    break;
+                }
+            },
+            Ok(Some(_)) => {
+                let _ = wr.error(bad_request("expected a JSON request frame")).await;
+                break;
+            }
+            Ok(None) => return,
             Err(err) => {
                 let _ = wr
-                    .error(bad_request(format!("invalid request: {err}")))
+                    .error(bad_request(format!("reading request: {err}")))
                     .await;
-                wr.finish().await;
-                return;
+                break;
             }
-        },
-        Ok(Some(_)) => {
-            let _ = wr.error(bad_request("expected a JSON request frame")).await;
-            wr.finish().await;
-            return;
+        };
+        tracing::debug!(?req, "request");
+        let again = req.keeps_connection();
+        dispatch(&agent, req, &mut rd, &mut wr).await;
+        if !again {
+            break;
         }
-        Ok(None) => return,
-        Err(err) => {
-            let _ = wr
-                .error(bad_request(format!("reading request: {err}")))
-                .await;
-            wr.finish().await;
-            return;
-        }
-    };
-    tracing::debug!(?req, "request");
-    dispatch(&agent, req, &mut rd, &mut wr).await;
+    }
     wr.finish().await;
 }
 

@@ -225,6 +225,42 @@ fn streaming_preserves_order_and_is_live() {
     );
 }
 
+/// Reads one exec's frames up to and including its `Exited` reply.
+fn exec_frames(c: &mut Conn) -> ExecOut {
+    let mut frames = Vec::new();
+    loop {
+        let f = c.next().expect("a frame before Exited");
+        let done =
+            matches!(&f, dsec_wire::frame::Frame::Json(_)) && matches!(json(&f), Reply::Exited(_));
+        frames.push(f);
+        if done {
+            return parse_exec(frames);
+        }
+    }
+}
+
+#[test]
+fn a_connection_carries_requests_one_after_another() {
+    let a = TestAgent::start();
+    let mut c = a.connect(&req(json!({"op":"exec","cmd":"echo one"})));
+    assert_eq!(exec_frames(&mut c).out(), "one\n");
+    c.send(&dsec_wire::frame::Frame::json(&Request::Ping));
+    assert!(matches!(c.next_reply(), Reply::Pong { .. }));
+    c.send(&dsec_wire::frame::Frame::json(&req(
+        json!({"op":"exec","cmd":"echo two; echo err >&2","stream":true}),
+    )));
+    assert!(matches!(c.next_reply(), Reply::Started { .. }));
+    let r = exec_frames(&mut c);
+    assert_eq!((r.out().as_str(), r.err().as_str()), ("two\n", "err\n"));
+    // A request with input is the connection's last.
+    c.send(&dsec_wire::frame::Frame::json(&req(
+        json!({"op":"exec","cmd":["cat"],"stdin":true}),
+    )));
+    c.send_data(b"in");
+    assert_eq!(exec_frames(&mut c).out(), "in");
+    assert_eq!(c.next(), None, "closed after a request with input");
+}
+
 #[test]
 fn disconnect_kills_exec_group() {
     let a = TestAgent::start();

@@ -555,7 +555,12 @@ impl ControlPlane {
     }
 
     async fn call(&self, id: &str, req: Request) -> ApiResult<Reply> {
-        self.conn(id).await?.request(&req).await
+        let mut conn = self.conn(id).await?;
+        let reply = conn.request(&req).await?;
+        if req.keeps_connection() {
+            self.node.reuse(id, conn);
+        }
+        Ok(reply)
     }
 
     async fn call_ok(&self, id: &str, req: Request) -> ApiResult<()> {
@@ -1226,6 +1231,10 @@ impl SandboxApi for ControlPlane {
                     match serde_json::from_slice::<Reply>(&bytes).map_err(internal)? {
                         Reply::Started { .. } => {}
                         Reply::Exited(exit) => {
+                            // The exchange is complete: the connection can carry the next.
+                            if req.stdin.is_none() {
+                                self.node.reuse(id, conn);
+                            }
                             // A shell reports its OOM-killed child as exit 137, not as a
                             // signal: the cgroup's OOM counter is the reliable witness.
                             let oom_killed = self

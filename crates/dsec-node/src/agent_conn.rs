@@ -5,6 +5,11 @@
 //! refuses), and buffered frames are written straight to the socket, falling back to the
 //! reactor only when the socket is full. Waiting for write readiness first would cost a
 //! reactor turn per request, which is a tenth of an exec round trip.
+//!
+//! A connection whose last request [`keeps_connection`](Request::keeps_connection) can
+//! carry the next one: the node keeps one idle connection per sandbox
+//! ([`crate::NodeApi::reuse`]), which saves both sides a socket, a connect/accept and
+//! its teardown per exec.
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
@@ -20,7 +25,11 @@ use tokio::net::UnixStream;
 /// Buffered output beyond this size is written before more is added.
 const WRITE_BUFFER: usize = 64 * 1024;
 
-/// A connected agent stream. One request per connection.
+/// Size of a connection's read buffer: replies are small, and a larger payload is read
+/// past the buffer. Idle connections are kept, one per sandbox, so this is per sandbox.
+const READ_BUFFER: usize = 8 * 1024;
+
+/// A connected agent stream, carrying one request at a time.
 #[derive(Debug)]
 pub struct AgentConn {
     reader: BufReader<OwnedReadHalf>,
@@ -54,7 +63,7 @@ impl AgentConn {
     pub fn new(stream: UnixStream) -> Self {
         let (r, w) = stream.into_split();
         Self {
-            reader: BufReader::with_capacity(64 * 1024, r),
+            reader: BufReader::with_capacity(READ_BUFFER, r),
             writer: w,
             out: Vec::new(),
         }
@@ -139,9 +148,25 @@ impl AgentConn {
     }
 
     /// Sends a request without input and returns its single reply.
-    pub async fn request(mut self, req: &Request) -> Result<Reply, ApiError> {
+    pub async fn request(&mut self, req: &Request) -> Result<Reply, ApiError> {
         self.send_request(req).await?;
         self.recv_reply().await
+    }
+
+    /// Whether this connection can carry a new request: nothing buffered either way, and
+    /// the agent has neither closed its side nor sent anything unasked.
+    pub fn is_reusable(&self) -> bool {
+        if !self.out.is_empty() || !self.reader.buffer().is_empty() {
+            return false;
+        }
+        let mut pfd = libc::pollfd {
+            fd: self.writer.as_ref().as_raw_fd(),
+            events: libc::POLLIN | libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: poll on one pollfd we own, without waiting.
+        let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+        n == 0
     }
 }
 
@@ -183,6 +208,42 @@ mod tests {
         let ((), got) = tokio::join!(writer, reader);
         assert_eq!(got.len(), big.len());
         assert!(got == big, "payload corrupted");
+    }
+
+    /// An idle connection is reusable until the agent closes its side or sends
+    /// something nobody asked for.
+    #[tokio::test]
+    async fn reusable_only_while_the_peer_is_silent_and_open() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("agent.sock");
+        let listener = tokio::net::UnixListener::bind(&path).expect("bind");
+        let mut conn = AgentConn::new(connect_now(&path).expect("connect"));
+        let (peer, _) = listener.accept().await.expect("accept");
+        let mut peer = AgentConn::new(peer);
+        assert!(conn.is_reusable(), "fresh connection");
+        // A full exchange leaves it reusable.
+        let ask = async { conn.request(&Request::Ping).await };
+        let answer = async {
+            assert!(matches!(peer.recv_some().await, Ok(Frame::Json(_))));
+            peer.send(&Frame::json(&Reply::Pong { version: 1, pid: 1 }))
+                .await
+                .expect("send");
+            peer.flush().await.expect("flush");
+        };
+        let (reply, ()) = tokio::join!(ask, answer);
+        assert!(matches!(reply, Ok(Reply::Pong { .. })), "{reply:?}");
+        assert!(conn.is_reusable(), "after a full exchange");
+        // Unasked bytes: not reusable.
+        peer.send(&Frame::Eof).await.expect("send");
+        peer.flush().await.expect("flush");
+        assert!(!conn.is_reusable(), "peer sent unasked data");
+        // A closed peer: not reusable.
+        let mut conn2 = AgentConn::new(connect_now(&path).expect("connect"));
+        let (peer2, _) = listener.accept().await.expect("accept");
+        assert!(conn2.is_reusable());
+        drop(peer2);
+        assert!(!conn2.is_reusable(), "peer closed");
+        assert!(conn2.request(&Request::Ping).await.is_err());
     }
 
     #[test]

@@ -113,8 +113,15 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
     async fn destroy(&self, id: &str) -> Result<(), NodeError>;
     /// Sandboxes on this node.
     async fn list(&self) -> Vec<NodeSandbox>;
-    /// Opens a connection to a sandbox's agent (one request per connection).
+    /// A connection to a sandbox's agent: the idle one kept by [`NodeApi::reuse`] if it
+    /// is still good, else a new one.
     async fn connect(&self, id: &str) -> Result<AgentConn, NodeError>;
+    /// Hands back a connection whose last request
+    /// [`keeps_connection`](dsec_wire::agent::Request::keeps_connection) and whose reply
+    /// was read to its end, for the sandbox's next request. The default closes it.
+    fn reuse(&self, id: &str, conn: AgentConn) {
+        let _ = (id, conn);
+    }
     /// Freezes a sandbox and reclaims its memory; returns its memory use before and after.
     async fn pause(&self, id: &str) -> Result<(u64, u64), NodeError>;
     /// Thaws a paused sandbox.

@@ -22,6 +22,10 @@ pub struct LocalNode {
     images: Arc<ImageStore>,
     backend: Arc<dyn Backend>,
     sandboxes: Mutex<HashMap<String, RuntimeRecord>>,
+    /// One idle agent connection per sandbox ([`NodeApi::reuse`]), for the sandboxes whose
+    /// agent said at create that it keeps connections (others are absent). Locked only
+    /// inside `sandboxes`' lock, so that a connection is never kept for a removed sandbox.
+    idle_conns: Mutex<HashMap<String, Option<AgentConn>>>,
     admission: Admission,
     /// Turns of deletes (`NodeConfig::delete_concurrency`; `None`: no limit).
     delete_turns: Option<tokio::sync::Semaphore>,
@@ -150,6 +154,7 @@ impl LocalNode {
             images,
             backend,
             sandboxes: Mutex::new(table),
+            idle_conns: Mutex::new(HashMap::new()),
         });
         node.clone().spawn_reaper();
         if let Some(guard) = run_dir_mount {
@@ -189,6 +194,10 @@ impl LocalNode {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, RuntimeRecord>> {
         self.sandboxes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn idle_lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Option<AgentConn>>> {
+        self.idle_conns.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Runs an image-store call on a blocking thread: with a shared blob store it may
@@ -305,14 +314,25 @@ impl NodeApi for LocalNode {
         };
         self.lock().insert(rec.id.clone(), rec.clone());
         // Ready means the agent answers.
+        // An agent that keeps connections gets its ping's carry the first request too.
         let ping = async {
-            let conn = self.connect(&rec.id).await?;
-            conn.request(&dsec_wire::agent::Request::Ping)
+            let mut conn = self.connect(&rec.id).await?;
+            let reply = conn
+                .request(&dsec_wire::agent::Request::Ping)
                 .await
                 .map_err(|e| NodeError::Create {
                     id: rec.id.clone(),
                     reason: e.message,
-                })
+                })?;
+            if let dsec_wire::agent::Reply::Pong { version, .. } = reply {
+                if version >= dsec_wire::agent::KEEPS_CONNECTIONS_SINCE {
+                    let recs = self.lock();
+                    if recs.contains_key(&rec.id) {
+                        self.idle_lock().insert(rec.id.clone(), Some(conn));
+                    }
+                }
+            }
+            Ok::<_, NodeError>(())
         };
         if let Err(e) = ping.await {
             let _ = self.destroy(&rec.id).await;
@@ -358,7 +378,12 @@ impl NodeApi for LocalNode {
                 nix::unistd::Pid::from_raw(rec.pid),
                 Some(nix::sys::wait::WaitPidFlag::WNOHANG),
             );
-            self.lock().remove(id);
+            let idle = {
+                let mut recs = self.lock();
+                recs.remove(id);
+                self.idle_lock().remove(id)
+            };
+            drop(idle);
             for d in rec.layer_digests() {
                 self.images.release(&d)?;
             }
@@ -382,6 +407,10 @@ impl NodeApi for LocalNode {
 
     async fn connect(&self, id: &str) -> Result<AgentConn, NodeError> {
         let rec = self.record(id)?;
+        let idle = self.idle_lock().get_mut(id).and_then(Option::take);
+        if let Some(conn) = idle.filter(AgentConn::is_reusable) {
+            return Ok(conn);
+        }
         let stream = crate::agent_conn::connect_now(&rec.agent_socket).map_err(|source| {
             NodeError::Agent {
                 id: id.to_string(),
@@ -389,6 +418,18 @@ impl NodeApi for LocalNode {
             }
         })?;
         Ok(AgentConn::new(stream))
+    }
+
+    fn reuse(&self, id: &str, conn: AgentConn) {
+        let recs = self.lock();
+        // Kept only for a sandbox still here whose agent keeps connections; the one
+        // replaced (or this one) is closed outside the locks.
+        let closed = match self.idle_lock().get_mut(id) {
+            Some(slot) if recs.contains_key(id) => slot.replace(conn),
+            _ => Some(conn),
+        };
+        drop(recs);
+        drop(closed);
     }
 
     async fn pause(&self, id: &str) -> Result<(u64, u64), NodeError> {

@@ -1,9 +1,10 @@
 //! The node <-> agent protocol.
 //!
-//! One unix-socket connection carries one request. The node sends a [`Request`] as a JSON
-//! frame, followed by `Data` frames and an `Eof` frame when the request takes input
-//! (stdin, file upload, tar upload). The agent answers with frames as listed on each
-//! variant and closes the connection. An [`Reply::Error`] may replace any reply; for an
+//! A unix-socket connection carries one request at a time. The node sends a [`Request`]
+//! as a JSON frame, followed by `Data` frames and an `Eof` frame when the request takes
+//! input (stdin, file upload, tar upload). The agent answers with frames as listed on each
+//! variant; then, if [`Request::keeps_connection`], it waits on the same connection for
+//! the next request (the node may keep it for one), else it closes the connection. An [`Reply::Error`] may replace any reply; for an
 //! upload the agent may send it before it has read all the input (a full disk answers at
 //! the first `ENOSPC`), so the node stops sending when its writes fail and reads the reply.
 //!
@@ -17,8 +18,15 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
 
-/// Version string the agent reports in `Pong`; bumped on incompatible protocol changes.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Version the agent reports in `Pong`; bumped when the protocol changes.
+/// 2: a connection carries further requests after one that
+/// [`keeps_connection`](Request::keeps_connection).
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// The first [`PROTOCOL_VERSION`] whose agents serve more than one request per
+/// connection; the node keeps connections only to these (an older agent closes each
+/// connection after its reply, and may not have yet when the next request is sent).
+pub const KEEPS_CONNECTIONS_SINCE: u32 = 2;
 
 /// Default cap on recorded output per stream (4 MiB).
 pub const DEFAULT_OUTPUT_LIMIT: u64 = 4 * 1024 * 1024;
@@ -378,6 +386,21 @@ pub enum Request {
         /// Destination directory.
         path: String,
     },
+}
+
+impl Request {
+    /// Whether the connection may carry another request once this one's reply is read:
+    /// true for requests without an input phase, whose exchange always ends at a frame
+    /// boundary (an upload answered early with an error may leave input unread).
+    pub fn keeps_connection(&self) -> bool {
+        match self {
+            Request::Exec(spec) => !spec.stdin,
+            Request::ProcessStdin { .. }
+            | Request::FileWrite { .. }
+            | Request::TarUpload { .. } => false,
+            _ => true,
+        }
+    }
 }
 
 /// A reply from agent to node (JSON frames).

@@ -59,7 +59,8 @@ impl TestAgent {
         c
     }
 
-    /// Sends a request (and optional input data + Eof), returns all frames until close.
+    /// Sends a request (and optional input data + Eof), returns all frames until close
+    /// (see [`Conn::read_all`]).
     pub fn call(&self, req: &Request, input: Option<&[u8]>) -> Vec<Frame> {
         let mut c = self.connect(req);
         if let Some(data) = input {
@@ -135,7 +136,11 @@ impl Conn {
         json(&self.next().expect("a frame"))
     }
 
+    /// Every frame until the agent closes. The agent keeps a connection open for the next
+    /// request after most requests, so this first says that none will follow (a
+    /// half-close, which does not count as the node going away).
     pub fn read_all(&mut self) -> Vec<Frame> {
+        let _ = self.s.shutdown(std::net::Shutdown::Write);
         let mut v = Vec::new();
         while let Some(f) = self.next() {
             v.push(f);
