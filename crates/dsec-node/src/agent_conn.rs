@@ -176,14 +176,19 @@ mod tests {
 
     /// Frames far larger than the socket buffer arrive whole and in order: the direct
     /// write stops when the socket is full and the reactor writes the rest.
+    /// A connection to `listener` at `path` and the listener's end of it.
+    async fn connected(path: &Path, listener: &tokio::net::UnixListener) -> (AgentConn, AgentConn) {
+        let conn = AgentConn::new(connect_now(path).expect("connect"));
+        let (peer, _) = listener.accept().await.expect("accept");
+        (conn, AgentConn::new(peer))
+    }
+
     #[tokio::test]
     async fn frames_beyond_the_socket_buffer_arrive_whole() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("agent.sock");
         let listener = tokio::net::UnixListener::bind(&path).expect("bind");
-        let mut conn = AgentConn::new(connect_now(&path).expect("connect"));
-        let (peer, _) = listener.accept().await.expect("accept");
-        let mut peer = AgentConn::new(peer);
+        let (mut conn, mut peer) = connected(&path, &listener).await;
         let big: Vec<u8> = (0..3 * 1024 * 1024).map(|i| (i % 251) as u8).collect();
         let writer = async {
             conn.send(&Frame::json(&Request::Ping)).await.expect("send");
@@ -217,9 +222,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("agent.sock");
         let listener = tokio::net::UnixListener::bind(&path).expect("bind");
-        let mut conn = AgentConn::new(connect_now(&path).expect("connect"));
-        let (peer, _) = listener.accept().await.expect("accept");
-        let mut peer = AgentConn::new(peer);
+        let (mut conn, mut peer) = connected(&path, &listener).await;
         assert!(conn.is_reusable(), "fresh connection");
         // A full exchange leaves it reusable.
         let ask = async { conn.request(&Request::Ping).await };
@@ -238,8 +241,7 @@ mod tests {
         peer.flush().await.expect("flush");
         assert!(!conn.is_reusable(), "peer sent unasked data");
         // A closed peer: not reusable.
-        let mut conn2 = AgentConn::new(connect_now(&path).expect("connect"));
-        let (peer2, _) = listener.accept().await.expect("accept");
+        let (mut conn2, peer2) = connected(&path, &listener).await;
         assert!(conn2.is_reusable());
         drop(peer2);
         assert!(!conn2.is_reusable(), "peer closed");

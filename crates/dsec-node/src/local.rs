@@ -23,8 +23,9 @@ pub struct LocalNode {
     backend: Arc<dyn Backend>,
     sandboxes: Mutex<HashMap<String, RuntimeRecord>>,
     /// One idle agent connection per sandbox ([`NodeApi::reuse`]), for the sandboxes whose
-    /// agent said at create that it keeps connections (others are absent). Locked only
-    /// inside `sandboxes`' lock, so that a connection is never kept for a removed sandbox.
+    /// agent said at create that it keeps connections (others are absent). Entries are
+    /// added and removed only with `sandboxes` locked too (taken first), so that no
+    /// connection is kept for a removed sandbox; taking one out needs only this lock.
     idle_conns: Mutex<HashMap<String, Option<AgentConn>>>,
     admission: Admission,
     /// Turns of deletes (`NodeConfig::delete_concurrency`; `None`: no limit).
