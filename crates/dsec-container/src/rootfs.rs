@@ -135,12 +135,17 @@ pub fn old_root_gone() -> Result<(), RootfsError> {
         settled => settled,
     };
     match &*state {
-        Detach::Failed(why) => Err(RootfsError {
-            op: "detach old root",
-            path: "/".into(),
-            source: std::io::Error::other(why.clone()),
-        }),
+        Detach::Failed(why) => Err(detach_failed(why.clone())),
         _ => Ok(()),
+    }
+}
+
+/// The error of a failed old-root detach.
+fn detach_failed(why: String) -> RootfsError {
+    RootfsError {
+        op: "detach old root",
+        path: "/".into(),
+        source: std::io::Error::other(why),
     }
 }
 
@@ -156,13 +161,9 @@ impl OldRoot {
     /// Waits until the old root is detached.
     pub fn wait(self) -> Result<(), RootfsError> {
         match self.0 {
-            Some(t) => t.join().unwrap_or_else(|_| {
-                Err(RootfsError {
-                    op: "detach old root",
-                    path: "/".into(),
-                    source: std::io::Error::other("detaching thread panicked"),
-                })
-            }),
+            Some(t) => t
+                .join()
+                .unwrap_or_else(|_| Err(detach_failed("detaching thread panicked".into()))),
             None => Ok(()),
         }
     }

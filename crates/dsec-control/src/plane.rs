@@ -708,11 +708,11 @@ impl ControlPlane {
         id: &str,
         req: &ExecRequest,
         stream: bool,
-    ) -> ApiResult<(AgentConn, u64)> {
-        let spec = Self::exec_spec(req, stream)?;
+    ) -> ApiResult<(AgentConn, u64, bool)> {
+        let request = Request::Exec(Self::exec_spec(req, stream)?);
         let mut conn = self.conn(id).await?;
         let oom_before = self.node.oom_kill_count(id).await.unwrap_or(0);
-        conn.send(&Frame::json(&Request::Exec(spec))).await?;
+        conn.send(&Frame::json(&request)).await?;
         if let Some(stdin) = &req.stdin {
             for piece in stdin.as_bytes().chunks(DATA_CHUNK) {
                 conn.send(&Frame::Data(piece.to_vec())).await?;
@@ -720,7 +720,7 @@ impl ControlPlane {
             conn.send(&Frame::Eof).await?;
         }
         conn.flush().await?;
-        Ok((conn, oom_before))
+        Ok((conn, oom_before, request.keeps_connection()))
     }
 
     async fn place_files(&self, id: &str, files: &[InitFile]) -> ApiResult<()> {
@@ -1221,7 +1221,7 @@ impl SandboxApi for ControlPlane {
     }
 
     async fn exec(&self, id: &str, req: ExecRequest) -> ApiResult<ExecResult> {
-        let (mut conn, oom_before) = self.start_exec(id, &req, false).await?;
+        let (mut conn, oom_before, keeps) = self.start_exec(id, &req, false).await?;
         let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
         loop {
             match conn.recv_some().await? {
@@ -1232,7 +1232,7 @@ impl SandboxApi for ControlPlane {
                         Reply::Started { .. } => {}
                         Reply::Exited(exit) => {
                             // The exchange is complete: the connection can carry the next.
-                            if req.stdin.is_none() {
+                            if keeps {
                                 self.node.reuse(id, conn);
                             }
                             // A shell reports its OOM-killed child as exit 137, not as a
@@ -1260,7 +1260,7 @@ impl SandboxApi for ControlPlane {
     }
 
     async fn exec_stream(&self, id: &str, req: ExecRequest) -> ApiResult<EventStream> {
-        let (conn, oom_before) = self.start_exec(id, &req, true).await?;
+        let (conn, oom_before, _) = self.start_exec(id, &req, true).await?;
         Ok(self.event_stream(id, conn, oom_before))
     }
 

@@ -221,6 +221,15 @@ impl LocalNode {
         (table.values().map(|r| r.cpu_millis).sum(), table.len())
     }
 
+    /// `NotFound` unless the sandbox is on this node (without copying its record).
+    fn known(&self, id: &str) -> Result<(), NodeError> {
+        if self.lock().contains_key(id) {
+            Ok(())
+        } else {
+            Err(NodeError::NotFound(id.to_string()))
+        }
+    }
+
     fn record(&self, id: &str) -> Result<RuntimeRecord, NodeError> {
         self.lock()
             .get(id)
@@ -315,7 +324,8 @@ impl NodeApi for LocalNode {
         };
         self.lock().insert(rec.id.clone(), rec.clone());
         // Ready means the agent answers.
-        // An agent that keeps connections gets its ping's carry the first request too.
+        // For an agent that keeps connections, the ping's connection carries the first
+        // request too.
         let ping = async {
             let mut conn = self.connect(&rec.id).await?;
             let reply = conn
@@ -407,11 +417,12 @@ impl NodeApi for LocalNode {
     }
 
     async fn connect(&self, id: &str) -> Result<AgentConn, NodeError> {
-        let rec = self.record(id)?;
+        // A kept connection exists only while the sandbox's record does.
         let idle = self.idle_lock().get_mut(id).and_then(Option::take);
         if let Some(conn) = idle.filter(AgentConn::is_reusable) {
             return Ok(conn);
         }
+        let rec = self.record(id)?;
         let stream = crate::agent_conn::connect_now(&rec.agent_socket).map_err(|source| {
             NodeError::Agent {
                 id: id.to_string(),
@@ -434,7 +445,7 @@ impl NodeApi for LocalNode {
     }
 
     async fn pause(&self, id: &str) -> Result<(u64, u64), NodeError> {
-        self.record(id)?;
+        self.known(id)?;
         let backend = self.backend.clone();
         let id = id.to_string();
         tokio::task::spawn_blocking(move || backend.pause(&id))
@@ -443,7 +454,7 @@ impl NodeApi for LocalNode {
     }
 
     async fn resume(&self, id: &str) -> Result<(), NodeError> {
-        self.record(id)?;
+        self.known(id)?;
         let backend = self.backend.clone();
         let id = id.to_string();
         tokio::task::spawn_blocking(move || backend.resume(&id))
@@ -490,7 +501,7 @@ impl NodeApi for LocalNode {
         id: &str,
         policy: dsec_wire::v1::NetworkPolicy,
     ) -> Result<(), NodeError> {
-        self.record(id)?;
+        self.known(id)?;
         let backend = self.backend.clone();
         let id = id.to_string();
         tokio::task::spawn_blocking(move || backend.set_network(&id, &policy))
@@ -499,7 +510,7 @@ impl NodeApi for LocalNode {
     }
 
     async fn oom_kill_count(&self, id: &str) -> Result<u64, NodeError> {
-        self.record(id)?;
+        self.known(id)?;
         self.backend.oom_kill_count(id)
     }
 
