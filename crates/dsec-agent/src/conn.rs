@@ -1,16 +1,17 @@
 //! Frame I/O over one node connection: a [`FrameReader`] and a [`FrameWriter`] on the two
-//! halves of a tokio `UnixStream`, so input (stdin, uploads, disconnect detection) and
-//! output can proceed concurrently.
+//! halves of a [`QuietStream`] (registered with the reactor for reading only, so the
+//! node reading a reply does not wake the agent), so input (stdin, uploads, disconnect
+//! detection) and output can proceed concurrently.
 
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::Duration;
 
+use dsec_uds::{QuietStream, ReadHalf, WriteHalf};
 use dsec_wire::agent::Reply;
 use dsec_wire::frame::{Frame, DATA_CHUNK};
 use dsec_wire::ApiError;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
 
 use crate::sys;
@@ -18,14 +19,14 @@ use crate::sys;
 /// Reads frames from the node.
 #[derive(Debug)]
 pub struct FrameReader {
-    inner: BufReader<OwnedReadHalf>,
+    inner: BufReader<ReadHalf>,
     fd: RawFd,
 }
 
 /// Writes frames to the node.
 #[derive(Debug)]
 pub struct FrameWriter {
-    inner: OwnedWriteHalf,
+    inner: WriteHalf,
 }
 
 /// Which output frame kind to send data as.
@@ -42,11 +43,13 @@ pub enum DataKind {
 /// Size of a connection's read buffer.
 const READ_BUFFER: usize = 8 * 1024;
 
-/// Splits a connection into its reader and writer.
-pub fn split(stream: UnixStream) -> (FrameReader, FrameWriter) {
+/// Splits a connection into its reader and writer (moving it off tokio's own
+/// registration).
+pub fn split(stream: UnixStream) -> io::Result<(FrameReader, FrameWriter)> {
+    let stream = QuietStream::from_tokio(stream)?;
     let fd = stream.as_raw_fd();
     let (rd, wr) = stream.into_split();
-    (
+    Ok((
         FrameReader {
             // Requests are small; a bigger payload is read past the buffer. Every
             // connection zeroes its buffer, and a fresh sandbox's first ones fault in
@@ -55,7 +58,7 @@ pub fn split(stream: UnixStream) -> (FrameReader, FrameWriter) {
             fd,
         },
         FrameWriter { inner: wr },
-    )
+    ))
 }
 
 impl FrameReader {
@@ -166,8 +169,8 @@ mod tests {
     #[tokio::test]
     async fn data_frames_match_the_codec() {
         let (a, b) = UnixStream::pair().expect("pair");
-        let (_ra, mut wa) = split(a);
-        let (mut rb, _wb) = split(b);
+        let (_ra, mut wa) = split(a).expect("split");
+        let (mut rb, _wb) = split(b).expect("split");
         let big = vec![7u8; DATA_CHUNK + 10];
         // Write concurrently with reading: the socket buffer is smaller than the data.
         let writer = async {

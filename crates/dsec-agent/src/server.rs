@@ -77,7 +77,13 @@ pub async fn serve(listener: StdUnixListener, cfg: AgentConfig) -> Result<(), Ag
 /// Handles one connection: requests one after another while each
 /// [`Request::keeps_connection`], until the node closes its side.
 async fn handle(agent: Rc<Agent>, stream: UnixStream) {
-    let (mut rd, mut wr) = conn::split(stream);
+    let (mut rd, mut wr) = match conn::split(stream) {
+        Ok(halves) => halves,
+        Err(err) => {
+            tracing::warn!(error = %err, "taking over a node connection");
+            return;
+        }
+    };
     loop {
         let req = match rd.next().await {
             Ok(Some(Frame::Json(bytes))) => match serde_json::from_slice::<Request>(&bytes) {

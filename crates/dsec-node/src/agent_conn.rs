@@ -4,7 +4,9 @@
 //! connect is a plain non-blocking `connect(2)` (a unix socket connects at once or
 //! refuses), and buffered frames are written straight to the socket, falling back to the
 //! reactor only when the socket is full. Waiting for write readiness first would cost a
-//! reactor turn per request, which is a tenth of an exec round trip.
+//! reactor turn per request, which is a tenth of an exec round trip. The socket is a
+//! [`QuietStream`], registered for reading only: the agent reading a request does not
+//! wake the node.
 //!
 //! A connection whose last request [`keeps_connection`](Request::keeps_connection) can
 //! carry the next one: the node keeps one idle connection per sandbox
@@ -14,13 +16,12 @@
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
 
+use dsec_uds::{QuietStream, ReadHalf, WriteHalf};
 use dsec_wire::agent::{Reply, Request};
 use dsec_wire::frame::{Frame, FrameError};
 use dsec_wire::{ApiError, ErrorCode};
-use nix::sys::socket::{self, AddressFamily, MsgFlags, SockFlag, SockType, UnixAddr};
+use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, UnixAddr};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::UnixStream;
 
 /// Buffered output beyond this size is written before more is added.
 const WRITE_BUFFER: usize = 64 * 1024;
@@ -32,8 +33,8 @@ const READ_BUFFER: usize = 8 * 1024;
 /// A connected agent stream, carrying one request at a time.
 #[derive(Debug)]
 pub struct AgentConn {
-    reader: BufReader<OwnedReadHalf>,
-    writer: OwnedWriteHalf,
+    reader: BufReader<ReadHalf>,
+    writer: WriteHalf,
     /// Frames sent but not yet written to the socket.
     out: Vec<u8>,
 }
@@ -46,7 +47,7 @@ fn proto_err(e: impl std::fmt::Display) -> ApiError {
 }
 
 /// Connects to the unix socket at `path` without waiting on the reactor.
-pub fn connect_now(path: &Path) -> std::io::Result<UnixStream> {
+pub fn connect_now(path: &Path) -> std::io::Result<QuietStream> {
     let fd: OwnedFd = socket::socket(
         AddressFamily::Unix,
         SockType::Stream,
@@ -55,12 +56,12 @@ pub fn connect_now(path: &Path) -> std::io::Result<UnixStream> {
     )?;
     let addr = UnixAddr::new(path)?;
     socket::connect(fd.as_raw_fd(), &addr)?;
-    UnixStream::from_std(std::os::unix::net::UnixStream::from(fd))
+    QuietStream::from_std(std::os::unix::net::UnixStream::from(fd))
 }
 
 impl AgentConn {
     /// Wraps a connected stream.
-    pub fn new(stream: UnixStream) -> Self {
+    pub fn new(stream: QuietStream) -> Self {
         let (r, w) = stream.into_split();
         Self {
             reader: BufReader::with_capacity(READ_BUFFER, r),
@@ -81,26 +82,7 @@ impl AgentConn {
     /// Writes buffered frames: straight to the socket while it takes them, then through
     /// the reactor.
     pub async fn flush(&mut self) -> Result<(), ApiError> {
-        let mut done = 0;
-        let fd = self.writer.as_ref().as_raw_fd();
-        while done < self.out.len() {
-            match socket::send(
-                fd,
-                &self.out[done..],
-                MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_NOSIGNAL,
-            ) {
-                Ok(n) => done += n,
-                Err(nix::errno::Errno::EINTR) => continue,
-                Err(nix::errno::Errno::EAGAIN) => break,
-                Err(e) => return Err(proto_err(std::io::Error::from(e))),
-            }
-        }
-        if done < self.out.len() {
-            self.writer
-                .write_all(&self.out[done..])
-                .await
-                .map_err(proto_err)?;
-        }
+        self.writer.write_all(&self.out).await.map_err(proto_err)?;
         self.out.clear();
         Ok(())
     }
@@ -160,7 +142,7 @@ impl AgentConn {
             return false;
         }
         let mut pfd = libc::pollfd {
-            fd: self.writer.as_ref().as_raw_fd(),
+            fd: self.writer.as_raw_fd(),
             events: libc::POLLIN | libc::POLLRDHUP,
             revents: 0,
         };
@@ -180,6 +162,7 @@ mod tests {
     async fn connected(path: &Path, listener: &tokio::net::UnixListener) -> (AgentConn, AgentConn) {
         let conn = AgentConn::new(connect_now(path).expect("connect"));
         let (peer, _) = listener.accept().await.expect("accept");
+        let peer = QuietStream::from_tokio(peer).expect("take over");
         (conn, AgentConn::new(peer))
     }
 
