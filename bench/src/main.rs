@@ -334,24 +334,44 @@ fn spawn_floor(n: usize) -> Stats {
     }
 }
 
-/// Time to interactive through the Python SDK (`bench/sdk_tti.py` in the venv named by
-/// `DSEC_PY_VENV`, which scripts/bench prepares).
-fn python_sdk_tti(server: &Server, n: usize) -> Stats {
-    let name = "dsec via Python SDK";
+/// What [`python_sdk`] times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SdkMode {
+    /// `Sandbox.create` + `exec(["true"])`, one sandbox after another.
+    TimeToInteractive,
+    /// `exec(["true"])` on one running sandbox.
+    Exec,
+}
+
+/// The Python SDK, timed by `bench/sdk_tti.py` in the venv named by `DSEC_PY_VENV`
+/// (which scripts/bench prepares).
+fn python_sdk(server: &Server, n: usize, mode: SdkMode) -> Stats {
+    let (name, note, arg) = match mode {
+        SdkMode::TimeToInteractive => (
+            "dsec via Python SDK",
+            "Sandbox.create + exec(['true']), sequential (kill untimed)",
+            "tti",
+        ),
+        SdkMode::Exec => (
+            "dsec exec true via Python SDK",
+            "Sandbox.exec(['true']) on a running sandbox",
+            "exec",
+        ),
+    };
     let Some(venv) = std::env::var_os("DSEC_PY_VENV") else {
         return Stats::na(name, "DSEC_PY_VENV not set (scripts/bench sets it)".into());
     };
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("sdk_tti.py");
     let out = Command::new(Path::new(&venv).join("bin/python"))
         .arg(&script)
-        .args([&server.url, &server.key, &n.to_string()])
+        .args([&server.url, &server.key, &n.to_string(), arg])
         .output();
     match out {
         Ok(o) if o.status.success() => match serde_json::from_slice::<Vec<f64>>(&o.stdout) {
             Ok(samples) => Stats {
                 name: name.into(),
                 samples,
-                note: Some("Sandbox.create + exec(['true']), sequential (kill untimed)".into()),
+                note: Some(note.into()),
             },
             Err(e) => Stats::na(name, format!("bad output: {e}")),
         },
@@ -360,8 +380,6 @@ fn python_sdk_tti(server: &Server, n: usize) -> Stats {
     }
 }
 
-/// One create -> exec `true` -> delete cycle; returns the time to interactive in ms
-/// (create until the exec's result, the delete untimed).
 /// One create -> exec true -> delete cycle as a client sees it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Cycle {
@@ -373,6 +391,7 @@ pub(crate) struct Cycle {
     pub delete_ms: f64,
 }
 
+/// One create -> exec `true` -> delete cycle (see [`Cycle`] for what is timed).
 pub(crate) async fn cycle(
     c: &dsec_client::Client,
     req: CreateSandboxRequest,
@@ -975,21 +994,23 @@ fn main() -> anyhow::Result<()> {
             let podman = peers::podman(&bundle.rootfs, n.min(20));
             let bwrap = peers::bwrap(&bundle.rootfs, n);
             let floor = peers::raw_floor(&bundle.rootfs, n);
-            let sdk = python_sdk_tti(&server, n);
+            let sdk = python_sdk(&server, n, SdkMode::TimeToInteractive);
+            let sdk_exec = python_sdk(&server, n * 5, SdkMode::Exec);
             // Issue #8's targets, each against the peer measured in this run.
             let ratio = |peer: &Stats, v: f64| if peer.samples.is_empty() { "n/a".to_string() } else { format!("{v:.2}x") };
             let d = dsec_tti.pct(50.0);
             let targets = format!("targets: dsec create + exec true {d:.2} ms = {} crun run true (<= 1.0x); podman run true / dsec = {} (>= 20x)",
                 ratio(&crun, d / crun.pct(50.0)), ratio(&podman, podman.pct(50.0) / d));
             tti = vec![crun, crun_ovl, runc, podman, bwrap, floor, dsec_tti, sdk, dsec_create];
-            exec = vec![crun_exec, dsec_exec, dsec_call, spawn_floor(n * 5)];
+            exec = vec![crun_exec, dsec_exec, sdk_exec, dsec_call, spawn_floor(n * 5)];
             print_table("time to interactive (create -> first command done)", &tti, "crun run true");
             println!("\n{targets}");
             print_table("exec round trip on a running sandbox", &exec, "crun exec true");
         } else if want("exec") {
             // The exec table alone (part of `runtimes`), for quick before/after runs.
             let (dsec_exec, dsec_call) = dsec_exec_round_trip(&server, n).await?;
-            exec = vec![crun_exec(&bundle, n * 5), dsec_exec, dsec_call, spawn_floor(n * 5)];
+            let sdk_exec = python_sdk(&server, n * 5, SdkMode::Exec);
+            exec = vec![crun_exec(&bundle, n * 5), dsec_exec, sdk_exec, dsec_call, spawn_floor(n * 5)];
             print_table("exec round trip on a running sandbox", &exec, "crun exec true");
         }
         if want("network") {
