@@ -4,7 +4,8 @@
 //! detection) and output can proceed concurrently.
 
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use dsec_uds::{QuietStream, ReadHalf, WriteHalf};
@@ -12,7 +13,6 @@ use dsec_wire::agent::Reply;
 use dsec_wire::frame::{Frame, DATA_CHUNK};
 use dsec_wire::ApiError;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::UnixStream;
 
 use crate::sys;
 
@@ -20,7 +20,6 @@ use crate::sys;
 #[derive(Debug)]
 pub struct FrameReader {
     inner: BufReader<ReadHalf>,
-    fd: RawFd,
 }
 
 /// Writes frames to the node.
@@ -43,19 +42,15 @@ pub enum DataKind {
 /// Size of a connection's read buffer.
 const READ_BUFFER: usize = 8 * 1024;
 
-/// Splits a connection into its reader and writer (moving it off tokio's own
-/// registration).
+/// Splits a connection into its reader and writer (registering it with the reactor).
 pub fn split(stream: UnixStream) -> io::Result<(FrameReader, FrameWriter)> {
-    let stream = QuietStream::from_tokio(stream)?;
-    let fd = stream.as_raw_fd();
-    let (rd, wr) = stream.into_split();
+    let (rd, wr) = QuietStream::from_std(stream)?.into_split();
     Ok((
         FrameReader {
             // Requests are small; a bigger payload is read past the buffer. Every
             // connection zeroes its buffer, and a fresh sandbox's first ones fault in
             // new pages for it: 64 KiB cost each create's ping and first exec 16 faults.
             inner: BufReader::with_capacity(READ_BUFFER, rd),
-            fd,
         },
         FrameWriter { inner: wr },
     ))
@@ -108,7 +103,7 @@ impl FrameReader {
                 Err(_) => return,
             }
         }
-        while !sys::peer_hung_up(self.fd) {
+        while !sys::peer_hung_up(self.inner.get_ref().as_raw_fd()) {
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
     }

@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use dsec_wire::agent::{Reply, Request, PROTOCOL_VERSION};
 use dsec_wire::frame::Frame;
-use tokio::net::UnixStream;
+use std::os::unix::net::UnixStream;
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
 
 use crate::conn::{self, FrameReader, FrameWriter};
 use crate::error::{bad_request, AgentError};
@@ -51,7 +53,11 @@ pub async fn serve(listener: StdUnixListener, cfg: AgentConfig) -> Result<(), Ag
     listener
         .set_nonblocking(true)
         .map_err(AgentError::Listener)?;
-    let listener = tokio::net::UnixListener::from_std(listener).map_err(AgentError::Listener)?;
+    // Accepted sockets go straight to a read-only registration (`conn::split`): taking
+    // them from tokio's listener would register each for both directions first.
+    // SAFETY: the listener is the AsyncFd's own, open until it is dropped.
+    let listener = unsafe { AsyncFd::register_with_interest(listener, Interest::READABLE) }
+        .map_err(|e| AgentError::Listener(e.into()))?;
     let agent = Rc::new(Agent {
         cfg,
         root,
@@ -61,8 +67,8 @@ pub async fn serve(listener: StdUnixListener, cfg: AgentConfig) -> Result<(), Ag
     });
     tracing::info!(pid = std::process::id(), "agent serving");
     loop {
-        match listener.accept().await {
-            Ok((stream, _)) => {
+        match accept(&listener).await {
+            Ok(stream) => {
                 tokio::task::spawn_local(handle(agent.clone(), stream));
             }
             Err(err) => {
@@ -70,6 +76,16 @@ pub async fn serve(listener: StdUnixListener, cfg: AgentConfig) -> Result<(), Ag
                 tracing::warn!(%err, "accept failed");
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
+        }
+    }
+}
+
+/// The next connection.
+async fn accept(listener: &AsyncFd<StdUnixListener>) -> std::io::Result<UnixStream> {
+    loop {
+        let mut ready = listener.readable().await?;
+        if let Ok(accepted) = ready.try_io(|l| l.get_ref().accept()) {
+            return accepted.map(|(stream, _)| stream);
         }
     }
 }

@@ -162,7 +162,7 @@ mod tests {
     async fn connected(path: &Path, listener: &tokio::net::UnixListener) -> (AgentConn, AgentConn) {
         let conn = AgentConn::new(connect_now(path).expect("connect"));
         let (peer, _) = listener.accept().await.expect("accept");
-        let peer = QuietStream::from_tokio(peer).expect("take over");
+        let peer = QuietStream::from_std(peer.into_std().expect("std")).expect("take over");
         (conn, AgentConn::new(peer))
     }
 

@@ -12,7 +12,7 @@
 //! duplicate descriptor that lives until a write succeeds again.
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
@@ -52,11 +52,6 @@ impl QuietStream {
         Ok(Self { io: Arc::new(io) })
     }
 
-    /// Takes over a tokio stream (which leaves tokio's registration).
-    pub fn from_tokio(stream: tokio::net::UnixStream) -> io::Result<Self> {
-        Self::from_std(stream.into_std()?)
-    }
-
     /// Splits into halves that can be used concurrently.
     pub fn into_split(self) -> (ReadHalf, WriteHalf) {
         (
@@ -86,12 +81,6 @@ impl AsRawFd for ReadHalf {
 impl AsRawFd for WriteHalf {
     fn as_raw_fd(&self) -> RawFd {
         self.io.get_ref().as_raw_fd()
-    }
-}
-
-impl AsFd for WriteHalf {
-    fn as_fd(&self) -> BorrowedFd<'_> {
-        self.io.get_ref().as_fd()
     }
 }
 
@@ -160,28 +149,30 @@ impl WriteHalf {
 
 impl AsyncWrite for WriteHalf {
     fn poll_write(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
         loop {
-            match self.send_now(data) {
+            match this.send_now(data) {
                 Ok(n) => {
                     // Space again: stop listening for it.
-                    self.space = None;
+                    this.space = None;
                     return Poll::Ready(Ok(n));
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => return Poll::Ready(Err(e)),
             }
-            if self.space.is_none() {
-                let dup = self.as_fd().try_clone_to_owned()?;
-                // SAFETY: the duplicate is the AsyncFd's own, open until it is dropped.
-                let space = unsafe { AsyncFd::register_with_interest(dup, Interest::WRITABLE)? };
-                self.space = Some(space);
-            }
-            let Some(space) = self.space.as_ref() else {
-                continue;
+            let space = match &mut this.space {
+                Some(space) => space,
+                None => {
+                    let dup = this.io.get_ref().try_clone()?;
+                    // SAFETY: the duplicate is the AsyncFd's own, open until it is dropped.
+                    let space =
+                        unsafe { AsyncFd::register_with_interest(dup, Interest::WRITABLE)? };
+                    this.space.insert(space)
+                }
             };
             // Registered after the failed send: if space appeared in between, the
             // registration reports it at once.
