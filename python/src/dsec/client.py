@@ -11,10 +11,10 @@ import uuid
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
 from urllib.parse import quote
 
-import httpx
 from pydantic import TypeAdapter
 
 from .errors import Capacity, ConnectionFailed, DsecError, error_from_body
+from .transport import Body, Params, Response, Transport, TransportError
 from .models import (
     ErrorEvent,
     ExecEvent,
@@ -67,7 +67,8 @@ class Client:
             error or a ``capacity`` answer (exponential backoff from 0.5 s, at most 8 s
             between attempts, with jitter). 0 disables retries.
 
-    The client is thread-safe (it wraps one ``httpx.Client``) and a context manager.
+    The client is thread-safe (a pool of keep-alive connections, see
+    :mod:`dsec.transport`) and a context manager.
     """
 
     def __init__(
@@ -83,12 +84,7 @@ class Client:
         self.timeout = timeout
         self.create_retries = create_retries
         headers = {API_KEY_HEADER: self.api_key} if self.api_key else {}
-        self._http = httpx.Client(
-            base_url=self.url + "/v1",
-            headers=headers,
-            timeout=httpx.Timeout(timeout, connect=10.0),
-            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
-        )
+        self._http = Transport(self.url + "/v1", headers, timeout)
 
     # ------------------------------------------------------------ plumbing
 
@@ -106,7 +102,7 @@ class Client:
         return f"dsec.Client(url={self.url!r})"
 
     @staticmethod
-    def _raise_for(resp: httpx.Response) -> None:
+    def _raise_for(resp: Response) -> None:
         if resp.is_success:
             return
         try:
@@ -121,24 +117,19 @@ class Client:
         path: str,
         *,
         json_body: Any = None,
-        params: Any = None,
-        content: Any = None,
+        params: Params = None,
+        content: Body = None,
         headers: Optional[Mapping[str, str]] = None,
         timeout: Union[float, None, object] = ...,
-    ) -> httpx.Response:
+    ) -> Response:
         """Sends one request to ``/v1`` + ``path`` and raises the typed error of a non-2xx
-        answer. ``timeout=None`` waits forever; the default is the client's ``timeout``."""
-        kwargs: Dict[str, Any] = {}
-        if timeout is not ...:
-            kwargs["timeout"] = httpx.Timeout(timeout, connect=10.0)  # type: ignore[arg-type]
+        answer. ``timeout`` is seconds per socket operation; ``None`` waits forever; the
+        default is the client's ``timeout``."""
+        body, headers = _body(json_body, content, headers)
         try:
-            resp = self._http.request(
-                method, path, json=json_body, params=params, content=content, headers=headers, **kwargs
-            )
-        except httpx.TimeoutException as e:
-            raise ConnectionFailed(f"{method} {path}: {e!r}") from e
-        except httpx.TransportError as e:
-            raise ConnectionFailed(f"{method} {path}: {e!r}") from e
+            resp = self._http.request(method, path, params=params, body=body, headers=headers, timeout=timeout)
+        except TransportError as e:
+            raise ConnectionFailed(f"{method} {path}: {e}") from e
         self._raise_for(resp)
         return resp
 
@@ -229,20 +220,30 @@ class Client:
         An ``error`` event is raised as the matching :class:`DsecError`; event types this
         SDK does not know are skipped.
         """
+        raw, headers = _body(body, None, None)
         try:
-            with self._http.stream(
-                method, path, json=body, params=params,
-                timeout=httpx.Timeout(self._exec_timeout(timeout_s), connect=10.0),
+            with self._http.open(
+                method, path, params=params, body=raw, headers=headers, timeout=self._exec_timeout(timeout_s)
             ) as resp:
                 if not resp.is_success:
-                    resp.read()
-                    self._raise_for(resp)
+                    self._raise_for(resp.read())
                 for line in resp.iter_lines():
                     ev = _parse_event(line)
                     if ev is not None:
                         yield ev
-        except httpx.TransportError as e:
-            raise ConnectionFailed(f"{method} {path}: {e!r}") from e
+        except TransportError as e:
+            raise ConnectionFailed(f"{method} {path}: {e}") from e
+
+
+def _body(
+    json_body: Any, content: Body, headers: Optional[Mapping[str, str]]
+) -> "tuple[Body, Optional[Mapping[str, str]]]":
+    """The bytes to send and the headers that describe them: ``json_body`` serialized
+    (compact, UTF-8) with its content type, or ``content`` as given."""
+    if json_body is None:
+        return content, headers
+    raw = json.dumps(json_body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+    return raw, {"content-type": "application/json", **(headers or {})}
 
 
 def _parse_event(line: str) -> Any:
