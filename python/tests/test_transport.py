@@ -4,6 +4,7 @@ connection, not answering)."""
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import io
 import os
@@ -15,7 +16,7 @@ from typing import Iterator, List, Tuple
 import pytest
 
 import dsec
-from dsec.transport import Transport, TransportError
+from dsec.transport import AsyncTransport, Transport, TransportError
 
 
 def _idle_ports(client: dsec.Client) -> List[int]:
@@ -143,3 +144,62 @@ def test_bad_urls_are_refused_up_front() -> None:
     for url in ("ftp://127.0.0.1", "127.0.0.1:7070", "http://"):
         with pytest.raises(ValueError):
             dsec.Client(url, "k")
+
+
+# ------------------------------------------------------------------ asyncio
+
+
+def test_async_calls_share_one_connection_and_streams_end_cleanly(sandbox: dsec.Sandbox) -> None:
+    async def go() -> None:
+        async with dsec.AsyncClient(sandbox.client.url, sandbox.client.api_key) as ac:
+            sb = dsec.AsyncSandbox(ac, await ac.get_sandbox(sandbox.id))
+            ports = set()
+            for _ in range(10):
+                assert (await sb.exec(["true"])).exit_code == 0
+                ports.update(c.writer.get_extra_info("sockname")[1] for c in ac._http._idle)
+            assert len(ports) == 1 and len(ac._http._idle) == 1
+            # A chunked NDJSON answer read to its end: the connection goes back.
+            evs = [e async for e in sb.exec_stream("seq 1 3000")]
+            out = "".join(e.data for e in evs if isinstance(e, dsec.StdoutEvent))
+            assert out == "".join(f"{i}\n" for i in range(1, 3001))
+            assert len(ac._http._idle) == 1
+            # One abandoned midway is closed, not reused.
+            gen = sb.exec_stream("for i in $(seq 1 2000); do echo line $i; done; sleep 1")
+            await gen.__anext__()
+            await gen.aclose()
+            r = await sb.exec(["echo", "after"])
+            assert r.stdout == "after\n"
+
+    asyncio.run(go())
+
+
+def test_async_close_races_and_timeouts(dropping_server: str) -> None:
+    async def go() -> None:
+        tr = AsyncTransport(dropping_server, {}, 5.0)
+        assert (await tr.request("GET", "/a")).json() == {"ok": True}
+        assert (await tr.request("GET", "/b")).status_code == 200, "sent again on a new connection"
+        with pytest.raises(TransportError):
+            await tr.request("POST", "/exec", body=b"{}")
+        assert len(_Handler.peers) == 2
+        await tr.aclose()
+        with socket.socket() as lsock:
+            lsock.bind(("127.0.0.1", 0))
+            lsock.listen(1)
+            url = f"http://127.0.0.1:{lsock.getsockname()[1]}"
+            with pytest.raises(TransportError) as ei:
+                await AsyncTransport(url, {}, 0.3).request("GET", "/health")
+            assert ei.value.timed_out
+
+    asyncio.run(go())
+
+
+def test_async_stale_connection_is_not_reused(closing_server: str) -> None:
+    async def go() -> None:
+        tr = AsyncTransport(closing_server, {}, 5.0)
+        for _ in range(3):
+            assert (await tr.request("GET", "/x")).json() == {"ok": True}
+            await asyncio.sleep(0.1)
+        assert len({p for _, p in _Handler.peers}) == 3
+        await tr.aclose()
+
+    asyncio.run(go())

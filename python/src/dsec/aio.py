@@ -17,10 +17,9 @@ import random
 import uuid
 from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-import httpx
-
-from .client import API_KEY_HEADER, DEFAULT_URL, _api_key_from_env, _parse_event, _seg
-from .errors import Capacity, ConnectionFailed, Expired, NotFound, error_from_body
+from .client import API_KEY_HEADER, DEFAULT_URL, Client, _api_key_from_env, _body, _parse_event, _seg
+from .errors import Capacity, ConnectionFailed, Expired, NotFound
+from .transport import AsyncTransport, Params, Response, TransportError
 from .models import (
     ExecResult,
     ExitEvent,
@@ -51,7 +50,7 @@ class AsyncClient:
         self.api_key = api_key if api_key is not None else _api_key_from_env()
         self.create_retries = create_retries
         headers = {API_KEY_HEADER: self.api_key} if self.api_key else {}
-        self._http = httpx.AsyncClient(base_url=self.url + "/v1", headers=headers, timeout=httpx.Timeout(timeout, connect=10.0))
+        self._http = AsyncTransport(self.url + "/v1", headers, timeout)
 
     async def aclose(self) -> None:
         """Closes the connection pool."""
@@ -63,20 +62,26 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def request(self, method: str, path: str, *, timeout: Any = ..., **kw: Any) -> httpx.Response:
-        """Sends one request; a non-2xx answer raises its typed :class:`DsecError`."""
-        if timeout is not ...:
-            kw["timeout"] = httpx.Timeout(timeout, connect=10.0)
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: Params = None,
+        content: Optional[bytes] = None,
+        headers: Optional[Mapping[str, str]] = None,
+        timeout: Any = ...,
+    ) -> Response:
+        """Sends one request (``json`` or ``content`` as its body); a non-2xx answer
+        raises its typed :class:`DsecError`. ``timeout`` is seconds per read, ``None``
+        for none."""
+        body, headers = _body(json, content, headers)
         try:
-            resp = await self._http.request(method, path, **kw)
-        except httpx.TransportError as e:
-            raise ConnectionFailed(f"{method} {path}: {e!r}") from e
-        if not resp.is_success:
-            try:
-                body: Any = resp.json()
-            except ValueError:
-                body = resp.text
-            raise error_from_body(body, resp.status_code)
+            resp = await self._http.request(method, path, params=params, body=body, headers=headers, timeout=timeout)  # type: ignore[arg-type]
+        except TransportError as e:
+            raise ConnectionFailed(f"{method} {path}: {e}") from e
+        Client._raise_for(resp)
         return resp
 
     async def _json(self, method: str, path: str, **kw: Any) -> Any:
@@ -125,24 +130,20 @@ class AsyncClient:
         params: Any = None,
     ) -> AsyncIterator[Any]:
         """Yields the events of an NDJSON route; an ``error`` event is raised."""
-        t = None if timeout_s is None else timeout_s + 60.0
+        raw, headers = _body(body, None, None)
         try:
-            async with self._http.stream(
-                method, path, json=body, params=params, timeout=httpx.Timeout(t, connect=10.0)
-            ) as resp:
+            resp = await self._http.open(
+                method, path, params=params, body=raw, headers=headers, timeout=Client._exec_timeout(timeout_s)  # type: ignore[arg-type]
+            )
+            async with resp:
                 if not resp.is_success:
-                    await resp.aread()
-                    try:
-                        b: Any = resp.json()
-                    except ValueError:
-                        b = resp.text
-                    raise error_from_body(b, resp.status_code)
+                    Client._raise_for(await resp.aread())
                 async for line in resp.aiter_lines():
                     ev = _parse_event(line)
                     if ev is not None:
                         yield ev
-        except httpx.TransportError as e:
-            raise ConnectionFailed(f"{method} {path}: {e!r}") from e
+        except TransportError as e:
+            raise ConnectionFailed(f"{method} {path}: {e}") from e
 
 
 class AsyncSandbox:
