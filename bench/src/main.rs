@@ -341,6 +341,8 @@ enum SdkMode {
     TimeToInteractive,
     /// `exec(["true"])` on one running sandbox.
     Exec,
+    /// `await AsyncSandbox.exec(["true"])` on one running sandbox.
+    AsyncExec,
 }
 
 /// The Python SDK, timed by `bench/sdk_tti.py` in the venv named by `DSEC_PY_VENV`
@@ -356,6 +358,11 @@ fn python_sdk(server: &Server, n: usize, mode: SdkMode) -> Stats {
             "dsec exec true via Python SDK",
             "Sandbox.exec(['true']) on a running sandbox",
             "exec",
+        ),
+        SdkMode::AsyncExec => (
+            "dsec exec true via Python SDK (asyncio)",
+            "await AsyncSandbox.exec(['true']) on a running sandbox",
+            "aexec",
         ),
     };
     let Some(venv) = std::env::var_os("DSEC_PY_VENV") else {
@@ -996,13 +1003,14 @@ fn main() -> anyhow::Result<()> {
             let floor = peers::raw_floor(&bundle.rootfs, n);
             let sdk = python_sdk(&server, n, SdkMode::TimeToInteractive);
             let sdk_exec = python_sdk(&server, n * 5, SdkMode::Exec);
+            let sdk_aexec = python_sdk(&server, n * 5, SdkMode::AsyncExec);
             // Issue #8's targets, each against the peer measured in this run.
             let ratio = |peer: &Stats, v: f64| if peer.samples.is_empty() { "n/a".to_string() } else { format!("{v:.2}x") };
             let d = dsec_tti.pct(50.0);
             let targets = format!("targets: dsec create + exec true {d:.2} ms = {} crun run true (<= 1.0x); podman run true / dsec = {} (>= 20x)",
                 ratio(&crun, d / crun.pct(50.0)), ratio(&podman, podman.pct(50.0) / d));
             tti = vec![crun, crun_ovl, runc, podman, bwrap, floor, dsec_tti, sdk, dsec_create];
-            exec = vec![crun_exec, dsec_exec, sdk_exec, dsec_call, spawn_floor(n * 5)];
+            exec = vec![crun_exec, dsec_exec, sdk_exec, sdk_aexec, dsec_call, spawn_floor(n * 5)];
             print_table("time to interactive (create -> first command done)", &tti, "crun run true");
             println!("\n{targets}");
             print_table("exec round trip on a running sandbox", &exec, "crun exec true");
@@ -1010,7 +1018,8 @@ fn main() -> anyhow::Result<()> {
             // The exec table alone (part of `runtimes`), for quick before/after runs.
             let (dsec_exec, dsec_call) = dsec_exec_round_trip(&server, n).await?;
             let sdk_exec = python_sdk(&server, n * 5, SdkMode::Exec);
-            exec = vec![crun_exec(&bundle, n * 5), dsec_exec, sdk_exec, dsec_call, spawn_floor(n * 5)];
+            let sdk_aexec = python_sdk(&server, n * 5, SdkMode::AsyncExec);
+            exec = vec![crun_exec(&bundle, n * 5), dsec_exec, sdk_exec, sdk_aexec, dsec_call, spawn_floor(n * 5)];
             print_table("exec round trip on a running sandbox", &exec, "crun exec true");
         }
         if want("network") {
