@@ -62,15 +62,7 @@ async fn sequential_requests_share_one_connection_and_none_outlive_the_sandbox()
     }
     // The agent (PID 1 inside) holds its listener and the one connection the node kept
     // for the next request: not one per request, and not none.
-    let agent = host::processes(&sb.id)
-        .into_iter()
-        .find(|p| {
-            std::fs::read_to_string(format!("/proc/{p}/status")).is_ok_and(|st| {
-                st.lines()
-                    .any(|l| l.starts_with("NSpid:") && l.ends_with("\t1"))
-            })
-        })
-        .expect("the sandbox's init on the host");
+    let agent = agent_on_host(&sb.id);
     let agent_sockets = unix_sockets(agent);
     assert_eq!(agent_sockets, 2, "agent sockets after 60 requests");
     let node = unix_sockets(pid);
@@ -117,6 +109,19 @@ async fn sequential_requests_share_one_connection_and_none_outlive_the_sandbox()
     );
 }
 
+/// The host pid of the sandbox's init (PID 1 inside), the agent.
+fn agent_on_host(id: &str) -> i32 {
+    host::processes(id)
+        .into_iter()
+        .find(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/status")).is_ok_and(|st| {
+                st.lines()
+                    .any(|l| l.starts_with("NSpid:") && l.ends_with("\t1"))
+            })
+        })
+        .expect("the sandbox's init on the host")
+}
+
 /// `SigBlk` of a process as a mask.
 fn sigblk(status: &str) -> u64 {
     let hex = status
@@ -133,15 +138,29 @@ async fn sigchld_is_blocked_in_the_agent_only() {
         .await
         .expect("create");
     let sigchld_bit = 1u64 << (libc::SIGCHLD - 1);
-    let agent = c
-        .exec(&sb.id, sh("cat /proc/1/status"))
-        .await
-        .expect("exec");
-    assert_eq!(
-        sigblk(&agent.stdout),
-        sigchld_bit,
-        "the agent blocks SIGCHLD and nothing else"
-    );
+    c.exec(&sb.id, sh("true")).await.expect("exec");
+    // Read from the host while the agent is idle: a command that reads /proc/1/status
+    // itself races the agent's spawn, whose thread blocks every signal around the vfork
+    // until it is back from it (the child may run before its parent resumes).
+    let agent = agent_on_host(&sb.id);
+    for task in std::fs::read_dir(format!("/proc/{agent}/task")).expect("agent threads") {
+        let task = task.expect("task").path();
+        let Ok(status) = std::fs::read_to_string(task.join("status")) else {
+            continue; // a thread that just ended
+        };
+        let name = std::fs::read_to_string(task.join("comm")).unwrap_or_default();
+        let mask = sigblk(&status);
+        if name.trim() == "detach-old-root" {
+            continue; // blocks everything by design, and is gone after the first start
+        }
+        assert_eq!(
+            mask,
+            sigchld_bit,
+            "agent thread {} ({}) blocks SIGCHLD and nothing else",
+            task.display(),
+            name.trim()
+        );
+    }
     let own = c
         .exec(&sb.id, sh("cat /proc/self/status"))
         .await
