@@ -5,12 +5,14 @@
 //! canonical path and used once.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::util::{self, read_file, read_u64, write_file};
 
 /// Lowest limit the v1 reclaim squeeze tries.
 const RECLAIM_FLOOR: u64 = 1 << 20;
+/// How long a freeze may stay FREEZING before FROZEN is written again.
+const FREEZE_RETRY: Duration = Duration::from_millis(50);
 use crate::{CgroupError, CgroupManager, Limits, Result};
 
 /// Controllers whose hierarchy must be mounted.
@@ -279,9 +281,20 @@ impl CgroupManager for V1Manager {
             })?;
         let want = if frozen { "FROZEN" } else { "THAWED" };
         write_file(&state, want)?;
+        let mut asked = Instant::now();
         util::wait_until(&state, want, timeout, || {
             // Reading freezer.state also advances FREEZING -> FROZEN in the kernel.
-            Ok(read_file(&state)?.trim() == want)
+            if read_file(&state)?.trim() == want {
+                return Ok(true);
+            }
+            // The kernel wakes each task once to freeze it; one that missed it (a child
+            // being forked as the freeze began) keeps the cgroup FREEZING until FROZEN is
+            // written again, the retry the v1 freezer documents.
+            if frozen && asked.elapsed() >= FREEZE_RETRY {
+                write_file(&state, want)?;
+                asked = Instant::now();
+            }
+            Ok(false)
         })
     }
 
