@@ -49,6 +49,26 @@ def test_an_abandoned_stream_does_not_poison_the_pool(sandbox: dsec.Sandbox) -> 
     assert r.exit_code == 0 and r.stdout == "after\n"
 
 
+def test_a_forked_child_opens_its_own_connection(sandbox: dsec.Sandbox) -> None:
+    with dsec.Client(sandbox.client.url, sandbox.client.api_key) as own:
+        sb = dsec.Sandbox.connect(sandbox.id, client=own)
+        sb.exec(["true"])
+        (parent_port,) = _idle_ports(own)
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 only if it used a connection of its own
+            code = 1
+            try:
+                fresh = not _idle_ports(own)
+                ok = sb.exec(["echo", "child"]).stdout == "child\n"
+                code = 0 if fresh and ok and _idle_ports(own) != [parent_port] else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        assert sb.exec(["echo", "parent"]).stdout == "parent\n"
+        assert _idle_ports(own) == [parent_port], "the parent's connection is intact"
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     """Answers 200 with a JSON body. With ``mode`` "close-after", then closes the
     connection without saying so (a server whose idle timeout fired between two

@@ -19,10 +19,12 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import select
 import socket
 import ssl
 import threading
+import weakref
 from typing import Any, AsyncIterator, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 from urllib.parse import urlencode, urlsplit
 
@@ -45,6 +47,24 @@ _ONE_WRITE_MAX = 64 << 10
 _IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 """Methods sent again on a new connection when a reused one turns out closed (an exec,
 a POST, never is: the server may have run it)."""
+
+
+_POOLS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+"""Every transport, so that a forked child forgets the connections it inherited."""
+
+
+def _forget_inherited_connections() -> None:
+    # In a child after fork the pooled sockets are shared with the parent: a request on
+    # one would interleave with the parent's. The child drops its references (closing a
+    # copy sends nothing while the parent holds the socket) and connects anew.
+    for pool in list(_POOLS):
+        pool._idle = []
+        if isinstance(pool, Transport):
+            pool._lock = threading.Lock()  # it may have been held by another thread
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_inherited_connections)
 
 
 class TransportError(Exception):
@@ -220,6 +240,7 @@ class Transport:
         self.timeout = timeout
         self._idle: List[_Conn] = []
         self._lock = threading.Lock()
+        _POOLS.add(self)
 
     def close(self) -> None:
         """Closes every idle connection; later requests open new ones."""
@@ -532,6 +553,7 @@ class AsyncTransport:
         self._server = _Server(base_url, headers)
         self.timeout = timeout
         self._idle: List[_AsyncConn] = []
+        _POOLS.add(self)
 
     async def aclose(self) -> None:
         """Closes every idle connection; later requests open new ones."""
