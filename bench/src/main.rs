@@ -122,6 +122,33 @@ fn time_cmd(cmd: &mut Command) -> anyhow::Result<f64> {
     Ok(ms)
 }
 
+/// Bytes `cat` writes in the exec round-trip table of a large output.
+const CAT_BYTES: usize = 1 << 20;
+/// Where the `cat` payload is, in a dsec sandbox (uploaded) and in the crun container
+/// (bound from the bundle): a directory every Debian root has.
+const CAT_DIR: &str = "/mnt";
+/// The payload's file name in [`CAT_DIR`].
+const CAT_FILE_NAME: &str = "payload.txt";
+
+/// [`CAT_BYTES`] of text (numbered lines), so that dsec's JSON result carries it as it is.
+fn cat_payload() -> Vec<u8> {
+    let mut out = Vec::with_capacity(CAT_BYTES + 64);
+    let mut line = 0u64;
+    while out.len() < CAT_BYTES {
+        out.extend_from_slice(
+            format!("{line:08} the quick brown fox jumps over the lazy dog\n").as_bytes(),
+        );
+        line += 1;
+    }
+    out.truncate(CAT_BYTES);
+    out
+}
+
+/// The payload's path inside the sandbox or container.
+fn cat_path() -> String {
+    format!("{CAT_DIR}/{CAT_FILE_NAME}")
+}
+
 /// An OCI bundle whose root is the base image's EROFS layer, mounted read-only.
 struct Bundle {
     dir: PathBuf,
@@ -142,14 +169,23 @@ impl Bundle {
             None::<&str>,
         )
         .with_context(|| format!("mounting {}", blob.display()))?;
-        Ok(Bundle {
+        let bundle = Bundle {
             dir: dir.to_path_buf(),
             rootfs,
-        })
+        };
+        std::fs::create_dir_all(bundle.payload_dir())?;
+        std::fs::write(bundle.payload_dir().join(CAT_FILE_NAME), cat_payload())?;
+        Ok(bundle)
     }
 
-    /// Writes config.json (from `crun spec`) running `args`.
-    fn configure(&self, args: &[&str]) -> anyhow::Result<()> {
+    /// A host directory holding the `cat` payload; `crun exec` sees it at [`CAT_DIR`].
+    fn payload_dir(&self) -> PathBuf {
+        self.dir.join("payload")
+    }
+
+    /// Writes config.json (from `crun spec`) running `args`; with `payload`, the payload
+    /// directory is bound read-only at [`CAT_DIR`].
+    fn configure(&self, args: &[&str], payload: bool) -> anyhow::Result<()> {
         let cfg = self.dir.join("config.json");
         let _ = std::fs::remove_file(&cfg);
         let st = Command::new("crun")
@@ -164,6 +200,14 @@ impl Bundle {
         spec["process"]["args"] = serde_json::json!(args);
         spec["root"]["path"] = self.rootfs.display().to_string().into();
         spec["root"]["readonly"] = true.into();
+        if payload {
+            if let Some(mounts) = spec["mounts"].as_array_mut() {
+                mounts.push(serde_json::json!({
+                    "destination": CAT_DIR, "type": "bind",
+                    "source": self.payload_dir(), "options": ["rbind", "ro"],
+                }));
+            }
+        }
         std::fs::write(&cfg, serde_json::to_vec_pretty(&spec)?)?;
         Ok(())
     }
@@ -269,11 +313,14 @@ fn crun_run_overlay(bundle: &Bundle, n: usize) -> Stats {
     }
 }
 
-fn crun_exec(bundle: &Bundle, n: usize) -> Stats {
-    let name = "crun exec true".to_string();
+/// `crun exec true` (`n` times) and `crun exec cat` of the payload (`n_cat` times, its
+/// output read by the bench) in one running container.
+fn crun_exec(bundle: &Bundle, n: usize, n_cat: usize) -> (Stats, Stats) {
+    let (name, cat_name) = ("crun exec true", "crun exec cat 1 MiB");
+    let na = |why: String| (Stats::na(name, why.clone()), Stats::na(cat_name, why));
     let id = format!("dsec-bench-exec-{}", std::process::id());
-    if let Err(e) = bundle.configure(&["sleep", "3600"]) {
-        return Stats::na(&name, format!("{e:#}"));
+    if let Err(e) = bundle.configure(&["sleep", "3600"], true) {
+        return na(format!("{e:#}"));
     }
     let started = Command::new("crun")
         .args(["run", "--detach", "--bundle"])
@@ -284,31 +331,76 @@ fn crun_exec(bundle: &Bundle, n: usize) -> Stats {
         .stderr(Stdio::null())
         .status();
     if !matches!(started, Ok(s) if s.success()) {
-        return Stats::na(&name, "crun run --detach failed".into());
+        return na("crun run --detach failed".into());
     }
+    let delete = || {
+        let _ = Command::new("crun")
+            .args(["delete", "--force", &id])
+            .stdout(Stdio::null())
+            .status();
+    };
     let mut samples = Vec::new();
     for i in 0..n + 2 {
         match time_cmd(Command::new("crun").args(["exec", &id, "true"])) {
             Ok(ms) if i >= 2 => samples.push(ms),
             Ok(_) => {}
             Err(e) => {
-                samples.clear();
-                let _ = Command::new("crun")
-                    .args(["delete", "--force", &id])
-                    .status();
-                return Stats::na(&name, format!("{e:#}"));
+                delete();
+                return na(format!("{e:#}"));
             }
         }
     }
-    let _ = Command::new("crun")
-        .args(["delete", "--force", &id])
-        .stdout(Stdio::null())
-        .status();
-    Stats {
-        name,
-        samples,
-        note: None,
+    let path = cat_path();
+    let mut cat = Vec::new();
+    let mut cat_error = None;
+    for i in 0..n_cat + 2 {
+        match time_output(Command::new("crun").args(["exec", &id, "cat", &path])) {
+            Ok((ms, len)) if len != CAT_BYTES => {
+                cat_error = Some(format!(
+                    "cat wrote {len} bytes, not {CAT_BYTES} ({ms:.1} ms)"
+                ));
+                break;
+            }
+            Ok((ms, _)) if i >= 2 => cat.push(ms),
+            Ok(_) => {}
+            Err(e) => {
+                cat_error = Some(format!("{e:#}"));
+                break;
+            }
+        }
     }
+    delete();
+    let cat = match cat_error {
+        Some(why) => Stats::na(cat_name, why),
+        None => Stats {
+            name: cat_name.into(),
+            samples: cat,
+            note: Some("stdout read through a pipe by the caller".into()),
+        },
+    };
+    (
+        Stats {
+            name: name.into(),
+            samples,
+            note: None,
+        },
+        cat,
+    )
+}
+
+/// Runs `cmd` with stdout read through a pipe; milliseconds and the bytes it wrote.
+fn time_output(cmd: &mut Command) -> anyhow::Result<(f64, usize)> {
+    let t = Instant::now();
+    let out = cmd.stderr(Stdio::piped()).output()?;
+    let ms = t.elapsed().as_secs_f64() * 1000.0;
+    if !out.status.success() {
+        bail!(
+            "{:?} failed: {}",
+            cmd,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok((ms, out.stdout.len()))
 }
 
 /// The floor: spawning and reaping `/bin/true` directly on the host (posix_spawn via std).
@@ -331,6 +423,29 @@ fn spawn_floor(n: usize) -> Stats {
         name: "host spawn /bin/true".into(),
         samples,
         note: Some("floor: no sandbox, no RPC".into()),
+    }
+}
+
+/// The floor of a large output: spawning `cat` of the payload on the host and reading
+/// its stdout through a pipe.
+fn host_cat(bundle: &Bundle, n: usize) -> Stats {
+    let name = "host spawn cat 1 MiB";
+    let path = bundle.payload_dir().join(CAT_FILE_NAME);
+    let mut samples = Vec::new();
+    for i in 0..n + 2 {
+        match time_output(Command::new("cat").arg(&path)) {
+            Ok((_, len)) if len != CAT_BYTES => {
+                return Stats::na(name, format!("cat wrote {len} bytes, not {CAT_BYTES}"))
+            }
+            Ok((ms, _)) if i >= 2 => samples.push(ms),
+            Ok(_) => {}
+            Err(e) => return Stats::na(name, format!("{e:#}")),
+        }
+    }
+    Stats {
+        name: name.into(),
+        samples,
+        note: Some("floor: no sandbox, no RPC; stdout through a pipe".into()),
     }
 }
 
@@ -387,6 +502,58 @@ fn python_sdk(server: &Server, n: usize, mode: SdkMode) -> Stats {
     }
 }
 
+/// `workers` asyncio tasks of one Python process looping `AsyncSandbox.create` ->
+/// `exec(["true"])` -> `kill` until `total` were attempted (`bench/sdk_tti.py conc`);
+/// the error names the concurrency and why nothing was measured.
+fn python_sdk_concurrency(
+    server: &Server,
+    workers: usize,
+    total: usize,
+) -> Result<Churn, (usize, String)> {
+    let na = |why: String| (workers, why);
+    let venv = std::env::var_os("DSEC_PY_VENV")
+        .ok_or_else(|| na("DSEC_PY_VENV not set (scripts/bench sets it)".into()))?;
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("sdk_tti.py");
+    let cpu = HostCpu::now();
+    let out = Command::new(Path::new(&venv).join("bin/python"))
+        .arg(&script)
+        .args([
+            &server.url,
+            &server.key,
+            &total.to_string(),
+            "conc",
+            &workers.to_string(),
+        ])
+        .output()
+        .map_err(|e| na(format!("python: {e}")))?;
+    let cpu_ms = cpu.elapsed_ms();
+    if !out.status.success() {
+        return Err(na(String::from_utf8_lossy(&out.stderr).trim().to_string()));
+    }
+    let run: serde_json::Value =
+        serde_json::from_slice(&out.stdout).map_err(|e| na(format!("bad output: {e}")))?;
+    let bad = || na(format!("bad output: {run}"));
+    let mut cycles = Vec::new();
+    for c in run["cycles"].as_array().ok_or_else(bad)? {
+        let ms = |i: usize| c[i].as_f64().ok_or_else(bad);
+        cycles.push(Cycle {
+            create_ms: ms(0)?,
+            tti_ms: ms(1)?,
+            delete_ms: ms(2)?,
+        });
+    }
+    let failed = run["failed"].as_u64().ok_or_else(bad)? as usize;
+    let secs = run["secs"].as_f64().ok_or_else(bad)?;
+    Ok(Churn::new(
+        format!("sdk c{workers}"),
+        workers,
+        cycles,
+        failed,
+        secs,
+        cpu_ms,
+    ))
+}
+
 /// One create -> exec true -> delete cycle as a client sees it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Cycle {
@@ -430,10 +597,7 @@ pub(crate) fn argv_true() -> ExecRequest {
     }
 }
 
-async fn dsec_measurements(
-    server: &Server,
-    n: usize,
-) -> anyhow::Result<(Stats, Stats, Stats, Stats)> {
+async fn dsec_measurements(server: &Server, n: usize) -> anyhow::Result<(Stats, Stats, DsecExec)> {
     HostCpu::settle(std::time::Duration::from_secs(10)).await;
     let (create_exec, create_only) = on_one_thread(server.client(), move |c| async move {
         let mut create_exec = Vec::new();
@@ -455,7 +619,7 @@ async fn dsec_measurements(
         }
         Ok((create_exec, create_only))
     })?;
-    let (exec, call) = dsec_exec_round_trip(server, n).await?;
+    let exec = dsec_exec_round_trip(server, n).await?;
     Ok((
         Stats {
             name: "dsec create + exec true".into(),
@@ -468,14 +632,29 @@ async fn dsec_measurements(
             note: Some("HTTP API, agent answering".into()),
         },
         exec,
-        call,
     ))
 }
 
-/// `exec true` on one running sandbox, and the same path without a process (a stat).
-async fn dsec_exec_round_trip(server: &Server, n: usize) -> anyhow::Result<(Stats, Stats)> {
+/// What [`dsec_exec_round_trip`] measured.
+struct DsecExec {
+    /// `exec true`.
+    exec_true: Stats,
+    /// `exec cat` of the payload.
+    exec_cat: Stats,
+    /// The same path without a process: a stat.
+    call: Stats,
+}
+
+/// `exec true` (`n * 5` times) and `exec cat` of the payload (`n * 2` times) on one
+/// running sandbox, and the same path without a process (a stat).
+async fn dsec_exec_round_trip(server: &Server, n: usize) -> anyhow::Result<DsecExec> {
     let c = server.client();
     let sb = c.create_sandbox(CreateSandboxRequest::default()).await?;
+    let uploaded = c.write_file(&sb.id, &cat_path(), None, cat_payload()).await;
+    if let Err(e) = uploaded {
+        c.delete_sandbox(&sb.id).await?;
+        bail!("uploading the cat payload: {e}");
+    }
     // The create took a disk and a network namespace from the node's pools: let their
     // refill finish first, it is not part of an exec.
     HostCpu::settle(std::time::Duration::from_secs(10)).await;
@@ -491,6 +670,27 @@ async fn dsec_exec_round_trip(server: &Server, n: usize) -> anyhow::Result<(Stat
                 exec.push(t.elapsed().as_secs_f64() * 1000.0);
             }
         }
+        let cat_cmd = ExecRequest {
+            cmd: dsec_wire::v1::Command::Argv(vec!["cat".into(), cat_path()]),
+            ..sh("")
+        };
+        let mut cat = Vec::new();
+        for i in 0..(n * 2) + 2 {
+            let t = Instant::now();
+            let r = c.exec(&id, cat_cmd.clone()).await?;
+            let ms = t.elapsed().as_secs_f64() * 1000.0;
+            if r.stdout.len() != CAT_BYTES || r.exit.exit_code != Some(0) {
+                bail!(
+                    "cat wrote {} bytes, not {CAT_BYTES}: {:?} {}",
+                    r.stdout.len(),
+                    r.exit,
+                    r.stderr
+                );
+            }
+            if i >= 2 {
+                cat.push(ms);
+            }
+        }
         // The same path without a process: what an exec costs beyond spawning its command.
         let mut call = Vec::new();
         for i in 0..(n * 5) + 5 {
@@ -500,22 +700,27 @@ async fn dsec_exec_round_trip(server: &Server, n: usize) -> anyhow::Result<(Stat
                 call.push(t.elapsed().as_secs_f64() * 1000.0);
             }
         }
-        Ok((exec, call))
+        Ok((exec, cat, call))
     });
     c.delete_sandbox(&sb.id).await?;
-    let (exec, call) = timed?;
-    Ok((
-        Stats {
+    let (exec, cat, call) = timed?;
+    Ok(DsecExec {
+        exec_true: Stats {
             name: "dsec exec true".into(),
             samples: exec,
             note: Some("HTTP API on a running sandbox".into()),
         },
-        Stats {
+        exec_cat: Stats {
+            name: "dsec exec cat 1 MiB".into(),
+            samples: cat,
+            note: Some("HTTP API, stdout in the JSON result".into()),
+        },
+        call: Stats {
             name: "dsec agent call, no process".into(),
             samples: call,
             note: Some("stat of a file: HTTP + node + agent, the RPC part of an exec".into()),
         },
-    ))
+    })
 }
 
 /// Runs a sequential client loop on its own thread with a single-threaded runtime, as a
@@ -706,15 +911,27 @@ impl Churn {
     }
 }
 
-fn print_concurrency(rows: &[Churn]) {
+fn print_concurrency(title: &str, rows: &[Result<Churn, (usize, String)>]) {
     record(
-        "time to interactive under concurrency",
-        rows.iter().map(Churn::json).collect(),
+        title,
+        rows.iter()
+            .map(|r| match r {
+                Ok(c) => c.json(),
+                Err((workers, why)) => serde_json::json!({"concurrency": workers, "na": why}),
+            })
+            .collect(),
     );
-    println!("\n## time to interactive under concurrency (create -> exec true -> delete loops)\n");
+    println!("\n## {title}\n");
     println!("| concurrency | sandboxes | ok | p50 ms | p99 ms | max ms | delete p50 ms | delete p99 ms | cycles/s | host CPU ms/cycle |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
+        let r = match r {
+            Ok(r) => r,
+            Err((workers, why)) => {
+                println!("| {workers} | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | {why} |");
+                continue;
+            }
+        };
         let n = r.ok();
         println!(
             "| {} | {} | {:.1}% | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.0} | {:.1} |",
@@ -774,8 +991,10 @@ fn print_table(title: &str, rows: &[Stats], baseline: &str) {
                 .collect(),
         });
     println!("\n## {title}\n");
-    println!("| measurement | n | p50 ms | p99 ms | min ms | max ms | p50 vs {baseline} | note |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!(
+        "| measurement | n | p50 ms | p95 ms | p99 ms | min ms | max ms | p50 vs {baseline} | note |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
     let base = rows
         .iter()
         .find(|r| r.name == baseline)
@@ -783,7 +1002,7 @@ fn print_table(title: &str, rows: &[Stats], baseline: &str) {
     for r in rows {
         if r.samples.is_empty() {
             println!(
-                "| {} | 0 | n/a | n/a | n/a | n/a | n/a | {} |",
+                "| {} | 0 | n/a | n/a | n/a | n/a | n/a | n/a | {} |",
                 r.name,
                 r.note.clone().unwrap_or_default()
             );
@@ -794,10 +1013,11 @@ fn print_table(title: &str, rows: &[Stats], baseline: &str) {
             _ => "n/a".into(),
         };
         println!(
-            "| {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} |",
+            "| {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} |",
             r.name,
             r.samples.len(),
             r.pct(50.0),
+            r.pct(95.0),
             r.pct(99.0),
             r.pct(0.0),
             r.pct(100.0),
@@ -986,7 +1206,7 @@ fn main() -> anyhow::Result<()> {
         let digest = images.images.iter().find(|i| i.name == "base").context("base image")?.digest.clone();
         let blob = server.state_dir.join(format!("images/blobs/sha256/{}.erofs", digest.trim_start_matches("sha256:")));
         let bundle = Bundle::new(&std::env::temp_dir().join("dsec-bench-bundle"), &blob)?;
-        bundle.configure(&["true"])?;
+        bundle.configure(&["true"], false)?;
 
         println!("# dsec benchmark ({} iterations, {} cores, kernel {})", n, std::thread::available_parallelism().map(|p| p.get()).unwrap_or(0),
             std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim());
@@ -996,8 +1216,8 @@ fn main() -> anyhow::Result<()> {
             let crun = runtime_run("crun", &bundle, n);
             let crun_ovl = crun_run_overlay(&bundle, n);
             let runc = runtime_run("runc", &bundle, n);
-            let (dsec_tti, dsec_create, dsec_exec, dsec_call) = dsec_measurements(&server, n).await?;
-            let crun_exec = crun_exec(&bundle, n * 5);
+            let (dsec_tti, dsec_create, dsec_exec) = dsec_measurements(&server, n).await?;
+            let (crun_exec, crun_cat) = crun_exec(&bundle, n * 5, n * 2);
             let podman = peers::podman(&bundle.rootfs, n.min(20));
             let bwrap = peers::bwrap(&bundle.rootfs, n);
             let floor = peers::raw_floor(&bundle.rootfs, n);
@@ -1010,17 +1230,22 @@ fn main() -> anyhow::Result<()> {
             let targets = format!("targets: dsec create + exec true {d:.2} ms = {} crun run true (<= 1.0x); podman run true / dsec = {} (>= 20x)",
                 ratio(&crun, d / crun.pct(50.0)), ratio(&podman, podman.pct(50.0) / d));
             tti = vec![crun, crun_ovl, runc, podman, bwrap, floor, dsec_tti, sdk, dsec_create];
-            exec = vec![crun_exec, dsec_exec, sdk_exec, sdk_aexec, dsec_call, spawn_floor(n * 5)];
+            exec = vec![crun_exec, dsec_exec.exec_true, sdk_exec, sdk_aexec, dsec_exec.call, spawn_floor(n * 5)];
             print_table("time to interactive (create -> first command done)", &tti, "crun run true");
             println!("\n{targets}");
             print_table("exec round trip on a running sandbox", &exec, "crun exec true");
+            let cat = vec![crun_cat, dsec_exec.exec_cat, host_cat(&bundle, n * 2)];
+            print_table("exec round trip with 1 MiB of output (cat of a file)", &cat, "crun exec cat 1 MiB");
         } else if want("exec") {
-            // The exec table alone (part of `runtimes`), for quick before/after runs.
-            let (dsec_exec, dsec_call) = dsec_exec_round_trip(&server, n).await?;
+            // The exec tables alone (part of `runtimes`), for quick before/after runs.
+            let dsec_exec = dsec_exec_round_trip(&server, n).await?;
             let sdk_exec = python_sdk(&server, n * 5, SdkMode::Exec);
             let sdk_aexec = python_sdk(&server, n * 5, SdkMode::AsyncExec);
-            exec = vec![crun_exec(&bundle, n * 5), dsec_exec, sdk_exec, sdk_aexec, dsec_call, spawn_floor(n * 5)];
+            let (crun_exec, crun_cat) = crun_exec(&bundle, n * 5, n * 2);
+            exec = vec![crun_exec, dsec_exec.exec_true, sdk_exec, sdk_aexec, dsec_exec.call, spawn_floor(n * 5)];
             print_table("exec round trip on a running sandbox", &exec, "crun exec true");
+            let cat = vec![crun_cat, dsec_exec.exec_cat, host_cat(&bundle, n * 2)];
+            print_table("exec round trip with 1 MiB of output (cat of a file)", &cat, "crun exec cat 1 MiB");
         }
         if want("network") {
             let net = network::tti_by_mode(&server, n).await?;
@@ -1028,14 +1253,19 @@ fn main() -> anyhow::Result<()> {
             let ns = network::tti_by_userns(&server, n).await?;
             print_table("time to interactive with and without the user namespace", &ns, "no user namespace");
         }
-        let mut conc = Vec::new();
+        let (mut conc, mut sdk_conc) = (Vec::new(), Vec::new());
         let levels: &[usize] = if args.quick { &[1, 8, 32] } else { &[1, 8, 32, 128] };
         for workers in levels.iter().copied().filter(|_| want("concurrency")) {
             let total = if args.quick { 32 } else { 160 }.max(workers * 2);
-            conc.push(concurrent_tti(&server, workers, total).await);
+            conc.push(Ok(concurrent_tti(&server, workers, total).await));
+            sdk_conc.push(python_sdk_concurrency(&server, workers, total));
         }
         if !conc.is_empty() {
-            print_concurrency(&conc);
+            print_concurrency("time to interactive under concurrency (create -> exec true -> delete loops)", &conc);
+            print_concurrency(
+                "time to interactive under concurrency through the Python SDK (asyncio tasks in one process)",
+                &sdk_conc,
+            );
         }
         if want("sustained") {
             let secs = args.sustained_secs.unwrap_or(if args.quick { 10 } else { 60 });
