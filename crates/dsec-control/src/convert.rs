@@ -5,6 +5,12 @@ use dsec_wire::frame::Frame;
 use dsec_wire::v1::ExecEvent;
 use dsec_wire::{ApiError, ErrorCode};
 
+/// `bytes` as text: as they are (no copy, and the fast validation) when they are valid
+/// UTF-8, else with each invalid sequence replaced by U+FFFD.
+pub fn lossy_text(bytes: Vec<u8>) -> String {
+    String::from_utf8(bytes).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
+}
+
 /// Turns a byte stream into UTF-8 text chunks without splitting a multi-byte character
 /// across chunks (invalid sequences become U+FFFD).
 #[derive(Debug, Default)]
@@ -21,16 +27,13 @@ impl Utf8Chunker {
             Err(e) if e.error_len().is_none() => e.valid_up_to(),
             Err(_) => self.carry.len(),
         };
-        let text = String::from_utf8_lossy(&self.carry[..cut]).into_owned();
-        self.carry.drain(..cut);
-        text
+        let rest = self.carry.split_off(cut);
+        lossy_text(std::mem::replace(&mut self.carry, rest))
     }
 
     /// Flushes whatever is left.
     pub fn finish(&mut self) -> String {
-        let text = String::from_utf8_lossy(&self.carry).into_owned();
-        self.carry.clear();
-        text
+        lossy_text(std::mem::take(&mut self.carry))
     }
 }
 
@@ -134,5 +137,20 @@ mod tests {
         assert_eq!(out, "héllo €");
         let mut c = Utf8Chunker::default();
         assert_eq!(c.push(&[0xff, b'a']), "\u{fffd}a");
+    }
+
+    #[test]
+    fn lossy_text_keeps_valid_text_and_replaces_only_what_is_invalid() {
+        let valid = "tests: 12 passed, 0 failed ✓\n".repeat(1000);
+        assert_eq!(lossy_text(valid.clone().into_bytes()), valid);
+        let moved = valid.into_bytes();
+        let moved_ptr = moved.as_ptr();
+        assert_eq!(
+            lossy_text(moved).as_ptr(),
+            moved_ptr,
+            "valid text is not copied"
+        );
+        assert_eq!(lossy_text(b"a\xffb\xe2\x82".to_vec()), "a\u{fffd}b\u{fffd}");
+        assert_eq!(lossy_text(Vec::new()), "");
     }
 }

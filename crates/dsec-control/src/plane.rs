@@ -1244,8 +1244,8 @@ impl SandboxApi for ControlPlane {
                                 .map(|n| n > oom_before)
                                 .unwrap_or(false);
                             return Ok(ExecResult {
-                                stdout: String::from_utf8_lossy(&stdout).into_owned(),
-                                stderr: String::from_utf8_lossy(&stderr).into_owned(),
+                                stdout: crate::convert::lossy_text(stdout),
+                                stderr: crate::convert::lossy_text(stderr),
                                 exit,
                                 oom_killed,
                             });

@@ -351,7 +351,15 @@ pub async fn exec(
     Path(id): Path<String>,
     Json(req): Json<ExecRequest>,
 ) -> HttpResult<Response> {
-    Ok(json(api.exec(&id, req).await?))
+    let result = api.exec(&id, req).await?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        crate::json::exec_result(&result),
+    )
+        .into_response())
 }
 
 /// `POST /v1/sandboxes/{id}/exec/stream` (NDJSON).

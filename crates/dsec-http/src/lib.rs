@@ -24,6 +24,7 @@ pub mod e2b;
 pub mod error;
 pub mod extract;
 pub mod handlers;
+pub mod json;
 pub mod metrics;
 mod swerex;
 
