@@ -3,7 +3,7 @@
 //! node reading a reply does not wake the agent), so input (stdin, uploads, disconnect
 //! detection) and output can proceed concurrently.
 
-use std::io;
+use std::io::{self, IoSlice};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
@@ -129,18 +129,50 @@ impl FrameWriter {
 
     /// Sends `data` as frames of `kind`, split into chunks of at most `DATA_CHUNK`.
     pub async fn data(&mut self, kind: DataKind, data: &[u8]) -> io::Result<()> {
-        for chunk in data.chunks(DATA_CHUNK) {
-            let tag: u8 = match kind {
-                DataKind::Stdout => 1,
-                DataKind::Stderr => 2,
-                DataKind::Data => 3,
-            };
-            let len = u32::try_from(chunk.len() + 1).unwrap_or(u32::MAX);
-            let mut header = [0u8; 5];
-            header[..4].copy_from_slice(&len.to_be_bytes());
-            header[4] = tag;
-            self.inner.write_all(&header).await?;
-            self.inner.write_all(chunk).await?;
+        self.data_then(&[(kind, data)], None).await
+    }
+
+    /// Sends each part as frames of its kind (chunks of at most `DATA_CHUNK`), then
+    /// `reply` if given, in as few `sendmsg` calls as the socket allows: each call wakes
+    /// the node once, however many frames it carries.
+    pub async fn data_then(
+        &mut self,
+        parts: &[(DataKind, &[u8])],
+        reply: Option<&Reply>,
+    ) -> io::Result<()> {
+        let chunks: Vec<(DataKind, &[u8])> = parts
+            .iter()
+            .flat_map(|&(kind, data)| data.chunks(DATA_CHUNK).map(move |c| (kind, c)))
+            .collect();
+        let headers: Vec<[u8; 5]> = chunks
+            .iter()
+            .map(|&(kind, chunk)| {
+                let tag: u8 = match kind {
+                    DataKind::Stdout => 1,
+                    DataKind::Stderr => 2,
+                    DataKind::Data => 3,
+                };
+                let len = u32::try_from(chunk.len() + 1).unwrap_or(u32::MAX);
+                let mut header = [0u8; 5];
+                header[..4].copy_from_slice(&len.to_be_bytes());
+                header[4] = tag;
+                header
+            })
+            .collect();
+        let reply = reply.map(|r| Frame::json(r).to_bytes());
+        let mut slices: Vec<IoSlice<'_>> = headers
+            .iter()
+            .zip(&chunks)
+            .flat_map(|(header, &(_, chunk))| [IoSlice::new(header), IoSlice::new(chunk)])
+            .chain(reply.as_deref().map(IoSlice::new))
+            .collect();
+        let mut rest = &mut slices[..];
+        while !rest.is_empty() {
+            let n = self.inner.write_vectored(rest).await?;
+            if n == 0 {
+                return Err(io::ErrorKind::WriteZero.into());
+            }
+            IoSlice::advance_slices(&mut rest, n);
         }
         Ok(())
     }
@@ -189,6 +221,41 @@ mod tests {
             Some(Frame::Stdout(b"y".to_vec())),
             Some(Frame::Eof),
         ];
+        assert_eq!(frames, want);
+    }
+
+    #[tokio::test]
+    async fn output_and_reply_go_out_together_in_order() {
+        let (a, b) = UnixStream::pair().expect("pair");
+        let (_ra, mut wa) = split(a).expect("split");
+        let (mut rb, _wb) = split(b).expect("split");
+        // More than the socket holds, so some sendmsg calls take only part of a frame.
+        let big: Vec<u8> = (0..3 * DATA_CHUNK + 7).map(|i| (i % 251) as u8).collect();
+        let reply = Reply::Pong { version: 2, pid: 1 };
+        let writer = async {
+            let parts = [
+                (DataKind::Stdout, &big[..]),
+                (DataKind::Stdout, &b""[..]),
+                (DataKind::Stderr, &b"warning\n"[..]),
+            ];
+            wa.data_then(&parts, Some(&reply)).await.expect("send");
+            wa.data_then(&[], Some(&reply)).await.expect("reply alone");
+        };
+        let reader = async {
+            let mut frames = Vec::new();
+            for _ in 0..7 {
+                frames.push(rb.next().await.expect("frame").expect("open"));
+            }
+            frames
+        };
+        let ((), frames) = tokio::join!(writer, reader);
+        let mut want: Vec<Frame> = big
+            .chunks(DATA_CHUNK)
+            .map(|c| Frame::Stdout(c.to_vec()))
+            .collect();
+        want.push(Frame::Stderr(b"warning\n".to_vec()));
+        want.push(Frame::json(&reply));
+        want.push(Frame::json(&reply));
         assert_eq!(frames, want);
     }
 }

@@ -235,17 +235,21 @@ pub async fn exec(
     let mut info = exit_info(exit.flatten(), started, timed_out.get());
     info.stdout_bytes = out.total();
     info.stderr_bytes = err.total();
-    if !spec.stream {
-        info.stdout_truncated = out.truncated();
-        info.stderr_truncated = err.truncated();
-        let (_, a, b) = out.slices_from(0);
-        wr.data(DataKind::Stdout, a).await?;
-        wr.data(DataKind::Stdout, b).await?;
-        let (_, a, b) = err.slices_from(0);
-        wr.data(DataKind::Stderr, a).await?;
-        wr.data(DataKind::Stderr, b).await?;
+    if spec.stream {
+        return wr.reply(&Reply::Exited(info)).await;
     }
-    wr.reply(&Reply::Exited(info)).await
+    info.stdout_truncated = out.truncated();
+    info.stderr_truncated = err.truncated();
+    let (_, out_a, out_b) = out.slices_from(0);
+    let (_, err_a, err_b) = err.slices_from(0);
+    // The output and the exit in one go: the node wakes once for a small result.
+    let parts = [
+        (DataKind::Stdout, out_a),
+        (DataKind::Stdout, out_b),
+        (DataKind::Stderr, err_a),
+        (DataKind::Stderr, err_b),
+    ];
+    wr.data_then(&parts, Some(&Reply::Exited(info))).await
 }
 
 /// Kills a process group on drop unless disarmed (set to `None`).

@@ -127,16 +127,21 @@ impl AsyncRead for ReadHalf {
 }
 
 impl WriteHalf {
-    /// Writes what the socket takes now, without the reactor.
-    fn send_now(&self, data: &[u8]) -> io::Result<usize> {
+    /// Writes what the socket takes now of `bufs`, in order, in one `sendmsg`, without the
+    /// reactor.
+    fn send_now(&self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        // SAFETY: msghdr is plain data, all-zero is a valid (empty) value. IoSlice is an
+        // iovec (std guarantees the layout on Unix).
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
+        msg.msg_iovlen = bufs.len().min(MAX_IOVECS) as _;
         loop {
-            // SAFETY: send from a valid slice; MSG_NOSIGNAL: a closed peer is an error,
-            // not a SIGPIPE.
+            // SAFETY: sendmsg of iovecs that borrow live slices; MSG_NOSIGNAL: a closed
+            // peer is an error, not a SIGPIPE.
             match cvt(unsafe {
-                libc::send(
+                libc::sendmsg(
                     self.as_raw_fd(),
-                    data.as_ptr().cast(),
-                    data.len(),
+                    &msg,
                     libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
                 )
             }) {
@@ -145,7 +150,48 @@ impl WriteHalf {
             }
         }
     }
+
+    /// Waits for write space (only ever called after a send found the socket full).
+    fn poll_space(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let space = match &mut self.space {
+            Some(space) => space,
+            None => {
+                let dup = self.io.get_ref().try_clone()?;
+                // SAFETY: the duplicate is the AsyncFd's own, open until it is dropped.
+                let space = unsafe { AsyncFd::register_with_interest(dup, Interest::WRITABLE)? };
+                self.space.insert(space)
+            }
+        };
+        // Registered after the failed send: if space appeared in between, the
+        // registration reports it at once.
+        let mut guard = ready!(space.poll_write_ready(cx))?;
+        guard.clear_ready();
+        Poll::Ready(Ok(()))
+    }
+
+    /// [`AsyncWrite::poll_write_vectored`] and `poll_write` alike.
+    fn poll_send(
+        &mut self,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        loop {
+            match self.send_now(bufs) {
+                Ok(n) => {
+                    // Space again: stop listening for it.
+                    self.space = None;
+                    return Poll::Ready(Ok(n));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+            ready!(self.poll_space(cx))?;
+        }
+    }
 }
+
+/// The most iovecs one `sendmsg` is given (the kernel refuses more than `UIO_MAXIOV`).
+const MAX_IOVECS: usize = 1024;
 
 impl AsyncWrite for WriteHalf {
     fn poll_write(
@@ -153,32 +199,19 @@ impl AsyncWrite for WriteHalf {
         cx: &mut Context<'_>,
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        loop {
-            match this.send_now(data) {
-                Ok(n) => {
-                    // Space again: stop listening for it.
-                    this.space = None;
-                    return Poll::Ready(Ok(n));
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) => return Poll::Ready(Err(e)),
-            }
-            let space = match &mut this.space {
-                Some(space) => space,
-                None => {
-                    let dup = this.io.get_ref().try_clone()?;
-                    // SAFETY: the duplicate is the AsyncFd's own, open until it is dropped.
-                    let space =
-                        unsafe { AsyncFd::register_with_interest(dup, Interest::WRITABLE)? };
-                    this.space.insert(space)
-                }
-            };
-            // Registered after the failed send: if space appeared in between, the
-            // registration reports it at once.
-            let mut guard = ready!(space.poll_write_ready(cx))?;
-            guard.clear_ready();
-        }
+        self.get_mut().poll_send(cx, &[io::IoSlice::new(data)])
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        self.get_mut().poll_send(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
     }
 
     fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {

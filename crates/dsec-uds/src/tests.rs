@@ -126,3 +126,39 @@ async fn a_closed_peer_is_end_of_file_and_a_write_error() {
     let err = wa.write_all(&[0u8; 1024]).await.expect_err("peer gone");
     assert_eq!(err.raw_os_error(), Some(libc::EPIPE), "{err}");
 }
+
+/// A vectored write is one `sendmsg`: pieces arrive in order, and one larger than the
+/// socket waits for space as a plain write does.
+#[tokio::test(flavor = "current_thread")]
+async fn vectored_writes_keep_the_order_of_their_pieces() {
+    let _one = SERIAL.lock().await;
+    let (a, b) = pair();
+    let (_ra, mut wa) = a.into_split();
+    let (mut rb, _wb) = b.into_split();
+    assert!(wa.is_write_vectored());
+    let big: Vec<u8> = (0..3 * 1024 * 1024).map(|i| (i % 249) as u8).collect();
+    let pieces: [&[u8]; 4] = [b"head", &big, b"", b"tail"];
+    let writer = async {
+        let mut slices: Vec<std::io::IoSlice<'_>> =
+            pieces.iter().map(|p| std::io::IoSlice::new(p)).collect();
+        let mut rest = &mut slices[..];
+        let mut calls = 0;
+        while !rest.is_empty() {
+            let n = wa.write_vectored(rest).await.expect("write_vectored");
+            assert!(n > 0);
+            std::io::IoSlice::advance_slices(&mut rest, n);
+            calls += 1;
+        }
+        wa.shutdown().await.expect("shutdown");
+        calls
+    };
+    let reader = async {
+        let mut got = Vec::new();
+        rb.read_to_end(&mut got).await.expect("read_to_end");
+        got
+    };
+    let (calls, got) = tokio::join!(writer, reader);
+    assert!(calls > 1, "3 MiB does not fit a socket in one call");
+    assert!(got == pieces.concat(), "bytes lost or reordered");
+    assert!(!any_listens_for_space(), "{:?}", registrations());
+}
