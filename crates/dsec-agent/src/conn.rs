@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use dsec_uds::{QuietStream, ReadHalf, WriteHalf};
 use dsec_wire::agent::Reply;
-use dsec_wire::frame::{Frame, DATA_CHUNK};
+use dsec_wire::frame::{data_header, Frame, DATA_CHUNK};
 use dsec_wire::ApiError;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 
@@ -29,15 +29,7 @@ pub struct FrameWriter {
 }
 
 /// Which output frame kind to send data as.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DataKind {
-    /// `Frame::Stdout`.
-    Stdout,
-    /// `Frame::Stderr`.
-    Stderr,
-    /// `Frame::Data`.
-    Data,
-}
+pub use dsec_wire::frame::DataKind;
 
 /// Size of a connection's read buffer.
 const READ_BUFFER: usize = 8 * 1024;
@@ -140,30 +132,15 @@ impl FrameWriter {
         parts: &[(DataKind, &[u8])],
         reply: Option<&Reply>,
     ) -> io::Result<()> {
-        let chunks: Vec<(DataKind, &[u8])> = parts
+        let frames: Vec<([u8; 5], &[u8])> = parts
             .iter()
             .flat_map(|&(kind, data)| data.chunks(DATA_CHUNK).map(move |c| (kind, c)))
-            .collect();
-        let headers: Vec<[u8; 5]> = chunks
-            .iter()
-            .map(|&(kind, chunk)| {
-                let tag: u8 = match kind {
-                    DataKind::Stdout => 1,
-                    DataKind::Stderr => 2,
-                    DataKind::Data => 3,
-                };
-                let len = u32::try_from(chunk.len() + 1).unwrap_or(u32::MAX);
-                let mut header = [0u8; 5];
-                header[..4].copy_from_slice(&len.to_be_bytes());
-                header[4] = tag;
-                header
-            })
+            .map(|(kind, chunk)| (data_header(kind, chunk.len()), chunk))
             .collect();
         let reply = reply.map(|r| Frame::json(r).to_bytes());
-        let mut slices: Vec<IoSlice<'_>> = headers
+        let mut slices: Vec<IoSlice<'_>> = frames
             .iter()
-            .zip(&chunks)
-            .flat_map(|(header, &(_, chunk))| [IoSlice::new(header), IoSlice::new(chunk)])
+            .flat_map(|(header, chunk)| [IoSlice::new(header), IoSlice::new(chunk)])
             .chain(reply.as_deref().map(IoSlice::new))
             .collect();
         let mut rest = &mut slices[..];

@@ -33,6 +33,42 @@ const TAG_STDERR: u8 = 2;
 const TAG_DATA: u8 = 3;
 const TAG_EOF: u8 = 4;
 
+/// The kind of a raw data frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataKind {
+    /// [`Frame::Stdout`].
+    Stdout,
+    /// [`Frame::Stderr`].
+    Stderr,
+    /// [`Frame::Data`].
+    Data,
+}
+
+impl DataKind {
+    fn tag(self) -> u8 {
+        match self {
+            DataKind::Stdout => TAG_STDOUT,
+            DataKind::Stderr => TAG_STDERR,
+            DataKind::Data => TAG_DATA,
+        }
+    }
+}
+
+/// The 5 header bytes of a frame with `tag` and `payload_len` bytes of payload.
+fn header(tag: u8, payload_len: usize) -> [u8; 5] {
+    let len = u32::try_from(payload_len + 1).unwrap_or(u32::MAX);
+    let mut out = [0u8; 5];
+    out[..4].copy_from_slice(&len.to_be_bytes());
+    out[4] = tag;
+    out
+}
+
+/// The header of a data frame of `kind` carrying `payload_len` bytes, for senders that
+/// write the payload from where it lies (a vectored write) instead of encoding a copy.
+pub fn data_header(kind: DataKind, payload_len: usize) -> [u8; 5] {
+    header(kind.tag(), payload_len)
+}
+
 /// A malformed frame. The stream is unusable after one.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FrameError {
@@ -60,9 +96,7 @@ impl Frame {
             Frame::Data(b) => (TAG_DATA, b),
             Frame::Eof => (TAG_EOF, &[]),
         };
-        let len = u32::try_from(payload.len() + 1).unwrap_or(u32::MAX);
-        out.extend_from_slice(&len.to_be_bytes());
-        out.push(tag);
+        out.extend_from_slice(&header(tag, payload.len()));
         out.extend_from_slice(payload);
     }
 
@@ -131,6 +165,18 @@ impl Frame {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_data_header_is_the_one_encode_writes() {
+        for (kind, frame) in [
+            (DataKind::Stdout, Frame::Stdout(b"out".to_vec())),
+            (DataKind::Stderr, Frame::Stderr(b"err".to_vec())),
+            (DataKind::Data, Frame::Data(Vec::new())),
+        ] {
+            let bytes = frame.to_bytes();
+            assert_eq!(data_header(kind, bytes.len() - 5), bytes[..5]);
+        }
+    }
 
     #[test]
     fn round_trip_all_kinds() {
