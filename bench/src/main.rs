@@ -26,6 +26,7 @@ mod network;
 mod peers;
 mod plot;
 mod provision;
+mod startup;
 
 /// Command line.
 #[derive(Debug, Parser)]
@@ -155,6 +156,11 @@ fn cat_path() -> String {
     format!("{CAT_DIR}/{CAT_FILE_NAME}")
 }
 
+/// The libc-free no-op's path inside the sandbox or container.
+fn nop_path() -> String {
+    format!("{CAT_DIR}/{}", startup::NOP_FILE_NAME)
+}
+
 /// An OCI bundle whose root is the base image's EROFS layer, mounted read-only.
 struct Bundle {
     dir: PathBuf,
@@ -181,6 +187,9 @@ impl Bundle {
         };
         std::fs::create_dir_all(bundle.payload_dir())?;
         std::fs::write(bundle.payload_dir().join(CAT_FILE_NAME), cat_payload())?;
+        let nop = bundle.payload_dir().join(startup::NOP_FILE_NAME);
+        std::fs::write(&nop, startup::nop_elf())?;
+        std::fs::set_permissions(&nop, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
         Ok(bundle)
     }
 
@@ -319,11 +328,26 @@ fn crun_run_overlay(bundle: &Bundle, n: usize) -> Stats {
     }
 }
 
-/// `crun exec true` (`n` times) and `crun exec cat` of the payload (`n_cat` times, its
-/// output read by the bench) in one running container.
-fn crun_exec(bundle: &Bundle, n: usize, n_cat: usize) -> (Stats, Stats) {
-    let (name, cat_name) = ("crun exec true", "crun exec cat 1 MiB");
-    let na = |why: String| (Stats::na(name, why.clone()), Stats::na(cat_name, why));
+/// What [`crun_exec`] measured.
+struct CrunExec {
+    exec_true: Stats,
+    exec_nop: Stats,
+    exec_cat: Stats,
+}
+
+/// `crun exec true` and of the libc-free no-op (`n` times each) and `crun exec cat` of
+/// the payload (`n_cat` times, its output read by the bench) in one running container.
+fn crun_exec(bundle: &Bundle, n: usize, n_cat: usize) -> CrunExec {
+    let (name, nop_name, cat_name) = (
+        "crun exec true",
+        "crun exec static no-op",
+        "crun exec cat 1 MiB",
+    );
+    let na = |why: String| CrunExec {
+        exec_true: Stats::na(name, why.clone()),
+        exec_nop: Stats::na(nop_name, why.clone()),
+        exec_cat: Stats::na(cat_name, why),
+    };
     let id = format!("dsec-bench-exec-{}", std::process::id());
     if let Err(e) = bundle.configure(&["sleep", "3600"], true) {
         return na(format!("{e:#}"));
@@ -345,10 +369,17 @@ fn crun_exec(bundle: &Bundle, n: usize, n_cat: usize) -> (Stats, Stats) {
             .stdout(Stdio::null())
             .status();
     };
-    let mut samples = Vec::new();
+    let (mut samples, mut nop) = (Vec::new(), Vec::new());
+    let nop_path = nop_path();
     for i in 0..n + 2 {
-        match time_cmd(Command::new("crun").args(["exec", &id, "true"])) {
-            Ok(ms) if i >= 2 => samples.push(ms),
+        let timed = time_cmd(Command::new("crun").args(["exec", &id, "true"])).and_then(|t| {
+            time_cmd(Command::new("crun").args(["exec", &id, &nop_path])).map(|n| (t, n))
+        });
+        match timed {
+            Ok((t, n)) if i >= 2 => {
+                samples.push(t);
+                nop.push(n);
+            }
             Ok(_) => {}
             Err(e) => {
                 delete();
@@ -384,37 +415,60 @@ fn crun_exec(bundle: &Bundle, n: usize, n_cat: usize) -> (Stats, Stats) {
             note: Some("stdout read through a pipe by the caller".into()),
         },
     };
-    (
-        Stats {
+    CrunExec {
+        exec_true: Stats {
             name: name.into(),
             samples,
             note: None,
         },
-        cat,
-    )
+        exec_nop: Stats {
+            name: nop_name.into(),
+            samples: nop,
+            note: Some("a libc-free ELF that exits at once (no dynamic loader, no cpuid)".into()),
+        },
+        exec_cat: cat,
+    }
 }
 
-/// The floor: spawning and reaping `/bin/true` directly on the host (posix_spawn via std).
-fn spawn_floor(n: usize) -> Stats {
+/// The floor: spawning and reaping `program` directly on the host (posix_spawn via std).
+fn spawn_floor(name: &str, program: &Path, n: usize, note: &str) -> Stats {
     let mut samples = Vec::new();
     for i in 0..n + 5 {
         let t = Instant::now();
-        let ok = Command::new("/bin/true")
+        let ok = Command::new(program)
             .status()
             .map(|s| s.success())
             .unwrap_or(false);
         if !ok {
-            return Stats::na("host spawn /bin/true", "could not run /bin/true".into());
+            return Stats::na(name, format!("could not run {}", program.display()));
         }
         if i >= 5 {
             samples.push(t.elapsed().as_secs_f64() * 1000.0);
         }
     }
     Stats {
-        name: "host spawn /bin/true".into(),
+        name: name.into(),
         samples,
-        note: Some("floor: no sandbox, no RPC".into()),
+        note: Some(note.into()),
     }
+}
+
+/// The floors of the exec table: `/bin/true` and the libc-free no-op spawned on the host.
+fn spawn_floors(bundle: &Bundle, n: usize) -> [Stats; 2] {
+    [
+        spawn_floor(
+            "host spawn /bin/true",
+            Path::new("/bin/true"),
+            n,
+            "floor: no sandbox, no RPC",
+        ),
+        spawn_floor(
+            "host spawn static no-op",
+            &bundle.payload_dir().join(startup::NOP_FILE_NAME),
+            n,
+            "floor of execve alone: no sandbox, no RPC, no libc start-up",
+        ),
+    ]
 }
 
 /// The floor of a large output: spawning `cat` of the payload on the host and reading
@@ -630,6 +684,8 @@ async fn dsec_measurements(server: &Server, n: usize) -> anyhow::Result<(Stats, 
 struct DsecExec {
     /// `exec true`.
     exec_true: Stats,
+    /// `exec` of the libc-free no-op.
+    exec_nop: Stats,
     /// `exec cat` of the payload.
     exec_cat: Stats,
     /// The same path without a process: a stat.
@@ -646,6 +702,13 @@ async fn dsec_exec_round_trip(server: &Server, n: usize) -> anyhow::Result<DsecE
         c.delete_sandbox(&sb.id).await?;
         bail!("uploading the cat payload: {e}");
     }
+    let uploaded = c
+        .write_file(&sb.id, &nop_path(), Some(0o755), startup::nop_elf())
+        .await;
+    if let Err(e) = uploaded {
+        c.delete_sandbox(&sb.id).await?;
+        bail!("uploading the static no-op: {e}");
+    }
     // The create took a disk and a network namespace from the node's pools: let their
     // refill finish first, it is not part of an exec.
     HostCpu::settle(std::time::Duration::from_secs(10)).await;
@@ -653,12 +716,23 @@ async fn dsec_exec_round_trip(server: &Server, n: usize) -> anyhow::Result<DsecE
     // A client of its own: a clone would share the pool, whose connection's task lives on
     // the bench's runtime.
     let timed = on_one_thread(server.client(), move |c| async move {
-        let mut exec = Vec::new();
+        let nop_cmd = ExecRequest {
+            cmd: dsec_wire::v1::Command::Argv(vec![nop_path()]),
+            ..sh("")
+        };
+        let (mut exec, mut nop) = (Vec::new(), Vec::new());
         for i in 0..(n * 5) + 5 {
             let t = Instant::now();
             c.exec(&id, argv_true()).await?;
+            let t_nop = Instant::now();
+            let r = c.exec(&id, nop_cmd.clone()).await?;
+            let nop_ms = t_nop.elapsed().as_secs_f64() * 1000.0;
+            if r.exit.exit_code != Some(0) {
+                bail!("the static no-op failed: {:?} {}", r.exit, r.stderr);
+            }
             if i >= 5 {
-                exec.push(t.elapsed().as_secs_f64() * 1000.0);
+                exec.push((t_nop - t).as_secs_f64() * 1000.0);
+                nop.push(nop_ms);
             }
         }
         let cat_cmd = ExecRequest {
@@ -691,15 +765,20 @@ async fn dsec_exec_round_trip(server: &Server, n: usize) -> anyhow::Result<DsecE
                 call.push(t.elapsed().as_secs_f64() * 1000.0);
             }
         }
-        Ok((exec, cat, call))
+        Ok((exec, nop, cat, call))
     });
     c.delete_sandbox(&sb.id).await?;
-    let (exec, cat, call) = timed?;
+    let (exec, nop, cat, call) = timed?;
     Ok(DsecExec {
         exec_true: Stats {
             name: "dsec exec true".into(),
             samples: exec,
             note: Some("HTTP API on a running sandbox".into()),
+        },
+        exec_nop: Stats {
+            name: "dsec exec static no-op".into(),
+            samples: nop,
+            note: Some("the same ELF as crun's: what dsec adds to an execve".into()),
         },
         exec_cat: Stats {
             name: "dsec exec cat 1 MiB".into(),
@@ -712,6 +791,52 @@ async fn dsec_exec_round_trip(server: &Server, n: usize) -> anyhow::Result<DsecE
             note: Some("stat of a file: HTTP + node + agent, the RPC part of an exec".into()),
         },
     })
+}
+
+/// Prints the exec round-trip tables (and the exec target against this machine's own
+/// start-up cost of a program); returns the first table's rows.
+fn print_exec_tables(
+    bundle: &Bundle,
+    dsec: DsecExec,
+    crun: CrunExec,
+    sdk: [Stats; 2],
+    n: usize,
+) -> Vec<Stats> {
+    let [spawn_true, spawn_nop] = spawn_floors(bundle, n * 5);
+    let [sdk_exec, sdk_aexec] = sdk;
+    let target = format!(
+        "targets: dsec exec true {:.2} ms (< 1 ms); host spawn of /bin/true alone {:.2} ms; \
+         dsec exec static no-op {:.2} ms, host spawn of it {:.2} ms; one cpuid {}",
+        dsec.exec_true.pct(50.0),
+        spawn_true.pct(50.0),
+        dsec.exec_nop.pct(50.0),
+        spawn_nop.pct(50.0),
+        startup::cpuid_us().map_or("n/a".into(), |us| format!("{us:.2} us")),
+    );
+    let exec = vec![
+        crun.exec_true,
+        dsec.exec_true,
+        sdk_exec,
+        sdk_aexec,
+        dsec.call,
+        spawn_true,
+        crun.exec_nop,
+        dsec.exec_nop,
+        spawn_nop,
+    ];
+    print_table(
+        "exec round trip on a running sandbox",
+        &exec,
+        "crun exec true",
+    );
+    println!("\n{target}");
+    let cat = vec![crun.exec_cat, dsec.exec_cat, host_cat(bundle, n * 2)];
+    print_table(
+        "exec round trip with 1 MiB of output (cat of a file)",
+        &cat,
+        "crun exec cat 1 MiB",
+    );
+    exec
 }
 
 /// Runs a sequential client loop on its own thread with a single-threaded runtime, as a
@@ -1208,7 +1333,7 @@ fn main() -> anyhow::Result<()> {
             let crun_ovl = crun_run_overlay(&bundle, n);
             let runc = runtime_run("runc", &bundle, n);
             let (dsec_tti, dsec_create, dsec_exec) = dsec_measurements(&server, n).await?;
-            let (crun_exec, crun_cat) = crun_exec(&bundle, n * 5, n * 2);
+            let crun_exec = crun_exec(&bundle, n * 5, n * 2);
             let podman = peers::podman(&bundle.rootfs, n.min(20));
             let bwrap = peers::bwrap(&bundle.rootfs, n);
             let floor = peers::raw_floor(&bundle.rootfs, n);
@@ -1221,22 +1346,16 @@ fn main() -> anyhow::Result<()> {
             let targets = format!("targets: dsec create + exec true {d:.2} ms = {} crun run true (<= 1.0x); podman run true / dsec = {} (>= 20x)",
                 ratio(&crun, d / crun.pct(50.0)), ratio(&podman, podman.pct(50.0) / d));
             tti = vec![crun, crun_ovl, runc, podman, bwrap, floor, dsec_tti, sdk, dsec_create];
-            exec = vec![crun_exec, dsec_exec.exec_true, sdk_exec, sdk_aexec, dsec_exec.call, spawn_floor(n * 5)];
             print_table("time to interactive (create -> first command done)", &tti, "crun run true");
             println!("\n{targets}");
-            print_table("exec round trip on a running sandbox", &exec, "crun exec true");
-            let cat = vec![crun_cat, dsec_exec.exec_cat, host_cat(&bundle, n * 2)];
-            print_table("exec round trip with 1 MiB of output (cat of a file)", &cat, "crun exec cat 1 MiB");
+            exec = print_exec_tables(&bundle, dsec_exec, crun_exec, [sdk_exec, sdk_aexec], n);
         } else if want("exec") {
             // The exec tables alone (part of `runtimes`), for quick before/after runs.
             let dsec_exec = dsec_exec_round_trip(&server, n).await?;
             let sdk_exec = python_sdk(&server, n * 5, SdkMode::Exec);
             let sdk_aexec = python_sdk(&server, n * 5, SdkMode::AsyncExec);
-            let (crun_exec, crun_cat) = crun_exec(&bundle, n * 5, n * 2);
-            exec = vec![crun_exec, dsec_exec.exec_true, sdk_exec, sdk_aexec, dsec_exec.call, spawn_floor(n * 5)];
-            print_table("exec round trip on a running sandbox", &exec, "crun exec true");
-            let cat = vec![crun_cat, dsec_exec.exec_cat, host_cat(&bundle, n * 2)];
-            print_table("exec round trip with 1 MiB of output (cat of a file)", &cat, "crun exec cat 1 MiB");
+            let crun_exec = crun_exec(&bundle, n * 5, n * 2);
+            exec = print_exec_tables(&bundle, dsec_exec, crun_exec, [sdk_exec, sdk_aexec], n);
         }
         if want("network") {
             let net = network::tti_by_mode(&server, n).await?;
