@@ -806,12 +806,11 @@ fn print_exec_tables(
     let [sdk_exec, sdk_aexec] = sdk;
     let target = format!(
         "targets: dsec exec true {:.2} ms (< 1 ms); host spawn of /bin/true alone {:.2} ms; \
-         dsec exec static no-op {:.2} ms, host spawn of it {:.2} ms; one cpuid {}",
+         dsec exec static no-op {:.2} ms, host spawn of it {:.2} ms",
         dsec.exec_true.pct(50.0),
         spawn_true.pct(50.0),
         dsec.exec_nop.pct(50.0),
         spawn_nop.pct(50.0),
-        startup::cpuid_us().map_or("n/a".into(), |us| format!("{us:.2} us")),
     );
     let exec = vec![
         crun.exec_true,
@@ -1326,6 +1325,10 @@ fn main() -> anyhow::Result<()> {
 
         println!("# dsec benchmark ({} iterations, {} cores, kernel {})", n, std::thread::available_parallelism().map(|p| p.get()).unwrap_or(0),
             std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim());
+        println!("{}", startup::machine_line());
+        record("machine", serde_json::json!([{
+            "cpuid_us": startup::cpuid_us(), "idle": startup::idle_policy(),
+        }]));
         let want = |section: &str| args.only.is_empty() || args.only.iter().any(|o| o == section);
         let (mut tti, mut exec) = (Vec::new(), Vec::new());
         if want("runtimes") {

@@ -1,7 +1,8 @@
 //! What starting a program costs on this machine, apart from any sandbox: a libc-free
 //! no-op executable (the exec rows' second command, which pays for `execve` and nothing
-//! else) and the price of one `cpuid` instruction, which glibc's start-up runs dozens of
-//! times (every one a hypervisor exit in a VM).
+//! else), the price of one `cpuid` instruction, which glibc's start-up runs dozens of
+//! times (every one a hypervisor exit in a VM), and how idle CPUs wait, which sets the
+//! price of every wake-up along an exec's path.
 
 use std::time::Instant;
 
@@ -72,6 +73,25 @@ pub fn cpuid_us() -> Option<f64> {
 #[cfg(not(target_arch = "x86_64"))]
 pub fn cpuid_us() -> Option<f64> {
     None
+}
+
+/// How this machine's idle CPUs wait: the cpuidle driver and, under `haltpoll` (a VM
+/// guest), how long a CPU polls before it halts. A halted vCPU takes tens of
+/// microseconds to wake, and a round trip through client, node and agent wakes three.
+pub fn idle_policy() -> String {
+    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string());
+    let driver =
+        read("/sys/devices/system/cpu/cpuidle/current_driver").unwrap_or_else(|_| "none".into());
+    match read("/sys/module/haltpoll/parameters/guest_halt_poll_ns") {
+        Ok(ns) if driver == "haltpoll" => format!("cpuidle {driver}, guest_halt_poll_ns {ns}"),
+        _ => format!("cpuidle {driver}"),
+    }
+}
+
+/// One line on what a program start and a wake-up cost here, for the report's header.
+pub fn machine_line() -> String {
+    let cpuid = cpuid_us().map_or("n/a".into(), |us| format!("{us:.2} us"));
+    format!("# machine: one cpuid {cpuid}; {}", idle_policy())
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]
