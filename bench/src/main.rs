@@ -48,9 +48,9 @@ struct Args {
     /// Containers in the burst section (default 256, quick 48).
     #[arg(long)]
     burst_n: Option<usize>,
-    /// Distinct images in the burst section (at most 26).
-    #[arg(long, default_value_t = 16)]
-    burst_images: usize,
+    /// Distinct images in the burst section (at most 26; default 16, quick 4).
+    #[arg(long)]
+    burst_images: Option<usize>,
     /// Bandwidth of the burst's emulated remote store, MiB/s.
     #[arg(long, default_value_t = 100)]
     store_mibps: u64,
@@ -1464,7 +1464,7 @@ fn main() -> anyhow::Result<()> {
                 "fresh_us": r.fresh_us, "after_delete_us": r.after_delete_us})).collect());
         }
         if want("provision") {
-            provision_section(&server, if args.quick { 2 } else { 5 }).await?;
+            provision_section(&server, if args.quick { 1 } else { 5 }).await?;
         }
         if want("burst") {
             let n = args.burst_n.unwrap_or(if args.quick { 48 } else { 256 });
@@ -1472,7 +1472,8 @@ fn main() -> anyhow::Result<()> {
                 bytes_per_sec: args.store_mibps << 20,
                 latency: std::time::Duration::from_millis(args.store_latency_ms),
             };
-            burst_section(n, args.burst_images, throttle, args.chunk_kib).await?;
+            let images = args.burst_images.unwrap_or(if args.quick { 4 } else { 16 });
+            burst_section(n, images, throttle, args.chunk_kib).await?;
         }
 
         let left = server.client().list_sandboxes(Default::default()).await?.sandboxes.len();
