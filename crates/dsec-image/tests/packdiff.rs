@@ -9,15 +9,7 @@ use std::path::Path;
 use dsec_image::packdiff::copy_upper;
 
 fn root_or_skip() -> bool {
-    let root = nix::unistd::geteuid().is_root();
-    if !root {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "packdiff tests need root"
-        );
-        eprintln!("SKIPPED: packdiff tests need root");
-    }
-    root
+    dsec_testkit::require_root("packdiff tests")
 }
 
 fn c(p: &Path) -> CString {

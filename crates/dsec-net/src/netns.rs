@@ -264,11 +264,7 @@ mod tests {
     use super::*;
 
     fn root() -> bool {
-        if nix::unistd::geteuid().is_root() {
-            return true;
-        }
-        assert!(std::env::var("CI").is_err(), "CI=true: needs root");
-        false
+        dsec_testkit::require_root("netns")
     }
 
     /// Runs `f` in `ns` on a thread of its own.

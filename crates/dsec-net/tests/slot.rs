@@ -10,15 +10,7 @@ use dsec_wire::v1::{NetworkMode, NetworkPolicy};
 use nix::sched::{setns, CloneFlags};
 
 fn require_root() -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return true;
-    }
-    assert!(
-        std::env::var("CI").is_err(),
-        "CI=true: these tests need root"
-    );
-    eprintln!("skipping: not root");
-    false
+    dsec_testkit::require_root("network slot tests")
 }
 
 /// Runs `f` on a thread inside network namespace `ns`.

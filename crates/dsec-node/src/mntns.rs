@@ -150,15 +150,7 @@ mod tests {
     use super::*;
 
     fn require_root() -> bool {
-        if nix::unistd::geteuid().is_root() {
-            return true;
-        }
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "mount namespace tests need root (CI=true)"
-        );
-        eprintln!("skipping: not root");
-        false
+        dsec_testkit::require_root("mount namespace tests")
     }
 
     /// The mounts a thread sees after joining the skeleton: (mount point, fs type, options).

@@ -306,8 +306,7 @@ mod tests {
 
     #[test]
     fn pooled_ranges_move_to_sandboxes_and_back_and_are_freed_with_the_pool() {
-        if !nix::unistd::geteuid().is_root() {
-            assert!(std::env::var("CI").is_err(), "CI=true: needs root");
+        if !dsec_testkit::require_root("nspool") {
             return;
         }
         let cfg = UsernsConfig {
@@ -359,8 +358,7 @@ mod tests {
 
     #[test]
     fn without_user_namespaces_entries_are_the_hosts() {
-        if !nix::unistd::geteuid().is_root() {
-            assert!(std::env::var("CI").is_err(), "CI=true: needs root");
+        if !dsec_testkit::require_root("nspool") {
             return;
         }
         let pool = NetnsPool::start(1, None);

@@ -115,18 +115,13 @@ impl Drop for UnmountOnFailure {
 mod tests {
     use super::*;
 
-    fn is_root() -> bool {
-        nix::unistd::geteuid().is_root()
-    }
-
     fn fs_type(dir: &Path) -> FsType {
         statfs(dir).expect("statfs").filesystem_type()
     }
 
     #[test]
     fn an_empty_disk_directory_gets_a_tmpfs_and_a_full_one_is_left_alone() {
-        if !is_root() {
-            assert!(std::env::var("CI").is_err(), "CI runs as root");
+        if !dsec_testkit::require_root("rundir") {
             return;
         }
         // /var/tmp is on disk on most hosts (this one's /tmp and /run are too).
