@@ -89,6 +89,12 @@ pub async fn read(
             Some(end) => ((end - pos) as usize).min(DATA_CHUNK),
             None => DATA_CHUNK,
         };
+        // The kernel refuses (EINVAL) a read whose end passes the largest file offset,
+        // which after the `File` reply would cut the answer: there is nothing there.
+        let want = want.min((i64::MAX as u64).saturating_sub(pos) as usize);
+        if want == 0 {
+            break;
+        }
         let n = match file.read_at(&mut buf[..want], pos) {
             Ok(0) => break,
             Ok(n) => n,

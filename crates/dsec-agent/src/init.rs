@@ -72,7 +72,17 @@ pub fn run(spec: &InitSpec, status: OwnedFd) -> Result<(), Box<dyn std::error::E
             match dsec_container::landlock::ruleset(&rules) {
                 Ok(r) => Some(std::sync::Arc::new(r)),
                 Err(e) => {
-                    report(&status, &format!("error filesystem: {e}"));
+                    // A path the request named that the image lacks is the caller's to
+                    // fix: `invalid` tells the node to answer bad_request.
+                    let line = if e.kind() == std::io::ErrorKind::NotFound {
+                        format!(
+                            "error invalid filesystem.writable: {e}: name directories or \
+                             files that exist in the image"
+                        )
+                    } else {
+                        format!("error filesystem: {e}")
+                    };
+                    report(&status, &line);
                     return Err(e.into());
                 }
             }

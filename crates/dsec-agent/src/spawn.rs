@@ -147,6 +147,22 @@ fn spawn_error(err: &io::Error, program: &str, cwd: &std::path::Path) -> ApiErro
                 cwd.display()
             )
         }
+    } else if err.raw_os_error() == Some(libc::E2BIG) {
+        // The caller's own input: say which limit, and the way around it.
+        return bad_request(format!(
+            "spawning {program}: arguments and environment are over the kernel's limit \
+             (E2BIG: at most 128 KiB per string, about 2 MiB in all); pass large data \
+             through stdin or a file"
+        ));
+    } else if err.raw_os_error() == Some(libc::EAGAIN) {
+        return ApiError::new(
+            dsec_wire::ErrorCode::Conflict,
+            format!(
+                "spawning {program}: the sandbox's process limit is reached (EAGAIN: \
+                 resources.pids counts every process and thread in it); wait for or kill \
+                 processes, or create the sandbox with a higher resources.pids"
+            ),
+        );
     } else {
         format!("spawning {program} in {}: {err}", cwd.display())
     };

@@ -229,6 +229,11 @@ impl Read for ChunkSource {
 }
 
 /// Handles `TarUpload`: extracts `Data` frames (until `Eof`) into a directory.
+///
+/// All or nothing: the archive is extracted into a staging directory inside the
+/// destination (so on the same file system), and moved into place only after the final
+/// `Eof` and a clean end of the archive. A disconnect, a bad entry or a full disk removes
+/// the staging directory and leaves the destination as it was (see [`Staging`]).
 pub async fn upload(
     agent: &Agent,
     path: &str,
@@ -236,19 +241,21 @@ pub async fn upload(
     wr: &mut FrameWriter,
 ) -> io::Result<()> {
     let dest = agent.root.path(path).and_then(|p| {
+        let created = first_missing(agent, &p);
         agent
             .root
             .mkdir_p(&p)
             .map_err(|e| io_err(&e, "create", p.as_str()))
-            .map(|fd| (p, fd))
+            .map(|fd| (p, fd, created))
     });
-    let (p, dest) = match dest {
+    let (p, dest, created) = match dest {
         Ok(v) => v,
         Err(e) => {
             return wr.error(e).await;
         }
     };
     let (tx, rx) = mpsc::channel::<Vec<u8>>(4);
+    let (commit_tx, commit_rx) = oneshot::channel::<()>();
     let (done_tx, done_rx) = oneshot::channel();
     let dest_path = p.clone();
     let thread = std::thread::Builder::new()
@@ -259,7 +266,7 @@ pub async fn upload(
                 pos: 0,
                 rx,
             };
-            let res = extract(src, dest, &dest_path);
+            let res = extract_staged(src, dest, &dest_path, commit_rx);
             let _ = done_tx.send(res);
         });
     if let Err(e) = thread {
@@ -268,35 +275,329 @@ pub async fn upload(
             .await;
     }
     let mut bytes = 0u64;
+    // Whether the sender finished (`Eof`) or went away; a stop of the extractor on an
+    // error (e.g. no space) ends the loop early too, and is answered at once instead of
+    // reading the rest of the archive.
+    let mut sender_done = false;
+    let mut gone = false;
     loop {
         match rd.next().await {
             Ok(Some(Frame::Data(d))) => {
                 bytes += d.len() as u64;
                 if tx.send(d).await.is_err() {
-                    // The extractor stopped on an error (e.g. no space): answer now
-                    // instead of reading the rest of the archive.
                     break;
                 }
             }
-            Ok(Some(Frame::Eof)) => break,
+            Ok(Some(Frame::Eof)) => {
+                sender_done = true;
+                break;
+            }
             Ok(Some(_)) => continue,
+            // Disconnect: the archive may look whole (cut between two entries), so it
+            // is never committed; the extractor removes what it staged.
             Ok(None) | Err(_) => {
-                // Disconnect: stop the extractor (it sees a truncated archive).
-                drop(tx);
-                let _ = done_rx.await;
-                return Ok(());
+                gone = true;
+                break;
             }
         }
     }
     drop(tx);
-    match done_rx.await {
-        Ok(Ok(())) => wr.reply(&Reply::Written { bytes }).await,
-        Ok(Err(e)) => wr.error(e).await,
-        Err(_) => {
-            wr.error(internal("tar thread ended without a result"))
-                .await
+    if sender_done {
+        let _ = commit_tx.send(());
+    } else {
+        drop(commit_tx);
+    }
+    let res = match done_rx.await {
+        Ok(Ok(())) if !sender_done => Err(internal("tar extraction ended without a commit")),
+        Ok(res) => res,
+        Err(_) => Err(internal("tar thread ended without a result")),
+    };
+    if res.is_err() {
+        // Directories this upload made for its destination go too (only while empty).
+        remove_created(agent, &p, created.as_ref());
+    }
+    if gone {
+        return Ok(());
+    }
+    match res {
+        Ok(()) => wr.reply(&Reply::Written { bytes }).await,
+        Err(e) => wr.error(e).await,
+    }
+}
+
+/// The first component of `p` that does not exist yet (what `mkdir_p` will create), if any.
+fn first_missing(agent: &Agent, p: &SandboxPath) -> Option<SandboxPath> {
+    let mut prefix = agent.root.path("/").ok()?;
+    for comp in p.as_str().split('/').filter(|c| !c.is_empty()) {
+        prefix = prefix.join(comp);
+        if let Err(e) = agent.root.open_dir(&prefix) {
+            return (e.raw_os_error() == Some(libc::ENOENT)).then_some(prefix);
         }
     }
+    None
+}
+
+/// Removes the empty directories from `p` up to `created` (the first one the upload made).
+fn remove_created(agent: &Agent, p: &SandboxPath, created: Option<&SandboxPath>) {
+    let Some(created) = created else {
+        return;
+    };
+    let mut cur = p.clone();
+    loop {
+        if let Ok((dir, name)) = agent.root.parent(&cur) {
+            if let Ok(c) = sys::cstr(name.as_bytes()) {
+                // rmdir: fails (and stops here) on anything not empty.
+                if sys::unlinkat(dir.as_fd(), &c, true).is_err() {
+                    return;
+                }
+            }
+        }
+        if cur.as_str() == created.as_str() || cur.is_root() {
+            return;
+        }
+        cur = cur.parent();
+    }
+}
+
+/// A staging directory (`.dsec-tar-<random>`, mode 0700) inside an upload's destination.
+/// Dropping it removes it with whatever is still inside, on every path: a committed
+/// upload has moved everything out by then.
+struct Staging {
+    dest: OwnedFd,
+    name: std::ffi::CString,
+    dir: OwnedFd,
+}
+
+impl Staging {
+    fn new(dest: OwnedFd) -> io::Result<Staging> {
+        let name = sys::cstr(format!(".dsec-tar-{:016x}", rand::random::<u64>()).as_bytes())?;
+        sys::mkdirat(dest.as_fd(), &name, 0o700)?;
+        let dir = match open_beneath(
+            dest.as_fd(),
+            name.as_bytes(),
+            libc::O_PATH | libc::O_DIRECTORY,
+        ) {
+            Ok(d) => d,
+            Err(e) => {
+                let _ = sys::unlinkat(dest.as_fd(), &name, true);
+                return Err(e);
+            }
+        };
+        Ok(Staging { dest, name, dir })
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if let Err(e) = remove_tree(self.dest.as_fd(), &self.name) {
+            tracing::warn!(error = %e, "tar: removing the staging directory");
+        }
+    }
+}
+
+/// `rm -r` of `name` in `dir`, never following symlinks.
+fn remove_tree(dir: BorrowedFd<'_>, name: &std::ffi::CStr) -> io::Result<()> {
+    let st = match sys::fstatat(dir, name, true) {
+        Ok(st) => st,
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    if st.st_mode & libc::S_IFMT != libc::S_IFDIR {
+        return sys::unlinkat(dir, name, false);
+    }
+    let sub = open_beneath(dir, name.to_bytes(), libc::O_RDONLY | libc::O_DIRECTORY)?;
+    for child in sys::read_dir_names(sub.as_fd())? {
+        remove_tree(sub.as_fd(), &sys::cstr(&child)?)?;
+    }
+    sys::unlinkat(dir, name, true)
+}
+
+/// Extracts into a [`Staging`] directory, then, once `commit` fires (the whole archive
+/// arrived), moves the staged tree into `dest`. Any error, or `commit` dropped, leaves
+/// `dest` untouched.
+fn extract_staged<R: Read>(
+    mut src: R,
+    dest: OwnedFd,
+    dest_path: &SandboxPath,
+    commit: oneshot::Receiver<()>,
+) -> Result<(), ApiError> {
+    let dest_w = sys::openat(dest.as_fd(), c".", libc::O_PATH | libc::O_DIRECTORY, 0)
+        .map_err(|e| io_err(&e, "open", dest_path.as_str()))?;
+    let staging = Staging::new(dest)
+        .map_err(|e| io_err(&e, "create staging directory in", dest_path.as_str()))?;
+    let explicit_dirs = extract(&mut src, staging.dir.as_fd(), dest_w.as_fd(), dest_path)?;
+    // Whatever follows the end of the archive (record padding) is read and dropped, so
+    // the sender is never left blocked.
+    let _ = io::copy(&mut src, &mut io::sink());
+    drop(src);
+    if commit.blocking_recv().is_err() {
+        return Err(bad_request("upload ended before the whole archive arrived"));
+    }
+    let stage_r = sys::openat(
+        staging.dir.as_fd(),
+        c".",
+        libc::O_RDONLY | libc::O_DIRECTORY,
+        0,
+    )
+    .map_err(|e| io_err(&e, "open staging directory in", dest_path.as_str()))?;
+    let dest_r = sys::openat(dest_w.as_fd(), c".", libc::O_PATH | libc::O_DIRECTORY, 0)
+        .map_err(|e| io_err(&e, "open", dest_path.as_str()))?;
+    // Conflicts are found before anything moves, so a refused upload changes nothing.
+    check_merge(stage_r.as_fd(), dest_r.as_fd(), b"", dest_path)?;
+    merge(
+        stage_r.as_fd(),
+        dest_r.as_fd(),
+        b"",
+        dest_path,
+        &explicit_dirs,
+    )?;
+    drop(staging);
+    Ok(())
+}
+
+fn rel_join(prefix: &[u8], name: &[u8]) -> Vec<u8> {
+    let mut rel = prefix.to_vec();
+    if !rel.is_empty() {
+        rel.push(b'/');
+    }
+    rel.extend_from_slice(name);
+    rel
+}
+
+fn is_dir(st: &libc::stat) -> bool {
+    st.st_mode & libc::S_IFMT == libc::S_IFDIR
+}
+
+/// Refuses a staged tree that cannot replace what is in `dest`: a directory over a
+/// non-directory (a symlink included: it is never followed), or the reverse.
+fn check_merge(
+    stage: BorrowedFd<'_>,
+    dest: BorrowedFd<'_>,
+    prefix: &[u8],
+    dest_path: &SandboxPath,
+) -> Result<(), ApiError> {
+    let names =
+        sys::read_dir_names(stage).map_err(|e| io_err(&e, "read staged", dest_path.as_str()))?;
+    for name in names {
+        let rel = rel_join(prefix, &name);
+        let shown = format!("{dest_path}/{}", show(&rel));
+        let err = |e: io::Error| io_err(&e, "extract", &shown);
+        let c = sys::cstr(&name).map_err(err)?;
+        let staged = sys::fstatat(stage, &c, true).map_err(err)?;
+        let existing = match sys::fstatat(dest, &c, true) {
+            Ok(st) => st,
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
+            Err(e) => return Err(err(e)),
+        };
+        match (is_dir(&staged), is_dir(&existing)) {
+            (true, true) => {
+                let s =
+                    open_beneath(stage, &name, libc::O_RDONLY | libc::O_DIRECTORY).map_err(err)?;
+                let d = open_beneath(dest, &name, libc::O_PATH | libc::O_DIRECTORY).map_err(err)?;
+                check_merge(s.as_fd(), d.as_fd(), &rel, dest_path)?;
+            }
+            (true, false) => {
+                return Err(ApiError::new(
+                    ErrorCode::InvalidPath,
+                    format!("tar entry {shown}: a parent is a symlink or not a directory"),
+                ))
+            }
+            (false, true) => return Err(err(io::Error::from_raw_os_error(libc::EISDIR))),
+            (false, false) => {}
+        }
+    }
+    Ok(())
+}
+
+/// Moves the staged tree into `dest`: new entries (whole directories included) by one
+/// rename each, existing directories merged, existing files and symlinks replaced
+/// atomically. Across a mount point (`EXDEV`) an entry is copied next to its target
+/// and renamed over it instead.
+fn merge(
+    stage: BorrowedFd<'_>,
+    dest: BorrowedFd<'_>,
+    prefix: &[u8],
+    dest_path: &SandboxPath,
+    explicit_dirs: &std::collections::HashMap<Vec<u8>, u32>,
+) -> Result<(), ApiError> {
+    let names =
+        sys::read_dir_names(stage).map_err(|e| io_err(&e, "read staged", dest_path.as_str()))?;
+    for name in names {
+        let rel = rel_join(prefix, &name);
+        let shown = format!("{dest_path}/{}", show(&rel));
+        let err = |e: io::Error| io_err(&e, "extract", &shown);
+        let c = sys::cstr(&name).map_err(err)?;
+        let staged = sys::fstatat(stage, &c, true).map_err(err)?;
+        let existing = match sys::fstatat(dest, &c, true) {
+            Ok(st) => Some(st),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => None,
+            Err(e) => return Err(err(e)),
+        };
+        let both_dirs = matches!(existing, Some(ex) if is_dir(&staged) && is_dir(&ex));
+        if !both_dirs {
+            match sys::renameat(stage, &c, dest, &c) {
+                Ok(()) => continue,
+                Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {}
+                Err(e) => return Err(err(e)),
+            }
+        }
+        if is_dir(&staged) {
+            if existing.is_none() {
+                match sys::mkdirat(dest, &c, staged.st_mode & 0o7777) {
+                    Ok(()) => {}
+                    Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+                    Err(e) => return Err(err(e)),
+                }
+            }
+            let s = open_beneath(stage, &name, libc::O_RDONLY | libc::O_DIRECTORY).map_err(err)?;
+            let d = open_beneath(dest, &name, libc::O_RDONLY | libc::O_DIRECTORY).map_err(err)?;
+            if let Some(mode) = explicit_dirs.get(&rel) {
+                sys::fchmod(d.as_fd(), *mode).map_err(err)?;
+            }
+            merge(s.as_fd(), d.as_fd(), &rel, dest_path, explicit_dirs)?;
+        } else {
+            copy_over(stage, dest, &name, &staged).map_err(err)?;
+        }
+    }
+    Ok(())
+}
+
+/// Copies the staged non-directory `name` to a temporary name in `dest` and renames it
+/// over `name` there (for a destination on another mount).
+fn copy_over(
+    stage: BorrowedFd<'_>,
+    dest: BorrowedFd<'_>,
+    name: &[u8],
+    st: &libc::stat,
+) -> io::Result<()> {
+    let c = sys::cstr(name)?;
+    let tmp = sys::cstr(crate::files::temp_name(&String::from_utf8_lossy(name)).as_bytes())?;
+    let made = match st.st_mode & libc::S_IFMT {
+        libc::S_IFLNK => {
+            let target = sys::readlinkat(stage, &c)?;
+            sys::symlinkat(&sys::cstr(&target)?, dest, &tmp)
+        }
+        libc::S_IFREG => (|| {
+            let mut from = std::fs::File::from(open_beneath(stage, name, libc::O_RDONLY)?);
+            let fd = sys::openat(
+                dest,
+                &tmp,
+                libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW,
+                0o600,
+            )?;
+            let mut to = std::fs::File::from(fd);
+            io::copy(&mut from, &mut to)?;
+            sys::fchmod(to.as_fd(), st.st_mode & 0o7777)?;
+            let _ = sys::set_mtime(to.as_fd(), st.st_mtime);
+            Ok(())
+        })(),
+        _ => return Ok(()),
+    };
+    let res = made.and_then(|()| sys::renameat(dest, &tmp, dest, &c));
+    if res.is_err() {
+        let _ = sys::unlinkat(dest, &tmp, false);
+    }
+    res
 }
 
 /// Splits an entry path into safe components, rejecting absolute paths and `..`.
@@ -357,7 +658,16 @@ fn clear_slot(dir: BorrowedFd<'_>, name: &std::ffi::CStr) -> io::Result<()> {
     }
 }
 
-fn extract<R: Read>(src: R, dest: OwnedFd, dest_path: &SandboxPath) -> Result<(), ApiError> {
+/// Extracts the archive into `stage`. Hard links may name files already in `dest`.
+/// Returns the modes of the directories the archive names (relative path to mode), which
+/// apply to directories that already exist in `dest` too.
+fn extract<R: Read>(
+    src: R,
+    stage: BorrowedFd<'_>,
+    dest: BorrowedFd<'_>,
+    dest_path: &SandboxPath,
+) -> Result<std::collections::HashMap<Vec<u8>, u32>, ApiError> {
+    let mut dir_modes = std::collections::HashMap::new();
     let mut archive = tar::Archive::new(src);
     let entries = archive
         .entries()
@@ -371,7 +681,7 @@ fn extract<R: Read>(src: R, dest: OwnedFd, dest_path: &SandboxPath) -> Result<()
         };
         let shown = format!("{dest_path}/{}", show(&raw));
         let err = |e: io::Error| io_err(&e, "extract", &shown);
-        let parent = walk(dest.as_fd(), parents, true).map_err(|e| {
+        let parent = walk(stage, parents, true).map_err(|e| {
             if e.raw_os_error() == Some(libc::ELOOP) || e.raw_os_error() == Some(libc::ENOTDIR) {
                 ApiError::new(
                     ErrorCode::InvalidPath,
@@ -395,6 +705,7 @@ fn extract<R: Read>(src: R, dest: OwnedFd, dest_path: &SandboxPath) -> Result<()
                 let d = open_beneath(parent.as_fd(), last, libc::O_RDONLY | libc::O_DIRECTORY)
                     .map_err(err)?;
                 sys::fchmod(d.as_fd(), mode).map_err(err)?;
+                dir_modes.insert(comps.join(&b'/'), mode);
             }
             tar::EntryType::Regular | tar::EntryType::Continuous => {
                 clear_slot(parent.as_fd(), &name).map_err(err)?;
@@ -432,18 +743,20 @@ fn extract<R: Read>(src: R, dest: OwnedFd, dest_path: &SandboxPath) -> Result<()
                 let Some((tlast, tparents)) = tcomps.split_last() else {
                     return Err(bad_request(format!("tar entry {shown}: empty link target")));
                 };
-                let tdir = walk(dest.as_fd(), tparents, false).map_err(err)?;
+                let tname = sys::cstr(tlast).map_err(err)?;
+                // An earlier entry of this archive, else a file already in the destination.
+                let staged = walk(stage, tparents, false)
+                    .ok()
+                    .filter(|d| sys::fstatat(d.as_fd(), &tname, true).is_ok());
+                let tdir = match staged {
+                    Some(d) => d,
+                    None => walk(dest, tparents, false).map_err(err)?,
+                };
                 clear_slot(parent.as_fd(), &name).map_err(err)?;
-                sys::linkat(
-                    tdir.as_fd(),
-                    &sys::cstr(tlast).map_err(err)?,
-                    parent.as_fd(),
-                    &name,
-                )
-                .map_err(err)?;
+                sys::linkat(tdir.as_fd(), &tname, parent.as_fd(), &name).map_err(err)?;
             }
             other => tracing::debug!(entry = %shown, ?other, "tar: skipping entry type"),
         }
     }
-    Ok(())
+    Ok(dir_modes)
 }

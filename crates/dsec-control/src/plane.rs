@@ -85,6 +85,8 @@ pub struct ControlPlane {
     /// Cache of the store's sandbox records (the store is written on every change).
     records: Mutex<HashMap<String, Sandbox>>,
     tombstones: Mutex<HashMap<String, Tombstone>>,
+    /// Digest of the create request behind each idempotency key used since start.
+    fingerprints: Mutex<HashMap<String, [u8; 32]>>,
     /// This plane itself, for the tasks of [`ControlPlane::to_end`].
     me: Weak<ControlPlane>,
 }
@@ -185,6 +187,7 @@ impl ControlPlane {
             store,
             records: Mutex::new(HashMap::new()),
             tombstones: Mutex::new(tombstones),
+            fingerprints: Mutex::new(HashMap::new()),
             me: me.clone(),
         });
         for (id, mut sb) in records {
@@ -749,6 +752,121 @@ impl ControlPlane {
     }
 }
 
+/// Idempotent creates: a retry must be the same request as the first.
+impl ControlPlane {
+    fn fingerprints(&self) -> std::sync::MutexGuard<'_, HashMap<String, [u8; 32]>> {
+        self.fingerprints.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records the digest of a keyed create (under the records lock, before any retry can
+    /// find the record), forgetting keys of sandboxes that are gone.
+    fn remember_request(&self, req: &CreateSandboxRequest, recs: &HashMap<String, Sandbox>) {
+        let Some(key) = &req.idempotency_key else {
+            return;
+        };
+        let mut fps = self.fingerprints();
+        if fps.len() > 2 * recs.len() + 1024 {
+            fps.retain(|k, _| {
+                recs.values()
+                    .any(|s| s.idempotency_key.as_deref() == Some(k.as_str()))
+            });
+        }
+        fps.insert(key.clone(), request_digest(req));
+    }
+
+    /// `conflict` when a create reusing the key of sandbox `first` asks for something
+    /// else: by the request's digest when this server saw the first one, else by what
+    /// the sandbox's record says (image, layers, resources, labels, policies).
+    fn same_request(&self, first: &str, req: &CreateSandboxRequest) -> ApiResult<()> {
+        let Some(key) = &req.idempotency_key else {
+            return Ok(());
+        };
+        let known = self.fingerprints().get(key).copied();
+        let same = match known {
+            Some(digest) => digest == request_digest(req),
+            None => match self.lock().get(first) {
+                Some(rec) => self.record_matches(rec, req),
+                None => true,
+            },
+        };
+        if same {
+            return Ok(());
+        }
+        Err(ApiError::new(
+            ErrorCode::Conflict,
+            format!(
+                "idempotency_key {key:?} belongs to sandbox {first}, created by a different \
+                 request: retry with the same body, or use a new key for a new sandbox"
+            ),
+        ))
+    }
+
+    fn record_matches(&self, rec: &Sandbox, req: &CreateSandboxRequest) -> bool {
+        let image = req.image.as_deref().unwrap_or(&self.cfg.default_image);
+        let r = &req.resources;
+        rec.image == image
+            && rec.layers == req.layers
+            && rec.backend == req.backend
+            && rec.resources.cpu == r.cpu.unwrap_or(self.cfg.default_cpu)
+            && rec.resources.memory_mb == r.memory_mb.unwrap_or(self.cfg.default_memory_mb)
+            && rec.resources.pids == r.pids.unwrap_or(self.cfg.default_pids)
+            && rec.labels == req.labels
+            && rec.network == req.network
+            && rec.filesystem == req.filesystem
+            && rec.isolation == req.isolation
+            && rec.qos == req.qos
+            && rec.auto_resume == req.auto_resume
+            && rec.idle_timeout_s == req.idle_timeout_s
+    }
+
+    /// `bad_request` (the create is undone by the caller) when the sandbox's default user
+    /// names a user or group its image does not have: every command would fail.
+    async fn check_user(&self, id: &str, user: Option<&str>) -> ApiResult<()> {
+        let Some(user) = user else {
+            return Ok(());
+        };
+        let (u, g) = user
+            .split_once(':')
+            .map_or((user, None), |(u, g)| (u, Some(g)));
+        let named = |s: &str| s.parse::<u32>().is_err();
+        let passwd = if named(u) {
+            self.small_file(id, "/etc/passwd").await?
+        } else {
+            None
+        };
+        let group = match g {
+            Some(g) if named(g) => self.small_file(id, "/etc/group").await?,
+            _ => None,
+        };
+        validate::user_known(user, passwd.as_deref(), group.as_deref())
+    }
+
+    /// A small text file of the sandbox (`None` if it does not exist).
+    async fn small_file(&self, id: &str, path: &str) -> ApiResult<Option<String>> {
+        const LIMIT: usize = 16 << 20;
+        let (_, mut stream) = match self.read_file(id, path, 0, None).await {
+            Ok(v) => v,
+            Err(e) if e.code == ErrorCode::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let mut text = Vec::new();
+        while let Some(chunk) = stream.next().await {
+            text.extend_from_slice(&chunk?);
+            if text.len() > LIMIT {
+                break;
+            }
+        }
+        Ok(Some(String::from_utf8_lossy(&text).into_owned()))
+    }
+}
+
+/// SHA-256 of a create request's JSON (maps are ordered, so equal requests hash equal).
+fn request_digest(req: &CreateSandboxRequest) -> [u8; 32] {
+    use sha2::Digest;
+    let json = serde_json::to_vec(req).unwrap_or_default();
+    sha2::Sha256::digest(&json).into()
+}
+
 /// Whether the memory limit killed a process while this exec ran.
 async fn oom_check(node: &Arc<dyn NodeApi>, id: &str, before: u64, frame: &Frame) -> bool {
     let Frame::Json(bytes) = frame else {
@@ -827,10 +945,12 @@ impl ControlPlane {
             });
             if found.is_none() {
                 recs.insert(id.clone(), sb.clone());
+                self.remember_request(&req, &recs);
             }
             found
         };
         if let Some(first) = existing {
+            self.same_request(&first, &req)?;
             return self.await_created(&first).await;
         }
         let mut env = BTreeMap::from([
@@ -855,6 +975,7 @@ impl ControlPlane {
             .clone()
             .or(config.user)
             .filter(|u| u != "root" && u != "0");
+        let spec_user = user.clone();
         let spec = NodeCreateSpec {
             id: id.clone(),
             image,
@@ -901,6 +1022,10 @@ impl ControlPlane {
         sb.state = SandboxState::Ready;
         self.lock().insert(id.clone(), sb.clone());
         if let Err(e) = self.place_files(&id, &req.files).await {
+            let _ = self.remove(&id, None).await;
+            return Err(e);
+        }
+        if let Err(e) = self.check_user(&id, spec_user.as_deref()).await {
             let _ = self.remove(&id, None).await;
             return Err(e);
         }
@@ -1439,6 +1564,7 @@ impl SandboxApi for ControlPlane {
         length: Option<u64>,
     ) -> ApiResult<(FileInfo, ByteStream)> {
         validate::sandbox_path("path", path)?;
+        validate::read_range(offset, length)?;
         let mut conn = self.conn(id).await?;
         conn.send_request(&Request::FileRead {
             path: path.to_string(),
@@ -1538,7 +1664,28 @@ impl SandboxApi for ControlPlane {
             path: path.to_string(),
         })
         .await?;
-        Ok(Self::data_stream(conn))
+        // The agent's first frame says whether the path can be archived at all: an
+        // error then is answered as such, before any 200 goes out.
+        let first = match conn.recv().await? {
+            Some(Frame::Json(j)) => match serde_json::from_slice::<Reply>(&j) {
+                Ok(Reply::Error(e)) => return Err(e),
+                Ok(other) => return Err(unexpected(other)),
+                Err(e) => return Err(internal(format!("bad agent reply: {e}"))),
+            },
+            Some(Frame::Eof) => return Ok(futures::stream::empty().boxed()),
+            Some(Frame::Data(b)) => Bytes::from(b),
+            Some(_) => return Err(internal("unexpected frame in data stream")),
+            None => {
+                return Err(ApiError::new(
+                    ErrorCode::AgentUnavailable,
+                    "agent closed the stream early",
+                ))
+            }
+        };
+        let rest = Self::data_stream(conn);
+        Ok(futures::stream::once(async move { Ok(first) })
+            .chain(rest)
+            .boxed())
     }
 
     async fn upload_tar(&self, id: &str, path: &str, body: ByteStream) -> ApiResult<WriteResult> {
@@ -1610,6 +1757,21 @@ fn import_source(req: &ImportImageRequest) -> ApiResult<PathBuf> {
             ErrorCode::BadRequest,
             format!(
                 "source {:?} must be an absolute path on the server",
+                req.source
+            ),
+        ));
+    }
+    if let Err(e) = std::fs::metadata(&source) {
+        let why = match e.kind() {
+            std::io::ErrorKind::NotFound => "does not exist".to_string(),
+            std::io::ErrorKind::PermissionDenied => "is not readable by the server".to_string(),
+            _ => format!("cannot be read: {e}"),
+        };
+        return Err(ApiError::new(
+            ErrorCode::BadRequest,
+            format!(
+                "source {:?} {why}: give a directory, tar, OCI layout or .erofs file on \
+                 the server",
                 req.source
             ),
         ));

@@ -11,6 +11,14 @@ fn bad(msg: impl Into<String>) -> ApiError {
 
 /// Limits accepted on create.
 pub const MAX_CPU: f64 = 64.0;
+/// Smallest CPU limit: the cgroup quota cannot go below 1% of a core (1 ms per 100 ms).
+pub const MIN_CPU: f64 = 0.01;
+/// Longest single argument or `KEY=VALUE` the kernel passes to a program
+/// (`MAX_ARG_STRLEN`, 32 pages, with its NUL).
+pub const MAX_ARG_BYTES: usize = 128 * 1024 - 1;
+/// Most bytes of arguments and environment one command may take in all: the kernel's
+/// limit with the default 8 MiB stack (a quarter of it).
+pub const MAX_ARGS_TOTAL: usize = 2 * 1024 * 1024;
 /// Memory range in MiB.
 pub const MEMORY_MB_RANGE: (u64, u64) = (16, 1024 * 1024);
 /// Writable-layer size range in MiB (64 MiB to 16 TiB).
@@ -39,6 +47,17 @@ pub fn sandbox_path(field: &str, p: &str) -> Result<(), ApiError> {
             ErrorCode::InvalidPath,
             format!("{field}: path must be non-empty and contain no NUL byte"),
         ));
+    }
+    Ok(())
+}
+
+/// A byte range of a file read: offsets past `i64::MAX` are no file offset at all.
+pub fn read_range(offset: u64, length: Option<u64>) -> Result<(), ApiError> {
+    const MAX: u64 = i64::MAX as u64;
+    if offset > MAX || length.is_some_and(|l| l > MAX) {
+        return Err(bad(format!(
+            "offset and length must be at most {MAX} (got offset {offset}, length {length:?})"
+        )));
     }
     Ok(())
 }
@@ -144,9 +163,9 @@ pub fn create(req: &CreateSandboxRequest) -> Result<(), ApiError> {
         }
     }
     if let Some(cpu) = req.resources.cpu {
-        if !cpu.is_finite() || cpu <= 0.0 || cpu > MAX_CPU {
+        if !cpu.is_finite() || cpu < MIN_CPU || cpu > MAX_CPU {
             return Err(bad(format!(
-                "resources.cpu must be in (0, {MAX_CPU}] cores, got {cpu}"
+                "resources.cpu must be in [{MIN_CPU}, {MAX_CPU}] cores, got {cpu}"
             )));
         }
     }
@@ -215,11 +234,107 @@ pub fn create(req: &CreateSandboxRequest) -> Result<(), ApiError> {
             ));
         }
         sandbox_path("files.path", &f.path)?;
+        if let Some(m) = f.mode {
+            if m > 0o777 {
+                return Err(bad(format!(
+                    "files: {}: mode {m:#o} has bits beyond the permissions 0o777 \
+                     (file type, setuid, setgid or sticky): give only permission bits",
+                    f.path
+                )));
+            }
+        }
+    }
+    if let Some(u) = &req.user {
+        user(u)?;
     }
     if let Some(w) = &req.workdir {
         if !w.starts_with('/') {
             return Err(bad(format!("workdir {w:?} must be an absolute path")));
         }
+    }
+    Ok(())
+}
+
+/// The form of a user spec: `NAME`, `UID`, `NAME:GROUP` or `UID:GID`.
+pub fn user(spec: &str) -> Result<(), ApiError> {
+    let (u, g) = match spec.split_once(':') {
+        Some((u, g)) => (u, Some(g)),
+        None => (spec, None),
+    };
+    let part_ok = |p: &str| {
+        !p.is_empty()
+            && p.len() <= 256
+            && !p.contains([':', '\0', '\n', '/'])
+            && !p.chars().any(char::is_whitespace)
+    };
+    if !part_ok(u) || g.is_some_and(|g| !part_ok(g)) {
+        return Err(bad(format!(
+            "user {spec:?}: expected NAME, UID, NAME:GROUP or UID:GID"
+        )));
+    }
+    Ok(())
+}
+
+/// Whether `spec`'s names are in the sandbox's `/etc/passwd` and `/etc/group` (their
+/// text; `None` when the file is missing). Ids need no entry.
+pub fn user_known(spec: &str, passwd: Option<&str>, group: Option<&str>) -> Result<(), ApiError> {
+    let (u, g) = match spec.split_once(':') {
+        Some((u, g)) => (u, Some(g)),
+        None => (spec, None),
+    };
+    let has = |text: Option<&str>, name: &str| {
+        text.unwrap_or("")
+            .lines()
+            .any(|l| l.split(':').next() == Some(name))
+    };
+    if u.parse::<u32>().is_err() && !has(passwd, u) {
+        return Err(bad(format!(
+            "user {u:?} does not exist in the image (no entry in its /etc/passwd): \
+             name a user of the image, or give a UID[:GID]"
+        )));
+    }
+    if let Some(g) = g {
+        if g.parse::<u32>().is_err() && !has(group, g) {
+            return Err(bad(format!(
+                "group {g:?} does not exist in the image (no entry in its /etc/group): \
+                 name a group of the image, or give a GID"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Arguments and environment the kernel would refuse to pass to a program (`E2BIG`).
+fn args_fit(
+    args: &[&str],
+    env: &std::collections::BTreeMap<String, String>,
+) -> Result<(), ApiError> {
+    let mut total = 0usize;
+    for (i, a) in args.iter().enumerate() {
+        if a.len() > MAX_ARG_BYTES {
+            return Err(bad(format!(
+                "cmd: argument {i} is {} bytes, over the kernel's limit of {MAX_ARG_BYTES} \
+                 per argument (E2BIG): pass large data through stdin or a file",
+                a.len()
+            )));
+        }
+        total += a.len() + 1;
+    }
+    for (k, v) in env {
+        let len = k.len() + v.len() + 1;
+        if len > MAX_ARG_BYTES {
+            return Err(bad(format!(
+                "env: {k} is {len} bytes, over the kernel's limit of {MAX_ARG_BYTES} per \
+                 variable (E2BIG): pass large data through stdin or a file"
+            )));
+        }
+        total += len + 1;
+    }
+    if total > MAX_ARGS_TOTAL {
+        return Err(bad(format!(
+            "cmd and env are {total} bytes, over the kernel's limit of {MAX_ARGS_TOTAL} \
+             (E2BIG): pass large data through stdin or a file"
+        )));
     }
     Ok(())
 }
@@ -240,6 +355,15 @@ pub fn exec(req: &ExecRequest) -> Result<(), ApiError> {
         _ => {}
     }
     env(&req.env)?;
+    let args: Vec<&str> = match &req.cmd {
+        dsec_wire::v1::Command::Argv(v) => v.iter().map(String::as_str).collect(),
+        // Run as `/bin/sh -c CMD`.
+        dsec_wire::v1::Command::Shell(s) => vec!["/bin/sh", "-c", s.as_str()],
+    };
+    args_fit(&args, &req.env)?;
+    if let Some(u) = &req.user {
+        user(u)?;
+    }
     if let Some(t) = req.timeout_s {
         seconds("timeout_s", t)?;
     }
@@ -315,6 +439,68 @@ mod tests {
         assert!(create(&r).is_err());
         r.timeout_s = Some(60);
         assert!(create(&r).is_ok());
+    }
+
+    #[test]
+    fn refuses_what_the_kernel_would() {
+        let cpu = |c: f64| CreateSandboxRequest {
+            resources: Resources {
+                cpu: Some(c),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        assert!(create(&cpu(1e-300)).is_err());
+        assert!(create(&cpu(0.01)).is_ok());
+        let file = |mode: u32| CreateSandboxRequest {
+            files: vec![dsec_wire::v1::InitFile {
+                path: "/x".into(),
+                content: String::new(),
+                encoding: Default::default(),
+                mode: Some(mode),
+            }],
+            ..Default::default()
+        };
+        assert!(create(&file(0o755)).is_ok());
+        for mode in [36855, 0o4755, 0o2755, 0o1777] {
+            assert!(create(&file(mode)).is_err(), "{mode:o}");
+        }
+        let argv = |args: Vec<String>| ExecRequest {
+            cmd: dsec_wire::v1::Command::Argv(args),
+            env: Default::default(),
+            cwd: None,
+            stdin: None,
+            timeout_s: None,
+            output_limit: None,
+            user: None,
+        };
+        assert!(exec(&argv(vec!["echo".into(), "a".repeat(MAX_ARG_BYTES)])).is_ok());
+        let e =
+            exec(&argv(vec!["echo".into(), "a".repeat(MAX_ARG_BYTES + 1)])).expect_err("too long");
+        assert!(e.message.contains("E2BIG"), "{e:?}");
+        let many = vec!["a".repeat(100_000); 30];
+        assert!(exec(&argv(many)).is_err());
+        assert!(read_range(i64::MAX as u64, None).is_ok());
+        assert!(read_range(u64::MAX, None).is_err());
+        assert!(read_range(0, Some(u64::MAX)).is_err());
+    }
+
+    #[test]
+    fn users_are_checked_against_the_image() {
+        let passwd = "root:x:0:0::/root:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n";
+        let group = "root:x:0:\nstaff:x:50:\n";
+        for ok in ["nobody", "root:staff", "1234", "1234:5678", "nobody:50"] {
+            user(ok).expect(ok);
+            user_known(ok, Some(passwd), Some(group)).expect(ok);
+        }
+        for bad in ["ghost", "nobody:ghosts"] {
+            assert!(user_known(bad, Some(passwd), Some(group)).is_err(), "{bad}");
+        }
+        assert!(user_known("root", None, None).is_err());
+        assert!(user_known("0:0", None, None).is_ok());
+        for bad in ["", ":1", "a:", "a b", "a:b:c"] {
+            assert!(user(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

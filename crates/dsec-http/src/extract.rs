@@ -14,10 +14,60 @@ use crate::error::HttpError;
 
 /// A JSON request body (`content-type: application/json` required). Rejections (syntax,
 /// unknown fields, wrong types, missing content type, too large) become `bad_request` /
-/// `payload_too_large` with serde's message.
-#[derive(Debug, FromRequest)]
-#[from_request(via(axum::Json), rejection(HttpError))]
+/// `payload_too_large` with serde's message. A top-level array is refused too: serde
+/// reads a struct from a sequence of its fields, so `[]` would pass as a request with
+/// every field at its default.
+#[derive(Debug)]
 pub struct Json<T>(pub T);
+
+/// Whether the request says its body is JSON (`application/json` or `application/*+json`).
+fn json_content_type(headers: &HeaderMap) -> bool {
+    let Some(ct) = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let essence = ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    essence == "application/json"
+        || (essence.starts_with("application/") && essence.ends_with("+json"))
+}
+
+impl<T, S> FromRequest<S> for Json<T>
+where
+    T: serde::de::DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = HttpError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        if !json_content_type(req.headers()) {
+            return Err(HttpError::bad_request(
+                "Expected request with `Content-Type: application/json`",
+            ));
+        }
+        let bytes = bytes::Bytes::from_request(req, state).await.map_err(|r| {
+            let code = if r.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+                dsec_wire::ErrorCode::PayloadTooLarge
+            } else {
+                dsec_wire::ErrorCode::BadRequest
+            };
+            HttpError::new(code, r.body_text())
+        })?;
+        if bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[') {
+            return Err(HttpError::bad_request(
+                "request body must be a JSON object, not an array",
+            ));
+        }
+        let axum::Json(v) = axum::Json::<T>::from_bytes(&bytes)?;
+        Ok(Json(v))
+    }
+}
 
 /// A query string decoded with serde; failures become `bad_request`.
 #[derive(Debug, FromRequestParts)]

@@ -258,7 +258,7 @@ pub async fn not_found(method: Method, uri: Uri) -> HttpError {
 /// Known path, wrong method.
 pub async fn method_not_allowed(method: Method, uri: Uri) -> HttpError {
     HttpError::new(
-        ErrorCode::NotFound,
+        ErrorCode::MethodNotAllowed,
         format!("method {method} is not supported on {}", uri.path()),
     )
 }

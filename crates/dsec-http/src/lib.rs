@@ -198,6 +198,7 @@ pub fn router_with(api: Arc<dyn SandboxApi>, opts: HttpOptions) -> Router {
         .fallback(h::not_found)
         .method_not_allowed_fallback(h::method_not_allowed)
         .layer(DefaultBodyLimit::max(JSON_BODY_LIMIT))
+        .layer(middleware::from_fn(json_errors))
         .layer(axum::Extension(opts))
         .layer(TraceLayer::new_for_http())
         .layer(CatchPanicLayer::custom(panic_response))
@@ -224,6 +225,51 @@ pub async fn serve(
     axum::serve(listener, router_with(api, opts))
         .with_graceful_shutdown(shutdown)
         .await
+}
+
+/// Largest plain-text error body [`json_errors`] rewraps (axum's rejections are short).
+const PLAIN_ERROR_LIMIT: usize = 64 * 1024;
+
+/// Gives every error answer a JSON body in its front's shape: axum's own rejections
+/// (a body over the limit, a malformed multipart form, a missing content type) are
+/// plain text, which the SWE-ReX and E2B clients cannot read as an error.
+async fn json_errors(req: axum::extract::Request, next: middleware::Next) -> Response {
+    let path = req.uri().path().to_owned();
+    let resp = next.run(req).await;
+    let status = resp.status();
+    let is_json = resp
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return resp;
+    }
+    let code = match status.as_u16() {
+        413 => ErrorCode::PayloadTooLarge,
+        404 => ErrorCode::NotFound,
+        405 => ErrorCode::MethodNotAllowed,
+        401 => ErrorCode::Unauthorized,
+        s if s >= 500 => ErrorCode::Internal,
+        _ => ErrorCode::BadRequest,
+    };
+    let text = match axum::body::to_bytes(resp.into_body(), PLAIN_ERROR_LIMIT).await {
+        Ok(b) => String::from_utf8_lossy(&b).trim().to_owned(),
+        Err(_) => String::new(),
+    };
+    let message = if text.is_empty() {
+        status.canonical_reason().unwrap_or("error").to_owned()
+    } else {
+        text
+    };
+    let body = if path.starts_with("/swerex/") {
+        serde_json::json!({"detail": message, "code": code})
+    } else if path.starts_with("/e2b/") {
+        serde_json::json!({"code": status.as_u16(), "message": message})
+    } else {
+        return HttpError::new(code, message).into_response();
+    };
+    (status, axum::Json(body)).into_response()
 }
 
 /// Turns a handler panic into a 500 `internal` error with the panic message.

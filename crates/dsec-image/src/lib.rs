@@ -45,6 +45,30 @@ pub use dsec_wire::v1::{Image, ImageConfig};
 mod extract;
 pub use dsec_mountinfo as mountinfo;
 pub mod oci;
+
+/// Entry points for the `cargo fuzz` targets (`fuzz/` at the repository root): the tar
+/// and OCI importers up to the point where a layer would be built.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing {
+    use std::path::Path;
+
+    use crate::{extract, ImageError, Result};
+
+    /// Extracts the (possibly compressed) tar file `archive` into the empty directory
+    /// `dest`, as a root file system import does.
+    pub fn extract_tar(archive: &Path, dest: &Path) -> Result<bool> {
+        let kind = extract::sniff(archive)?
+            .ok_or_else(|| ImageError::UnsupportedSource(archive.to_path_buf()))?;
+        extract::extract(archive, kind, dest, &|_| {})
+    }
+
+    /// Reads the OCI layout or `docker save` archive `source` and applies its layers
+    /// into the empty directory `dest`.
+    pub fn unpack_oci(source: &Path, dest: &Path) -> Result<()> {
+        crate::oci::unpack_flat(source, dest)
+    }
+}
 pub mod packdiff;
 pub mod shared;
 

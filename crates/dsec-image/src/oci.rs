@@ -162,6 +162,18 @@ pub(crate) fn import(
     res
 }
 
+/// Reads the image at `source` and applies all its layers into `dest` (an empty
+/// directory), as a flattened import does before it builds the layer.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn unpack_flat(source: &Path, dest: &Path) -> Result<()> {
+    let src = Source::open(source)?;
+    let plan = src.plan()?;
+    for layer in &plan.layers {
+        src.unpack_layer(layer, dest, Whiteouts::Apply, &|_| {})?;
+    }
+    Ok(())
+}
+
 /// Creates `dir` (mode 0755) as the root of an extracted tree.
 fn make_root(dir: &Path) -> Result<PathBuf> {
     std::fs::create_dir(dir).map_err(|e| ImageError::io("mkdir", dir, e))?;

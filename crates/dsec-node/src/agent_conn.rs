@@ -72,6 +72,19 @@ impl AgentConn {
 
     /// Sends a frame (buffered; call [`AgentConn::flush`] or use [`AgentConn::request`]).
     pub async fn send(&mut self, frame: &Frame) -> Result<(), ApiError> {
+        // The agent would drop the connection over a frame it cannot take: a request
+        // this large (a huge command or environment) is the caller's to shrink.
+        if frame.encoded_len() > dsec_wire::frame::MAX_FRAME + 5 {
+            return Err(ApiError::new(
+                ErrorCode::PayloadTooLarge,
+                format!(
+                    "request of {} bytes is over the agent's limit of {} bytes per message: \
+                     pass large data through stdin or a file",
+                    frame.encoded_len(),
+                    dsec_wire::frame::MAX_FRAME
+                ),
+            ));
+        }
         if !self.out.is_empty() && self.out.len() + frame.encoded_len() > WRITE_BUFFER {
             self.flush().await?;
         }

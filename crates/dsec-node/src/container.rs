@@ -566,6 +566,9 @@ impl ContainerBackend {
                 pid = p.trim().parse::<i32>().ok();
             } else if line == "ready" {
                 ready = true;
+            } else if let Some(msg) = line.strip_prefix("error invalid ") {
+                // The request named something the image lacks (init says so).
+                return Err(NodeError::Unsupported(msg.to_string()));
             } else if let Some(msg) = line.strip_prefix("error ") {
                 return Err(create_err(id, msg));
             }

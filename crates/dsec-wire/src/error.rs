@@ -36,6 +36,8 @@ pub enum ErrorCode {
     AgentUnavailable,
     /// An unexpected server-side error.
     Internal,
+    /// The route exists but not with this HTTP method.
+    MethodNotAllowed,
 }
 
 impl ErrorCode {
@@ -45,6 +47,7 @@ impl ErrorCode {
             ErrorCode::BadRequest | ErrorCode::InvalidPath => 400,
             ErrorCode::Unauthorized => 401,
             ErrorCode::NotFound | ErrorCode::ImageNotFound => 404,
+            ErrorCode::MethodNotAllowed => 405,
             ErrorCode::Conflict | ErrorCode::Paused => 409,
             ErrorCode::Expired => 410,
             ErrorCode::PayloadTooLarge => 413,

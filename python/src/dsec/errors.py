@@ -24,6 +24,7 @@ __all__ = [
     "InvalidPath",
     "NoSpace",
     "PayloadTooLarge",
+    "MethodNotAllowed",
     "Paused",
     "AgentUnavailable",
     "Internal",
@@ -150,6 +151,12 @@ class Internal(DsecError):
     code = "internal"
 
 
+class MethodNotAllowed(DsecError):
+    """The route exists, but not with this HTTP method (HTTP 405)."""
+
+    code = "method_not_allowed"
+
+
 class ConnectionFailed(DsecError):
     """The server could not be reached, or the connection broke (no HTTP answer)."""
 
@@ -175,6 +182,7 @@ ERROR_CLASSES: Dict[str, Type[DsecError]] = {
         Paused,
         AgentUnavailable,
         Internal,
+        MethodNotAllowed,
     )
 }
 

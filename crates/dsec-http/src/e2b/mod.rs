@@ -95,7 +95,8 @@ async fn run_as_root(
             stdin: None,
             timeout_s: Some(30.0),
             output_limit: None,
-            user: Some("root".into()),
+            // By id: an image without /etc/passwd has no name `root` yet.
+            user: Some("0:0".into()),
         },
     )
     .await

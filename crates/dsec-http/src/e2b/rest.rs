@@ -159,7 +159,9 @@ async fn create(State(api): Api, headers: HeaderMap, Json(req): Json<NewSandbox>
                     timeout_s: Some(req.timeout.unwrap_or(DEFAULT_TIMEOUT_S)),
                     env: req.env_vars.unwrap_or_default(),
                     labels,
-                    user: Some(DEFAULT_USER.into()),
+                    // E2B's `user` may not exist before ENSURE_USER makes it below, and
+                    // a create validates its user; envd names its user on every call.
+                    user: None,
                     workdir: Some(format!("/home/{DEFAULT_USER}")),
                     auto_resume: req.auto_resume.is_some_and(|v| v != Value::Bool(false)),
                     network: NetworkPolicy {
@@ -178,13 +180,24 @@ async fn create(State(api): Api, headers: HeaderMap, Json(req): Json<NewSandbox>
                 Ok(r) if r.exit.exit_code == Some(0) => {}
                 other => {
                     let _ = api.delete_sandbox(&sb.id).await;
-                    let why = match other {
-                        Ok(r) => format!("exit {:?}: {}", r.exit.exit_code, r.stderr),
-                        Err(e) => e.message,
+                    // The template's own lack (no shell, no writable /etc/passwd) is the
+                    // caller's to fix; an unreachable agent or a timeout is not.
+                    let (code, why) = match other {
+                        Ok(r) => (
+                            ErrorCode::BadRequest,
+                            format!("exit {:?}: {}", r.exit.exit_code, r.stderr.trim()),
+                        ),
+                        Err(e) if e.code.http_status() >= 500 => (e.code, e.message),
+                        Err(e) => (ErrorCode::BadRequest, e.message),
                     };
                     return Err(ApiError::new(
-                        ErrorCode::Failed,
-                        format!("preparing E2B's user in the sandbox failed: {why}"),
+                        code,
+                        format!(
+                            "template {:?} cannot host an E2B sandbox: making its user \
+                             {DEFAULT_USER:?} (uid 1000) failed ({why}); an E2B template \
+                             needs /bin/sh and a writable /etc/passwd",
+                            req.template_id
+                        ),
                     ));
                 }
             }
