@@ -464,6 +464,34 @@ impl Cgroup {
         self.manager.inner().set_frozen(false, DEFAULT_TIMEOUT)
     }
 
+    /// Removes the parent cgroup `parent` (e.g. `dsec`) in every hierarchy where it is
+    /// empty (no child cgroup, no process); returns the directories that stay (some
+    /// sandbox still uses them). Only `parent` itself goes, not its own parents.
+    pub fn remove_parent(root: &CgroupRoot, parent: &str) -> Result<Vec<PathBuf>> {
+        let parent = util::validate_rel_path(parent)?;
+        let dirs: Vec<PathBuf> = match root.version {
+            CgroupVersion::V1 => v1::hierarchy_dirs(root.mount_root())
+                .into_iter()
+                .map(|(_, d)| d.join(&parent))
+                .collect(),
+            CgroupVersion::V2 => vec![root.mount_root().join(&parent)],
+        };
+        let mut kept = Vec::new();
+        for dir in dirs {
+            match std::fs::remove_dir(&dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::ENOTEMPTY)) => {
+                    kept.push(dir)
+                }
+                Err(e) => return Err(util::io_err("rmdir", &dir, e)),
+            }
+        }
+        kept.sort();
+        kept.dedup();
+        Ok(kept)
+    }
+
     /// Relative paths (`<parent>/<name>`) of the child cgroups of `parent` (e.g. `dsec`),
     /// across all hierarchies, sorted. Used to find leftover sandbox cgroups after a crash.
     /// A missing parent yields an empty list.

@@ -192,6 +192,12 @@ pub struct ServeArgs {
     /// cgroup may wait for an RCU grace period, 10-20 ms.
     #[arg(long)]
     pub keep_cgroup_mount: bool,
+    /// Remove every trace of this node from the host and exit instead of serving: deletes
+    /// every sandbox (and its record), then its run directory, cgroup parent, nftables
+    /// table and links, and claim file. Images, the API key and the state database stay
+    /// in --state-dir. Fails while a node runs on these names.
+    #[arg(long)]
+    pub cleanup: bool,
     /// Sandboxes run in user namespaces whose ids 0..65535 map to a host range of
     /// 65536 ids cut from N upwards, so root in a sandbox is nobody on the host. Layers
     /// and disks are idmapped, so files keep their owners. Pick ids no user has in

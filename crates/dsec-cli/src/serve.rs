@@ -181,6 +181,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let node = LocalNode::open(node_cfg)
         .await
         .context("starting the node runtime")?;
+    let local = node.clone();
     let key_path = args.state_dir.join("api-key");
     let (key, created) = dsec_control::auth::load_or_create_key(&key_path)
         .with_context(|| format!("reading or creating the API key at {}", key_path.display()))?;
@@ -204,6 +205,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let plane = ControlPlane::open(control, node_api, store)
         .await
         .map_err(|e| anyhow::anyhow!("starting the control plane: {}", e.message))?;
+    if args.cleanup {
+        return cleanup(&plane, local).await;
+    }
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
@@ -218,9 +222,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}
         }
-        tracing::info!(
-            "shutting down; sandboxes keep running and are re-adopted on the next start"
-        );
+        tracing::info!("shutting down");
     };
     let http = dsec_http::HttpOptions {
         upload_idle_timeout: std::time::Duration::from_secs(args.upload_idle_timeout_s),
@@ -229,5 +231,39 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     dsec_http::serve(listener, plane, http, shutdown)
         .await
         .context("serving HTTP")?;
+    stop(local).await
+}
+
+/// A graceful stop once HTTP is done: live sandboxes keep running (and what they need
+/// stays on the host) for the next start to adopt; with none left, the node leaves no
+/// trace but its state directory.
+async fn stop(node: Arc<LocalNode>) -> anyhow::Result<()> {
+    let left = tokio::task::spawn_blocking(move || node.shutdown())
+        .await
+        .context("stopping the node")?;
+    if left {
+        tracing::info!("stopped; sandboxes keep running and are re-adopted on the next start");
+    } else {
+        tracing::info!("stopped; no sandbox was left, so nothing of the node stays on the host");
+    }
+    Ok(())
+}
+
+/// `dsec serve --cleanup`: deletes every sandbox, then stops as a node with none left.
+async fn cleanup(plane: &Arc<ControlPlane>, node: Arc<LocalNode>) -> anyhow::Result<()> {
+    use dsec_control::SandboxApi;
+    let list = plane
+        .list_sandboxes(Default::default())
+        .await
+        .map_err(|e| anyhow::anyhow!("listing sandboxes: {}", e.message))?;
+    for sb in list.sandboxes {
+        plane
+            .delete_sandbox(&sb.id)
+            .await
+            .map_err(|e| anyhow::anyhow!("deleting sandbox {}: {}", sb.id, e.message))?;
+        println!("deleted sandbox {}", sb.id);
+    }
+    stop(node).await?;
+    println!("removed this node's traces from the host");
     Ok(())
 }

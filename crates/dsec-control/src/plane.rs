@@ -192,16 +192,33 @@ impl ControlPlane {
         });
         for (id, mut sb) in records {
             match running.get(&id) {
+                // Still `creating`: the server died before the create answered, so nobody
+                // was told of this sandbox, and whether its initial files were placed is
+                // unknown. Whatever the node holds of it goes, and the record with it: a
+                // retry with the same idempotency key makes a new sandbox, and no record
+                // stays `creating` with no create to finish it.
+                _ if sb.state == SandboxState::Creating => {
+                    tracing::info!(%id, "removing half-created sandbox");
+                    match plane.node.destroy(&id).await {
+                        Ok(()) => {
+                            plane.unstore(NS_SANDBOXES, &id).await?;
+                            continue;
+                        }
+                        // Kept, failed, for a delete or its lifetime's end to retry.
+                        Err(e) => {
+                            tracing::warn!(%id, error = %e, "removing half-created sandbox failed");
+                            sb.state = SandboxState::Failed;
+                            sb.failure = Some(format!(
+                                "the server stopped while the sandbox was being created, \
+                                 and removing it failed: {e}"
+                            ));
+                        }
+                    }
+                }
                 Some(true) => {
                     // Activity is not persisted (it would cost a write per call): a restart
                     // counts as activity.
                     sb.last_active_at = now;
-                }
-                Some(false) | None if sb.state == SandboxState::Creating => {
-                    tracing::info!(%id, "removing half-created sandbox");
-                    let _ = plane.node.destroy(&id).await;
-                    plane.unstore(NS_SANDBOXES, &id).await?;
-                    continue;
                 }
                 _ => {
                     sb.state = SandboxState::Failed;
@@ -288,12 +305,11 @@ impl ControlPlane {
         let candidates: Vec<(String, &'static str)> = self
             .lock()
             .values()
-            .filter(|s| {
-                matches!(
-                    s.state,
-                    SandboxState::Ready | SandboxState::Failed | SandboxState::Paused
-                )
-            })
+            // Every state but `creating`: a lifetime ends whatever the sandbox is doing (a
+            // delete that failed midway, `stopping`, is retried here). A create is in
+            // flight in this process (a start resolves every earlier one) and ends on its
+            // own; the next pass reaps it if its lifetime is over by then.
+            .filter(|s| s.state != SandboxState::Creating)
             .filter_map(|s| {
                 if s.job_suspended_at.is_some() && self.cfg.job_suspend_stops_lifetime {
                     // A suspended job's clock is stopped (a preempted trainer must find

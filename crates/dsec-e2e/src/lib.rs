@@ -287,6 +287,43 @@ impl Server {
         }
     }
 
+    /// Stops the server gracefully (SIGTERM) and waits for it to exit; returns its exit
+    /// status, or `None` if it was not running or did not exit within `timeout` (it is
+    /// killed then).
+    pub fn terminate(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let mut c = self.child.take()?;
+        // SAFETY: kill with our child's pid and a signal.
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + timeout;
+        loop {
+            match c.try_wait() {
+                Ok(Some(status)) => return Some(status),
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                _ => {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// Runs `dsec serve --cleanup` with this server's directories and flags (the server
+    /// must not be running); returns its exit status and output.
+    pub fn cleanup(&self) -> anyhow::Result<std::process::Output> {
+        Command::new(dsec_bin())
+            .args(["serve", "--cleanup", "--listen", "127.0.0.1:0"])
+            .arg("--state-dir")
+            .arg(&self.state_dir)
+            .arg("--run-dir")
+            .arg(&self.run_dir)
+            .args(&self.extra_args)
+            .output()
+            .with_context(|| format!("running {} serve --cleanup", dsec_bin().display()))
+    }
+
     /// The server process's pid, while it runs.
     pub fn pid(&self) -> Option<i32> {
         self.child.as_ref().map(|c| c.id() as i32)

@@ -250,3 +250,72 @@ async fn failed_and_half_created_sandboxes_leave_nothing() {
         sandbox_cgroups()
     );
 }
+
+/// A record a crash left `creating` while its sandbox lives on (the server died after the
+/// node built it, before the create answered): the restart removes both, so nothing is
+/// stuck in `creating`, and a retry with the same idempotency key makes a new sandbox at
+/// once instead of waiting for the old record.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_record_left_creating_by_a_crash_is_resolved_at_restart() {
+    use dsec_state::StateStore;
+    if !require_root() {
+        return;
+    }
+    let mut s = Server::start_with(
+        "recovery-creating",
+        true,
+        &["--cgroup-parent", "dsec-e2e-creating"],
+    )
+    .await
+    .expect("server");
+    s.ensure_base(None).await.expect("base image");
+    let keyed = || CreateSandboxRequest {
+        idempotency_key: Some("crash-mid-create".into()),
+        ..Default::default()
+    };
+    let first = s.client().create_sandbox(keyed()).await.expect("create");
+    assert!(!host::processes(&first.id).is_empty());
+    s.kill();
+    {
+        let store = dsec_state::RedbStore::open(&s.state_dir.join("state.redb")).expect("store");
+        let bytes = store
+            .get("sandboxes", &first.id)
+            .expect("get")
+            .expect("the record");
+        let mut rec: serde_json::Value = serde_json::from_slice(&bytes).expect("json");
+        rec["sandbox"]["state"] = "creating".into();
+        store
+            .put(
+                "sandboxes",
+                &first.id,
+                &serde_json::to_vec(&rec).expect("json"),
+            )
+            .expect("put");
+    }
+    s.spawn().await.expect("restart");
+    let c = s.client();
+    let e = c
+        .get_sandbox(&first.id)
+        .await
+        .expect_err("the half-created record is gone");
+    assert_eq!(e.code(), Some(ErrorCode::NotFound), "{e}");
+    assert!(
+        host::processes(&first.id).is_empty(),
+        "its sandbox was destroyed"
+    );
+    assert!(host::cgroup_dirs(&first.id).is_empty());
+    let started = std::time::Instant::now();
+    let again = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        c.create_sandbox(keyed()),
+    )
+    .await
+    .expect("a retried create does not wait for a stuck record")
+    .expect("retried create");
+    assert_ne!(again.id, first.id);
+    assert_eq!(again.state, SandboxState::Ready);
+    let r = c.exec(&again.id, sh("echo ok")).await.expect("exec");
+    assert_eq!(r.stdout, "ok\n");
+    eprintln!("retried create answered in {:?}", started.elapsed());
+    c.delete_sandbox(&again.id).await.expect("delete");
+}

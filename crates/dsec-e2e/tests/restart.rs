@@ -2,6 +2,7 @@
 //! re-adopted with their processes and files, and still usable afterwards.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use dsec_e2e::{host, require_root, sh, Server};
 use dsec_wire::v1::*;
@@ -262,4 +263,181 @@ async fn inits_fork_from_a_zygote_that_is_replaced_when_lost_and_dies_with_its_n
         c.delete_sandbox(id).await.expect("delete");
         assert!(host::processes(id).is_empty(), "{id} left processes");
     }
+}
+
+/// The names the graceful-stop test's node uses, and where it leaves traces.
+struct Traces {
+    parent: &'static str,
+    table: &'static str,
+    prefix: &'static str,
+}
+
+const STOP: Traces = Traces {
+    parent: "dsec-stop",
+    table: "dsec_e2e_stop",
+    prefix: "dsestop",
+};
+
+impl Traces {
+    fn args(&self) -> Vec<&'static str> {
+        vec![
+            "--cgroup-parent",
+            self.parent,
+            "--nft-table",
+            self.table,
+            "--link-prefix",
+            self.prefix,
+            "--sandbox-subnet",
+            "10.239.0.0/16",
+            "--dns-port",
+            "15390",
+            "--dns-upstream",
+            "127.0.0.1:53",
+            "--net-pool",
+            "2",
+        ]
+    }
+
+    /// The node's cgroup parent directories in every hierarchy.
+    fn cgroup_parents(&self) -> Vec<String> {
+        let mut dirs: Vec<std::path::PathBuf> = std::fs::read_dir("/sys/fs/cgroup")
+            .map(|d| d.flatten().map(|e| e.path().join(self.parent)).collect())
+            .unwrap_or_default();
+        dirs.push(std::path::Path::new("/sys/fs/cgroup").join(self.parent));
+        dirs.into_iter()
+            .filter(|d| d.is_dir())
+            .map(|d| d.display().to_string())
+            .collect()
+    }
+
+    /// The slot chains (`sN`) of the node's nftables table; `None` without a table.
+    fn chains(&self) -> Option<Vec<String>> {
+        let out = std::process::Command::new("nft")
+            .args(["list", "table", "inet", self.table])
+            .output()
+            .expect("nft");
+        if !out.status.success() {
+            return None;
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        let mut chains: Vec<String> = text
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("chain s")?.strip_suffix(" {"))
+            .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+            .map(|n| format!("s{n}"))
+            .collect();
+        chains.sort();
+        Some(chains)
+    }
+
+    /// Host links with the node's prefix.
+    fn links(&self) -> Vec<String> {
+        let mut links: Vec<String> = std::fs::read_dir("/sys/class/net")
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.starts_with(self.prefix))
+                    .collect()
+            })
+            .unwrap_or_default();
+        links.sort();
+        links
+    }
+
+    fn claim_file(&self) -> std::path::PathBuf {
+        std::path::Path::new("/run/dsec-claims").join(format!("cgroup parent-{}", self.parent))
+    }
+
+    /// Asserts that nothing of the node is left on the host but its state directory.
+    fn assert_none(&self, s: &Server, when: &str) {
+        let mounted = std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .lines()
+            .any(|l| l.split(' ').nth(4) == s.run_dir.to_str());
+        assert!(!mounted, "{when}: run directory still mounted");
+        assert!(!s.run_dir.exists(), "{when}: run directory left");
+        assert_eq!(
+            self.cgroup_parents(),
+            Vec::<String>::new(),
+            "{when}: cgroups left"
+        );
+        assert_eq!(self.chains(), None, "{when}: nftables table left");
+        assert_eq!(self.links(), Vec::<String>::new(), "{when}: links left");
+        assert!(!self.claim_file().exists(), "{when}: claim file left");
+    }
+}
+
+/// A graceful stop (SIGTERM) keeps what live sandboxes need, but no pooled slot; with
+/// no sandbox left it leaves nothing of the node on the host; `dsec serve --cleanup`
+/// removes every trace after a crash.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_graceful_stop_leaves_nothing_once_no_sandbox_is_left() {
+    if !require_root() {
+        return;
+    }
+    let seed = Server::shared("restart-seed");
+    let _ = std::process::Command::new("nft")
+        .args(["delete", "table", "inet", STOP.table])
+        .stderr(std::process::Stdio::null())
+        .status();
+    let mut s = Server::start_with("stop", true, &STOP.args())
+        .await
+        .expect("server");
+    s.ensure_base(Some(seed)).await.expect("base image");
+    let open = || CreateSandboxRequest {
+        network: NetworkPolicy {
+            mode: NetworkMode::Open,
+            allow: Vec::new(),
+        },
+        ..Default::default()
+    };
+    let c = s.client();
+    let a = c.create_sandbox(open()).await.expect("create");
+    let chains = STOP.chains().expect("the table");
+    assert!(
+        chains.len() > 1,
+        "the sandbox's chain and the pool's: {chains:?}"
+    );
+
+    // With a live sandbox: what it needs stays, the pool's slots go.
+    let status = s.terminate(Duration::from_secs(30)).expect("stopped");
+    assert!(status.success(), "{status:?}: {}", s.log());
+    assert_eq!(
+        STOP.chains().map(|c| c.len()),
+        Some(1),
+        "only the sandbox's chain"
+    );
+    assert_eq!(
+        STOP.links().len(),
+        1,
+        "only the sandbox's link: {:?}",
+        STOP.links()
+    );
+    assert!(!host::processes(&a.id).is_empty(), "the sandbox lives on");
+    assert!(!STOP.cgroup_parents().is_empty());
+    assert!(!STOP.claim_file().exists(), "claim file left");
+
+    s.spawn().await.expect("restart");
+    let c = s.client();
+    let r = c.exec(&a.id, sh("echo still")).await.expect("exec");
+    assert_eq!(r.stdout, "still\n");
+    c.delete_sandbox(&a.id).await.expect("delete");
+    let status = s.terminate(Duration::from_secs(30)).expect("stopped");
+    assert!(status.success(), "{status:?}: {}", s.log());
+    STOP.assert_none(&s, "graceful stop with no sandbox");
+
+    // A crash with a live sandbox, then the cleanup.
+    s.spawn().await.expect("restart");
+    let b = s.client().create_sandbox(open()).await.expect("create");
+    s.kill();
+    let out = s.cleanup().expect("cleanup");
+    assert!(
+        out.status.success(),
+        "{:?}: {}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(host::processes(&b.id).is_empty(), "the sandbox was deleted");
+    STOP.assert_none(&s, "dsec serve --cleanup");
 }

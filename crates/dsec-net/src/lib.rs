@@ -372,10 +372,17 @@ impl Network {
                 match made {
                     Ok(ready) => {
                         let (lock, _) = &*pool;
-                        lock.lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .ready
-                            .push(ready);
+                        let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
+                        if p.stop {
+                            // Stopped while this one was made: it goes like the others.
+                            drop(p);
+                            let (slot, ns) = ready;
+                            drop(ns);
+                            let _ = netns::remove_link(&net.link_name(slot));
+                            net.discard(slot);
+                            return;
+                        }
+                        p.ready.push(ready);
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "network pool: could not prepare a slot");
@@ -520,6 +527,63 @@ impl Network {
     pub fn live(&self) -> usize {
         self.slots().by_id.len()
     }
+
+    /// Stops the slot pool and takes its prepared slots away, links and chains: only
+    /// sandboxes' slots stay in the table. Idempotent.
+    pub fn stop_pool(&self) {
+        let (lock, cv) = &*self.pool;
+        let ready: Vec<(u32, OwnedFd)> = {
+            let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
+            p.stop = true;
+            p.ready.drain(..).collect()
+        };
+        cv.notify_all();
+        for (slot, ns) in ready {
+            drop(ns);
+            let _ = netns::remove_link(&self.link_name(slot));
+            self.discard(slot);
+        }
+    }
+
+    /// Stops the node's networking for good (a graceful stop): the pool's slots go, and
+    /// with no sandbox left, the table and every slot link too. Returns whether nothing
+    /// is left.
+    pub fn shutdown(&self) -> bool {
+        self.stop_pool();
+        for t in &self.tasks {
+            t.abort();
+        }
+        if self.live() > 0 {
+            return false;
+        }
+        remove_traces(&self.cfg);
+        true
+    }
+}
+
+/// Removes what a node with `cfg` leaves on the host when no sandbox of it is left: its
+/// nftables table and every slot link of its prefix (`dsec serve --cleanup`, a graceful
+/// stop). Failures are logged.
+pub fn remove_traces(cfg: &NetConfig) {
+    for link in netns::links_with_prefix(&cfg.link_prefix) {
+        let slot_like = link[cfg.link_prefix.len()..]
+            .bytes()
+            .all(|b| b.is_ascii_digit());
+        if slot_like {
+            if let Err(e) = netns::remove_link(&link) {
+                tracing::warn!(%link, error = %e, "removing a sandbox link");
+            }
+        }
+    }
+    let tables = nft::Tables {
+        table: cfg.table.clone(),
+        prefix: cfg.link_prefix.clone(),
+        subnet: cfg.subnet,
+        dns_port: cfg.dns_port,
+    };
+    if let Err(e) = nft::apply(&tables.delete()) {
+        tracing::warn!(table = %cfg.table, error = %e, "deleting the nftables table");
+    }
 }
 
 impl Drop for Network {
@@ -527,15 +591,9 @@ impl Drop for Network {
         for t in &self.tasks {
             t.abort();
         }
-        let (lock, cv) = &*self.pool;
-        let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
-        p.stop = true;
-        // Unused prepared slots: their namespaces die with the fds; drop the links now
-        // so a next run in this process can reuse the names.
-        for (slot, _) in p.ready.drain(..) {
-            let _ = netns::remove_link(&format!("{}{slot}", self.cfg.link_prefix));
-        }
-        cv.notify_all();
+        // Unused prepared slots: their namespaces die with the fds; their links and
+        // chains go now, so no chain is left for a link that no longer exists.
+        self.stop_pool();
     }
 }
 

@@ -85,6 +85,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// After a node restart: the sandboxes still alive (to adopt); everything else that
     /// this backend left behind is cleaned up.
     fn recover(&self) -> Result<Vec<RuntimeRecord>, NodeError>;
+    /// A graceful stop: ends the backend's helpers (zygote, pools). With `empty` (no
+    /// sandbox left) it also removes what it keeps on the host for sandboxes (nftables
+    /// table, links, cgroup parent); otherwise that stays for the next start to adopt.
+    fn shutdown(&self, empty: bool) {
+        let _ = empty;
+    }
     /// Whether the sandbox's init still runs.
     fn is_alive(&self, rec: &RuntimeRecord) -> bool;
     /// OOM kills in the sandbox so far.

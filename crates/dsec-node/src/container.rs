@@ -1039,6 +1039,31 @@ impl Backend for ContainerBackend {
         pid_start_time(rec.pid) == Some(rec.pid_start_time) && !is_zombie(rec.pid)
     }
 
+    fn shutdown(&self, empty: bool) {
+        self.zygote.stop();
+        self.nspool.stop();
+        let net = self.network_if_started();
+        if let Some(n) = &net {
+            n.stop_pool();
+        }
+        if !empty {
+            return;
+        }
+        match (&net, &self.cfg.network) {
+            (Some(n), _) => {
+                n.shutdown();
+            }
+            // Not started in this run: an earlier run's table and links may be there.
+            (None, Some(cfg)) => dsec_net::remove_traces(cfg),
+            (None, None) => {}
+        }
+        match Cgroup::remove_parent(&self.cgroups, &self.cfg.cgroup_parent) {
+            Ok(kept) if kept.is_empty() => {}
+            Ok(kept) => tracing::warn!(?kept, "cgroup parent still in use; kept"),
+            Err(e) => tracing::warn!(error = %e, "removing the cgroup parent"),
+        }
+    }
+
     fn pause(&self, id: &str) -> Result<(u64, u64), NodeError> {
         let cg = self.cgroup(id)?;
         cg.freeze()?;

@@ -31,7 +31,7 @@ pub struct LocalNode {
     /// Turns of deletes (`NodeConfig::delete_concurrency`; `None`: no limit).
     delete_turns: Option<tokio::sync::Semaphore>,
     /// The host-wide names this node owns while it runs.
-    _claims: crate::claims::HostClaims,
+    claims: crate::claims::HostClaims,
 }
 
 fn join_err(e: tokio::task::JoinError) -> NodeError {
@@ -149,7 +149,7 @@ impl LocalNode {
             admission: Admission::new(cfg.admission),
             delete_turns: (cfg.delete_concurrency > 0)
                 .then(|| tokio::sync::Semaphore::new(cfg.delete_concurrency)),
-            _claims: claims,
+            claims,
             cfg,
             cgroup_version: cgroups.version(),
             images,
@@ -240,6 +240,22 @@ impl LocalNode {
     /// The image store.
     pub fn images(&self) -> &ImageStore {
         &self.images
+    }
+
+    /// A graceful stop, once no request is served any more: ends the node's helper
+    /// processes and pools. Live sandboxes keep what they need (run directory, cgroups,
+    /// nftables table, links) for the next start to adopt; with none left, nothing of
+    /// the node stays on the host but its state directory. The claim file goes either
+    /// way (the lock itself is released when the node exits). Returns whether sandboxes
+    /// were left running.
+    pub fn shutdown(&self) -> bool {
+        let empty = self.lock().is_empty();
+        self.backend.shutdown(empty);
+        if empty {
+            crate::rundir::remove(&self.cfg.run_dir);
+        }
+        self.claims.remove_files();
+        !empty
     }
 }
 

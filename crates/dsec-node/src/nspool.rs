@@ -194,6 +194,16 @@ impl NetnsPool {
     }
 }
 
+impl NetnsPool {
+    /// Stops the fillers and drops every ready entry (a graceful stop). Entries lent to
+    /// sandboxes are not pooled again.
+    pub fn stop(&self) {
+        self.inner.stopping.store(true, Ordering::SeqCst);
+        self.inner.wake.notify_all();
+        while self.give_back_one() {}
+    }
+}
+
 impl Drop for NetnsPool {
     fn drop(&mut self) {
         self.inner.stopping.store(true, Ordering::SeqCst);
@@ -237,8 +247,15 @@ fn fill(inner: Weak<Inner>) {
             Ok(entry) => {
                 failing = false;
                 let mut ready = lock(&pool.ready);
-                ready.push_back(entry);
                 pool.making.fetch_sub(1, Ordering::SeqCst);
+                if pool.stopping.load(Ordering::SeqCst) {
+                    drop(ready);
+                    if let Some(ranges) = &pool.ranges {
+                        lock(ranges).release(&entry.key);
+                    }
+                    return;
+                }
+                ready.push_back(entry);
             }
             Err(e) => {
                 pool.making.fetch_sub(1, Ordering::SeqCst);

@@ -111,6 +111,54 @@ impl Drop for UnmountOnFailure {
     }
 }
 
+/// Removes a run directory no sandbox uses any more (a graceful stop with none left,
+/// `dsec serve --cleanup`): the tmpfs the node mounted there with everything on it, or,
+/// on a directory it did not mount, the entries the node makes; then the directory if it
+/// is empty. Returns whether it is gone.
+pub fn remove(dir: &Path) -> bool {
+    if is_our_tmpfs(dir) {
+        if let Err(e) = nix::mount::umount2(dir, nix::mount::MntFlags::MNT_DETACH) {
+            tracing::warn!(dir = %dir.display(), error = %e, "unmounting the run directory");
+            return false;
+        }
+    } else {
+        let _ = std::fs::remove_file(dir.join("zygote.log"));
+        for sub in ["skeleton", "sandboxes", "oci"] {
+            let _ = std::fs::remove_dir(dir.join(sub));
+        }
+    }
+    match std::fs::remove_dir(dir) {
+        Ok(()) => true,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
+        Err(e) => {
+            tracing::warn!(dir = %dir.display(), error = %e, "run directory kept");
+            false
+        }
+    }
+}
+
+/// Whether `dir` is a mount point of the tmpfs [`ensure_tmpfs`] mounts (source
+/// `dsec-run`).
+fn is_our_tmpfs(dir: &Path) -> bool {
+    let Ok(dir) = dir.canonicalize() else {
+        return false;
+    };
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    let target = dir.to_string_lossy().replace(' ', "\\040");
+    info.lines().any(|l| {
+        let mut halves = l.splitn(2, " - ");
+        let (Some(left), Some(right)) = (halves.next(), halves.next()) else {
+            return false;
+        };
+        let mut r = right.split(' ');
+        left.split(' ').nth(4) == Some(target.as_str())
+            && r.next() == Some("tmpfs")
+            && r.next() == Some("dsec-run")
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -176,7 +224,16 @@ mod tests {
         UnmountOnFailure::new(&empty, &outcome).disarm();
         drop(UnmountOnFailure::new(&empty, &RunDirOutcome::InMemory));
         assert_eq!(fs_type(&empty), TMPFS_MAGIC);
-        nix::mount::umount2(&empty, nix::mount::MntFlags::MNT_DETACH).expect("umount");
+        // A stop with no sandbox left takes the tmpfs, whatever is on it, and the
+        // directory away; on a directory it did not mount, only its own entries.
+        std::fs::create_dir_all(empty.join("sandboxes/x")).expect("mkdir");
+        assert!(remove(&empty), "the tmpfs and its directory go");
+        assert!(!empty.exists());
+        assert!(
+            !remove(&full),
+            "a directory with an earlier run's files stays"
+        );
+        assert!(full.join("agent.sock").exists());
         std::fs::remove_dir_all(&base).expect("cleanup");
     }
 }

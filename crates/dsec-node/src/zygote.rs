@@ -161,6 +161,15 @@ impl Zygote {
     }
 }
 
+impl Zygote {
+    /// Kills the zygote for good (a graceful stop); a later request would start another.
+    pub fn stop(&self) {
+        if let Some(r) = self.lock().take() {
+            r.stop();
+        }
+    }
+}
+
 impl Drop for Zygote {
     fn drop(&mut self) {
         if let Some(r) = self.lock().take() {
