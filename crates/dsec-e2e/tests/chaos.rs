@@ -4,8 +4,9 @@
 //! `creating`; the sandboxes on the host are exactly the records'; a retried create
 //! (same idempotency key) answers at once.
 //!
-//! `DSEC_CHAOS_ROUNDS` sets the number of rounds (default [`CI_ROUNDS`], to keep the
-//! suite short; issue #31 asks for 20), `DSEC_CHAOS_SEED` replays a run's moments.
+//! `DSEC_CHAOS_ROUNDS` sets the number of rounds: default [`CI_ROUNDS`] to keep the suite
+//! short (about 5 s a round here; the 20 of issue #31 took 100 s), `DSEC_CHAOS_ROUNDS=20`
+//! for the full run. `DSEC_CHAOS_SEED` replays a run's moments.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -15,7 +16,7 @@ use dsec_e2e::{require_root, sh, wait_until, Server};
 use dsec_wire::v1::*;
 
 /// Rounds run by default.
-const CI_ROUNDS: u64 = 5;
+const CI_ROUNDS: u64 = 12;
 /// Creates per burst.
 const BURST: usize = 50;
 const PARENT: &str = "dsec-chaos";
@@ -120,16 +121,30 @@ async fn kill_9_during_create_bursts_leaves_a_consistent_node() {
                 .await
             }));
         }
-        // Somewhere in the burst: before the first create lands, amid them, or after.
-        let moment = Duration::from_millis(rng.below(1500));
+        // Somewhere in the burst (50 creates take about 300 ms here): before the first
+        // lands, amid them, or just after.
+        let moment = Duration::from_millis(rng.below(500));
         tokio::time::sleep(moment).await;
         let old = s.pid().expect("server pid");
         s.kill();
-        let answered = burst.iter().filter(|t| t.is_finished()).count();
-        for t in &burst {
-            t.abort();
+        let mut created = 0;
+        let mut failed = Vec::new();
+        for t in burst {
+            if !t.is_finished() {
+                t.abort();
+                continue;
+            }
+            match t.await {
+                Ok(Ok(_)) => created += 1,
+                Ok(Err(e)) => failed.push(e.to_string()),
+                Err(e) => failed.push(e.to_string()),
+            }
         }
-        eprintln!("round {round}: killed {old} at {moment:?}, {answered} creates answered");
+        eprintln!(
+            "round {round}: killed {old} at {moment:?}: {created} creates answered, {} failed {:?}",
+            failed.len(),
+            failed.first()
+        );
 
         // Nothing of the old server lives on: not the helpers it cloned, which held its
         // descriptors (the listening socket, the claim); not its zygote.
