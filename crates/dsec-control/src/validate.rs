@@ -163,7 +163,7 @@ pub fn create(req: &CreateSandboxRequest) -> Result<(), ApiError> {
         }
     }
     if let Some(cpu) = req.resources.cpu {
-        if !cpu.is_finite() || cpu < MIN_CPU || cpu > MAX_CPU {
+        if !cpu.is_finite() || !(MIN_CPU..=MAX_CPU).contains(&cpu) {
             return Err(bad(format!(
                 "resources.cpu must be in [{MIN_CPU}, {MAX_CPU}] cores, got {cpu}"
             )));

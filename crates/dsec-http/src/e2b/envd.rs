@@ -92,9 +92,15 @@ async fn chown(api: &dyn SandboxApi, id: &str, path: &str, user: &str) -> Result
     let argv = vec!["chown".into(), user.into(), path.into()];
     let r = run_as_root(api, id, Command::Argv(argv)).await?;
     if r.exit.exit_code != Some(0) {
+        // The caller's user (Basic auth or `username`) that the sandbox lacks, most
+        // likely: say so as the caller's mistake.
         return Err(ApiError::new(
-            ErrorCode::Failed,
-            format!("chown {user} {path}: {}", r.stderr.trim()),
+            ErrorCode::BadRequest,
+            format!(
+                "giving {path} to user {user:?} failed ({}): name a user that exists in \
+                 the sandbox",
+                r.stderr.trim()
+            ),
         ));
     }
     Ok(())
