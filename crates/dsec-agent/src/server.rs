@@ -158,7 +158,7 @@ async fn dispatch(agent: &Rc<Agent>, req: Request, rd: &mut FrameReader, wr: &mu
             command,
             timeout_ms,
         } => {
-            let r = session::run(agent, &session, &command, timeout_ms).await;
+            let r = session::run(agent, &session, &command, timeout_ms, rd).await;
             respond(wr, r.map(Reply::SessionResult)).await
         }
         Request::SessionInterrupt { session } => {
