@@ -712,19 +712,16 @@ impl ContainerBackend {
         .map_err(|e| create_err(id, format!("mount root: {e}")))?;
         let bundle = run.join("bundle");
         fs::create_dir_all(&bundle).map_err(NodeError::io("mkdir", &bundle))?;
-        let config = crate::oci::bundle_config(
-            spec,
-            &rootfs,
-            &self.cfg.agent_bin,
-            run,
-            &self.cgroup_path(id),
-        );
+        let config =
+            crate::oci::bundle_config(spec, &rootfs, &self.cfg.agent_bin, &self.cgroup_path(id));
         let path = bundle.join("config.json");
         fs::write(&path, config.to_string()).map_err(NodeError::io("write", &path))?;
         let socket = self.cfg.agent_socket(id);
+        let listener = UnixListener::bind(&socket).map_err(NodeError::io("bind", &socket))?;
         let state = crate::oci::state_dir(&self.cfg.run_dir);
-        let pid = crate::oci::start(bin, &state, &bundle, id, &socket, self.cfg.create_timeout)
+        let pid = crate::oci::start(bin, &state, &bundle, id, &listener)
             .map_err(|e| create_err(id, e))?;
+        drop(listener);
         let start_time =
             pid_start_time(pid).ok_or_else(|| create_err(id, "sandbox died right after start"))?;
         Ok(self.record(spec, layers, (pid, start_time), disk_mb))
