@@ -33,6 +33,12 @@ pub mod users;
 
 pub use error::AgentError;
 
+/// Most output the agent keeps at once, over all running execs and background processes
+/// (exited ones included). The agent runs in the sandbox's cgroup, so what it keeps is
+/// charged to the sandbox's memory. Short of it, the output of the longest exited
+/// processes goes first, then rings keep shorter tails (marked truncated).
+pub const KEPT_OUTPUT_LIMIT: usize = 64 * 1024 * 1024;
+
 /// The `PATH` given to processes when the configuration names none.
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 

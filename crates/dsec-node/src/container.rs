@@ -582,6 +582,7 @@ impl ContainerBackend {
         }
         let start =
             pid_start_time(pid).ok_or_else(|| create_err(id, "init died right after start"))?;
+        protect_agent(id, pid);
         Ok((pid, start))
     }
 
@@ -724,6 +725,7 @@ impl ContainerBackend {
         drop(listener);
         let start_time =
             pid_start_time(pid).ok_or_else(|| create_err(id, "sandbox died right after start"))?;
+        protect_agent(id, pid);
         Ok(self.record(spec, layers, (pid, start_time), disk_mb))
     }
 
@@ -1096,6 +1098,14 @@ impl Backend for ContainerBackend {
         rec.net
             .as_ref()
             .map(|n| dsec_net::slot_addrs(subnet, n.slot).sandbox)
+    }
+}
+
+/// The OOM killer takes a sandbox's commands before its agent (where the node may lower
+/// a score; see `dsec_container::harden::protect_from_oom`).
+fn protect_agent(id: &str, pid: i32) {
+    if let Err(e) = dsec_container::harden::protect_from_oom(pid) {
+        tracing::debug!(%id, pid, error = %e, "agent keeps the node's OOM score");
     }
 }
 
