@@ -184,9 +184,8 @@ pub async fn exec(
     };
     tokio::pin!(input);
 
-    let cap = if spec.stream { 0 } else { limit };
-    let mut out = Ring::with_budget(cap, agent.output.clone());
-    let mut err = Ring::with_budget(cap, agent.output.clone());
+    let mut out = Ring::new(if spec.stream { 0 } else { limit });
+    let mut err = Ring::new(if spec.stream { 0 } else { limit });
     let mut exit: Option<Option<Exit>> = None;
     let mut readers_done = false;
     let mut exit_rx = exit_rx;
@@ -202,9 +201,6 @@ pub async fn exec(
                     if let Some(hard) = drain_until {
                         let next = (tokio::time::Instant::now() + EXIT_GRACE).min(hard);
                         grace.as_mut().reset(next);
-                    }
-                    if !spec.stream {
-                        agent.room_for_output(data.len());
                     }
                     if kind == DataKind::Stdout { out.push(&data) } else { err.push(&data) }
                     if spec.stream && wr.data(kind, &data).await.is_err() {

@@ -8,25 +8,28 @@
 use std::cell::Cell;
 use std::rc::Rc;
 
-/// Bytes that all the rings sharing it may hold together.
+/// Bytes that all the rings sharing it may hold together, except that each ring may
+/// always hold its first `floor` bytes.
 #[derive(Debug)]
 pub struct Budget {
     limit: usize,
+    floor: usize,
     held: Cell<usize>,
 }
 
 impl Budget {
-    /// A budget of `limit` bytes.
-    pub fn new(limit: usize) -> Rc<Self> {
+    /// A budget of `limit` bytes, with `floor` bytes per ring granted whatever is held.
+    pub fn new(limit: usize, floor: usize) -> Rc<Self> {
         Rc::new(Self {
             limit,
+            floor,
             held: Cell::new(0),
         })
     }
 
     /// Bytes not yet held by any ring.
     pub fn available(&self) -> usize {
-        self.limit - self.held.get()
+        self.limit.saturating_sub(self.held.get())
     }
 
     /// Bytes held by all rings together.
@@ -34,8 +37,9 @@ impl Budget {
         self.held.get()
     }
 
-    fn take(&self, want: usize) -> usize {
-        let got = want.min(self.available());
+    /// Grants up to `want` more bytes to a ring that holds `has`.
+    fn take(&self, want: usize, has: usize) -> usize {
+        let got = want.min(self.available().max(self.floor.saturating_sub(has)));
         self.held.set(self.held.get() + got);
         got
     }
@@ -100,7 +104,7 @@ impl Ring {
             // Still growing (head is 0): what it grows by comes from the budget; short
             // of it, the ring keeps the capacity it can have.
             let want = (self.cap - self.buf.len()).min(data.len());
-            let got = budget.take(want);
+            let got = budget.take(want, self.buf.len());
             if got < want {
                 self.cap = self.buf.len() + got;
                 if self.cap == 0 {
@@ -188,7 +192,7 @@ mod tests {
 
     #[test]
     fn rings_share_a_budget() {
-        let budget = Budget::new(10);
+        let budget = Budget::new(10, 0);
         let mut a = Ring::with_budget(8, budget.clone());
         a.push(b"abcdef");
         let mut b = Ring::with_budget(8, budget.clone());
@@ -210,6 +214,15 @@ mod tests {
         assert_eq!(all(&c).len(), 6);
         drop((b, c));
         assert_eq!(budget.held(), 0);
+        // The floor: each ring keeps its first bytes whatever the others hold.
+        let budget = Budget::new(4, 3);
+        let mut a = Ring::with_budget(8, budget.clone());
+        a.push(b"abcdefgh");
+        assert_eq!(all(&a), b"efgh");
+        let mut b = Ring::with_budget(8, budget.clone());
+        b.push(b"0123456789");
+        assert_eq!(all(&b), b"789");
+        assert_eq!(budget.held(), 7);
     }
 
     fn all(r: &Ring) -> Vec<u8> {

@@ -77,7 +77,7 @@ pub async fn serve(listener: StdUnixListener, cfg: AgentConfig) -> Result<(), Ag
         reaper,
         sessions: Sessions::default(),
         procs: ProcessTable::default(),
-        output: Budget::new(crate::KEPT_OUTPUT_LIMIT),
+        output: Budget::new(crate::KEPT_OUTPUT_LIMIT, crate::KEPT_OUTPUT_FLOOR),
     });
     tracing::info!(pid = std::process::id(), "agent serving");
     loop {
