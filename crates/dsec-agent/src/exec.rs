@@ -6,8 +6,11 @@
 //! `stream` chunks are forwarded as they are read, with back-pressure on the child.
 //!
 //! The command's exit ends the exec: the pipes are then drained until EOF or for at most
-//! [`EXIT_GRACE`], since a left-over background child may hold them open forever. A
-//! timeout, or the node disconnecting, kills the whole process group.
+//! [`EXIT_GRACE`], since a left-over background child may hold them open forever. Then
+//! whatever is left of the command's process group is killed, as on a timeout or when the
+//! node disconnects: an exec leaves nothing running (a fork bomb that outlived its
+//! command would hold the sandbox's pids limit). Background processes are for commands
+//! that should outlive their start.
 
 use std::cell::Cell;
 use std::os::fd::OwnedFd;
@@ -212,7 +215,6 @@ pub async fn exec(
             },
             st = &mut exit_rx, if exit.is_none() => {
                 exit = Some(st.ok());
-                kill_guard.0.set(None);
                 if readers_done { break; }
                 let now = tokio::time::Instant::now();
                 drain_until = Some(now + EXIT_DRAIN_MAX);
@@ -230,8 +232,10 @@ pub async fn exec(
         if exit.is_none() {
             tracing::debug!(pid, "node disconnected during exec; killing group");
         }
-        return Ok(()); // kill_guard kills the group if still running
+        return Ok(()); // kill_guard kills the group
     }
+    // What is left of the group dies before the caller hears of the exit.
+    drop(kill_guard);
     let mut info = exit_info(exit.flatten(), started, timed_out.get());
     info.stdout_bytes = out.total();
     info.stderr_bytes = err.total();
@@ -252,7 +256,9 @@ pub async fn exec(
     wr.data_then(&parts, Some(&Reply::Exited(info))).await
 }
 
-/// Kills a process group on drop unless disarmed (set to `None`).
+/// Kills a process group on drop. The leader has been reaped by then, but its pid stays
+/// the group's id while any member lives, and is only handed out again after the pid
+/// space wrapped around.
 #[derive(Debug)]
 struct KillOnDrop(Cell<Option<i32>>);
 

@@ -33,6 +33,16 @@ pub mod users;
 
 pub use error::AgentError;
 
+/// Most output the agent keeps for background processes together (exited ones
+/// included), beyond [`KEPT_OUTPUT_FLOOR`] each. The agent runs in the sandbox's cgroup,
+/// so what it keeps is charged to the sandbox's memory. Short of it, the output of the
+/// longest exited processes goes first, then rings keep shorter tails (marked
+/// truncated). An exec keeps its `output_limit` per stream while it runs, then nothing.
+pub const KEPT_OUTPUT_LIMIT: usize = 64 * 1024 * 1024;
+
+/// Output every background process's stream may keep whatever the others hold.
+pub const KEPT_OUTPUT_FLOOR: usize = 64 * 1024;
+
 /// The `PATH` given to processes when the configuration names none.
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 

@@ -43,8 +43,16 @@ enum Cmd {
 #[derive(Debug, Args)]
 struct ServeArgs {
     /// Path of the unix socket to listen on (a stale file there is removed).
+    #[arg(
+        long,
+        required_unless_present = "listen_fd",
+        conflicts_with = "listen_fd"
+    )]
+    socket: Option<PathBuf>,
+    /// Serve on this inherited, bound and listening unix socket instead (how the node
+    /// starts the agent under an OCI runtime: the socket's path is on the host only).
     #[arg(long)]
-    socket: PathBuf,
+    listen_fd: Option<i32>,
     /// Directory that file operations are confined to.
     #[arg(long, default_value = "/")]
     root: PathBuf,
@@ -83,20 +91,72 @@ fn parse_env(s: &str) -> Result<(String, String), String> {
 }
 
 fn serve(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
-    match std::fs::remove_file(&args.socket) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => {
-            return Err(format!("removing stale socket {}: {e}", args.socket.display()).into())
+    let listener = match (&args.socket, args.listen_fd) {
+        (_, Some(fd)) => inherited_listener(fd)?,
+        (Some(socket), None) => {
+            match std::fs::remove_file(socket) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(format!("removing stale socket {}: {e}", socket.display()).into())
+                }
+            }
+            UnixListener::bind(socket).map_err(|e| format!("binding {}: {e}", socket.display()))?
         }
-    }
-    let listener = UnixListener::bind(&args.socket)
-        .map_err(|e| format!("binding {}: {e}", args.socket.display()))?;
+        (None, None) => return Err("--socket or --listen-fd is required".into()),
+    };
     dsec_agent::run(listener, args.config())?;
     Ok(())
 }
 
+/// Takes over the listening socket at `fd` (checked to be one), close-on-exec from here:
+/// no command may inherit it.
+fn inherited_listener(fd: i32) -> Result<UnixListener, Box<dyn std::error::Error>> {
+    if fd < 3 {
+        return Err(format!("--listen-fd {fd}: not a socket of ours").into());
+    }
+    // SAFETY: fcntl on a descriptor number; an unopened one fails with EBADF.
+    if unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } != 0 {
+        return Err(format!("--listen-fd {fd}: {}", std::io::Error::last_os_error()).into());
+    }
+    let mut listening: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `listening`.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_ACCEPTCONN,
+            (&mut listening as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 || listening == 0 {
+        return Err(format!("--listen-fd {fd}: not a listening socket").into());
+    }
+    // SAFETY: the descriptor is open, a listening socket, and handed to us to own.
+    Ok(unsafe { <UnixListener as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+}
+
+/// Makes this process non-dumpable: nothing in the sandbox may ptrace the agent, read or
+/// write its memory through `/proc/PID/mem`, or open its descriptors through
+/// `/proc/PID/fd`, at any isolation level (under `oci` the agent is `serve`, started by
+/// the runtime as root with the same capabilities as the code it serves). First thing,
+/// before any request can be read; inherited by the forks of `zygote` and `init`, reset
+/// by every command's own `execve`.
+fn not_dumpable() -> std::io::Result<()> {
+    // SAFETY: prctl with integer arguments only.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
+    if let Err(e) = not_dumpable() {
+        eprintln!("dsec-agent: PR_SET_DUMPABLE: {e}");
+        return ExitCode::FAILURE;
+    }
     let cli = Cli::parse();
     // `init` is on every sandbox's start path: a fixed level, no EnvFilter to parse.
     let fmt = tracing_subscriber::fmt().with_writer(std::io::stderr);

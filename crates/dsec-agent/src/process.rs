@@ -106,6 +106,23 @@ impl ProcessTable {
         }
     }
 
+    /// Releases the kept output of exited processes, oldest first, until `budget` has
+    /// `need` bytes available or none is left. Their totals stay; reading gets nothing
+    /// more, marked truncated.
+    pub fn release_exited_output(&self, budget: &crate::ring::Budget, need: usize) {
+        let map = self.map.borrow();
+        for pid in self.exited.borrow().iter() {
+            if budget.available() >= need {
+                return;
+            }
+            if let Some(p) = map.get(pid) {
+                let mut st = p.state.borrow_mut();
+                st.out.release();
+                st.err.release();
+            }
+        }
+    }
+
     fn next_seq(&self) -> u64 {
         let s = self.seq.get() + 1;
         self.seq.set(s);
@@ -177,8 +194,8 @@ pub fn start(agent: &Rc<Agent>, spec: ProcessSpec) -> ApiResult<ProcessInfo> {
         seq: agent.procs.next_seq(),
         spec,
         state: RefCell::new(ProcState {
-            out: Ring::new(limit),
-            err: Ring::new(limit),
+            out: Ring::with_budget(limit, agent.output.clone()),
+            err: Ring::with_budget(limit, agent.output.clone()),
             exit: None,
         }),
         changed: Notify::new(),
@@ -225,6 +242,7 @@ pub fn start(agent: &Rc<Agent>, spec: ProcessSpec) -> ApiResult<ProcessInfo> {
                 biased;
                 msg = rx.recv(), if !readers_done => match msg {
                     Some((kind, data)) => {
+                        agent2.room_for_output(data.len());
                         {
                             let mut st = p.state.borrow_mut();
                             if kind == DataKind::Stdout { st.out.push(&data) } else { st.err.push(&data) }

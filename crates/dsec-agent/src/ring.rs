@@ -1,7 +1,53 @@
 //! A fixed-capacity byte ring that remembers the last `cap` bytes of a stream together with
 //! the absolute offset of every byte, so readers can resume from an offset.
 //!
-//! Memory grows lazily up to `cap`, so small outputs cost little.
+//! Memory grows lazily up to `cap`, so small outputs cost little. Rings may share a
+//! [`Budget`]: a ring that cannot get more bytes from it stops growing and keeps a
+//! shorter tail.
+
+use std::cell::Cell;
+use std::rc::Rc;
+
+/// Bytes that all the rings sharing it may hold together, except that each ring may
+/// always hold its first `floor` bytes.
+#[derive(Debug)]
+pub struct Budget {
+    limit: usize,
+    floor: usize,
+    held: Cell<usize>,
+}
+
+impl Budget {
+    /// A budget of `limit` bytes, with `floor` bytes per ring granted whatever is held.
+    pub fn new(limit: usize, floor: usize) -> Rc<Self> {
+        Rc::new(Self {
+            limit,
+            floor,
+            held: Cell::new(0),
+        })
+    }
+
+    /// Bytes not yet held by any ring.
+    pub fn available(&self) -> usize {
+        self.limit.saturating_sub(self.held.get())
+    }
+
+    /// Bytes held by all rings together.
+    pub fn held(&self) -> usize {
+        self.held.get()
+    }
+
+    /// Grants up to `want` more bytes to a ring that holds `has`.
+    fn take(&self, want: usize, has: usize) -> usize {
+        let got = want.min(self.available().max(self.floor.saturating_sub(has)));
+        self.held.set(self.held.get() + got);
+        got
+    }
+
+    fn give(&self, n: usize) {
+        self.held.set(self.held.get() - n);
+    }
+}
 
 /// The last `cap` bytes written, plus the total count ever written.
 #[derive(Debug)]
@@ -11,6 +57,8 @@ pub struct Ring {
     /// Index of the oldest byte once `buf` is full; 0 while it is still growing.
     head: usize,
     total: u64,
+    /// Where the bytes of `buf` are accounted.
+    budget: Option<Rc<Budget>>,
 }
 
 impl Ring {
@@ -21,7 +69,29 @@ impl Ring {
             cap,
             head: 0,
             total: 0,
+            budget: None,
         }
+    }
+
+    /// An empty ring holding at most `cap` bytes, and no more than `budget` grants.
+    pub fn with_budget(cap: usize, budget: Rc<Budget>) -> Self {
+        Self {
+            buf: Vec::new(),
+            cap,
+            head: 0,
+            total: 0,
+            budget: Some(budget),
+        }
+    }
+
+    /// Drops every byte held (they count as truncated) and holds none from now on.
+    pub fn release(&mut self) {
+        if let Some(b) = &self.budget {
+            b.give(self.buf.len());
+        }
+        self.buf = Vec::new();
+        self.cap = 0;
+        self.head = 0;
     }
 
     /// Appends bytes, dropping the oldest ones beyond the capacity.
@@ -29,6 +99,18 @@ impl Ring {
         self.total += data.len() as u64;
         if self.cap == 0 || data.is_empty() {
             return;
+        }
+        if let (Some(budget), true) = (&self.budget, self.buf.len() < self.cap) {
+            // Still growing (head is 0): what it grows by comes from the budget; short
+            // of it, the ring keeps the capacity it can have.
+            let want = (self.cap - self.buf.len()).min(data.len());
+            let got = budget.take(want, self.buf.len());
+            if got < want {
+                self.cap = self.buf.len() + got;
+                if self.cap == 0 {
+                    return;
+                }
+            }
         }
         if data.len() >= self.cap {
             data = &data[data.len() - self.cap..];
@@ -96,9 +178,52 @@ impl Ring {
     }
 }
 
+impl Drop for Ring {
+    fn drop(&mut self) {
+        if let Some(b) = &self.budget {
+            b.give(self.buf.len());
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rings_share_a_budget() {
+        let budget = Budget::new(10, 0);
+        let mut a = Ring::with_budget(8, budget.clone());
+        a.push(b"abcdef");
+        let mut b = Ring::with_budget(8, budget.clone());
+        b.push(b"0123456789");
+        // b got the 4 bytes left and keeps its last 4.
+        assert_eq!(all(&b), b"6789");
+        assert_eq!(b.start(), 6);
+        assert_eq!(budget.available(), 0);
+        a.push(b"gh");
+        assert_eq!(all(&a), b"cdefgh", "a full budget: a keeps its size");
+        a.release();
+        assert!(all(&a).is_empty() && a.truncated());
+        assert_eq!(a.total(), 8);
+        assert_eq!(budget.available(), 6);
+        b.push(b"xy");
+        assert_eq!(all(&b), b"89xy", "b stays at the size it had");
+        let mut c = Ring::with_budget(100, budget.clone());
+        c.push(&[7; 50]);
+        assert_eq!(all(&c).len(), 6);
+        drop((b, c));
+        assert_eq!(budget.held(), 0);
+        // The floor: each ring keeps its first bytes whatever the others hold.
+        let budget = Budget::new(4, 3);
+        let mut a = Ring::with_budget(8, budget.clone());
+        a.push(b"abcdefgh");
+        assert_eq!(all(&a), b"efgh");
+        let mut b = Ring::with_budget(8, budget.clone());
+        b.push(b"0123456789");
+        assert_eq!(all(&b), b"789");
+        assert_eq!(budget.held(), 7);
+    }
 
     fn all(r: &Ring) -> Vec<u8> {
         r.read_from(0, usize::MAX).1

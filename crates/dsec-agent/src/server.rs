@@ -19,6 +19,7 @@ use crate::error::{bad_request, AgentError};
 use crate::pathsafe::Root;
 use crate::process::ProcessTable;
 use crate::reaper::{ChildSignals, Reaper};
+use crate::ring::Budget;
 use crate::session::Sessions;
 use crate::{exec, files, process, session, tar, AgentConfig};
 
@@ -35,6 +36,18 @@ pub struct Agent {
     pub sessions: Sessions,
     /// Background processes.
     pub procs: ProcessTable,
+    /// What all output rings may hold together ([`crate::KEPT_OUTPUT_LIMIT`]).
+    pub output: Rc<Budget>,
+}
+
+impl Agent {
+    /// Makes room for `need` bytes of output if the budget is short: the kept output of
+    /// exited processes goes, oldest first.
+    pub fn room_for_output(&self, need: usize) {
+        if self.output.available() < need {
+            self.procs.release_exited_output(&self.output, need);
+        }
+    }
 }
 
 /// Serves connections until the listener fails. Must run inside a `LocalSet`, with
@@ -64,6 +77,7 @@ pub async fn serve(listener: StdUnixListener, cfg: AgentConfig) -> Result<(), Ag
         reaper,
         sessions: Sessions::default(),
         procs: ProcessTable::default(),
+        output: Budget::new(crate::KEPT_OUTPUT_LIMIT, crate::KEPT_OUTPUT_FLOOR),
     });
     tracing::info!(pid = std::process::id(), "agent serving");
     loop {
@@ -158,7 +172,7 @@ async fn dispatch(agent: &Rc<Agent>, req: Request, rd: &mut FrameReader, wr: &mu
             command,
             timeout_ms,
         } => {
-            let r = session::run(agent, &session, &command, timeout_ms).await;
+            let r = session::run(agent, &session, &command, timeout_ms, rd).await;
             respond(wr, r.map(Reply::SessionResult)).await
         }
         Request::SessionInterrupt { session } => {

@@ -27,7 +27,14 @@
 //! shell keeps its state. Background jobs (`cmd &`) ignore SIGINT and survive. On timeout
 //! the agent interrupts, then SIGKILLs the group's other members after [`KILL_AFTER`] (a
 //! command that ignores SIGINT); if the shell still does not answer, the session is killed
-//! after [`ABANDON_AFTER`] and removed.
+//! after [`ABANDON_AFTER`] and removed. A command whose caller goes away (the node closes
+//! the connection: its client disconnected or gave up) is stopped the same way, at once:
+//! nothing keeps changing the sandbox behind the back of a caller that stopped waiting.
+//! The session and its state stay.
+//!
+//! Output: the last [`SESSION_OUTPUT_LIMIT`] bytes, fewer when their JSON form (NUL and
+//! other control bytes take six bytes each) would not fit in one reply frame; `truncated`
+//! says so.
 
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
@@ -37,8 +44,10 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use dsec_wire::agent::{Reply, SessionInfo, SessionResult};
+use dsec_wire::frame::MAX_FRAME;
 use tokio::sync::oneshot;
 
+use crate::conn::FrameReader;
 use crate::error::{bad_request, conflict, internal, not_found, ApiResult};
 use crate::fdio::{FdReader, FdWriter};
 use crate::reaper::Exit;
@@ -48,6 +57,10 @@ use crate::sys;
 
 /// Cap on the output kept for one command (the tail is kept).
 pub const SESSION_OUTPUT_LIMIT: usize = 4 * 1024 * 1024;
+
+/// Most bytes the output may take as a JSON string in the reply: one frame, less room
+/// for the rest of the reply.
+pub const SESSION_OUTPUT_JSON_LIMIT: usize = MAX_FRAME - 16 * 1024;
 
 /// After an interrupt, SIGKILL the command's processes if it has not finished by then.
 pub const KILL_AFTER: Duration = Duration::from_secs(2);
@@ -250,12 +263,46 @@ fn keep(out: &mut Vec<u8>, data: &[u8], dropped: &mut bool) {
     }
 }
 
-/// Handles `SessionRun`.
+/// Bytes `b` takes inside a JSON string (as serde_json escapes it).
+fn json_len(b: u8) -> usize {
+    match b {
+        b'"' | b'\\' | b'\n' | b'\r' | b'\t' | 0x08 | 0x0c => 2,
+        0..=0x1f => 6,
+        _ => 1,
+    }
+}
+
+/// The longest tail of `text` whose JSON string form takes at most `limit` bytes, and
+/// whether anything was cut.
+fn fit_json(text: String, limit: usize) -> (String, bool) {
+    let bytes = text.as_bytes();
+    let mut size = 0;
+    let mut cut = None;
+    for (i, &b) in bytes.iter().enumerate().rev() {
+        size += json_len(b);
+        if size > limit {
+            cut = Some(i + 1);
+            break;
+        }
+    }
+    match cut {
+        None => (text, false),
+        Some(mut at) => {
+            while !text.is_char_boundary(at) {
+                at += 1;
+            }
+            (text[at..].to_string(), true)
+        }
+    }
+}
+
+/// Handles `SessionRun`. `rd` is watched for the node going away.
 pub async fn run(
     agent: &Agent,
     id: &str,
     command: &str,
     timeout_ms: Option<u64>,
+    rd: &mut FrameReader,
 ) -> ApiResult<SessionResult> {
     if command.contains('\0') {
         return Err(bad_request("command contains a NUL byte"));
@@ -301,6 +348,11 @@ pub async fn run(
     let mut interrupted_at: Option<tokio::time::Instant> = None;
     let token_wait = tokio::time::sleep_until(far);
     tokio::pin!(token_wait);
+    // Armed by the timeout, or at once when the caller goes away.
+    let mut armed = deadline.is_some();
+    let mut caller_gone = false;
+    let closed = rd.closed();
+    tokio::pin!(closed);
 
     loop {
         if token_at.is_some() && status.is_some() {
@@ -343,11 +395,19 @@ pub async fn run(
                 shell_exit = Some(r.unwrap_or(Exit { code: None, signal: None }));
             },
             () = &mut token_wait, if status.is_some() || marker_eof => break,
-            () = &mut timer, if deadline.is_some() && stage < 3 => {
+            () = &mut closed, if !caller_gone => {
+                caller_gone = true;
+                tracing::debug!(session = %id, "caller went away; stopping the command");
+                if stage == 0 {
+                    armed = true;
+                    timer.as_mut().reset(tokio::time::Instant::now());
+                }
+            },
+            () = &mut timer, if armed && stage < 3 => {
                 let now = tokio::time::Instant::now();
                 match stage {
                     0 => {
-                        timed_out = true;
+                        timed_out = !caller_gone;
                         let _ = sys::killpg(s.pid, libc::SIGINT);
                         interrupted_at = Some(now);
                         timer.as_mut().reset(now + KILL_AFTER);
@@ -377,7 +437,13 @@ pub async fn run(
         }
     }
     let end = token_at.unwrap_or(output.len());
-    let text = String::from_utf8_lossy(&output[..end]).into_owned();
+    let begin = end.saturating_sub(SESSION_OUTPUT_LIMIT);
+    dropped |= begin > 0;
+    let (text, cut) = fit_json(
+        String::from_utf8_lossy(&output[begin..end]).into_owned(),
+        SESSION_OUTPUT_JSON_LIMIT,
+    );
+    dropped |= cut;
     let alive = status.is_some() && !marker_eof && shell_exit.is_none();
     let exit_code = match (status, shell_exit) {
         (Some(c), _) if alive => c,
@@ -412,4 +478,37 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
         return None;
     }
     hay.windows(needle.len()).position(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn json_size(s: &str) -> usize {
+        serde_json::to_string(s).expect("json").len() - 2
+    }
+
+    #[test]
+    fn output_is_cut_to_fit_its_json_form() {
+        let limit = 1000;
+        for text in [
+            "plain text\n".repeat(500),
+            "\0".repeat(2000),
+            "\"\\".repeat(2000),
+            "é\u{1}x".repeat(700),
+            "\u{fffd}".repeat(2000),
+        ] {
+            let (kept, cut) = fit_json(text.clone(), limit);
+            assert!(cut, "{:?}", &text[..10]);
+            assert!(text.ends_with(&kept));
+            assert!(json_size(&kept) <= limit, "{}", json_size(&kept));
+            // The longest such tail: one more character would not fit.
+            let longer = &text[..text.len() - kept.len()];
+            let next = longer.chars().last().expect("a character before");
+            let more = format!("{next}{kept}");
+            assert!(json_size(&more) > limit, "{}", json_size(&more));
+        }
+        let small = "fits \0 \"quoted\"".to_string();
+        assert_eq!(fit_json(small.clone(), limit), (small, false));
+    }
 }

@@ -4,6 +4,13 @@
 //! signals can address the whole tree with `killpg`), starts with default signal
 //! dispositions and an empty mask, and gets exactly the environment the request asks for
 //! (the agent's defaults plus the request's additions).
+//!
+//! Every child gets [`COMMAND_OOM_SCORE_ADJ`] right after its exec, so that when the
+//! sandbox runs out of memory the kernel kills commands, not the agent (which the node
+//! puts at -1000 where it may). It is written from here: before the exec the child still
+//! shares (or copies) the agent's non-dumpable memory, whose `/proc` files belong to the
+//! host's root, out of reach in a user namespace. A program that forks in the first
+//! microseconds after its exec may leave a child with the agent's score.
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -20,6 +27,18 @@ use dsec_wire::ApiError;
 use crate::error::{bad_request, io_err};
 use crate::users::Identity;
 use crate::{sys, AgentConfig};
+
+/// `oom_score_adj` of every command: above the agent's (0 or -1000), so that the OOM
+/// killer picks commands first. Commands may raise it, or lower it to the floor they
+/// inherit (0 unless the node's own is lower).
+pub const COMMAND_OOM_SCORE_ADJ: &str = "500";
+
+/// Gives a just exec'd child [`COMMAND_OOM_SCORE_ADJ`] (no error if it already exited).
+fn command_oom_score(pid: u32) {
+    if let Err(e) = std::fs::write(format!("/proc/{pid}/oom_score_adj"), COMMAND_OOM_SCORE_ADJ) {
+        tracing::debug!(pid, error = %e, "setting a command's OOM score");
+    }
+}
 
 /// What to spawn.
 #[derive(Debug)]
@@ -127,7 +146,12 @@ pub fn spawn(cfg: &AgentConfig, spec: SpawnSpec<'_>) -> Result<Child, ApiError> 
             });
         }
     }
-    cmd.spawn().map_err(|err| spawn_error(&err, program, &cwd))
+    let child = cmd
+        .spawn()
+        .map_err(|err| spawn_error(&err, program, &cwd))?;
+    // std returns once the child has exec'd (it waits for the exec's outcome).
+    command_oom_score(child.id());
+    Ok(child)
 }
 
 /// Nothing starts in the sandbox before init's old root is gone (a no-op in an agent
@@ -334,6 +358,8 @@ pub fn spawn_piped(
     actions.chdir(&cwd_c);
     let pid = dsec_container::spawnattr::spawn(&exe_c, &argv_c, &env_c, &actions, &attr)
         .map_err(|e| spawn_error(&e, program, &cwd))?;
+    // The vfork-style child has exec'd: the agent runs again only then.
+    command_oom_score(pid as u32);
     Ok(Piped {
         pid: pid as u32,
         stdin: stdin_pipe.map(|(_, w)| w),

@@ -181,3 +181,68 @@ fn close_kills_shell_and_group() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn output_whose_json_exceeds_a_frame_comes_back_truncated() {
+    let a = TestAgent::start();
+    create(&a, "big");
+    // NUL bytes take six bytes each as JSON: 5 MB of them would be a 30 MB reply.
+    let r = run(&a, "big", "head -c 5000000 /dev/zero", None);
+    assert!(r.truncated);
+    assert_eq!(r.exit_code, 0);
+    assert!(!r.output.is_empty() && r.output.bytes().all(|b| b == 0));
+    assert!(serde_json::to_string(&r.output).unwrap().len() <= dsec_wire::frame::MAX_FRAME);
+    let r = run(&a, "big", "head -c 6000000 /dev/urandom", None);
+    assert!(r.truncated);
+    assert_eq!(run(&a, "big", "echo fine", None).output, "fine\n");
+}
+
+/// Whether a process whose command line contains `needle` is running.
+fn running(needle: &str) -> bool {
+    std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
+        std::fs::read(e.path().join("cmdline")).is_ok_and(|c| {
+            String::from_utf8_lossy(&c)
+                .replace('\0', " ")
+                .contains(needle)
+        })
+    })
+}
+
+#[test]
+fn a_command_whose_caller_goes_away_is_interrupted_and_the_session_stays() {
+    let a = TestAgent::start();
+    create(&a, "gone");
+    run(&a, "gone", "export KEEP=kept", None);
+    let marker = a.root().join("late");
+    let conn = a.connect(&req(json!({"op":"session_run","session":"gone",
+        "command": format!("sleep 3071; touch {}", marker.display())})));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !running("sleep 3071") {
+        assert!(Instant::now() < deadline, "the command never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(conn);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while running("sleep 3071") {
+        assert!(Instant::now() < deadline, "the command outlived its caller");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Idle again, with its state.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match a.reply(&req(
+            json!({"op":"session_run","session":"gone","command":"echo $KEEP"}),
+        )) {
+            Reply::SessionResult(r) => {
+                assert_eq!(r.output, "kept\n");
+                break;
+            }
+            Reply::Error(e) if e.code == ErrorCode::Conflict => {
+                assert!(Instant::now() < deadline, "still busy: {e:?}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(!marker.exists(), "the rest of the command ran");
+}

@@ -79,6 +79,17 @@ pub fn apply() -> Result<(), HardenError> {
     Ok(())
 }
 
+/// Makes `pid`, a sandbox's agent, the last process the OOM killer picks: its
+/// `oom_score_adj` becomes -1000. Written through the legacy `oom_adj` file (-17 is
+/// -1000), which leaves the floor that children inherit (`oom_score_adj_min`) where it
+/// was: the commands the agent starts get a positive score back (see `dsec-agent`'s
+/// `spawn`) and cannot lower themselves below that floor. Lowering a score needs
+/// `CAP_SYS_RESOURCE` on the host: without it this fails with `EACCES`, and the agent
+/// stays at the node's score (still below its commands').
+pub fn protect_from_oom(pid: i32) -> std::io::Result<()> {
+    std::fs::write(format!("/proc/{pid}/oom_adj"), "-17")
+}
+
 /// The policy's program as the build compiled it (`build.rs`: nothing is parsed or
 /// compiled at sandbox start).
 pub fn seccomp_program() -> seccompiler::BpfProgram {

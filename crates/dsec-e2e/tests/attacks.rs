@@ -43,35 +43,90 @@ struct Outcome {
     usable_after: bool,
 }
 
+/// One isolation set-up the whole suite runs under: every program in `attacks/` runs at
+/// every level (one test per level, below).
+struct Level {
+    /// Server name (and the end of its cgroup parent).
+    name: &'static str,
+    /// Extra `dsec serve` flags.
+    args: &'static [&'static str],
+    /// The level the attack sandboxes ask for.
+    isolation: Isolation,
+}
+
+/// Every isolation level a sandbox can ask for, with the set-ups worth attacking. The
+/// match fails to compile when a level is added, until it is attacked here too.
+fn levels() -> Vec<Level> {
+    let all = [Isolation::Container, Isolation::Oci];
+    all.iter()
+        .flat_map(|level| match level {
+            Isolation::Container => vec![
+                Level {
+                    name: "attacks",
+                    args: &[],
+                    isolation: Isolation::Container,
+                },
+                // Root inside is uid 400000 outside.
+                Level {
+                    name: "attacks-userns",
+                    args: &["--userns-base", "400000"],
+                    isolation: Isolation::Container,
+                },
+            ],
+            // The agent is `dsec-agent serve` under runc, root with the code it serves.
+            Isolation::Oci => vec![Level {
+                name: "attacks-oci",
+                args: &[],
+                isolation: Isolation::Oci,
+            }],
+        })
+        .collect()
+}
+
+async fn run_level(name: &str) {
+    if !require_root() {
+        return;
+    }
+    let level = levels()
+        .into_iter()
+        .find(|l| l.name == name)
+        .unwrap_or_else(|| panic!("no level {name}"));
+    run_suite(&level).await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn every_attack_is_contained_and_the_host_and_neighbour_are_untouched() {
-    if !require_root() {
-        return;
-    }
-    run_suite("attacks", &["--cgroup-parent", "dsec-attacks"]).await;
+    run_level("attacks").await;
 }
 
-/// The same suite with sandboxes in a user namespace (root inside is uid 400000 outside).
 #[tokio::test(flavor = "multi_thread")]
 async fn every_attack_is_contained_in_user_namespaces_too() {
-    if !require_root() {
-        return;
-    }
-    run_suite(
-        "attacks-userns",
-        &[
-            "--cgroup-parent",
-            "dsec-attacks-userns",
-            "--userns-base",
-            "400000",
-        ],
-    )
-    .await;
+    run_level("attacks-userns").await;
 }
 
-async fn run_suite(name: &str, args: &[&str]) {
-    let mut all = vec!["--disk-pool", "4"];
-    all.extend_from_slice(args);
+#[tokio::test(flavor = "multi_thread")]
+async fn every_attack_is_contained_at_isolation_oci_too() {
+    run_level("attacks-oci").await;
+}
+
+/// Every level above has its test.
+#[test]
+fn every_level_has_a_test() {
+    let source = include_str!("attacks.rs");
+    for level in levels() {
+        assert!(
+            source.contains(&format!("run_level(\"{}\")", level.name)),
+            "no test runs level {}",
+            level.name
+        );
+    }
+}
+
+async fn run_suite(level: &Level) {
+    let name = level.name;
+    let parent = format!("dsec-{name}");
+    let mut all = vec!["--disk-pool", "4", "--cgroup-parent", &parent];
+    all.extend_from_slice(level.args);
     let s = Server::start_with(name, true, &all).await.expect("server");
     s.ensure_base(None).await.expect("base image");
     let c = s.client();
@@ -95,7 +150,10 @@ async fn run_suite(name: &str, args: &[&str]) {
     std::fs::write(&secret_file, &secret).expect("write host secret");
     let mark = format!("neighbour-mark-{}", std::process::id());
     let neighbour = c
-        .create_sandbox(CreateSandboxRequest::default())
+        .create_sandbox(CreateSandboxRequest {
+            isolation: level.isolation,
+            ..Default::default()
+        })
         .await
         .expect("neighbour");
     c.write_file(&neighbour.id, "/data.txt", None, b"neighbour data".to_vec())
@@ -132,6 +190,7 @@ async fn run_suite(name: &str, args: &[&str]) {
     programs.sort();
     assert!(programs.len() >= 15, "attack programs: {programs:?}");
 
+    let isolation = level.isolation;
     let outcomes: Vec<Outcome> = futures::stream::iter(programs)
         .map(|path| {
             let (c, env) = (c.clone(), env.clone());
@@ -155,6 +214,7 @@ async fn run_suite(name: &str, args: &[&str]) {
                             ..Default::default()
                         },
                         labels: BTreeMap::from([("attack".to_string(), name.clone())]),
+                        isolation,
                         ..Default::default()
                     })
                     .await

@@ -33,7 +33,7 @@ async fn a_burst_of_deletes_queues_completes_and_leaves_nothing() {
             .expect("create");
         // Something to kill and something written to the sandbox's disk.
         let r = c
-            .exec(&sb.id, sh("(sleep 600 &) ; echo data > /tmp/f"))
+            .exec(&sb.id, sh("setsid -f sleep 600; echo data > /tmp/f"))
             .await
             .expect("exec");
         assert_eq!(r.exit.exit_code, Some(0), "{r:?}");

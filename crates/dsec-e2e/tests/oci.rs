@@ -52,6 +52,19 @@ async fn an_oci_sandbox_keeps_the_agent_contract_survives_a_restart_and_leaves_n
         r.stdout
     );
     assert_eq!(&lines[1..], [sb.id.as_str(), "t1", "hi"]);
+    // The agent's socket has no path inside (root there could put a fake agent in its
+    // place), and the agent cannot be traced (it runs as root with our capabilities).
+    let r = c
+        .exec(
+            &sb.id,
+            sh("ls -A /.dsec; find / -xdev -type s | wc -l; grep -E '^(Uid|CapEff)' /proc/1/status;                 python3 -c 'import ctypes; print(ctypes.CDLL(None).ptrace(16, 1, None, None))'"),
+        )
+        .await
+        .expect("exec");
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert_eq!(lines[..2], ["dsec-agent", "0"], "{r:?}");
+    assert!(lines[2].starts_with("Uid:\t0"), "{r:?}");
+    assert_eq!(lines.last().copied(), Some("-1"), "PID 1 traceable: {r:?}");
     // dsec's seccomp policy is in the bundle: a user namespace needs no capability, so
     // only the filter stops it; the filter says so in the process's status too.
     let r = c

@@ -30,7 +30,7 @@ async fn restart_readopts_20_live_sandboxes() {
             .exec(
                 &sb.id,
                 sh(&format!(
-                    "echo {i} > /root/n; (sleep 1000 &) ; echo started"
+                    "echo {i} > /root/n; setsid -f sleep 1000; echo started"
                 )),
             )
             .await

@@ -2415,3 +2415,278 @@ async fn a_second_node_on_the_same_cgroup_parent_is_refused_and_harms_nothing() 
     assert_eq!(run(&c, &sb.id, "echo alive").await.stdout, "alive\n");
     c.delete_sandbox(&sb.id).await.expect("delete");
 }
+
+/// Session output of every kind past what one reply frame holds as JSON (NUL bytes take
+/// six bytes there, random bytes three) comes back as its tail, marked truncated.
+#[tokio::test(flavor = "multi_thread")]
+async fn session_output_too_big_for_one_reply_comes_back_truncated() {
+    if !require_root() {
+        return;
+    }
+    let c = server().client();
+    let sb = create(&c, CreateSandboxRequest::default()).await;
+    let s = c
+        .create_session(&sb.id, CreateSessionRequest::default())
+        .await
+        .expect("session");
+    let run_s = |command: &str| {
+        let (c, id, session) = (c.clone(), sb.id.clone(), s.session.clone());
+        let command = command.to_string();
+        async move {
+            c.run_in_session(
+                &id,
+                &session,
+                SessionRunRequest {
+                    command: command.clone(),
+                    timeout_s: Some(60.0),
+                },
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{command}: {e}"))
+        }
+    };
+    let frame = dsec_wire::frame::MAX_FRAME;
+    for (command, byte) in [
+        ("head -c 5000000 /dev/zero", Some('\0')),
+        ("head -c 6000000 /dev/zero | tr '\\0' '\"'", Some('"')),
+        (
+            "head -c 6000000 /dev/zero | tr '\\0' '\\001'",
+            Some('\u{1}'),
+        ),
+        ("head -c 6000000 /dev/urandom", None),
+        ("head -c 6000000 /dev/zero | tr '\\0' x", Some('x')),
+    ] {
+        let r = run_s(command).await;
+        assert!(r.truncated, "{command}: not marked truncated");
+        assert_eq!(r.exit_code, 0, "{command}");
+        let json = serde_json::to_string(&r.output).expect("json").len();
+        assert!(json <= frame, "{command}: {json} bytes of JSON");
+        assert!(
+            json > frame / 2,
+            "{command}: only {json} bytes of JSON kept"
+        );
+        if let Some(b) = byte {
+            assert!(
+                r.output.chars().all(|ch| ch == b),
+                "{command}: not its tail"
+            );
+        }
+    }
+    // What fits comes back whole.
+    let r = run_s("head -c 3000000 /dev/zero | tr '\\0' y").await;
+    assert!(!r.truncated);
+    assert_eq!(r.output.len(), 3_000_000);
+    assert_eq!(run_s("echo still here").await.output, "still here\n");
+    c.delete_sandbox(&sb.id).await.expect("delete");
+}
+
+/// A session command whose caller gives up (its HTTP request is cancelled) is stopped, as
+/// an exec's is; the session and its state stay.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_command_whose_caller_goes_away_is_stopped() {
+    if !require_root() {
+        return;
+    }
+    let c = server().client();
+    let sb = create(&c, CreateSandboxRequest::default()).await;
+    let s = c
+        .create_session(&sb.id, CreateSessionRequest::default())
+        .await
+        .expect("session");
+    let req = |command: &str| SessionRunRequest {
+        command: command.into(),
+        timeout_s: None,
+    };
+    c.run_in_session(&sb.id, &s.session, req("export KEEP=kept; cd /tmp"))
+        .await
+        .expect("run");
+    let call = tokio::spawn({
+        let (c, id, session) = (c.clone(), sb.id.clone(), s.session.clone());
+        async move {
+            c.run_in_session(&id, &session, req("sleep 303; echo late > /tmp/mutated"))
+                .await
+        }
+    });
+    let pgrep = |want_running: bool| {
+        let (c, id) = (c.clone(), sb.id.clone());
+        async move {
+            wait_until(Duration::from_secs(10), || {
+                let (c, id) = (c.clone(), id.clone());
+                async move {
+                    let r = c
+                        .exec(&id, sh("pgrep -f 'sleep 30[3]' || true"))
+                        .await
+                        .ok()?;
+                    (r.stdout.is_empty() != want_running).then_some(())
+                }
+            })
+            .await
+        }
+    };
+    assert!(pgrep(true).await.is_some(), "sleep 303 never started");
+    call.abort();
+    assert!(
+        pgrep(false).await.is_some(),
+        "sleep 303 outlived its caller"
+    );
+    let r = c
+        .run_in_session(
+            &sb.id,
+            &s.session,
+            req("echo $KEEP $PWD; cat /tmp/mutated 2>/dev/null || echo untouched"),
+        )
+        .await
+        .expect("the session is usable again");
+    assert_eq!(r.output, "kept /tmp\nuntouched\n");
+    c.delete_sandbox(&sb.id).await.expect("delete");
+}
+
+/// What an exec leaves running when its command exits (a fork bomb among it) is killed
+/// when the exec ends, as on a timeout.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_exec_leaves_nothing_running() {
+    if !require_root() {
+        return;
+    }
+    let c = server().client();
+    let sb = create(
+        &c,
+        CreateSandboxRequest {
+            resources: Resources {
+                pids: Some(64),
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    )
+    .await;
+    let r = run(&c, &sb.id, "sleep 304 & echo started").await;
+    assert_eq!(r.stdout, "started\n");
+    let r = run(&c, &sb.id, "pgrep -f 'sleep 30[4]' || echo none").await;
+    assert_eq!(r.stdout, "none\n", "a background child outlived its exec");
+    let started = Instant::now();
+    let r = run(&c, &sb.id, "bomb() { bomb | bomb & }; bomb; echo lit").await;
+    assert_eq!(r.stdout, "lit\n", "{r:?}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    // Only the agent is left (the killed bomb may still be on its way out).
+    let clean = wait_until(Duration::from_secs(10), || async {
+        (host::processes(&sb.id).len() == 1).then_some(())
+    })
+    .await;
+    assert!(clean.is_some(), "left: {:?}", host::processes(&sb.id));
+    assert_eq!(run(&c, &sb.id, "echo alive").await.stdout, "alive\n");
+    c.delete_sandbox(&sb.id).await.expect("delete");
+}
+
+/// Resident memory of a host process in KiB.
+fn rss_kib(pid: i32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// The host pid of a sandbox's agent (the process that owns its cgroup's oldest pid).
+fn agent_pid(id: &str) -> i32 {
+    host::processes(id)
+        .into_iter()
+        .find(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/cmdline"))
+                .is_ok_and(|c| c.starts_with("dsec-agent"))
+        })
+        .unwrap_or_else(|| panic!("no agent in {id}"))
+}
+
+/// The reproducer of issue 31: 20 background processes whose output is kept, then 40
+/// children of 8 MiB each in a 256 MiB sandbox. The OOM killer takes commands, never the
+/// agent, and the agent keeps at most its output budget.
+#[tokio::test(flavor = "multi_thread")]
+async fn out_of_memory_kills_commands_not_the_agent() {
+    if !require_root() {
+        return;
+    }
+    let c = server().client();
+    let sb = create(
+        &c,
+        CreateSandboxRequest {
+            resources: Resources {
+                memory_mb: Some(256),
+                pids: Some(256),
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    )
+    .await;
+    let agent = agent_pid(&sb.id);
+    // Commands start above the agent's score, and cannot go below the floor.
+    let r = run(
+        &c,
+        &sb.id,
+        "cat /proc/self/oom_score_adj; echo -1000 > /proc/self/oom_score_adj || echo refused",
+    )
+    .await;
+    assert!(r.stdout.starts_with("500\n"), "{r:?}");
+    let agent_score: i32 = std::fs::read_to_string(format!("/proc/{agent}/oom_score_adj"))
+        .expect("agent score")
+        .trim()
+        .parse()
+        .expect("number");
+    assert!(agent_score <= 0, "agent score {agent_score}");
+    assert!(r.stdout.ends_with("refused\n"), "{r:?}");
+    for i in 0..20 {
+        c.start_process(
+            &sb.id,
+            dsec_e2e::background(Command::Argv(vec![
+                "sh".into(),
+                "-c".into(),
+                format!(
+                    "head -c 4000000 /dev/zero | tr '\\0' {}; exec sleep 600",
+                    i % 10
+                ),
+            ])),
+        )
+        .await
+        .expect("start");
+    }
+    let written = wait_until(Duration::from_secs(60), || async {
+        let list = c.list_processes(&sb.id).await.ok()?;
+        list.processes
+            .iter()
+            .all(|p| p.stdout_bytes == 4_000_000)
+            .then_some(())
+    })
+    .await;
+    assert!(
+        written.is_some(),
+        "the processes did not write their output"
+    );
+    let kept_kib = rss_kib(agent);
+    // dsec_agent::KEPT_OUTPUT_LIMIT.
+    let budget_kib = 64 * 1024;
+    assert!(
+        kept_kib < budget_kib + 32 * 1024,
+        "agent holds {kept_kib} KiB with a budget of {budget_kib} KiB"
+    );
+    let r = c
+        .exec(
+            &sb.id,
+            ExecRequest {
+                timeout_s: Some(60.0),
+                ..sh("for i in $(seq 40); do python3 -c 'import time; b = b\"x\" * (8 << 20); time.sleep(3)' & done; wait; echo done")
+            },
+        )
+        .await
+        .expect("exec");
+    assert!(r.oom_killed, "nothing was OOM-killed: {r:?}");
+    assert_eq!(agent_pid(&sb.id), agent, "the agent was replaced");
+    let r = run(&c, &sb.id, "echo alive; cat /proc/self/oom_score_adj").await;
+    assert_eq!(r.stdout, "alive\n500\n", "{r:?}");
+    let sandbox = c.get_sandbox(&sb.id).await.expect("get");
+    assert_eq!(sandbox.state, SandboxState::Ready);
+    c.delete_sandbox(&sb.id).await.expect("delete");
+}

@@ -585,6 +585,7 @@ impl ContainerBackend {
         }
         let start =
             pid_start_time(pid).ok_or_else(|| create_err(id, "init died right after start"))?;
+        protect_agent(id, pid);
         Ok((pid, start))
     }
 
@@ -715,21 +716,19 @@ impl ContainerBackend {
         .map_err(|e| create_err(id, format!("mount root: {e}")))?;
         let bundle = run.join("bundle");
         fs::create_dir_all(&bundle).map_err(NodeError::io("mkdir", &bundle))?;
-        let config = crate::oci::bundle_config(
-            spec,
-            &rootfs,
-            &self.cfg.agent_bin,
-            run,
-            &self.cgroup_path(id),
-        );
+        let config =
+            crate::oci::bundle_config(spec, &rootfs, &self.cfg.agent_bin, &self.cgroup_path(id));
         let path = bundle.join("config.json");
         fs::write(&path, config.to_string()).map_err(NodeError::io("write", &path))?;
         let socket = self.cfg.agent_socket(id);
+        let listener = UnixListener::bind(&socket).map_err(NodeError::io("bind", &socket))?;
         let state = crate::oci::state_dir(&self.cfg.run_dir);
-        let pid = crate::oci::start(bin, &state, &bundle, id, &socket, self.cfg.create_timeout)
+        let pid = crate::oci::start(bin, &state, &bundle, id, &listener)
             .map_err(|e| create_err(id, e))?;
+        drop(listener);
         let start_time =
             pid_start_time(pid).ok_or_else(|| create_err(id, "sandbox died right after start"))?;
+        protect_agent(id, pid);
         Ok(self.record(spec, layers, (pid, start_time), disk_mb))
     }
 
@@ -1127,6 +1126,14 @@ impl Backend for ContainerBackend {
         rec.net
             .as_ref()
             .map(|n| dsec_net::slot_addrs(subnet, n.slot).sandbox)
+    }
+}
+
+/// The OOM killer takes a sandbox's commands before its agent (where the node may lower
+/// a score; see `dsec_container::harden::protect_from_oom`).
+fn protect_agent(id: &str, pid: i32) {
+    if let Err(e) = dsec_container::harden::protect_from_oom(pid) {
+        tracing::debug!(%id, pid, error = %e, "agent keeps the node's OOM score");
     }
 }
 

@@ -1,33 +1,36 @@
 //! Isolation level `oci`: the sandbox runs under an installed OCI runtime (runc here;
 //! runsc/gVisor where installed) instead of dsec's own init, for callers who want that
 //! runtime's boundary. The agent contract is the same: the node mounts the sandbox's
-//! root (its layers and disk under overlayfs), writes a bundle whose process is
-//! `dsec-agent serve` listening on the sandbox's usual socket (its run directory is
-//! bind-mounted in), and the runtime puts it in the sandbox's cgroup, so pause, reclaim,
-//! OOM accounting and commit work as for the default level.
+//! root (its layers and disk under overlayfs), binds the sandbox's usual socket and
+//! writes a bundle whose process is `dsec-agent serve` on that socket, handed over as fd
+//! 3 (`runc run --preserve-fds 1`): the socket has no path inside, where the code could
+//! otherwise replace it with its own and answer the node in the agent's place. The
+//! runtime puts the agent in the sandbox's cgroup, so pause, reclaim, OOM accounting and
+//! commit work as for the default level.
 //!
 //! Unlike the default level, the root is one mount in the host's mount table per
 //! sandbox. The bundle carries dsec's own seccomp policy (the same rules as the default
 //! level, in the OCI form), which the runtime installs.
 
+use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
 
 use serde_json::json;
 
 use crate::NodeCreateSpec;
 
-/// Where the agent binary and the socket directory appear inside.
+/// Where the agent binary appears inside.
 const AGENT_IN: &str = "/.dsec/dsec-agent";
-const RUN_IN: &str = "/.dsec/run";
+
+/// The agent's listening socket in the container (the first preserved descriptor).
+const LISTEN_FD: RawFd = 3;
 
 /// The bundle's `config.json` for a sandbox.
 pub fn bundle_config(
     spec: &NodeCreateSpec,
     rootfs: &Path,
     agent_bin: &Path,
-    run_dir: &Path,
     cgroup_path: &str,
 ) -> serde_json::Value {
     let caps: Vec<String> = dsec_container::harden::KEPT_CAPS
@@ -37,8 +40,8 @@ pub fn bundle_config(
     let mut args = vec![
         AGENT_IN.to_string(),
         "serve".into(),
-        "--socket".into(),
-        format!("{RUN_IN}/agent.sock"),
+        "--listen-fd".into(),
+        LISTEN_FD.to_string(),
         "--cwd".into(),
         spec.workdir.clone(),
     ];
@@ -83,8 +86,6 @@ pub fn bundle_config(
              "options": ["nosuid", "noexec", "nodev", "ro"]},
             {"destination": AGENT_IN, "type": "bind", "source": agent_bin,
              "options": ["bind", "ro", "nosuid", "nodev"]},
-            {"destination": RUN_IN, "type": "bind", "source": run_dir,
-             "options": ["bind", "rw", "nosuid", "nodev", "noexec"]},
         ],
         "linux": {
             "namespaces": [
@@ -111,42 +112,49 @@ fn runtime(bin: &Path, state: &Path) -> Command {
     c
 }
 
-/// Starts the bundle at `bundle` as container `id` and waits for the agent's socket.
-/// Returns the container's init pid.
+/// Starts the bundle at `bundle` as container `id`, its agent serving `listener` (bound
+/// by the node; connections wait in its backlog until the agent accepts). Returns the
+/// container's init pid.
 pub fn start(
     bin: &Path,
     state: &Path,
     bundle: &Path,
     id: &str,
-    socket: &Path,
-    timeout: Duration,
+    listener: &std::os::unix::net::UnixListener,
 ) -> Result<i32, String> {
     // The detached container keeps the runtime's stdio: give it a log file, never a
     // pipe we would wait on.
     let log_path = bundle.join("output.log");
     let log = std::fs::File::create(&log_path).map_err(|e| format!("create log: {e}"))?;
-    let log2 = log.try_clone().map_err(|e| format!("log: {e}"))?;
-    let status = runtime(bin, state)
-        .args(["run", "--detach", "--bundle"])
-        .arg(bundle)
-        .arg(id)
-        .stdin(std::process::Stdio::null())
-        .stdout(log)
-        .stderr(log2)
-        .status()
+    let null = std::fs::File::open("/dev/null").map_err(|e| format!("/dev/null: {e}"))?;
+    let (state, bundle) = (state.to_string_lossy(), bundle.to_string_lossy());
+    let argv = [
+        "runc",
+        "--root",
+        &state,
+        "run",
+        "--detach",
+        "--preserve-fds",
+        "1",
+        "--bundle",
+        &bundle,
+        id,
+    ];
+    let fds = crate::spawn::SpawnFds {
+        stdin: null.as_raw_fd(),
+        stdout: log.as_raw_fd(),
+        stderr: log.as_raw_fd(),
+        fixed: &[(listener.as_raw_fd(), LISTEN_FD)],
+    };
+    let pid = crate::spawn::spawn(bin, &argv, &fds)
         .map_err(|e| format!("start {}: {e}", bin.display()))?;
-    if !status.success() {
+    let status = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None)
+        .map_err(|e| format!("wait for {}: {e}", bin.display()))?;
+    if !matches!(status, nix::sys::wait::WaitStatus::Exited(_, 0)) {
         let msg = std::fs::read_to_string(&log_path).unwrap_or_default();
         return Err(format!("{} run: {}", bin.display(), msg.trim()));
     }
-    let deadline = Instant::now() + timeout;
-    while !socket.exists() {
-        if Instant::now() > deadline {
-            return Err("the agent did not start listening in time".into());
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    let state_out = runtime(bin, state)
+    let state_out = runtime(bin, Path::new(&*state))
         .arg("state")
         .arg(id)
         .output()
@@ -202,7 +210,6 @@ mod tests {
             &spec,
             Path::new("/s/rootfs"),
             Path::new("/bin/agent"),
-            Path::new("/run/sb-x"),
             "dsec/sb-x",
         );
         let args: Vec<&str> = c["process"]["args"]
@@ -216,8 +223,8 @@ mod tests {
             [
                 AGENT_IN,
                 "serve",
-                "--socket",
-                "/.dsec/run/agent.sock",
+                "--listen-fd",
+                "3",
                 "--cwd",
                 "/work",
                 "--env",
