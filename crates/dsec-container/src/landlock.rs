@@ -300,7 +300,9 @@ mod tests {
 
     #[test]
     fn a_restricted_child_writes_only_where_allowed() {
-        let missing = abi_version().is_none().then(|| "this kernel lacks Landlock".to_string());
+        let missing = abi_version()
+            .is_none()
+            .then(|| "this kernel lacks Landlock".to_string());
         if dsec_testkit::unavailable("landlock writes", missing).is_some() {
             return;
         }

@@ -29,8 +29,9 @@ pub fn require_root() -> bool {
         .map(|s| s.contains("erofs"))
         .unwrap_or(false);
     let ok = root && have_erofs && which("mkfs.erofs");
-    let missing = (!ok)
-        .then(|| format!("e2e tests need root, EROFS and mkfs.erofs (root={root}, erofs={have_erofs})"));
+    let missing = (!ok).then(|| {
+        format!("e2e tests need root, EROFS and mkfs.erofs (root={root}, erofs={have_erofs})")
+    });
     dsec_testkit::unavailable("e2e", missing).is_none()
 }
 
