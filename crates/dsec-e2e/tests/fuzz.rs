@@ -893,6 +893,8 @@ fn judge(status: u16, path: &str, content_type: &str, body: &[u8]) -> Option<Str
     let allowed_5xx = match status {
         // The front's own protocol: SWE-ReX raises runtime errors as 511.
         511 => path.starts_with("/swerex/"),
+        // envd's health of a sandbox that is not running (what the E2B SDK checks).
+        502 => path == "/e2b/envd/health",
         // Limits of the sandbox or node, said as such.
         503 | 504 | 507 => true,
         _ => false,
