@@ -994,16 +994,16 @@ impl ControlPlane {
         if paused_here {
             self.resume_sandbox(id).await?;
         }
-        let img = res?;
-        let updated = {
+        let (img, diff) = res?;
+        // An empty diff added no layer: nothing to remember.
+        let updated = diff.and_then(|diff| {
             let mut recs = self.lock();
             recs.get_mut(id).map(|rec| {
-                if let Some(diff) = img.layers.last() {
-                    rec.committed_layers.push(diff.clone());
-                }
+                rec.committed_layers.retain(|d| *d != diff);
+                rec.committed_layers.push(diff);
                 rec.clone()
             })
-        };
+        });
         if let Some(rec) = updated {
             self.persist(&rec).await?;
         }
