@@ -23,7 +23,7 @@ async fn empty_commits_add_no_layer_and_later_commits_still_work() {
     if !require_root() {
         return;
     }
-    let s = Server::start_with("commit", true, &["--cgroup-parent", "dsec-liveness"])
+    let s = Server::start_with("commit", true, &["--cgroup-parent", "dsec-liveness-commit"])
         .await
         .expect("server");
     s.ensure_base(None).await.expect("base");
