@@ -65,6 +65,8 @@ impl SandboxApi for Fake {
             node: "n".into(),
             cgroup: "v2".into(),
             sandboxes: 0,
+            unhealthy_sandboxes: 0,
+            unhealthy_marks_total: 0,
             capacity: None,
         })
     }

@@ -22,6 +22,9 @@ use crate::api::{ApiResult, ByteStream, EventStream, ImportStream, SandboxApi};
 use crate::convert::{error_event, Converted, EventConverter};
 use crate::validate;
 
+mod liveness;
+use liveness::{Limit, Watchdog};
+
 const NS_SANDBOXES: &str = "sandboxes";
 const NS_TOMBSTONES: &str = "tombstones";
 /// Sandboxes a job suspend or resume works on at once.
@@ -87,6 +90,8 @@ pub struct ControlPlane {
     tombstones: Mutex<HashMap<String, Tombstone>>,
     /// Digest of the create request behind each idempotency key used since start.
     fingerprints: Mutex<HashMap<String, [u8; 32]>>,
+    /// Times a sandbox became `unhealthy` since the start.
+    unhealthy_marks: std::sync::atomic::AtomicU64,
     /// This plane itself, for the tasks of [`ControlPlane::to_end`].
     me: Weak<ControlPlane>,
 }
@@ -188,6 +193,7 @@ impl ControlPlane {
             records: Mutex::new(HashMap::new()),
             tombstones: Mutex::new(tombstones),
             fingerprints: Mutex::new(HashMap::new()),
+            unhealthy_marks: Default::default(),
             me: me.clone(),
         });
         for (id, mut sb) in records {
@@ -229,6 +235,16 @@ impl ControlPlane {
             }
             plane.persist(&sb).await?;
             plane.lock().insert(id, sb);
+        }
+        // An agent found unresponsive before the restart is checked again.
+        let unhealthy: Vec<String> = plane
+            .lock()
+            .values()
+            .filter(|s| s.state == SandboxState::Unhealthy)
+            .map(|s| s.id.clone())
+            .collect();
+        for id in unhealthy {
+            plane.spawn_recovery(&id);
         }
         plane.clone().spawn_reaper();
         Ok(plane)
@@ -344,8 +360,10 @@ impl ControlPlane {
             let mut recs = self.lock();
             recs.values_mut()
                 .filter(|s| {
-                    matches!(s.state, SandboxState::Ready | SandboxState::Paused)
-                        && alive.get(&s.id) == Some(&false)
+                    matches!(
+                        s.state,
+                        SandboxState::Ready | SandboxState::Paused | SandboxState::Unhealthy
+                    ) && alive.get(&s.id) == Some(&false)
                 })
                 .map(|s| {
                     s.state = SandboxState::Failed;
@@ -452,6 +470,10 @@ impl ControlPlane {
                     "sandbox {id} failed: {}",
                     sb.failure.clone().unwrap_or_default()
                 ),
+            )),
+            SandboxState::Unhealthy => Err(liveness::unhealthy_error(
+                id,
+                sb.unhealthy_cause.as_deref().unwrap_or_default(),
             )),
         }
     }
@@ -574,12 +596,20 @@ impl ControlPlane {
     }
 
     async fn call(&self, id: &str, req: Request) -> ApiResult<Reply> {
-        let mut conn = self.conn(id).await?;
-        let reply = conn.request(&req).await?;
-        if req.keeps_connection() {
-            self.node.reuse(id, conn);
-        }
-        Ok(reply)
+        self.call_within(id, req, Some(Limit::call())).await
+    }
+
+    /// [`ControlPlane::call`] with its own deadline (`None`: the watchdog only).
+    async fn call_within(&self, id: &str, req: Request, limit: Option<Limit>) -> ApiResult<Reply> {
+        self.guarded(id, limit, async {
+            let mut conn = self.conn(id).await?;
+            let reply = conn.request(&req).await?;
+            if req.keeps_connection() {
+                self.node.reuse(id, conn);
+            }
+            Ok(reply)
+        })
+        .await
     }
 
     async fn call_ok(&self, id: &str, req: Request) -> ApiResult<()> {
@@ -634,12 +664,17 @@ impl ControlPlane {
         }
     }
 
-    /// Turns the Data frames of `conn` (until Eof) into a byte stream.
-    fn data_stream(mut conn: AgentConn) -> ByteStream {
+    /// Turns the Data frames of `conn` (until Eof) into a byte stream; `watchdog` ends it
+    /// when the agent stops answering.
+    fn data_stream(mut conn: AgentConn, watchdog: Watchdog) -> ByteStream {
         let (tx, rx) = mpsc::channel::<Result<Bytes, ApiError>>(8);
         tokio::spawn(async move {
             loop {
-                let item = match conn.recv().await {
+                let received = tokio::select! {
+                    r = conn.recv() => r,
+                    e = watchdog.dead() => Err(e),
+                };
+                let item = match received {
                     Ok(Some(Frame::Data(b))) => Ok(Bytes::from(b)),
                     Ok(Some(Frame::Eof)) => return,
                     Ok(Some(Frame::Json(j))) => match serde_json::from_slice::<Reply>(&j) {
@@ -662,19 +697,33 @@ impl ControlPlane {
         ReceiverStream::new(rx).boxed()
     }
 
-    /// Converts the frames of an exec or output stream into events.
-    fn event_stream(&self, id: &str, mut conn: AgentConn, oom_before: u64) -> EventStream {
+    /// Converts the frames of an exec or output stream into events. The stream ends with
+    /// an error event when the agent stops answering, or at `limit` (an exec's timeout).
+    fn event_stream(
+        &self,
+        id: &str,
+        mut conn: AgentConn,
+        oom_before: u64,
+        limit: Option<Limit>,
+    ) -> EventStream {
         let (tx, rx) = mpsc::channel::<ExecEvent>(16);
         let node = self.node.clone();
+        let watchdog = self.watchdog(id);
         let id = id.to_string();
         tokio::spawn(async move {
             let mut conv = EventConverter::default();
+            let (deadline, late) = match limit.map(|l| l.deadline()) {
+                Some((at, e)) => (Some(at), Some(e)),
+                None => (None, None),
+            };
             loop {
                 let received = tokio::select! {
                     r = conn.recv() => r,
                     // The caller went away while the command is silent (`sleep 300`):
                     // dropping the connection stops the exec too.
                     () = tx.closed() => return,
+                    e = watchdog.dead() => Err(e),
+                    () = sleep_until_some(deadline) => Err(late.clone().unwrap_or_else(|| internal("deadline"))),
                 };
                 let frame = match received {
                     Ok(Some(f)) => f,
@@ -742,6 +791,46 @@ impl ControlPlane {
         Ok((conn, oom_before, request.keeps_connection()))
     }
 
+    /// Runs an exec to its exit and collects its output.
+    async fn exec_to_exit(&self, id: &str, req: &ExecRequest) -> ApiResult<ExecResult> {
+        let (mut conn, oom_before, keeps) = self.start_exec(id, req, false).await?;
+        let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+        loop {
+            match conn.recv_some().await? {
+                Frame::Stdout(b) => stdout.extend_from_slice(&b),
+                Frame::Stderr(b) => stderr.extend_from_slice(&b),
+                Frame::Json(bytes) => {
+                    match serde_json::from_slice::<Reply>(&bytes).map_err(internal)? {
+                        Reply::Started { .. } => {}
+                        Reply::Exited(exit) => {
+                            // The exchange is complete: the connection can carry the next.
+                            if keeps {
+                                self.node.reuse(id, conn);
+                            }
+                            // A shell reports its OOM-killed child as exit 137, not as a
+                            // signal: the cgroup's OOM counter is the reliable witness.
+                            let oom_killed = self
+                                .node
+                                .oom_kill_count(id)
+                                .await
+                                .map(|n| n > oom_before)
+                                .unwrap_or(false);
+                            return Ok(ExecResult {
+                                stdout: crate::convert::lossy_text(stdout),
+                                stderr: crate::convert::lossy_text(stderr),
+                                exit,
+                                oom_killed,
+                            });
+                        }
+                        Reply::Error(e) => return Err(e),
+                        other => return Err(unexpected(other)),
+                    }
+                }
+                Frame::Data(_) | Frame::Eof => {}
+            }
+        }
+    }
+
     async fn place_files(&self, id: &str, files: &[InitFile]) -> ApiResult<()> {
         for f in files {
             let bytes = match f.encoding {
@@ -755,14 +844,17 @@ impl ControlPlane {
                         )
                     })?,
             };
-            let conn = self.node.connect(id).await.map_err(ApiError::from)?;
             let req = Request::FileWrite {
                 path: f.path.clone(),
                 mode: f.mode,
                 create_parents: true,
             };
             let body: ByteStream = futures::stream::iter([Ok(Bytes::from(bytes))]).boxed();
-            Self::upload(conn, req, body).await?;
+            self.guarded(id, Some(Limit::call()), async {
+                let conn = self.node.connect(id).await.map_err(ApiError::from)?;
+                Self::upload(conn, req, body).await
+            })
+            .await?;
         }
         Ok(())
     }
@@ -883,6 +975,14 @@ fn request_digest(req: &CreateSandboxRequest) -> [u8; 32] {
     sha2::Sha256::digest(&json).into()
 }
 
+/// Sleeps until `at`; never ends without one.
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Whether the memory limit killed a process while this exec ran.
 async fn oom_check(node: &Arc<dyn NodeApi>, id: &str, before: u64, frame: &Frame) -> bool {
     let Frame::Json(bytes) = frame else {
@@ -942,6 +1042,8 @@ impl ControlPlane {
             idle_timeout_s: req.idle_timeout_s,
             last_active_at: now,
             failure: None,
+            unhealthy_cause: None,
+            unhealthy_since: None,
             node: self.node.name().to_string(),
             job_suspended_at: None,
             committed_layers: Vec::new(),
@@ -1135,16 +1237,16 @@ impl ControlPlane {
         if paused_here {
             self.resume_sandbox(id).await?;
         }
-        let img = res?;
-        let updated = {
+        let (img, diff) = res?;
+        // An empty diff added no layer: nothing to remember.
+        let updated = diff.and_then(|diff| {
             let mut recs = self.lock();
             recs.get_mut(id).map(|rec| {
-                if let Some(diff) = img.layers.last() {
-                    rec.committed_layers.push(diff.clone());
-                }
+                rec.committed_layers.retain(|d| *d != diff);
+                rec.committed_layers.push(diff);
                 rec.clone()
             })
-        };
+        });
         if let Some(rec) = updated {
             self.persist(&rec).await?;
         }
@@ -1265,6 +1367,10 @@ impl SandboxApi for ControlPlane {
         let c = self.node.capacity().await;
         let sandboxes = self.lock().len() as u64;
         Ok(Health {
+            unhealthy_sandboxes: self.unhealthy_count(),
+            unhealthy_marks_total: self
+                .unhealthy_marks
+                .load(std::sync::atomic::Ordering::Relaxed),
             status: "ok".into(),
             version: env!("CARGO_PKG_VERSION").into(),
             node: self.node.name().into(),
@@ -1362,47 +1468,16 @@ impl SandboxApi for ControlPlane {
     }
 
     async fn exec(&self, id: &str, req: ExecRequest) -> ApiResult<ExecResult> {
-        let (mut conn, oom_before, keeps) = self.start_exec(id, &req, false).await?;
-        let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
-        loop {
-            match conn.recv_some().await? {
-                Frame::Stdout(b) => stdout.extend_from_slice(&b),
-                Frame::Stderr(b) => stderr.extend_from_slice(&b),
-                Frame::Json(bytes) => {
-                    match serde_json::from_slice::<Reply>(&bytes).map_err(internal)? {
-                        Reply::Started { .. } => {}
-                        Reply::Exited(exit) => {
-                            // The exchange is complete: the connection can carry the next.
-                            if keeps {
-                                self.node.reuse(id, conn);
-                            }
-                            // A shell reports its OOM-killed child as exit 137, not as a
-                            // signal: the cgroup's OOM counter is the reliable witness.
-                            let oom_killed = self
-                                .node
-                                .oom_kill_count(id)
-                                .await
-                                .map(|n| n > oom_before)
-                                .unwrap_or(false);
-                            return Ok(ExecResult {
-                                stdout: crate::convert::lossy_text(stdout),
-                                stderr: crate::convert::lossy_text(stderr),
-                                exit,
-                                oom_killed,
-                            });
-                        }
-                        Reply::Error(e) => return Err(e),
-                        other => return Err(unexpected(other)),
-                    }
-                }
-                Frame::Data(_) | Frame::Eof => {}
-            }
-        }
+        let limit = ms_from_s("timeout_s", req.timeout_s)?.map(Limit::exec);
+        self.guarded(id, limit, self.exec_to_exit(id, &req)).await
     }
 
     async fn exec_stream(&self, id: &str, req: ExecRequest) -> ApiResult<EventStream> {
-        let (conn, oom_before, _) = self.start_exec(id, &req, true).await?;
-        Ok(self.event_stream(id, conn, oom_before))
+        let limit = ms_from_s("timeout_s", req.timeout_s)?.map(Limit::exec);
+        let (conn, oom_before, _) = self
+            .guarded(id, limit.clone(), self.start_exec(id, &req, true))
+            .await?;
+        Ok(self.event_stream(id, conn, oom_before, limit))
     }
 
     async fn create_session(&self, id: &str, req: CreateSessionRequest) -> ApiResult<SessionInfo> {
@@ -1461,7 +1536,11 @@ impl SandboxApi for ControlPlane {
             command: req.command,
             timeout_ms,
         };
-        match self.call(id, r).await? {
+        // Without a timeout the command may run as long as it likes: the watchdog only.
+        match self
+            .call_within(id, r, timeout_ms.map(Limit::session))
+            .await?
+        {
             Reply::SessionResult(res) => Ok(res),
             other => Err(unexpected(other)),
         }
@@ -1529,31 +1608,39 @@ impl SandboxApi for ControlPlane {
         stderr_offset: u64,
         follow: bool,
     ) -> ApiResult<EventStream> {
-        let mut conn = self.conn(id).await?;
-        conn.send_request(&Request::ProcessOutput {
-            pid,
-            stdout_offset,
-            stderr_offset,
-            follow,
-        })
-        .await?;
-        Ok(self.event_stream(id, conn, u64::MAX))
+        let conn = self
+            .guarded(id, Some(Limit::call()), async {
+                let mut conn = self.conn(id).await?;
+                conn.send_request(&Request::ProcessOutput {
+                    pid,
+                    stdout_offset,
+                    stderr_offset,
+                    follow,
+                })
+                .await?;
+                Ok(conn)
+            })
+            .await?;
+        Ok(self.event_stream(id, conn, u64::MAX, None))
     }
 
     async fn process_stdin(&self, id: &str, pid: u32, req: StdinRequest) -> ApiResult<()> {
-        let mut conn = self.conn(id).await?;
-        conn.send(&Frame::json(&Request::ProcessStdin {
-            pid,
-            close: req.close,
-        }))
-        .await?;
-        let body: ByteStream =
-            futures::stream::iter([Ok(Bytes::from(req.data.into_bytes()))]).boxed();
-        Self::pump(&mut conn, body).await?;
-        match conn.recv_reply().await? {
-            Reply::Ok => Ok(()),
-            other => Err(unexpected(other)),
-        }
+        self.guarded(id, Some(Limit::call()), async {
+            let mut conn = self.conn(id).await?;
+            conn.send(&Frame::json(&Request::ProcessStdin {
+                pid,
+                close: req.close,
+            }))
+            .await?;
+            let body: ByteStream =
+                futures::stream::iter([Ok(Bytes::from(req.data.into_bytes()))]).boxed();
+            Self::pump(&mut conn, body).await?;
+            match conn.recv_reply().await? {
+                Reply::Ok => Ok(()),
+                other => Err(unexpected(other)),
+            }
+        })
+        .await
     }
 
     async fn signal_process(&self, id: &str, pid: u32, req: SignalRequest) -> ApiResult<()> {
@@ -1581,17 +1668,22 @@ impl SandboxApi for ControlPlane {
     ) -> ApiResult<(FileInfo, ByteStream)> {
         validate::sandbox_path("path", path)?;
         validate::read_range(offset, length)?;
-        let mut conn = self.conn(id).await?;
-        conn.send_request(&Request::FileRead {
-            path: path.to_string(),
-            offset,
-            length,
-        })
-        .await?;
-        match conn.recv_reply().await? {
-            Reply::File(info) => Ok((info, Self::data_stream(conn))),
-            other => Err(unexpected(other)),
-        }
+        let (info, conn) = self
+            .guarded(id, Some(Limit::call()), async {
+                let mut conn = self.conn(id).await?;
+                conn.send_request(&Request::FileRead {
+                    path: path.to_string(),
+                    offset,
+                    length,
+                })
+                .await?;
+                match conn.recv_reply().await? {
+                    Reply::File(info) => Ok((info, conn)),
+                    other => Err(unexpected(other)),
+                }
+            })
+            .await?;
+        Ok((info, Self::data_stream(conn, self.watchdog(id))))
     }
 
     async fn write_file(
@@ -1607,7 +1699,11 @@ impl SandboxApi for ControlPlane {
             mode,
             create_parents: true,
         };
-        Self::upload(self.conn(id).await?, req, body).await
+        // As long as the client sends: the watchdog only.
+        self.guarded(id, None, async {
+            Self::upload(self.conn(id).await?, req, body).await
+        })
+        .await
     }
 
     async fn list_files(&self, id: &str, path: &str) -> ApiResult<FileList> {
@@ -1675,30 +1771,38 @@ impl SandboxApi for ControlPlane {
 
     async fn download_tar(&self, id: &str, path: &str) -> ApiResult<ByteStream> {
         validate::sandbox_path("path", path)?;
-        let mut conn = self.conn(id).await?;
-        conn.send_request(&Request::TarDownload {
-            path: path.to_string(),
-        })
-        .await?;
-        // The agent's first frame says whether the path can be archived at all: an
-        // error then is answered as such, before any 200 goes out.
-        let first = match conn.recv().await? {
-            Some(Frame::Json(j)) => match serde_json::from_slice::<Reply>(&j) {
-                Ok(Reply::Error(e)) => return Err(e),
-                Ok(other) => return Err(unexpected(other)),
-                Err(e) => return Err(internal(format!("bad agent reply: {e}"))),
-            },
-            Some(Frame::Eof) => return Ok(futures::stream::empty().boxed()),
-            Some(Frame::Data(b)) => Bytes::from(b),
-            Some(_) => return Err(internal("unexpected frame in data stream")),
-            None => {
-                return Err(ApiError::new(
-                    ErrorCode::AgentUnavailable,
-                    "agent closed the stream early",
-                ))
-            }
+        let (first, conn) = self
+            .guarded(id, Some(Limit::call()), async {
+                let mut conn = self.conn(id).await?;
+                conn.send_request(&Request::TarDownload {
+                    path: path.to_string(),
+                })
+                .await?;
+                // The agent's first frame says whether the path can be archived at all:
+                // an error then is answered as such, before any 200 goes out.
+                let first = match conn.recv().await? {
+                    Some(Frame::Json(j)) => match serde_json::from_slice::<Reply>(&j) {
+                        Ok(Reply::Error(e)) => return Err(e),
+                        Ok(other) => return Err(unexpected(other)),
+                        Err(e) => return Err(internal(format!("bad agent reply: {e}"))),
+                    },
+                    Some(Frame::Eof) => None,
+                    Some(Frame::Data(b)) => Some(Bytes::from(b)),
+                    Some(_) => return Err(internal("unexpected frame in data stream")),
+                    None => {
+                        return Err(ApiError::new(
+                            ErrorCode::AgentUnavailable,
+                            "agent closed the stream early",
+                        ))
+                    }
+                };
+                Ok((first, conn))
+            })
+            .await?;
+        let Some(first) = first else {
+            return Ok(futures::stream::empty().boxed());
         };
-        let rest = Self::data_stream(conn);
+        let rest = Self::data_stream(conn, self.watchdog(id));
         Ok(futures::stream::once(async move { Ok(first) })
             .chain(rest)
             .boxed())
@@ -1709,7 +1813,10 @@ impl SandboxApi for ControlPlane {
         let req = Request::TarUpload {
             path: path.to_string(),
         };
-        Self::upload(self.conn(id).await?, req, body).await
+        self.guarded(id, None, async {
+            Self::upload(self.conn(id).await?, req, body).await
+        })
+        .await
     }
 
     async fn list_images(&self) -> ApiResult<ImageList> {

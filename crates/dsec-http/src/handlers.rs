@@ -14,8 +14,8 @@ use bytes::Bytes;
 use dsec_control::{ByteStream, SandboxApi};
 use dsec_wire::v1::{
     CommitRequest, CreateSandboxRequest, CreateSessionRequest, ExecRequest, FileInfo,
-    ImportImageRequest, MkdirRequest, NetworkPolicy, PtySize, RenameRequest, SessionRunRequest,
-    SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest,
+    ImportImageRequest, MkdirRequest, NetworkPolicy, PtySize, RenameRequest, SandboxState,
+    SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest,
 };
 use dsec_wire::{ApiError, ErrorCode};
 use futures::StreamExt;
@@ -232,7 +232,7 @@ pub fn parse_labels(pairs: Vec<(String, String)>) -> Result<BTreeMap<String, Str
     for (key, value) in pairs {
         if key != "label" {
             return Err(HttpError::bad_request(format!(
-                "unknown query parameter {key:?}; only label=KEY=VALUE is accepted"
+                "unknown query parameter {key:?}; only label=KEY=VALUE (and state=STATE on the sandbox list) is accepted"
             )));
         }
         let Some((k, v)) = value.split_once('=') else {
@@ -283,7 +283,25 @@ pub async fn list_sandboxes(
     State(api): Api,
     Query(pairs): Query<Vec<(String, String)>>,
 ) -> HttpResult<Response> {
-    Ok(json(api.list_sandboxes(parse_labels(pairs)?).await?))
+    // `state=S` (repeatable: any of them) beside the label filters.
+    let (states, labels): (Vec<_>, Vec<_>) = pairs.into_iter().partition(|(k, _)| k == "state");
+    let states = states
+        .into_iter()
+        .map(|(_, v)| {
+            serde_json::from_value::<SandboxState>(serde_json::Value::String(v.clone())).map_err(
+                |_| {
+                    HttpError::bad_request(format!(
+                        "unknown state {v:?}; one of creating, ready, paused, stopping, failed, unhealthy"
+                    ))
+                },
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut list = api.list_sandboxes(parse_labels(labels)?).await?;
+    if !states.is_empty() {
+        list.sandboxes.retain(|s| states.contains(&s.state));
+    }
+    Ok(json(list))
 }
 
 /// `GET /v1/sandboxes/{id}`.

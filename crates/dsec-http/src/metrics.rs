@@ -18,6 +18,11 @@ pub fn render(health: &Health, layers: &LayerStatsList) -> String {
         "Live sandboxes on this node.",
         health.sandboxes,
     );
+    gauge(
+        "dsec_sandboxes_unhealthy",
+        "Sandboxes whose agent does not answer (state unhealthy).",
+        health.unhealthy_sandboxes,
+    );
     if let Some(c) = &health.capacity {
         gauge(
             "dsec_cpu_millis_requested",
@@ -41,6 +46,12 @@ pub fn render(health: &Health, layers: &LayerStatsList) -> String {
         );
     }
 
+    let _ = writeln!(
+        out,
+        "# HELP dsec_sandbox_unhealthy_total Times a sandbox became unhealthy since the server started.\n\
+         # TYPE dsec_sandbox_unhealthy_total counter\ndsec_sandbox_unhealthy_total {}",
+        health.unhealthy_marks_total
+    );
     let _ = writeln!(
         out,
         "# HELP dsec_lazy_chunk_cache_bytes Bytes the on-demand chunk cache holds on disk.\n\
@@ -133,6 +144,8 @@ mod tests {
             node: "n".into(),
             cgroup: "v1".into(),
             sandboxes: 3,
+            unhealthy_sandboxes: 1,
+            unhealthy_marks_total: 2,
             capacity: None,
         };
         let layers = LayerStatsList {
@@ -155,6 +168,8 @@ mod tests {
         };
         let text = render(&health, &layers);
         assert_eq!(value(&text, "dsec_sandboxes"), Some(3.0));
+        assert_eq!(value(&text, "dsec_sandboxes_unhealthy"), Some(1.0));
+        assert_eq!(value(&text, "dsec_sandbox_unhealthy_total"), Some(2.0));
         assert_eq!(value(&text, "dsec_lazy_chunk_cache_bytes"), Some(5.0));
         let l = "{layer=\"sha256:ab\"}";
         assert_eq!(

@@ -60,6 +60,8 @@ impl SandboxApi for Stub {
             node: "stub".into(),
             cgroup: "v2".into(),
             sandboxes: 0,
+            unhealthy_sandboxes: 0,
+            unhealthy_marks_total: 0,
             capacity: None,
         })
     }

@@ -320,6 +320,22 @@ impl RefEntry {
     }
 }
 
+/// `layers` (bottom first) with each layer only at its topmost place. The tree is the
+/// same: whatever a lower copy of a layer shows, its upper copy shows too. Overlayfs
+/// refuses a stack naming one layer directory twice (ELOOP), so every stack mounted or
+/// stored goes through this.
+pub fn dedup_layers(layers: &[String]) -> Vec<String> {
+    let mut seen = std::collections::HashSet::new();
+    let mut out: Vec<String> = layers
+        .iter()
+        .rev()
+        .filter(|d| seen.insert(d.as_str()))
+        .cloned()
+        .collect();
+    out.reverse();
+    out
+}
+
 /// The digest of an image made of `layers` (bottom first): the layer's own for one layer,
 /// else the sha256 of the list.
 pub fn image_digest(layers: &[String]) -> String {
@@ -670,6 +686,9 @@ impl ImageStore {
     /// points `name` at `stack` (the sandbox's layers, bottom first) + `previous_diffs`
     /// (the layers earlier commits of the same sandbox added, bottom first) + the new one.
     /// With earlier commits only what changed since is stored, deletions as whiteouts.
+    /// Nothing changed since the last commit: no layer is added (`None`), and `name`
+    /// names the stack and earlier diffs as they are. A layer named twice stays only at
+    /// its topmost place ([`dedup_layers`]).
     /// The caller keeps `upper` still (the sandbox paused) while this runs.
     pub fn commit_upper(
         &self,
@@ -679,8 +698,9 @@ impl ImageStore {
         previous_diffs: &[String],
         config: ImageConfig,
         source: &str,
-    ) -> Result<(Image, packdiff::DiffStats)> {
+    ) -> Result<(Image, packdiff::DiffStats, Option<String>)> {
         validate_name(name)?;
+        let previous_diffs = &dedup_layers(previous_diffs)[..];
         let work = self.tempdir("commit-")?;
         let tree = work.path().join("tree");
         std::fs::create_dir(&tree).map_err(|e| ImageError::io("mkdir", &tree, e))?;
@@ -726,15 +746,20 @@ impl ImageStore {
         }
         view?;
         let stats = copied?;
-        let layer = work.path().join("layer.erofs");
-        build_erofs(&tree, &layer, work.path(), &|_| {})?;
-        let (digest, _) = self.put_blob(&layer, &|_| {})?;
         let mut layers = stack.to_vec();
         layers.extend(previous_diffs.iter().cloned());
-        layers.push(digest);
-        let img = self.set_ref(name, &layers, source, config)?;
+        let diff = if !previous_diffs.is_empty() && stats.is_empty() {
+            None
+        } else {
+            let layer = work.path().join("layer.erofs");
+            build_erofs(&tree, &layer, work.path(), &|_| {})?;
+            let (digest, _) = self.put_blob(&layer, &|_| {})?;
+            layers.push(digest.clone());
+            Some(digest)
+        };
+        let img = self.set_ref(name, &dedup_layers(&layers), source, config)?;
         drop(work);
-        Ok((img, stats))
+        Ok((img, stats, diff))
     }
 
     /// Removes every ref whose name starts with `prefix` (e.g. `build-cache/`) and that is
@@ -1531,6 +1556,17 @@ fn hash_file(path: &Path, progress: &dyn Fn(ImportProgress)) -> Result<(String, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_layer_named_twice_stays_at_its_topmost_place() {
+        let l = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            dedup_layers(&l(&["a", "b", "a", "c", "c"])),
+            l(&["b", "a", "c"])
+        );
+        assert_eq!(dedup_layers(&l(&["a", "b"])), l(&["a", "b"]));
+        assert!(dedup_layers(&[]).is_empty());
+    }
 
     #[test]
     fn names() {

@@ -32,6 +32,18 @@ pub struct DiffStats {
     pub unchanged: u64,
     /// Whiteouts (deletions) carried.
     pub whiteouts: u64,
+    /// Of the directories copied (the root included), those the previous snapshot has
+    /// with the same mode, owner and mtime: kept for the tree, not a change.
+    pub dirs_same: u64,
+}
+
+impl DiffStats {
+    /// Whether the copy holds no change against the previous snapshot: only directories
+    /// it already has as they are, and no deletion. Without a previous snapshot every
+    /// directory counts as a change.
+    pub fn is_empty(&self) -> bool {
+        self.copied == self.dirs_same && self.whiteouts == 0
+    }
 }
 
 /// Copies the upper directory `upper` into the empty directory `dest`. With `previous`
@@ -49,6 +61,10 @@ pub fn copy_upper(
     copy_meta(upper, dest, &root_meta)?;
     copy_dir(upper, dest, previous, &mut links, &mut stats)?;
     set_times(dest, &root_meta)?;
+    stats.copied += 1;
+    if previous.is_some_and(|p| same_dir(&root_meta, p)) {
+        stats.dirs_same += 1;
+    }
     Ok(stats)
 }
 
@@ -73,6 +89,7 @@ fn copy_dir(
         if ft.is_dir() {
             fs::create_dir(&to).map_err(|e| ImageError::io("mkdir", &to, e))?;
             copy_meta(&from, &to, &meta)?;
+            let same = prev.as_deref().is_some_and(|p| same_dir(&meta, p));
             // An opaque directory hides everything below it: compare nothing underneath.
             let prev = if is_opaque(&from) { None } else { prev };
             copy_dir(
@@ -84,6 +101,9 @@ fn copy_dir(
             )?;
             set_times(&to, &meta)?;
             stats.copied += 1;
+            if same {
+                stats.dirs_same += 1;
+            }
             continue;
         }
         if prev.as_deref().is_some_and(|p| same_entry(&from, &meta, p)) {
@@ -134,6 +154,20 @@ fn copy_dir(
         }
     }
     Ok(())
+}
+
+/// Whether `prev` (in the previous snapshot) is a directory with the mode, owner and
+/// mtime of the directory `meta` describes. A directory removed and made again has a new
+/// mtime, so an opaque one matches only the snapshot that already held it.
+fn same_dir(meta: &fs::Metadata, prev: &Path) -> bool {
+    fs::symlink_metadata(prev).is_ok_and(|pm| {
+        pm.is_dir()
+            && meta.mode() == pm.mode()
+            && meta.uid() == pm.uid()
+            && meta.gid() == pm.gid()
+            && meta.mtime() == pm.mtime()
+            && meta.mtime_nsec() == pm.mtime_nsec()
+    })
 }
 
 /// Whether `prev` (in the previous snapshot) is the same entry as `src`: same type, mode,
@@ -304,4 +338,42 @@ fn set_times(dest: &Path, meta: &fs::Metadata) -> Result<(), ImageError> {
         nix::sys::stat::UtimensatFlags::NoFollowSymlink,
     )
     .map_err(|e| ImageError::io("utimensat", dest, e.into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A copy against a snapshot of the same upper holds no change; a new file, a
+    /// deletion or a directory's new mode is one.
+    #[test]
+    fn an_unchanged_upper_is_an_empty_diff() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let upper = dir.path().join("upper");
+        fs::create_dir_all(upper.join("work/sub")).expect("mkdir");
+        fs::write(upper.join("work/f"), b"one").expect("write");
+        let first = dir.path().join("first");
+        fs::create_dir(&first).expect("mkdir");
+        let stats = copy_upper(&upper, &first, None).expect("copy");
+        assert!(!stats.is_empty(), "no previous snapshot: {stats:?}");
+
+        let again = |name: &str| {
+            let dest = dir.path().join(name);
+            fs::create_dir(&dest).expect("mkdir");
+            copy_upper(&upper, &dest, Some(&first)).expect("copy")
+        };
+        let stats = again("second");
+        assert!(stats.is_empty(), "{stats:?}");
+        assert_eq!(stats.copied, 3, "root, work, work/sub kept for the tree");
+
+        fs::set_permissions(upper.join("work/sub"), fs::Permissions::from_mode(0o700))
+            .expect("chmod");
+        assert!(!again("third").is_empty(), "a directory's new mode");
+        fs::set_permissions(upper.join("work/sub"), fs::Permissions::from_mode(0o755))
+            .expect("chmod");
+        let meta = fs::symlink_metadata(first.join("work/sub")).expect("stat");
+        assert_eq!(meta.mode() & 0o777, 0o755);
+        fs::write(upper.join("work/g"), b"two").expect("write");
+        assert!(!again("fourth").is_empty(), "a new file");
+    }
 }

@@ -128,14 +128,15 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
     async fn resume(&self, id: &str) -> Result<(), NodeError>;
     /// packdiff: stores the sandbox's writable layer as a new layer and names the image
     /// `name` = its layer stack + `previous_diffs` (layers of its earlier commits) + it.
-    /// The sandbox should be paused meanwhile.
+    /// Returns the image and the new layer, `None` when nothing changed since the last
+    /// commit (the image then adds no layer). The sandbox should be paused meanwhile.
     async fn commit(
         &self,
         id: &str,
         name: &str,
         previous_diffs: Vec<String>,
         config: dsec_wire::v1::ImageConfig,
-    ) -> Result<Image, NodeError>;
+    ) -> Result<(Image, Option<String>), NodeError>;
     /// Replaces a networked sandbox's policy.
     async fn set_network(
         &self,

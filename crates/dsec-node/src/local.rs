@@ -271,13 +271,7 @@ fn mount_layers(
     for name in &spec.layers {
         digests.extend(images.resolve(name)?.layers);
     }
-    let mut seen = HashSet::new();
-    let mut stack: Vec<String> = digests
-        .into_iter()
-        .rev()
-        .filter(|d| seen.insert(d.clone()))
-        .collect();
-    stack.reverse();
+    let stack = dsec_image::dedup_layers(&digests);
     let digest = if spec.layers.is_empty() {
         base.digest
     } else {
@@ -484,7 +478,7 @@ impl NodeApi for LocalNode {
         name: &str,
         previous_diffs: Vec<String>,
         config: dsec_wire::v1::ImageConfig,
-    ) -> Result<Image, NodeError> {
+    ) -> Result<(Image, Option<String>), NodeError> {
         let rec = self.record(id)?;
         let backend = self.backend.clone();
         let images = self.images.clone();
@@ -493,7 +487,7 @@ impl NodeApi for LocalNode {
             let stack = rec.layer_digests();
             let mut out = None;
             backend.with_upper(&id, &mut |upper| {
-                let (img, stats) = images.commit_upper(
+                let (img, stats, diff) = images.commit_upper(
                     &name,
                     upper,
                     &stack,
@@ -502,8 +496,9 @@ impl NodeApi for LocalNode {
                     &format!("sandbox {id}"),
                 )?;
                 tracing::info!(%id, image = %img.name, copied = stats.copied,
-                    unchanged = stats.unchanged, whiteouts = stats.whiteouts, "sandbox committed");
-                out = Some(img);
+                    unchanged = stats.unchanged, whiteouts = stats.whiteouts,
+                    new_layer = diff.is_some(), "sandbox committed");
+                out = Some((img, diff));
                 Ok(())
             })?;
             out.ok_or_else(|| NodeError::NotFound(id.clone()))

@@ -375,6 +375,11 @@ pub enum SandboxState {
     Stopping,
     /// Creation failed or the sandbox died; `failure` says why.
     Failed,
+    /// Running, but its agent stopped answering (stopped, hung or starved);
+    /// `unhealthy_cause` says what the node saw. Calls answer `agent_unavailable` at
+    /// once instead of hanging; the sandbox goes back to `ready` when the agent answers
+    /// again. Delete works as usual.
+    Unhealthy,
 }
 
 /// Effective resource limits of a sandbox.
@@ -430,6 +435,12 @@ pub struct Sandbox {
     pub last_active_at: u64,
     /// Why the sandbox failed, for `failed`.
     pub failure: Option<String>,
+    /// What the node saw of its agent, for `unhealthy`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unhealthy_cause: Option<String>,
+    /// Since when it is `unhealthy` (unix ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unhealthy_since: Option<u64>,
     /// Node that runs it.
     pub node: String,
     /// Set while its job is suspended (`POST /v1/jobs/{job}/suspend`): unix ms of the
@@ -974,6 +985,12 @@ pub struct Health {
     pub cgroup: String,
     /// Live sandboxes.
     pub sandboxes: u64,
+    /// Sandboxes in state `unhealthy` now (their agents do not answer).
+    #[serde(default)]
+    pub unhealthy_sandboxes: u64,
+    /// Times since the server started that a sandbox became `unhealthy`.
+    #[serde(default)]
+    pub unhealthy_marks_total: u64,
     /// What the node admits and holds now, for placement.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capacity: Option<NodeCapacity>,

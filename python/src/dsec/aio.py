@@ -106,8 +106,12 @@ class AsyncClient:
     async def get_sandbox(self, sandbox_id: str) -> SandboxInfo:
         return SandboxInfo.model_validate(await self._json("GET", f"/sandboxes/{_seg(sandbox_id)}"))
 
-    async def list_sandboxes(self, labels: Optional[Mapping[str, str]] = None) -> List[SandboxInfo]:
+    async def list_sandboxes(
+        self, labels: Optional[Mapping[str, str]] = None, state: Optional[str] = None
+    ) -> List[SandboxInfo]:
         params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        if state is not None:
+            params.append(("state", state))
         data = await self._json("GET", "/sandboxes", params=params)
         return [SandboxInfo.model_validate(s) for s in data["sandboxes"]]
 

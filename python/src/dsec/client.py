@@ -185,9 +185,14 @@ class Client:
         """``GET /v1/sandboxes/{id}``."""
         return SandboxInfo.model_validate(self._json("GET", f"/sandboxes/{_seg(sandbox_id)}"))
 
-    def list_sandboxes(self, labels: Optional[Mapping[str, str]] = None) -> List[SandboxInfo]:
-        """``GET /v1/sandboxes``, filtered by every ``labels`` pair."""
+    def list_sandboxes(
+        self, labels: Optional[Mapping[str, str]] = None, state: Optional[str] = None
+    ) -> List[SandboxInfo]:
+        """``GET /v1/sandboxes``, filtered by every ``labels`` pair and by ``state`` (e.g.
+        ``"unhealthy"``)."""
         params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        if state is not None:
+            params.append(("state", state))
         data = self._json("GET", "/sandboxes", params=params)
         return [SandboxInfo.model_validate(s) for s in data["sandboxes"]]
 

@@ -78,7 +78,8 @@ class SandboxInfo(_Response):
 
     id: str
     state: str
-    """``creating``, ``ready``, ``paused``, ``stopping`` or ``failed``."""
+    """``creating``, ``ready``, ``paused``, ``stopping``, ``failed`` or ``unhealthy`` (its
+    agent stopped answering; it goes back to ``ready`` when the agent answers again)."""
     image: str
     qos: str = "latency_sensitive"
     auto_resume: bool = False
@@ -92,6 +93,9 @@ class SandboxInfo(_Response):
     idle_timeout_s: Optional[int] = None
     last_active_at: int = 0
     failure: Optional[str] = None
+    unhealthy_cause: Optional[str] = None
+    """What the node saw of its agent, for ``unhealthy``."""
+    unhealthy_since: Optional[int] = None
     node: str = ""
     job_suspended_at: Optional[int] = None
     committed_layers: List[str] = Field(default_factory=list)
