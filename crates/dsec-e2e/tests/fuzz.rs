@@ -733,8 +733,16 @@ fn templates() -> Vec<Template> {
             json!({"path": "/work/f"}),
             2,
         ),
-        // Not fuzzed yet: seed 31 found a ListDir (#344) after which the whole server
-        // stopped answering (health included) for 30 s and more; see the report of issue #31.
+        // Seed 31 found a ListDir (#344) whose depth of 2^64 spun a runtime thread and
+        // stopped the whole server (health included).
+        t(
+            "POST",
+            "/e2b/envd/filesystem.Filesystem/ListDir",
+            &[],
+            Json,
+            json!({"path": "/work", "depth": 2}),
+            2,
+        ),
         t(
             "POST",
             "/e2b/envd/filesystem.Filesystem/MakeDir",

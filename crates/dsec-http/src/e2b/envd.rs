@@ -28,6 +28,9 @@ use super::{connect, rest, rfc3339, run_as_root, sandbox_id, DEFAULT_USER};
 type Api = State<Arc<dyn SandboxApi>>;
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 
+/// The most entries one `ListDir` gathers before it answers `bad_request`.
+const LIST_DIR_MAX_ENTRIES: usize = 100_000;
+
 pub(super) fn routes() -> Router<Arc<dyn SandboxApi>> {
     Router::new()
         .route("/health", get(health))
@@ -605,9 +608,23 @@ async fn filesystem(
                 let depth = msg["depth"].as_u64().unwrap_or(1).max(1);
                 let mut out = Vec::new();
                 let mut level = vec![p];
+                // A walk ends where the tree does: a depth of 2^64 once spun here without
+                // an await, holding a runtime thread (and the server with it).
                 for _ in 0..depth {
+                    if level.is_empty() {
+                        break;
+                    }
                     let mut next = Vec::new();
                     for dir in level {
+                        if out.len() > LIST_DIR_MAX_ENTRIES {
+                            return Err(ApiError::new(
+                                ErrorCode::BadRequest,
+                                format!(
+                                    "ListDir: more than {LIST_DIR_MAX_ENTRIES} entries; \
+                                     list a smaller tree or ask for less depth"
+                                ),
+                            ));
+                        }
                         for f in api.list_files(&id, &dir).await?.entries {
                             if f.kind == FileKind::Dir {
                                 next.push(f.path.clone());
