@@ -87,19 +87,13 @@ async fn import_streams_progress_then_the_image_or_the_error() {
     let listed = c.list_images().await.expect("list");
     assert!(listed.images.iter().any(|i| i.name == "stream/test"));
 
-    // A source that is not there: the stream ends with the error.
-    let events = collect(&c, "stream/missing", "/nonexistent/rootfs.tar")
+    // A source that is not there is the caller's mistake, answered before any stream
+    // starts (a 200 then an error event would be an error after the headers).
+    let e = collect(&c, "stream/missing", "/nonexistent/rootfs.tar")
         .await
-        .expect("stream");
-    match events.last() {
-        Some(ImportEvent::Error { error }) => {
-            assert!(
-                error.message.contains("/nonexistent/rootfs.tar"),
-                "{error:?}"
-            )
-        }
-        other => panic!("expected an error event, got {other:?}"),
-    }
+        .expect_err("missing source");
+    assert_eq!(e.code(), Some(ErrorCode::BadRequest), "{e}");
+    assert!(e.to_string().contains("/nonexistent/rootfs.tar"), "{e}");
     // A relative path is refused before any stream starts.
     let e = collect(&c, "stream/rel", "rootfs.tar")
         .await

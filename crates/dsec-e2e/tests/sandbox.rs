@@ -2627,7 +2627,10 @@ async fn out_of_memory_kills_commands_not_the_agent() {
     let r = run(
         &c,
         &sb.id,
-        "cat /proc/self/oom_score_adj; echo -1000 > /proc/self/oom_score_adj || echo refused",
+        // The agent sets the score just after the exec: wait for it (a child forked
+        // before then keeps the agent's score: the window the agent's docs name).
+        "for i in $(seq 100); do s=$(cat /proc/$$/oom_score_adj); [ \"$s\" = 500 ] && break; \
+         sleep 0.02; done; echo $s; echo -1000 > /proc/self/oom_score_adj || echo refused",
     )
     .await;
     assert!(r.stdout.starts_with("500\n"), "{r:?}");

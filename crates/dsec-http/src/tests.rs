@@ -447,7 +447,7 @@ async fn query_errors_are_bad_request() {
 }
 
 #[tokio::test]
-async fn unknown_route_and_method_are_not_found_json() {
+async fn unknown_routes_are_not_found_and_unknown_methods_not_allowed_json() {
     let r = req("GET", "/v1/nope").body(Body::empty()).expect("request");
     let (status, e) = send_err(r).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
@@ -455,11 +455,13 @@ async fn unknown_route_and_method_are_not_found_json() {
     let r = Request::get("/").body(Body::empty()).expect("request");
     let (_, e) = send_err(r).await;
     assert_eq!(e.code, ErrorCode::NotFound);
+    // A route that exists, with a method it does not take.
     let r = req("PATCH", "/v1/sandboxes")
         .body(Body::empty())
         .expect("request");
-    let (_, e) = send_err(r).await;
-    assert_eq!(e.code, ErrorCode::NotFound);
+    let (status, e) = send_err(r).await;
+    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(e.code, ErrorCode::MethodNotAllowed);
 }
 
 #[tokio::test]
