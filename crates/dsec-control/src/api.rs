@@ -5,23 +5,21 @@
 
 use std::collections::BTreeMap;
 
-use bytes::Bytes;
 use dsec_wire::v1::{
     BuildRequest, BuildResult, CommitRequest, CreateSandboxRequest, CreateSessionRequest,
-    ExecEvent, ExecRequest, ExecResult, FileInfo, FileList, GcRequest, GcResult, Health, Image,
-    ImageList, ImportEvent, ImportImageRequest, JobResult, LayerStatsList, MkdirRequest,
-    NetworkPolicy, PauseResult, ProcessInfo, ProcessList, PtySize, RenameRequest, Sandbox,
-    SandboxList, SessionInfo, SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest,
-    SignalRequest, StartProcessRequest, StdinRequest, WriteResult,
+    ExecRequest, ExecResult, FileInfo, FileList, GcRequest, GcResult, Health, Image, ImageList,
+    ImportEvent, ImportImageRequest, JobResult, LayerStatsList, MkdirRequest, NetworkPolicy,
+    PauseResult, ProcessInfo, ProcessList, PtySize, RenameRequest, Sandbox, SandboxList,
+    SessionInfo, SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
+    StartProcessRequest, StdinRequest, WriteResult,
 };
 use dsec_wire::ApiError;
 use futures::stream::BoxStream;
 
-/// A stream of bytes (file contents, tar archives), failing with an [`ApiError`].
-pub type ByteStream = BoxStream<'static, Result<Bytes, ApiError>>;
-
-/// A stream of exec/process events; the last item is `Exit`, `End` or `Error`.
-pub type EventStream = BoxStream<'static, ExecEvent>;
+// Streams of bytes (file contents, tar archives) and of exec/process events (the last
+// item is `Exit`, `End` or `Error`): the same types the node seam uses, so a node's
+// stream passes through unchanged.
+pub use dsec_node_api::{ByteStream, EventStream};
 
 /// Progress of an image import; the last item is `Done` or `Error`.
 pub type ImportStream = BoxStream<'static, ImportEvent>;

@@ -3,7 +3,7 @@
 //! derived from (parent image digest, step): a rebuild reuses every step up to the first
 //! change, like a Dockerfile, but on dsec sandboxes.
 
-use dsec_node::NodeApi;
+use dsec_node_api::NodeApi;
 use dsec_wire::v1::*;
 use dsec_wire::{ApiError, ErrorCode};
 use futures::StreamExt;
@@ -37,7 +37,7 @@ pub async fn build(
             format!("steps: 1 to {MAX_STEPS} steps, got {}", req.steps.len()),
         ));
     }
-    let base = node.image(&req.base).await.map_err(ApiError::from)?;
+    let base = node.image(&req.base).await?;
     let mut sandbox: Option<String> = None;
     let mut cached = Vec::with_capacity(req.steps.len());
     let res = run_steps(api, node, &req, base, &mut sandbox, &mut cached).await;
@@ -155,7 +155,5 @@ async fn run_steps(
         parent_digest = img.digest;
         cached.push(false);
     }
-    node.tag_image(&parent_name, &req.name)
-        .await
-        .map_err(ApiError::from)
+    node.tag_image(&parent_name, &req.name).await
 }

@@ -7,23 +7,19 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
 use bytes::Bytes;
-use dsec_node::{AgentConn, NodeApi, NodeCreateSpec};
+use dsec_node_api::{ImportProgressSink, ImportSource, NodeApi, NodeCreateSpec};
 use dsec_state::{StateError, StateStore};
 use dsec_wire::agent::{self, ExecSpec, ProcessSpec, Reply, Request};
-use dsec_wire::frame::{Frame, DATA_CHUNK};
 use dsec_wire::v1::*;
 use dsec_wire::{ApiError, ErrorCode};
 use futures::StreamExt;
 use rand::Rng;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 
 use crate::api::{ApiResult, ByteStream, EventStream, ImportStream, SandboxApi};
-use crate::convert::{error_event, Converted, EventConverter};
 use crate::validate;
 
 mod liveness;
-use liveness::{Limit, Watchdog};
+use liveness::Limit;
 
 const NS_SANDBOXES: &str = "sandboxes";
 const NS_TOMBSTONES: &str = "tombstones";
@@ -103,26 +99,6 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// Why streaming a body to the agent stopped.
-enum PumpError {
-    /// The body (the client's upload) failed.
-    Body(ApiError),
-    /// Sending to the agent failed.
-    Agent(ApiError),
-}
-
-impl From<PumpError> for ApiError {
-    fn from(e: PumpError) -> Self {
-        match e {
-            PumpError::Body(e) | PumpError::Agent(e) => e,
-        }
-    }
-}
-
-/// How long an upload whose body broke off waits for an answer the agent may already
-/// have sent.
-const AGENT_ANSWER_GRACE: Duration = Duration::from_millis(50);
-
 fn internal(e: impl std::fmt::Display) -> ApiError {
     ApiError::new(ErrorCode::Internal, e.to_string())
 }
@@ -180,7 +156,7 @@ impl ControlPlane {
         for (id, alive) in &running {
             if !records.contains_key(id) {
                 tracing::info!(%id, "destroying sandbox without a record");
-                node.destroy(id).await.map_err(ApiError::from)?;
+                node.destroy(id).await?;
             } else if !alive {
                 tracing::info!(%id, "sandbox died while the server was down");
             }
@@ -402,7 +378,7 @@ impl ControlPlane {
             };
             sb.state = SandboxState::Stopping;
         }
-        self.node.destroy(id).await.map_err(ApiError::from)?;
+        self.node.destroy(id).await?;
         if let Some(reason) = expired_reason {
             let t = Tombstone {
                 reason: reason.to_string(),
@@ -478,7 +454,9 @@ impl ControlPlane {
         }
     }
 
-    async fn conn(&self, id: &str) -> ApiResult<AgentConn> {
+    /// `Ok` once sandbox `id` can take an agent call: `ready`, or paused with
+    /// `auto_resume` (then resumed now).
+    async fn usable(&self, id: &str) -> ApiResult<()> {
         if let Err(e) = self.ready(id) {
             let auto = self.lock().get(id).is_some_and(|s| s.auto_resume);
             if e.code != ErrorCode::Paused || !auto {
@@ -487,7 +465,7 @@ impl ControlPlane {
             self.resume_sandbox(id).await?;
             self.ready(id)?;
         }
-        self.node.connect(id).await.map_err(ApiError::from)
+        Ok(())
     }
 
     /// The sandbox `id` once it is past `creating` (its first create may still be running).
@@ -515,7 +493,7 @@ impl ControlPlane {
         for name in std::iter::once(image).chain(layers.iter().map(String::as_str)) {
             let c = match self.node.image(name).await {
                 Ok(img) => img.config,
-                Err(e) if strict => return Err(e.into()),
+                Err(e) if strict => return Err(e),
                 Err(_) => continue,
             };
             config.env.extend(c.env);
@@ -602,12 +580,8 @@ impl ControlPlane {
     /// [`ControlPlane::call`] with its own deadline (`None`: the watchdog only).
     async fn call_within(&self, id: &str, req: Request, limit: Option<Limit>) -> ApiResult<Reply> {
         self.guarded(id, limit, async {
-            let mut conn = self.conn(id).await?;
-            let reply = conn.request(&req).await?;
-            if req.keeps_connection() {
-                self.node.reuse(id, conn);
-            }
-            Ok(reply)
+            self.usable(id).await?;
+            self.node.call(id, req).await
         })
         .await
     }
@@ -619,142 +593,38 @@ impl ControlPlane {
         }
     }
 
-    /// Sends `body` as Data frames then Eof on `conn`.
-    async fn pump(conn: &mut AgentConn, mut body: ByteStream) -> Result<(), PumpError> {
-        while let Some(chunk) = body.next().await {
-            let chunk = chunk.map_err(PumpError::Body)?;
-            for piece in chunk.chunks(DATA_CHUNK) {
-                conn.send(&Frame::Data(piece.to_vec()))
-                    .await
-                    .map_err(PumpError::Agent)?;
-            }
-        }
-        conn.send(&Frame::Eof).await.map_err(PumpError::Agent)?;
-        conn.flush().await.map_err(PumpError::Agent)
-    }
-
-    /// Sends `req`, then `body` as Data frames, and returns the agent's byte count.
-    async fn upload(mut conn: AgentConn, req: Request, body: ByteStream) -> ApiResult<WriteResult> {
-        conn.send(&Frame::json(&req)).await?;
-        match Self::pump(&mut conn, body).await {
-            Ok(()) => {}
-            // The agent stopped reading, most likely because it refused (e.g. no space):
-            // prefer its reason.
-            Err(PumpError::Agent(e)) => {
-                if let Ok(Reply::Error(agent_err)) | Err(agent_err) = conn.recv_reply().await {
-                    return Err(agent_err);
-                }
-                return Err(e);
-            }
-            // The upload itself broke off (its client went away). The agent still waits
-            // for data, so waiting for its answer would hang: take one only if it is
-            // already there, and drop the connection, which makes the agent remove its
-            // temporary file.
-            Err(PumpError::Body(e)) => {
-                let answered = tokio::time::timeout(AGENT_ANSWER_GRACE, conn.recv_reply()).await;
-                if let Ok(Ok(Reply::Error(agent_err))) = answered {
-                    return Err(agent_err);
-                }
-                return Err(e);
-            }
-        }
-        match conn.recv_reply().await? {
-            Reply::Written { bytes } => Ok(WriteResult { bytes }),
-            other => Err(unexpected(other)),
-        }
-    }
-
-    /// Turns the Data frames of `conn` (until Eof) into a byte stream; `watchdog` ends it
-    /// when the agent stops answering.
-    fn data_stream(mut conn: AgentConn, watchdog: Watchdog) -> ByteStream {
-        let (tx, rx) = mpsc::channel::<Result<Bytes, ApiError>>(8);
-        tokio::spawn(async move {
-            loop {
-                let received = tokio::select! {
-                    r = conn.recv() => r,
-                    e = watchdog.dead() => Err(e),
-                };
-                let item = match received {
-                    Ok(Some(Frame::Data(b))) => Ok(Bytes::from(b)),
-                    Ok(Some(Frame::Eof)) => return,
-                    Ok(Some(Frame::Json(j))) => match serde_json::from_slice::<Reply>(&j) {
-                        Ok(Reply::Error(e)) => Err(e),
-                        _ => Err(internal("unexpected frame in data stream")),
-                    },
-                    Ok(Some(_)) => Err(internal("unexpected frame in data stream")),
-                    Ok(None) => Err(ApiError::new(
-                        ErrorCode::AgentUnavailable,
-                        "agent closed the stream early",
-                    )),
-                    Err(e) => Err(e),
-                };
-                let stop = item.is_err();
-                if tx.send(item).await.is_err() || stop {
-                    return;
-                }
-            }
-        });
-        ReceiverStream::new(rx).boxed()
-    }
-
-    /// Converts the frames of an exec or output stream into events. The stream ends with
-    /// an error event when the agent stops answering, or at `limit` (an exec's timeout).
-    fn event_stream(
+    /// `stream` with the watchdog on sandbox `id` between its items, and `limit` (a
+    /// command's timeout) over the whole: either ends it with the item `fail` makes of
+    /// the error. Dropping the stream drops the node's, which stops the command or
+    /// transfer.
+    fn watched<T: Send + 'static>(
         &self,
         id: &str,
-        mut conn: AgentConn,
-        oom_before: u64,
+        stream: futures::stream::BoxStream<'static, T>,
         limit: Option<Limit>,
-    ) -> EventStream {
-        let (tx, rx) = mpsc::channel::<ExecEvent>(16);
-        let node = self.node.clone();
+        fail: fn(ApiError) -> T,
+    ) -> futures::stream::BoxStream<'static, T> {
         let watchdog = self.watchdog(id);
-        let id = id.to_string();
-        tokio::spawn(async move {
-            let mut conv = EventConverter::default();
-            let (deadline, late) = match limit.map(|l| l.deadline()) {
-                Some((at, e)) => (Some(at), Some(e)),
-                None => (None, None),
-            };
-            loop {
-                let received = tokio::select! {
-                    r = conn.recv() => r,
-                    // The caller went away while the command is silent (`sleep 300`):
-                    // dropping the connection stops the exec too.
-                    () = tx.closed() => return,
-                    e = watchdog.dead() => Err(e),
-                    () = sleep_until_some(deadline) => Err(late.clone().unwrap_or_else(|| internal("deadline"))),
+        let deadline = limit.map(|l| l.deadline());
+        futures::stream::unfold(Some(stream), move |inner| {
+            let watchdog = watchdog.clone();
+            let deadline = deadline.clone();
+            async move {
+                let mut inner = inner?;
+                let (at, late) = match deadline {
+                    Some((at, e)) => (Some(at), Some(e)),
+                    None => (None, None),
                 };
-                let frame = match received {
-                    Ok(Some(f)) => f,
-                    Ok(None) => {
-                        let _ = tx
-                            .send(error_event("agent closed the stream early".into()))
-                            .await;
-                        return;
+                tokio::select! {
+                    item = inner.next() => item.map(|item| (item, Some(inner))),
+                    e = watchdog.dead() => Some((fail(e), None)),
+                    () = sleep_until_some(at) => {
+                        Some((fail(late.unwrap_or_else(|| internal("deadline"))), None))
                     }
-                    Err(e) => {
-                        let _ = tx.send(ExecEvent::Error { error: e }).await;
-                        return;
-                    }
-                };
-                let oom = oom_check(&node, &id, oom_before, &frame).await;
-                let (events, done) = match conv.frame(frame, || oom) {
-                    Converted::Events(e) => (e, false),
-                    Converted::Done(e) => (e, true),
-                };
-                for ev in events {
-                    // The caller went away: dropping the connection stops the exec.
-                    if tx.send(ev).await.is_err() {
-                        return;
-                    }
-                }
-                if done {
-                    return;
                 }
             }
-        });
-        ReceiverStream::new(rx).boxed()
+        })
+        .boxed()
     }
 
     fn exec_spec(req: &ExecRequest, stream: bool) -> ApiResult<ExecSpec> {
@@ -771,66 +641,6 @@ impl ControlPlane {
         })
     }
 
-    async fn start_exec(
-        &self,
-        id: &str,
-        req: &ExecRequest,
-        stream: bool,
-    ) -> ApiResult<(AgentConn, u64, bool)> {
-        let request = Request::Exec(Self::exec_spec(req, stream)?);
-        let mut conn = self.conn(id).await?;
-        let oom_before = self.node.oom_kill_count(id).await.unwrap_or(0);
-        conn.send(&Frame::json(&request)).await?;
-        if let Some(stdin) = &req.stdin {
-            for piece in stdin.as_bytes().chunks(DATA_CHUNK) {
-                conn.send(&Frame::Data(piece.to_vec())).await?;
-            }
-            conn.send(&Frame::Eof).await?;
-        }
-        conn.flush().await?;
-        Ok((conn, oom_before, request.keeps_connection()))
-    }
-
-    /// Runs an exec to its exit and collects its output.
-    async fn exec_to_exit(&self, id: &str, req: &ExecRequest) -> ApiResult<ExecResult> {
-        let (mut conn, oom_before, keeps) = self.start_exec(id, req, false).await?;
-        let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
-        loop {
-            match conn.recv_some().await? {
-                Frame::Stdout(b) => stdout.extend_from_slice(&b),
-                Frame::Stderr(b) => stderr.extend_from_slice(&b),
-                Frame::Json(bytes) => {
-                    match serde_json::from_slice::<Reply>(&bytes).map_err(internal)? {
-                        Reply::Started { .. } => {}
-                        Reply::Exited(exit) => {
-                            // The exchange is complete: the connection can carry the next.
-                            if keeps {
-                                self.node.reuse(id, conn);
-                            }
-                            // A shell reports its OOM-killed child as exit 137, not as a
-                            // signal: the cgroup's OOM counter is the reliable witness.
-                            let oom_killed = self
-                                .node
-                                .oom_kill_count(id)
-                                .await
-                                .map(|n| n > oom_before)
-                                .unwrap_or(false);
-                            return Ok(ExecResult {
-                                stdout: crate::convert::lossy_text(stdout),
-                                stderr: crate::convert::lossy_text(stderr),
-                                exit,
-                                oom_killed,
-                            });
-                        }
-                        Reply::Error(e) => return Err(e),
-                        other => return Err(unexpected(other)),
-                    }
-                }
-                Frame::Data(_) | Frame::Eof => {}
-            }
-        }
-    }
-
     async fn place_files(&self, id: &str, files: &[InitFile]) -> ApiResult<()> {
         for f in files {
             let bytes = match f.encoding {
@@ -844,16 +654,12 @@ impl ControlPlane {
                         )
                     })?,
             };
-            let req = Request::FileWrite {
-                path: f.path.clone(),
-                mode: f.mode,
-                create_parents: true,
-            };
-            let body: ByteStream = futures::stream::iter([Ok(Bytes::from(bytes))]).boxed();
-            self.guarded(id, Some(Limit::call()), async {
-                let conn = self.node.connect(id).await.map_err(ApiError::from)?;
-                Self::upload(conn, req, body).await
-            })
+            let body = dsec_node_api::once_bytes(bytes);
+            self.guarded(
+                id,
+                Some(Limit::call()),
+                self.node.write_file(id, &f.path, f.mode, body),
+            )
             .await?;
         }
         Ok(())
@@ -983,23 +789,6 @@ async fn sleep_until_some(at: Option<tokio::time::Instant>) {
     }
 }
 
-/// Whether the memory limit killed a process while this exec ran.
-async fn oom_check(node: &Arc<dyn NodeApi>, id: &str, before: u64, frame: &Frame) -> bool {
-    let Frame::Json(bytes) = frame else {
-        return false;
-    };
-    match serde_json::from_slice::<Reply>(bytes) {
-        Ok(Reply::Exited(_)) => node
-            .oom_kill_count(id)
-            .await
-            .map(|n| n > before)
-            .unwrap_or(false),
-        _ => false,
-    }
-}
-
-/// The state-changing calls. Each runs on its own task through [`ControlPlane::to_end`],
-/// so it finishes even if its caller goes away.
 impl ControlPlane {
     async fn create_sandbox_to_end(&self, req: CreateSandboxRequest) -> ApiResult<Sandbox> {
         let req = validate::flatten_environment(req)?;
@@ -1129,7 +918,7 @@ impl ControlPlane {
                         let _ = self.node.destroy(&id).await;
                         persisted.err()
                     }
-                    Err(e) => Some(e.into()),
+                    Err(e) => Some(e),
                 };
                 return Err(err.unwrap_or_else(|| internal("create failed without an error")));
             }
@@ -1170,7 +959,7 @@ impl ControlPlane {
                 // Whatever froze runs again; the sandbox stays usable.
                 let _ = self.node.resume(id).await;
                 let _ = self.transition(id, SandboxState::Paused, SandboxState::Ready);
-                return Err(e.into());
+                return Err(e);
             }
         };
         let sandbox = self.get_sandbox(id).await?;
@@ -1186,7 +975,7 @@ impl ControlPlane {
         if self.transition(id, SandboxState::Paused, SandboxState::Ready)? {
             if let Err(e) = self.node.resume(id).await {
                 let _ = self.transition(id, SandboxState::Ready, SandboxState::Paused);
-                return Err(e.into());
+                return Err(e);
             }
             if let Some(sb) = self.lock().get_mut(id) {
                 let now = now_ms();
@@ -1206,7 +995,7 @@ impl ControlPlane {
     }
 
     async fn gc_images_to_end(&self, req: GcRequest) -> ApiResult<GcResult> {
-        self.node.gc_images(&req).await.map_err(ApiError::from)
+        self.node.gc_images(&req).await
     }
 
     async fn build_image_to_end(&self, req: BuildRequest) -> ApiResult<BuildResult> {
@@ -1232,8 +1021,7 @@ impl ControlPlane {
         let res = self
             .node
             .commit(id, &req.name, sb.committed_layers.clone(), config)
-            .await
-            .map_err(ApiError::from);
+            .await;
         if paused_here {
             self.resume_sandbox(id).await?;
         }
@@ -1340,13 +1128,12 @@ impl ControlPlane {
     async fn import_image_to_end(&self, req: ImportImageRequest) -> ApiResult<Image> {
         let source = import_source(&req)?;
         self.node
-            .import_image(&req.name, &source, req.flatten, None)
+            .import_image(&req.name, ImportSource::NodePath(source), req.flatten, None)
             .await
-            .map_err(ApiError::from)
     }
 
     async fn delete_image_to_end(&self, name: &str) -> ApiResult<()> {
-        self.node.remove_image(name).await.map_err(ApiError::from)
+        self.node.remove_image(name).await
     }
 }
 
@@ -1376,15 +1163,7 @@ impl SandboxApi for ControlPlane {
             node: self.node.name().into(),
             cgroup: self.node.cgroup_version().into(),
             sandboxes,
-            capacity: Some(NodeCapacity {
-                cpu_millis_allocatable: c.cpu_millis_allocatable,
-                cpu_millis_requested: c.cpu_millis_requested,
-                memory_available_bytes: c.memory_available_bytes,
-                memory_reserve_bytes: c.memory_reserve_bytes,
-                sandboxes: c.sandboxes as u64,
-                max_sandboxes: c.max_sandboxes as u64,
-                core_scheduling: c.core_scheduling,
-            }),
+            capacity: Some(c),
         })
     }
 
@@ -1469,15 +1248,26 @@ impl SandboxApi for ControlPlane {
 
     async fn exec(&self, id: &str, req: ExecRequest) -> ApiResult<ExecResult> {
         let limit = ms_from_s("timeout_s", req.timeout_s)?.map(Limit::exec);
-        self.guarded(id, limit, self.exec_to_exit(id, &req)).await
+        let spec = Self::exec_spec(&req, false)?;
+        let stdin = req.stdin.map(Bytes::from);
+        self.guarded(id, limit, async {
+            self.usable(id).await?;
+            self.node.exec(id, spec, stdin).await
+        })
+        .await
     }
 
     async fn exec_stream(&self, id: &str, req: ExecRequest) -> ApiResult<EventStream> {
         let limit = ms_from_s("timeout_s", req.timeout_s)?.map(Limit::exec);
-        let (conn, oom_before, _) = self
-            .guarded(id, limit.clone(), self.start_exec(id, &req, true))
+        let spec = Self::exec_spec(&req, true)?;
+        let stdin = req.stdin.map(Bytes::from);
+        let events = self
+            .guarded(id, limit.clone(), async {
+                self.usable(id).await?;
+                self.node.exec_stream(id, spec, stdin).await
+            })
             .await?;
-        Ok(self.event_stream(id, conn, oom_before, limit))
+        Ok(self.watched(id, events, limit, |error| ExecEvent::Error { error }))
     }
 
     async fn create_session(&self, id: &str, req: CreateSessionRequest) -> ApiResult<SessionInfo> {
@@ -1608,37 +1398,23 @@ impl SandboxApi for ControlPlane {
         stderr_offset: u64,
         follow: bool,
     ) -> ApiResult<EventStream> {
-        let conn = self
+        let events = self
             .guarded(id, Some(Limit::call()), async {
-                let mut conn = self.conn(id).await?;
-                conn.send_request(&Request::ProcessOutput {
-                    pid,
-                    stdout_offset,
-                    stderr_offset,
-                    follow,
-                })
-                .await?;
-                Ok(conn)
+                self.usable(id).await?;
+                self.node
+                    .process_output(id, pid, stdout_offset, stderr_offset, follow)
+                    .await
             })
             .await?;
-        Ok(self.event_stream(id, conn, u64::MAX, None))
+        Ok(self.watched(id, events, None, |error| ExecEvent::Error { error }))
     }
 
     async fn process_stdin(&self, id: &str, pid: u32, req: StdinRequest) -> ApiResult<()> {
         self.guarded(id, Some(Limit::call()), async {
-            let mut conn = self.conn(id).await?;
-            conn.send(&Frame::json(&Request::ProcessStdin {
-                pid,
-                close: req.close,
-            }))
-            .await?;
-            let body: ByteStream =
-                futures::stream::iter([Ok(Bytes::from(req.data.into_bytes()))]).boxed();
-            Self::pump(&mut conn, body).await?;
-            match conn.recv_reply().await? {
-                Reply::Ok => Ok(()),
-                other => Err(unexpected(other)),
-            }
+            self.usable(id).await?;
+            self.node
+                .process_stdin(id, pid, Bytes::from(req.data.into_bytes()), req.close)
+                .await
         })
         .await
     }
@@ -1668,22 +1444,13 @@ impl SandboxApi for ControlPlane {
     ) -> ApiResult<(FileInfo, ByteStream)> {
         validate::sandbox_path("path", path)?;
         validate::read_range(offset, length)?;
-        let (info, conn) = self
+        let (info, bytes) = self
             .guarded(id, Some(Limit::call()), async {
-                let mut conn = self.conn(id).await?;
-                conn.send_request(&Request::FileRead {
-                    path: path.to_string(),
-                    offset,
-                    length,
-                })
-                .await?;
-                match conn.recv_reply().await? {
-                    Reply::File(info) => Ok((info, conn)),
-                    other => Err(unexpected(other)),
-                }
+                self.usable(id).await?;
+                self.node.read_file(id, path, offset, length).await
             })
             .await?;
-        Ok((info, Self::data_stream(conn, self.watchdog(id))))
+        Ok((info, self.watched(id, bytes, None, Err)))
     }
 
     async fn write_file(
@@ -1694,14 +1461,10 @@ impl SandboxApi for ControlPlane {
         body: ByteStream,
     ) -> ApiResult<WriteResult> {
         validate::sandbox_path("path", path)?;
-        let req = Request::FileWrite {
-            path: path.to_string(),
-            mode,
-            create_parents: true,
-        };
         // As long as the client sends: the watchdog only.
         self.guarded(id, None, async {
-            Self::upload(self.conn(id).await?, req, body).await
+            self.usable(id).await?;
+            self.node.write_file(id, path, mode, body).await
         })
         .await
     }
@@ -1771,56 +1534,26 @@ impl SandboxApi for ControlPlane {
 
     async fn download_tar(&self, id: &str, path: &str) -> ApiResult<ByteStream> {
         validate::sandbox_path("path", path)?;
-        let (first, conn) = self
+        let bytes = self
             .guarded(id, Some(Limit::call()), async {
-                let mut conn = self.conn(id).await?;
-                conn.send_request(&Request::TarDownload {
-                    path: path.to_string(),
-                })
-                .await?;
-                // The agent's first frame says whether the path can be archived at all:
-                // an error then is answered as such, before any 200 goes out.
-                let first = match conn.recv().await? {
-                    Some(Frame::Json(j)) => match serde_json::from_slice::<Reply>(&j) {
-                        Ok(Reply::Error(e)) => return Err(e),
-                        Ok(other) => return Err(unexpected(other)),
-                        Err(e) => return Err(internal(format!("bad agent reply: {e}"))),
-                    },
-                    Some(Frame::Eof) => None,
-                    Some(Frame::Data(b)) => Some(Bytes::from(b)),
-                    Some(_) => return Err(internal("unexpected frame in data stream")),
-                    None => {
-                        return Err(ApiError::new(
-                            ErrorCode::AgentUnavailable,
-                            "agent closed the stream early",
-                        ))
-                    }
-                };
-                Ok((first, conn))
+                self.usable(id).await?;
+                self.node.download_tar(id, path).await
             })
             .await?;
-        let Some(first) = first else {
-            return Ok(futures::stream::empty().boxed());
-        };
-        let rest = Self::data_stream(conn, self.watchdog(id));
-        Ok(futures::stream::once(async move { Ok(first) })
-            .chain(rest)
-            .boxed())
+        Ok(self.watched(id, bytes, None, Err))
     }
 
     async fn upload_tar(&self, id: &str, path: &str, body: ByteStream) -> ApiResult<WriteResult> {
         validate::sandbox_path("path", path)?;
-        let req = Request::TarUpload {
-            path: path.to_string(),
-        };
         self.guarded(id, None, async {
-            Self::upload(self.conn(id).await?, req, body).await
+            self.usable(id).await?;
+            self.node.upload_tar(id, path, body).await
         })
         .await
     }
 
     async fn list_images(&self) -> ApiResult<ImageList> {
-        let mut images = self.node.list_images().await.map_err(ApiError::from)?;
+        let mut images = self.node.list_images().await?;
         images.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(ImageList { images })
     }
@@ -1834,7 +1567,7 @@ impl SandboxApi for ControlPlane {
         let source = import_source(&req)?;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let progress_tx = tx.clone();
-        let sink: dsec_node::ImportProgressSink = Arc::new(move |ev| {
+        let sink: ImportProgressSink = Arc::new(move |ev| {
             let _ = progress_tx.send(ev);
         });
         let node = self.node.clone();
@@ -1842,13 +1575,16 @@ impl SandboxApi for ControlPlane {
         // the image or leaves nothing behind.
         tokio::spawn(async move {
             let end = match node
-                .import_image(&req.name, &source, req.flatten, Some(sink))
+                .import_image(
+                    &req.name,
+                    ImportSource::NodePath(source),
+                    req.flatten,
+                    Some(sink),
+                )
                 .await
             {
                 Ok(image) => ImportEvent::Done { image },
-                Err(e) => ImportEvent::Error {
-                    error: ApiError::from(e),
-                },
+                Err(e) => ImportEvent::Error { error: e },
             };
             let _ = tx.send(end);
         });
@@ -1858,7 +1594,7 @@ impl SandboxApi for ControlPlane {
     }
 
     async fn layer_stats(&self) -> ApiResult<LayerStatsList> {
-        self.node.layer_stats().await.map_err(ApiError::from)
+        self.node.layer_stats().await
     }
 
     async fn delete_image(&self, name: &str) -> ApiResult<()> {

@@ -2,17 +2,21 @@
 //! image store.
 
 use std::collections::{HashMap, HashSet};
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use dsec_cgroups::{CgroupRoot, CgroupVersion};
 use dsec_image::ImageStore;
 use dsec_wire::v1::Image;
 
-use crate::admission::{Admission, Capacity};
+use crate::admission::Admission;
 use crate::backend::{Backend, Layers, RuntimeRecord};
 use crate::container::ContainerBackend;
 use crate::{AgentConn, NodeApi, NodeConfig, NodeCreateSpec, NodeError, NodeSandbox};
+use bytes::Bytes;
+use dsec_node_api::{is_unary, ByteStream, EventStream, ImportSource, NodeResult};
+use dsec_wire::agent::{ExecSpec, FileInfo, Reply, Request};
+use dsec_wire::v1::{ExecResult, NodeCapacity, WriteResult};
+use dsec_wire::{ApiError, ErrorCode};
 
 /// The node runtime of this machine.
 #[derive(Debug)]
@@ -193,11 +197,13 @@ impl LocalNode {
         });
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, RuntimeRecord>> {
+    pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, RuntimeRecord>> {
         self.sandboxes.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn idle_lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Option<AgentConn>>> {
+    pub(crate) fn idle_lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<String, Option<AgentConn>>> {
         self.idle_conns.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -230,11 +236,16 @@ impl LocalNode {
         }
     }
 
-    fn record(&self, id: &str) -> Result<RuntimeRecord, NodeError> {
+    pub(crate) fn record(&self, id: &str) -> Result<RuntimeRecord, NodeError> {
         self.lock()
             .get(id)
             .cloned()
             .ok_or_else(|| NodeError::NotFound(id.to_string()))
+    }
+
+    /// The backend sandboxes run on.
+    pub(crate) fn backend(&self) -> Arc<dyn Backend> {
+        self.backend.clone()
     }
 
     /// The image store.
@@ -308,7 +319,7 @@ impl NodeApi for LocalNode {
         }
     }
 
-    async fn create(&self, spec: NodeCreateSpec) -> Result<NodeSandbox, NodeError> {
+    async fn create(&self, spec: NodeCreateSpec) -> NodeResult<NodeSandbox> {
         let (live_cpu, live) = self.load();
         let _ticket = self.admission.admit(spec.cpu_millis, live_cpu, live)?;
         let layers = {
@@ -329,7 +340,7 @@ impl NodeApi for LocalNode {
                 for (d, _) in &layers.layers {
                     let _ = self.images.release(d);
                 }
-                return Err(e);
+                return Err(e.into());
             }
         };
         self.lock().insert(rec.id.clone(), rec.clone());
@@ -337,7 +348,7 @@ impl NodeApi for LocalNode {
         // For an agent that keeps connections, the ping's connection carries the first
         // request too.
         let ping = async {
-            let mut conn = self.connect(&rec.id).await?;
+            let mut conn = self.agent(&rec.id)?;
             let reply = conn
                 .request(&dsec_wire::agent::Request::Ping)
                 .await
@@ -357,7 +368,7 @@ impl NodeApi for LocalNode {
         };
         if let Err(e) = ping.await {
             let _ = self.destroy(&rec.id).await;
-            return Err(e);
+            return Err(e.into());
         }
         Ok(NodeSandbox {
             ip: self.backend.address(&rec),
@@ -369,7 +380,7 @@ impl NodeApi for LocalNode {
         })
     }
 
-    async fn destroy(&self, id: &str) -> Result<(), NodeError> {
+    async fn destroy(&self, id: &str) -> NodeResult<()> {
         // Creates and deletes share the CPU; with every delete torn down at once, a
         // closed loop of create -> exec -> delete spends as long in creates as in deletes
         // (Little's law: the cycle is shared where the work waits). A few at a time, the
@@ -406,7 +417,7 @@ impl NodeApi for LocalNode {
             };
             drop(idle);
             for d in rec.layer_digests() {
-                self.images.release(&d)?;
+                self.images.release(&d).map_err(NodeError::from)?;
             }
         }
         Ok(())
@@ -426,50 +437,24 @@ impl NodeApi for LocalNode {
             .collect()
     }
 
-    async fn connect(&self, id: &str) -> Result<AgentConn, NodeError> {
-        // A kept connection exists only while the sandbox's record does.
-        let idle = self.idle_lock().get_mut(id).and_then(Option::take);
-        if let Some(conn) = idle.filter(AgentConn::is_reusable) {
-            return Ok(conn);
-        }
-        let rec = self.record(id)?;
-        let stream = crate::agent_conn::connect_now(&rec.agent_socket).map_err(|source| {
-            NodeError::Agent {
-                id: id.to_string(),
-                source,
-            }
-        })?;
-        Ok(AgentConn::new(stream))
-    }
-
-    fn reuse(&self, id: &str, conn: AgentConn) {
-        let recs = self.lock();
-        // Kept only for a sandbox still here whose agent keeps connections; the one
-        // replaced (or this one) is closed outside the locks.
-        let closed = match self.idle_lock().get_mut(id) {
-            Some(slot) if recs.contains_key(id) => slot.replace(conn),
-            _ => Some(conn),
-        };
-        drop(recs);
-        drop(closed);
-    }
-
-    async fn pause(&self, id: &str) -> Result<(u64, u64), NodeError> {
+    async fn pause(&self, id: &str) -> NodeResult<(u64, u64)> {
         self.known(id)?;
         let backend = self.backend.clone();
         let id = id.to_string();
         tokio::task::spawn_blocking(move || backend.pause(&id))
             .await
             .map_err(join_err)?
+            .map_err(ApiError::from)
     }
 
-    async fn resume(&self, id: &str) -> Result<(), NodeError> {
+    async fn resume(&self, id: &str) -> NodeResult<()> {
         self.known(id)?;
         let backend = self.backend.clone();
         let id = id.to_string();
         tokio::task::spawn_blocking(move || backend.resume(&id))
             .await
             .map_err(join_err)?
+            .map_err(ApiError::from)
     }
 
     async fn commit(
@@ -478,7 +463,7 @@ impl NodeApi for LocalNode {
         name: &str,
         previous_diffs: Vec<String>,
         config: dsec_wire::v1::ImageConfig,
-    ) -> Result<(Image, Option<String>), NodeError> {
+    ) -> NodeResult<(Image, Option<String>)> {
         let rec = self.record(id)?;
         let backend = self.backend.clone();
         let images = self.images.clone();
@@ -505,50 +490,151 @@ impl NodeApi for LocalNode {
         })
         .await
         .map_err(join_err)?
+        .map_err(ApiError::from)
     }
 
-    async fn set_network(
-        &self,
-        id: &str,
-        policy: dsec_wire::v1::NetworkPolicy,
-    ) -> Result<(), NodeError> {
+    async fn set_network(&self, id: &str, policy: dsec_wire::v1::NetworkPolicy) -> NodeResult<()> {
         self.known(id)?;
         let backend = self.backend.clone();
         let id = id.to_string();
         tokio::task::spawn_blocking(move || backend.set_network(&id, &policy))
             .await
             .map_err(join_err)?
+            .map_err(ApiError::from)
     }
 
-    async fn oom_kill_count(&self, id: &str) -> Result<u64, NodeError> {
-        self.known(id)?;
-        self.backend.oom_kill_count(id)
+    async fn ping(&self, id: &str) -> NodeResult<()> {
+        self.agent_ping(id).await
     }
 
-    async fn image(&self, name: &str) -> Result<Image, NodeError> {
+    async fn call(&self, id: &str, req: Request) -> NodeResult<Reply> {
+        if !is_unary(&req) {
+            return Err(ApiError::new(
+                ErrorCode::Internal,
+                "a streaming agent request was sent as a plain call",
+            ));
+        }
+        self.agent_call(id, &req).await
+    }
+
+    async fn exec(&self, id: &str, spec: ExecSpec, stdin: Option<Bytes>) -> NodeResult<ExecResult> {
+        self.exec_to_exit(id, spec, stdin).await
+    }
+
+    async fn exec_stream(
+        &self,
+        id: &str,
+        spec: ExecSpec,
+        stdin: Option<Bytes>,
+    ) -> NodeResult<EventStream> {
+        self.exec_events(id, spec, stdin).await
+    }
+
+    async fn process_output(
+        &self,
+        id: &str,
+        pid: u32,
+        stdout_offset: u64,
+        stderr_offset: u64,
+        follow: bool,
+    ) -> NodeResult<EventStream> {
+        let req = Request::ProcessOutput {
+            pid,
+            stdout_offset,
+            stderr_offset,
+            follow,
+        };
+        self.output_events(id, req).await
+    }
+
+    async fn process_stdin(&self, id: &str, pid: u32, data: Bytes, close: bool) -> NodeResult<()> {
+        self.stdin(id, pid, data, close).await
+    }
+
+    async fn read_file(
+        &self,
+        id: &str,
+        path: &str,
+        offset: u64,
+        length: Option<u64>,
+    ) -> NodeResult<(FileInfo, ByteStream)> {
+        let req = Request::FileRead {
+            path: path.to_string(),
+            offset,
+            length,
+        };
+        self.file_read(id, req).await
+    }
+
+    async fn write_file(
+        &self,
+        id: &str,
+        path: &str,
+        mode: Option<u32>,
+        body: ByteStream,
+    ) -> NodeResult<WriteResult> {
+        let req = Request::FileWrite {
+            path: path.to_string(),
+            mode,
+            create_parents: true,
+        };
+        self.upload(id, req, body).await
+    }
+
+    async fn download_tar(&self, id: &str, path: &str) -> NodeResult<ByteStream> {
+        self.tar_download(id, path).await
+    }
+
+    async fn upload_tar(&self, id: &str, path: &str, body: ByteStream) -> NodeResult<WriteResult> {
+        let req = Request::TarUpload {
+            path: path.to_string(),
+        };
+        self.upload(id, req, body).await
+    }
+
+    async fn image(&self, name: &str) -> NodeResult<Image> {
         let name = name.to_string();
-        self.blocking(move |images| images.image_info(&name)).await
+        Ok(self
+            .blocking(move |images| images.image_info(&name))
+            .await?)
     }
 
-    async fn capacity(&self) -> Capacity {
+    async fn capacity(&self) -> NodeCapacity {
         let (cpu, n) = self.load();
-        self.admission.capacity(cpu, n)
+        let c = self.admission.capacity(cpu, n);
+        NodeCapacity {
+            cpu_millis_allocatable: c.cpu_millis_allocatable,
+            cpu_millis_requested: c.cpu_millis_requested,
+            memory_available_bytes: c.memory_available_bytes,
+            memory_reserve_bytes: c.memory_reserve_bytes,
+            sandboxes: c.sandboxes as u64,
+            max_sandboxes: c.max_sandboxes as u64,
+            core_scheduling: c.core_scheduling,
+        }
     }
 
-    async fn list_images(&self) -> Result<Vec<Image>, NodeError> {
-        self.blocking(|images| images.list()).await
+    async fn list_images(&self) -> NodeResult<Vec<Image>> {
+        Ok(self.blocking(|images| images.list()).await?)
     }
 
     async fn import_image(
         &self,
         name: &str,
-        source: &Path,
+        source: ImportSource,
         flatten: bool,
         progress: Option<crate::ImportProgressSink>,
-    ) -> Result<Image, NodeError> {
+    ) -> NodeResult<Image> {
+        let source = match source {
+            ImportSource::NodePath(path) => path,
+            ImportSource::Archive(_) => {
+                return Err(ApiError::new(
+                    ErrorCode::BadRequest,
+                    "this node imports images from a path on its disk only",
+                ))
+            }
+        };
         let images = self.images.clone();
         let name = name.to_string();
-        let source = source.to_path_buf();
         let img = tokio::task::spawn_blocking(move || {
             let report = |p: dsec_image::ImportProgress| {
                 if let Some(sink) = &progress {
@@ -562,42 +648,45 @@ impl NodeApi for LocalNode {
             images.import_path(&name, &source, flatten, &report)
         })
         .await
-        .map_err(join_err)??;
+        .map_err(join_err)?
+        .map_err(NodeError::from)?;
         Ok(img)
     }
 
     async fn gc_images(
         &self,
         req: &dsec_wire::v1::GcRequest,
-    ) -> Result<dsec_wire::v1::GcResult, NodeError> {
+    ) -> NodeResult<dsec_wire::v1::GcResult> {
         let req = req.clone();
-        self.blocking(move |images| {
-            let min_age = std::time::Duration::from_secs(req.older_than_s);
-            let (removed, freed_bytes) = images.gc_prefix("build-cache/", min_age)?;
-            let trim = images.trim_cache()?;
-            let shared = if req.shared_store {
-                let grace = std::time::Duration::from_secs(req.shared_grace_s.unwrap_or(3600));
-                images.gc_shared(grace)?
-            } else {
-                Default::default()
-            };
-            Ok(dsec_wire::v1::GcResult {
-                removed,
-                freed_bytes,
-                evicted: trim.evicted,
-                evicted_bytes: trim.freed_bytes,
-                shared_deleted: shared.deleted,
-                shared_freed_bytes: shared.freed_bytes,
+        Ok(self
+            .blocking(move |images| {
+                let min_age = std::time::Duration::from_secs(req.older_than_s);
+                let (removed, freed_bytes) = images.gc_prefix("build-cache/", min_age)?;
+                let trim = images.trim_cache()?;
+                let shared = if req.shared_store {
+                    let grace = std::time::Duration::from_secs(req.shared_grace_s.unwrap_or(3600));
+                    images.gc_shared(grace)?
+                } else {
+                    Default::default()
+                };
+                Ok(dsec_wire::v1::GcResult {
+                    removed,
+                    freed_bytes,
+                    evicted: trim.evicted,
+                    evicted_bytes: trim.freed_bytes,
+                    shared_deleted: shared.deleted,
+                    shared_freed_bytes: shared.freed_bytes,
+                })
             })
-        })
-        .await
+            .await?)
     }
 
-    async fn layer_stats(&self) -> Result<dsec_wire::v1::LayerStatsList, NodeError> {
+    async fn layer_stats(&self) -> NodeResult<dsec_wire::v1::LayerStatsList> {
         let images = self.images.clone();
         let stats = tokio::task::spawn_blocking(move || images.lazy_stats())
             .await
-            .map_err(join_err)??;
+            .map_err(join_err)?
+            .map_err(NodeError::from)?;
         let node = dsec_wire::v1::LazyNodeStats {
             fetched_bytes: stats.layers.iter().map(|l| l.1.fetched_bytes).sum(),
             cached_bytes: stats.layers.iter().map(|l| l.1.cached_bytes).sum(),
@@ -631,15 +720,17 @@ impl NodeApi for LocalNode {
         Ok(dsec_wire::v1::LayerStatsList { lazy, node })
     }
 
-    async fn tag_image(&self, source: &str, name: &str) -> Result<Image, NodeError> {
+    async fn tag_image(&self, source: &str, name: &str) -> NodeResult<Image> {
         let (source, name) = (source.to_string(), name.to_string());
-        self.blocking(move |images| images.tag(&source, &name))
-            .await
+        Ok(self
+            .blocking(move |images| images.tag(&source, &name))
+            .await?)
     }
 
-    async fn remove_image(&self, name: &str) -> Result<(), NodeError> {
+    async fn remove_image(&self, name: &str) -> NodeResult<()> {
         let name = name.to_string();
-        self.blocking(move |images| images.remove(&name).map(|_| ()))
-            .await
+        Ok(self
+            .blocking(move |images| images.remove(&name).map(|_| ()))
+            .await?)
     }
 }

@@ -22,7 +22,6 @@ use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use dsec_wire::agent::{Reply, Request};
 use dsec_wire::v1::SandboxState;
 use dsec_wire::{ApiError, ErrorCode};
 
@@ -204,18 +203,9 @@ impl ControlPlane {
 
     /// Pings sandbox `id`'s agent; `Err` says what went wrong.
     async fn ping(&self, id: &str) -> Result<(), String> {
-        let mut conn = self
-            .node
-            .connect(id)
-            .await
-            .map_err(|e| format!("cannot connect to its agent: {e}"))?;
-        match tokio::time::timeout(PING_TIMEOUT, conn.request(&Request::Ping)).await {
-            Ok(Ok(Reply::Pong { .. })) => {
-                self.node.reuse(id, conn);
-                Ok(())
-            }
-            Ok(Ok(other)) => Err(format!("its agent answered a ping with {other:?}")),
-            Ok(Err(e)) => Err(format!("its agent failed a ping: {}", e.message)),
+        match tokio::time::timeout(PING_TIMEOUT, self.node.ping(id)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.message),
             Err(_) => Err(format!(
                 "its agent did not answer a ping within {}s (stopped, hung or starved of CPU)",
                 PING_TIMEOUT.as_secs()
