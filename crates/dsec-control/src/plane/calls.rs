@@ -1,0 +1,100 @@
+//! Agent calls: the checks before a sandbox is called, and streams under the watchdog.
+
+use super::*;
+
+impl ControlPlane {
+    /// `Ok` once sandbox `id` can take an agent call: `ready`, or paused with
+    /// `auto_resume` (then resumed now).
+    pub(super) async fn usable(&self, id: &str) -> ApiResult<()> {
+        if let Err(e) = self.ready(id) {
+            let auto = self.lock().get(id).is_some_and(|s| s.auto_resume);
+            if e.code != ErrorCode::Paused || !auto {
+                return Err(e);
+            }
+            self.resume_sandbox(id).await?;
+            self.ready(id)?;
+        }
+        Ok(())
+    }
+
+    pub(super) async fn call(&self, id: &str, req: Request) -> ApiResult<Reply> {
+        self.call_within(id, req, Some(Limit::call())).await
+    }
+
+    /// [`ControlPlane::call`] with its own deadline (`None`: the watchdog only).
+    pub(super) async fn call_within(
+        &self,
+        id: &str,
+        req: Request,
+        limit: Option<Limit>,
+    ) -> ApiResult<Reply> {
+        self.guarded(id, limit, async {
+            self.usable(id).await?;
+            self.node.call(id, req).await
+        })
+        .await
+    }
+
+    pub(super) async fn call_ok(&self, id: &str, req: Request) -> ApiResult<()> {
+        match self.call(id, req).await? {
+            Reply::Ok => Ok(()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// `stream` with the watchdog on sandbox `id` between its items, and `limit` (a
+    /// command's timeout) over the whole: either ends it with the item `fail` makes of
+    /// the error. Dropping the stream drops the node's, which stops the command or
+    /// transfer.
+    pub(super) fn watched<T: Send + 'static>(
+        &self,
+        id: &str,
+        stream: futures::stream::BoxStream<'static, T>,
+        limit: Option<Limit>,
+        fail: fn(ApiError) -> T,
+    ) -> futures::stream::BoxStream<'static, T> {
+        let watchdog = self.watchdog(id);
+        let deadline = limit.map(|l| l.deadline());
+        futures::stream::unfold(Some(stream), move |inner| {
+            let watchdog = watchdog.clone();
+            let deadline = deadline.clone();
+            async move {
+                let mut inner = inner?;
+                let (at, late) = match deadline {
+                    Some((at, e)) => (Some(at), Some(e)),
+                    None => (None, None),
+                };
+                tokio::select! {
+                    item = inner.next() => item.map(|item| (item, Some(inner))),
+                    e = watchdog.dead() => Some((fail(e), None)),
+                    () = sleep_until_some(at) => {
+                        Some((fail(late.unwrap_or_else(|| internal("deadline"))), None))
+                    }
+                }
+            }
+        })
+        .boxed()
+    }
+
+    pub(super) fn exec_spec(req: &ExecRequest, stream: bool) -> ApiResult<ExecSpec> {
+        validate::exec(req)?;
+        Ok(ExecSpec {
+            cmd: req.cmd.clone(),
+            env: req.env.clone(),
+            cwd: req.cwd.clone(),
+            stdin: req.stdin.is_some(),
+            timeout_ms: ms_from_s("timeout_s", req.timeout_s)?,
+            stream,
+            output_limit: req.output_limit,
+            user: req.user.clone(),
+        })
+    }
+}
+
+/// Sleeps until `at`; never ends without one.
+pub(super) async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}

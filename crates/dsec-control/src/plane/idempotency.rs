@@ -1,0 +1,81 @@
+//! Idempotent creates: a retry with the same key must be the same request as the first.
+
+use super::*;
+
+impl ControlPlane {
+    pub(super) fn fingerprints(&self) -> std::sync::MutexGuard<'_, HashMap<String, [u8; 32]>> {
+        self.fingerprints.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records the digest of a keyed create (under the records lock, before any retry can
+    /// find the record), forgetting keys of sandboxes that are gone.
+    pub(super) fn remember_request(
+        &self,
+        req: &CreateSandboxRequest,
+        recs: &HashMap<String, Sandbox>,
+    ) {
+        let Some(key) = &req.idempotency_key else {
+            return;
+        };
+        let mut fps = self.fingerprints();
+        if fps.len() > 2 * recs.len() + 1024 {
+            fps.retain(|k, _| {
+                recs.values()
+                    .any(|s| s.idempotency_key.as_deref() == Some(k.as_str()))
+            });
+        }
+        fps.insert(key.clone(), request_digest(req));
+    }
+
+    /// `conflict` when a create reusing the key of sandbox `first` asks for something
+    /// else: by the request's digest when this server saw the first one, else by what
+    /// the sandbox's record says (image, layers, resources, labels, policies).
+    pub(super) fn same_request(&self, first: &str, req: &CreateSandboxRequest) -> ApiResult<()> {
+        let Some(key) = &req.idempotency_key else {
+            return Ok(());
+        };
+        let known = self.fingerprints().get(key).copied();
+        let same = match known {
+            Some(digest) => digest == request_digest(req),
+            None => match self.lock().get(first) {
+                Some(rec) => self.record_matches(rec, req),
+                None => true,
+            },
+        };
+        if same {
+            return Ok(());
+        }
+        Err(ApiError::new(
+            ErrorCode::Conflict,
+            format!(
+                "idempotency_key {key:?} belongs to sandbox {first}, created by a different \
+                 request: retry with the same body, or use a new key for a new sandbox"
+            ),
+        ))
+    }
+
+    pub(super) fn record_matches(&self, rec: &Sandbox, req: &CreateSandboxRequest) -> bool {
+        let image = req.image.as_deref().unwrap_or(&self.cfg.default_image);
+        let r = &req.resources;
+        rec.image == image
+            && rec.layers == req.layers
+            && rec.backend == req.backend
+            && rec.resources.cpu == r.cpu.unwrap_or(self.cfg.default_cpu)
+            && rec.resources.memory_mb == r.memory_mb.unwrap_or(self.cfg.default_memory_mb)
+            && rec.resources.pids == r.pids.unwrap_or(self.cfg.default_pids)
+            && rec.labels == req.labels
+            && rec.network == req.network
+            && rec.filesystem == req.filesystem
+            && rec.isolation == req.isolation
+            && rec.qos == req.qos
+            && rec.auto_resume == req.auto_resume
+            && rec.idle_timeout_s == req.idle_timeout_s
+    }
+}
+
+/// SHA-256 of a create request's JSON (maps are ordered, so equal requests hash equal).
+pub(super) fn request_digest(req: &CreateSandboxRequest) -> [u8; 32] {
+    use sha2::Digest;
+    let json = serde_json::to_vec(req).unwrap_or_default();
+    sha2::Sha256::digest(&json).into()
+}

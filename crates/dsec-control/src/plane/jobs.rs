@@ -1,0 +1,96 @@
+//! Jobs: the sandboxes labelled with one job, suspended and resumed together.
+
+use super::*;
+
+impl ControlPlane {
+    /// Ids of the sandboxes labelled `job=<job>`, sorted.
+    pub(super) fn job_members(&self, job: &str) -> ApiResult<Vec<String>> {
+        if job.is_empty() || job.len() > 256 {
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                "job must be 1 to 256 characters",
+            ));
+        }
+        let mut ids: Vec<String> = self
+            .lock()
+            .values()
+            .filter(|s| s.labels.get(JOB_LABEL).map(String::as_str) == Some(job))
+            .map(|s| s.id.clone())
+            .collect();
+        ids.sort();
+        Ok(ids)
+    }
+
+    pub(super) fn job_outcome(&self, id: String, error: ApiError) -> JobSandboxOutcome {
+        let state = self
+            .lock()
+            .get(&id)
+            .map(|s| s.state)
+            .unwrap_or(SandboxState::Failed);
+        JobSandboxOutcome {
+            id,
+            state,
+            error: Some(error),
+            memory_before_bytes: 0,
+            memory_after_bytes: 0,
+        }
+    }
+
+    pub(super) fn job_result(job: &str, mut sandboxes: Vec<JobSandboxOutcome>) -> JobResult {
+        sandboxes.sort_by(|a, b| a.id.cmp(&b.id));
+        JobResult {
+            job: job.to_string(),
+            sandboxes,
+        }
+    }
+
+    pub(super) async fn suspend_job_to_end(&self, job: &str) -> ApiResult<JobResult> {
+        let ids = self.job_members(job)?;
+        let outcomes = futures::stream::iter(ids)
+            .map(|id| async move {
+                match self.pause_sandbox(&id).await {
+                    Ok(p) => {
+                        let mut sb = p.sandbox;
+                        if let Some(rec) = self.lock().get_mut(&id) {
+                            rec.job_suspended_at.get_or_insert_with(now_ms);
+                            sb = rec.clone();
+                        }
+                        let error = self.persist(&sb).await.err();
+                        JobSandboxOutcome {
+                            id,
+                            state: sb.state,
+                            error,
+                            memory_before_bytes: p.memory_before_bytes,
+                            memory_after_bytes: p.memory_after_bytes,
+                        }
+                    }
+                    Err(error) => self.job_outcome(id, error),
+                }
+            })
+            .buffer_unordered(JOB_PARALLELISM)
+            .collect::<Vec<_>>()
+            .await;
+        Ok(Self::job_result(job, outcomes))
+    }
+
+    pub(super) async fn resume_job_to_end(&self, job: &str) -> ApiResult<JobResult> {
+        let ids = self.job_members(job)?;
+        let outcomes = futures::stream::iter(ids)
+            .map(|id| async move {
+                match self.resume_sandbox(&id).await {
+                    Ok(sb) => JobSandboxOutcome {
+                        id,
+                        state: sb.state,
+                        error: None,
+                        memory_before_bytes: 0,
+                        memory_after_bytes: 0,
+                    },
+                    Err(error) => self.job_outcome(id, error),
+                }
+            })
+            .buffer_unordered(JOB_PARALLELISM)
+            .collect::<Vec<_>>()
+            .await;
+        Ok(Self::job_result(job, outcomes))
+    }
+}

@@ -1,0 +1,402 @@
+//! The sandbox lifecycle: create (with its init files and user check), delete, pause, resume, commit, network and timeout changes.
+
+use super::*;
+
+impl ControlPlane {
+    /// The sandbox `id` once it is past `creating` (its first create may still be running).
+    pub(super) async fn await_created(&self, id: &str) -> ApiResult<Sandbox> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let sb = self.get_sandbox(id).await?;
+            if sb.state != SandboxState::Creating || std::time::Instant::now() > deadline {
+                return Ok(sb);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// The defaults of an image with `layers` stacked on it: their configs applied bottom
+    /// first (env merged, later workdir/user/entrypoint/cmd win). An unknown name fails
+    /// when `strict`, else it is skipped.
+    pub(super) async fn stack_config(
+        &self,
+        image: &str,
+        layers: &[String],
+        strict: bool,
+    ) -> ApiResult<ImageConfig> {
+        let mut config = ImageConfig::default();
+        for name in std::iter::once(image).chain(layers.iter().map(String::as_str)) {
+            let c = match self.node.image(name).await {
+                Ok(img) => img.config,
+                Err(e) if strict => return Err(e),
+                Err(_) => continue,
+            };
+            config.env.extend(c.env);
+            config.workdir = c.workdir.or(config.workdir);
+            config.user = c.user.or(config.user);
+            if !c.entrypoint.is_empty() {
+                config.entrypoint = c.entrypoint;
+            }
+            if !c.cmd.is_empty() {
+                config.cmd = c.cmd;
+            }
+        }
+        Ok(config)
+    }
+
+    pub(super) async fn place_files(&self, id: &str, files: &[InitFile]) -> ApiResult<()> {
+        for f in files {
+            let bytes = match f.encoding {
+                ContentEncoding::Utf8 => f.content.as_bytes().to_vec(),
+                ContentEncoding::Base64 => base64::engine::general_purpose::STANDARD
+                    .decode(&f.content)
+                    .map_err(|e| {
+                        ApiError::new(
+                            ErrorCode::BadRequest,
+                            format!("files: {}: invalid base64: {e}", f.path),
+                        )
+                    })?,
+            };
+            let body = dsec_node_api::once_bytes(bytes);
+            self.guarded(
+                id,
+                Some(Limit::call()),
+                self.node.write_file(id, &f.path, f.mode, body),
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// `bad_request` (the create is undone by the caller) when the sandbox's default user
+    /// names a user or group its image does not have: every command would fail.
+    pub(super) async fn check_user(&self, id: &str, user: Option<&str>) -> ApiResult<()> {
+        let Some(user) = user else {
+            return Ok(());
+        };
+        let (u, g) = user
+            .split_once(':')
+            .map_or((user, None), |(u, g)| (u, Some(g)));
+        let named = |s: &str| s.parse::<u32>().is_err();
+        let passwd = if named(u) {
+            self.small_file(id, "/etc/passwd").await?
+        } else {
+            None
+        };
+        let group = match g {
+            Some(g) if named(g) => self.small_file(id, "/etc/group").await?,
+            _ => None,
+        };
+        validate::user_known(user, passwd.as_deref(), group.as_deref())
+    }
+
+    /// A small text file of the sandbox (`None` if it does not exist).
+    pub(super) async fn small_file(&self, id: &str, path: &str) -> ApiResult<Option<String>> {
+        const LIMIT: usize = 16 << 20;
+        let (_, mut stream) = match self.read_file(id, path, 0, None).await {
+            Ok(v) => v,
+            Err(e) if e.code == ErrorCode::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let mut text = Vec::new();
+        while let Some(chunk) = stream.next().await {
+            text.extend_from_slice(&chunk?);
+            if text.len() > LIMIT {
+                break;
+            }
+        }
+        Ok(Some(String::from_utf8_lossy(&text).into_owned()))
+    }
+
+    pub(super) async fn create_sandbox_to_end(
+        &self,
+        req: CreateSandboxRequest,
+    ) -> ApiResult<Sandbox> {
+        let req = validate::flatten_environment(req)?;
+        validate::create(&req)?;
+        let now = now_ms();
+        let id = new_id();
+        let image = req
+            .image
+            .clone()
+            .unwrap_or_else(|| self.cfg.default_image.clone());
+        let cpu = req.resources.cpu.unwrap_or(self.cfg.default_cpu);
+        let memory_mb = req
+            .resources
+            .memory_mb
+            .unwrap_or(self.cfg.default_memory_mb);
+        let pids = req.resources.pids.unwrap_or(self.cfg.default_pids);
+        let timeout_s = req.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S);
+        // The images' own defaults, bottom first; unknown names fail here, before any
+        // record exists.
+        let config = self.stack_config(&image, &req.layers, true).await?;
+        let mut sb = Sandbox {
+            id: id.clone(),
+            state: SandboxState::Creating,
+            image: image.clone(),
+            auto_resume: req.auto_resume,
+            qos: req.qos,
+            idempotency_key: req.idempotency_key.clone(),
+            layers: req.layers.clone(),
+            image_digest: String::new(),
+            backend: req.backend,
+            resources: EffectiveResources {
+                cpu,
+                memory_mb,
+                pids,
+                disk_mb: None,
+            },
+            labels: req.labels.clone(),
+            created_at: now,
+            expires_at: now + timeout_s * 1000,
+            idle_timeout_s: req.idle_timeout_s,
+            last_active_at: now,
+            failure: None,
+            unhealthy_cause: None,
+            unhealthy_since: None,
+            node: self.node.name().to_string(),
+            job_suspended_at: None,
+            committed_layers: Vec::new(),
+            network: req.network.clone(),
+            ip: None,
+            filesystem: req.filesystem.clone(),
+            isolation: req.isolation,
+        };
+        // A retried create finds its first attempt (the check and the insert under one
+        // lock, so concurrent retries cannot both create).
+        let existing = {
+            let mut recs = self.lock();
+            let found = req.idempotency_key.as_ref().and_then(|k| {
+                recs.values()
+                    .find(|s| s.idempotency_key.as_ref() == Some(k))
+                    .map(|s| s.id.clone())
+            });
+            if found.is_none() {
+                recs.insert(id.clone(), sb.clone());
+                self.remember_request(&req, &recs);
+            }
+            found
+        };
+        if let Some(first) = existing {
+            self.same_request(&first, &req)?;
+            return self.await_created(&first).await;
+        }
+        let mut env = BTreeMap::from([
+            (
+                "PATH".to_string(),
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string(),
+            ),
+            ("HOME".to_string(), "/root".to_string()),
+            ("LANG".to_string(), "C.UTF-8".to_string()),
+            ("TERM".to_string(), "xterm".to_string()),
+            ("HOSTNAME".to_string(), id.clone()),
+        ]);
+        env.extend(config.env);
+        env.extend(req.env.clone());
+        let workdir = req
+            .workdir
+            .clone()
+            .or(config.workdir)
+            .unwrap_or_else(|| "/".into());
+        let user = req
+            .user
+            .clone()
+            .or(config.user)
+            .filter(|u| u != "root" && u != "0");
+        let spec_user = user.clone();
+        let spec = NodeCreateSpec {
+            id: id.clone(),
+            image,
+            layers: req.layers.clone(),
+            cpu_millis: (cpu * 1000.0).round() as u64,
+            memory_bytes: memory_mb * 1024 * 1024,
+            pids_max: pids,
+            disk_mb: req.resources.disk_mb,
+            qos: req.qos,
+            env,
+            workdir,
+            user,
+            network: req.network.clone(),
+            writable_paths: req.filesystem.writable.clone(),
+            tcp_bind: req.filesystem.tcp_bind.clone(),
+            tcp_connect: req.filesystem.tcp_connect.clone(),
+            isolation: req.isolation,
+            labels: req.labels.clone(),
+        };
+        // The `creating` record is made durable while the node builds the sandbox: a
+        // crash before it is written leaves a sandbox without a record, which the next
+        // start destroys, as it does one still `creating`.
+        let (persisted, created) = tokio::join!(self.persist(&sb), self.node.create(spec));
+        let created = match (persisted, created) {
+            (Ok(()), Ok(c)) => c,
+            (persisted, created) => {
+                self.lock().remove(&id);
+                if persisted.is_ok() {
+                    let _ = self.unstore(NS_SANDBOXES, &id).await;
+                }
+                let err = match created {
+                    Ok(_) => {
+                        let _ = self.node.destroy(&id).await;
+                        persisted.err()
+                    }
+                    Err(e) => Some(e),
+                };
+                return Err(err.unwrap_or_else(|| internal("create failed without an error")));
+            }
+        };
+        sb.image_digest = created.image_digest;
+        sb.resources.disk_mb = created.disk_mb;
+        sb.ip = created.ip.map(|ip| ip.to_string());
+        sb.state = SandboxState::Ready;
+        self.lock().insert(id.clone(), sb.clone());
+        if let Err(e) = self.place_files(&id, &req.files).await {
+            let _ = self.remove(&id, None).await;
+            return Err(e);
+        }
+        if let Err(e) = self.check_user(&id, spec_user.as_deref()).await {
+            let _ = self.remove(&id, None).await;
+            return Err(e);
+        }
+        self.persist(&sb).await?;
+        Ok(sb)
+    }
+
+    pub(super) async fn delete_sandbox_to_end(&self, id: &str) -> ApiResult<()> {
+        self.remove(id, None).await
+    }
+
+    pub(super) async fn pause_sandbox_to_end(&self, id: &str) -> ApiResult<PauseResult> {
+        if !self.transition(id, SandboxState::Ready, SandboxState::Paused)? {
+            let sandbox = self.get_sandbox(id).await?;
+            return Ok(PauseResult {
+                sandbox,
+                memory_before_bytes: 0,
+                memory_after_bytes: 0,
+            });
+        }
+        let (before, after) = match self.node.pause(id).await {
+            Ok(v) => v,
+            Err(e) => {
+                // Whatever froze runs again; the sandbox stays usable.
+                let _ = self.node.resume(id).await;
+                let _ = self.transition(id, SandboxState::Paused, SandboxState::Ready);
+                return Err(e);
+            }
+        };
+        let sandbox = self.get_sandbox(id).await?;
+        self.persist(&sandbox).await?;
+        Ok(PauseResult {
+            sandbox,
+            memory_before_bytes: before,
+            memory_after_bytes: after,
+        })
+    }
+
+    pub(super) async fn resume_sandbox_to_end(&self, id: &str) -> ApiResult<Sandbox> {
+        if self.transition(id, SandboxState::Paused, SandboxState::Ready)? {
+            if let Err(e) = self.node.resume(id).await {
+                let _ = self.transition(id, SandboxState::Ready, SandboxState::Paused);
+                return Err(e);
+            }
+            if let Some(sb) = self.lock().get_mut(id) {
+                let now = now_ms();
+                sb.last_active_at = now;
+                // A job suspend stopped the clock: the lifetime goes on where it stopped.
+                if let Some(at) = sb.job_suspended_at.take() {
+                    if self.cfg.job_suspend_stops_lifetime {
+                        sb.expires_at += now.saturating_sub(at);
+                    }
+                }
+            }
+            let sandbox = self.get_sandbox(id).await?;
+            self.persist(&sandbox).await?;
+            return Ok(sandbox);
+        }
+        self.get_sandbox(id).await
+    }
+
+    pub(super) async fn commit_sandbox_to_end(
+        &self,
+        id: &str,
+        req: CommitRequest,
+    ) -> ApiResult<Image> {
+        let sb = self.get_sandbox(id).await?;
+        // Still files while the copy runs: pause a running sandbox, resume it after.
+        let paused_here = match sb.state {
+            SandboxState::Ready => {
+                self.pause_sandbox(id).await?;
+                true
+            }
+            SandboxState::Paused => false,
+            _ => {
+                self.ready(id)?;
+                false
+            }
+        };
+        // An image removed since the create does not stop a commit of its files.
+        let config = self.stack_config(&sb.image, &sb.layers, false).await?;
+        let res = self
+            .node
+            .commit(id, &req.name, sb.committed_layers.clone(), config)
+            .await;
+        if paused_here {
+            self.resume_sandbox(id).await?;
+        }
+        let (img, diff) = res?;
+        // An empty diff added no layer: nothing to remember.
+        let updated = diff.and_then(|diff| {
+            let mut recs = self.lock();
+            recs.get_mut(id).map(|rec| {
+                rec.committed_layers.retain(|d| *d != diff);
+                rec.committed_layers.push(diff);
+                rec.clone()
+            })
+        });
+        if let Some(rec) = updated {
+            self.persist(&rec).await?;
+        }
+        Ok(img)
+    }
+
+    pub(super) async fn set_network_to_end(
+        &self,
+        id: &str,
+        policy: NetworkPolicy,
+    ) -> ApiResult<Sandbox> {
+        validate::network(&policy)?;
+        self.ready(id)?;
+        self.node.set_network(id, policy.clone()).await?;
+        let sb = {
+            let mut recs = self.lock();
+            let sb = recs.get_mut(id).ok_or_else(|| self.missing(id))?;
+            sb.network = policy;
+            sb.clone()
+        };
+        self.persist(&sb).await?;
+        Ok(sb)
+    }
+
+    pub(super) async fn set_timeout_to_end(
+        &self,
+        id: &str,
+        req: SetTimeoutRequest,
+    ) -> ApiResult<Sandbox> {
+        if req.timeout_s == 0 || req.timeout_s > MAX_TIMEOUT_S {
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                format!("timeout_s must be in [1, {MAX_TIMEOUT_S}]"),
+            ));
+        }
+        self.ready(id)?;
+        let sb = {
+            let mut recs = self.lock();
+            let sb = recs.get_mut(id).ok_or_else(|| {
+                ApiError::new(ErrorCode::NotFound, format!("sandbox {id} not found"))
+            })?;
+            sb.expires_at = now_ms() + req.timeout_s * 1000;
+            sb.clone()
+        };
+        self.persist(&sb).await?;
+        Ok(sb)
+    }
+}
