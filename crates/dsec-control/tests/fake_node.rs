@@ -1,0 +1,239 @@
+//! The control plane over a `FakeNode`: records, reconciliation at start, failures,
+//! idempotent creates and lifetimes, without root or a real sandbox.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dsec_control::{ControlConfig, ControlPlane, SandboxApi};
+use dsec_node_api::fake::FakeNode;
+use dsec_node_api::{NodeApi, NodeCreateSpec};
+use dsec_state::RedbStore;
+use dsec_wire::agent::Command;
+use dsec_wire::v1::{CreateSandboxRequest, ExecRequest, SandboxState};
+use dsec_wire::{ApiError, ErrorCode};
+use futures::StreamExt;
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+struct Fixture {
+    node: Arc<FakeNode>,
+    store: Arc<RedbStore>,
+    _dir: tempfile::TempDir,
+}
+
+impl Fixture {
+    fn new() -> Result<Self, Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let store = Arc::new(RedbStore::open(&dir.path().join("state.redb"))?);
+        Ok(Self {
+            node: Arc::new(FakeNode::new("fake-1")),
+            store,
+            _dir: dir,
+        })
+    }
+
+    async fn plane(&self) -> Result<Arc<ControlPlane>, ApiError> {
+        let mut cfg = ControlConfig::with_key("k".into());
+        cfg.reap_interval = Duration::from_millis(50);
+        ControlPlane::open(cfg, self.node.clone(), self.store.clone()).await
+    }
+}
+
+fn shell(cmd: &str) -> ExecRequest {
+    ExecRequest {
+        cmd: Command::Shell(cmd.into()),
+        env: Default::default(),
+        cwd: None,
+        stdin: None,
+        timeout_s: None,
+        output_limit: None,
+        user: None,
+    }
+}
+
+fn bytes(b: &'static str) -> dsec_control::ByteStream {
+    dsec_node_api::once_bytes(b)
+}
+
+#[tokio::test]
+async fn a_sandbox_lives_on_its_node_from_create_to_delete() -> TestResult {
+    let fx = Fixture::new()?;
+    let plane = fx.plane().await?;
+    let sb = plane
+        .create_sandbox(CreateSandboxRequest::default())
+        .await?;
+    assert_eq!(sb.state, SandboxState::Ready);
+    assert_eq!(fx.node.sandbox_ids(), std::slice::from_ref(&sb.id));
+
+    plane
+        .write_file(&sb.id, "/w/f", None, bytes("data"))
+        .await?;
+    let r = plane.exec(&sb.id, shell("cat /w/f")).await?;
+    assert_eq!((r.stdout.as_str(), r.exit.exit_code), ("data", Some(0)));
+    let events: Vec<_> = plane
+        .exec_stream(&sb.id, shell("echo hi"))
+        .await?
+        .collect()
+        .await;
+    assert!(
+        matches!(events.last(), Some(dsec_wire::v1::ExecEvent::Exit { exit, .. }) if exit.exit_code == Some(0)),
+        "{events:?}"
+    );
+
+    plane.delete_sandbox(&sb.id).await?;
+    assert!(fx.node.sandbox_ids().is_empty());
+    let e = plane.get_sandbox(&sb.id).await.expect_err("deleted");
+    assert_eq!(e.code, ErrorCode::NotFound);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_failed_node_create_leaves_no_record_and_no_sandbox() -> TestResult {
+    let fx = Fixture::new()?;
+    let plane = fx.plane().await?;
+    fx.node
+        .fail_next_create(ApiError::new(ErrorCode::Failed, "mount failed"));
+    let e = plane
+        .create_sandbox(CreateSandboxRequest::default())
+        .await
+        .expect_err("node refused");
+    assert_eq!(e.code, ErrorCode::Failed);
+    fx.node.set_max_sandboxes(1);
+    plane
+        .create_sandbox(CreateSandboxRequest::default())
+        .await?;
+    let e = plane
+        .create_sandbox(CreateSandboxRequest::default())
+        .await
+        .expect_err("node full");
+    assert_eq!(e.code, ErrorCode::Capacity, "retryable, as the node said");
+    let list = plane.list_sandboxes(Default::default()).await?;
+    assert_eq!(list.sandboxes.len(), 1, "only the admitted one is recorded");
+    assert_eq!(fx.node.sandbox_ids().len(), 1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_restart_destroys_unrecorded_sandboxes_and_fails_vanished_ones() -> TestResult {
+    let fx = Fixture::new()?;
+    let (kept, vanished) = {
+        let plane = fx.plane().await?;
+        let a = plane
+            .create_sandbox(CreateSandboxRequest::default())
+            .await?;
+        let b = plane
+            .create_sandbox(CreateSandboxRequest::default())
+            .await?;
+        (a.id, b.id)
+    };
+    // While the control plane is down: one sandbox disappears from the node, and one
+    // appears that no record knows (a create cut off before its record was written).
+    fx.node.destroy(&vanished).await?;
+    let stray = NodeCreateSpec {
+        id: "sb-stray".into(),
+        ..spec_of(&fx.node.list().await[0].id)
+    };
+    fx.node.adopt(stray);
+
+    let plane = fx.plane().await?;
+    assert_eq!(
+        fx.node.sandbox_ids(),
+        std::slice::from_ref(&kept),
+        "the stray one is gone"
+    );
+    assert_eq!(plane.get_sandbox(&kept).await?.state, SandboxState::Ready);
+    let gone = plane.get_sandbox(&vanished).await?;
+    assert_eq!(gone.state, SandboxState::Failed);
+    assert!(gone
+        .failure
+        .unwrap_or_default()
+        .contains("no longer running"));
+    let r = plane.exec(&kept, shell("echo still")).await?;
+    assert_eq!(r.stdout, "still\n");
+    Ok(())
+}
+
+/// A spec for a sandbox like `id` (the fake ignores what it does not model).
+fn spec_of(id: &str) -> NodeCreateSpec {
+    NodeCreateSpec {
+        id: id.into(),
+        image: "base".into(),
+        layers: vec![],
+        cpu_millis: 1000,
+        memory_bytes: 512 << 20,
+        pids_max: 512,
+        disk_mb: None,
+        qos: Default::default(),
+        env: Default::default(),
+        workdir: "/".into(),
+        user: None,
+        network: Default::default(),
+        writable_paths: vec![],
+        tcp_bind: None,
+        tcp_connect: None,
+        isolation: Default::default(),
+        labels: Default::default(),
+    }
+}
+
+#[tokio::test]
+async fn a_keyed_create_retried_finds_the_first_and_a_different_body_conflicts() -> TestResult {
+    let fx = Fixture::new()?;
+    let plane = fx.plane().await?;
+    let req = CreateSandboxRequest {
+        idempotency_key: Some("step-7/rollout-3".into()),
+        ..Default::default()
+    };
+    let first = plane.create_sandbox(req.clone()).await?;
+    let again = plane.create_sandbox(req.clone()).await?;
+    assert_eq!(first.id, again.id);
+    assert_eq!(fx.node.counters.creates.load(Ordering::Relaxed), 1);
+    let other = CreateSandboxRequest {
+        timeout_s: Some(77),
+        ..req
+    };
+    let e = plane.create_sandbox(other).await.expect_err("other body");
+    assert_eq!(e.code, ErrorCode::Conflict);
+    assert_eq!(fx.node.sandbox_ids().len(), 1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_lifetime_ends_on_the_node_and_leaves_an_expired_answer() -> TestResult {
+    let fx = Fixture::new()?;
+    let plane = fx.plane().await?;
+    let sb = plane
+        .create_sandbox(CreateSandboxRequest {
+            timeout_s: Some(1),
+            ..Default::default()
+        })
+        .await?;
+    // The node's sandbox goes first, then the record.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let e = loop {
+        if let Err(e) = plane.get_sandbox(&sb.id).await {
+            break e;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "not reaped in 10 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(e.code, ErrorCode::Expired);
+    assert!(fx.node.sandbox_ids().is_empty());
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_unreachable_node_fails_calls_with_a_retryable_code() -> TestResult {
+    let fx = Fixture::new()?;
+    let plane = fx.plane().await?;
+    let sb = plane
+        .create_sandbox(CreateSandboxRequest::default())
+        .await?;
+    fx.node.set_down(true);
+    let e = plane.exec(&sb.id, shell("true")).await.expect_err("down");
+    assert_eq!(e.code, ErrorCode::AgentUnavailable);
+    fx.node.set_down(false);
+    plane.exec(&sb.id, shell("true")).await?;
+    Ok(())
+}
