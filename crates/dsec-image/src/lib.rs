@@ -30,7 +30,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -71,8 +71,10 @@ pub mod fuzzing {
 pub mod packdiff;
 pub mod shared;
 
+mod blobs;
 mod erofs;
 mod error;
+pub use blobs::{parse_digest, CacheTrim};
 use erofs::{build_erofs, check_erofs_magic};
 pub use error::{ImageError, Result};
 
@@ -257,20 +259,6 @@ pub fn validate_name(name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Parse `sha256:<hex>` or a bare 64-char lowercase hex into the hex part.
-pub fn parse_digest(digest: &str) -> Result<String> {
-    let hex = digest.strip_prefix("sha256:").unwrap_or(digest);
-    if hex.len() == 64
-        && hex
-            .bytes()
-            .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
-    {
-        Ok(hex.to_string())
-    } else {
-        Err(ImageError::InvalidDigest(digest.to_string()))
-    }
-}
-
 fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -390,11 +378,6 @@ impl ImageStore {
     /// The (canonical) store root.
     pub fn root(&self) -> &Path {
         &self.root
-    }
-
-    /// Path of the blob of layer `hex`.
-    pub fn blob_path(&self, hex: &str) -> PathBuf {
-        self.root.join("blobs/sha256").join(format!("{hex}.erofs"))
     }
 
     /// Mount point of layer `hex`.
@@ -653,17 +636,6 @@ impl ImageStore {
         Ok((names, before.saturating_sub(self.blob_bytes())))
     }
 
-    fn blob_bytes(&self) -> u64 {
-        std::fs::read_dir(self.root.join("blobs/sha256"))
-            .map(|d| {
-                d.filter_map(Result::ok)
-                    .filter_map(|e| e.metadata().ok())
-                    .map(|m| m.len())
-                    .sum()
-            })
-            .unwrap_or(0)
-    }
-
     /// Points `name` at the same layers and config as `source` (a name or digest).
     pub fn tag(&self, source: &str, name: &str) -> Result<Image> {
         let src = self.resolve(source)?;
@@ -716,28 +688,6 @@ impl ImageStore {
             bytes_total: Some(size),
         });
         Ok(img)
-    }
-
-    /// Hashes a built EROFS file and moves it into `blobs/` (or drops it when an identical
-    /// blob is stored). Returns its `sha256:` digest and size.
-    pub(crate) fn put_blob(
-        &self,
-        layer: &Path,
-        progress: &dyn Fn(ImportProgress),
-    ) -> Result<(String, u64)> {
-        let (hex, size) = hash_file(layer, progress)?;
-        progress(ImportProgress {
-            phase: ImportPhase::Storing,
-            bytes_done: 0,
-            bytes_total: Some(size),
-        });
-        let blob = self.blob_path(&hex);
-        if blob.exists() {
-            tracing::debug!(digest = %hex, "identical layer already stored");
-        } else {
-            seal_blob(layer, &blob)?;
-        }
-        Ok((format!("sha256:{hex}"), size))
     }
 
     /// Points `name` at the stored layers `layers` (bottom first), replacing an existing
@@ -1260,58 +1210,6 @@ pub fn is_mounted(path: &Path) -> Result<bool> {
     mountinfo::is_mounted(path).map_err(|e| ImageError::io("read mountinfo for", path, e))
 }
 
-/// sha256 of a file as lowercase hex, and its size.
-/// Makes the finished layer file `tmp` read-only and durable and moves it to `blob`.
-pub(crate) fn seal_blob(tmp: &Path, blob: &Path) -> Result<()> {
-    std::fs::set_permissions(tmp, std::fs::Permissions::from_mode(0o444))
-        .map_err(|e| ImageError::io("chmod", tmp, e))?;
-    File::open(tmp)
-        .and_then(|f| f.sync_all())
-        .map_err(|e| ImageError::io("fsync", tmp, e))?;
-    std::fs::rename(tmp, blob).map_err(|e| ImageError::io("rename", blob, e))
-}
-
-fn hash_file(path: &Path, progress: &dyn Fn(ImportProgress)) -> Result<(String, u64)> {
-    let mut f = File::open(path).map_err(|e| ImageError::io("open", path, e))?;
-    let total = f
-        .metadata()
-        .map_err(|e| ImageError::io("stat", path, e))?
-        .len();
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut done = 0u64;
-    let mut reported = 0u64;
-    progress(ImportProgress {
-        phase: ImportPhase::Hashing,
-        bytes_done: 0,
-        bytes_total: Some(total),
-    });
-    loop {
-        let n = match f.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(ImageError::io("read", path, e)),
-        };
-        h.update(&buf[..n]);
-        done += n as u64;
-        if done - reported >= 16 << 20 {
-            reported = done;
-            progress(ImportProgress {
-                phase: ImportPhase::Hashing,
-                bytes_done: done,
-                bytes_total: Some(total),
-            });
-        }
-    }
-    progress(ImportProgress {
-        phase: ImportPhase::Hashing,
-        bytes_done: done,
-        bytes_total: Some(total),
-    });
-    Ok((hex::encode(h.finalize()), done))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1362,25 +1260,6 @@ mod tests {
                 matches!(validate_name(bad), Err(ImageError::InvalidName { .. })),
                 "{bad:?} accepted"
             );
-        }
-    }
-
-    #[test]
-    fn digests() {
-        let hex = "a".repeat(64);
-        assert_eq!(
-            parse_digest(&format!("sha256:{hex}")).ok(),
-            Some(hex.clone())
-        );
-        assert_eq!(parse_digest(&hex).ok(), Some(hex.clone()));
-        for bad in [
-            "sha256:",
-            "sha256:xyz",
-            &"A".repeat(64),
-            &"a".repeat(63),
-            "sha512:aa",
-        ] {
-            assert!(parse_digest(bad).is_err(), "{bad:?} accepted");
         }
     }
 

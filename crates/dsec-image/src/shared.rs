@@ -22,12 +22,12 @@
 //! that is mounted or that the shared store does not hold (it could not be fetched again).
 
 use std::collections::HashSet;
-use std::fs::File;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 
-use crate::{hash_file, mountinfo, now_ms, parse_digest, ImageError, ImageStore, RefEntry, Result};
+use crate::blobs::{hash_file, seal_blob};
+use crate::{mountinfo, now_ms, parse_digest, ImageError, ImageStore, RefEntry, Result};
 
 /// Key of layer `hex` in the shared store.
 pub fn blob_key(hex: &str) -> String {
@@ -137,17 +137,6 @@ pub(crate) fn attach_lazy(
         }
     }
     Ok(client)
-}
-
-/// What [`ImageStore::trim_cache`] did.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct CacheTrim {
-    /// Layers removed from the node's cache (`sha256:<hex>`).
-    pub evicted: Vec<String>,
-    /// Bytes they took.
-    pub freed_bytes: u64,
-    /// Bytes the cache holds now.
-    pub cached_bytes: u64,
 }
 
 /// What [`ImageStore::gc_shared`] did.
@@ -447,92 +436,12 @@ impl ImageStore {
                 actual: format!("sha256:{actual}"),
             });
         }
-        crate::seal_blob(&tmp, blob)?;
+        seal_blob(&tmp, blob)?;
         tracing::info!(
             digest = %hex, size, ms = started.elapsed().as_millis() as u64,
             store = %shared.url(), "layer fetched"
         );
         Ok(true)
-    }
-
-    /// Marks layer `hex` as just used (its cache entry's mtime orders eviction).
-    pub(crate) fn touch_blob(&self, hex: &str) {
-        if self.cache_limit.is_none() {
-            return;
-        }
-        let p = self.blob_path(hex);
-        if let Ok(f) = File::open(&p) {
-            let _ = f.set_modified(SystemTime::now());
-        }
-    }
-
-    pub(crate) fn trim_cache_quietly(&self) {
-        if let Err(e) = self.trim_cache() {
-            tracing::warn!(error = %e, "trimming the layer cache failed");
-        }
-    }
-
-    /// Brings the node's layer cache under its limit, least recently used first. Only
-    /// layers that are not mounted and that the shared store holds are removed; without a
-    /// limit or a shared store nothing is.
-    pub fn trim_cache(&self) -> Result<CacheTrim> {
-        let dir = self.root.join("blobs/sha256");
-        let mut entries: Vec<(SystemTime, String, u64)> = Vec::new();
-        let rd = std::fs::read_dir(&dir).map_err(|e| ImageError::io("read_dir", &dir, e))?;
-        for ent in rd.flatten() {
-            let name = ent.file_name().to_string_lossy().into_owned();
-            let Some(hex) = name.strip_suffix(".erofs") else {
-                continue;
-            };
-            let Ok(m) = ent.metadata() else { continue };
-            let used = m.modified().unwrap_or(UNIX_EPOCH);
-            entries.push((used, hex.to_string(), m.len()));
-        }
-        let mut cached: u64 = entries.iter().map(|e| e.2).sum();
-        let mut out = CacheTrim::default();
-        let (Some(limit), Some(shared)) = (self.cache_limit, &self.shared) else {
-            out.cached_bytes = cached;
-            return Ok(out);
-        };
-        entries.sort();
-        let in_use = |hex: &str| self.lock_mounts().get(hex).copied().unwrap_or(0) > 0;
-        for (_, hex, len) in entries {
-            if cached <= limit {
-                break;
-            }
-            // The store is asked without holding the mounts lock: creates go on meanwhile.
-            if in_use(&hex) || shared.head(&blob_key(&hex)).map_err(shared_err)?.is_none() {
-                continue;
-            }
-            let mut mounts = self.lock_mounts();
-            if mounts.get(&hex).copied().unwrap_or(0) > 0 {
-                continue; // acquired since
-            }
-            if mounts.remove(&hex).is_some() {
-                // An idle cached mount: drop it with the blob.
-                self.unmount(&hex)?;
-            }
-            let mnt = self.mount_path(&hex);
-            if mountinfo::is_mounted(&mnt)
-                .map_err(|e| ImageError::io("read mountinfo for", &mnt, e))?
-            {
-                continue;
-            }
-            let blob = self.blob_path(&hex);
-            match std::fs::remove_file(&blob) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(ImageError::io("unlink", &blob, e)),
-            }
-            let _ = std::fs::remove_dir(&mnt);
-            drop(mounts);
-            tracing::info!(digest = %hex, size = len, "layer evicted from the node cache");
-            cached -= len;
-            out.freed_bytes += len;
-            out.evicted.push(format!("sha256:{hex}"));
-        }
-        out.cached_bytes = cached;
-        Ok(out)
     }
 
     /// Deletes from the shared store every layer no shared ref uses and that was written
