@@ -31,7 +31,6 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::{self, Write};
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -74,52 +73,17 @@ pub mod shared;
 mod blobs;
 mod erofs;
 mod error;
+mod import;
 mod mounts;
 pub use blobs::{parse_digest, CacheTrim};
-use erofs::{build_erofs, check_erofs_magic};
 pub use error::{ImageError, Result};
+pub use import::{ImportPhase, ImportProgress};
 pub use mounts::is_mounted;
 
 pub use dsec_blob::BlobStore;
 
 /// Default store root on a node.
 pub const DEFAULT_ROOT: &str = "/var/lib/dsec/images";
-
-/// Phase of an import, for progress display.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ImportPhase {
-    /// Unpacking a tar; bytes are of the (compressed) archive file.
-    Extracting,
-    /// Running mkfs.erofs; `bytes_done` is the image size written so far, total unknown.
-    Building,
-    /// Hashing the built image.
-    Hashing,
-    /// Moving the blob into place and updating refs.
-    Storing,
-}
-
-impl ImportPhase {
-    /// Its name on the wire (`extracting`, `building`, `hashing`, `storing`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ImportPhase::Extracting => "extracting",
-            ImportPhase::Building => "building",
-            ImportPhase::Hashing => "hashing",
-            ImportPhase::Storing => "storing",
-        }
-    }
-}
-
-/// One progress report of [`ImageStore::import`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ImportProgress {
-    /// Current phase.
-    pub phase: ImportPhase,
-    /// Bytes processed in this phase.
-    pub bytes_done: u64,
-    /// Bytes this phase will process, when known.
-    pub bytes_total: Option<u64>,
-}
 
 /// Result of [`ImageStore::resolve`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -440,179 +404,6 @@ impl ImageStore {
         res
     }
 
-    /// Import `source` (a directory, `.tar`, `.tar.gz` or `.tgz`) as image `name`, replacing an
-    /// existing ref of that name. Returns the stored image.
-    ///
-    /// Archives are extracted into a temp dir under the store root; mkfs.erofs packs the tree;
-    /// the result is hashed and moved into `blobs/` (or dropped if an identical blob exists).
-    /// All temp files are removed on success and on every failure.
-    pub fn import(
-        &self,
-        name: &str,
-        source: &Path,
-        progress: &dyn Fn(ImportProgress),
-    ) -> Result<Image> {
-        validate_name(name)?;
-        let meta = std::fs::metadata(source).map_err(|e| ImageError::io("stat", source, e))?;
-        let work = self.tempdir("import-")?;
-        let src_dir = if meta.is_dir() {
-            source.to_path_buf()
-        } else {
-            let kind = extract::sniff(source)?
-                .ok_or_else(|| ImageError::UnsupportedSource(source.to_path_buf()))?;
-            let rootfs = work.path().join("rootfs");
-            std::fs::create_dir(&rootfs).map_err(|e| ImageError::io("mkdir", &rootfs, e))?;
-            std::fs::set_permissions(&rootfs, std::fs::Permissions::from_mode(0o755))
-                .map_err(|e| ImageError::io("chmod", &rootfs, e))?;
-            let had_root_entry = extract::extract(source, kind, &rootfs, progress)?;
-            if !had_root_entry {
-                // Without a `./` entry the root keeps the extraction time; pin it for reproducibility.
-                extract::set_mtime(&rootfs, 0)?;
-            }
-            rootfs
-        };
-        let layer = work.path().join("layer.erofs");
-        build_erofs(&src_dir, &layer, work.path(), progress)?;
-        let source_str = std::fs::canonicalize(source)
-            .unwrap_or_else(|_| source.to_path_buf())
-            .display()
-            .to_string();
-        let img = self.store_layer(name, &layer, &source_str, progress)?;
-        drop(work);
-        Ok(img)
-    }
-
-    /// Import a `docker save` archive or an OCI image layout (a directory, or a tar of one) as
-    /// image `name`, replacing an existing ref of that name: one layer per image layer, bottom
-    /// first, and the image config's defaults. With `flatten`, the layers are applied into one
-    /// tree and stored as a single layer. A failed import stores no ref and no new blob.
-    /// See [`oci`].
-    pub fn import_oci(
-        &self,
-        name: &str,
-        source: &Path,
-        flatten: bool,
-        progress: &dyn Fn(ImportProgress),
-    ) -> Result<Image> {
-        oci::import(self, name, source, source, flatten, progress)
-    }
-
-    /// Imports whatever `source` is: an `.erofs` file (stored as is); a `docker save`
-    /// archive or OCI image layout, also gzip- or zstd-compressed (one layer per image
-    /// layer, or one with `flatten`); else a root file system (a directory or a tar,
-    /// tar.gz or tar.zst) as one layer.
-    pub fn import_path(
-        &self,
-        name: &str,
-        source: &Path,
-        flatten: bool,
-        progress: &dyn Fn(ImportProgress),
-    ) -> Result<Image> {
-        if source.extension().is_some_and(|e| e == "erofs") {
-            return self.import_blob(name, source);
-        }
-        if oci::sniff_oci(source) {
-            return self.import_oci(name, source, flatten, progress);
-        }
-        if source.is_file() {
-            if let Some(kind @ (extract::ArchiveKind::TarGz | extract::ArchiveKind::TarZst)) =
-                extract::sniff(source)?
-            {
-                if oci::sniff_compressed(source, kind) {
-                    validate_name(name)?;
-                    // Image archives are read by random access: decompress once into tmp/.
-                    let work = self.tempdir("unpack-")?;
-                    let tar = work.path().join("image.tar");
-                    extract::decompress(source, kind, &tar, progress)?;
-                    let img = oci::import(self, name, &tar, source, flatten, progress)?;
-                    drop(work);
-                    return Ok(img);
-                }
-            }
-        }
-        self.import(name, source, progress)
-    }
-
-    /// packdiff: stores a sandbox's overlayfs upper directory `upper` as a new layer and
-    /// points `name` at `stack` (the sandbox's layers, bottom first) + `previous_diffs`
-    /// (the layers earlier commits of the same sandbox added, bottom first) + the new one.
-    /// With earlier commits only what changed since is stored, deletions as whiteouts.
-    /// Nothing changed since the last commit: no layer is added (`None`), and `name`
-    /// names the stack and earlier diffs as they are. A layer named twice stays only at
-    /// its topmost place ([`dedup_layers`]).
-    /// The caller keeps `upper` still (the sandbox paused) while this runs.
-    pub fn commit_upper(
-        &self,
-        name: &str,
-        upper: &Path,
-        stack: &[String],
-        previous_diffs: &[String],
-        config: ImageConfig,
-        source: &str,
-    ) -> Result<(Image, packdiff::DiffStats, Option<String>)> {
-        validate_name(name)?;
-        let previous_diffs = &dedup_layers(previous_diffs)[..];
-        let work = self.tempdir("commit-")?;
-        let tree = work.path().join("tree");
-        std::fs::create_dir(&tree).map_err(|e| ImageError::io("mkdir", &tree, e))?;
-        let mut held = Vec::new();
-        let view = (|| -> Result<Option<PathBuf>> {
-            for d in previous_diffs {
-                held.push((d.clone(), self.acquire(d)?));
-            }
-            match held.as_slice() {
-                [] => Ok(None),
-                [(_, one)] => Ok(Some(one.clone())),
-                many => {
-                    // The merged view of the earlier diffs: a read-only overlay of them.
-                    let view = work.path().join("view");
-                    std::fs::create_dir(&view).map_err(|e| ImageError::io("mkdir", &view, e))?;
-                    let lower: Vec<String> = many
-                        .iter()
-                        .rev()
-                        .map(|(_, p)| p.display().to_string())
-                        .collect();
-                    nix::mount::mount(
-                        Some("overlay"),
-                        &view,
-                        Some("overlay"),
-                        nix::mount::MsFlags::MS_RDONLY,
-                        Some(format!("lowerdir={}", lower.join(":")).as_str()),
-                    )
-                    .map_err(|e| ImageError::io("mount overlay", &view, e.into()))?;
-                    Ok(Some(view))
-                }
-            }
-        })();
-        let copied = match &view {
-            Ok(v) => packdiff::copy_upper(upper, &tree, v.as_deref()),
-            Err(_) => Ok(packdiff::DiffStats::default()),
-        };
-        if held.len() > 1 {
-            let _ =
-                nix::mount::umount2(&work.path().join("view"), nix::mount::MntFlags::MNT_DETACH);
-        }
-        for (d, _) in &held {
-            let _ = self.release(d);
-        }
-        view?;
-        let stats = copied?;
-        let mut layers = stack.to_vec();
-        layers.extend(previous_diffs.iter().cloned());
-        let diff = if !previous_diffs.is_empty() && stats.is_empty() {
-            None
-        } else {
-            let layer = work.path().join("layer.erofs");
-            build_erofs(&tree, &layer, work.path(), &|_| {})?;
-            let (digest, _) = self.put_blob(&layer, &|_| {})?;
-            layers.push(digest.clone());
-            Some(digest)
-        };
-        let img = self.set_ref(name, &dedup_layers(&layers), source, config)?;
-        drop(work);
-        Ok((img, stats, diff))
-    }
-
     /// Removes every ref whose name starts with `prefix` (e.g. `build-cache/`) and that is
     /// older than `min_age`, and the blobs only they used (mounted ones stay). Returns the
     /// removed names and the bytes of blobs deleted.
@@ -644,22 +435,6 @@ impl ImageStore {
         )
     }
 
-    /// Import an already built EROFS file as image `name` (the file is copied, not moved).
-    pub fn import_blob(&self, name: &str, erofs_file: &Path) -> Result<Image> {
-        validate_name(name)?;
-        check_erofs_magic(erofs_file)?;
-        let work = self.tempdir("blob-")?;
-        let layer = work.path().join("layer.erofs");
-        std::fs::copy(erofs_file, &layer).map_err(|e| ImageError::io("copy", erofs_file, e))?;
-        let source_str = std::fs::canonicalize(erofs_file)
-            .unwrap_or_else(|_| erofs_file.to_path_buf())
-            .display()
-            .to_string();
-        let img = self.store_layer(name, &layer, &source_str, &|_| {})?;
-        drop(work);
-        Ok(img)
-    }
-
     fn tempdir(&self, prefix: &str) -> Result<tempfile::TempDir> {
         let tmp = self.root.join("tmp");
         std::fs::create_dir_all(&tmp).map_err(|e| ImageError::io("mkdir", &tmp, e))?;
@@ -667,24 +442,6 @@ impl ImageStore {
             .prefix(prefix)
             .tempdir_in(&tmp)
             .map_err(|e| ImageError::io("mkdtemp", &tmp, e))
-    }
-
-    /// Hash `layer`, move it into blobs/ (dedup), point `name` at it.
-    fn store_layer(
-        &self,
-        name: &str,
-        layer: &Path,
-        source: &str,
-        progress: &dyn Fn(ImportProgress),
-    ) -> Result<Image> {
-        let (digest, size) = self.put_blob(layer, progress)?;
-        let img = self.set_ref(name, &[digest], source, ImageConfig::default())?;
-        progress(ImportProgress {
-            phase: ImportPhase::Storing,
-            bytes_done: size,
-            bytes_total: Some(size),
-        });
-        Ok(img)
     }
 
     /// Points `name` at the stored layers `layers` (bottom first), replacing an existing
