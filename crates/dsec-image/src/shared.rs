@@ -27,7 +27,8 @@ use std::time::{Duration, SystemTime};
 use serde::{Deserialize, Serialize};
 
 use crate::blobs::{hash_file, seal_blob};
-use crate::{mountinfo, now_ms, parse_digest, ImageError, ImageStore, RefEntry, Result};
+use crate::catalog::RefEntry;
+use crate::{mountinfo, now_ms, parse_digest, ImageError, ImageStore, Result};
 
 /// Key of layer `hex` in the shared store.
 pub fn blob_key(hex: &str) -> String {
@@ -153,6 +154,17 @@ fn shared_err(e: dsec_blob::BlobError) -> ImageError {
 }
 
 impl ImageStore {
+    /// Whether the shared store holds layer `hex` (false without one).
+    pub(crate) fn shared_has_layer(&self, hex: &str) -> Result<bool> {
+        match &self.shared {
+            Some(s) => Ok(s
+                .head(&blob_key(hex))
+                .map_err(ImageError::Shared)?
+                .is_some()),
+            None => Ok(false),
+        }
+    }
+
     /// Uploads every layer of `layers` the shared store lacks (blob, then manifest).
     /// Returns the layers' total size. Without a shared store, sizes come from local blobs.
     pub(crate) fn push_layers(&self, layers: &[String], source: &str) -> Result<u64> {
