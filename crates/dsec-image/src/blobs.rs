@@ -12,7 +12,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use sha2::{Digest as _, Sha256};
 
 use crate::shared::blob_key;
-use crate::{mountinfo, ImageError, ImageStore, ImportPhase, ImportProgress, Result};
+use crate::{is_mounted, ImageError, ImageStore, ImportPhase, ImportProgress, Result};
 
 /// Parse `sha256:<hex>` or a bare 64-char lowercase hex into the hex part.
 pub fn parse_digest(digest: &str) -> Result<String> {
@@ -79,6 +79,34 @@ impl ImageStore {
             .unwrap_or(0)
     }
 
+    /// Deletes layer `hex`'s blob and mount point unless a sandbox mounts it; an idle
+    /// mount of it is dropped first. Returns whether the blob is gone. Deciding that no
+    /// image needs the layer any more is the caller's part.
+    pub(crate) fn delete_blob(&self, hex: &str) -> Result<bool> {
+        let mut mounts = self.lock_mounts();
+        match mounts.get(hex).copied() {
+            Some(n) if n > 0 => return Ok(false),
+            Some(_) => {
+                // An idle mount of a layer that is going away.
+                self.unmount(hex)?;
+                mounts.remove(hex);
+            }
+            None => {}
+        }
+        let mnt = self.mount_path(hex);
+        if is_mounted(&mnt)? {
+            return Ok(false);
+        }
+        let blob = self.blob_path(hex);
+        match std::fs::remove_file(&blob) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(ImageError::io("unlink", &blob, e)),
+        }
+        let _ = std::fs::remove_dir(&mnt);
+        Ok(true)
+    }
+
     /// Marks layer `hex` as just used (its cache entry's mtime orders eviction).
     pub(crate) fn touch_blob(&self, hex: &str) {
         if self.cache_limit.is_none() {
@@ -134,28 +162,9 @@ impl ImageStore {
             {
                 continue;
             }
-            let mut mounts = self.lock_mounts();
-            if mounts.get(&hex).copied().unwrap_or(0) > 0 {
-                continue; // acquired since
+            if !self.delete_blob(&hex)? {
+                continue; // acquired since, or still mounted
             }
-            if mounts.remove(&hex).is_some() {
-                // An idle cached mount: drop it with the blob.
-                self.unmount(&hex)?;
-            }
-            let mnt = self.mount_path(&hex);
-            if mountinfo::is_mounted(&mnt)
-                .map_err(|e| ImageError::io("read mountinfo for", &mnt, e))?
-            {
-                continue;
-            }
-            let blob = self.blob_path(&hex);
-            match std::fs::remove_file(&blob) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(ImageError::io("unlink", &blob, e)),
-            }
-            let _ = std::fs::remove_dir(&mnt);
-            drop(mounts);
             tracing::info!(digest = %hex, size = len, "layer evicted from the node cache");
             cached -= len;
             out.freed_bytes += len;

@@ -13,7 +13,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 
-use crate::{mountinfo, now_ms, parse_digest, Image, ImageConfig, ImageError, ImageStore, Result};
+use crate::{now_ms, parse_digest, Image, ImageConfig, ImageError, ImageStore, Result};
 
 /// Result of [`ImageStore::resolve`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -299,34 +299,14 @@ impl ImageStore {
         Ok(img)
     }
 
-    /// Delete blob `hex` if no ref points at it and it is not mounted. Caller holds the refs lock.
+    /// Delete blob `hex` if no ref points at it and no sandbox mounts it. Caller holds the
+    /// refs lock.
     pub(crate) fn gc_blob(&self, refs: &RefsFile, hex: &str) -> Result<bool> {
         let digest = format!("sha256:{hex}");
         if refs.refs.values().any(|r| r.uses_layer(&digest)) {
             return Ok(false);
         }
-        let mut mounts = self.lock_mounts();
-        match mounts.get(hex).copied() {
-            Some(n) if n > 0 => return Ok(false),
-            Some(_) => {
-                // Idle cache mount of a layer that is going away.
-                self.unmount(hex)?;
-                mounts.remove(hex);
-            }
-            None => {}
-        }
-        let mnt = self.mount_path(hex);
-        if mountinfo::is_mounted(&mnt).map_err(|e| ImageError::io("read mountinfo for", &mnt, e))? {
-            return Ok(false);
-        }
-        let blob = self.blob_path(hex);
-        match std::fs::remove_file(&blob) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(ImageError::io("unlink", &blob, e)),
-        }
-        let _ = std::fs::remove_dir(&mnt);
-        Ok(true)
+        self.delete_blob(hex)
     }
 
     /// Resolve an image name or `sha256:<hex>` digest.

@@ -33,7 +33,7 @@ impl ImageStore {
                 .ok_or_else(|| ImageError::NotFound(format!("sha256:{hex}")))?
         };
         std::fs::create_dir_all(&mnt).map_err(|e| ImageError::io("mkdir", &mnt, e))?;
-        if mountinfo::is_mounted(&mnt).map_err(|e| ImageError::io("read mountinfo for", &mnt, e))? {
+        if is_mounted(&mnt)? {
             tracing::debug!(digest = %hex, "reusing existing layer mount");
             return Ok(mnt);
         }
@@ -61,9 +61,7 @@ impl ImageStore {
         use nix::mount::MntFlags;
         let mnt = self.mount_path(hex);
         for _ in 0..16 {
-            if !mountinfo::is_mounted(&mnt)
-                .map_err(|e| ImageError::io("read mountinfo for", &mnt, e))?
-            {
+            if !is_mounted(&mnt)? {
                 break;
             }
             match nix::mount::umount2(&mnt, MntFlags::empty()) {
