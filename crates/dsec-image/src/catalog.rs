@@ -278,25 +278,46 @@ impl ImageStore {
         };
         let img = entry.to_image(name);
         self.push_ref(name, &entry)?;
-        let _lock = self.lock_refs()?;
-        let mut refs = self.read_refs()?;
-        let old = refs.refs.insert(name.to_string(), entry);
-        self.write_refs(&refs)?;
-        if let Some(old) = old {
-            for l in old.layer_digests() {
-                if !layers.contains(&l) {
-                    if let Ok(hex) = parse_digest(&l) {
-                        self.gc_blob(&refs, &hex)?;
-                    }
-                }
-            }
-        }
+        self.replace_ref(name, Some(entry))?;
         tracing::info!(name, digest = %img.digest, layers = layers.len(), size, "image stored");
         if self.cache_limit.is_some() {
-            drop(_lock);
             self.trim_cache_quietly();
         }
         Ok(img)
+    }
+
+    /// Points `name` at `new` in `refs.json` (`None`: drops the name) under the refs lock,
+    /// then deletes the blobs of layers only the old version used (mounted ones stay).
+    /// Returns the old version and whether a blob was deleted.
+    fn replace_ref(&self, name: &str, new: Option<RefEntry>) -> Result<(Option<RefEntry>, bool)> {
+        let _lock = self.lock_refs()?;
+        let mut refs = self.read_refs()?;
+        let keep = new
+            .as_ref()
+            .map(RefEntry::layer_digests)
+            .unwrap_or_default();
+        let (old, changed) = match new {
+            Some(entry) => (refs.refs.insert(name.to_string(), entry), true),
+            None => {
+                let old = refs.refs.remove(name);
+                let changed = old.is_some();
+                (old, changed)
+            }
+        };
+        if changed {
+            self.write_refs(&refs)?;
+        }
+        let mut deleted = false;
+        for l in old.iter().flat_map(RefEntry::layer_digests) {
+            if keep.contains(&l) {
+                continue;
+            }
+            // A malformed digest in the old version names no blob.
+            if let Ok(hex) = parse_digest(&l) {
+                deleted |= self.gc_blob(&refs, &hex)?;
+            }
+        }
+        Ok((old, deleted))
     }
 
     /// Delete blob `hex` if no ref points at it and no sandbox mounts it. Caller holds the
@@ -425,27 +446,8 @@ impl ImageStore {
             }
         };
         if local_entry != fresh.as_ref() {
-            let cached = (|| -> Result<()> {
-                let _lock = self.lock_refs()?;
-                let mut refs = self.read_refs()?;
-                let old = match &fresh {
-                    Some(r) => refs.refs.insert(name.to_string(), r.clone()),
-                    None => refs.refs.remove(name),
-                };
-                self.write_refs(&refs)?;
-                // Layers only the old version used leave the cache now.
-                let keep = fresh
-                    .as_ref()
-                    .map(RefEntry::layer_digests)
-                    .unwrap_or_default();
-                for l in old.map(|o| o.layer_digests()).unwrap_or_default() {
-                    if !keep.contains(&l) {
-                        self.gc_blob(&refs, &parse_digest(&l)?)?;
-                    }
-                }
-                Ok(())
-            })();
-            if let Err(e) = cached {
+            // Layers only the old version used leave the cache now.
+            if let Err(e) = self.replace_ref(name, fresh.clone()) {
                 tracing::warn!(name, error = %e, "could not update the local copy of a shared ref");
             }
         }
@@ -456,9 +458,8 @@ impl ImageStore {
     /// is mounted.
     pub fn remove(&self, name: &str) -> Result<Removed> {
         let shared = self.delete_shared_ref(name)?;
-        let _lock = self.lock_refs()?;
-        let mut refs = self.read_refs()?;
-        let entry = match (refs.refs.remove(name), shared) {
+        let (local, blob_deleted) = self.replace_ref(name, None)?;
+        let entry = match (local, shared) {
             (Some(local), _) => local,
             (None, Some(shared)) => {
                 tracing::info!(name, "image removed from the shared store");
@@ -469,11 +470,6 @@ impl ImageStore {
             }
             (None, None) => return Err(ImageError::NotFound(name.to_string())),
         };
-        self.write_refs(&refs)?;
-        let mut blob_deleted = false;
-        for l in entry.layer_digests() {
-            blob_deleted |= self.gc_blob(&refs, &parse_digest(&l)?)?;
-        }
         tracing::info!(name, digest = %entry.digest, blob_deleted, "image removed");
         Ok(Removed {
             image: entry.to_image(name),
