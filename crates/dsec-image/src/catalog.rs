@@ -333,25 +333,25 @@ impl ImageStore {
     /// Resolve an image name or `sha256:<hex>` digest.
     pub fn resolve(&self, name_or_digest: &str) -> Result<ResolvedImage> {
         let refs = self.read_refs()?;
-        let top_blob = |layers: &[String]| -> Result<PathBuf> {
+        let of_ref = |name: &str, r: &RefEntry| -> Result<ResolvedImage> {
+            let layers = r.layer_digests();
             let top = layers
                 .last()
                 .ok_or_else(|| ImageError::NotFound(name_or_digest.to_string()))?;
-            Ok(self.blob_path(&parse_digest(top)?))
+            Ok(ResolvedImage {
+                name: name.to_string(),
+                digest: r.digest.clone(),
+                blob_path: self.blob_path(&parse_digest(top)?),
+                layers,
+                config: r.config.clone(),
+            })
         };
         if name_or_digest.starts_with("sha256:") {
             let hex = parse_digest(name_or_digest)?;
             let digest = format!("sha256:{hex}");
             // A ref's own digest (a multi-layer image), else a bare layer.
             if let Some((name, r)) = refs.refs.iter().find(|(_, r)| r.digest == digest) {
-                let layers = r.layer_digests();
-                return Ok(ResolvedImage {
-                    name: name.clone(),
-                    digest,
-                    blob_path: top_blob(&layers)?,
-                    layers,
-                    config: r.config.clone(),
-                });
+                return of_ref(name, r);
             }
             let blob = self.blob_path(&hex);
             if !blob.exists() && !self.shared_has_layer(&hex)? {
@@ -368,14 +368,7 @@ impl ImageStore {
         let r = self
             .lookup_ref(name_or_digest, &refs)
             .ok_or_else(|| ImageError::NotFound(name_or_digest.to_string()))?;
-        let layers = r.layer_digests();
-        Ok(ResolvedImage {
-            name: name_or_digest.to_string(),
-            digest: r.digest.clone(),
-            blob_path: top_blob(&layers)?,
-            layers,
-            config: r.config.clone(),
-        })
+        of_ref(name_or_digest, &r)
     }
 
     /// Describe an image by name or digest. A digest with no ref is described with its digest
