@@ -93,6 +93,18 @@ impl ImageStore {
         Ok(())
     }
 
+    /// Whether layer `hex` must be downloaded from the shared store before it can be
+    /// mounted: the node lacks it and does not serve it on demand (with on-demand layers,
+    /// a layer whose manifest has a chunk index is not downloaded: ensure_mounted mounts
+    /// its lazy file).
+    fn must_download(&self, hex: &str) -> Result<bool> {
+        Ok(
+            self.shared.is_some()
+                && !self.blob_path(hex).exists()
+                && self.lazy_file(hex)?.is_none(),
+        )
+    }
+
     /// Take a reference on the shared read-only mount of layer `digest` (`sha256:<hex>` or hex),
     /// mounting it on first use. Returns the mount point. Pair with [`ImageStore::release`].
     /// A layer only the shared store holds is downloaded first.
@@ -100,12 +112,7 @@ impl ImageStore {
         let hex = parse_digest(digest)?;
         let mut attempt = 0;
         loop {
-            // With on-demand layers, a layer whose manifest has a chunk index is not
-            // downloaded: ensure_mounted mounts its lazy file.
-            let lazy = self.lazy.is_some()
-                && !self.blob_path(&hex).exists()
-                && self.lazy_file(&hex)?.is_some();
-            let fetched = self.shared.is_some() && !lazy && self.fetch_blob(&hex)?;
+            let fetched = self.must_download(&hex)? && self.fetch_blob(&hex)?;
             let mut m = self.lock_mounts();
             // An entry means "mounted by us", also at count 0 (idle, kept as a cache).
             let mounted = match m.get(&hex) {
@@ -175,10 +182,7 @@ impl ImageStore {
             m.remove(&hex);
             return self.unmount(&hex);
         }
-        if self.shared.is_some()
-            && !self.blob_path(&hex).exists()
-            && self.lazy_file(&hex)?.is_none()
-        {
+        if self.must_download(&hex)? {
             drop(m);
             self.fetch_blob(&hex)?;
             m = self.lock_mounts();
