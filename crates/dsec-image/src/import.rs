@@ -78,11 +78,7 @@ impl ImageStore {
         };
         let layer = work.path().join("layer.erofs");
         build_erofs(&src_dir, &layer, work.path(), progress)?;
-        let source_str = std::fs::canonicalize(source)
-            .unwrap_or_else(|_| source.to_path_buf())
-            .display()
-            .to_string();
-        let img = self.store_layer(name, &layer, &source_str, progress)?;
+        let img = self.store_layer(name, &layer, &source_label(source), progress)?;
         drop(work);
         Ok(img)
     }
@@ -145,11 +141,7 @@ impl ImageStore {
         let work = self.tempdir("blob-")?;
         let layer = work.path().join("layer.erofs");
         std::fs::copy(erofs_file, &layer).map_err(|e| ImageError::io("copy", erofs_file, e))?;
-        let source_str = std::fs::canonicalize(erofs_file)
-            .unwrap_or_else(|_| erofs_file.to_path_buf())
-            .display()
-            .to_string();
-        let img = self.store_layer(name, &layer, &source_str, &|_| {})?;
+        let img = self.store_layer(name, &layer, &source_label(erofs_file), &|_| {})?;
         drop(work);
         Ok(img)
     }
@@ -171,4 +163,12 @@ impl ImageStore {
         });
         Ok(img)
     }
+}
+
+/// What an image records as its source: `path` made canonical (as given if that fails).
+fn source_label(path: &Path) -> String {
+    std::fs::canonicalize(path)
+        .unwrap_or_else(|_| path.to_path_buf())
+        .display()
+        .to_string()
 }

@@ -97,6 +97,12 @@ pub(crate) fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// Locks `m`, also after another holder panicked: every guarded map is updated by
+/// single inserts and removes, so it is never left half-changed.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Where an [`ImageStore`] keeps layers besides its own directory.
 #[derive(Debug, Clone, Default)]
 pub struct StoreOptions {

@@ -7,7 +7,7 @@
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
-use crate::{mountinfo, parse_digest, ImageError, ImageStore, Result};
+use crate::{lock, mountinfo, parse_digest, ImageError, ImageStore, Result};
 
 impl ImageStore {
     /// Mount point of layer `hex`.
@@ -17,7 +17,7 @@ impl ImageStore {
 
     /// The mount refcounts (layer hex -> holders; an entry at 0 is an idle mount).
     pub(crate) fn lock_mounts(&self) -> std::sync::MutexGuard<'_, HashMap<String, usize>> {
-        self.mounts.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.mounts)
     }
 
     /// Mount `hex` at its mount point unless something already is mounted there

@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::blobs::{hash_file, seal_blob};
 use crate::catalog::RefEntry;
-use crate::{mountinfo, now_ms, parse_digest, ImageError, ImageStore, Result};
+use crate::{lock, mountinfo, now_ms, parse_digest, ImageError, ImageStore, Result};
 
 /// Key of layer `hex` in the shared store.
 pub fn blob_key(hex: &str) -> String {
@@ -257,10 +257,7 @@ impl ImageStore {
 
     /// Drops the cached copy of ref `name` (this node changed it).
     fn forget_ref(&self, name: &str) {
-        self.ref_cache
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(name);
+        lock(&self.ref_cache).remove(name);
     }
 
     /// Deletes ref `name` from the shared store; what it was, if there.
@@ -283,7 +280,7 @@ impl ImageStore {
             return Ok(None);
         };
         if !self.ref_ttl.is_zero() {
-            let cache = self.ref_cache.lock().unwrap_or_else(|e| e.into_inner());
+            let cache = lock(&self.ref_cache);
             if let Some((at, entry)) = cache.get(name) {
                 if at.elapsed() < self.ref_ttl {
                     return Ok(entry.clone());
@@ -293,10 +290,7 @@ impl ImageStore {
         let read_at = std::time::Instant::now();
         let entry = self.read_shared_ref(shared.as_ref(), name)?;
         if !self.ref_ttl.is_zero() {
-            self.ref_cache
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(name.to_string(), (read_at, entry.clone()));
+            lock(&self.ref_cache).insert(name.to_string(), (read_at, entry.clone()));
         }
         Ok(entry)
     }
@@ -350,12 +344,7 @@ impl ImageStore {
         let (Some(lazy), Some(shared)) = (&self.lazy, &self.shared) else {
             return Ok(None);
         };
-        if self
-            .lazy_added
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains(hex)
-        {
+        if lock(&self.lazy_added).contains(hex) {
             return Ok(Some(lazy.dir().join(format!("{hex}.erofs"))));
         }
         let Some(bytes) = shared.get(&manifest_key(hex)).map_err(shared_err)? else {
@@ -371,10 +360,7 @@ impl ImageStore {
         let path = lazy
             .add_layer(&blob_key(hex), index, Some(&prefetch_key(hex)))
             .map_err(|e| ImageError::io("lazy layer", lazy.dir(), std::io::Error::other(e)))?;
-        self.lazy_added
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(hex.to_string());
+        lock(&self.lazy_added).insert(hex.to_string());
         tracing::info!(digest = %hex, "layer served on demand");
         Ok(Some(path))
     }
@@ -403,19 +389,13 @@ impl ImageStore {
         let Some(shared) = &self.shared else {
             return Err(ImageError::NotFound(format!("sha256:{hex}")));
         };
-        let gate = self
-            .fetching
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        let gate = lock(&self.fetching)
             .entry(hex.to_string())
             .or_default()
             .clone();
-        let _one_at_a_time = gate.lock().unwrap_or_else(|e| e.into_inner());
+        let _one_at_a_time = lock(&gate);
         let fetched = self.fetch_blob_now(hex, shared.as_ref(), &blob);
-        self.fetching
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(hex);
+        lock(&self.fetching).remove(hex);
         fetched
     }
 
