@@ -40,9 +40,14 @@ pub struct CacheTrim {
 }
 
 impl ImageStore {
+    /// The directory of the blobs.
+    pub(crate) fn blob_dir(&self) -> PathBuf {
+        self.root.join("blobs/sha256")
+    }
+
     /// Path of the blob of layer `hex`.
     pub fn blob_path(&self, hex: &str) -> PathBuf {
-        self.root.join("blobs/sha256").join(format!("{hex}.erofs"))
+        self.blob_dir().join(format!("{hex}.erofs"))
     }
 
     /// Hashes a built EROFS file and moves it into `blobs/` (or drops it when an identical
@@ -69,7 +74,7 @@ impl ImageStore {
 
     /// Bytes of all stored blobs.
     pub(crate) fn blob_bytes(&self) -> u64 {
-        std::fs::read_dir(self.root.join("blobs/sha256"))
+        std::fs::read_dir(self.blob_dir())
             .map(|d| {
                 d.filter_map(Result::ok)
                     .filter_map(|e| e.metadata().ok())
@@ -129,7 +134,7 @@ impl ImageStore {
     /// layers that are not mounted and that the shared store holds are removed; without a
     /// limit or a shared store nothing is.
     pub fn trim_cache(&self) -> Result<CacheTrim> {
-        let dir = self.root.join("blobs/sha256");
+        let dir = self.blob_dir();
         let mut entries: Vec<(SystemTime, String, u64)> = Vec::new();
         let rd = std::fs::read_dir(&dir).map_err(|e| ImageError::io("read_dir", &dir, e))?;
         for ent in rd.flatten() {
