@@ -19,7 +19,8 @@
 //! does not have it (images imported before the store was configured) or cannot be reached.
 //! Layers are downloaded on first use, verified against their digest, and kept in the
 //! cache; the cache is trimmed to its limit least recently used first, skipping any layer
-//! that is mounted or that the shared store does not hold (it could not be fetched again).
+//! that is mounted or that the shared store does not hold (it could not be fetched again;
+//! the trimming is in `blobs`).
 
 use std::collections::HashSet;
 use std::time::{Duration, SystemTime};
