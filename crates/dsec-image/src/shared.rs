@@ -1,5 +1,6 @@
-//! The image store's link to a shared [`BlobStore`]: the cluster-wide home of layers and
-//! refs, with the node's `blobs/` directory as a size-limited cache in front of it.
+//! The image store's link to a shared [`BlobStore`](crate::BlobStore): the cluster-wide
+//! home of layers and refs, with the node's `blobs/` directory as a size-limited cache in
+//! front of it.
 //!
 //! Keys in the shared store:
 //!
