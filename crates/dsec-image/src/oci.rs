@@ -29,10 +29,11 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use sha2::{Digest as _, Sha256};
 
+use crate::erofs::build_erofs;
 use crate::extract::{self, expansion_limit, Counting, Limited, Whiteouts};
 use crate::{
-    build_erofs, parse_digest, validate_name, Image, ImageConfig, ImageError, ImageStore,
-    ImportPhase, ImportProgress, Result,
+    parse_digest, validate_name, Image, ImageConfig, ImageError, ImageStore, ImportPhase,
+    ImportProgress, Result,
 };
 
 /// Largest JSON document (manifest, index, config) read into memory.

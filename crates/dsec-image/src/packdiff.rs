@@ -7,15 +7,17 @@
 //! xattrs only `opaque`: `origin`, `impure` and the like describe the sandbox's mount and
 //! must not travel. Other device nodes are dropped, as on import. With a previous snapshot
 //! of the same sandbox, only what differs from it is copied (incremental packdiff).
+//! [`ImageStore::commit_upper`] builds the copy into a layer and names the new image.
 
 use std::collections::HashMap;
 use std::ffi::CString;
 use std::fs;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use crate::ImageError;
+use crate::erofs::build_erofs;
+use crate::{dedup_layers, validate_name, Image, ImageConfig, ImageError, ImageStore, Result};
 
 const OPAQUE_XATTR: &[u8] = b"trusted.overlay.opaque";
 /// The opaque marker overlayfs writes when mounted in a user namespace (`userxattr`).
@@ -338,6 +340,88 @@ fn set_times(dest: &Path, meta: &fs::Metadata) -> Result<(), ImageError> {
         nix::sys::stat::UtimensatFlags::NoFollowSymlink,
     )
     .map_err(|e| ImageError::io("utimensat", dest, e.into()))
+}
+
+impl ImageStore {
+    /// packdiff: stores a sandbox's overlayfs upper directory `upper` as a new layer and
+    /// points `name` at `stack` (the sandbox's layers, bottom first) + `previous_diffs`
+    /// (the layers earlier commits of the same sandbox added, bottom first) + the new one.
+    /// With earlier commits only what changed since is stored, deletions as whiteouts.
+    /// Nothing changed since the last commit: no layer is added (`None`), and `name`
+    /// names the stack and earlier diffs as they are. A layer named twice stays only at
+    /// its topmost place ([`dedup_layers`]).
+    /// The caller keeps `upper` still (the sandbox paused) while this runs.
+    pub fn commit_upper(
+        &self,
+        name: &str,
+        upper: &Path,
+        stack: &[String],
+        previous_diffs: &[String],
+        config: ImageConfig,
+        source: &str,
+    ) -> Result<(Image, DiffStats, Option<String>)> {
+        validate_name(name)?;
+        let previous_diffs = &dedup_layers(previous_diffs)[..];
+        let work = self.tempdir("commit-")?;
+        let tree = work.path().join("tree");
+        std::fs::create_dir(&tree).map_err(|e| ImageError::io("mkdir", &tree, e))?;
+        let mut held = Vec::new();
+        let view = (|| -> Result<Option<PathBuf>> {
+            for d in previous_diffs {
+                held.push((d.clone(), self.acquire(d)?));
+            }
+            match held.as_slice() {
+                [] => Ok(None),
+                [(_, one)] => Ok(Some(one.clone())),
+                many => {
+                    // The merged view of the earlier diffs: a read-only overlay of them.
+                    let view = work.path().join("view");
+                    std::fs::create_dir(&view).map_err(|e| ImageError::io("mkdir", &view, e))?;
+                    let lower: Vec<String> = many
+                        .iter()
+                        .rev()
+                        .map(|(_, p)| p.display().to_string())
+                        .collect();
+                    nix::mount::mount(
+                        Some("overlay"),
+                        &view,
+                        Some("overlay"),
+                        nix::mount::MsFlags::MS_RDONLY,
+                        Some(format!("lowerdir={}", lower.join(":")).as_str()),
+                    )
+                    .map_err(|e| ImageError::io("mount overlay", &view, e.into()))?;
+                    Ok(Some(view))
+                }
+            }
+        })();
+        let copied = match &view {
+            Ok(v) => copy_upper(upper, &tree, v.as_deref()),
+            Err(_) => Ok(DiffStats::default()),
+        };
+        if held.len() > 1 {
+            let _ =
+                nix::mount::umount2(&work.path().join("view"), nix::mount::MntFlags::MNT_DETACH);
+        }
+        for (d, _) in &held {
+            let _ = self.release(d);
+        }
+        view?;
+        let stats = copied?;
+        let mut layers = stack.to_vec();
+        layers.extend(previous_diffs.iter().cloned());
+        let diff = if !previous_diffs.is_empty() && stats.is_empty() {
+            None
+        } else {
+            let layer = work.path().join("layer.erofs");
+            build_erofs(&tree, &layer, work.path(), &|_| {})?;
+            let (digest, _) = self.put_blob(&layer, &|_| {})?;
+            layers.push(digest.clone());
+            Some(digest)
+        };
+        let img = self.set_ref(name, &dedup_layers(&layers), source, config)?;
+        drop(work);
+        Ok((img, stats, diff))
+    }
 }
 
 #[cfg(test)]

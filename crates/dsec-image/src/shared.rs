@@ -1,5 +1,6 @@
-//! The image store's link to a shared [`BlobStore`]: the cluster-wide home of layers and
-//! refs, with the node's `blobs/` directory as a size-limited cache in front of it.
+//! The image store's link to a shared [`BlobStore`](crate::BlobStore): the cluster-wide
+//! home of layers and refs, with the node's `blobs/` directory as a size-limited cache in
+//! front of it.
 //!
 //! Keys in the shared store:
 //!
@@ -19,15 +20,17 @@
 //! does not have it (images imported before the store was configured) or cannot be reached.
 //! Layers are downloaded on first use, verified against their digest, and kept in the
 //! cache; the cache is trimmed to its limit least recently used first, skipping any layer
-//! that is mounted or that the shared store does not hold (it could not be fetched again).
+//! that is mounted or that the shared store does not hold (it could not be fetched again;
+//! the trimming is in `blobs`).
 
 use std::collections::HashSet;
-use std::fs::File;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 
-use crate::{hash_file, mountinfo, now_ms, parse_digest, ImageError, ImageStore, RefEntry, Result};
+use crate::blobs::{hash_file, seal_blob};
+use crate::catalog::RefEntry;
+use crate::{lock, mountinfo, now_ms, parse_digest, ImageError, ImageStore, Result};
 
 /// Key of layer `hex` in the shared store.
 pub fn blob_key(hex: &str) -> String {
@@ -139,17 +142,6 @@ pub(crate) fn attach_lazy(
     Ok(client)
 }
 
-/// What [`ImageStore::trim_cache`] did.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct CacheTrim {
-    /// Layers removed from the node's cache (`sha256:<hex>`).
-    pub evicted: Vec<String>,
-    /// Bytes they took.
-    pub freed_bytes: u64,
-    /// Bytes the cache holds now.
-    pub cached_bytes: u64,
-}
-
 /// What [`ImageStore::gc_shared`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SharedGc {
@@ -164,6 +156,17 @@ fn shared_err(e: dsec_blob::BlobError) -> ImageError {
 }
 
 impl ImageStore {
+    /// Whether the shared store holds layer `hex` (false without one).
+    pub(crate) fn shared_has_layer(&self, hex: &str) -> Result<bool> {
+        match &self.shared {
+            Some(s) => Ok(s
+                .head(&blob_key(hex))
+                .map_err(ImageError::Shared)?
+                .is_some()),
+            None => Ok(false),
+        }
+    }
+
     /// Uploads every layer of `layers` the shared store lacks (blob, then manifest).
     /// Returns the layers' total size. Without a shared store, sizes come from local blobs.
     pub(crate) fn push_layers(&self, layers: &[String], source: &str) -> Result<u64> {
@@ -256,10 +259,7 @@ impl ImageStore {
 
     /// Drops the cached copy of ref `name` (this node changed it).
     fn forget_ref(&self, name: &str) {
-        self.ref_cache
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(name);
+        lock(&self.ref_cache).remove(name);
     }
 
     /// Deletes ref `name` from the shared store; what it was, if there.
@@ -282,7 +282,7 @@ impl ImageStore {
             return Ok(None);
         };
         if !self.ref_ttl.is_zero() {
-            let cache = self.ref_cache.lock().unwrap_or_else(|e| e.into_inner());
+            let cache = lock(&self.ref_cache);
             if let Some((at, entry)) = cache.get(name) {
                 if at.elapsed() < self.ref_ttl {
                     return Ok(entry.clone());
@@ -292,10 +292,7 @@ impl ImageStore {
         let read_at = std::time::Instant::now();
         let entry = self.read_shared_ref(shared.as_ref(), name)?;
         if !self.ref_ttl.is_zero() {
-            self.ref_cache
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(name.to_string(), (read_at, entry.clone()));
+            lock(&self.ref_cache).insert(name.to_string(), (read_at, entry.clone()));
         }
         Ok(entry)
     }
@@ -349,12 +346,7 @@ impl ImageStore {
         let (Some(lazy), Some(shared)) = (&self.lazy, &self.shared) else {
             return Ok(None);
         };
-        if self
-            .lazy_added
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains(hex)
-        {
+        if lock(&self.lazy_added).contains(hex) {
             return Ok(Some(lazy.dir().join(format!("{hex}.erofs"))));
         }
         let Some(bytes) = shared.get(&manifest_key(hex)).map_err(shared_err)? else {
@@ -370,10 +362,7 @@ impl ImageStore {
         let path = lazy
             .add_layer(&blob_key(hex), index, Some(&prefetch_key(hex)))
             .map_err(|e| ImageError::io("lazy layer", lazy.dir(), std::io::Error::other(e)))?;
-        self.lazy_added
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(hex.to_string());
+        lock(&self.lazy_added).insert(hex.to_string());
         tracing::info!(digest = %hex, "layer served on demand");
         Ok(Some(path))
     }
@@ -402,19 +391,13 @@ impl ImageStore {
         let Some(shared) = &self.shared else {
             return Err(ImageError::NotFound(format!("sha256:{hex}")));
         };
-        let gate = self
-            .fetching
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        let gate = lock(&self.fetching)
             .entry(hex.to_string())
             .or_default()
             .clone();
-        let _one_at_a_time = gate.lock().unwrap_or_else(|e| e.into_inner());
+        let _one_at_a_time = lock(&gate);
         let fetched = self.fetch_blob_now(hex, shared.as_ref(), &blob);
-        self.fetching
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(hex);
+        lock(&self.fetching).remove(hex);
         fetched
     }
 
@@ -447,92 +430,12 @@ impl ImageStore {
                 actual: format!("sha256:{actual}"),
             });
         }
-        crate::seal_blob(&tmp, blob)?;
+        seal_blob(&tmp, blob)?;
         tracing::info!(
             digest = %hex, size, ms = started.elapsed().as_millis() as u64,
             store = %shared.url(), "layer fetched"
         );
         Ok(true)
-    }
-
-    /// Marks layer `hex` as just used (its cache entry's mtime orders eviction).
-    pub(crate) fn touch_blob(&self, hex: &str) {
-        if self.cache_limit.is_none() {
-            return;
-        }
-        let p = self.blob_path(hex);
-        if let Ok(f) = File::open(&p) {
-            let _ = f.set_modified(SystemTime::now());
-        }
-    }
-
-    pub(crate) fn trim_cache_quietly(&self) {
-        if let Err(e) = self.trim_cache() {
-            tracing::warn!(error = %e, "trimming the layer cache failed");
-        }
-    }
-
-    /// Brings the node's layer cache under its limit, least recently used first. Only
-    /// layers that are not mounted and that the shared store holds are removed; without a
-    /// limit or a shared store nothing is.
-    pub fn trim_cache(&self) -> Result<CacheTrim> {
-        let dir = self.root.join("blobs/sha256");
-        let mut entries: Vec<(SystemTime, String, u64)> = Vec::new();
-        let rd = std::fs::read_dir(&dir).map_err(|e| ImageError::io("read_dir", &dir, e))?;
-        for ent in rd.flatten() {
-            let name = ent.file_name().to_string_lossy().into_owned();
-            let Some(hex) = name.strip_suffix(".erofs") else {
-                continue;
-            };
-            let Ok(m) = ent.metadata() else { continue };
-            let used = m.modified().unwrap_or(UNIX_EPOCH);
-            entries.push((used, hex.to_string(), m.len()));
-        }
-        let mut cached: u64 = entries.iter().map(|e| e.2).sum();
-        let mut out = CacheTrim::default();
-        let (Some(limit), Some(shared)) = (self.cache_limit, &self.shared) else {
-            out.cached_bytes = cached;
-            return Ok(out);
-        };
-        entries.sort();
-        let in_use = |hex: &str| self.lock_mounts().get(hex).copied().unwrap_or(0) > 0;
-        for (_, hex, len) in entries {
-            if cached <= limit {
-                break;
-            }
-            // The store is asked without holding the mounts lock: creates go on meanwhile.
-            if in_use(&hex) || shared.head(&blob_key(&hex)).map_err(shared_err)?.is_none() {
-                continue;
-            }
-            let mut mounts = self.lock_mounts();
-            if mounts.get(&hex).copied().unwrap_or(0) > 0 {
-                continue; // acquired since
-            }
-            if mounts.remove(&hex).is_some() {
-                // An idle cached mount: drop it with the blob.
-                self.unmount(&hex)?;
-            }
-            let mnt = self.mount_path(&hex);
-            if mountinfo::is_mounted(&mnt)
-                .map_err(|e| ImageError::io("read mountinfo for", &mnt, e))?
-            {
-                continue;
-            }
-            let blob = self.blob_path(&hex);
-            match std::fs::remove_file(&blob) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(ImageError::io("unlink", &blob, e)),
-            }
-            let _ = std::fs::remove_dir(&mnt);
-            drop(mounts);
-            tracing::info!(digest = %hex, size = len, "layer evicted from the node cache");
-            cached -= len;
-            out.freed_bytes += len;
-            out.evicted.push(format!("sha256:{hex}"));
-        }
-        out.cached_bytes = cached;
-        Ok(out)
     }
 
     /// Deletes from the shared store every layer no shared ref uses and that was written
