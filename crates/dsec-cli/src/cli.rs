@@ -29,6 +29,13 @@ pub struct Cli {
 pub enum Command {
     /// Run the dsec server (API + node) on this machine.
     Serve(Box<ServeArgs>),
+    /// Run only the node runtime, serving its internal API to API servers (`dsec
+    /// apiserver --node`). Takes `serve`'s node flags; `--listen` is the internal API's
+    /// address.
+    Node(Box<NodeArgs>),
+    /// Run only the public API (the `/v1` API, the E2B and SWE-ReX fronts, `/metrics`)
+    /// over a node started with `dsec node`.
+    Apiserver(Box<ApiserverArgs>),
     /// Create, inspect, use and remove sandboxes.
     #[command(subcommand, visible_alias = "sb")]
     Sandbox(SandboxCommand),
@@ -44,6 +51,44 @@ pub enum Command {
         /// Its configuration (`dsec_lazy::ServeConfig` as JSON).
         config: String,
     },
+}
+
+/// `dsec node`.
+#[derive(Debug, Args)]
+pub struct NodeArgs {
+    /// File holding the token API servers must present (created, mode 0600, with a
+    /// random token when missing). Default: STATE_DIR/node-token.
+    #[arg(long)]
+    pub node_token_file: Option<PathBuf>,
+    /// The node's flags, as `dsec serve` takes them.
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
+/// `dsec apiserver`.
+#[derive(Debug, Args)]
+pub struct ApiserverArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    pub listen: SocketAddr,
+    /// Directory of the API server's state (its API key and records).
+    #[arg(long, default_value = "/var/lib/dsec-apiserver")]
+    pub state_dir: PathBuf,
+    /// Internal API of the node (`http://HOST:PORT` of `dsec node --listen`).
+    #[arg(long)]
+    pub node: String,
+    /// File holding the node's token (`dsec node` prints where it keeps it).
+    #[arg(long)]
+    pub node_token_file: PathBuf,
+    /// An upload that brings no data for this long ends with `timeout`.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub upload_idle_timeout_s: u64,
+    /// TCP keepalive of client connections, seconds of silence.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub tcp_keepalive_s: u64,
+    /// Job suspend leaves the sandboxes' lifetimes running.
+    #[arg(long)]
+    pub job_suspend_keeps_lifetime: bool,
 }
 
 /// `dsec job ...`.
@@ -846,6 +891,33 @@ mod tests {
         assert_eq!(a.state_dir, PathBuf::from("/var/lib/dsec"));
         assert_eq!(a.run_dir, PathBuf::from("/run/dsec"));
         assert!(a.agent_bin.is_none() && a.node_name.is_none());
+    }
+
+    #[test]
+    fn node_and_apiserver_parse() {
+        let cli = parse(&[
+            "node",
+            "--listen",
+            "127.0.0.1:7071",
+            "--state-dir",
+            "/tmp/n1",
+        ])
+        .expect("parses");
+        let Command::Node(a) = cli.command else {
+            panic!("wrong command")
+        };
+        assert_eq!(a.serve.listen, "127.0.0.1:7071".parse().expect("addr"));
+        assert!(a.node_token_file.is_none());
+        assert!(parse(&["apiserver"]).is_err(), "--node is required");
+        let cli = parse(&[
+            "apiserver",
+            "--node",
+            "http://127.0.0.1:7071",
+            "--node-token-file",
+            "/tmp/n1/node-token",
+        ])
+        .expect("parses");
+        assert!(matches!(cli.command, Command::Apiserver(_)));
     }
 
     #[test]

@@ -60,6 +60,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     };
     match cli.command {
         Command::Serve(args) => serve::run(*args).await.map(|()| ExitCode::SUCCESS),
+        Command::Node(args) => serve::run_node(*args).await.map(|()| ExitCode::SUCCESS),
+        Command::Apiserver(args) => serve::run_apiserver(*args)
+            .await
+            .map(|()| ExitCode::SUCCESS),
         Command::Sandbox(cmd) => sandbox::run(&client()?, cmd, cli.json).await,
         Command::Image(cmd) => image::run(&client()?, cmd, cli.json)
             .await

@@ -1,7 +1,9 @@
-//! `dsec serve`: the embedded single-node default. Runs the control plane and the node
-//! runtime in one process, state in an embedded redb file, HTTP API on loopback.
+//! The server processes. `dsec serve`, the embedded single-node default, runs the control
+//! plane and the node runtime in one process, state in an embedded redb file, HTTP API on
+//! loopback. `dsec node` runs only the node runtime and serves it over the internal API
+//! (`dsec-node-rpc`); `dsec apiserver` runs only the public API, over such a node.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,7 +12,7 @@ use dsec_control::{ControlConfig, ControlPlane};
 use dsec_node::{LocalNode, NodeApi, NodeConfig};
 use dsec_state::RedbStore;
 
-use crate::cli::ServeArgs;
+use crate::cli::{ApiserverArgs, NodeArgs, ServeArgs};
 
 /// Finds the agent binary: the flag, `DSEC_AGENT_BIN`, or `dsec-agent` next to `dsec`.
 fn agent_bin(args: &ServeArgs) -> anyhow::Result<PathBuf> {
@@ -117,17 +119,16 @@ pub fn lazy_serve(config: &str) -> anyhow::Result<()> {
     dsec_lazy::server::serve(&cfg).context("serving lazy layers")
 }
 
-/// Runs the server until SIGINT or SIGTERM.
-pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
-    init_tracing();
+/// Starts the node runtime of this machine from `serve`'s node flags.
+async fn open_node(args: &ServeArgs, command: &str) -> anyhow::Result<Arc<LocalNode>> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        bail!("dsec serve must run as root: it creates namespaces, mounts and cgroups");
+        bail!("dsec {command} must run as root: it creates namespaces, mounts and cgroups");
     }
     close_inherited_fds();
     raise_nofile();
     raise_kernel_limits();
-    let agent_bin = agent_bin(&args)?;
+    let agent_bin = agent_bin(args)?;
     let name = match &args.node_name {
         Some(n) => n.clone(),
         None => nix::unistd::gethostname()
@@ -178,9 +179,44 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             pool_size: args.net_pool,
         }),
     };
-    let node = LocalNode::open(node_cfg)
+    LocalNode::open(node_cfg)
         .await
-        .context("starting the node runtime")?;
+        .context("starting the node runtime")
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("shutting down");
+}
+
+/// Reads the key at `path`, or makes one; says where it is.
+fn key_file(path: &Path, what: &str) -> anyhow::Result<String> {
+    let (key, created) = dsec_control::auth::load_or_create_key(path)
+        .with_context(|| format!("reading or creating the {what} at {}", path.display()))?;
+    if created {
+        println!("generated {what} {key}");
+        println!(
+            "  (saved to {}, mode 0600; clients read it from there)",
+            path.display()
+        );
+    } else {
+        println!("{what} in {}", path.display());
+    }
+    Ok(key)
+}
+
+/// Runs the server until SIGINT or SIGTERM.
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    init_tracing();
+    let node = open_node(&args, "serve").await?;
     let local = node.clone();
     let key_path = args.state_dir.join("api-key");
     let (key, created) = dsec_control::auth::load_or_create_key(&key_path)
@@ -212,18 +248,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding {}", args.listen))?;
     println!("dsec listening on http://{}", listener.local_addr()?);
-    let shutdown = async {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(_) => return std::future::pending().await,
-            };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-        tracing::info!("shutting down");
-    };
+    let shutdown = shutdown_signal();
     let http = dsec_http::HttpOptions {
         upload_idle_timeout: std::time::Duration::from_secs(args.upload_idle_timeout_s),
         tcp_keepalive: std::time::Duration::from_secs(args.tcp_keepalive_s),
@@ -232,6 +257,70 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .context("serving HTTP")?;
     stop(local).await
+}
+
+/// `dsec node`: the node runtime and its internal API, until SIGINT or SIGTERM.
+pub async fn run_node(args: NodeArgs) -> anyhow::Result<()> {
+    init_tracing();
+    let node = open_node(&args.serve, "node").await?;
+    let token_path = args
+        .node_token_file
+        .clone()
+        .unwrap_or_else(|| args.serve.state_dir.join("node-token"));
+    let token = key_file(&token_path, "node token")?;
+    let listener = tokio::net::TcpListener::bind(args.serve.listen)
+        .await
+        .with_context(|| format!("binding {}", args.serve.listen))?;
+    println!(
+        "dsec node {} serving its internal API on http://{}",
+        node.name(),
+        listener.local_addr()?
+    );
+    let node_api: Arc<dyn NodeApi> = node.clone();
+    let app = dsec_node_rpc::server::router(node_api, token);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .context("serving the node's internal API")?;
+    stop(node).await
+}
+
+/// `dsec apiserver`: the public API over a remote node, until SIGINT or SIGTERM.
+pub async fn run_apiserver(args: ApiserverArgs) -> anyhow::Result<()> {
+    init_tracing();
+    std::fs::create_dir_all(&args.state_dir)
+        .with_context(|| format!("creating {}", args.state_dir.display()))?;
+    let token = std::fs::read_to_string(&args.node_token_file)
+        .with_context(|| format!("reading the node token {}", args.node_token_file.display()))?;
+    let node = dsec_node_rpc::client::RemoteNode::connect(&args.node, token.trim())
+        .await
+        .map_err(|e| anyhow::anyhow!("connecting to node {}: {}", args.node, e.message))?;
+    println!("node {} at {}", node.name(), args.node);
+    let key = key_file(&args.state_dir.join("api-key"), "API key")?;
+    let store = Arc::new(
+        RedbStore::open(&args.state_dir.join("state.redb")).context("opening the state store")?,
+    );
+    let control = ControlConfig {
+        job_suspend_stops_lifetime: !args.job_suspend_keeps_lifetime,
+        ..ControlConfig::with_key(key)
+    };
+    let plane = ControlPlane::open(control, Arc::new(node), store)
+        .await
+        .map_err(|e| anyhow::anyhow!("starting the control plane: {}", e.message))?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    println!(
+        "dsec apiserver listening on http://{}",
+        listener.local_addr()?
+    );
+    let http = dsec_http::HttpOptions {
+        upload_idle_timeout: Duration::from_secs(args.upload_idle_timeout_s),
+        tcp_keepalive: Duration::from_secs(args.tcp_keepalive_s),
+    };
+    dsec_http::serve(listener, plane, http, shutdown_signal())
+        .await
+        .context("serving HTTP")
 }
 
 /// A graceful stop once HTTP is done: live sandboxes keep running (and what they need

@@ -7,8 +7,8 @@ use reqwest::{Method, RequestBuilder, Response};
 use serde::de::DeserializeOwned;
 
 use dsec_node_api::{
-    ByteStream, EventStream, ImportProgressSink, ImportSource, NodeApi, NodeCreateSpec,
-    NodeResult, NodeSandbox,
+    ByteStream, EventStream, ImportProgressSink, ImportSource, NodeApi, NodeCreateSpec, NodeResult,
+    NodeSandbox,
 };
 use dsec_wire::agent::{ExecSpec, FileInfo, Reply, Request};
 use dsec_wire::error::ErrorBody;
@@ -347,7 +347,11 @@ impl NodeApi for RemoteNode {
         let info = resp
             .headers()
             .get(FILE_INFO_HEADER)
-            .and_then(|v| base64::engine::general_purpose::STANDARD.decode(v.as_bytes()).ok())
+            .and_then(|v| {
+                base64::engine::general_purpose::STANDARD
+                    .decode(v.as_bytes())
+                    .ok()
+            })
             .and_then(|json| serde_json::from_slice::<FileInfo>(&json).ok())
             .ok_or_else(|| unreachable(&self.base, "file reply without its file info"))?;
         Ok((info, self.bytes_of(resp)))
@@ -373,7 +377,10 @@ impl NodeApi for RemoteNode {
 
     async fn download_tar(&self, id: &str, path: &str) -> NodeResult<ByteStream> {
         let resp = self
-            .send(self.sandbox(Method::GET, id, "/tar").query(&[("path", path)]))
+            .send(
+                self.sandbox(Method::GET, id, "/tar")
+                    .query(&[("path", path)]),
+            )
             .await?;
         Ok(self.bytes_of(resp))
     }

@@ -36,8 +36,8 @@ impl From<ApiError> for RpcError {
 
 impl IntoResponse for RpcError {
     fn into_response(self) -> Response {
-        let status =
-            StatusCode::from_u16(self.0.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let status = StatusCode::from_u16(self.0.code.http_status())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         (status, Json(ErrorBody { error: self.0 })).into_response()
     }
 }
@@ -73,7 +73,10 @@ pub fn router(node: Arc<dyn NodeApi>, token: String) -> Router {
         .route("/sandboxes/{id}/call", post(call))
         .route("/sandboxes/{id}/exec", post(exec))
         .route("/sandboxes/{id}/exec-stream", post(exec_stream))
-        .route("/sandboxes/{id}/processes/{pid}/output", get(process_output))
+        .route(
+            "/sandboxes/{id}/processes/{pid}/output",
+            get(process_output),
+        )
         .route("/sandboxes/{id}/processes/{pid}/stdin", post(process_stdin))
         .route("/sandboxes/{id}/file", get(read_file).put(write_file))
         .route("/sandboxes/{id}/tar", get(download_tar).put(upload_tar))
@@ -84,7 +87,10 @@ pub fn router(node: Arc<dyn NodeApi>, token: String) -> Router {
         .route("/images/gc", post(gc_images))
         .route("/layer-stats", get(layer_stats))
         .fallback(|| async { RpcError(ApiError::new(ErrorCode::NotFound, "no such node route")) })
-        .layer(axum::middleware::from_fn_with_state(rpc.clone(), authenticate))
+        .layer(axum::middleware::from_fn_with_state(
+            rpc.clone(),
+            authenticate,
+        ))
         // JSON bodies carry an exec's whole stdin (base64): the public API's limits
         // apply before a call gets here.
         .layer(axum::extract::DefaultBodyLimit::max(MAX_JSON_BODY))
@@ -187,10 +193,7 @@ async fn destroy(State(rpc): State<Arc<Rpc>>, Path(id): Path<String>) -> RpcResu
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn pause(
-    State(rpc): State<Arc<Rpc>>,
-    Path(id): Path<String>,
-) -> RpcResult<Json<PauseReply>> {
+async fn pause(State(rpc): State<Arc<Rpc>>, Path(id): Path<String>) -> RpcResult<Json<PauseReply>> {
     let (before, after) = rpc.node.pause(&id).await?;
     Ok(Json(PauseReply { before, after }))
 }
@@ -351,10 +354,7 @@ async fn upload_tar(
     Query(q): Query<PathQuery>,
     body: Body,
 ) -> RpcResult<impl IntoResponse> {
-    let written = rpc
-        .node
-        .upload_tar(&id, &q.path, body_stream(body))
-        .await?;
+    let written = rpc.node.upload_tar(&id, &q.path, body_stream(body)).await?;
     Ok(Json(written))
 }
 
@@ -408,9 +408,7 @@ async fn import_image(
         };
         let _ = tx.send(end);
     });
-    Ok(ndjson_response(
-        tokio_stream_unbounded(rx),
-    ))
+    Ok(ndjson_response(tokio_stream_unbounded(rx)))
 }
 
 fn tokio_stream_unbounded<T: Send + 'static>(
