@@ -10,7 +10,7 @@
 //!
 //! A connection whose last request [`keeps_connection`](Request::keeps_connection) can
 //! carry the next one: the node keeps one idle connection per sandbox
-//! ([`crate::NodeApi::reuse`]), which saves both sides a socket, a connect/accept and
+//! (`LocalNode::reuse`), which saves both sides a socket, a connect/accept and
 //! its teardown per exec.
 
 use std::os::fd::{AsRawFd, OwnedFd};

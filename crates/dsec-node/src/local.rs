@@ -26,7 +26,7 @@ pub struct LocalNode {
     images: Arc<ImageStore>,
     backend: Arc<dyn Backend>,
     sandboxes: Mutex<HashMap<String, RuntimeRecord>>,
-    /// One idle agent connection per sandbox ([`NodeApi::reuse`]), for the sandboxes whose
+    /// One idle agent connection per sandbox ([`LocalNode::reuse`](crate::LocalNode)), for the sandboxes whose
     /// agent said at create that it keeps connections (others are absent). Entries are
     /// added and removed only with `sandboxes` locked too (taken first), so that no
     /// connection is kept for a removed sandbox; taking one out needs only this lock.
