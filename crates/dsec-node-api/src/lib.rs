@@ -6,7 +6,7 @@
 //! the node reaches the sandbox's agent (a unix socket and frames today, virtio-serial in
 //! a microVM, an internal HTTP API for a remote node) stays behind the trait, so the same
 //! control plane drives a node in its own process (`dsec_node::LocalNode`), a node on
-//! another machine, or [`fake::FakeNode`] in unit tests.
+//! another machine, or `fake::FakeNode` (feature `fake`) in unit tests.
 //!
 //! Architecture invariants:
 //! - no kernel crate: the control plane links this crate, not `dsec-node`;

@@ -35,7 +35,7 @@ fn cstring(bytes: &[u8]) -> io::Result<CString> {
     CString::new(bytes).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL byte"))
 }
 
-/// Spawns `exe` with `argv` (argv[0] included) and the node's environment in a new
+/// Spawns `exe` with `argv` (`argv[0]` included) and the node's environment in a new
 /// session, with the descriptors of `fds`. Returns the child's pid; the caller reaps it.
 pub fn spawn(exe: &Path, argv: &[&str], fds: &SpawnFds<'_>) -> io::Result<libc::pid_t> {
     let exe_c = cstring(exe.as_os_str().as_bytes())?;
