@@ -592,6 +592,11 @@ pub enum ImageCommand {
         /// Store a docker/OCI image as one layer instead of one layer per image layer.
         #[arg(long)]
         flatten: bool,
+        /// Send the file from this machine instead of naming a path on the server (a
+        /// tar, .tar.gz, `docker save` or OCI archive, or .erofs; a directory must be
+        /// tarred first). Needed for an API server whose node is another machine.
+        #[arg(long)]
+        upload: bool,
     },
     /// List images.
     #[command(visible_alias = "list")]

@@ -82,6 +82,36 @@ pub async fn run(client: &Client, cmd: ImageCommand, json: bool) -> anyhow::Resu
             name,
             source,
             flatten,
+            upload: true,
+        } => {
+            let file = tokio::fs::File::open(&source)
+                .await
+                .with_context(|| format!("opening {}", source.display()))?;
+            if file.metadata().await?.is_dir() {
+                anyhow::bail!(
+                    "{} is a directory: tar it first (tar -C DIR -cf rootfs.tar .)",
+                    source.display()
+                );
+            }
+            let started = std::time::Instant::now();
+            let image = client.upload_image(&name, flatten, file).await?;
+            if json {
+                print_json(&image)?;
+            } else {
+                println!(
+                    "uploaded {} {} ({}) in {:.1}s",
+                    image.name,
+                    image.digest,
+                    output::bytes(image.size_bytes),
+                    started.elapsed().as_secs_f64()
+                );
+            }
+        }
+        ImageCommand::Import {
+            name,
+            source,
+            flatten,
+            upload: false,
         } => {
             let source = std::path::absolute(&source)
                 .with_context(|| format!("resolving {}", source.display()))?;

@@ -538,6 +538,26 @@ impl Client {
         Ok(ndjson::events(resp))
     }
 
+    /// `POST /v1/images/upload?name=`: imports the archive `body` (a rootfs tar, compressed
+    /// or not, a `docker save` or OCI archive, or an EROFS image), streamed from here.
+    pub async fn upload_image(
+        &self,
+        name: &str,
+        flatten: bool,
+        body: impl Into<UploadBody>,
+    ) -> Result<Image, ClientError> {
+        let query = [("name", name.to_owned()), ("flatten", flatten.to_string())];
+        let answered = files::Answered::default();
+        let rb = self
+            .request(Method::POST, &["images", "upload"])
+            .query(&query)
+            .header(header::CONTENT_TYPE, "application/octet-stream")
+            .body(body.into().into_reqwest(&answered));
+        let answer = Self::json(rb).await;
+        answered.set();
+        answer
+    }
+
     /// `GET /v1/images/layers`: on-demand accounting of the node's layers.
     pub async fn layer_stats(&self) -> Result<dsec_wire::v1::LayerStatsList, ClientError> {
         Self::json(self.get(&["images", "layers"])).await

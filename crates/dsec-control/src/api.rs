@@ -151,6 +151,15 @@ pub trait SandboxApi: Send + Sync + 'static {
         };
         Ok(Box::pin(futures::stream::once(async move { end })))
     }
+    /// `POST /v1/images/upload?name=`: imports an archive sent as the request body (a
+    /// rootfs tar, compressed or not, a `docker save` or OCI archive, or an EROFS image).
+    async fn upload_image(&self, name: &str, flatten: bool, body: ByteStream) -> ApiResult<Image> {
+        let _ = (name, flatten, body);
+        Err(ApiError::new(
+            dsec_wire::ErrorCode::BadRequest,
+            "this server does not take image uploads",
+        ))
+    }
     /// `DELETE /v1/images/{name}`.
     async fn delete_image(&self, name: &str) -> ApiResult<()>;
     /// `GET /v1/images/layers`: on-demand accounting of this node's layers.

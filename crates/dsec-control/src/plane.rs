@@ -830,6 +830,13 @@ impl SandboxApi for ControlPlane {
         ))
     }
 
+    async fn upload_image(&self, name: &str, flatten: bool, body: ByteStream) -> ApiResult<Image> {
+        // Not run to its end without the caller: the body is the caller's connection.
+        self.node
+            .import_image(name, ImportSource::Archive(body), flatten, None)
+            .await
+    }
+
     async fn layer_stats(&self) -> ApiResult<LayerStatsList> {
         self.node.layer_stats().await
     }

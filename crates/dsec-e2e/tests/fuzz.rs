@@ -555,6 +555,14 @@ fn templates() -> Vec<Template> {
             json!({"older_than_s": 999999999}),
             1,
         ),
+        t(
+            "POST",
+            "/v1/images/upload",
+            &[("name", "fuzz/u"), ("flatten", "false")],
+            Raw,
+            json!("tar"),
+            2,
+        ),
         t("GET", "/v1/images/layers", &[], None, json!(null), 1),
         t("DELETE", "/v1/images/{image}", &[], None, json!(null), 1),
         // SWE-ReX.

@@ -46,10 +46,9 @@ async fn the_public_api_works_through_an_apiserver_over_a_separate_node() -> any
     if !require_root() {
         return Ok(());
     }
-    // The node's directories, with the base image imported by an embedded server first
-    // (a remote node imports uploaded archives, not paths on the API server).
+    // Fresh directories for the node (an embedded server's start cleans up after an
+    // earlier run of this test).
     let mut embedded = Server::start("split", true).await?;
-    embedded.ensure_base(None).await?;
     embedded
         .terminate(Duration::from_secs(30))
         .context("the embedded server did not stop")?;
@@ -123,8 +122,25 @@ async fn the_public_api_works_through_an_apiserver_over_a_separate_node() -> any
     .await
     .context("dsec apiserver did not come up")?;
 
+    // Images reach a remote node as uploads, streamed through the API server.
+    let e = client
+        .upload_image("junk", false, "not an archive at all")
+        .await
+        .expect_err("garbage");
+    assert_eq!(e.code(), Some(ErrorCode::BadRequest), "{e}");
+    let tar = tokio::fs::File::open(dsec_e2e::base_tar()).await?;
+    let base = client.upload_image("base", false, tar).await?;
     let images = client.list_images().await?;
-    assert!(images.images.iter().any(|i| i.name == "base"), "{images:?}");
+    assert_eq!(
+        images
+            .images
+            .iter()
+            .map(|i| i.name.as_str())
+            .collect::<Vec<_>>(),
+        ["base"],
+        "the junk upload left nothing"
+    );
+    assert_eq!(images.images[0].digest, base.digest);
     let sb = client
         .create_sandbox(CreateSandboxRequest::default())
         .await?;

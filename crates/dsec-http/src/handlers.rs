@@ -606,6 +606,29 @@ pub async fn import_image(
     Ok(created(api.import_image(req).await?))
 }
 
+/// Query of `POST /v1/images/upload`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UploadImageQuery {
+    /// Name to give the image.
+    pub name: String,
+    /// Store a multi-layer (docker/OCI) image as one layer.
+    #[serde(default)]
+    pub flatten: bool,
+}
+
+/// `POST /v1/images/upload?name=`: imports the archive in the body (a rootfs tar,
+/// compressed or not, a `docker save` or OCI archive, or an EROFS image).
+pub async fn upload_image(
+    State(api): Api,
+    Extension(opts): Extension<HttpOptions>,
+    Query(q): Query<UploadImageQuery>,
+    body: Body,
+) -> HttpResult<Response> {
+    let body = body_stream(body, opts.upload_idle_timeout);
+    Ok(created(api.upload_image(&q.name, q.flatten, body).await?))
+}
+
 /// `POST /v1/images/import/stream` (NDJSON progress, then `done` or `error`).
 pub async fn import_image_stream(
     State(api): Api,

@@ -134,6 +134,22 @@ impl ImageStore {
         self.import(name, source, progress)
     }
 
+    /// Imports a file received as an upload (its name says nothing): an EROFS image is
+    /// recognised by its magic, anything else is imported as [`ImageStore::import_path`]
+    /// would (a rootfs tar, compressed or not, a `docker save` or OCI archive).
+    pub fn import_uploaded(
+        &self,
+        name: &str,
+        file: &Path,
+        flatten: bool,
+        progress: &dyn Fn(ImportProgress),
+    ) -> Result<Image> {
+        if check_erofs_magic(file).is_ok() {
+            return self.import_blob(name, file);
+        }
+        self.import_path(name, file, flatten, progress)
+    }
+
     /// Import an already built EROFS file as image `name` (the file is copied, not moved).
     pub fn import_blob(&self, name: &str, erofs_file: &Path) -> Result<Image> {
         validate_name(name)?;

@@ -224,6 +224,12 @@ impl ImageStore {
             .map_err(|e| ImageError::io("mkdtemp", &tmp, e))
     }
 
+    /// A directory under `tmp/` to receive an upload in (removed when the guard drops; a
+    /// crash's leftover goes with [`ImageStore::clean_tmp`]).
+    pub fn upload_dir(&self) -> Result<tempfile::TempDir> {
+        self.tempdir("upload-")
+    }
+
     /// Remove leftovers in `tmp/` older than `age` (imports interrupted by a crash).
     pub fn clean_tmp(&self, age: Duration) -> Result<usize> {
         let tmp = self.root.join("tmp");

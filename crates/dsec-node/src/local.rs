@@ -2,6 +2,7 @@
 //! image store.
 
 use std::collections::{HashMap, HashSet};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use dsec_cgroups::{CgroupRoot, CgroupVersion};
@@ -268,6 +269,19 @@ impl LocalNode {
         self.claims.remove_files();
         !empty
     }
+}
+
+/// Writes an uploaded archive to `path`.
+async fn receive(path: &Path, mut body: ByteStream) -> NodeResult<()> {
+    use futures::StreamExt;
+    use tokio::io::AsyncWriteExt;
+    let io = |e| NodeError::io("write upload", path)(e);
+    let mut file = tokio::fs::File::create(path).await.map_err(io)?;
+    while let Some(chunk) = body.next().await {
+        file.write_all(&chunk?).await.map_err(io)?;
+    }
+    file.flush().await.map_err(io)?;
+    Ok(())
 }
 
 /// Resolves the sandbox's image and extra layer images into one stack (a layer named
@@ -624,13 +638,15 @@ impl NodeApi for LocalNode {
         flatten: bool,
         progress: Option<crate::ImportProgressSink>,
     ) -> NodeResult<Image> {
-        let source = match source {
-            ImportSource::NodePath(path) => path,
-            ImportSource::Archive(_) => {
-                return Err(ApiError::new(
-                    ErrorCode::BadRequest,
-                    "this node imports images from a path on its disk only",
-                ))
+        // An upload is received into the store's tmp/ first: importers read archives by
+        // random access. The directory goes when the import ends, whatever its outcome.
+        let (source, upload) = match source {
+            ImportSource::NodePath(path) => (path, None),
+            ImportSource::Archive(body) => {
+                let dir = self.blocking(|images| images.upload_dir()).await?;
+                let path = dir.path().join("upload");
+                receive(&path, body).await?;
+                (path, Some(dir))
             }
         };
         let images = self.images.clone();
@@ -645,7 +661,12 @@ impl NodeApi for LocalNode {
                     });
                 }
             };
-            images.import_path(&name, &source, flatten, &report)
+            let img = match &upload {
+                Some(_) => images.import_uploaded(&name, &source, flatten, &report),
+                None => images.import_path(&name, &source, flatten, &report),
+            };
+            drop(upload);
+            img
         })
         .await
         .map_err(join_err)?
