@@ -10,8 +10,9 @@
 //! - [`RedbStore`]: one redb file, the single-node default.
 //! - [`MemStore`]: the same engine over memory, for tests of the control plane (and a way
 //!   to make it fail, to test retries).
+//! - [`EtcdStore`]: etcd v3, for a cluster of stateless API servers.
 //!
-//! Both pass one conformance suite (`conformance`, under `cfg(test)` or the
+//! All three pass one conformance suite (`conformance`, under `cfg(test)` or the
 //! `conformance` feature).
 
 use std::fmt::Debug;
@@ -23,8 +24,10 @@ use futures::stream::BoxStream;
 #[cfg(any(test, feature = "conformance"))]
 #[doc(hidden)]
 pub mod conformance;
+mod etcd;
 mod local;
 
+pub use etcd::{EtcdConfig, EtcdStore};
 pub use local::{MemStore, RedbStore};
 
 /// A store-wide revision: every change of the store gets the next one (etcd's
