@@ -478,12 +478,27 @@ impl Core {
 
     /// Ends expired leases until none is left, then stops (a grant starts it again).
     async fn reap(me: Weak<Self>) {
+        /// Lets the next grant start a reaper if this one ends any other way (its
+        /// runtime shut down).
+        struct Stopped(Weak<Core>, bool);
+        impl Drop for Stopped {
+            fn drop(&mut self) {
+                if self.1 {
+                    return;
+                }
+                if let Some(core) = self.0.upgrade() {
+                    lock(&core.leases).reaper = false;
+                }
+            }
+        }
+        let mut stopped = Stopped(me.clone(), false);
         loop {
             let Some(core) = me.upgrade() else { return };
             let (expired, next) = {
                 let mut leases = lock(&core.leases);
                 if leases.live.is_empty() {
                     leases.reaper = false;
+                    stopped.1 = true;
                     return;
                 }
                 let now = Instant::now();
