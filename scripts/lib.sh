@@ -9,12 +9,16 @@ repo_root() { cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd; }
 # Debian packages: erofs-utils (mkfs.erofs), e2fsprogs (mkfs.ext4 for sandbox disks),
 # python3-venv (the Python SDK's tests run in a venv), nftables (sandbox network policy),
 # iproute2 (the network tests build a fake internet with `ip`),
-# mmdebstrap (base image), and the OCI runtimes the benchmark compares against.
-APT_PACKAGES="erofs-utils e2fsprogs nftables iproute2 mmdebstrap crun runc python3 python3-venv ca-certificates"
+# mmdebstrap (base image), the OCI runtimes the benchmark compares against, and
+# protobuf-compiler (protoc: the etcd client compiles etcd's .proto files when it builds).
+APT_PACKAGES="erofs-utils e2fsprogs nftables iproute2 mmdebstrap crun runc python3 python3-venv ca-certificates protobuf-compiler"
+# What only the tests need: etcd-server (a real etcd for the state store and cluster tests).
+TEST_APT_PACKAGES="etcd-server"
 
+# Installs APT_PACKAGES and any packages named as arguments.
 ensure_packages() {
   local missing=()
-  for p in $APT_PACKAGES; do
+  for p in $APT_PACKAGES "$@"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
   if [ ${#missing[@]} -gt 0 ]; then

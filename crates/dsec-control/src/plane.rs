@@ -19,7 +19,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use base64::Engine;
 use bytes::Bytes;
 use dsec_node_api::{ImportProgressSink, ImportSource, NodeApi, NodeCreateSpec};
-use dsec_state::{StateError, StateStore};
+use dsec_state::{Entry, Expect, StateError, StateStore};
 use dsec_wire::agent::{self, ExecSpec, ProcessSpec, Reply, Request};
 use dsec_wire::v1::*;
 use dsec_wire::{ApiError, ErrorCode};
@@ -150,7 +150,12 @@ impl ControlPlane {
         store: Arc<dyn StateStore>,
     ) -> ApiResult<Arc<Self>> {
         let mut records = HashMap::new();
-        for (id, bytes) in store.list(NS_SANDBOXES).map_err(internal)? {
+        for Entry {
+            key: id,
+            value: bytes,
+            ..
+        } in store.list(NS_SANDBOXES).await.map_err(internal)?.0
+        {
             match serde_json::from_slice::<Record>(&bytes) {
                 Ok(r) => {
                     records.insert(id, r.sandbox);
@@ -159,7 +164,12 @@ impl ControlPlane {
             }
         }
         let mut tombstones = HashMap::new();
-        for (id, bytes) in store.list(NS_TOMBSTONES).map_err(internal)? {
+        for Entry {
+            key: id,
+            value: bytes,
+            ..
+        } in store.list(NS_TOMBSTONES).await.map_err(internal)?.0
+        {
             if let Ok(t) = serde_json::from_slice::<Tombstone>(&bytes) {
                 tombstones.insert(id, t);
             }
@@ -252,21 +262,18 @@ impl ControlPlane {
             sandbox: sb.clone(),
         })
         .map_err(internal)?;
-        let id = sb.id.clone();
-        self.stored(move |s| s.put(NS_SANDBOXES, &id, &bytes)).await
+        self.stored(self.store.put(NS_SANDBOXES, &sb.id, &bytes, Expect::Any))
+            .await
+            .map(drop)
     }
 
-    /// Runs a state store call on the blocking pool: a write returns once it is durable
-    /// (an fsync), which must not stall a runtime worker and every request queued on it.
-    async fn stored<T: Send + 'static>(
+    /// Awaits a state store call (a write returns once it is durable; the stores keep
+    /// their fsyncs off the runtime's workers).
+    async fn stored<T>(
         &self,
-        call: impl FnOnce(&dyn StateStore) -> Result<T, StateError> + Send + 'static,
+        call: impl std::future::Future<Output = Result<T, StateError>>,
     ) -> ApiResult<T> {
-        let store = self.store.clone();
-        tokio::task::spawn_blocking(move || call(store.as_ref()))
-            .await
-            .map_err(internal)?
-            .map_err(internal)
+        call.await.map_err(internal)
     }
 
     /// Runs a state-changing call on its own task and waits for it. The call runs to its
@@ -290,8 +297,9 @@ impl ControlPlane {
 
     /// Forgets a sandbox's record in the store.
     async fn unstore(&self, ns: &'static str, id: &str) -> ApiResult<()> {
-        let id = id.to_string();
-        self.stored(move |s| s.delete(ns, &id)).await
+        self.stored(self.store.delete(ns, id, Expect::Any))
+            .await
+            .map(drop)
     }
 
     /// The error for an id with no record: `expired` if the reaper removed it.

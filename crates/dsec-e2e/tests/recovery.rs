@@ -280,8 +280,10 @@ async fn a_record_left_creating_by_a_crash_is_resolved_at_restart() {
         let store = dsec_state::RedbStore::open(&s.state_dir.join("state.redb")).expect("store");
         let bytes = store
             .get("sandboxes", &first.id)
+            .await
             .expect("get")
-            .expect("the record");
+            .expect("the record")
+            .value;
         let mut rec: serde_json::Value = serde_json::from_slice(&bytes).expect("json");
         rec["sandbox"]["state"] = "creating".into();
         store
@@ -289,7 +291,9 @@ async fn a_record_left_creating_by_a_crash_is_resolved_at_restart() {
                 "sandboxes",
                 &first.id,
                 &serde_json::to_vec(&rec).expect("json"),
+                dsec_state::Expect::Any,
             )
+            .await
             .expect("put");
     }
     s.spawn().await.expect("restart");

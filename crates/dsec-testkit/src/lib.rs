@@ -5,6 +5,11 @@
 //! A developer on a machine that cannot run a test (no root, an old kernel) may set
 //! `DSEC_TEST_SKIP_UNAVAILABLE=1`; then such a test prints `SKIPPED: <reason>` and returns
 //! early. `CI=true` never skips, whatever else is set.
+//!
+//! It also starts real services tests need: [`Etcd`] (one member or a cluster).
+
+mod etcd;
+pub use etcd::{etcd_binary, Etcd, ETCD_BIN_VAR};
 
 /// The variable that lets tests skip on a machine that lacks their prerequisites.
 pub const SKIP_VAR: &str = "DSEC_TEST_SKIP_UNAVAILABLE";

@@ -111,8 +111,7 @@ impl ControlPlane {
                 at: now_ms(),
             };
             let bytes = serde_json::to_vec(&t).map_err(internal)?;
-            let key = id.to_string();
-            self.stored(move |s| s.put(NS_TOMBSTONES, &key, &bytes))
+            self.stored(self.store.put(NS_TOMBSTONES, id, &bytes, Expect::Any))
                 .await?;
             self.tombstones
                 .lock()
