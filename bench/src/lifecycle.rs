@@ -403,7 +403,8 @@ fn sandbox_pids() -> Vec<i32> {
         .flatten()
         .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
         .filter(|p| {
-            std::fs::read_to_string(format!("/proc/{p}/cgroup")).is_ok_and(|cg| cg.contains(&parent))
+            std::fs::read_to_string(format!("/proc/{p}/cgroup"))
+                .is_ok_and(|cg| cg.contains(&parent))
         })
         .collect()
 }
