@@ -331,3 +331,134 @@ async fn futures_join(c: &Client, n: usize) -> Vec<Result<String, String>> {
     }
     out
 }
+
+/// What the idle CPU run measured.
+pub struct IdleCpu {
+    /// Idle sandboxes that were running.
+    pub sandboxes: usize,
+    /// Length of the measurement, s.
+    pub secs: f64,
+    /// CPU of `dsec serve` and its helper processes (not those in sandboxes), ms.
+    pub server_ms: f64,
+    /// Processes in the sandboxes (the agents).
+    pub sandbox_processes: usize,
+    /// CPU of all the sandboxes' processes (agents and whatever else runs in them), ms.
+    pub sandboxes_ms: f64,
+    /// Busy CPU of the whole host over the same time, ms (all cores).
+    pub host_ms: f64,
+}
+
+/// User + system CPU of `pid` (all its threads), ms.
+fn proc_cpu_ms(pid: i32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the `(comm)` field, which may hold spaces: state is field 3, utime 14, stime 15.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    // SAFETY: sysconf with a constant name.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    Some(ticks as f64 * 1000.0 / hz)
+}
+
+/// `pid` and its descendants outside the sandboxes' cgroup parent (the server's own
+/// helpers: netns holder, lazy-image servers).
+fn server_tree(pid: i32) -> Vec<i32> {
+    let parent = format!("/{}/", dsec_e2e::TEST_CGROUP_PARENT);
+    let mut children: std::collections::HashMap<i32, Vec<i32>> = Default::default();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(p) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let ppid = std::fs::read_to_string(format!("/proc/{p}/status"))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("PPid:"))
+                    .and_then(|v| v.trim().parse::<i32>().ok())
+            });
+        if let Some(pp) = ppid {
+            children.entry(pp).or_default().push(p);
+        }
+    }
+    let mut out = Vec::new();
+    let mut todo = vec![pid];
+    while let Some(p) = todo.pop() {
+        let in_sandbox = std::fs::read_to_string(format!("/proc/{p}/cgroup"))
+            .is_ok_and(|cg| cg.contains(&parent));
+        if in_sandbox {
+            continue;
+        }
+        out.push(p);
+        todo.extend(children.get(&p).into_iter().flatten());
+    }
+    out
+}
+
+/// Processes in the sandboxes (in a cgroup below the node's cgroup parent).
+fn sandbox_pids() -> Vec<i32> {
+    let parent = format!("/{}/", dsec_e2e::TEST_CGROUP_PARENT);
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/cgroup"))
+                .is_ok_and(|cg| cg.contains(&parent))
+        })
+        .collect()
+}
+
+/// CPU an idle node spends: starts `n` sandboxes (no session, no call in flight), lets
+/// the node settle, then measures the CPU of the server and of the sandboxes over
+/// `secs`, and removes them.
+pub async fn idle_cpu(server: &Server, n: usize, secs: u64) -> anyhow::Result<IdleCpu> {
+    let c = server.client();
+    let pid = server.pid().context("the server is not running")?;
+    let mut ids = Vec::new();
+    let res = async {
+        while ids.len() < n {
+            let batch = (n - ids.len()).min(4);
+            let tasks: Vec<_> = (0..batch)
+                .map(|_| {
+                    let c = c.clone();
+                    tokio::spawn(
+                        async move { c.create_sandbox(CreateSandboxRequest::default()).await },
+                    )
+                })
+                .collect();
+            for t in tasks {
+                ids.push(t.await??.id);
+            }
+        }
+        crate::HostCpu::settle(std::time::Duration::from_secs(30)).await;
+        let (tree, inside) = (server_tree(pid), sandbox_pids());
+        let cpu = |pids: &[i32]| pids.iter().filter_map(|p| proc_cpu_ms(*p)).sum::<f64>();
+        let (s0, b0, host) = (cpu(&tree), cpu(&inside), crate::HostCpu::now());
+        let t = Instant::now();
+        tokio::time::sleep(std::time::Duration::from_secs(secs)).await;
+        let (s1, b1, host_ms) = (cpu(&tree), cpu(&inside), host.elapsed_ms());
+        Ok::<_, anyhow::Error>(IdleCpu {
+            sandboxes: ids.len(),
+            secs: t.elapsed().as_secs_f64(),
+            server_ms: s1 - s0,
+            sandbox_processes: inside.len(),
+            sandboxes_ms: b1 - b0,
+            host_ms,
+        })
+    }
+    .await;
+    for chunk in ids.chunks(8) {
+        let tasks: Vec<_> = chunk
+            .iter()
+            .map(|id| {
+                let (c, id) = (c.clone(), id.clone());
+                tokio::spawn(async move { c.delete_sandbox(&id).await })
+            })
+            .collect();
+        for t in tasks {
+            t.await??;
+        }
+    }
+    res
+}

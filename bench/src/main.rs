@@ -42,7 +42,7 @@ struct Args {
     #[arg(long)]
     json: Option<PathBuf>,
     /// Run only these sections (comma-separated): runtimes, exec (its exec table alone), network, concurrency,
-    /// sustained, backlog, teardown, cpu, job, idle, density, files, provision, burst.
+    /// sustained, backlog, teardown, cpu, job, idle, idle-cpu, density, files, provision, burst.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Containers in the burst section (default 256, quick 48).
@@ -60,6 +60,12 @@ struct Args {
     /// Length of the sustained run, s (default 60, quick 10).
     #[arg(long)]
     sustained_secs: Option<u64>,
+    /// Idle sandboxes in the idle-cpu section (default 500, quick 100).
+    #[arg(long)]
+    idle_cpu_n: Option<usize>,
+    /// Length of the idle-cpu measurement, s (default 60, quick 10).
+    #[arg(long)]
+    idle_cpu_secs: Option<u64>,
     /// Chunk size of the burst's layers in the store, KiB (`dsec serve --chunk-kib`).
     #[arg(long, default_value_t = 64)]
     chunk_kib: u64,
@@ -1441,6 +1447,19 @@ fn main() -> anyhow::Result<()> {
             println!("| host memory MiB | processes | threads | fds | exec true p50 ms | exec true p99 ms |");
             println!("|---|---|---|---|---|---|");
             println!("| {mib:.2} | {procs:.1} | {threads:.1} | {fds:.1} | {:.2} | {:.2} |", idle_exec.pct(50.0), idle_exec.pct(99.0));
+        }
+        if want("idle-cpu") {
+            let n = args.idle_cpu_n.unwrap_or(if args.quick { 100 } else { 500 });
+            let secs = args.idle_cpu_secs.unwrap_or(if args.quick { 10 } else { 60 });
+            let r = lifecycle::idle_cpu(&server, n, secs).await?;
+            let pct = |ms: f64| 100.0 * ms / (r.secs * 1000.0);
+            println!("\n## CPU of an idle node: {} sandboxes without sessions or calls, {:.0} s\n", r.sandboxes, r.secs);
+            println!("| sandboxes | their processes | dsec serve ms | sandboxes ms | host busy ms | dsec serve % of a core | sandboxes % of a core |");
+            println!("|---|---|---|---|---|---|---|");
+            println!("| {} | {} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} |", r.sandboxes, r.sandbox_processes, r.server_ms, r.sandboxes_ms,
+                r.host_ms, pct(r.server_ms), pct(r.sandboxes_ms));
+            record("idle cpu", serde_json::json!([{"sandboxes": r.sandboxes, "processes": r.sandbox_processes, "secs": r.secs,
+                "server_ms": r.server_ms, "sandboxes_ms": r.sandboxes_ms, "host_ms": r.host_ms}]));
         }
         if want("density") {
             let target = if args.quick { 300 } else { 1000 };

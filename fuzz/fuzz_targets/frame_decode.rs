@@ -1,10 +1,25 @@
-//! The node <-> agent frame decoder on arbitrary bytes: it must never panic, never take
-//! a frame over `MAX_FRAME`, consume exactly the frame its header announces, and every
-//! frame it returns (but `Eof`, whose payload is ignored) must encode back to those bytes.
+//! The node <-> agent frame decoder on arbitrary bytes, and the JSON messages the frames
+//! carry (a reply comes from the agent, which runs inside the sandbox and may be
+//! hostile): decoding must never panic, never take a frame over `MAX_FRAME`, consume
+//! exactly the frame its header announces, and every frame it returns (but `Eof`, whose
+//! payload is ignored) must encode back to those bytes. A JSON frame that parses as a
+//! request or a reply must survive a serialize/parse round trip unchanged.
 #![no_main]
 
+use dsec_wire::agent::{Reply, Request};
 use dsec_wire::frame::{Frame, MAX_FRAME};
 use libfuzzer_sys::fuzz_target;
+
+fn round_trips<T>(payload: &[u8])
+where
+    T: serde::Serialize + serde::de::DeserializeOwned + PartialEq + std::fmt::Debug,
+{
+    if let Ok(v) = serde_json::from_slice::<T>(payload) {
+        let again = serde_json::to_vec(&v).expect("a parsed message serializes");
+        let back: T = serde_json::from_slice(&again).expect("a serialized message parses");
+        assert_eq!(back, v);
+    }
+}
 
 fuzz_target!(|data: &[u8]| {
     // Fed in two pieces, as a socket would deliver it.
@@ -21,6 +36,10 @@ fuzz_target!(|data: &[u8]| {
                 assert!(used <= MAX_FRAME + 5);
                 if frame != Frame::Eof {
                     assert_eq!(frame.to_bytes(), before[..used]);
+                }
+                if let Frame::Json(payload) = &frame {
+                    round_trips::<Request>(payload);
+                    round_trips::<Reply>(payload);
                 }
             }
             Ok(None) if rest.is_empty() => break,

@@ -412,6 +412,19 @@ fn remove_tree(dir: BorrowedFd<'_>, name: &std::ffi::CStr) -> io::Result<()> {
     sys::unlinkat(dir, name, true)
 }
 
+/// Entry point of the `agent_tar_upload` cargo fuzz target (`fuzz/` at the repository
+/// root): extracts the archive `src` into the directory `dest` as a whole, committed
+/// `TarUpload` does (staged, then merged).
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub fn fuzz_upload<R: Read>(src: R, dest: &std::path::Path) -> Result<(), ApiError> {
+    let dest_path = crate::pathsafe::normalize("/upload", "/")?;
+    let dir = std::fs::File::open(dest).map_err(|e| io_err(&e, "open", dest_path.as_str()))?;
+    let (commit_tx, commit_rx) = oneshot::channel();
+    let _ = commit_tx.send(());
+    extract_staged(src, OwnedFd::from(dir), &dest_path, commit_rx)
+}
+
 /// Extracts into a [`Staging`] directory, then, once `commit` fires (the whole archive
 /// arrived), moves the staged tree into `dest`. Any error, or `commit` dropped, leaves
 /// `dest` untouched.
@@ -468,6 +481,60 @@ fn is_dir(st: &libc::stat) -> bool {
     st.st_mode & libc::S_IFMT == libc::S_IFDIR
 }
 
+/// One entry of a staged directory, with what has its name in the destination.
+struct StagedEntry {
+    name: Vec<u8>,
+    /// Path below the upload's destination.
+    rel: Vec<u8>,
+    /// The sandbox path, for messages.
+    shown: String,
+    c: std::ffi::CString,
+    staged: libc::stat,
+    existing: Option<libc::stat>,
+}
+
+impl StagedEntry {
+    fn err(&self, e: io::Error) -> ApiError {
+        io_err(&e, "extract", &self.shown)
+    }
+}
+
+/// The entries of the staged directory `stage` (at `prefix` below the upload's
+/// destination), each with the entry of the same name in `dest`, if any. Neither side's
+/// symlinks are followed.
+fn staged_entries(
+    stage: BorrowedFd<'_>,
+    dest: BorrowedFd<'_>,
+    prefix: &[u8],
+    dest_path: &SandboxPath,
+) -> Result<Vec<StagedEntry>, ApiError> {
+    let names =
+        sys::read_dir_names(stage).map_err(|e| io_err(&e, "read staged", dest_path.as_str()))?;
+    names
+        .into_iter()
+        .map(|name| {
+            let rel = rel_join(prefix, &name);
+            let shown = format!("{dest_path}/{}", show(&rel));
+            let err = |e: io::Error| io_err(&e, "extract", &shown);
+            let c = sys::cstr(&name).map_err(err)?;
+            let staged = sys::fstatat(stage, &c, true).map_err(err)?;
+            let existing = match sys::fstatat(dest, &c, true) {
+                Ok(st) => Some(st),
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => None,
+                Err(e) => return Err(err(e)),
+            };
+            Ok(StagedEntry {
+                name,
+                rel,
+                shown,
+                c,
+                staged,
+                existing,
+            })
+        })
+        .collect()
+}
+
 /// Refuses a staged tree that cannot replace what is in `dest`: a directory over a
 /// non-directory (a symlink included: it is never followed), or the reverse.
 fn check_merge(
@@ -476,33 +543,28 @@ fn check_merge(
     prefix: &[u8],
     dest_path: &SandboxPath,
 ) -> Result<(), ApiError> {
-    let names =
-        sys::read_dir_names(stage).map_err(|e| io_err(&e, "read staged", dest_path.as_str()))?;
-    for name in names {
-        let rel = rel_join(prefix, &name);
-        let shown = format!("{dest_path}/{}", show(&rel));
-        let err = |e: io::Error| io_err(&e, "extract", &shown);
-        let c = sys::cstr(&name).map_err(err)?;
-        let staged = sys::fstatat(stage, &c, true).map_err(err)?;
-        let existing = match sys::fstatat(dest, &c, true) {
-            Ok(st) => st,
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
-            Err(e) => return Err(err(e)),
+    for e in staged_entries(stage, dest, prefix, dest_path)? {
+        let Some(existing) = e.existing else {
+            continue;
         };
-        match (is_dir(&staged), is_dir(&existing)) {
+        match (is_dir(&e.staged), is_dir(&existing)) {
             (true, true) => {
-                let s =
-                    open_beneath(stage, &name, libc::O_RDONLY | libc::O_DIRECTORY).map_err(err)?;
-                let d = open_beneath(dest, &name, libc::O_PATH | libc::O_DIRECTORY).map_err(err)?;
-                check_merge(s.as_fd(), d.as_fd(), &rel, dest_path)?;
+                let s = open_beneath(stage, &e.name, libc::O_RDONLY | libc::O_DIRECTORY)
+                    .map_err(|x| e.err(x))?;
+                let d = open_beneath(dest, &e.name, libc::O_PATH | libc::O_DIRECTORY)
+                    .map_err(|x| e.err(x))?;
+                check_merge(s.as_fd(), d.as_fd(), &e.rel, dest_path)?;
             }
             (true, false) => {
                 return Err(ApiError::new(
                     ErrorCode::InvalidPath,
-                    format!("tar entry {shown}: a parent is a symlink or not a directory"),
+                    format!(
+                        "tar entry {}: a parent is a symlink or not a directory",
+                        e.shown
+                    ),
                 ))
             }
-            (false, true) => return Err(err(io::Error::from_raw_os_error(libc::EISDIR))),
+            (false, true) => return Err(e.err(io::Error::from_raw_os_error(libc::EISDIR))),
             (false, false) => {}
         }
     }
@@ -520,43 +582,33 @@ fn merge(
     dest_path: &SandboxPath,
     explicit_dirs: &std::collections::HashMap<Vec<u8>, u32>,
 ) -> Result<(), ApiError> {
-    let names =
-        sys::read_dir_names(stage).map_err(|e| io_err(&e, "read staged", dest_path.as_str()))?;
-    for name in names {
-        let rel = rel_join(prefix, &name);
-        let shown = format!("{dest_path}/{}", show(&rel));
-        let err = |e: io::Error| io_err(&e, "extract", &shown);
-        let c = sys::cstr(&name).map_err(err)?;
-        let staged = sys::fstatat(stage, &c, true).map_err(err)?;
-        let existing = match sys::fstatat(dest, &c, true) {
-            Ok(st) => Some(st),
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => None,
-            Err(e) => return Err(err(e)),
-        };
-        let both_dirs = matches!(existing, Some(ex) if is_dir(&staged) && is_dir(&ex));
+    for e in staged_entries(stage, dest, prefix, dest_path)? {
+        let err = |x: io::Error| e.err(x);
+        let both_dirs = matches!(e.existing, Some(ex) if is_dir(&e.staged) && is_dir(&ex));
         if !both_dirs {
-            match sys::renameat(stage, &c, dest, &c) {
+            match sys::renameat(stage, &e.c, dest, &e.c) {
                 Ok(()) => continue,
-                Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {}
-                Err(e) => return Err(err(e)),
+                Err(x) if x.raw_os_error() == Some(libc::EXDEV) => {}
+                Err(x) => return Err(err(x)),
             }
         }
-        if is_dir(&staged) {
-            if existing.is_none() {
-                match sys::mkdirat(dest, &c, staged.st_mode & 0o7777) {
+        if is_dir(&e.staged) {
+            if e.existing.is_none() {
+                match sys::mkdirat(dest, &e.c, e.staged.st_mode & 0o7777) {
                     Ok(()) => {}
-                    Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
-                    Err(e) => return Err(err(e)),
+                    Err(x) if x.raw_os_error() == Some(libc::EEXIST) => {}
+                    Err(x) => return Err(err(x)),
                 }
             }
-            let s = open_beneath(stage, &name, libc::O_RDONLY | libc::O_DIRECTORY).map_err(err)?;
-            let d = open_beneath(dest, &name, libc::O_RDONLY | libc::O_DIRECTORY).map_err(err)?;
-            if let Some(mode) = explicit_dirs.get(&rel) {
+            let s =
+                open_beneath(stage, &e.name, libc::O_RDONLY | libc::O_DIRECTORY).map_err(err)?;
+            let d = open_beneath(dest, &e.name, libc::O_RDONLY | libc::O_DIRECTORY).map_err(err)?;
+            if let Some(mode) = explicit_dirs.get(&e.rel) {
                 sys::fchmod(d.as_fd(), *mode).map_err(err)?;
             }
-            merge(s.as_fd(), d.as_fd(), &rel, dest_path, explicit_dirs)?;
+            merge(s.as_fd(), d.as_fd(), &e.rel, dest_path, explicit_dirs)?;
         } else {
-            copy_over(stage, dest, &name, &staged).map_err(err)?;
+            copy_over(stage, dest, &e.name, &e.staged).map_err(err)?;
         }
     }
     Ok(())

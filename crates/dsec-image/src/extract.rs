@@ -211,6 +211,11 @@ impl<R: Read> Read for Counting<'_, R> {
     }
 }
 
+/// Whether `p` is a directory itself, not a symlink to one.
+fn is_real_dir(p: &Path) -> bool {
+    std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir())
+}
+
 fn has_parent_dir(p: &Path) -> bool {
     p.components().any(|c| matches!(c, Component::ParentDir))
 }
@@ -409,6 +414,8 @@ impl Unpacker<'_> {
             self.save_time(parent);
         }
         if et.is_fifo() {
+            // The tar crate checks each parent it creates; for a FIFO, do the same.
+            self.ensure_dir(rel.parent().unwrap_or(Path::new("")), &path)?;
             make_fifo(entry, self.dest, &target, self.is_root, origin)?;
         } else {
             let unpacked = entry.unpack_in(self.dest).map_err(|e| tar_err(origin, e))?;
@@ -600,12 +607,13 @@ impl Unpacker<'_> {
         let explicit: HashSet<&Path> = self.dir_times.iter().map(|(p, _)| p.as_path()).collect();
         // Directories of lower layers keep their times unless this layer lists them.
         for (dir, mtime) in &self.saved_times {
-            if !explicit.contains(dir.as_path()) && dir.is_dir() {
+            if !explicit.contains(dir.as_path()) && is_real_dir(dir) {
                 set_mtime(dir, *mtime)?;
             }
         }
         for dir in &self.implicit_dirs {
-            if dir.is_dir() && !explicit.contains(dir.as_path()) {
+            // Not through a symlink a later entry put in its place: chmod follows it.
+            if is_real_dir(dir) && !explicit.contains(dir.as_path()) {
                 std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o755))
                     .map_err(|e| ImageError::io("chmod", dir, e))?;
                 set_mtime(dir, 0)?;
@@ -762,8 +770,9 @@ fn make_fifo<R: Read>(
 ) -> Result<(), ImageError> {
     let h = entry.header();
     let mode = h.mode().map_err(|e| tar_err(archive, e))? & 0o7777;
+    // The caller created the parents (`Unpacker::ensure_dir`); this check stays as a
+    // second line.
     let parent = target.parent().unwrap_or(dest);
-    std::fs::create_dir_all(parent).map_err(|e| ImageError::io("mkdir", parent, e))?;
     let canon =
         std::fs::canonicalize(parent).map_err(|e| ImageError::io("canonicalize", parent, e))?;
     let canon_dest =
@@ -802,4 +811,102 @@ fn make_fifo<R: Read>(
         set_mtime(target, mtime)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// A tar of `(path, kind, link target)` entries.
+    fn tar_of(entries: &[(&str, tar::EntryType, &str)]) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        for (path, kind, link) in entries {
+            let mut h = tar::Header::new_gnu();
+            h.set_entry_type(*kind);
+            h.set_mode(if kind.is_dir() { 0o755 } else { 0o644 });
+            h.set_size(0);
+            h.set_uid(0);
+            h.set_gid(0);
+            h.set_mtime(1_700_000_000);
+            if !link.is_empty() {
+                h.set_link_name(link).unwrap_or_else(|e| panic!("{e}"));
+            }
+            b.append_data(&mut h, path, io::empty())
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
+        b.into_inner().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// A work directory with an empty `root` and a sibling `outside/dir` (mode 0700).
+    fn work() -> (tempfile::TempDir, PathBuf, PathBuf) {
+        let w = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let (root, outside) = (w.path().join("root"), w.path().join("outside"));
+        std::fs::create_dir(&root).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::create_dir_all(outside.join("dir")).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::set_permissions(outside.join("dir"), std::fs::Permissions::from_mode(0o700))
+            .unwrap_or_else(|e| panic!("{e}"));
+        (w, root, outside)
+    }
+
+    fn mode(p: &Path) -> u32 {
+        std::fs::metadata(p)
+            .map(|m| m.permissions().mode() & 0o7777)
+            .unwrap_or(0)
+    }
+
+    /// fuzz/regressions/oci_import/implicit-dir-chmod: an implicit directory (the parent of
+    /// an entry) that a later entry of a layer replaces with a symlink out of the tree was
+    /// chmodded 0755 at the end, through the symlink.
+    #[test]
+    fn an_implicit_dir_replaced_by_a_symlink_is_not_chmodded_through_it() {
+        for whiteouts in [Whiteouts::Apply, Whiteouts::Overlay] {
+            let (_w, root, outside) = work();
+            let ar = tar_of(&[
+                ("a/b", tar::EntryType::Regular, ""),
+                ("a", tar::EntryType::Symlink, "../outside/dir"),
+            ]);
+            let _ = extract_from(&ar[..], Path::new("layer"), &root, whiteouts);
+            assert_eq!(mode(&outside.join("dir")), 0o700, "{whiteouts:?}");
+        }
+    }
+
+    /// fuzz/regressions/tar_import/fifo-mkdir-outside: a FIFO below a symlink out of the
+    /// tree had its parent directories created outside before the check refused it.
+    #[test]
+    fn a_fifo_below_a_symlink_out_creates_nothing_outside() {
+        for whiteouts in [Whiteouts::Keep, Whiteouts::Apply, Whiteouts::Overlay] {
+            let (_w, root, outside) = work();
+            let ar = tar_of(&[
+                ("s", tar::EntryType::Symlink, "../outside"),
+                ("s/x/y/f", tar::EntryType::Fifo, ""),
+            ]);
+            let res = extract_from(&ar[..], Path::new("in.tar"), &root, whiteouts);
+            assert!(res.is_err(), "{whiteouts:?}");
+            let mut names: Vec<_> = std::fs::read_dir(&outside)
+                .map(|d| d.flatten().map(|e| e.file_name()).collect())
+                .unwrap_or_default();
+            names.sort();
+            assert_eq!(
+                names,
+                vec![std::ffi::OsString::from("dir")],
+                "{whiteouts:?}"
+            );
+        }
+    }
+
+    /// A FIFO below a symlink that stays inside the tree is still created.
+    #[test]
+    fn a_fifo_below_a_symlink_inside_is_created() {
+        let (_w, root, _outside) = work();
+        let ar = tar_of(&[
+            ("d", tar::EntryType::Directory, ""),
+            ("s", tar::EntryType::Symlink, "d"),
+            ("s/sub/f", tar::EntryType::Fifo, ""),
+        ]);
+        extract_from(&ar[..], Path::new("in.tar"), &root, Whiteouts::Keep)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let md = std::fs::symlink_metadata(root.join("d/sub/f")).unwrap_or_else(|e| panic!("{e}"));
+        assert!(std::os::unix::fs::FileTypeExt::is_fifo(&md.file_type()));
+    }
 }
