@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dsec_control::{ControlConfig, ControlPlane, SandboxApi};
-use dsec_node_api::fake::FakeNode;
+use dsec_node_api::fake::{sandbox_spec, FakeNode};
 use dsec_node_api::{NodeApi, NodeCreateSpec};
 use dsec_state::RedbStore;
 use dsec_wire::agent::Command;
@@ -132,7 +132,7 @@ async fn a_restart_destroys_unrecorded_sandboxes_and_fails_vanished_ones() -> Te
     fx.node.destroy(&vanished).await?;
     let stray = NodeCreateSpec {
         id: "sb-stray".into(),
-        ..spec_of(&fx.node.list().await[0].id)
+        ..sandbox_spec(&fx.node.list().await[0].id)
     };
     fx.node.adopt(stray);
 
@@ -152,29 +152,6 @@ async fn a_restart_destroys_unrecorded_sandboxes_and_fails_vanished_ones() -> Te
     let r = plane.exec(&kept, shell("echo still")).await?;
     assert_eq!(r.stdout, "still\n");
     Ok(())
-}
-
-/// A spec for a sandbox like `id` (the fake ignores what it does not model).
-fn spec_of(id: &str) -> NodeCreateSpec {
-    NodeCreateSpec {
-        id: id.into(),
-        image: "base".into(),
-        layers: vec![],
-        cpu_millis: 1000,
-        memory_bytes: 512 << 20,
-        pids_max: 512,
-        disk_mb: None,
-        qos: Default::default(),
-        env: Default::default(),
-        workdir: "/".into(),
-        user: None,
-        network: Default::default(),
-        writable_paths: vec![],
-        tcp_bind: None,
-        tcp_connect: None,
-        isolation: Default::default(),
-        labels: Default::default(),
-    }
 }
 
 #[tokio::test]

@@ -611,65 +611,67 @@ impl NodeApi for FakeNode {
     }
 }
 
+/// A create spec of a small sandbox from `base`, for tests.
+pub fn sandbox_spec(id: &str) -> NodeCreateSpec {
+    NodeCreateSpec {
+        id: id.into(),
+        image: "base".into(),
+        layers: vec![],
+        cpu_millis: 1000,
+        memory_bytes: 512 << 20,
+        pids_max: 512,
+        disk_mb: None,
+        qos: Default::default(),
+        env: Default::default(),
+        workdir: "/".into(),
+        user: None,
+        network: Default::default(),
+        writable_paths: vec![],
+        tcp_bind: None,
+        tcp_connect: None,
+        isolation: Default::default(),
+        labels: Default::default(),
+    }
+}
+
+/// An exec of a shell command line with no other options, for tests.
+pub fn shell(cmd: &str) -> ExecSpec {
+    ExecSpec {
+        cmd: Command::Shell(cmd.into()),
+        env: Default::default(),
+        cwd: None,
+        stdin: false,
+        timeout_ms: None,
+        stream: false,
+        output_limit: None,
+        user: None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn spec(id: &str) -> NodeCreateSpec {
-        NodeCreateSpec {
-            id: id.into(),
-            image: "base".into(),
-            layers: vec![],
-            cpu_millis: 1000,
-            memory_bytes: 512 << 20,
-            pids_max: 100,
-            disk_mb: None,
-            qos: Default::default(),
-            env: Default::default(),
-            workdir: "/".into(),
-            user: None,
-            network: Default::default(),
-            writable_paths: vec![],
-            tcp_bind: None,
-            tcp_connect: None,
-            isolation: Default::default(),
-            labels: Default::default(),
-        }
-    }
-
-    fn exec(cmd: &str) -> ExecSpec {
-        ExecSpec {
-            cmd: Command::Shell(cmd.into()),
-            env: Default::default(),
-            cwd: None,
-            stdin: false,
-            timeout_ms: None,
-            stream: false,
-            output_limit: None,
-            user: None,
-        }
-    }
-
     #[tokio::test]
     async fn runs_commands_and_keeps_files_per_sandbox() {
         let node = FakeNode::new("n1");
-        node.create(spec("a")).await.expect("fake call");
-        node.create(spec("b")).await.expect("fake call");
+        node.create(sandbox_spec("a")).await.expect("fake call");
+        node.create(sandbox_spec("b")).await.expect("fake call");
         node.write_file("a", "/f", None, crate::once_bytes("hi"))
             .await
             .expect("fake call");
         let r = node
-            .exec("a", exec("cat /f"), None)
+            .exec("a", shell("cat /f"), None)
             .await
             .expect("fake call");
         assert_eq!((r.stdout.as_str(), r.exit.exit_code), ("hi", Some(0)));
         let r = node
-            .exec("b", exec("cat /f"), None)
+            .exec("b", shell("cat /f"), None)
             .await
             .expect("fake call");
         assert_eq!(r.exit.exit_code, Some(1));
         let r = node
-            .exec("a", exec("exit 3"), None)
+            .exec("a", shell("exit 3"), None)
             .await
             .expect("fake call");
         assert_eq!(r.exit.exit_code, Some(3));
@@ -679,16 +681,19 @@ mod tests {
     async fn capacity_failures_and_down_are_steerable() {
         let node = FakeNode::new("n1");
         node.set_max_sandboxes(1);
-        node.create(spec("a")).await.expect("fake call");
-        let e = node.create(spec("b")).await.expect_err("must fail");
+        node.create(sandbox_spec("a")).await.expect("fake call");
+        let e = node.create(sandbox_spec("b")).await.expect_err("must fail");
         assert_eq!(e.code, ErrorCode::Capacity);
         node.set_max_sandboxes(0);
         node.fail_next_create(ApiError::new(ErrorCode::Failed, "boom"));
         assert_eq!(
-            node.create(spec("b")).await.expect_err("must fail").code,
+            node.create(sandbox_spec("b"))
+                .await
+                .expect_err("must fail")
+                .code,
             ErrorCode::Failed
         );
-        node.create(spec("b")).await.expect("fake call");
+        node.create(sandbox_spec("b")).await.expect("fake call");
         node.set_down(true);
         assert!(node.list().await.is_empty());
         assert_eq!(
@@ -705,7 +710,7 @@ mod tests {
     #[tokio::test]
     async fn paused_sandboxes_refuse_agent_calls() {
         let node = FakeNode::new("n1");
-        node.create(spec("a")).await.expect("fake call");
+        node.create(sandbox_spec("a")).await.expect("fake call");
         node.pause("a").await.expect("fake call");
         assert_eq!(
             node.ping("a").await.expect_err("must fail").code,

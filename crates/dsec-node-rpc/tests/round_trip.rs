@@ -3,10 +3,10 @@
 
 use std::sync::Arc;
 
-use dsec_node_api::fake::FakeNode;
-use dsec_node_api::{NodeApi, NodeCreateSpec};
+use dsec_node_api::fake::{sandbox_spec as spec, shell, FakeNode};
+use dsec_node_api::NodeApi;
 use dsec_node_rpc::client::RemoteNode;
-use dsec_wire::agent::{Command, ExecSpec, Request};
+use dsec_wire::agent::Request;
 use dsec_wire::v1::ExecEvent;
 use dsec_wire::ErrorCode;
 use futures::StreamExt;
@@ -24,41 +24,6 @@ async fn serve(node: Arc<FakeNode>) -> Result<String, std::io::Error> {
         let _ = axum::serve(listener, app).await;
     });
     Ok(format!("http://{addr}"))
-}
-
-fn spec(id: &str) -> NodeCreateSpec {
-    NodeCreateSpec {
-        id: id.into(),
-        image: "base".into(),
-        layers: vec![],
-        cpu_millis: 1000,
-        memory_bytes: 256 << 20,
-        pids_max: 64,
-        disk_mb: None,
-        qos: Default::default(),
-        env: Default::default(),
-        workdir: "/".into(),
-        user: None,
-        network: Default::default(),
-        writable_paths: vec![],
-        tcp_bind: None,
-        tcp_connect: None,
-        isolation: Default::default(),
-        labels: Default::default(),
-    }
-}
-
-fn shell(cmd: &str) -> ExecSpec {
-    ExecSpec {
-        cmd: Command::Shell(cmd.into()),
-        env: Default::default(),
-        cwd: None,
-        stdin: false,
-        timeout_ms: None,
-        stream: false,
-        output_limit: None,
-        user: None,
-    }
 }
 
 #[tokio::test]
