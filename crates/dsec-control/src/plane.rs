@@ -13,13 +13,13 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
 use bytes::Bytes;
 use dsec_node_api::{ImportProgressSink, ImportSource, NodeApi, NodeCreateSpec};
-use dsec_state::{Entry, Expect, StateError, StateStore};
+use dsec_state::StateStore;
 use dsec_wire::agent::{self, ExecSpec, ProcessSpec, Reply, Request};
 use dsec_wire::v1::*;
 use dsec_wire::{ApiError, ErrorCode};
@@ -36,6 +36,7 @@ mod jobs;
 mod lifecycle;
 mod liveness;
 mod reaper;
+mod records;
 use liveness::Limit;
 
 const NS_SANDBOXES: &str = "sandboxes";
@@ -56,6 +57,11 @@ pub struct ControlConfig {
     pub default_memory_mb: u64,
     /// Default process limit.
     pub default_pids: u64,
+    /// Whether this control plane is the only one driving its node (`dsec serve`): it
+    /// then reconciles at start, destroying what the node runs without a record and
+    /// creates a crash interrupted. API server replicas sharing nodes must not (a
+    /// sandbox another replica is creating has no record yet).
+    pub sole_owner: bool,
     /// Image used when a create names none.
     pub default_image: String,
     /// How often the reaper looks for expired sandboxes.
@@ -73,6 +79,7 @@ impl ControlConfig {
             default_cpu: 1.0,
             default_memory_mb: 512,
             default_pids: 512,
+            sole_owner: true,
             default_image: "base".into(),
             reap_interval: Duration::from_secs(1),
             job_suspend_stops_lifetime: true,
@@ -80,31 +87,17 @@ impl ControlConfig {
     }
 }
 
-/// Persisted record of a sandbox (the API view plus what create needs to remember).
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-struct Record {
-    sandbox: Sandbox,
-}
-
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-struct Tombstone {
-    reason: String,
-    at: u64,
-}
-
 /// The control plane over one node.
 #[derive(Debug)]
 pub struct ControlPlane {
     cfg: ControlConfig,
     node: Arc<dyn NodeApi>,
-    store: Arc<dyn StateStore>,
-    /// Cache of the store's sandbox records (the store is written on every change).
-    records: Mutex<HashMap<String, Sandbox>>,
-    tombstones: Mutex<HashMap<String, Tombstone>>,
-    /// Digest of the create request behind each idempotency key used since start.
-    fingerprints: Mutex<HashMap<String, [u8; 32]>>,
+    /// The sandbox records: the store's, cached and kept fresh by a watch.
+    records: Arc<records::Records>,
     /// Times a sandbox became `unhealthy` since the start.
     unhealthy_marks: std::sync::atomic::AtomicU64,
+    /// When the reaper last looked for old tombstones (ms since the epoch).
+    tombstones_pruned_at: std::sync::atomic::AtomicU64,
     /// This plane itself, for the tasks of [`ControlPlane::to_end`].
     me: Weak<ControlPlane>,
 }
@@ -141,65 +134,63 @@ fn ms_from_s(field: &str, s: Option<f64>) -> ApiResult<Option<u64>> {
 }
 
 impl ControlPlane {
-    /// Opens the control plane: loads records, reconciles them with what the node runs
-    /// (records without a sandbox fail, sandboxes without a record are destroyed), and
-    /// starts the lifetime reaper.
+    /// Opens the control plane: loads records (and keeps them fresh from the store),
+    /// reconciles them with what the node runs when it is the node's [sole
+    /// owner](ControlConfig::sole_owner) (records without a sandbox fail, sandboxes
+    /// without a record are destroyed), and starts the lifetime reaper.
     pub async fn open(
         cfg: ControlConfig,
         node: Arc<dyn NodeApi>,
         store: Arc<dyn StateStore>,
     ) -> ApiResult<Arc<Self>> {
-        let mut records = HashMap::new();
-        for Entry {
-            key: id,
-            value: bytes,
-            ..
-        } in store.list(NS_SANDBOXES).await.map_err(internal)?.0
-        {
-            match serde_json::from_slice::<Record>(&bytes) {
-                Ok(r) => {
-                    records.insert(id, r.sandbox);
-                }
-                Err(e) => tracing::warn!(%id, error = %e, "dropping unreadable sandbox record"),
+        let records = records::Records::open(store).await?;
+        let plane = Arc::new_cyclic(|me| Self {
+            cfg,
+            node,
+            records,
+            unhealthy_marks: Default::default(),
+            tombstones_pruned_at: Default::default(),
+            me: me.clone(),
+        });
+        // Keys of records stored before keys had entries of their own.
+        for sb in plane.records.filter(|s| s.idempotency_key.is_some()) {
+            if let Some(key) = &sb.idempotency_key {
+                plane.records.adopt_key(key, &sb.id).await?;
             }
         }
-        let mut tombstones = HashMap::new();
-        for Entry {
-            key: id,
-            value: bytes,
-            ..
-        } in store.list(NS_TOMBSTONES).await.map_err(internal)?.0
-        {
-            if let Ok(t) = serde_json::from_slice::<Tombstone>(&bytes) {
-                tombstones.insert(id, t);
-            }
+        if plane.cfg.sole_owner {
+            plane.reconcile().await?;
         }
-        let running: HashMap<String, bool> = node
+        // An agent found unresponsive before the restart is checked again.
+        for sb in plane.records.filter(|s| s.state == SandboxState::Unhealthy) {
+            plane.spawn_recovery(&sb.id);
+        }
+        plane.clone().spawn_reaper();
+        Ok(plane)
+    }
+
+    /// Makes records and the node agree after a start (sole owner only): a sandbox
+    /// without a record is destroyed, a record without a live sandbox fails, and a
+    /// create a crash interrupted is undone.
+    async fn reconcile(&self) -> ApiResult<()> {
+        let running: HashMap<String, bool> = self
+            .node
             .list()
             .await
             .into_iter()
             .map(|s| (s.id, s.alive))
             .collect();
         for (id, alive) in &running {
-            if !records.contains_key(id) {
+            if self.records.find(id).await?.is_none() {
                 tracing::info!(%id, "destroying sandbox without a record");
-                node.destroy(id).await?;
+                self.node.destroy(id).await?;
             } else if !alive {
                 tracing::info!(%id, "sandbox died while the server was down");
             }
         }
         let now = now_ms();
-        let plane = Arc::new_cyclic(|me| Self {
-            cfg,
-            node,
-            store,
-            records: Mutex::new(HashMap::new()),
-            tombstones: Mutex::new(tombstones),
-            fingerprints: Mutex::new(HashMap::new()),
-            unhealthy_marks: Default::default(),
-            me: me.clone(),
-        });
-        for (id, mut sb) in records {
+        for mut sb in self.records.filter(|_| true) {
+            let id = sb.id.clone();
             match running.get(&id) {
                 // Still `creating`: the server died before the create answered, so nobody
                 // was told of this sandbox, and whether its initial files were placed is
@@ -208,9 +199,9 @@ impl ControlPlane {
                 // stays `creating` with no create to finish it.
                 _ if sb.state == SandboxState::Creating => {
                     tracing::info!(%id, "removing half-created sandbox");
-                    match plane.node.destroy(&id).await {
+                    match self.node.destroy(&id).await {
                         Ok(()) => {
-                            plane.unstore(NS_SANDBOXES, &id).await?;
+                            self.records.remove(&sb, None).await?;
                             continue;
                         }
                         // Kept, failed, for a delete or its lifetime's end to retry.
@@ -233,47 +224,12 @@ impl ControlPlane {
                     sb.state = SandboxState::Failed;
                     sb.failure
                         .get_or_insert_with(|| "sandbox is no longer running on its node".into());
-                    let _ = plane.node.destroy(&id).await;
+                    let _ = self.node.destroy(&id).await;
                 }
             }
-            plane.persist(&sb).await?;
-            plane.lock().insert(id, sb);
+            self.records.put(&sb).await?;
         }
-        // An agent found unresponsive before the restart is checked again.
-        let unhealthy: Vec<String> = plane
-            .lock()
-            .values()
-            .filter(|s| s.state == SandboxState::Unhealthy)
-            .map(|s| s.id.clone())
-            .collect();
-        for id in unhealthy {
-            plane.spawn_recovery(&id);
-        }
-        plane.clone().spawn_reaper();
-        Ok(plane)
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Sandbox>> {
-        self.records.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    async fn persist(&self, sb: &Sandbox) -> ApiResult<()> {
-        let bytes = serde_json::to_vec(&Record {
-            sandbox: sb.clone(),
-        })
-        .map_err(internal)?;
-        self.stored(self.store.put(NS_SANDBOXES, &sb.id, &bytes, Expect::Any))
-            .await
-            .map(drop)
-    }
-
-    /// Awaits a state store call (a write returns once it is durable; the stores keep
-    /// their fsyncs off the runtime's workers).
-    async fn stored<T>(
-        &self,
-        call: impl std::future::Future<Output = Result<T, StateError>>,
-    ) -> ApiResult<T> {
-        call.await.map_err(internal)
+        Ok(())
     }
 
     /// Runs a state-changing call on its own task and waits for it. The call runs to its
@@ -295,21 +251,9 @@ impl ControlPlane {
         tokio::spawn(call(me)).await.map_err(internal)?
     }
 
-    /// Forgets a sandbox's record in the store.
-    async fn unstore(&self, ns: &'static str, id: &str) -> ApiResult<()> {
-        self.stored(self.store.delete(ns, id, Expect::Any))
-            .await
-            .map(drop)
-    }
-
-    /// The error for an id with no record: `expired` if the reaper removed it.
-    fn missing(&self, id: &str) -> ApiError {
-        if let Some(t) = self
-            .tombstones
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(id)
-        {
+    /// The error for an id with no record: `expired` if a tombstone says it was reaped.
+    async fn missing(&self, id: &str) -> ApiError {
+        if let Some(t) = self.records.tombstone(id).await {
             return ApiError::new(
                 ErrorCode::Expired,
                 format!("sandbox {id} expired and was removed: {}", t.reason),
@@ -318,67 +262,106 @@ impl ControlPlane {
         ApiError::new(ErrorCode::NotFound, format!("sandbox {id} not found"))
     }
 
-    /// Checks that a sandbox can take calls, and records the activity.
-    fn ready(&self, id: &str) -> ApiResult<()> {
-        let mut recs = self.lock();
-        let Some(sb) = recs.get_mut(id) else {
-            drop(recs);
-            return Err(self.missing(id));
+    /// The record of `id`, or the error saying why there is none. A cached record
+    /// still `creating` is read again from the store: another replica's create may have
+    /// finished a moment ago, before this replica's watch saw it.
+    async fn record(&self, id: &str) -> ApiResult<Sandbox> {
+        let found = match self.records.get(id) {
+            Some(sb) if sb.state != SandboxState::Creating => Some(sb),
+            _ => self.records.fetch_fresh(id).await?,
         };
-        match sb.state {
-            SandboxState::Ready => {
-                sb.last_active_at = now_ms();
-                Ok(())
-            }
-            SandboxState::Creating => Err(ApiError::new(
-                ErrorCode::Conflict,
-                format!("sandbox {id} is still being created"),
-            )),
-            SandboxState::Paused => Err(ApiError::new(
-                ErrorCode::Paused,
-                format!(
-                    "sandbox {id} is paused: resume it (POST /v1/sandboxes/{id}/resume) or create sandboxes with auto_resume"
-                ),
-            )),
-            SandboxState::Stopping => Err(ApiError::new(
-                ErrorCode::Conflict,
-                format!("sandbox {id} is being deleted"),
-            )),
-            SandboxState::Failed => Err(ApiError::new(
-                ErrorCode::Failed,
-                format!(
-                    "sandbox {id} failed: {}",
-                    sb.failure.clone().unwrap_or_default()
-                ),
-            )),
-            SandboxState::Unhealthy => Err(liveness::unhealthy_error(
-                id,
-                sb.unhealthy_cause.as_deref().unwrap_or_default(),
-            )),
+        match found {
+            Some(sb) => Ok(sb),
+            None => Err(self.missing(id).await),
         }
     }
 
-    /// Moves a sandbox from `from` to `to` under the records lock; any other state is
-    /// answered the way `ready` answers it.
-    fn transition(&self, id: &str, from: SandboxState, to: SandboxState) -> ApiResult<bool> {
-        let mut recs = self.lock();
-        let Some(sb) = recs.get_mut(id) else {
-            drop(recs);
-            return Err(self.missing(id));
-        };
-        if sb.state == to {
-            return Ok(false);
+    /// Checks that a sandbox can take calls, and records the activity. A refusal is
+    /// checked against the store first (the cache may be a moment behind another
+    /// replica's resume or create).
+    async fn ready(&self, id: &str) -> ApiResult<()> {
+        let mut sb = self.record(id).await?;
+        if sb.state != SandboxState::Ready {
+            sb = match self.records.fetch_fresh(id).await? {
+                Some(sb) => sb,
+                None => return Err(self.missing(id).await),
+            };
         }
-        if sb.state != from {
-            drop(recs);
-            self.ready(id)?;
-            return Err(ApiError::new(
-                ErrorCode::Conflict,
-                format!("sandbox {id} cannot go from {from:?} to {to:?}"),
-            ));
+        if sb.state == SandboxState::Ready {
+            self.records.touch(id, now_ms());
+            return Ok(());
         }
-        sb.state = to;
-        Ok(true)
+        Err(state_error(&sb))
+    }
+
+    /// Moves a sandbox from `from` to `to` in the store (compare-and-swap: of concurrent
+    /// transitions on any replicas, one wins); false if it was in `to` already. Any other
+    /// state is answered the way `ready` answers it.
+    async fn transition(&self, id: &str, from: SandboxState, to: SandboxState) -> ApiResult<bool> {
+        self.change(id, |sb| {
+            if sb.state == to {
+                return Ok(false);
+            }
+            if sb.state != from {
+                if sb.state == SandboxState::Ready {
+                    return Err(ApiError::new(
+                        ErrorCode::Conflict,
+                        format!("sandbox {id} cannot go from {from:?} to {to:?}"),
+                    ));
+                }
+                return Err(state_error(sb));
+            }
+            sb.state = to;
+            Ok(true)
+        })
+        .await
+        .map(|(_, changed)| changed)
+    }
+
+    /// Changes record `id` with `change` (see [`records::Records::update`]); the answer
+    /// for a missing id is `not_found` or `expired`.
+    async fn change(
+        &self,
+        id: &str,
+        change: impl FnMut(&mut Sandbox) -> ApiResult<bool>,
+    ) -> ApiResult<(Sandbox, bool)> {
+        match self.records.update(id, change).await? {
+            Some(v) => Ok(v),
+            None => Err(self.missing(id).await),
+        }
+    }
+}
+
+/// Why a sandbox in `sb.state` cannot take calls.
+fn state_error(sb: &Sandbox) -> ApiError {
+    let id = &sb.id;
+    match sb.state {
+        SandboxState::Ready => ApiError::new(ErrorCode::Conflict, format!("sandbox {id} is ready")),
+        SandboxState::Creating => ApiError::new(
+            ErrorCode::Conflict,
+            format!("sandbox {id} is still being created"),
+        ),
+        SandboxState::Paused => ApiError::new(
+            ErrorCode::Paused,
+            format!(
+                "sandbox {id} is paused: resume it (POST /v1/sandboxes/{id}/resume) or create sandboxes with auto_resume"
+            ),
+        ),
+        SandboxState::Stopping => ApiError::new(
+            ErrorCode::Conflict,
+            format!("sandbox {id} is being deleted"),
+        ),
+        SandboxState::Failed => ApiError::new(
+            ErrorCode::Failed,
+            format!(
+                "sandbox {id} failed: {}",
+                sb.failure.clone().unwrap_or_default()
+            ),
+        ),
+        SandboxState::Unhealthy => liveness::unhealthy_error(
+            id,
+            sb.unhealthy_cause.as_deref().unwrap_or_default(),
+        ),
     }
 }
 
@@ -397,7 +380,7 @@ impl SandboxApi for ControlPlane {
 
     async fn health(&self) -> ApiResult<Health> {
         let c = self.node.capacity().await;
-        let sandboxes = self.lock().len() as u64;
+        let sandboxes = self.records.count(|_| true) as u64;
         Ok(Health {
             unhealthy_sandboxes: self.unhealthy_count(),
             unhealthy_marks_total: self
@@ -418,17 +401,13 @@ impl SandboxApi for ControlPlane {
     }
 
     async fn get_sandbox(&self, id: &str) -> ApiResult<Sandbox> {
-        let found = self.lock().get(id).cloned();
-        found.ok_or_else(|| self.missing(id))
+        self.record(id).await
     }
 
     async fn list_sandboxes(&self, labels: BTreeMap<String, String>) -> ApiResult<SandboxList> {
-        let mut sandboxes: Vec<Sandbox> = self
-            .lock()
-            .values()
-            .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(v)))
-            .cloned()
-            .collect();
+        let mut sandboxes = self
+            .records
+            .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(v)));
         sandboxes.sort_by(|a, b| a.created_at.cmp(&b.created_at).then(a.id.cmp(&b.id)));
         Ok(SandboxList { sandboxes })
     }

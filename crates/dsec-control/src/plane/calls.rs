@@ -6,13 +6,13 @@ impl ControlPlane {
     /// `Ok` once sandbox `id` can take an agent call: `ready`, or paused with
     /// `auto_resume` (then resumed now).
     pub(super) async fn usable(&self, id: &str) -> ApiResult<()> {
-        if let Err(e) = self.ready(id) {
-            let auto = self.lock().get(id).is_some_and(|s| s.auto_resume);
+        if let Err(e) = self.ready(id).await {
+            let auto = self.records.get(id).is_some_and(|s| s.auto_resume);
             if e.code != ErrorCode::Paused || !auto {
                 return Err(e);
             }
             self.resume_sandbox(id).await?;
-            self.ready(id)?;
+            self.ready(id).await?;
         }
         Ok(())
     }

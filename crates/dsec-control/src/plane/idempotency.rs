@@ -3,42 +3,21 @@
 use super::*;
 
 impl ControlPlane {
-    pub(super) fn fingerprints(&self) -> std::sync::MutexGuard<'_, HashMap<String, [u8; 32]>> {
-        self.fingerprints.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Records the digest of a keyed create (under the records lock, before any retry can
-    /// find the record), forgetting keys of sandboxes that are gone.
-    pub(super) fn remember_request(
+    /// `conflict` when a create reusing the key of `first` asks for something else: by
+    /// the first request's digest, or (keys stored before digests were) by what the
+    /// sandbox's record says (image, layers, resources, labels, policies).
+    pub(super) async fn same_request(
         &self,
+        first: &records::IdemEntry,
         req: &CreateSandboxRequest,
-        recs: &HashMap<String, Sandbox>,
-    ) {
-        let Some(key) = &req.idempotency_key else {
-            return;
-        };
-        let mut fps = self.fingerprints();
-        if fps.len() > 2 * recs.len() + 1024 {
-            fps.retain(|k, _| {
-                recs.values()
-                    .any(|s| s.idempotency_key.as_deref() == Some(k.as_str()))
-            });
-        }
-        fps.insert(key.clone(), request_digest(req));
-    }
-
-    /// `conflict` when a create reusing the key of sandbox `first` asks for something
-    /// else: by the request's digest when this server saw the first one, else by what
-    /// the sandbox's record says (image, layers, resources, labels, policies).
-    pub(super) fn same_request(&self, first: &str, req: &CreateSandboxRequest) -> ApiResult<()> {
+    ) -> ApiResult<()> {
         let Some(key) = &req.idempotency_key else {
             return Ok(());
         };
-        let known = self.fingerprints().get(key).copied();
-        let same = match known {
-            Some(digest) => digest == request_digest(req),
-            None => match self.lock().get(first) {
-                Some(rec) => self.record_matches(rec, req),
+        let same = match &first.digest {
+            Some(digest) => *digest == hex::encode(request_digest(req)),
+            None => match self.records.find(&first.id).await? {
+                Some(rec) => self.record_matches(&rec, req),
                 None => true,
             },
         };
@@ -48,8 +27,9 @@ impl ControlPlane {
         Err(ApiError::new(
             ErrorCode::Conflict,
             format!(
-                "idempotency_key {key:?} belongs to sandbox {first}, created by a different \
-                 request: retry with the same body, or use a new key for a new sandbox"
+                "idempotency_key {key:?} belongs to sandbox {}, created by a different \
+                 request: retry with the same body, or use a new key for a new sandbox",
+                first.id
             ),
         ))
     }

@@ -12,10 +12,10 @@ impl ControlPlane {
             ));
         }
         let mut ids: Vec<String> = self
-            .lock()
-            .values()
+            .records
             .filter(|s| s.labels.get(JOB_LABEL).map(String::as_str) == Some(job))
-            .map(|s| s.id.clone())
+            .into_iter()
+            .map(|s| s.id)
             .collect();
         ids.sort();
         Ok(ids)
@@ -23,7 +23,7 @@ impl ControlPlane {
 
     pub(super) fn job_outcome(&self, id: String, error: ApiError) -> JobSandboxOutcome {
         let state = self
-            .lock()
+            .records
             .get(&id)
             .map(|s| s.state)
             .unwrap_or(SandboxState::Failed);
@@ -50,12 +50,16 @@ impl ControlPlane {
             .map(|id| async move {
                 match self.pause_sandbox(&id).await {
                     Ok(p) => {
-                        let mut sb = p.sandbox;
-                        if let Some(rec) = self.lock().get_mut(&id) {
-                            rec.job_suspended_at.get_or_insert_with(now_ms);
-                            sb = rec.clone();
-                        }
-                        let error = self.persist(&sb).await.err();
+                        let now = now_ms();
+                        let (sb, error) = match self
+                            .change(&id, |rec| {
+                                Ok(rec.job_suspended_at.get_or_insert(now) == &now)
+                            })
+                            .await
+                        {
+                            Ok((sb, _)) => (sb, None),
+                            Err(e) => (p.sandbox, Some(e)),
+                        };
                         JobSandboxOutcome {
                             id,
                             state: sb.state,

@@ -11,7 +11,8 @@ impl ControlPlane {
             if sb.state != SandboxState::Creating || std::time::Instant::now() > deadline {
                 return Ok(sb);
             }
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            // Another replica's create shows here through the watch.
+            self.records.changed(Duration::from_millis(50)).await;
         }
     }
 
@@ -162,24 +163,27 @@ impl ControlPlane {
             filesystem: req.filesystem.clone(),
             isolation: req.isolation,
         };
-        // A retried create finds its first attempt (the check and the insert under one
-        // lock, so concurrent retries cannot both create).
-        let existing = {
-            let mut recs = self.lock();
-            let found = req.idempotency_key.as_ref().and_then(|k| {
-                recs.values()
-                    .find(|s| s.idempotency_key.as_ref() == Some(k))
-                    .map(|s| s.id.clone())
-            });
-            if found.is_none() {
-                recs.insert(id.clone(), sb.clone());
-                self.remember_request(&req, &recs);
+        // A keyed create claims its key with the record, in one transaction, before the
+        // node is asked: a retry (on any replica) finds the first attempt instead.
+        let claim = req.idempotency_key.as_deref().map(|key| {
+            (
+                key,
+                records::IdemEntry {
+                    id: id.clone(),
+                    digest: Some(hex::encode(idempotency::request_digest(&req))),
+                },
+            )
+        });
+        let keyed = claim.is_some();
+        if keyed {
+            match self.records.insert(&sb, claim).await {
+                Ok(()) => {}
+                Err(records::InsertError::KeyTaken(first)) => {
+                    self.same_request(&first, &req).await?;
+                    return self.await_created(&first.id).await;
+                }
+                Err(records::InsertError::Store(e)) => return Err(e),
             }
-            found
-        };
-        if let Some(first) = existing {
-            self.same_request(&first, &req)?;
-            return self.await_created(&first).await;
         }
         let mut env = BTreeMap::from([
             (
@@ -223,21 +227,31 @@ impl ControlPlane {
             isolation: req.isolation,
             labels: req.labels.clone(),
         };
-        // The `creating` record is made durable while the node builds the sandbox: a
-        // crash before it is written leaves a sandbox without a record, which the next
-        // start destroys, as it does one still `creating`.
-        let (persisted, created) = tokio::join!(self.persist(&sb), self.node.create(spec));
-        let created = match (persisted, created) {
+        // An unkeyed `creating` record is made durable while the node builds the sandbox
+        // (no retry can look for it): a crash before it is written leaves a sandbox
+        // without a record, which the next start destroys, as it does one still
+        // `creating`.
+        let stored = async {
+            if keyed {
+                Ok(())
+            } else {
+                self.records.insert(&sb, None).await.map_err(|e| match e {
+                    records::InsertError::Store(e) => e,
+                    records::InsertError::KeyTaken(_) => internal("sandbox id taken"),
+                })
+            }
+        };
+        let (stored, created) = tokio::join!(stored, self.node.create(spec));
+        let created = match (stored, created) {
             (Ok(()), Ok(c)) => c,
-            (persisted, created) => {
-                self.lock().remove(&id);
-                if persisted.is_ok() {
-                    let _ = self.unstore(NS_SANDBOXES, &id).await;
+            (stored, created) => {
+                if stored.is_ok() || keyed {
+                    let _ = self.records.remove(&sb, None).await;
                 }
                 let err = match created {
                     Ok(_) => {
                         let _ = self.node.destroy(&id).await;
-                        persisted.err()
+                        stored.err()
                     }
                     Err(e) => Some(e),
                 };
@@ -248,7 +262,8 @@ impl ControlPlane {
         sb.resources.disk_mb = created.disk_mb;
         sb.ip = created.ip.map(|ip| ip.to_string());
         sb.state = SandboxState::Ready;
-        self.lock().insert(id.clone(), sb.clone());
+        // Ready in this replica's cache for the calls below; stored once they are done.
+        self.records.cache_only(&sb);
         if let Err(e) = self.place_files(&id, &req.files).await {
             let _ = self.remove(&id, None).await;
             return Err(e);
@@ -257,8 +272,23 @@ impl ControlPlane {
             let _ = self.remove(&id, None).await;
             return Err(e);
         }
-        self.persist(&sb).await?;
-        Ok(sb)
+        let done = self
+            .change(&id, |rec| {
+                if rec.state != SandboxState::Creating && rec.state != SandboxState::Ready {
+                    // Deleted (stopping) meanwhile: that delete wins.
+                    return Err(state_error(rec));
+                }
+                *rec = sb.clone();
+                Ok(true)
+            })
+            .await;
+        match done {
+            Ok((sb, _)) => Ok(sb),
+            Err(e) => {
+                let _ = self.node.destroy(&id).await;
+                Err(e)
+            }
+        }
     }
 
     pub(super) async fn delete_sandbox_to_end(&self, id: &str) -> ApiResult<()> {
@@ -266,7 +296,10 @@ impl ControlPlane {
     }
 
     pub(super) async fn pause_sandbox_to_end(&self, id: &str) -> ApiResult<PauseResult> {
-        if !self.transition(id, SandboxState::Ready, SandboxState::Paused)? {
+        if !self
+            .transition(id, SandboxState::Ready, SandboxState::Paused)
+            .await?
+        {
             let sandbox = self.get_sandbox(id).await?;
             return Ok(PauseResult {
                 sandbox,
@@ -279,12 +312,13 @@ impl ControlPlane {
             Err(e) => {
                 // Whatever froze runs again; the sandbox stays usable.
                 let _ = self.node.resume(id).await;
-                let _ = self.transition(id, SandboxState::Paused, SandboxState::Ready);
+                let _ = self
+                    .transition(id, SandboxState::Paused, SandboxState::Ready)
+                    .await;
                 return Err(e);
             }
         };
         let sandbox = self.get_sandbox(id).await?;
-        self.persist(&sandbox).await?;
         Ok(PauseResult {
             sandbox,
             memory_before_bytes: before,
@@ -293,23 +327,30 @@ impl ControlPlane {
     }
 
     pub(super) async fn resume_sandbox_to_end(&self, id: &str) -> ApiResult<Sandbox> {
-        if self.transition(id, SandboxState::Paused, SandboxState::Ready)? {
+        if self
+            .transition(id, SandboxState::Paused, SandboxState::Ready)
+            .await?
+        {
             if let Err(e) = self.node.resume(id).await {
-                let _ = self.transition(id, SandboxState::Ready, SandboxState::Paused);
+                let _ = self
+                    .transition(id, SandboxState::Ready, SandboxState::Paused)
+                    .await;
                 return Err(e);
             }
-            if let Some(sb) = self.lock().get_mut(id) {
-                let now = now_ms();
-                sb.last_active_at = now;
-                // A job suspend stopped the clock: the lifetime goes on where it stopped.
-                if let Some(at) = sb.job_suspended_at.take() {
-                    if self.cfg.job_suspend_stops_lifetime {
-                        sb.expires_at += now.saturating_sub(at);
+            let now = now_ms();
+            let stops_clock = self.cfg.job_suspend_stops_lifetime;
+            let (sandbox, _) = self
+                .change(id, |sb| {
+                    sb.last_active_at = now;
+                    // A job suspend stopped the clock: the lifetime goes on where it stopped.
+                    if let Some(at) = sb.job_suspended_at.take() {
+                        if stops_clock {
+                            sb.expires_at += now.saturating_sub(at);
+                        }
                     }
-                }
-            }
-            let sandbox = self.get_sandbox(id).await?;
-            self.persist(&sandbox).await?;
+                    Ok(true)
+                })
+                .await?;
             return Ok(sandbox);
         }
         self.get_sandbox(id).await
@@ -329,7 +370,7 @@ impl ControlPlane {
             }
             SandboxState::Paused => false,
             _ => {
-                self.ready(id)?;
+                self.ready(id).await?;
                 false
             }
         };
@@ -344,16 +385,13 @@ impl ControlPlane {
         }
         let (img, diff) = res?;
         // An empty diff added no layer: nothing to remember.
-        let updated = diff.and_then(|diff| {
-            let mut recs = self.lock();
-            recs.get_mut(id).map(|rec| {
+        if let Some(diff) = diff {
+            self.change(id, |rec| {
                 rec.committed_layers.retain(|d| *d != diff);
-                rec.committed_layers.push(diff);
-                rec.clone()
+                rec.committed_layers.push(diff.clone());
+                Ok(true)
             })
-        });
-        if let Some(rec) = updated {
-            self.persist(&rec).await?;
+            .await?;
         }
         Ok(img)
     }
@@ -364,16 +402,14 @@ impl ControlPlane {
         policy: NetworkPolicy,
     ) -> ApiResult<Sandbox> {
         validate::network(&policy)?;
-        self.ready(id)?;
+        self.ready(id).await?;
         self.node.set_network(id, policy.clone()).await?;
-        let sb = {
-            let mut recs = self.lock();
-            let sb = recs.get_mut(id).ok_or_else(|| self.missing(id))?;
-            sb.network = policy;
-            sb.clone()
-        };
-        self.persist(&sb).await?;
-        Ok(sb)
+        self.change(id, |sb| {
+            sb.network = policy.clone();
+            Ok(true)
+        })
+        .await
+        .map(|(sb, _)| sb)
     }
 
     pub(super) async fn set_timeout_to_end(
@@ -387,16 +423,13 @@ impl ControlPlane {
                 format!("timeout_s must be in [1, {MAX_TIMEOUT_S}]"),
             ));
         }
-        self.ready(id)?;
-        let sb = {
-            let mut recs = self.lock();
-            let sb = recs.get_mut(id).ok_or_else(|| {
-                ApiError::new(ErrorCode::NotFound, format!("sandbox {id} not found"))
-            })?;
-            sb.expires_at = now_ms() + req.timeout_s * 1000;
-            sb.clone()
-        };
-        self.persist(&sb).await?;
-        Ok(sb)
+        self.ready(id).await?;
+        let expires_at = now_ms() + req.timeout_s * 1000;
+        self.change(id, |sb| {
+            sb.expires_at = expires_at;
+            Ok(true)
+        })
+        .await
+        .map(|(sb, _)| sb)
     }
 }

@@ -177,7 +177,7 @@ impl ControlPlane {
     /// now. Sandboxes in any state but `ready` are not pinged (a paused one cannot
     /// answer; a deleted or failed one is not the watchdog's business).
     pub(super) async fn check_agent(&self, id: &str) -> ApiResult<()> {
-        let (state, cause) = match self.lock().get(id) {
+        let (state, cause) = match self.records.get(id) {
             Some(sb) => (sb.state, sb.unhealthy_cause.clone()),
             None => return Ok(()),
         };
@@ -216,24 +216,30 @@ impl ControlPlane {
     /// Marks a `ready` sandbox `unhealthy` and starts its recovery; false if it was not
     /// `ready` (paused, deleted, already unhealthy).
     async fn mark_unhealthy(&self, id: &str, cause: &str) -> bool {
-        let sb = {
-            let mut recs = self.lock();
-            let Some(sb) = recs.get_mut(id) else {
+        let since = now_ms();
+        let marked = self
+            .records
+            .update(id, |sb| {
+                if sb.state != SandboxState::Ready {
+                    return Ok(false);
+                }
+                sb.state = SandboxState::Unhealthy;
+                sb.unhealthy_cause = Some(cause.to_string());
+                sb.unhealthy_since = Some(since);
+                Ok(true)
+            })
+            .await;
+        match marked {
+            Ok(Some((_, true))) => {}
+            Ok(Some((sb, false))) => return sb.state == SandboxState::Unhealthy,
+            Ok(None) => return false,
+            Err(e) => {
+                tracing::warn!(%id, error = %e.message, "could not store the unhealthy state");
                 return false;
-            };
-            if sb.state != SandboxState::Ready {
-                return sb.state == SandboxState::Unhealthy;
             }
-            sb.state = SandboxState::Unhealthy;
-            sb.unhealthy_cause = Some(cause.to_string());
-            sb.unhealthy_since = Some(now_ms());
-            sb.clone()
-        };
+        }
         self.unhealthy_marks.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(%id, cause, "sandbox unhealthy: its agent does not answer");
-        if let Err(e) = self.persist(&sb).await {
-            tracing::warn!(%id, error = %e.message, "could not store the unhealthy state");
-        }
         self.spawn_recovery(id);
         true
     }
@@ -249,27 +255,28 @@ impl ControlPlane {
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(RECOVER_MAX);
                 let Some(plane) = plane.upgrade() else { return };
-                if plane.lock().get(&id).map(|s| s.state) != Some(SandboxState::Unhealthy) {
+                if plane.records.get(&id).map(|s| s.state) != Some(SandboxState::Unhealthy) {
                     return;
                 }
                 if plane.ping(&id).await.is_err() {
                     continue;
                 }
-                let recovered = {
-                    let mut recs = plane.lock();
-                    recs.get_mut(&id)
-                        .filter(|sb| sb.state == SandboxState::Unhealthy)
-                        .map(|sb| {
-                            sb.state = SandboxState::Ready;
-                            sb.unhealthy_cause = None;
-                            sb.unhealthy_since = None;
-                            sb.last_active_at = now_ms();
-                            sb.clone()
-                        })
-                };
-                if let Some(sb) = recovered {
+                let now = now_ms();
+                let recovered = plane
+                    .records
+                    .update(&id, |sb| {
+                        if sb.state != SandboxState::Unhealthy {
+                            return Ok(false);
+                        }
+                        sb.state = SandboxState::Ready;
+                        sb.unhealthy_cause = None;
+                        sb.unhealthy_since = None;
+                        sb.last_active_at = now;
+                        Ok(true)
+                    })
+                    .await;
+                if let Ok(Some((_, true))) = recovered {
                     tracing::info!(%id, "sandbox healthy again: its agent answers");
-                    let _ = plane.persist(&sb).await;
                 }
                 return;
             }
@@ -278,9 +285,6 @@ impl ControlPlane {
 
     /// Sandboxes `unhealthy` now.
     pub(super) fn unhealthy_count(&self) -> u64 {
-        self.lock()
-            .values()
-            .filter(|s| s.state == SandboxState::Unhealthy)
-            .count() as u64
+        self.records.count(|s| s.state == SandboxState::Unhealthy) as u64
     }
 }

@@ -1,6 +1,11 @@
 //! The reaper: ends lifetimes (TTL, idle timeout) and remembers why, as tombstones.
 
+use std::sync::atomic::Ordering;
+
 use super::*;
+
+/// How often old tombstones are looked for.
+const TOMBSTONE_PRUNE_MS: u64 = 60_000;
 
 impl ControlPlane {
     pub(super) fn spawn_reaper(self: Arc<Self>) {
@@ -21,8 +26,9 @@ impl ControlPlane {
     pub(super) async fn reap_once(&self) {
         let now = now_ms();
         let candidates: Vec<(String, &'static str)> = self
-            .lock()
-            .values()
+            .records
+            .filter(|_| true)
+            .iter()
             // Every state but `creating`: a lifetime ends whatever the sandbox is doing (a
             // delete that failed midway, `stopping`, is retried here). A create is in
             // flight in this process (a start resolves every earlier one) and ends on its
@@ -58,68 +64,53 @@ impl ControlPlane {
             .into_iter()
             .map(|s| (s.id, s.alive))
             .collect();
-        let died: Vec<Sandbox> = {
-            let mut recs = self.lock();
-            recs.values_mut()
-                .filter(|s| {
-                    matches!(
+        let died = self.records.filter(|s| {
+            matches!(
+                s.state,
+                SandboxState::Ready | SandboxState::Paused | SandboxState::Unhealthy
+            ) && alive.get(&s.id) == Some(&false)
+        });
+        for sb in died {
+            let marked = self
+                .records
+                .update(&sb.id, |s| {
+                    if !matches!(
                         s.state,
                         SandboxState::Ready | SandboxState::Paused | SandboxState::Unhealthy
-                    ) && alive.get(&s.id) == Some(&false)
-                })
-                .map(|s| {
+                    ) {
+                        return Ok(false);
+                    }
                     s.state = SandboxState::Failed;
                     s.failure = Some("the sandbox's init process exited".into());
-                    s.clone()
+                    Ok(true)
                 })
-                .collect()
-        };
-        for sb in died {
-            tracing::warn!(id = %sb.id, "sandbox died");
-            let _ = self.persist(&sb).await;
+                .await;
+            if let Ok(Some((_, true))) = marked {
+                tracing::warn!(id = %sb.id, "sandbox died");
+            }
         }
-        let expired: Vec<String> = self
-            .tombstones
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .filter(|(_, t)| now.saturating_sub(t.at) > TOMBSTONE_TTL_MS)
-            .map(|(k, _)| k.clone())
-            .collect();
-        for id in expired {
-            self.tombstones
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&id);
-            let _ = self.unstore(NS_TOMBSTONES, &id).await;
+        if now.saturating_sub(self.tombstones_pruned_at.load(Ordering::Relaxed))
+            > TOMBSTONE_PRUNE_MS
+        {
+            self.tombstones_pruned_at.store(now, Ordering::Relaxed);
+            self.records.prune_tombstones(now, TOMBSTONE_TTL_MS).await;
         }
     }
 
     /// Destroys a sandbox and forgets it; with `expired_reason`, remembers why.
     pub(super) async fn remove(&self, id: &str, expired_reason: Option<&str>) -> ApiResult<()> {
-        {
-            let mut recs = self.lock();
-            let Some(sb) = recs.get_mut(id) else {
-                return Err(self.missing(id));
-            };
-            sb.state = SandboxState::Stopping;
-        }
+        let (sb, _) = self
+            .change(id, |sb| {
+                let stopping = sb.state == SandboxState::Stopping;
+                sb.state = SandboxState::Stopping;
+                Ok(!stopping)
+            })
+            .await?;
         self.node.destroy(id).await?;
-        if let Some(reason) = expired_reason {
-            let t = Tombstone {
-                reason: reason.to_string(),
-                at: now_ms(),
-            };
-            let bytes = serde_json::to_vec(&t).map_err(internal)?;
-            self.stored(self.store.put(NS_TOMBSTONES, id, &bytes, Expect::Any))
-                .await?;
-            self.tombstones
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(id.to_string(), t);
-        }
-        self.unstore(NS_SANDBOXES, id).await?;
-        self.lock().remove(id);
-        Ok(())
+        let tombstone = expired_reason.map(|reason| records::Tombstone {
+            reason: reason.to_string(),
+            at: now_ms(),
+        });
+        self.records.remove(&sb, tombstone).await
     }
 }

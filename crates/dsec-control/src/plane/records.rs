@@ -1,0 +1,568 @@
+//! Sandbox records, tombstones and idempotency keys: the state store is their source of
+//! truth. [`Records`] is this replica's cache of it, filled by a list and kept fresh by a
+//! watch, and every change is written through with compare-and-swap, so any number of
+//! API server replicas can serve the same sandboxes:
+//! - a change is `update`: read the cached record and its revision, apply the change,
+//!   write it if the revision still holds; on a conflict, read the store and try again;
+//! - a create is one transaction that checks the sandbox id and its idempotency key are
+//!   free; a retry on another replica finds the key taken and the first sandbox;
+//! - a removal deletes the record and its key, and may leave a tombstone, at once.
+//!
+//! Activity (`last_active_at`) is kept here only (a write per call would cost too much):
+//! the cache keeps the newest it saw, and writes carry it when something else changes.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dsec_state::{Entry, Expect, Op, Revision, StateError, StateStore, Txn, WatchEvent};
+use dsec_wire::v1::Sandbox;
+use dsec_wire::{ApiError, ErrorCode};
+use futures::StreamExt;
+use sha2::Digest;
+
+use super::{internal, NS_SANDBOXES, NS_TOMBSTONES};
+
+/// Namespace of idempotency keys: hash of the key -> [`IdemEntry`].
+pub(super) const NS_IDEMPOTENCY: &str = "idempotency";
+/// How often a conflicting write is retried before giving up.
+const CAS_ATTEMPTS: usize = 32;
+
+/// Persisted record of a sandbox (the API view plus what create needs to remember).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Record {
+    sandbox: Sandbox,
+}
+
+/// Why a removed sandbox is gone (`expired` answers name it).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub(super) struct Tombstone {
+    pub reason: String,
+    pub at: u64,
+}
+
+/// What an idempotency key points at.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(super) struct IdemEntry {
+    /// The sandbox the first create made.
+    pub id: String,
+    /// Hex SHA-256 of that create's request; `None` for keys of records written before
+    /// keys were stored (compared by the record's fields instead).
+    pub digest: Option<String>,
+}
+
+/// A create could not claim its id or idempotency key.
+#[derive(Debug)]
+pub(super) enum InsertError {
+    /// The key belongs to an earlier create.
+    KeyTaken(IdemEntry),
+    /// The store failed.
+    Store(ApiError),
+}
+
+#[derive(Debug, Clone)]
+struct Cached {
+    sb: Sandbox,
+    rev: Revision,
+}
+
+#[derive(Debug, Default)]
+struct Cache {
+    sandboxes: HashMap<String, Cached>,
+    /// Records deleted by this replica at a revision the watch may not have passed yet:
+    /// an older put seen later must not bring them back.
+    deleted: HashMap<String, Revision>,
+    /// The newest revision the watch has applied.
+    seen: Revision,
+}
+
+impl Cache {
+    /// Takes a stored version of a record unless the cache holds a newer one.
+    fn offer(&mut self, sb: Sandbox, rev: Revision) -> bool {
+        if self.deleted.get(&sb.id).is_some_and(|&d| d >= rev) {
+            return false;
+        }
+        match self.sandboxes.get_mut(&sb.id) {
+            Some(c) if c.rev >= rev => false,
+            Some(c) => {
+                let active = c.sb.last_active_at.max(sb.last_active_at);
+                c.sb = sb;
+                c.sb.last_active_at = active;
+                c.rev = rev;
+                true
+            }
+            None => {
+                self.sandboxes.insert(sb.id.clone(), Cached { sb, rev });
+                true
+            }
+        }
+    }
+
+    fn forget(&mut self, id: &str, rev: Revision) {
+        if self.sandboxes.get(id).is_some_and(|c| c.rev < rev) {
+            self.sandboxes.remove(id);
+        }
+        if rev > self.seen {
+            self.deleted.insert(id.to_string(), rev);
+        }
+    }
+}
+
+/// This replica's view of the sandbox records (see the module doc).
+#[derive(Debug)]
+pub(super) struct Records {
+    store: Arc<dyn StateStore>,
+    cache: Mutex<Cache>,
+    /// Woken whenever the cache changes (waiters for another replica's create).
+    changed: tokio::sync::Notify,
+    watcher: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl Drop for Records {
+    fn drop(&mut self) {
+        if let Some(task) = self
+            .watcher
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            task.abort();
+        }
+    }
+}
+
+fn decode(entry: &Entry) -> Option<Sandbox> {
+    match serde_json::from_slice::<Record>(&entry.value) {
+        Ok(r) => Some(r.sandbox),
+        Err(e) => {
+            tracing::warn!(id = %entry.key, error = %e, "ignoring an unreadable sandbox record");
+            None
+        }
+    }
+}
+
+fn encode(sb: &Sandbox) -> ApiResult<Vec<u8>> {
+    serde_json::to_vec(&Record {
+        sandbox: sb.clone(),
+    })
+    .map_err(internal)
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// The store key of an idempotency key (hashed: any characters, fixed length).
+pub(super) fn idem_key(key: &str) -> String {
+    hex::encode(sha2::Sha256::digest(key.as_bytes()))
+}
+
+fn is_conflict(e: &StateError) -> bool {
+    matches!(e, StateError::Conflict { .. })
+}
+
+impl Records {
+    /// Loads every record and starts the watch that keeps them fresh.
+    pub async fn open(store: Arc<dyn StateStore>) -> ApiResult<Arc<Self>> {
+        let (entries, rev) = store.list(NS_SANDBOXES).await.map_err(internal)?;
+        let mut cache = Cache {
+            seen: rev,
+            ..Cache::default()
+        };
+        for e in &entries {
+            if let Some(sb) = decode(e) {
+                cache.offer(sb, e.rev);
+            }
+        }
+        let records = Arc::new(Self {
+            store,
+            cache: Mutex::new(cache),
+            changed: tokio::sync::Notify::new(),
+            watcher: Mutex::new(None),
+        });
+        let task = tokio::spawn(watch(Arc::downgrade(&records), rev));
+        *records.watcher.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
+        Ok(records)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Cache> {
+        self.cache.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The cached record of `id`.
+    pub fn get(&self, id: &str) -> Option<Sandbox> {
+        self.lock().sandboxes.get(id).map(|c| c.sb.clone())
+    }
+
+    /// The record of `id`: cached, else read from the store (another replica may have
+    /// made it a moment ago, before this one's watch saw it).
+    pub async fn find(&self, id: &str) -> ApiResult<Option<Sandbox>> {
+        if let Some(sb) = self.get(id) {
+            return Ok(Some(sb));
+        }
+        self.fetch(id).await.map(|c| c.map(|c| c.sb))
+    }
+
+    /// The record of `id` as the store has it now (and the cache after).
+    pub async fn fetch_fresh(&self, id: &str) -> ApiResult<Option<Sandbox>> {
+        self.fetch(id).await.map(|c| c.map(|c| c.sb))
+    }
+
+    /// Reads `id` from the store into the cache.
+    async fn fetch(&self, id: &str) -> ApiResult<Option<Cached>> {
+        let entry = self.store.get(NS_SANDBOXES, id).await.map_err(internal)?;
+        let mut cache = self.lock();
+        match entry.as_ref().and_then(|e| decode(e).map(|sb| (sb, e.rev))) {
+            Some((sb, rev)) => {
+                cache.offer(sb, rev);
+                Ok(cache.sandboxes.get(id).cloned())
+            }
+            None => {
+                cache.sandboxes.remove(id);
+                Ok(None)
+            }
+        }
+    }
+
+    /// Cached records that `keep` selects.
+    pub fn filter(&self, keep: impl Fn(&Sandbox) -> bool) -> Vec<Sandbox> {
+        self.lock()
+            .sandboxes
+            .values()
+            .filter(|c| keep(&c.sb))
+            .map(|c| c.sb.clone())
+            .collect()
+    }
+
+    /// How many cached records `keep` selects.
+    pub fn count(&self, keep: impl Fn(&Sandbox) -> bool) -> usize {
+        self.lock()
+            .sandboxes
+            .values()
+            .filter(|c| keep(&c.sb))
+            .count()
+    }
+
+    /// Replaces the cached record of `id` without writing it (a create in flight shows
+    /// `ready` to its own calls before it is stored so).
+    pub fn cache_only(&self, sb: &Sandbox) {
+        if let Some(c) = self.lock().sandboxes.get_mut(&sb.id) {
+            c.sb = sb.clone();
+        }
+    }
+
+    /// Notes activity on `id` (kept in this replica's cache only).
+    pub fn touch(&self, id: &str, at: u64) {
+        if let Some(c) = self.lock().sandboxes.get_mut(id) {
+            c.sb.last_active_at = c.sb.last_active_at.max(at);
+        }
+    }
+
+    /// Changes record `id` with `change` (which may run several times, each on the
+    /// newest version; it returns whether it changed anything) and writes it if it did.
+    /// `Ok(None)` if there is no record; else the record after, and whether it changed.
+    pub async fn update(
+        &self,
+        id: &str,
+        mut change: impl FnMut(&mut Sandbox) -> ApiResult<bool>,
+    ) -> ApiResult<Option<(Sandbox, bool)>> {
+        let mut current = self.lock().sandboxes.get(id).cloned();
+        if current.is_none() {
+            current = self.fetch(id).await?;
+        }
+        for _ in 0..CAS_ATTEMPTS {
+            let Some(Cached { sb, rev }) = current else {
+                return Ok(None);
+            };
+            let mut next = sb.clone();
+            if !change(&mut next)? {
+                return Ok(Some((next, false)));
+            }
+            match self
+                .store
+                .put(NS_SANDBOXES, id, &encode(&next)?, Expect::Rev(rev))
+                .await
+            {
+                Ok(written) => {
+                    self.lock().offer(next.clone(), written);
+                    self.changed.notify_waiters();
+                    return Ok(Some((next, true)));
+                }
+                Err(e) if is_conflict(&e) => current = self.fetch(id).await?,
+                Err(e) => return Err(internal(e)),
+            }
+        }
+        Err(ApiError::new(
+            ErrorCode::Conflict,
+            format!("sandbox {id} is being changed by other requests: retry"),
+        ))
+    }
+
+    /// Writes a record as it is (no check of what the store holds): for records this
+    /// replica alone is changing, such as a create in flight.
+    pub async fn put(&self, sb: &Sandbox) -> ApiResult<()> {
+        let rev = self
+            .store
+            .put(NS_SANDBOXES, &sb.id, &encode(sb)?, Expect::Any)
+            .await
+            .map_err(internal)?;
+        self.lock().offer(sb.clone(), rev);
+        self.changed.notify_waiters();
+        Ok(())
+    }
+
+    /// Stores a new record, claiming its id and (if given) its idempotency key in one
+    /// transaction.
+    pub async fn insert(
+        &self,
+        sb: &Sandbox,
+        key: Option<(&str, IdemEntry)>,
+    ) -> Result<(), InsertError> {
+        let mut txn = Txn {
+            checks: vec![(NS_SANDBOXES.into(), sb.id.clone(), Expect::Absent)],
+            ops: vec![Op::Put {
+                ns: NS_SANDBOXES.into(),
+                key: sb.id.clone(),
+                value: encode(sb).map_err(InsertError::Store)?,
+                lease: None,
+            }],
+        };
+        if let Some((key, entry)) = &key {
+            let value = serde_json::to_vec(entry).map_err(|e| InsertError::Store(internal(e)))?;
+            txn.checks
+                .push((NS_IDEMPOTENCY.into(), idem_key(key), Expect::Absent));
+            txn.ops.push(Op::Put {
+                ns: NS_IDEMPOTENCY.into(),
+                key: idem_key(key),
+                value,
+                lease: None,
+            });
+        }
+        for _ in 0..CAS_ATTEMPTS {
+            match self.store.txn(txn.clone()).await {
+                Ok(rev) => {
+                    self.lock().offer(sb.clone(), rev);
+                    self.changed.notify_waiters();
+                    return Ok(());
+                }
+                Err(StateError::Conflict { ns, .. }) if ns == NS_IDEMPOTENCY => {
+                    let Some((key, _)) = &key else { break };
+                    match self.idempotency(key).await.map_err(InsertError::Store)? {
+                        Some(first) => return Err(InsertError::KeyTaken(first)),
+                        // Its sandbox was removed meanwhile: claim it again.
+                        None => continue,
+                    }
+                }
+                Err(e) => return Err(InsertError::Store(internal(e))),
+            }
+        }
+        Err(InsertError::Store(ApiError::new(
+            ErrorCode::Conflict,
+            format!("sandbox {} could not be stored: retry", sb.id),
+        )))
+    }
+
+    /// What an idempotency key points at, if it is taken.
+    pub async fn idempotency(&self, key: &str) -> ApiResult<Option<IdemEntry>> {
+        let Some(entry) = self
+            .store
+            .get(NS_IDEMPOTENCY, &idem_key(key))
+            .await
+            .map_err(internal)?
+        else {
+            return Ok(None);
+        };
+        serde_json::from_slice(&entry.value)
+            .map(Some)
+            .map_err(internal)
+    }
+
+    /// Claims an idempotency key for an existing record (records stored before keys
+    /// were); a key already taken is left as it is.
+    pub async fn adopt_key(&self, key: &str, id: &str) -> ApiResult<()> {
+        let entry = IdemEntry {
+            id: id.to_string(),
+            digest: None,
+        };
+        let value = serde_json::to_vec(&entry).map_err(internal)?;
+        match self
+            .store
+            .put(NS_IDEMPOTENCY, &idem_key(key), &value, Expect::Absent)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) if is_conflict(&e) => Ok(()),
+            Err(e) => Err(internal(e)),
+        }
+    }
+
+    /// Deletes record `id` and its idempotency key; with a tombstone, remembers why.
+    pub async fn remove(&self, sb: &Sandbox, tombstone: Option<Tombstone>) -> ApiResult<()> {
+        let mut ops = vec![Op::Delete {
+            ns: NS_SANDBOXES.into(),
+            key: sb.id.clone(),
+        }];
+        if let Some(key) = &sb.idempotency_key {
+            // Only if the key is still this sandbox's: checked by reading it first (a
+            // create may have claimed a freed key meanwhile; then it is left alone).
+            if self.idempotency(key).await?.is_some_and(|e| e.id == sb.id) {
+                ops.push(Op::Delete {
+                    ns: NS_IDEMPOTENCY.into(),
+                    key: idem_key(key),
+                });
+            }
+        }
+        if let Some(t) = tombstone {
+            ops.push(Op::Put {
+                ns: NS_TOMBSTONES.into(),
+                key: sb.id.clone(),
+                value: serde_json::to_vec(&t).map_err(internal)?,
+                lease: None,
+            });
+        }
+        let rev = self
+            .store
+            .txn(Txn {
+                checks: Vec::new(),
+                ops,
+            })
+            .await
+            .map_err(internal)?;
+        self.lock().forget(&sb.id, rev.max(1));
+        self.lock().sandboxes.remove(&sb.id);
+        self.changed.notify_waiters();
+        Ok(())
+    }
+
+    /// Why `id` was removed, if a tombstone says.
+    pub async fn tombstone(&self, id: &str) -> Option<Tombstone> {
+        let entry = self.store.get(NS_TOMBSTONES, id).await.ok()??;
+        serde_json::from_slice(&entry.value).ok()
+    }
+
+    /// Deletes tombstones older than `max_age_ms`.
+    pub async fn prune_tombstones(&self, now: u64, max_age_ms: u64) {
+        let Ok((entries, _)) = self.store.list(NS_TOMBSTONES).await else {
+            return;
+        };
+        for e in entries {
+            let old = serde_json::from_slice::<Tombstone>(&e.value)
+                .map_or(true, |t| now.saturating_sub(t.at) > max_age_ms);
+            if old {
+                let _ = self
+                    .store
+                    .delete(NS_TOMBSTONES, &e.key, Expect::Rev(e.rev))
+                    .await;
+            }
+        }
+    }
+
+    /// Waits until the cache changes or `timeout` passes.
+    pub async fn changed(&self, timeout: Duration) {
+        let _ = tokio::time::timeout(timeout, self.changed.notified()).await;
+    }
+
+    /// Applies one watched change.
+    fn apply(&self, event: WatchEvent) {
+        let mut cache = self.lock();
+        let rev = event.rev();
+        match event {
+            WatchEvent::Put(entry) => {
+                if let Some(sb) = decode(&entry) {
+                    cache.offer(sb, entry.rev);
+                }
+            }
+            WatchEvent::Delete { key, rev } => cache.forget(&key, rev),
+        }
+        cache.seen = cache.seen.max(rev);
+        let seen = cache.seen;
+        cache.deleted.retain(|_, r| *r > seen);
+        drop(cache);
+        self.changed.notify_waiters();
+    }
+
+    /// Replaces the cache with a fresh list (after the watch lost its history).
+    fn relist(&self, entries: Vec<Entry>, rev: Revision) {
+        let mut cache = self.lock();
+        let listed: std::collections::HashSet<&str> =
+            entries.iter().map(|e| e.key.as_str()).collect();
+        cache
+            .sandboxes
+            .retain(|id, c| listed.contains(id.as_str()) || c.rev > rev);
+        for e in &entries {
+            if let Some(sb) = decode(e) {
+                cache.offer(sb, e.rev);
+            }
+        }
+        cache.seen = cache.seen.max(rev);
+        drop(cache);
+        self.changed.notify_waiters();
+    }
+}
+
+/// Keeps `records` fresh: watches the sandbox namespace from `rev`, lists again when the
+/// store's history is gone, and retries (with a growing pause) while it is unavailable.
+async fn watch(records: std::sync::Weak<Records>, mut rev: Revision) {
+    let mut pause = Duration::from_millis(100);
+    loop {
+        let Some(store) = records.upgrade().map(|r| r.store.clone()) else {
+            return;
+        };
+        let mut stream = match store.watch(NS_SANDBOXES, rev).await {
+            Ok(s) => s,
+            Err(e) => {
+                rev = match recover(&records, &store, e, rev).await {
+                    Some(r) => r,
+                    None => return,
+                };
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+                continue;
+            }
+        };
+        drop(store);
+        while let Some(event) = stream.next().await {
+            let Some(r) = records.upgrade() else { return };
+            match event {
+                Ok(ev) => {
+                    pause = Duration::from_millis(100);
+                    rev = rev.max(ev.rev());
+                    r.apply(ev);
+                }
+                Err(e) => {
+                    let store = r.store.clone();
+                    drop(r);
+                    rev = match recover(&records, &store, e, rev).await {
+                        Some(r) => r,
+                        None => return,
+                    };
+                    break;
+                }
+            }
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(2));
+    }
+}
+
+/// After a watch error: on `Compacted`, lists again and returns the list's revision;
+/// otherwise keeps `rev`. `None` when the records are gone.
+async fn recover(
+    records: &std::sync::Weak<Records>,
+    store: &Arc<dyn StateStore>,
+    error: StateError,
+    rev: Revision,
+) -> Option<Revision> {
+    if error != StateError::Compacted {
+        tracing::warn!(%error, "watching sandbox records failed; retrying");
+        return Some(rev);
+    }
+    match store.list(NS_SANDBOXES).await {
+        Ok((entries, listed)) => {
+            records.upgrade()?.relist(entries, listed);
+            Some(listed)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "listing sandbox records failed; retrying");
+            Some(rev)
+        }
+    }
+}

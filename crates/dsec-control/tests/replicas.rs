@@ -1,0 +1,161 @@
+//! Two control-plane replicas over one state store and one node: what one does, the
+//! other sees (through the store, within a second), and concurrent changes made on both
+//! resolve in the store (compare-and-swap), not in either replica's memory. Run over the
+//! in-memory store and over a real etcd.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dsec_control::{ControlConfig, ControlPlane, SandboxApi};
+use dsec_node_api::fake::FakeNode;
+use dsec_state::{EtcdConfig, EtcdStore, MemStore, StateStore};
+use dsec_testkit::Etcd;
+use dsec_wire::v1::{CreateSandboxRequest, SandboxState};
+use dsec_wire::ErrorCode;
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+struct Pair {
+    a: Arc<ControlPlane>,
+    b: Arc<ControlPlane>,
+    node: Arc<FakeNode>,
+}
+
+async fn pair(store: Arc<dyn StateStore>) -> Result<Pair, Box<dyn std::error::Error>> {
+    let node = Arc::new(FakeNode::new("fake-1"));
+    let cfg = ControlConfig {
+        sole_owner: false,
+        reap_interval: Duration::from_millis(50),
+        ..ControlConfig::with_key("k".into())
+    };
+    let a = ControlPlane::open(cfg.clone(), node.clone(), store.clone()).await?;
+    let b = ControlPlane::open(cfg, node.clone(), store).await?;
+    Ok(Pair { a, b, node })
+}
+
+/// Polls `f` until it holds, for at most `limit`; the time it took.
+async fn within(limit: Duration, mut f: impl AsyncFnMut() -> bool) -> Option<Duration> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if f().await {
+            return Some(start.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    None
+}
+
+async fn one_replica_sees_the_others_changes(p: &Pair) -> TestResult {
+    let sb = p.a.create_sandbox(CreateSandboxRequest::default()).await?;
+    // Read-your-writes on any replica: a get goes to the store when its cache misses.
+    assert_eq!(p.b.get_sandbox(&sb.id).await?.state, SandboxState::Ready);
+    let listed = within(Duration::from_secs(1), async || {
+        p.b.list_sandboxes(Default::default())
+            .await
+            .is_ok_and(|l| l.sandboxes.iter().any(|s| s.id == sb.id))
+    })
+    .await;
+    assert!(listed.is_some(), "b lists a's sandbox within 1 s");
+
+    p.b.pause_sandbox(&sb.id).await?;
+    let paused = within(Duration::from_secs(1), async || {
+        p.a.get_sandbox(&sb.id)
+            .await
+            .is_ok_and(|s| s.state == SandboxState::Paused)
+    })
+    .await;
+    assert!(paused.is_some(), "a sees the pause within 1 s");
+    p.a.resume_sandbox(&sb.id).await?;
+    assert_eq!(p.b.get_sandbox(&sb.id).await?.state, SandboxState::Ready);
+
+    p.a.delete_sandbox(&sb.id).await?;
+    let gone = within(
+        Duration::from_secs(1),
+        async || matches!(p.b.get_sandbox(&sb.id).await, Err(e) if e.code == ErrorCode::NotFound),
+    )
+    .await;
+    assert!(gone.is_some(), "b forgets the deleted sandbox within 1 s");
+    let e = p.b.delete_sandbox(&sb.id).await.expect_err("deleted twice");
+    assert_eq!(e.code, ErrorCode::NotFound);
+    Ok(())
+}
+
+async fn a_keyed_create_on_both_replicas_makes_one_sandbox(p: &Pair) -> TestResult {
+    let before = p.node.counters.creates.load(Ordering::Relaxed);
+    for round in 0..10 {
+        let req = CreateSandboxRequest {
+            idempotency_key: Some(format!("race-{round}")),
+            ..Default::default()
+        };
+        let (x, y) = tokio::join!(
+            p.a.create_sandbox(req.clone()),
+            p.b.create_sandbox(req.clone())
+        );
+        let (x, y) = (x?, y?);
+        assert_eq!(x.id, y.id, "round {round}: both answers name one sandbox");
+        assert_eq!(y.state, SandboxState::Ready);
+        // A different body under the same key is refused on either replica.
+        let other = CreateSandboxRequest {
+            timeout_s: Some(99),
+            ..req
+        };
+        let e = p.b.create_sandbox(other).await.expect_err("other body");
+        assert_eq!(e.code, ErrorCode::Conflict);
+    }
+    assert_eq!(
+        p.node.counters.creates.load(Ordering::Relaxed) - before,
+        10,
+        "one node create per key"
+    );
+    // Deleted, the key is free again.
+    let req = CreateSandboxRequest {
+        idempotency_key: Some("race-0".into()),
+        ..Default::default()
+    };
+    let first = p.a.create_sandbox(req.clone()).await?;
+    p.b.delete_sandbox(&first.id).await?;
+    let second = p.a.create_sandbox(req).await?;
+    assert_ne!(first.id, second.id);
+    Ok(())
+}
+
+async fn concurrent_pauses_on_both_replicas_pause_once(p: &Pair) -> TestResult {
+    let sb = p.a.create_sandbox(CreateSandboxRequest::default()).await?;
+    let (x, y) = tokio::join!(p.a.pause_sandbox(&sb.id), p.b.pause_sandbox(&sb.id));
+    let (x, y) = (x?, y?);
+    assert_eq!(x.sandbox.state, SandboxState::Paused);
+    assert_eq!(y.sandbox.state, SandboxState::Paused);
+    // The loser of the race did not pause (its answer reports no memory change).
+    assert!(
+        x.memory_before_bytes == 0 || y.memory_before_bytes == 0,
+        "only one replica paused the node's sandbox: {x:?} {y:?}"
+    );
+    let (x, y) = tokio::join!(p.a.delete_sandbox(&sb.id), p.b.delete_sandbox(&sb.id));
+    assert!(x.is_ok() || y.is_ok(), "{x:?} {y:?}");
+    assert!(!p.node.sandbox_ids().contains(&sb.id));
+    Ok(())
+}
+
+async fn all(store: Arc<dyn StateStore>) -> TestResult {
+    let p = pair(store).await?;
+    one_replica_sees_the_others_changes(&p).await?;
+    a_keyed_create_on_both_replicas_makes_one_sandbox(&p).await?;
+    concurrent_pauses_on_both_replicas_pause_once(&p).await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_share_records_through_the_in_memory_store() -> TestResult {
+    all(Arc::new(MemStore::new())).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_share_records_through_etcd() -> TestResult {
+    let Some(etcd) = Etcd::start("replicas_share_records_through_etcd") else {
+        return Ok(());
+    };
+    let store =
+        EtcdStore::connect(EtcdConfig::new(etcd.endpoints(), "/dsec-test/replicas")).await?;
+    all(Arc::new(store)).await
+}
