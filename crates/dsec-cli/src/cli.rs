@@ -71,9 +71,21 @@ pub struct ApiserverArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:7070")]
     pub listen: SocketAddr,
-    /// Directory of the API server's state (its API key and records).
+    /// Directory of the API server's state (its API key and, without --etcd, records).
     #[arg(long, default_value = "/var/lib/dsec-apiserver")]
     pub state_dir: PathBuf,
+    /// etcd endpoints (`http://HOST:PORT`, comma-separated) holding the cluster's
+    /// records: then any number of API servers may serve the same sandboxes. Without
+    /// it, records are kept in STATE_DIR (one API server).
+    #[arg(long, value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// Prefix of every key in etcd (several clusters may share one etcd).
+    #[arg(long, default_value = "/dsec")]
+    pub etcd_prefix: String,
+    /// File holding the API key clients must present (created, mode 0600, with a
+    /// random key when missing; replicas share one). Default: STATE_DIR/api-key.
+    #[arg(long)]
+    pub api_key_file: Option<PathBuf>,
     /// Internal API of the node (`http://HOST:PORT` of `dsec node --listen`).
     #[arg(long)]
     pub node: String,

@@ -296,12 +296,27 @@ pub async fn run_apiserver(args: ApiserverArgs) -> anyhow::Result<()> {
         .await
         .map_err(|e| anyhow::anyhow!("connecting to node {}: {}", args.node, e.message))?;
     println!("node {} at {}", node.name(), args.node);
-    let key = key_file(&args.state_dir.join("api-key"), "API key")?;
-    let store = Arc::new(
-        RedbStore::open(&args.state_dir.join("state.redb")).context("opening the state store")?,
-    );
+    let key_path = args
+        .api_key_file
+        .clone()
+        .unwrap_or_else(|| args.state_dir.join("api-key"));
+    let key = key_file(&key_path, "API key")?;
+    // With etcd, replicas share the records (and none may reconcile the node alone).
+    let (store, sole_owner): (Arc<dyn dsec_state::StateStore>, bool) = if args.etcd.is_empty() {
+        let path = args.state_dir.join("state.redb");
+        let store = RedbStore::open(&path)
+            .with_context(|| format!("opening the state store {}", path.display()))?;
+        (Arc::new(store), true)
+    } else {
+        let cfg = dsec_state::EtcdConfig::new(args.etcd.clone(), &args.etcd_prefix);
+        let store = dsec_state::EtcdStore::connect(cfg)
+            .await
+            .with_context(|| format!("connecting to etcd at {}", args.etcd.join(",")))?;
+        (Arc::new(store), false)
+    };
     let control = ControlConfig {
         job_suspend_stops_lifetime: !args.job_suspend_keeps_lifetime,
+        sole_owner,
         ..ControlConfig::with_key(key)
     };
     let plane = ControlPlane::open(control, Arc::new(node), store)
