@@ -541,10 +541,11 @@ impl NodeApi for LocalNode {
             ttl_left_ms: None,
             ended: None,
         };
-        let id = created.id.clone();
-        self.lifetimes
-            .listed(created, now_ms())
-            .ok_or_else(|| NodeError::NotFound(id).into())
+        // Ended already (a TTL of 0): the reaper tears it down; the caller sees its stub.
+        Ok(self
+            .lifetimes
+            .listed(created.clone(), now_ms())
+            .unwrap_or(created))
     }
 
     async fn destroy(&self, id: &str) -> NodeResult<()> {
