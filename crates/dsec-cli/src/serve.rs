@@ -168,6 +168,7 @@ async fn open_node(args: &ServeArgs, command: &str) -> anyhow::Result<Arc<LocalN
         lazy_chunk_cache_bytes: args.lazy_layers.then_some(args.chunk_cache_mb << 20),
         lazy_prefetch_window: Duration::from_secs(args.prefetch_window_s),
         lazy_launcher: None,
+        reap_interval: dsec_node::config::DEFAULT_REAP_INTERVAL,
         ref_ttl: Duration::from_millis(args.ref_cache_ms),
         chunk_size: args.chunk_kib << 10,
         network: (!args.no_network).then(|| dsec_net::NetConfig {

@@ -5,6 +5,10 @@
 //! understand a handful of words (`echo`, `cat FILE`, `exit N`, `true`, `false`); anything
 //! else exits 127. Tests steer it: a capacity limit, a failure injected into the next
 //! create, a node that is down, and counters of what was called.
+//!
+//! Lifetimes follow the local node's rules (see [`crate::lifetime`]) on a clock that
+//! stands still until the test moves it: [`FakeNode::advance`] moves it and ends what
+//! is due, [`FakeNode::reap_now`] ends what is due without moving it.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,6 +24,7 @@ use dsec_wire::v1::{
 };
 use dsec_wire::{ApiError, ErrorCode};
 
+use crate::lifetime::{Clocks, Lifetime};
 use crate::{
     ByteStream, EventStream, ImportProgressSink, ImportSource, NodeApi, NodeCreateSpec, NodeResult,
     NodeSandbox,
@@ -32,11 +37,43 @@ struct FakeSandbox {
     paused: bool,
     /// Files by absolute path.
     files: BTreeMap<String, Vec<u8>>,
+    /// Its lifetime.
+    clocks: Clocks,
+}
+
+impl FakeSandbox {
+    fn new(spec: NodeCreateSpec, now: u64) -> Self {
+        Self {
+            clocks: Clocks::new(spec.lifetime, now),
+            spec,
+            paused: false,
+            files: BTreeMap::new(),
+        }
+    }
+
+    fn listed(&self, now: u64) -> NodeSandbox {
+        NodeSandbox {
+            id: self.spec.id.clone(),
+            image_digest: fake_digest(&self.spec.image),
+            pid: 0,
+            alive: true,
+            disk_mb: None,
+            ip: None,
+            age_ms: self.clocks.age_ms(now),
+            idle_ms: self.clocks.idle_ms(now),
+            ttl_left_ms: self.clocks.ttl_left_ms(now),
+            ended: None,
+        }
+    }
 }
 
 #[derive(Debug, Default)]
 struct State {
     sandboxes: HashMap<String, FakeSandbox>,
+    /// Sandboxes whose lifetime ended, until destroyed.
+    ended: BTreeMap<String, NodeSandbox>,
+    /// The node's clock (ms); moves only with [`FakeNode::advance`].
+    now_ms: u64,
     images: BTreeMap<String, Image>,
     /// An error the next create answers with.
     fail_next_create: Option<ApiError>,
@@ -113,43 +150,94 @@ impl FakeNode {
         self.state().down = down;
     }
 
-    /// Ids of the sandboxes the node runs, sorted.
+    /// Ids of the sandboxes the node runs, sorted (not the ended ones).
     pub fn sandbox_ids(&self) -> Vec<String> {
         let mut ids: Vec<String> = self.state().sandboxes.keys().cloned().collect();
         ids.sort();
         ids
     }
 
-    /// Starts a sandbox the control plane did not ask for (as one left by a crash).
-    pub fn adopt(&self, spec: NodeCreateSpec) {
-        self.state().sandboxes.insert(
-            spec.id.clone(),
-            FakeSandbox {
-                spec,
-                paused: false,
-                files: BTreeMap::new(),
-            },
-        );
+    /// Ids of the sandboxes whose lifetime ended and that are not destroyed yet, sorted.
+    pub fn ended_ids(&self) -> Vec<String> {
+        self.state().ended.keys().cloned().collect()
     }
 
-    /// Runs `f` on a live, unpaused sandbox.
-    fn with_sandbox<T>(
+    /// Starts a sandbox the control plane did not ask for (as one left by a crash).
+    pub fn adopt(&self, spec: NodeCreateSpec) {
+        let mut st = self.state();
+        let sb = FakeSandbox::new(spec, st.now_ms);
+        st.sandboxes.insert(sb.spec.id.clone(), sb);
+    }
+
+    /// Moves the node's clock on by `by`, then ends the sandboxes that are due (as the
+    /// local node's reaper would); returns their ids.
+    pub fn advance(&self, by: std::time::Duration) -> Vec<String> {
+        {
+            let mut st = self.state();
+            let ms = u64::try_from(by.as_millis()).unwrap_or(u64::MAX);
+            st.now_ms = st.now_ms.saturating_add(ms);
+        }
+        self.reap_now()
+    }
+
+    /// Ends the sandboxes whose TTL or idle timeout ran out by the node's clock; returns
+    /// their ids, sorted. Each stays listed as ended until destroyed.
+    pub fn reap_now(&self) -> Vec<String> {
+        let mut st = self.state();
+        let now = st.now_ms;
+        let mut due: Vec<(String, &'static str)> = st
+            .sandboxes
+            .iter()
+            .filter_map(|(id, sb)| sb.clocks.due(now).map(|r| (id.clone(), r)))
+            .collect();
+        due.sort();
+        for (id, reason) in &due {
+            if let Some(sb) = st.sandboxes.remove(id) {
+                let mut stub = sb.listed(now);
+                stub.alive = false;
+                stub.ttl_left_ms = None;
+                stub.ended = Some(reason.to_string());
+                st.ended.insert(id.clone(), stub);
+            }
+        }
+        due.into_iter().map(|(id, _)| id).collect()
+    }
+
+    /// Runs `f` on a live, unpaused sandbox; with `activity`, the call counts as its
+    /// activity.
+    fn with_sandbox_as<T>(
         &self,
         id: &str,
+        activity: bool,
         f: impl FnOnce(&mut FakeSandbox) -> NodeResult<T>,
     ) -> NodeResult<T> {
         let mut st = self.state();
         if st.down {
             return Err(unreachable_node(&self.name));
         }
-        let sb = st.sandboxes.get_mut(id).ok_or_else(|| not_found(id))?;
+        let now = st.now_ms;
+        let Some(sb) = st.sandboxes.get_mut(id) else {
+            return Err(gone(&st, id));
+        };
         if sb.paused {
             return Err(ApiError::new(
                 ErrorCode::Paused,
                 format!("sandbox {id} is paused"),
             ));
         }
+        if activity {
+            sb.clocks.touch(now);
+        }
         f(sb)
+    }
+
+    /// Runs `f` on a live, unpaused sandbox, as its activity.
+    fn with_sandbox<T>(
+        &self,
+        id: &str,
+        f: impl FnOnce(&mut FakeSandbox) -> NodeResult<T>,
+    ) -> NodeResult<T> {
+        self.with_sandbox_as(id, true, f)
     }
 
     fn up(&self) -> NodeResult<()> {
@@ -179,6 +267,17 @@ fn not_found(id: &str) -> ApiError {
         ErrorCode::NotFound,
         format!("sandbox {id} not found on this node"),
     )
+}
+
+/// The error for a sandbox the node does not run: unknown, or ended.
+fn gone(st: &State, id: &str) -> ApiError {
+    match st.ended.get(id).and_then(|s| s.ended.as_deref()) {
+        Some(reason) => ApiError::new(
+            ErrorCode::NotFound,
+            format!("sandbox {id} ended on this node: {reason}"),
+        ),
+        None => not_found(id),
+    }
 }
 
 fn unreachable_node(name: &str) -> ApiError {
@@ -294,36 +393,27 @@ impl NodeApi for FakeNode {
                 format!("image {} not found", spec.image),
             )
         })?;
-        if st.sandboxes.contains_key(&spec.id) {
+        if st.sandboxes.contains_key(&spec.id) || st.ended.contains_key(&spec.id) {
             return Err(ApiError::new(
                 ErrorCode::Conflict,
                 format!("sandbox {} exists", spec.id),
             ));
         }
         let id = spec.id.clone();
-        st.sandboxes.insert(
-            id.clone(),
-            FakeSandbox {
-                spec,
-                paused: false,
-                files: BTreeMap::new(),
-            },
-        );
+        let sb = FakeSandbox::new(spec, st.now_ms);
+        let mut created = sb.listed(st.now_ms);
+        created.image_digest = image.digest;
+        st.sandboxes.insert(id, sb);
         self.counters.creates.fetch_add(1, Ordering::Relaxed);
-        Ok(NodeSandbox {
-            id,
-            image_digest: image.digest,
-            pid: 0,
-            alive: true,
-            disk_mb: None,
-            ip: None,
-        })
+        Ok(created)
     }
 
     async fn destroy(&self, id: &str) -> NodeResult<()> {
         self.up()?;
         self.counters.destroys.fetch_add(1, Ordering::Relaxed);
-        self.state().sandboxes.remove(id);
+        let mut st = self.state();
+        st.sandboxes.remove(id);
+        st.ended.remove(id);
         Ok(())
     }
 
@@ -333,21 +423,28 @@ impl NodeApi for FakeNode {
             return Vec::new();
         }
         st.sandboxes
-            .iter()
-            .map(|(id, sb)| NodeSandbox {
-                id: id.clone(),
-                image_digest: fake_digest(&sb.spec.image),
-                pid: 0,
-                alive: true,
-                disk_mb: None,
-                ip: None,
-            })
+            .values()
+            .map(|sb| sb.listed(st.now_ms))
+            .chain(st.ended.values().cloned())
             .collect()
     }
 
+    async fn set_lifetime(&self, id: &str, lifetime: Lifetime) -> NodeResult<()> {
+        self.up()?;
+        let mut st = self.state();
+        let now = st.now_ms;
+        let Some(sb) = st.sandboxes.get_mut(id) else {
+            return Err(gone(&st, id));
+        };
+        sb.clocks.set(lifetime, now);
+        sb.clocks.touch(now);
+        Ok(())
+    }
+
     async fn pause(&self, id: &str) -> NodeResult<(u64, u64)> {
-        self.with_sandbox(id, |sb| {
+        self.with_sandbox_as(id, false, |sb| {
             sb.paused = true;
+            sb.clocks.paused = true;
             Ok((sb.spec.memory_bytes / 4, 0))
         })
     }
@@ -355,8 +452,13 @@ impl NodeApi for FakeNode {
     async fn resume(&self, id: &str) -> NodeResult<()> {
         self.up()?;
         let mut st = self.state();
-        let sb = st.sandboxes.get_mut(id).ok_or_else(|| not_found(id))?;
+        let now = st.now_ms;
+        let Some(sb) = st.sandboxes.get_mut(id) else {
+            return Err(gone(&st, id));
+        };
         sb.paused = false;
+        sb.clocks.paused = false;
+        sb.clocks.touch(now);
         Ok(())
     }
 
@@ -406,7 +508,8 @@ impl NodeApi for FakeNode {
     }
 
     async fn ping(&self, id: &str) -> NodeResult<()> {
-        self.with_sandbox(id, |_| Ok(()))
+        // Not activity: the control plane's watchdog must not keep a sandbox alive.
+        self.with_sandbox_as(id, false, |_| Ok(()))
     }
 
     async fn call(&self, id: &str, req: Request) -> NodeResult<Reply> {
@@ -631,6 +734,7 @@ pub fn sandbox_spec(id: &str) -> NodeCreateSpec {
         tcp_connect: None,
         isolation: Default::default(),
         labels: Default::default(),
+        lifetime: Default::default(),
     }
 }
 
@@ -718,5 +822,136 @@ mod tests {
         );
         node.resume("a").await.expect("fake call");
         node.ping("a").await.expect("fake call");
+    }
+
+    fn lifetime(ttl_s: u64, idle_s: Option<u64>) -> Lifetime {
+        Lifetime {
+            ttl_ms: Some(ttl_s * 1000),
+            idle_timeout_ms: idle_s.map(|s| s * 1000),
+            held: false,
+        }
+    }
+
+    fn spec_with(id: &str, life: Lifetime) -> NodeCreateSpec {
+        NodeCreateSpec {
+            lifetime: life,
+            ..sandbox_spec(id)
+        }
+    }
+
+    fn secs(s: u64) -> std::time::Duration {
+        std::time::Duration::from_secs(s)
+    }
+
+    #[tokio::test]
+    async fn a_ttl_ends_the_sandbox_into_a_stub_that_destroy_forgets() {
+        let node = FakeNode::new("n1");
+        node.create(spec_with("a", lifetime(10, None)))
+            .await
+            .expect("fake call");
+        node.create(sandbox_spec("forever"))
+            .await
+            .expect("fake call");
+        assert!(node.advance(secs(9)).is_empty());
+        let listed = node.list().await;
+        let a = listed.iter().find(|s| s.id == "a").expect("listed");
+        assert_eq!((a.age_ms, a.ttl_left_ms), (9000, Some(1000)));
+        assert_eq!(node.advance(secs(1)), ["a"]);
+        let stub = node
+            .list()
+            .await
+            .into_iter()
+            .find(|s| s.id == "a")
+            .expect("the stub stays listed");
+        assert_eq!(stub.ended.as_deref(), Some(crate::lifetime::TTL_ENDED));
+        assert!(!stub.alive);
+        let e = node
+            .exec("a", shell("true"), None)
+            .await
+            .expect_err("ended");
+        assert_eq!(e.code, ErrorCode::NotFound);
+        assert!(e.message.contains("lifetime"), "{}", e.message);
+        assert_eq!(
+            node.set_lifetime("a", Lifetime::default())
+                .await
+                .expect_err("ended")
+                .code,
+            ErrorCode::NotFound
+        );
+        node.destroy("a").await.expect("fake call");
+        node.destroy("a").await.expect("fake call");
+        assert!(node.ended_ids().is_empty());
+        assert_eq!(node.sandbox_ids(), ["forever"]);
+        assert!(node.advance(secs(1_000_000)).is_empty());
+    }
+
+    #[tokio::test]
+    async fn idle_timeout_counts_activity_but_not_pings_nor_paused_time() {
+        let node = FakeNode::new("n1");
+        node.create(spec_with("a", lifetime(1000, Some(10))))
+            .await
+            .expect("fake call");
+        node.advance(secs(8));
+        node.exec("a", shell("true"), None)
+            .await
+            .expect("fake call");
+        assert!(node.advance(secs(8)).is_empty(), "the exec was activity");
+        node.ping("a").await.expect("fake call");
+        assert_eq!(node.list().await[0].idle_ms, 8000);
+        node.pause("a").await.expect("fake call");
+        assert!(node.advance(secs(100)).is_empty(), "paused: no idleness");
+        node.resume("a").await.expect("fake call");
+        assert!(node.advance(secs(9)).is_empty(), "resume was activity");
+        assert_eq!(node.advance(secs(1)), ["a"], "pings kept nothing alive");
+        let stub = &node.list().await[0];
+        assert_eq!(stub.ended.as_deref(), Some(crate::lifetime::IDLE_TIMEOUT));
+    }
+
+    #[tokio::test]
+    async fn a_paused_sandbox_ttl_runs_unless_held_and_set_lifetime_replaces_it() {
+        let node = FakeNode::new("n1");
+        for id in ["paused", "held"] {
+            node.create(spec_with(id, lifetime(10, Some(1))))
+                .await
+                .expect("fake call");
+            node.pause(id).await.expect("fake call");
+        }
+        node.advance(secs(4));
+        node.set_lifetime(
+            "held",
+            Lifetime {
+                ttl_ms: Some(6000),
+                idle_timeout_ms: Some(1000),
+                held: true,
+            },
+        )
+        .await
+        .expect("fake call");
+        assert_eq!(node.advance(secs(6)), ["paused"]);
+        assert!(
+            node.advance(secs(3600)).is_empty(),
+            "held: the clock stopped"
+        );
+        let held = node
+            .list()
+            .await
+            .into_iter()
+            .find(|s| s.id == "held")
+            .expect("listed");
+        assert_eq!(held.ttl_left_ms, Some(6000));
+        // Resumed: the TTL goes on where it stopped.
+        node.resume("held").await.expect("fake call");
+        node.set_lifetime("held", lifetime(6, None))
+            .await
+            .expect("fake call");
+        assert!(node.advance(secs(5)).is_empty());
+        assert_eq!(node.advance(secs(1)), ["held"]);
+        assert_eq!(
+            node.set_lifetime("nope", Lifetime::default())
+                .await
+                .expect_err("unknown")
+                .code,
+            ErrorCode::NotFound
+        );
     }
 }

@@ -30,6 +30,9 @@ use dsec_wire::ApiError;
 
 #[cfg(feature = "fake")]
 pub mod fake;
+pub mod lifetime;
+
+pub use lifetime::Lifetime;
 
 /// Result of a node operation.
 pub type NodeResult<T> = Result<T, ApiError>;
@@ -80,6 +83,9 @@ pub struct NodeCreateSpec {
     pub isolation: Isolation,
     /// The sandbox's labels (a label may name the tenant whose uid range it shares).
     pub labels: BTreeMap<String, String>,
+    /// How long it may live; the node ends it when this runs out (default: no limit).
+    #[serde(default)]
+    pub lifetime: Lifetime,
 }
 
 /// A sandbox as the node knows it.
@@ -97,6 +103,21 @@ pub struct NodeSandbox {
     pub disk_mb: Option<u64>,
     /// Its IPv4 address, when it is networked.
     pub ip: Option<std::net::Ipv4Addr>,
+    /// Milliseconds since the node created it (or adopted it, when it has no earlier
+    /// record), by the node's own monotonic clock; for an ended one, its age when it ended.
+    #[serde(default)]
+    pub age_ms: u64,
+    /// Milliseconds since its last activity (0 while an operation is under way).
+    #[serde(default)]
+    pub idle_ms: u64,
+    /// What is left of its TTL (frozen while held); `None`: no TTL, or it ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_left_ms: Option<u64>,
+    /// Why the node ended it ([`lifetime::TTL_ENDED`], [`lifetime::IDLE_TIMEOUT`]): an
+    /// ended sandbox is a stub, nothing of it runs; it stays listed until
+    /// [`NodeApi::destroy`] forgets it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended: Option<String>,
 }
 
 /// Where an image to import comes from.
@@ -119,9 +140,14 @@ impl std::fmt::Debug for ImportSource {
 
 /// The operations of one node, as the control plane sees them.
 ///
-/// Calls name sandboxes by id; an id the node does not run answers `not_found`. Agent
-/// operations have no deadline of their own: the caller bounds them (and drops the
-/// future or stream to cancel, which stops the command or transfer in the sandbox).
+/// Calls name sandboxes by id; an id the node does not run answers `not_found`, and so
+/// does an ended one (its lifetime ran out). Agent operations have no deadline of their
+/// own: the caller bounds them (and drops the future or stream to cancel, which stops
+/// the command or transfer in the sandbox).
+///
+/// Lifetimes are the node's: it ends a sandbox whose TTL or idle timeout ran out (see
+/// [`Lifetime`]) and lists it as ended until the control plane destroys it. Every
+/// operation on a sandbox counts as activity but `ping`, `pause`, `list` and `destroy`.
 #[async_trait::async_trait]
 pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
     /// Node name.
@@ -133,10 +159,14 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
 
     /// Creates a sandbox; returns once its agent answers.
     async fn create(&self, spec: NodeCreateSpec) -> NodeResult<NodeSandbox>;
-    /// Destroys a sandbox and releases everything it held. Idempotent.
+    /// Destroys a sandbox and releases everything it held; forgets an ended one's stub.
+    /// Idempotent.
     async fn destroy(&self, id: &str) -> NodeResult<()>;
-    /// Sandboxes on this node.
+    /// Sandboxes on this node, the ended ones (see [`NodeSandbox::ended`]) included.
     async fn list(&self) -> Vec<NodeSandbox>;
+    /// Replaces a sandbox's lifetime, counted from now (see [`Lifetime`]). Counts as
+    /// activity. An ended or unknown sandbox answers `not_found`.
+    async fn set_lifetime(&self, id: &str, lifetime: Lifetime) -> NodeResult<()>;
     /// Freezes a sandbox and reclaims its memory; returns its memory use before and after.
     async fn pause(&self, id: &str) -> NodeResult<(u64, u64)>;
     /// Thaws a paused sandbox.

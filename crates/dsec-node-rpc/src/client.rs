@@ -257,6 +257,11 @@ impl NodeApi for RemoteNode {
             .await
     }
 
+    async fn set_lifetime(&self, id: &str, lifetime: dsec_node_api::Lifetime) -> NodeResult<()> {
+        self.empty(self.sandbox(Method::PUT, id, "/lifetime").json(&lifetime))
+            .await
+    }
+
     async fn capacity(&self) -> NodeCapacity {
         match self.json(self.req(Method::GET, "/capacity")).await {
             Ok(c) => c,

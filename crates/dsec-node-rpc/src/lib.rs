@@ -19,6 +19,7 @@
 //! | `DELETE /sandboxes/{id}` | destroy |
 //! | `POST /sandboxes/{id}/{pause,resume,ping,commit,call,exec,exec-stream}` | |
 //! | `PUT /sandboxes/{id}/network` | network policy |
+//! | `PUT /sandboxes/{id}/lifetime` | lifetime (TTL, idle timeout, held) |
 //! | `GET /sandboxes/{id}/processes/{pid}/output`, `POST .../stdin` | background processes |
 //! | `GET`, `PUT /sandboxes/{id}/file?path=` | file bytes (`x-dsec-file-info` header) |
 //! | `GET`, `PUT /sandboxes/{id}/tar?path=` | tar archives |

@@ -70,6 +70,7 @@ pub fn router(node: Arc<dyn NodeApi>, token: String) -> Router {
         .route("/sandboxes/{id}/ping", post(ping))
         .route("/sandboxes/{id}/commit", post(commit))
         .route("/sandboxes/{id}/network", put(set_network))
+        .route("/sandboxes/{id}/lifetime", put(set_lifetime))
         .route("/sandboxes/{id}/call", post(call))
         .route("/sandboxes/{id}/exec", post(exec))
         .route("/sandboxes/{id}/exec-stream", post(exec_stream))
@@ -226,6 +227,15 @@ async fn set_network(
     Json(policy): Json<NetworkPolicy>,
 ) -> RpcResult<StatusCode> {
     rpc.node.set_network(&id, policy).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn set_lifetime(
+    State(rpc): State<Arc<Rpc>>,
+    Path(id): Path<String>,
+    Json(lifetime): Json<dsec_node_api::Lifetime>,
+) -> RpcResult<StatusCode> {
+    rpc.node.set_lifetime(&id, lifetime).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

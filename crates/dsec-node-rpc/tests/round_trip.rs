@@ -4,12 +4,13 @@
 use std::sync::Arc;
 
 use dsec_node_api::fake::{sandbox_spec as spec, shell, FakeNode};
-use dsec_node_api::NodeApi;
+use dsec_node_api::{Lifetime, NodeApi};
 use dsec_node_rpc::client::RemoteNode;
 use dsec_wire::agent::Request;
 use dsec_wire::v1::ExecEvent;
 use dsec_wire::ErrorCode;
 use futures::StreamExt;
+use std::time::Duration;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
@@ -108,6 +109,59 @@ async fn every_kind_of_operation_crosses_the_wire() -> TestResult {
     node.resume("sb-1").await?;
     node.destroy("sb-1").await?;
     assert!(fake.sandbox_ids().is_empty());
+    Ok(())
+}
+
+#[tokio::test]
+async fn lifetimes_and_ended_stubs_cross_the_wire() -> TestResult {
+    let fake = Arc::new(FakeNode::new("fake-9"));
+    let base = serve(fake.clone()).await?;
+    let node = RemoteNode::connect(&base, TOKEN).await?;
+    let life = Lifetime {
+        ttl_ms: Some(10_000),
+        idle_timeout_ms: Some(4_000),
+        held: false,
+    };
+    node.create(dsec_node_api::NodeCreateSpec {
+        lifetime: life,
+        ..spec("sb-1")
+    })
+    .await?;
+    fake.advance(Duration::from_secs(3));
+    let listed = node.list().await;
+    assert_eq!(
+        (listed[0].age_ms, listed[0].idle_ms, listed[0].ttl_left_ms),
+        (3000, 3000, Some(7000)),
+        "the clocks the node keeps come back: {listed:?}"
+    );
+    node.set_lifetime(
+        "sb-1",
+        Lifetime {
+            ttl_ms: Some(1_000),
+            held: true,
+            ..life
+        },
+    )
+    .await?;
+    assert!(fake.advance(Duration::from_secs(60)).is_empty(), "held");
+    node.set_lifetime(
+        "sb-1",
+        Lifetime {
+            ttl_ms: Some(1_000),
+            ..life
+        },
+    )
+    .await?;
+    assert_eq!(fake.advance(Duration::from_secs(1)), ["sb-1"]);
+    let stub = node.list().await.pop().ok_or("the stub is listed")?;
+    assert_eq!(
+        (stub.id.as_str(), stub.alive, stub.ended.as_deref()),
+        ("sb-1", false, Some(dsec_node_api::lifetime::TTL_ENDED))
+    );
+    let e = node.set_lifetime("sb-1", life).await.expect_err("ended");
+    assert_eq!(e.code, ErrorCode::NotFound);
+    node.destroy("sb-1").await?;
+    assert!(node.list().await.is_empty());
     Ok(())
 }
 

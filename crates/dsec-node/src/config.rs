@@ -64,7 +64,13 @@ pub struct NodeConfig {
     pub ref_ttl: std::time::Duration,
     /// How to start the lazy layer server; `None`: this executable's `lazy-serve`.
     pub lazy_launcher: Option<dsec_lazy::Launcher>,
+    /// How often the node ends sandboxes whose lifetime ran out (see
+    /// [`DEFAULT_REAP_INTERVAL`]).
+    pub reap_interval: std::time::Duration,
 }
+
+/// The default [`NodeConfig::reap_interval`].
+pub const DEFAULT_REAP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Size-limited sandbox disks (see `dsec-disk`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

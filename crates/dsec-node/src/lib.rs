@@ -8,6 +8,8 @@
 //! Architecture invariants:
 //! - the node is the source of truth for what runs on its machine; each sandbox's
 //!   directory holds a `runtime.json` with which a restarted node re-adopts it;
+//! - the node owns its sandboxes' lifetimes (TTL, idle timeout): it ends them itself
+//!   and lists them as ended until the control plane destroys them (see `lifetimes`);
 //! - each sandbox writes to its own size-limited disk (`dsec-disk`) unless the node
 //!   runs without disk limits;
 //! - each backend sits behind [`backend::Backend`]; only `container` exists today;
@@ -23,6 +25,7 @@ pub mod config;
 pub mod container;
 pub mod error;
 pub mod events;
+mod lifetimes;
 pub mod local;
 pub mod mntns;
 pub mod nspool;
@@ -42,5 +45,5 @@ pub use local::LocalNode;
 
 // The seam's types: the control plane sees the node only through these.
 pub use dsec_node_api::{
-    ImportProgressSink, ImportSource, NodeApi, NodeCreateSpec, NodeResult, NodeSandbox,
+    ImportProgressSink, ImportSource, Lifetime, NodeApi, NodeCreateSpec, NodeResult, NodeSandbox,
 };

@@ -12,6 +12,7 @@ use dsec_wire::v1::Image;
 use crate::admission::Admission;
 use crate::backend::{Backend, Layers, RuntimeRecord};
 use crate::container::ContainerBackend;
+use crate::lifetimes::{now_ms, Lifetimes};
 use crate::{AgentConn, NodeApi, NodeConfig, NodeCreateSpec, NodeError, NodeSandbox};
 use bytes::Bytes;
 use dsec_node_api::{is_unary, ByteStream, EventStream, ImportSource, NodeResult};
@@ -37,7 +38,13 @@ pub struct LocalNode {
     delete_turns: Option<tokio::sync::Semaphore>,
     /// The host-wide names this node owns while it runs.
     claims: crate::claims::HostClaims,
+    /// Lifetimes of the sandboxes, and stubs of those whose lifetime ended.
+    lifetimes: Arc<Lifetimes>,
 }
+
+/// Sandboxes whose lifetime ended torn down at once by the reaper (deletes take turns
+/// too, see `NodeConfig::delete_concurrency`).
+const REAP_PARALLELISM: usize = 16;
 
 fn join_err(e: tokio::task::JoinError) -> NodeError {
     NodeError::Io {
@@ -150,7 +157,9 @@ impl LocalNode {
             images.set_refcount(digest, *n)?;
         }
         images.cleanup_unused(&refs.keys().cloned().collect::<HashSet<_>>())?;
+        let lifetimes = Arc::new(Lifetimes::open(&cfg, table.keys())?);
         let node = Arc::new(Self {
+            lifetimes,
             admission: Admission::new(cfg.admission),
             delete_turns: (cfg.delete_concurrency > 0)
                 .then(|| tokio::sync::Semaphore::new(cfg.delete_concurrency)),
@@ -163,6 +172,7 @@ impl LocalNode {
             idle_conns: Mutex::new(HashMap::new()),
         });
         node.clone().spawn_reaper();
+        node.clone().spawn_lifetime_reaper();
         if let Some(guard) = run_dir_mount {
             guard.disarm();
         }
@@ -196,6 +206,115 @@ impl LocalNode {
                 }
             }
         });
+    }
+
+    /// Ends the sandboxes whose lifetime ran out, every `reap_interval`.
+    fn spawn_lifetime_reaper(self: Arc<Self>) {
+        let weak = Arc::downgrade(&self);
+        let interval = self
+            .cfg
+            .reap_interval
+            .max(std::time::Duration::from_millis(10));
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(node) = weak.upgrade() else { return };
+                node.reap_lifetimes().await;
+            }
+        });
+    }
+
+    /// One pass of the lifetime reaper: each sandbox whose TTL or idle timeout ran out
+    /// becomes a stub (kept on disk first), then is torn down; a teardown that failed
+    /// (or that a restart cut off) is tried again on the next pass.
+    pub async fn reap_lifetimes(&self) {
+        let now = now_ms();
+        for (id, reason) in self.lifetimes.due(now) {
+            let Some(rec) = self.lock().get(&id).cloned() else {
+                continue;
+            };
+            let listed = NodeSandbox {
+                id: id.clone(),
+                image_digest: rec.image_digest.clone(),
+                pid: rec.pid,
+                alive: false,
+                disk_mb: rec.disk_mb,
+                ip: None,
+                age_ms: 0,
+                idle_ms: 0,
+                ttl_left_ms: None,
+                ended: None,
+            };
+            if self.lifetimes.end(&id, reason, listed) {
+                tracing::info!(%id, reason, "sandbox's lifetime ended");
+            }
+        }
+        let pending: Vec<String> = {
+            let recs = self.lock();
+            self.lifetimes
+                .stubs()
+                .into_iter()
+                .map(|s| s.id)
+                .filter(|id| recs.contains_key(id))
+                .collect()
+        };
+        use futures::StreamExt;
+        futures::stream::iter(pending)
+            .for_each_concurrent(REAP_PARALLELISM, |id| async move {
+                if let Err(e) = self.teardown(&id).await {
+                    tracing::warn!(%id, error = %e.message, "ending a sandbox failed; will retry");
+                }
+            })
+            .await;
+    }
+
+    /// Tears a sandbox down and releases what it held (its lifetime is the caller's).
+    async fn teardown(&self, id: &str) -> NodeResult<()> {
+        // Creates and deletes share the CPU; with every delete torn down at once, a
+        // closed loop of create -> exec -> delete spends as long in creates as in deletes
+        // (Little's law: the cycle is shared where the work waits). A few at a time, the
+        // rest wait here, asleep: creates get the CPU and the queue forms among deletes.
+        // The sandbox is not even killed before its turn: dying is most of a delete's
+        // work (the processes' memory, mounts and namespaces), and many dying at once
+        // hold the kernel's locks creates need.
+        let _turn = match &self.delete_turns {
+            Some(turns) => Some(turns.acquire().await.map_err(|e| NodeError::Io {
+                op: "wait for a delete turn",
+                path: String::new(),
+                source: std::io::Error::other(e),
+            })?),
+            None => None,
+        };
+        let rec = self.lock().get(id).cloned();
+        let backend = self.backend.clone();
+        let id2 = id.to_string();
+        tokio::task::spawn_blocking(move || {
+            let _bg = crate::priority::Background::enter();
+            backend.destroy(&id2)
+        })
+        .await
+        .map_err(join_err)??;
+        if let Some(rec) = rec {
+            let _ = nix::sys::wait::waitpid(
+                nix::unistd::Pid::from_raw(rec.pid),
+                Some(nix::sys::wait::WaitPidFlag::WNOHANG),
+            );
+            // Two teardowns of one sandbox (the reaper's and a destroy) may overlap:
+            // only the one that removes the record gives its layers back.
+            let (removed, idle) = {
+                let mut recs = self.lock();
+                (recs.remove(id), self.idle_lock().remove(id))
+            };
+            drop(idle);
+            if removed.is_some() {
+                for d in rec.layer_digests() {
+                    self.images.release(&d).map_err(NodeError::from)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, RuntimeRecord>> {
@@ -271,6 +390,20 @@ impl LocalNode {
     }
 }
 
+/// `stream`, the sandbox counting as busy (not idle) until it is dropped.
+fn while_active<T: Send + 'static>(
+    stream: futures::stream::BoxStream<'static, T>,
+    active: crate::lifetimes::Activity,
+) -> futures::stream::BoxStream<'static, T> {
+    use futures::StreamExt;
+    stream
+        .map(move |item| {
+            let _ = &active;
+            item
+        })
+        .boxed()
+}
+
 /// Writes an uploaded archive to `path`.
 async fn receive(path: &Path, mut body: ByteStream) -> NodeResult<()> {
     use futures::StreamExt;
@@ -334,6 +467,14 @@ impl NodeApi for LocalNode {
     }
 
     async fn create(&self, spec: NodeCreateSpec) -> NodeResult<NodeSandbox> {
+        // The lifetime counts from when the node got the create.
+        let received = now_ms();
+        if self.lifetimes.check(&spec.id).is_err() {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!("sandbox {} exists (ended, not destroyed yet)", spec.id),
+            ));
+        }
         let (live_cpu, live) = self.load();
         let _ticket = self.admission.admit(spec.cpu_millis, live_cpu, live)?;
         let layers = {
@@ -358,6 +499,10 @@ impl NodeApi for LocalNode {
             }
         };
         self.lock().insert(rec.id.clone(), rec.clone());
+        if let Err(e) = self.lifetimes.start(&rec.id, spec.lifetime, received) {
+            let _ = self.destroy(&rec.id).await;
+            return Err(e.into());
+        }
         // Ready means the agent answers.
         // For an agent that keeps connections, the ping's connection carries the first
         // request too.
@@ -384,91 +529,85 @@ impl NodeApi for LocalNode {
             let _ = self.destroy(&rec.id).await;
             return Err(e.into());
         }
-        Ok(NodeSandbox {
+        let created = NodeSandbox {
             ip: self.backend.address(&rec),
             id: rec.id,
             image_digest: rec.image_digest,
             pid: rec.pid,
             alive: true,
             disk_mb: rec.disk_mb,
-        })
+            age_ms: 0,
+            idle_ms: 0,
+            ttl_left_ms: None,
+            ended: None,
+        };
+        // Ended already (a TTL of 0): the reaper tears it down; the caller sees its stub.
+        Ok(self
+            .lifetimes
+            .listed(created.clone(), now_ms())
+            .unwrap_or(created))
     }
 
     async fn destroy(&self, id: &str) -> NodeResult<()> {
-        // Creates and deletes share the CPU; with every delete torn down at once, a
-        // closed loop of create -> exec -> delete spends as long in creates as in deletes
-        // (Little's law: the cycle is shared where the work waits). A few at a time, the
-        // rest wait here, asleep: creates get the CPU and the queue forms among deletes.
-        // The sandbox is not even killed before its turn: dying is most of a delete's
-        // work (the processes' memory, mounts and namespaces), and many dying at once
-        // hold the kernel's locks creates need.
-        let _turn = match &self.delete_turns {
-            Some(turns) => Some(turns.acquire().await.map_err(|e| NodeError::Io {
-                op: "wait for a delete turn",
-                path: String::new(),
-                source: std::io::Error::other(e),
-            })?),
-            None => None,
-        };
-        let rec = self.lock().get(id).cloned();
-        let backend = self.backend.clone();
-        let id2 = id.to_string();
-        tokio::task::spawn_blocking(move || {
-            let _bg = crate::priority::Background::enter();
-            backend.destroy(&id2)
-        })
-        .await
-        .map_err(join_err)??;
-        if let Some(rec) = rec {
-            let _ = nix::sys::wait::waitpid(
-                nix::unistd::Pid::from_raw(rec.pid),
-                Some(nix::sys::wait::WaitPidFlag::WNOHANG),
-            );
-            let idle = {
-                let mut recs = self.lock();
-                recs.remove(id);
-                self.idle_lock().remove(id)
-            };
-            drop(idle);
-            for d in rec.layer_digests() {
-                self.images.release(&d).map_err(NodeError::from)?;
-            }
-        }
-        Ok(())
+        self.lifetimes.forget(id);
+        self.teardown(id).await
+    }
+
+    async fn set_lifetime(&self, id: &str, lifetime: dsec_node_api::Lifetime) -> NodeResult<()> {
+        self.lifetimes.check(id)?;
+        self.known(id)?;
+        self.lifetimes.set(id, lifetime)
     }
 
     async fn list(&self) -> Vec<NodeSandbox> {
         let recs: Vec<RuntimeRecord> = self.lock().values().cloned().collect();
-        recs.into_iter()
-            .map(|r| NodeSandbox {
-                alive: self.backend.is_alive(&r),
-                ip: self.backend.address(&r),
-                id: r.id,
-                image_digest: r.image_digest,
-                pid: r.pid,
-                disk_mb: r.disk_mb,
+        let now = now_ms();
+        let mut listed: Vec<NodeSandbox> = recs
+            .into_iter()
+            .filter_map(|r| {
+                let sb = NodeSandbox {
+                    alive: self.backend.is_alive(&r),
+                    ip: self.backend.address(&r),
+                    id: r.id,
+                    image_digest: r.image_digest,
+                    pid: r.pid,
+                    disk_mb: r.disk_mb,
+                    age_ms: 0,
+                    idle_ms: 0,
+                    ttl_left_ms: None,
+                    ended: None,
+                };
+                self.lifetimes.listed(sb, now)
             })
-            .collect()
+            .collect();
+        listed.extend(self.lifetimes.stubs());
+        listed
     }
 
     async fn pause(&self, id: &str) -> NodeResult<(u64, u64)> {
+        self.lifetimes.check(id)?;
         self.known(id)?;
         let backend = self.backend.clone();
-        let id = id.to_string();
-        tokio::task::spawn_blocking(move || backend.pause(&id))
+        let id2 = id.to_string();
+        let r = tokio::task::spawn_blocking(move || backend.pause(&id2))
             .await
             .map_err(join_err)?
-            .map_err(ApiError::from)
+            .map_err(ApiError::from)?;
+        self.lifetimes.set_paused(id, true);
+        Ok(r)
     }
 
     async fn resume(&self, id: &str) -> NodeResult<()> {
+        let _active = self.lifetimes.activity(id)?;
         self.known(id)?;
         let backend = self.backend.clone();
-        let id = id.to_string();
-        tokio::task::spawn_blocking(move || backend.resume(&id))
+        let id2 = id.to_string();
+        tokio::task::spawn_blocking(move || backend.resume(&id2))
             .await
             .map_err(join_err)?
-            .map_err(ApiError::from)
+            .map_err(ApiError::from)?;
+        self.lifetimes.set_paused(id, false);
+        Ok(())
     }
 
     async fn commit(
@@ -478,6 +617,7 @@ impl NodeApi for LocalNode {
         previous_diffs: Vec<String>,
         config: dsec_wire::v1::ImageConfig,
     ) -> NodeResult<(Image, Option<String>)> {
+        let _active = self.lifetimes.activity(id)?;
         let rec = self.record(id)?;
         let backend = self.backend.clone();
         let images = self.images.clone();
@@ -508,6 +648,7 @@ impl NodeApi for LocalNode {
     }
 
     async fn set_network(&self, id: &str, policy: dsec_wire::v1::NetworkPolicy) -> NodeResult<()> {
+        let _active = self.lifetimes.activity(id)?;
         self.known(id)?;
         let backend = self.backend.clone();
         let id = id.to_string();
@@ -518,6 +659,8 @@ impl NodeApi for LocalNode {
     }
 
     async fn ping(&self, id: &str) -> NodeResult<()> {
+        // Not activity: the control plane's watchdog must not keep a sandbox alive.
+        self.lifetimes.check(id)?;
         self.agent_ping(id).await
     }
 
@@ -528,10 +671,12 @@ impl NodeApi for LocalNode {
                 "a streaming agent request was sent as a plain call",
             ));
         }
+        let _active = self.lifetimes.activity(id)?;
         self.agent_call(id, &req).await
     }
 
     async fn exec(&self, id: &str, spec: ExecSpec, stdin: Option<Bytes>) -> NodeResult<ExecResult> {
+        let _active = self.lifetimes.activity(id)?;
         self.exec_to_exit(id, spec, stdin).await
     }
 
@@ -541,7 +686,9 @@ impl NodeApi for LocalNode {
         spec: ExecSpec,
         stdin: Option<Bytes>,
     ) -> NodeResult<EventStream> {
-        self.exec_events(id, spec, stdin).await
+        let active = self.lifetimes.activity(id)?;
+        let events = self.exec_events(id, spec, stdin).await?;
+        Ok(while_active(events, active))
     }
 
     async fn process_output(
@@ -558,10 +705,13 @@ impl NodeApi for LocalNode {
             stderr_offset,
             follow,
         };
-        self.output_events(id, req).await
+        let active = self.lifetimes.activity(id)?;
+        let events = self.output_events(id, req).await?;
+        Ok(while_active(events, active))
     }
 
     async fn process_stdin(&self, id: &str, pid: u32, data: Bytes, close: bool) -> NodeResult<()> {
+        let _active = self.lifetimes.activity(id)?;
         self.stdin(id, pid, data, close).await
     }
 
@@ -577,7 +727,9 @@ impl NodeApi for LocalNode {
             offset,
             length,
         };
-        self.file_read(id, req).await
+        let active = self.lifetimes.activity(id)?;
+        let (info, body) = self.file_read(id, req).await?;
+        Ok((info, while_active(body, active)))
     }
 
     async fn write_file(
@@ -592,17 +744,21 @@ impl NodeApi for LocalNode {
             mode,
             create_parents: true,
         };
+        let _active = self.lifetimes.activity(id)?;
         self.upload(id, req, body).await
     }
 
     async fn download_tar(&self, id: &str, path: &str) -> NodeResult<ByteStream> {
-        self.tar_download(id, path).await
+        let active = self.lifetimes.activity(id)?;
+        let body = self.tar_download(id, path).await?;
+        Ok(while_active(body, active))
     }
 
     async fn upload_tar(&self, id: &str, path: &str, body: ByteStream) -> NodeResult<WriteResult> {
         let req = Request::TarUpload {
             path: path.to_string(),
         };
+        let _active = self.lifetimes.activity(id)?;
         self.upload(id, req, body).await
     }
 

@@ -205,6 +205,7 @@ mod tests {
             isolation: dsec_wire::v1::Isolation::Oci,
             user: None,
             labels: Default::default(),
+            lifetime: Default::default(),
         };
         let c = bundle_config(
             &spec,

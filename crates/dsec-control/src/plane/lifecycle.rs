@@ -226,6 +226,11 @@ impl ControlPlane {
             tcp_connect: req.filesystem.tcp_connect.clone(),
             isolation: req.isolation,
             labels: req.labels.clone(),
+            lifetime: dsec_node_api::Lifetime {
+                ttl_ms: Some(timeout_s.saturating_mul(1000)),
+                idle_timeout_ms: req.idle_timeout_s.map(|s| s.saturating_mul(1000)),
+                held: false,
+            },
         };
         // An unkeyed `creating` record is made durable while the node builds the sandbox
         // (no retry can look for it): a crash before it is written leaves a sandbox
