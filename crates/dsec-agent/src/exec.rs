@@ -184,8 +184,11 @@ pub async fn exec(
     };
     tokio::pin!(input);
 
-    let mut out = Ring::new(if spec.stream { 0 } else { limit });
-    let mut err = Ring::new(if spec.stream { 0 } else { limit });
+    // Kept on the sandbox's output budget, with background processes and sessions: an
+    // `output_limit` of gigabytes cannot grow the agent past it.
+    let ring = || Ring::with_budget(if spec.stream { 0 } else { limit }, agent.output.clone());
+    let mut out = ring();
+    let mut err = ring();
     let mut exit: Option<Option<Exit>> = None;
     let mut readers_done = false;
     let mut exit_rx = exit_rx;
@@ -201,6 +204,9 @@ pub async fn exec(
                     if let Some(hard) = drain_until {
                         let next = (tokio::time::Instant::now() + EXIT_GRACE).min(hard);
                         grace.as_mut().reset(next);
+                    }
+                    if !spec.stream {
+                        agent.room_for_output(data.len());
                     }
                     if kind == DataKind::Stdout { out.push(&data) } else { err.push(&data) }
                     if spec.stream && wr.data(kind, &data).await.is_err() {

@@ -33,11 +33,12 @@ pub mod users;
 
 pub use error::AgentError;
 
-/// Most output the agent keeps for background processes together (exited ones
-/// included), beyond [`KEPT_OUTPUT_FLOOR`] each. The agent runs in the sandbox's cgroup,
-/// so what it keeps is charged to the sandbox's memory. Short of it, the output of the
-/// longest exited processes goes first, then rings keep shorter tails (marked
-/// truncated). An exec keeps its `output_limit` per stream while it runs, then nothing.
+/// Most output the agent keeps of a sandbox together: background processes (exited
+/// ones included), running execs (their `output_limit` per stream, then nothing) and
+/// session commands, beyond [`KEPT_OUTPUT_FLOOR`] each. The agent runs in the sandbox's
+/// cgroup, so what it keeps is charged to the sandbox's memory. Short of it, the output
+/// of the longest exited processes goes first, then rings and session outputs keep
+/// shorter tails (marked truncated).
 pub const KEPT_OUTPUT_LIMIT: usize = 64 * 1024 * 1024;
 
 /// Output every background process's stream may keep whatever the others hold.

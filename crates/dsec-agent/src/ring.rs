@@ -49,6 +49,40 @@ impl Budget {
     }
 }
 
+/// Bytes of a [`Budget`] held by one holder that is not a [`Ring`] (a session
+/// command's output): given back when dropped.
+#[derive(Debug)]
+pub struct Lease {
+    budget: Rc<Budget>,
+    held: usize,
+}
+
+impl Lease {
+    /// A lease of nothing yet on `budget`.
+    pub fn new(budget: Rc<Budget>) -> Self {
+        Self { budget, held: 0 }
+    }
+
+    /// Asks for a total of `want` bytes; answers the total held now (less than `want`
+    /// when the budget is short, never less than its floor). Asking for less than is
+    /// held gives the difference back.
+    pub fn hold(&mut self, want: usize) -> usize {
+        if want > self.held {
+            self.held += self.budget.take(want - self.held, self.held);
+        } else {
+            self.budget.give(self.held - want);
+            self.held = want;
+        }
+        self.held
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.budget.give(self.held);
+    }
+}
+
 /// The last `cap` bytes written, plus the total count ever written.
 #[derive(Debug)]
 pub struct Ring {
@@ -213,6 +247,13 @@ mod tests {
         c.push(&[7; 50]);
         assert_eq!(all(&c).len(), 6);
         drop((b, c));
+        assert_eq!(budget.held(), 0);
+        let mut lease = Lease::new(budget.clone());
+        assert_eq!(lease.hold(4), 4);
+        assert_eq!(lease.hold(100), 10, "no more than the budget");
+        assert_eq!(lease.hold(3), 3);
+        assert_eq!(budget.available(), 7);
+        drop(lease);
         assert_eq!(budget.held(), 0);
         // The floor: each ring keeps its first bytes whatever the others hold.
         let budget = Budget::new(4, 3);

@@ -51,6 +51,7 @@ use crate::conn::FrameReader;
 use crate::error::{bad_request, conflict, internal, not_found, ApiResult};
 use crate::fdio::{FdReader, FdWriter};
 use crate::reaper::Exit;
+use crate::ring::Lease;
 use crate::server::Agent;
 use crate::spawn::{spawn, SpawnSpec};
 use crate::sys;
@@ -254,10 +255,28 @@ fn script(command: &str, token: &str) -> String {
 }
 
 /// Appends to the kept output, keeping at most `2 * cap` bytes before trimming to `cap`.
-fn keep(out: &mut Vec<u8>, data: &[u8], dropped: &mut bool) {
+/// Its memory is held on `lease` (the sandbox's output budget, shared with every
+/// process's rings): short of it, a shorter tail is kept, in no more memory than the
+/// lease covers (but always the new bytes and the end of the old ones, where a token
+/// split over two reads begins).
+fn keep(out: &mut Vec<u8>, data: &[u8], dropped: &mut bool, lease: &mut Lease) {
+    if out.len() + data.len() > 2 * SESSION_OUTPUT_LIMIT {
+        trim_to(out, SESSION_OUTPUT_LIMIT, dropped);
+    }
     out.extend_from_slice(data);
-    if out.len() > 2 * SESSION_OUTPUT_LIMIT {
-        let cut = out.len() - SESSION_OUTPUT_LIMIT;
+    let cap = out.capacity();
+    let granted = lease.hold(cap);
+    if granted < cap {
+        trim_to(out, (granted / 2).max(data.len() + 128), dropped);
+        out.shrink_to(granted);
+        lease.hold(out.capacity());
+    }
+}
+
+/// Keeps the last `n` bytes of `out`.
+fn trim_to(out: &mut Vec<u8>, n: usize, dropped: &mut bool) {
+    if out.len() > n {
+        let cut = out.len() - n;
         out.drain(..cut);
         *dropped = true;
     }
@@ -329,6 +348,7 @@ pub async fn run(
     }
 
     let mut output: Vec<u8> = Vec::new();
+    let mut lease = Lease::new(agent.output.clone());
     let mut dropped = false;
     let mut token_at: Option<usize> = None;
     let mut marker_buf: Vec<u8> = Vec::new();
@@ -366,7 +386,8 @@ pub async fn run(
                 Ok(0) | Err(_) => out_eof = true,
                 Ok(n) => {
                     let before = output.len();
-                    keep(&mut output, &obuf[..n], &mut dropped);
+                    agent.room_for_output(n);
+                    keep(&mut output, &obuf[..n], &mut dropped, &mut lease);
                     let trimmed = before + n - output.len();
                     let from = before.saturating_sub(trimmed).saturating_sub(token.len());
                     if let Some(i) = find(&output[from..], token.as_bytes()) {
@@ -510,5 +531,31 @@ mod tests {
         }
         let small = "fits \0 \"quoted\"".to_string();
         assert_eq!(fit_json(small.clone(), limit), (small, false));
+    }
+
+    #[test]
+    fn kept_output_stays_within_the_sandbox_budget() {
+        let budget = crate::ring::Budget::new(1 << 20, 64 << 10);
+        // Another holder has most of it.
+        let mut other = Lease::new(budget.clone());
+        assert_eq!(other.hold(900 << 10), 900 << 10);
+        let mut lease = Lease::new(budget.clone());
+        let (mut out, mut dropped) = (Vec::new(), false);
+        let chunk: Vec<u8> = (0..64 << 10).map(|i| (i % 251) as u8).collect();
+        for _ in 0..160 {
+            keep(&mut out, &chunk, &mut dropped, &mut lease);
+            assert!(out.capacity() <= 256 << 10, "{}", out.capacity());
+            assert!(budget.held() <= (1 << 20) + (64 << 10), "{}", budget.held());
+        }
+        assert!(dropped);
+        assert!(out.ends_with(&chunk), "the newest bytes are kept");
+        // Once the other holder lets go, the output may grow to its own cap.
+        drop(other);
+        for _ in 0..160 {
+            keep(&mut out, &chunk, &mut dropped, &mut lease);
+        }
+        assert!(out.len() > 512 << 10, "{}", out.len());
+        drop(lease);
+        assert_eq!(budget.held(), 0);
     }
 }

@@ -5,12 +5,15 @@
 //! dispositions and an empty mask, and gets exactly the environment the request asks for
 //! (the agent's defaults plus the request's additions).
 //!
-//! Every child gets [`COMMAND_OOM_SCORE_ADJ`] right after its exec, so that when the
-//! sandbox runs out of memory the kernel kills commands, not the agent (which the node
-//! puts at -1000 where it may). It is written from here: before the exec the child still
-//! shares (or copies) the agent's non-dumpable memory, whose `/proc` files belong to the
-//! host's root, out of reach in a user namespace. A program that forks in the first
-//! microseconds after its exec may leave a child with the agent's score.
+//! Every child gets [`COMMAND_OOM_SCORE_ADJ`], so that when the sandbox runs out of
+//! memory the kernel kills commands, not the agent (which the node puts at -1000 where it
+//! may), and no command keeps the agent's -1000. The child writes it itself before its
+//! exec, so nothing it runs ever has the agent's score. Where it may not (in a user
+//! namespace: before the exec the child still shares or copies the agent's non-dumpable
+//! memory, whose `/proc` files belong to the host's root), the agent writes it right
+//! after the exec, and a program that forks in its first microseconds may leave a child
+//! with the agent's score; the node therefore lowers the agent to -1000 only where the
+//! child can write (see `dsec_container::harden::protect_from_oom`).
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -32,6 +35,9 @@ use crate::{sys, AgentConfig};
 /// killer picks commands first. Commands may raise it, or lower it to the floor they
 /// inherit (0 unless the node's own is lower).
 pub const COMMAND_OOM_SCORE_ADJ: &str = "500";
+
+/// Where a child writes its own score before its exec.
+const OWN_OOM_SCORE: &std::ffi::CStr = c"/proc/self/oom_score_adj";
 
 /// Gives a just exec'd child [`COMMAND_OOM_SCORE_ADJ`] (no error if it already exited).
 fn command_oom_score(pid: u32) {
@@ -134,6 +140,8 @@ pub fn spawn(cfg: &AgentConfig, spec: SpawnSpec<'_>) -> Result<Child, ApiError> 
         // and captures plain integers.
         unsafe {
             cmd.pre_exec(move || {
+                // First, while still root (after a user switch the file is not ours).
+                sys::try_write(OWN_OOM_SCORE, COMMAND_OOM_SCORE_ADJ.as_bytes());
                 sys::child_setup(ctty, fd3)?;
                 if let Some(fd) = landlock {
                     // Confined while still root (restricting needs no privilege then).
@@ -149,7 +157,8 @@ pub fn spawn(cfg: &AgentConfig, spec: SpawnSpec<'_>) -> Result<Child, ApiError> 
     let child = cmd
         .spawn()
         .map_err(|err| spawn_error(&err, program, &cwd))?;
-    // std returns once the child has exec'd (it waits for the exec's outcome).
+    // std returns once the child has exec'd (it waits for the exec's outcome); where the
+    // child could not write its score, this does.
     command_oom_score(child.id());
     Ok(child)
 }
@@ -356,6 +365,7 @@ pub fn spawn_piped(
     actions.dup2(out_w.as_raw_fd(), 1);
     actions.dup2(err_w.as_raw_fd(), 2);
     actions.chdir(&cwd_c);
+    actions.try_write(OWN_OOM_SCORE, COMMAND_OOM_SCORE_ADJ.as_bytes());
     let pid = dsec_container::spawnattr::spawn(&exe_c, &argv_c, &env_c, &actions, &attr)
         .map_err(|e| spawn_error(&e, program, &cwd))?;
     // The vfork-style child has exec'd: the agent runs again only then.

@@ -376,6 +376,19 @@ pub fn switch_user(uid: u32, gid: u32, groups: &[u32]) -> io::Result<()> {
     Ok(())
 }
 
+/// Writes `data` to the existing file `path` if the process may; errors are ignored.
+/// Async-signal-safe (for a forked child before `exec`).
+pub fn try_write(path: &std::ffi::CStr, data: &[u8]) {
+    // SAFETY: open/write/close on a valid C string and a live buffer.
+    unsafe {
+        let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+        if fd >= 0 {
+            libc::write(fd, data.as_ptr().cast(), data.len());
+            libc::close(fd);
+        }
+    }
+}
+
 /// Code run in a forked child before `exec`: new session (so the child leads its own
 /// process group), optional controlling terminal on fd 0, optional extra fd placed at 3,
 /// default signal dispositions and an empty signal mask.

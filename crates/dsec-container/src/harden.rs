@@ -80,14 +80,18 @@ pub fn apply() -> Result<(), HardenError> {
 }
 
 /// Makes `pid`, a sandbox's agent, the last process the OOM killer picks: its
-/// `oom_score_adj` becomes -1000. Written through the legacy `oom_adj` file (-17 is
-/// -1000), which leaves the floor that children inherit (`oom_score_adj_min`) where it
-/// was: the commands the agent starts get a positive score back (see `dsec-agent`'s
-/// `spawn`) and cannot lower themselves below that floor. Lowering a score needs
-/// `CAP_SYS_RESOURCE` on the host: without it this fails with `EACCES`, and the agent
-/// stays at the node's score (still below its commands').
-pub fn protect_from_oom(pid: i32) -> std::io::Result<()> {
-    std::fs::write(format!("/proc/{pid}/oom_adj"), "-17")
+/// `oom_score_adj` becomes -1000 (never killed) if `unkillable`, else -941. Written
+/// through the legacy `oom_adj` file (-17 is -1000, -16 is -941), which leaves the floor
+/// that children inherit (`oom_score_adj_min`) where it was: the commands the agent
+/// starts get a positive score back (see `dsec-agent`'s `spawn`) and cannot lower
+/// themselves below that floor. -1000 only where every command sets its score before
+/// its exec: in a user namespace the agent sets it just after, and a child forked in
+/// that window keeps the agent's score, which must not make it unkillable. Lowering a
+/// score needs `CAP_SYS_RESOURCE` on the host: without it this fails with `EACCES`, and
+/// the agent stays at the node's score (still below its commands').
+pub fn protect_from_oom(pid: i32, unkillable: bool) -> std::io::Result<()> {
+    let adj = if unkillable { "-17" } else { "-16" };
+    std::fs::write(format!("/proc/{pid}/oom_adj"), adj)
 }
 
 /// The policy's program as the build compiled it (`build.rs`: nothing is parsed or

@@ -42,6 +42,7 @@ enum Action {
     Close(RawFd),
     CloseFrom(RawFd),
     Chdir(CString),
+    TryWrite(CString, Vec<u8>),
 }
 
 /// File actions the child applies in order before the exec. Any failure makes
@@ -83,6 +84,13 @@ impl FileActions {
     /// The child changes to `dir` before the exec.
     pub fn chdir(&mut self, dir: &CStr) {
         self.actions.push(Action::Chdir(dir.to_owned()));
+    }
+
+    /// The child writes `data` to the existing file `path` if it may (no failure if it
+    /// may not): e.g. its own `/proc/self/oom_score_adj`.
+    pub fn try_write(&mut self, path: &CStr, data: &[u8]) {
+        self.actions
+            .push(Action::TryWrite(path.to_owned(), data.to_vec()));
     }
 }
 
@@ -236,6 +244,14 @@ extern "C" fn child_main(arg: *mut libc::c_void) -> libc::c_int {
                     ) == 0
                 }
                 Action::Chdir(dir) => libc::chdir(dir.as_ptr()) == 0,
+                Action::TryWrite(path, data) => {
+                    let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                    if fd >= 0 {
+                        libc::write(fd, data.as_ptr().cast(), data.len());
+                        libc::close(fd);
+                    }
+                    true
+                }
             };
             if !ok {
                 return fail();
@@ -389,6 +405,15 @@ mod tests {
             lines[3].trim(),
             "leads its own process group: {out}"
         );
+    }
+
+    #[test]
+    fn the_child_writes_its_own_score_before_the_exec_if_it_may() {
+        let (code, out) = run("cat /proc/self/oom_score_adj", SpawnAttr::new(0), |a| {
+            a.try_write(c"/proc/self/oom_score_adj", b"500");
+            a.try_write(c"/nonexistent/file", b"x");
+        });
+        assert_eq!((code, out.as_str()), (0, "500\n"));
     }
 
     #[test]

@@ -89,6 +89,15 @@ async fn an_oci_sandbox_keeps_the_agent_contract_survives_a_restart_and_leaves_n
     assert_eq!(r.exit.exit_code, Some(0), "{r:?}");
     assert!(!r.stdout.contains("escaped:"), "{}", r.stdout);
     assert!(r.stdout.matches("contained:").count() >= 20, "{}", r.stdout);
+    // Commands have their own OOM score from their first instruction on (the child
+    // writes it before its exec here: no user namespace), also a child forked at once.
+    for _ in 0..10 {
+        let r = c
+            .exec(&sb.id, sh("cat /proc/self/oom_score_adj; true"))
+            .await
+            .expect("exec");
+        assert_eq!(r.stdout, "500\n", "{r:?}");
+    }
     // Files, pause and resume as at the default level.
     c.write_file(&sb.id, "/work/in.txt", None, b"data".to_vec())
         .await

@@ -2,9 +2,10 @@
 //! (the control plane, placement, retries) without root, namespaces or an agent.
 //!
 //! Sandboxes cost nothing: each is an entry with a small in-memory file system. Commands
-//! understand a handful of words (`echo`, `cat FILE`, `exit N`, `true`, `false`); anything
-//! else exits 127. Tests steer it: a capacity limit, a failure injected into the next
-//! create, a node that is down, and counters of what was called.
+//! understand a handful of words (`echo`, `cat FILE`, `exit N`, `true`, `false`, and
+//! `sleep SECS` in `exec`); anything else exits 127. Tests steer it: a capacity limit,
+//! a failure injected into the next create, a node that is down, slow pings, agents
+//! frozen while paused, and counters of what was called.
 //!
 //! Lifetimes follow the local node's rules (see [`crate::lifetime`]) on a clock that
 //! stands still until the test moves it: [`FakeNode::advance`] moves it and ends what
@@ -81,6 +82,11 @@ struct State {
     down: bool,
     /// At most this many sandboxes (0: no limit).
     max_sandboxes: usize,
+    /// How long each ping takes.
+    ping_latency: std::time::Duration,
+    /// Set: paused sandboxes act frozen (pings wait for the resume), and a resume
+    /// thaws this long after it is asked.
+    freeze: Option<std::time::Duration>,
 }
 
 /// What a [`FakeNode`] was asked to do, for assertions.
@@ -148,6 +154,17 @@ impl FakeNode {
     /// a node that cannot be reached.
     pub fn set_down(&self, down: bool) {
         self.state().down = down;
+    }
+
+    /// Every ping takes `latency` (an agent slow to answer).
+    pub fn set_ping_latency(&self, latency: std::time::Duration) {
+        self.state().ping_latency = latency;
+    }
+
+    /// Paused sandboxes act as frozen agents do: a ping waits until its sandbox is
+    /// resumed, and a resume thaws it `thaw` after it is asked.
+    pub fn freeze_on_pause(&self, thaw: std::time::Duration) {
+        self.state().freeze = Some(thaw);
     }
 
     /// Ids of the sandboxes the node runs, sorted (not the ended ones).
@@ -319,7 +336,7 @@ fn run_command(sb: &mut FakeSandbox, cmd: &Command, stdin: Option<Bytes>) -> Exe
             }
         },
         Some("exit") => code = words.get(1).and_then(|w| w.parse().ok()).unwrap_or(0),
-        Some("true") => {}
+        Some("true" | "sleep") => {}
         Some("false") => code = 1,
         Some(other) => {
             stderr = format!("{other}: command not found\n").into_bytes();
@@ -451,6 +468,10 @@ impl NodeApi for FakeNode {
 
     async fn resume(&self, id: &str) -> NodeResult<()> {
         self.up()?;
+        let thaw = self.state().freeze;
+        if let Some(thaw) = thaw {
+            tokio::time::sleep(thaw).await;
+        }
         let mut st = self.state();
         let now = st.now_ms;
         let Some(sb) = st.sandboxes.get_mut(id) else {
@@ -508,6 +529,14 @@ impl NodeApi for FakeNode {
     }
 
     async fn ping(&self, id: &str) -> NodeResult<()> {
+        let (latency, frozen) = {
+            let st = self.state();
+            (st.ping_latency, st.freeze.is_some())
+        };
+        tokio::time::sleep(latency).await;
+        while frozen && self.state().sandboxes.get(id).is_some_and(|s| s.paused) {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
         // Not activity: the control plane's watchdog must not keep a sandbox alive.
         self.with_sandbox_as(id, false, |_| Ok(()))
     }
@@ -562,6 +591,14 @@ impl NodeApi for FakeNode {
     }
 
     async fn exec(&self, id: &str, spec: ExecSpec, stdin: Option<Bytes>) -> NodeResult<ExecResult> {
+        let words = words(&spec.cmd);
+        if let (Some("sleep"), Some(secs)) = (
+            words.first().map(String::as_str),
+            words.get(1).and_then(|w| w.parse::<f64>().ok()),
+        ) {
+            // A command that is silent for a while (the node's time: tokio's clock).
+            tokio::time::sleep(std::time::Duration::from_secs_f64(secs.max(0.0))).await;
+        }
         self.run(id, &spec, stdin)
     }
 

@@ -585,7 +585,7 @@ impl ContainerBackend {
         }
         let start =
             pid_start_time(pid).ok_or_else(|| create_err(id, "init died right after start"))?;
-        protect_agent(id, pid);
+        protect_agent(id, pid, fds.userns.is_none());
         Ok((pid, start))
     }
 
@@ -728,7 +728,7 @@ impl ContainerBackend {
         drop(listener);
         let start_time =
             pid_start_time(pid).ok_or_else(|| create_err(id, "sandbox died right after start"))?;
-        protect_agent(id, pid);
+        protect_agent(id, pid, true);
         Ok(self.record(spec, layers, (pid, start_time), disk_mb))
     }
 
@@ -1130,9 +1130,11 @@ impl Backend for ContainerBackend {
 }
 
 /// The OOM killer takes a sandbox's commands before its agent (where the node may lower
-/// a score; see `dsec_container::harden::protect_from_oom`).
-fn protect_agent(id: &str, pid: i32) {
-    if let Err(e) = dsec_container::harden::protect_from_oom(pid) {
+/// a score; see `dsec_container::harden::protect_from_oom`). `unkillable`: -1000, for
+/// an agent whose children set their own score before their exec (not in a user
+/// namespace; see `dsec-agent`'s `spawn`).
+fn protect_agent(id: &str, pid: i32, unkillable: bool) {
+    if let Err(e) = dsec_container::harden::protect_from_oom(pid, unkillable) {
         tracing::debug!(%id, pid, error = %e, "agent keeps the node's OOM score");
     }
 }

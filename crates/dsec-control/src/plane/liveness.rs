@@ -16,7 +16,8 @@
 //! a call to them is outstanding and silent. An `unhealthy` sandbox fails calls at once;
 //! a recovery task pings it (every [`RECOVER_MAX`] at most) and sets it `ready` again
 //! when it answers. Only a `ready` sandbox is marked: a paused (frozen) one's agent
-//! cannot answer and is not checked.
+//! cannot answer and is not checked, and a ping during which the sandbox was seen
+//! paused proves nothing either way.
 
 use std::future::Future;
 use std::sync::atomic::Ordering;
@@ -41,6 +42,8 @@ pub const SESSION_GRACE: Duration = Duration::from_secs(10);
 /// Deadline of calls without a timeout of their own (file operations, stat, session and
 /// process management): generous, but finite.
 pub const CALL_DEADLINE: Duration = Duration::from_secs(300);
+/// How often a ping in flight looks at its sandbox's state (see [`ControlPlane::ping`]).
+const PING_STATE_POLL: Duration = Duration::from_millis(100);
 /// Longest interval between pings of an `unhealthy` sandbox.
 pub const RECOVER_MAX: Duration = Duration::from_secs(5);
 
@@ -188,7 +191,7 @@ impl ControlPlane {
             SandboxState::Ready => {}
             _ => return Ok(()),
         }
-        match self.ping(id).await {
+        match self.ping(id, SandboxState::Ready).await {
             Ok(()) => Ok(()),
             Err(cause) => {
                 if self.mark_unhealthy(id, &cause).await {
@@ -201,15 +204,30 @@ impl ControlPlane {
         }
     }
 
-    /// Pings sandbox `id`'s agent; `Err` says what went wrong.
-    async fn ping(&self, id: &str) -> Result<(), String> {
-        match tokio::time::timeout(PING_TIMEOUT, self.node.ping(id)).await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(e.message),
-            Err(_) => Err(format!(
-                "its agent did not answer a ping within {}s (stopped, hung or starved of CPU)",
-                PING_TIMEOUT.as_secs()
-            )),
+    /// Pings sandbox `id`'s agent, which is in state `state`; `Err` says what went
+    /// wrong. The ping is given up as `Ok` (nothing learned) once the sandbox is seen
+    /// in another state: a pause freezes the agent, and a resume sets the state `ready`
+    /// before the agent is thawed and answers, so a ping that overlapped a pause and
+    /// resume could time out while the state reads `ready` again.
+    async fn ping(&self, id: &str, state: SandboxState) -> Result<(), String> {
+        let ping = self.node.ping(id);
+        tokio::pin!(ping);
+        let deadline = tokio::time::Instant::now() + PING_TIMEOUT;
+        loop {
+            let poll = (tokio::time::Instant::now() + PING_STATE_POLL).min(deadline);
+            tokio::select! {
+                r = &mut ping => return r.map_err(|e| e.message),
+                () = tokio::time::sleep_until(poll) => {}
+            }
+            if self.lock().get(id).map(|s| s.state) != Some(state) {
+                return Ok(());
+            }
+            if poll == deadline {
+                return Err(format!(
+                    "its agent did not answer a ping within {}s (stopped, hung or starved of CPU)",
+                    PING_TIMEOUT.as_secs()
+                ));
+            }
         }
     }
 
@@ -258,7 +276,7 @@ impl ControlPlane {
                 if plane.records.get(&id).map(|s| s.state) != Some(SandboxState::Unhealthy) {
                     return;
                 }
-                if plane.ping(&id).await.is_err() {
+                if plane.ping(&id, SandboxState::Unhealthy).await.is_err() {
                     continue;
                 }
                 let now = now_ms();
