@@ -20,6 +20,7 @@
 //!
 //! [`ApiError`]: dsec_wire::ApiError
 
+pub mod admin;
 pub mod e2b;
 pub mod error;
 pub mod extract;

@@ -25,6 +25,7 @@
 //! [`Principal::may_manage_keys_of`] gate the admin operations of this crate, which do
 //! not check who calls them.
 
+pub mod api;
 mod cache;
 mod error;
 pub mod key;
@@ -313,7 +314,7 @@ impl Iam {
     }
 
     /// Changes a tenant record by compare-and-swap, retrying lost races.
-    async fn update_tenant(&self, name: &str, f: impl Fn(&mut Tenant)) -> Result<Tenant, IamError> {
+    async fn modify_tenant(&self, name: &str, f: impl Fn(&mut Tenant)) -> Result<Tenant, IamError> {
         let mut last = None;
         for _ in 0..ADMIN_CAS_TRIES {
             let (mut t, expect) = self.load_tenant(name).await?;
@@ -334,7 +335,7 @@ impl Iam {
     /// reservations until usage drops; nothing running is stopped.
     pub async fn set_quotas(&self, name: &str, quotas: Quotas) -> Result<Tenant, IamError> {
         quotas.validate()?;
-        self.update_tenant(name, |t| t.quotas = quotas.clone())
+        self.modify_tenant(name, |t| t.quotas = quotas.clone())
             .await
     }
 
@@ -342,7 +343,27 @@ impl Iam {
     /// [`IamError::TenantDisabled`] and it reserves nothing. Its sandboxes are not
     /// touched (the control plane decides).
     pub async fn set_disabled(&self, name: &str, disabled: bool) -> Result<Tenant, IamError> {
-        self.update_tenant(name, |t| t.disabled = disabled).await
+        self.modify_tenant(name, |t| t.disabled = disabled).await
+    }
+
+    /// Replaces what `update` gives (quotas, disabled) in one write.
+    pub async fn update_tenant(
+        &self,
+        name: &str,
+        update: &api::UpdateTenant,
+    ) -> Result<Tenant, IamError> {
+        if let Some(q) = &update.quotas {
+            q.validate()?;
+        }
+        self.modify_tenant(name, |t| {
+            if let Some(q) = &update.quotas {
+                t.quotas = q.clone();
+            }
+            if let Some(d) = update.disabled {
+                t.disabled = d;
+            }
+        })
+        .await
     }
 
     // ---- keys ----

@@ -112,7 +112,10 @@ mod tests {
     #[test]
     fn iam_codes() {
         let json = serde_json::to_string(&[ErrorCode::Forbidden, ErrorCode::QuotaExceeded]);
-        assert_eq!(json.ok().as_deref(), Some(r#"["forbidden","quota_exceeded"]"#));
+        assert_eq!(
+            json.ok().as_deref(),
+            Some(r#"["forbidden","quota_exceeded"]"#)
+        );
         assert_eq!(ErrorCode::Forbidden.http_status(), 403);
         assert!(!ErrorCode::Forbidden.retryable());
         assert_eq!(ErrorCode::QuotaExceeded.http_status(), 429);
