@@ -104,6 +104,9 @@ pub struct Iam {
     clock: Clock,
     contention_deadline: Duration,
     followers: Vec<JoinHandle<()>>,
+    /// One lock per tenant: this replica's reservations of a tenant queue here instead
+    /// of losing compare-and-swap races to each other (only other replicas race).
+    usage_locks: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl std::fmt::Debug for Iam {
@@ -186,6 +189,7 @@ impl Iam {
             clock: config.clock,
             contention_deadline: config.contention_deadline,
             followers,
+            usage_locks: Default::default(),
         })
     }
 

@@ -255,11 +255,26 @@ impl Iam {
             .await
     }
 
+    /// Serializes this replica's changes of `tenant`'s usage: hold the guard from
+    /// [`Iam::reserve`] until the txn holding its [`QuotaTxn`] is committed, and other
+    /// calls on this replica wait instead of losing the compare-and-swap race (which only
+    /// other replicas can then win). [`Iam::reserve_now`] and [`Iam::release_now`] take
+    /// it themselves. Optional: without it reservations are still correct.
+    pub async fn lock_usage(&self, tenant: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = {
+            let mut locks = self.usage_locks.lock().unwrap_or_else(|e| e.into_inner());
+            locks.entry(tenant.to_string()).or_default().clone()
+        };
+        lock.lock_owned().await
+    }
+
     async fn commit_loop<F, Fut>(&self, tenant: &str, build: F) -> Result<Usage, IamError>
     where
         F: Fn() -> Fut,
         Fut: std::future::Future<Output = Result<QuotaTxn, IamError>>,
     {
+        validate_tenant_name(tenant)?;
+        let _queue = self.lock_usage(tenant).await;
         let deadline = Instant::now() + self.contention_deadline;
         let mut attempt: u32 = 0;
         loop {
