@@ -49,6 +49,7 @@ on_both_stores!(
     keys_are_stored_hashed,
     a_reservation_commits_with_the_callers_record_or_not_at_all,
     the_bootstrap_key_is_the_default_admin_and_never_stored,
+    creates_holding_the_usage_lock_never_conflict_on_one_replica,
 );
 
 async fn etcd_store(etcd: &dsec_testkit::Etcd) -> Store {
@@ -672,4 +673,47 @@ async fn a_replica_whose_store_was_unavailable_catches_up() {
     })
     .await
     .expect("caught up");
+}
+
+/// The control plane's create path: lock the tenant's usage, reserve, commit the record
+/// and the reservation in one txn. On one replica no txn loses a race.
+async fn creates_holding_the_usage_lock_never_conflict_on_one_replica(a: Store, _b: Store) {
+    let r = iam(&a).await;
+    let quotas = Quotas {
+        max_sandboxes: Some(10),
+        ..Quotas::default()
+    };
+    r.create_tenant("locked", quotas).await.expect("tenant");
+    let tasks: Vec<_> = (0..30)
+        .map(|i| {
+            let (r, a) = (r.clone(), a.clone());
+            tokio::spawn(async move {
+                let _guard = r.lock_usage("locked").await;
+                let q = r.reserve("locked", Usage::sandbox(10, 10)).await?;
+                let id = format!("sb-{i}");
+                let mut txn = Txn {
+                    checks: vec![("sandboxes".into(), id.clone(), Expect::Absent)],
+                    ops: vec![Op::Put {
+                        ns: "sandboxes".into(),
+                        key: id,
+                        value: b"{}".to_vec(),
+                        lease: None,
+                    }],
+                };
+                q.add_to(&mut txn);
+                a.txn(txn).await.map_err(IamError::Store)
+            })
+        })
+        .collect();
+    let mut ok = 0;
+    for t in tasks {
+        match t.await.expect("task") {
+            Ok(_) => ok += 1,
+            Err(IamError::QuotaExceeded { .. }) => {}
+            Err(e) => panic!("a create lost a race or failed: {e}"),
+        }
+    }
+    assert_eq!(ok, 10);
+    assert_eq!(a.list("sandboxes").await.expect("list").0.len(), 10);
+    assert_eq!(r.usage("locked").await.expect("usage").sandboxes, 10);
 }
