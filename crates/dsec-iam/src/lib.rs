@@ -319,7 +319,6 @@ impl Iam {
 
     /// Changes a tenant record by compare-and-swap, retrying lost races.
     async fn modify_tenant(&self, name: &str, f: impl Fn(&mut Tenant)) -> Result<Tenant, IamError> {
-        let mut last = None;
         for _ in 0..ADMIN_CAS_TRIES {
             let (mut t, expect) = self.load_tenant(name).await?;
             f(&mut t);
@@ -328,11 +327,11 @@ impl Iam {
                     self.cache_tenant(&t, rev);
                     return Ok(t);
                 }
-                Err(e) if is_conflict(&e) => last = Some(e),
+                Err(e) if is_conflict(&e) => continue,
                 Err(e) => return Err(e.into()),
             }
         }
-        Err(last.map_or_else(|| IamError::Contended(name.into()), IamError::Store))
+        Err(IamError::Contended(name.into()))
     }
 
     /// Replaces a tenant's quotas. Lowering one below current usage refuses further

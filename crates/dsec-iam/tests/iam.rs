@@ -717,3 +717,37 @@ async fn creates_holding_the_usage_lock_never_conflict_on_one_replica(a: Store, 
     assert_eq!(a.list("sandboxes").await.expect("list").0.len(), 10);
     assert_eq!(r.usage("locked").await.expect("usage").sandboxes, 10);
 }
+
+/// Expiry and the end of a rotation's grace follow the clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_expire_and_graces_end_on_time() {
+    let (now, cfg) = shared_clock(5_000_000);
+    let store: Store = Arc::new(MemStore::new());
+    let r = Iam::with_config(store, cfg).await.expect("iam");
+    r.create_tenant("clocked", Quotas::default())
+        .await
+        .expect("tenant");
+    let short = r
+        .create_key("clocked", "", &[Scope::Read], Some(5_001_000))
+        .await
+        .expect("key");
+    let old = r
+        .create_key("clocked", "", &[Scope::Read], None)
+        .await
+        .expect("key");
+    let new = r
+        .rotate_key(&old.info.key_id, Duration::from_secs(10))
+        .await
+        .expect("rotate");
+    r.authenticate(&short.key).expect("not expired yet");
+    now.fetch_add(1_000, Ordering::SeqCst);
+    assert_eq!(r.authenticate(&short.key), Err(IamError::Unauthenticated));
+    r.authenticate(&old.key).expect("in its grace");
+    now.fetch_add(9_000, Ordering::SeqCst);
+    assert_eq!(r.authenticate(&old.key), Err(IamError::Unauthenticated));
+    r.authenticate(&new.key).expect("the new key");
+    assert!(matches!(
+        r.rotate_key(&short.info.key_id, Duration::ZERO).await,
+        Err(IamError::KeyRevoked(_))
+    ));
+}
