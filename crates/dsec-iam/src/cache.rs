@@ -134,7 +134,8 @@ pub(crate) async fn relist(
 }
 
 const BACKOFF_MIN: Duration = Duration::from_millis(50);
-const BACKOFF_MAX: Duration = Duration::from_secs(2);
+// Small: after an outage a replica must catch up within the 1 s a revocation may take.
+const BACKOFF_MAX: Duration = Duration::from_millis(500);
 
 /// Keeps `kind` fresh from revision `rev` on, forever (the task is aborted when its
 /// `Iam` is dropped).

@@ -751,3 +751,58 @@ async fn keys_expire_and_graces_end_on_time() {
         Err(IamError::KeyRevoked(_))
     ));
 }
+
+/// After etcd restarts, each replica's watches resume: a revocation made then still
+/// reaches the other replica within a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn revocation_after_an_etcd_restart_reaches_the_other_replica() {
+    let test = "revocation_after_an_etcd_restart_reaches_the_other_replica";
+    let Some(mut etcd) = dsec_testkit::Etcd::start(test) else {
+        return;
+    };
+    let (a, b) = (etcd_store(&etcd).await, etcd_store(&etcd).await);
+    let (ra, rb) = (iam(&a).await, iam(&b).await);
+    ra.create_tenant("phoenix", Quotas::default())
+        .await
+        .expect("tenant");
+    let k = ra
+        .create_key("phoenix", "", &[Scope::Read], None)
+        .await
+        .expect("key");
+    wait_until(Duration::from_secs(1), || async {
+        rb.authenticate(&k.key).is_ok()
+    })
+    .await
+    .expect("the key reached replica b");
+
+    etcd.restart(0);
+    // Revoke as soon as etcd answers again.
+    let end = Instant::now() + Duration::from_secs(15);
+    loop {
+        match ra.revoke_key(&k.info.key_id).await {
+            Ok(_) => break,
+            Err(IamError::Store(StateError::Unavailable(_))) if Instant::now() < end => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("revoke: {e}"),
+        }
+    }
+    let took = wait_until(Duration::from_secs(1), || async {
+        rb.authenticate(&k.key).is_err()
+    })
+    .await;
+    assert!(
+        took.is_some(),
+        "the revocation reached replica b within 1 s of the write"
+    );
+    // Still following afterwards.
+    let k2 = ra
+        .create_key("phoenix", "", &[Scope::Read], None)
+        .await
+        .expect("key");
+    wait_until(Duration::from_secs(1), || async {
+        rb.authenticate(&k2.key).is_ok()
+    })
+    .await
+    .expect("a later key reached replica b");
+}
