@@ -31,8 +31,8 @@ pub(crate) struct CachedKey {
 /// Which namespace a follower keeps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
-    Tenants,
-    Keys,
+    Tenants = 0,
+    Keys = 1,
 }
 
 impl Kind {
@@ -50,6 +50,9 @@ impl Kind {
 pub(crate) struct Cache {
     pub tenants: HashMap<String, (Tenant, Revision)>,
     pub keys: HashMap<String, (CachedKey, Revision)>,
+    /// Since when each namespace's watch has been down (tenants, keys); `None` while
+    /// it is following.
+    pub broken_since: [Option<std::time::Instant>; 2],
 }
 
 pub(crate) fn decode_key(value: &[u8]) -> Result<CachedKey, String> {
@@ -63,6 +66,25 @@ pub(crate) fn decode_key(value: &[u8]) -> Result<CachedKey, String> {
 }
 
 impl Cache {
+    /// Notes that `kind`'s watch is following (`true`) or down.
+    fn following(&mut self, kind: Kind, yes: bool) {
+        let slot = &mut self.broken_since[kind as usize];
+        if yes {
+            *slot = None;
+        } else if slot.is_none() {
+            *slot = Some(std::time::Instant::now());
+        }
+    }
+
+    /// How long the cache has not been following the store (the longest of the two).
+    pub fn stale_for(&self) -> Option<Duration> {
+        self.broken_since
+            .iter()
+            .flatten()
+            .map(|t| t.elapsed())
+            .max()
+    }
+
     /// Applies a put of `kind` at `rev`, unless the cache holds something newer. A record
     /// that does not decode is dropped (a key that cannot be checked does not work).
     pub fn put(&mut self, kind: Kind, e: &Entry) {
@@ -163,8 +185,12 @@ pub(crate) async fn follow(
             }
         }
         let mut stream = match store.watch(kind.ns(), rev).await {
-            Ok(s) => s,
+            Ok(s) => {
+                write(&cache).following(kind, true);
+                s
+            }
             Err(e) => {
+                write(&cache).following(kind, false);
                 stale = e == StateError::Compacted;
                 tracing::warn!(ns = kind.ns(), error = %e, "watching IAM records failed");
                 tokio::time::sleep(backoff).await;
@@ -191,6 +217,7 @@ pub(crate) async fn follow(
             }
         }
         // The stream failed or ended: watch again from the last revision seen.
+        write(&cache).following(kind, false);
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(BACKOFF_MAX);
     }

@@ -70,6 +70,10 @@ pub struct IamConfig {
     /// How long [`Iam::reserve_now`] and [`Iam::release_now`] retry on conflicts with
     /// other replicas before giving up with [`IamError::Contended`].
     pub contention_deadline: Duration,
+    /// Fail closed: once the watches have been down this long (the store unreachable),
+    /// stored keys are refused as unavailable (a revocation could be missed); the
+    /// bootstrap key still works. `None`: trust the cache however old.
+    pub max_stale: Option<Duration>,
 }
 
 impl std::fmt::Debug for IamConfig {
@@ -85,12 +89,14 @@ impl std::fmt::Debug for IamConfig {
 }
 
 impl IamConfig {
-    /// The system clock, a 10 s contention deadline and `bootstrap_key`.
+    /// The system clock, a 10 s contention deadline, a 5 s `max_stale` and
+    /// `bootstrap_key`.
     pub fn new(bootstrap_key: Option<String>) -> Self {
         IamConfig {
             bootstrap_key,
             clock: system_clock(),
             contention_deadline: Duration::from_secs(10),
+            max_stale: Some(Duration::from_secs(5)),
         }
     }
 }
@@ -103,6 +109,7 @@ pub struct Iam {
     bootstrap: Option<key::Hash>,
     clock: Clock,
     contention_deadline: Duration,
+    max_stale: Option<Duration>,
     followers: Vec<JoinHandle<()>>,
     /// One lock per tenant: this replica's reservations of a tenant queue here instead
     /// of losing compare-and-swap races to each other (only other replicas race).
@@ -188,6 +195,7 @@ impl Iam {
                 .map(|k| key::sha256(k.as_bytes())),
             clock: config.clock,
             contention_deadline: config.contention_deadline,
+            max_stale: config.max_stale,
             followers,
             usage_locks: Default::default(),
         })
@@ -204,7 +212,8 @@ impl Iam {
 
     /// Who `key` is, from memory: [`IamError::Unauthenticated`] if it is malformed,
     /// unknown, wrong, revoked or expired, or its tenant is unknown;
-    /// [`IamError::TenantDisabled`] if its tenant is disabled.
+    /// [`IamError::TenantDisabled`] if its tenant is disabled; `Store(Unavailable)` if
+    /// the cache has not followed the store for over [`IamConfig::max_stale`].
     pub fn authenticate(&self, key: &str) -> Result<Principal, IamError> {
         if let Some(boot) = &self.bootstrap {
             if key::ct_eq(&key::sha256(key.as_bytes()), boot) {
@@ -219,6 +228,14 @@ impl Iam {
         let hash = key::sha256(secret.as_bytes());
         let now = self.now();
         let c = cache::read(&self.cache);
+        if let (Some(max), Some(stale)) = (self.max_stale, c.stale_for()) {
+            if stale > max {
+                return Err(IamError::Store(StateError::Unavailable(format!(
+                    "API keys cannot be checked: the state store has been unreachable for {} s",
+                    stale.as_secs()
+                ))));
+            }
+        }
         let (k, _) = c.keys.get(id).ok_or(IamError::Unauthenticated)?;
         if !key::ct_eq(&hash, &k.hash) || !k.info.active_at(now) {
             return Err(IamError::Unauthenticated);

@@ -17,6 +17,7 @@ struct Breakable {
     breaker: tokio::sync::watch::Sender<u64>,
     fail_lists: AtomicUsize,
     lists: AtomicUsize,
+    fail_watches: std::sync::atomic::AtomicBool,
 }
 
 impl Breakable {
@@ -26,6 +27,7 @@ impl Breakable {
             breaker: tokio::sync::watch::channel(0).0,
             fail_lists: AtomicUsize::new(0),
             lists: AtomicUsize::new(0),
+            fail_watches: Default::default(),
         }
     }
 
@@ -57,6 +59,9 @@ impl StateStore for Breakable {
         self.inner.list(ns).await
     }
     async fn watch(&self, ns: &str, after: Revision) -> Result<WatchStream, StateError> {
+        if self.fail_watches.load(Ordering::SeqCst) {
+            return Err(StateError::Unavailable("told to fail".into()));
+        }
         let mut rx = self.breaker.subscribe();
         rx.borrow_and_update();
         let inner = self.inner.watch(ns, after).await?;
@@ -128,6 +133,39 @@ async fn a_compacted_watch_relists_and_misses_nothing() {
         follower.authenticate(&k2.key).is_ok()
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_that_cannot_follow_the_store_fails_closed() {
+    let store = Arc::new(Breakable::new());
+    let mut cfg = IamConfig::new(Some("boot".into()));
+    cfg.max_stale = Some(Duration::from_millis(200));
+    let r = Iam::with_config(store.clone(), cfg).await.expect("iam");
+    r.create_tenant("t", Quotas::default())
+        .await
+        .expect("tenant");
+    let k = r
+        .create_key("t", "", &[Scope::Read], None)
+        .await
+        .expect("key");
+    r.authenticate(&k.key).expect("fresh");
+    store.fail_watches.store(true, Ordering::SeqCst);
+    store.break_watches();
+    eventually("stored keys are refused", || {
+        matches!(
+            r.authenticate(&k.key),
+            Err(IamError::Store(StateError::Unavailable(_)))
+        )
+    })
+    .await;
+    r.authenticate("boot")
+        .expect("the bootstrap key needs no store");
+    assert_eq!(
+        r.authenticate("dsec_nonsense"),
+        Err(IamError::Unauthenticated)
+    );
+    store.fail_watches.store(false, Ordering::SeqCst);
+    eventually("following again", || r.authenticate(&k.key).is_ok()).await;
 }
 
 #[test]
