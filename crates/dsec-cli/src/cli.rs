@@ -45,6 +45,12 @@ pub enum Command {
     /// Suspend or resume every sandbox of a job (sandboxes labelled job=NAME).
     #[command(subcommand)]
     Job(JobCommand),
+    /// Manage tenants and their quotas (admin keys).
+    #[command(subcommand)]
+    Tenant(crate::iam::TenantCommand),
+    /// Manage API keys: create, list, revoke, rotate (admin keys).
+    #[command(subcommand)]
+    Key(crate::iam::KeyCommand),
     /// The lazy layer server `dsec serve --lazy-layers` starts (internal).
     #[command(hide = true)]
     LazyServe {

@@ -6,6 +6,7 @@
 //! `dsec sandbox exec` exits with the command's own exit code.
 
 mod cli;
+mod iam;
 mod image;
 mod output;
 mod sandbox;
@@ -69,6 +70,12 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             .await
             .map(|()| ExitCode::SUCCESS),
         Command::Job(cmd) => sandbox::job(&client()?, cmd, cli.json).await,
+        Command::Tenant(cmd) => iam::tenant(&client()?, cmd, cli.json)
+            .await
+            .map(|()| ExitCode::SUCCESS),
+        Command::Key(cmd) => iam::key(&client()?, cmd, cli.json)
+            .await
+            .map(|()| ExitCode::SUCCESS),
         Command::LazyServe { config } => {
             tokio::task::block_in_place(|| serve::lazy_serve(&config)).map(|()| ExitCode::SUCCESS)
         }

@@ -29,6 +29,8 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(feature = "admin")]
+mod admin;
 mod error;
 mod files;
 mod ndjson;

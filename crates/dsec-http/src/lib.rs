@@ -20,6 +20,7 @@
 //!
 //! [`ApiError`]: dsec_wire::ApiError
 
+pub mod admin;
 pub mod e2b;
 pub mod error;
 pub mod extract;
@@ -251,6 +252,8 @@ async fn json_errors(req: axum::extract::Request, next: middleware::Next) -> Res
         404 => ErrorCode::NotFound,
         405 => ErrorCode::MethodNotAllowed,
         401 => ErrorCode::Unauthorized,
+        403 => ErrorCode::Forbidden,
+        429 => ErrorCode::QuotaExceeded,
         s if s >= 500 => ErrorCode::Internal,
         _ => ErrorCode::BadRequest,
     };

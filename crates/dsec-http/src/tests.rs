@@ -545,3 +545,22 @@ async fn json_bodies_above_axum_default_limit_are_accepted() {
     let (_, e) = send_err(post_json("/v1/sandboxes", &body)).await;
     assert_eq!(e.message, "stub: create_sandbox");
 }
+
+/// The admin router merges into the main one: its routes answer, the rest are unchanged.
+#[tokio::test]
+async fn the_admin_router_merges_into_the_main_one() {
+    let iam = dsec_iam::Iam::new(Arc::new(dsec_state::MemStore::new()), Some(KEY.into()))
+        .await
+        .expect("iam");
+    let app = app().merge(admin::admin_router(Arc::new(iam)));
+    let call = |r: Request<Body>| {
+        let app = app.clone();
+        async move { app.oneshot(r).await.expect("infallible").status() }
+    };
+    let tenants = req("GET", "/v1/tenants").body(Body::empty()).expect("req");
+    assert_eq!(call(tenants).await, StatusCode::OK);
+    let health = req("GET", "/v1/health").body(Body::empty()).expect("req");
+    assert_eq!(call(health).await, StatusCode::OK);
+    let nowhere = req("GET", "/v1/nowhere").body(Body::empty()).expect("req");
+    assert_eq!(call(nowhere).await, StatusCode::NOT_FOUND);
+}

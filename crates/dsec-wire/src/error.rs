@@ -38,6 +38,12 @@ pub enum ErrorCode {
     Internal,
     /// The route exists but not with this HTTP method.
     MethodNotAllowed,
+    /// The API key is valid but may not do this (its scopes, or its tenant is disabled).
+    Forbidden,
+    /// A tenant quota (sandboxes, CPU, memory, creates per second) would be exceeded.
+    /// Retryable: it succeeds once usage drops (deletes) or the rate window refills,
+    /// so the caller must wait (back off) before retrying, not retry at once.
+    QuotaExceeded,
 }
 
 impl ErrorCode {
@@ -46,11 +52,13 @@ impl ErrorCode {
         match self {
             ErrorCode::BadRequest | ErrorCode::InvalidPath => 400,
             ErrorCode::Unauthorized => 401,
+            ErrorCode::Forbidden => 403,
             ErrorCode::NotFound | ErrorCode::ImageNotFound => 404,
             ErrorCode::MethodNotAllowed => 405,
             ErrorCode::Conflict | ErrorCode::Paused => 409,
             ErrorCode::Expired => 410,
             ErrorCode::PayloadTooLarge => 413,
+            ErrorCode::QuotaExceeded => 429,
             ErrorCode::NoSpace => 507,
             ErrorCode::Capacity => 503,
             ErrorCode::Timeout => 504,
@@ -62,7 +70,10 @@ impl ErrorCode {
     pub fn retryable(self) -> bool {
         matches!(
             self,
-            ErrorCode::Capacity | ErrorCode::Timeout | ErrorCode::AgentUnavailable
+            ErrorCode::Capacity
+                | ErrorCode::Timeout
+                | ErrorCode::AgentUnavailable
+                | ErrorCode::QuotaExceeded
         )
     }
 }
@@ -92,4 +103,22 @@ impl ApiError {
 pub struct ErrorBody {
     /// The error.
     pub error: ApiError,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn iam_codes() {
+        let json = serde_json::to_string(&[ErrorCode::Forbidden, ErrorCode::QuotaExceeded]);
+        assert_eq!(
+            json.ok().as_deref(),
+            Some(r#"["forbidden","quota_exceeded"]"#)
+        );
+        assert_eq!(ErrorCode::Forbidden.http_status(), 403);
+        assert!(!ErrorCode::Forbidden.retryable());
+        assert_eq!(ErrorCode::QuotaExceeded.http_status(), 429);
+        assert!(ErrorCode::QuotaExceeded.retryable());
+    }
 }

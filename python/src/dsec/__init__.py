@@ -23,6 +23,7 @@ from .errors import (
     DsecError,
     Expired,
     Failed,
+    Forbidden,
     ImageNotFound,
     Internal,
     InvalidPath,
@@ -31,6 +32,7 @@ from .errors import (
     PayloadTooLarge,
     MethodNotAllowed,
     Paused,
+    QuotaExceeded,
     Timeout,
     Unauthorized,
 )
@@ -81,6 +83,7 @@ __all__ = [
     "DsecError",
     "BadRequest",
     "Unauthorized",
+    "Forbidden",
     "NotFound",
     "Expired",
     "Failed",
@@ -95,6 +98,7 @@ __all__ = [
     "Paused",
     "AgentUnavailable",
     "Internal",
+    "QuotaExceeded",
     "ConnectionFailed",
     "ERROR_CLASSES",
     # models

@@ -14,6 +14,7 @@ __all__ = [
     "DsecError",
     "BadRequest",
     "Unauthorized",
+    "Forbidden",
     "NotFound",
     "Expired",
     "Failed",
@@ -28,6 +29,7 @@ __all__ = [
     "Paused",
     "AgentUnavailable",
     "Internal",
+    "QuotaExceeded",
     "ConnectionFailed",
     "error_from_body",
     "ERROR_CLASSES",
@@ -68,6 +70,13 @@ class Unauthorized(DsecError):
     """Missing or invalid API key (HTTP 401)."""
 
     code = "unauthorized"
+
+
+class Forbidden(DsecError):
+    """The API key is valid but may not do this: it lacks the scope, or its tenant is
+    disabled (HTTP 403)."""
+
+    code = "forbidden"
 
 
 class NotFound(DsecError):
@@ -157,6 +166,14 @@ class MethodNotAllowed(DsecError):
     code = "method_not_allowed"
 
 
+class QuotaExceeded(DsecError):
+    """A tenant quota (sandboxes, CPU, memory, creates per second) would be exceeded;
+    retry after usage drops or the rate refills, not at once (HTTP 429)."""
+
+    code = "quota_exceeded"
+    retryable = True
+
+
 class ConnectionFailed(DsecError):
     """The server could not be reached, or the connection broke (no HTTP answer)."""
 
@@ -183,6 +200,8 @@ ERROR_CLASSES: Dict[str, Type[DsecError]] = {
         AgentUnavailable,
         Internal,
         MethodNotAllowed,
+        Forbidden,
+        QuotaExceeded,
     )
 }
 

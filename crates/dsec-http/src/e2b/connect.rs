@@ -32,9 +32,10 @@ pub fn code(e: &ApiError) -> (&'static str, StatusCode) {
             ("unavailable", StatusCode::SERVICE_UNAVAILABLE)
         }
         ErrorCode::Timeout => ("deadline_exceeded", StatusCode::GATEWAY_TIMEOUT),
-        ErrorCode::NoSpace | ErrorCode::PayloadTooLarge => {
+        ErrorCode::NoSpace | ErrorCode::PayloadTooLarge | ErrorCode::QuotaExceeded => {
             ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS)
         }
+        ErrorCode::Forbidden => ("permission_denied", StatusCode::FORBIDDEN),
         _ => ("internal", StatusCode::INTERNAL_SERVER_ERROR),
     }
 }
