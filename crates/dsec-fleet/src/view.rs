@@ -316,3 +316,93 @@ async fn follow(
     }
     StateError::Unavailable("the node watch ended".into())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::node::tests::reg;
+
+    fn entry(key: &str, value: Vec<u8>) -> Entry {
+        Entry {
+            key: key.into(),
+            value,
+            rev: 1,
+        }
+    }
+
+    fn node_entry(r: &crate::NodeRegistration, lease: i64) -> Entry {
+        let rec = NodeRecord {
+            registration: r.clone(),
+            lease,
+        };
+        entry(&r.name, serde_json::to_vec(&rec).expect("json"))
+    }
+
+    fn names(events: &[NodeEvent]) -> Vec<String> {
+        events
+            .iter()
+            .map(|e| match e {
+                NodeEvent::Up {
+                    node,
+                    previous_boot_id,
+                } => format!("up {} {}", node.name(), previous_boot_id.is_some()),
+                NodeEvent::Down { name, .. } => format!("down {name}"),
+            })
+            .collect()
+    }
+
+    /// A relist (after a compacted watch or an outage) reports what changed meanwhile.
+    #[test]
+    fn a_relist_reports_what_changed_meanwhile() {
+        let (n1, n2, n3) = (reg("n1"), reg("n2"), reg("n3"));
+        let mut local = Local::default();
+        let mut ev = Vec::new();
+        local.relist(
+            vec![],
+            vec![node_entry(&n1, 1), node_entry(&n2, 2)],
+            &mut ev,
+        );
+        assert_eq!(names(&ev), ["up n1 false", "up n2 false"]);
+        // Meanwhile: n1 went, n2 restarted, n3 joined, n3 was drained.
+        let mut n2b = n2.clone();
+        n2b.boot_id = crate::new_boot_id();
+        let drained = entry(
+            "n3",
+            serde_json::to_vec(&AdminRecord { draining: true }).expect("json"),
+        );
+        let mut ev = Vec::new();
+        local.relist(
+            vec![drained],
+            vec![node_entry(&n2b, 4), node_entry(&n3, 5)],
+            &mut ev,
+        );
+        assert_eq!(
+            names(&ev),
+            ["down n1", "down n2", "up n2 true", "up n3 false"]
+        );
+        let snap = local.snapshot();
+        assert_eq!(snap.len(), 2);
+        assert!(snap[1].draining && !snap[0].draining);
+        // A load change alone is no event; an unreadable record is ignored.
+        let mut busy = n3.clone();
+        busy.load.sandboxes = 4;
+        let mut ev = Vec::new();
+        local.relist(
+            vec![],
+            vec![
+                node_entry(&n2b, 4),
+                node_entry(&busy, 5),
+                entry("n4", b"{".to_vec()),
+            ],
+            &mut ev,
+        );
+        assert!(ev.is_empty(), "{ev:?}");
+        let snap = local.snapshot();
+        assert_eq!(snap[1].registration.load.sandboxes, 4);
+        assert!(!snap[1].draining, "undrained by the relist");
+        // Back after being gone: the previous boot id is remembered.
+        let mut ev = Vec::new();
+        local.relist(vec![], vec![node_entry(&n1, 9)], &mut ev);
+        assert_eq!(names(&ev), ["down n2", "down n3", "up n1 true"]);
+    }
+}
