@@ -61,7 +61,7 @@ impl Shared {
 struct Local {
     nodes: BTreeMap<String, Arc<NodeStatus>>,
     drained: BTreeSet<String>,
-    /// Boot ids of nodes that went, for [`NodeEvent::Up::previous_boot_id`].
+    /// Boot ids of nodes that went, for `NodeEvent::Up::previous_boot_id`.
     gone: HashMap<String, String>,
 }
 

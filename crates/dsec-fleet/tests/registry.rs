@@ -171,8 +171,12 @@ async fn node_lifecycle(
     assert!(placer.place(&view.nodes(), &req).is_err());
 
     // Stop heartbeating: gone within `gone_within` of the last heartbeat.
+    // Heartbeats keep it alive past its TTL ...
     let beating = heartbeat_loop(registry.clone(), beat(&n1, ticket.lease, load));
-    tokio::time::sleep(cfg.heartbeat_interval * 2).await;
+    tokio::time::sleep(cfg.ttl + cfg.heartbeat_interval).await;
+    assert!(events.try_recv().is_err(), "no event while heartbeating");
+    assert!(view.node("n1").is_some());
+    // ... until they stop.
     beating.abort();
     let _ = beating.await;
     let stopped = Instant::now();
@@ -385,4 +389,27 @@ async fn the_view_survives_an_unreachable_store() {
     })
     .await;
     assert!(view.is_current());
+}
+
+/// Several replicas registering one name for different processes at once: exactly one
+/// wins, the others are told the name is taken, and one record exists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_registrations_of_one_name_admit_one() {
+    let store: Arc<dyn StateStore> = Arc::new(MemStore::new());
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let registry = Registry::new(store.clone(), RegistryConfig::default());
+            tokio::spawn(async move { registry.register(reg("n1")).await })
+        })
+        .collect();
+    let mut won = 0;
+    for t in tasks {
+        match t.await.expect("task") {
+            Ok(_) => won += 1,
+            Err(FleetError::NameTaken { .. }) => {}
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(won, 1);
+    assert_eq!(store.list(NODES_NS).await.expect("list").0.len(), 1);
 }
