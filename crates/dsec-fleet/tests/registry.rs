@@ -190,10 +190,11 @@ async fn node_lifecycle(
         e => panic!("{e:?}"),
     }
     let took = stopped.elapsed();
-    eprintln!("n1 gone from the other replica's view {took:?} after its last heartbeat");
+    eprintln!("n1 gone from the other replica's view {took:?} after its heartbeats stopped");
     assert!(took <= gone_within, "gone after {took:?}");
+    // The last heartbeat was at most an interval (and a call) before the loop stopped.
     assert!(
-        took >= cfg.ttl.saturating_sub(cfg.heartbeat_interval),
+        took >= cfg.ttl.saturating_sub(cfg.heartbeat_interval * 3 / 2),
         "gone early, after {took:?}"
     );
     assert!(view.nodes().is_empty());
