@@ -24,6 +24,7 @@ mod files;
 mod lifecycle;
 mod network;
 mod peers;
+mod placement;
 mod plot;
 mod provision;
 mod startup;
@@ -42,7 +43,8 @@ struct Args {
     #[arg(long)]
     json: Option<PathBuf>,
     /// Run only these sections (comma-separated): runtimes, exec (its exec table alone), network, concurrency,
-    /// sustained, backlog, teardown, cpu, job, idle, idle-cpu, density, files, provision, burst.
+    /// sustained, backlog, teardown, cpu, job, idle, idle-cpu, density, files, provision, burst,
+    /// placement (simulated, needs neither root nor a server).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Containers in the burst section (default 256, quick 48).
@@ -1306,9 +1308,39 @@ async fn burst_section(
     Ok(())
 }
 
+/// Writes every recorded table as JSON; returns where.
+fn write_json(args: &Args, n: usize) -> anyhow::Result<PathBuf> {
+    let path = args
+        .json
+        .clone()
+        .unwrap_or_else(|| dsec_e2e::target_dir().join("dsec-bench/results.json"));
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tables = std::mem::take(&mut *REPORT.lock().unwrap_or_else(|p| p.into_inner()));
+    let report = serde_json::json!({
+        "iterations": n,
+        "quick": args.quick,
+        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+        "cpus": std::thread::available_parallelism().map(|p| p.get()).unwrap_or(0),
+        "tables": tables,
+    });
+    std::fs::write(&path, serde_json::to_vec_pretty(&report)?)?;
+    println!("\nJSON: {}", path.display());
+    Ok(path)
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let n = args.iterations.unwrap_or(if args.quick { 10 } else { 40 });
+    // Sections that need no server (nor root): run first; alone, they are the whole run.
+    const SIMULATED: [&str; 1] = ["placement"];
+    if args.only.is_empty() || args.only.iter().any(|o| o == "placement") {
+        placement::section(args.quick);
+    }
+    if !args.only.is_empty() && args.only.iter().all(|o| SIMULATED.contains(&o.as_str())) {
+        return write_json(&args, n).map(drop);
+    }
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         bail!("run as root (scripts/bench)");
@@ -1503,23 +1535,7 @@ fn main() -> anyhow::Result<()> {
             .map(|d| d.flatten().filter(|e| e.path().is_dir()).count())
             .unwrap_or(0);
         println!("\nleft behind after the run: {left} sandboxes, {cgroups} sandbox cgroups (v1 memory hierarchy)");
-        let path = args
-            .json
-            .clone()
-            .unwrap_or_else(|| dsec_e2e::target_dir().join("dsec-bench/results.json"));
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)?;
-        }
-        let tables = std::mem::take(&mut *REPORT.lock().unwrap_or_else(|p| p.into_inner()));
-        let report = serde_json::json!({
-            "iterations": n,
-            "quick": args.quick,
-            "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
-            "cpus": std::thread::available_parallelism().map(|p| p.get()).unwrap_or(0),
-            "tables": tables,
-        });
-        std::fs::write(&path, serde_json::to_vec_pretty(&report)?)?;
-        println!("\nJSON: {}", path.display());
+        let path = write_json(&args, n)?;
         let panels = std::mem::take(&mut *PLOTS.lock().unwrap_or_else(|p| p.into_inner()));
         if !panels.is_empty() {
             let svg = path.with_extension("svg");

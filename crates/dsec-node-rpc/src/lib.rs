@@ -26,8 +26,12 @@
 //! | `GET /images`, `GET /image?name=`, `DELETE /image?name=` | images |
 //! | `POST /images/import?name=` (body: archive), `POST /images/tag`, `POST /images/gc` | |
 //! | `GET /layer-stats` | on-demand layer accounting |
+//!
+//! The other direction, nodes registering with and heartbeating to API servers, is
+//! [`registration`].
 
 pub mod client;
+pub mod registration;
 pub mod server;
 
 use serde::{Deserialize, Serialize};

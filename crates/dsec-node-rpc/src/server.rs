@@ -101,13 +101,7 @@ pub fn router(node: Arc<dyn NodeApi>, token: String) -> Router {
 
 /// Refuses a request without the node token (compared in constant time).
 async fn authenticate(State(rpc): State<Arc<Rpc>>, req: Request, next: Next) -> Response {
-    let presented = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    if !constant_time_eq(presented.as_bytes(), rpc.token.as_bytes()) {
+    if !token_ok(&req, &rpc.token) {
         return RpcError(ApiError::new(
             ErrorCode::Unauthorized,
             "missing or wrong node token",
@@ -115,6 +109,17 @@ async fn authenticate(State(rpc): State<Arc<Rpc>>, req: Request, next: Next) -> 
         .into_response();
     }
     next.run(req).await
+}
+
+/// Whether `req` presents `token` (`Authorization: Bearer`), compared in constant time.
+pub(crate) fn token_ok(req: &Request, token: &str) -> bool {
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    constant_time_eq(presented.as_bytes(), token.as_bytes())
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
