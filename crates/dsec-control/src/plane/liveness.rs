@@ -219,7 +219,7 @@ impl ControlPlane {
                 r = &mut ping => return r.map_err(|e| e.message),
                 () = tokio::time::sleep_until(poll) => {}
             }
-            if self.lock().get(id).map(|s| s.state) != Some(state) {
+            if self.records.get(id).map(|s| s.state) != Some(state) {
                 return Ok(());
             }
             if poll == deadline {
