@@ -173,11 +173,17 @@ impl ControlPlane {
     /// without a record is destroyed, a record without a live sandbox fails, and a
     /// create a crash interrupted is undone.
     async fn reconcile(&self) -> ApiResult<()> {
-        let running: HashMap<String, bool> = self
-            .node
-            .list()
-            .await
+        let listed = self.node.list().await;
+        // Sandboxes whose lifetime the node ended are the reaper's: it turns them into
+        // `expired` answers.
+        let ended: std::collections::HashSet<String> = listed
+            .iter()
+            .filter(|s| s.ended.is_some())
+            .map(|s| s.id.clone())
+            .collect();
+        let running: HashMap<String, bool> = listed
             .into_iter()
+            .filter(|s| s.ended.is_none())
             .map(|s| (s.id, s.alive))
             .collect();
         for (id, alive) in &running {
@@ -189,7 +195,7 @@ impl ControlPlane {
             }
         }
         let now = now_ms();
-        for mut sb in self.records.filter(|_| true) {
+        for mut sb in self.records.filter(|s| !ended.contains(&s.id)) {
             let id = sb.id.clone();
             match running.get(&id) {
                 // Still `creating`: the server died before the create answered, so nobody

@@ -186,7 +186,9 @@ async fn a_lifetime_ends_on_the_node_and_leaves_an_expired_answer() -> TestResul
             ..Default::default()
         })
         .await?;
-    // The node's sandbox goes first, then the record.
+    // The node keeps the clock (the fake one moves when told): its sandbox goes first,
+    // then the record.
+    fx.node.advance(Duration::from_secs(2));
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let e = loop {
         if let Err(e) = plane.get_sandbox(&sb.id).await {
@@ -212,5 +214,43 @@ async fn an_unreachable_node_fails_calls_with_a_retryable_code() -> TestResult {
     assert_eq!(e.code, ErrorCode::AgentUnavailable);
     fx.node.set_down(false);
     plane.exec(&sb.id, shell("true")).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn timeout_changes_and_job_suspends_reach_the_nodes_clock() -> TestResult {
+    let fx = Fixture::new()?;
+    let plane = fx.plane().await?;
+    let job = |n: &str| CreateSandboxRequest {
+        timeout_s: Some(10),
+        labels: [("job".to_string(), n.to_string())].into(),
+        ..Default::default()
+    };
+    let extended = plane.create_sandbox(job("a")).await?;
+    let held = plane.create_sandbox(job("b")).await?;
+    let plain = plane.create_sandbox(job("c")).await?;
+    plane
+        .set_timeout(
+            &extended.id,
+            dsec_wire::v1::SetTimeoutRequest { timeout_s: 100 },
+        )
+        .await?;
+    plane.suspend_job("b").await?;
+    let ended = fx.node.advance(Duration::from_secs(20));
+    assert_eq!(
+        ended,
+        vec![plain.id.clone()],
+        "only the unchanged lifetime ended"
+    );
+    plane.resume_job("b").await?;
+    let ended = fx.node.advance(Duration::from_secs(9));
+    assert!(
+        ended.is_empty(),
+        "the held clock resumed where it stopped: {ended:?}"
+    );
+    let ended = fx.node.advance(Duration::from_secs(2));
+    assert_eq!(ended, vec![held.id.clone()]);
+    let e = plane.get_sandbox(&extended.id).await;
+    assert!(e.is_ok(), "the extended one lives on: {e:?}");
     Ok(())
 }

@@ -51,7 +51,7 @@ impl ControlPlane {
                 match self.pause_sandbox(&id).await {
                     Ok(p) => {
                         let now = now_ms();
-                        let (sb, error) = match self
+                        let (sb, mut error) = match self
                             .change(&id, |rec| {
                                 Ok(rec.job_suspended_at.get_or_insert(now) == &now)
                             })
@@ -60,6 +60,12 @@ impl ControlPlane {
                             Ok((sb, _)) => (sb, None),
                             Err(e) => (p.sandbox, Some(e)),
                         };
+                        // The node stops the sandbox's clock (a preempted trainer must
+                        // find its rollouts when it comes back).
+                        if error.is_none() && self.cfg.job_suspend_stops_lifetime {
+                            let lifetime = lifecycle::node_lifetime(&sb, now, true);
+                            error = self.node.set_lifetime(&id, lifetime).await.err();
+                        }
                         JobSandboxOutcome {
                             id,
                             state: sb.state,

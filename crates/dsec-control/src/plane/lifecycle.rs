@@ -344,10 +344,12 @@ impl ControlPlane {
             }
             let now = now_ms();
             let stops_clock = self.cfg.job_suspend_stops_lifetime;
+            let mut was_held = false;
             let (sandbox, _) = self
                 .change(id, |sb| {
                     sb.last_active_at = now;
                     // A job suspend stopped the clock: the lifetime goes on where it stopped.
+                    was_held = sb.job_suspended_at.is_some();
                     if let Some(at) = sb.job_suspended_at.take() {
                         if stops_clock {
                             sb.expires_at += now.saturating_sub(at);
@@ -356,6 +358,12 @@ impl ControlPlane {
                     Ok(true)
                 })
                 .await?;
+            // The node's clock runs again.
+            if stops_clock && was_held {
+                self.node
+                    .set_lifetime(id, node_lifetime(&sandbox, now, false))
+                    .await?;
+            }
             return Ok(sandbox);
         }
         self.get_sandbox(id).await
@@ -428,13 +436,35 @@ impl ControlPlane {
                 format!("timeout_s must be in [1, {MAX_TIMEOUT_S}]"),
             ));
         }
+        let sb = self.record(id).await?;
         self.ready(id).await?;
         let expires_at = now_ms() + req.timeout_s * 1000;
+        // The node keeps the clock: it ends the sandbox when the new lifetime is over.
+        self.node
+            .set_lifetime(
+                id,
+                dsec_node_api::Lifetime {
+                    ttl_ms: Some(req.timeout_s * 1000),
+                    idle_timeout_ms: sb.idle_timeout_s.map(|s| s.saturating_mul(1000)),
+                    held: false,
+                },
+            )
+            .await?;
         self.change(id, |sb| {
             sb.expires_at = expires_at;
             Ok(true)
         })
         .await
         .map(|(sb, _)| sb)
+    }
+}
+
+/// The lifetime the node keeps for `sb` as of `now`: what is left of it, and whether its
+/// clock is stopped (a suspended job).
+pub(super) fn node_lifetime(sb: &Sandbox, now: u64, held: bool) -> dsec_node_api::Lifetime {
+    dsec_node_api::Lifetime {
+        ttl_ms: Some(sb.expires_at.saturating_sub(now)),
+        idle_timeout_ms: sb.idle_timeout_s.map(|s| s.saturating_mul(1000)),
+        held,
     }
 }

@@ -1,9 +1,16 @@
-//! The reaper: ends lifetimes (TTL, idle timeout) and remembers why, as tombstones.
+//! The reaper: the node ends lifetimes (TTL, idle timeout) on its own; this pass turns
+//! what it ended into `expired` tombstones, removes records left past their lifetime,
+//! marks sandboxes whose init died `failed`, and forgets old tombstones.
 
 use std::sync::atomic::Ordering;
 
 use super::*;
 
+use dsec_node_api::lifetime;
+
+/// How long past its end a lifetime must be before a record without a sandbox on its
+/// node is removed (the node's own reaper ends sandboxes on time; this is the rest).
+const LAPSE_GRACE_MS: u64 = 5_000;
 /// How often old tombstones are looked for.
 const TOMBSTONE_PRUNE_MS: u64 = 60_000;
 
@@ -21,47 +28,49 @@ impl ControlPlane {
         });
     }
 
-    /// One reaper pass: delete sandboxes past their lifetime or idle timeout, mark dead
-    /// ones failed, forget old tombstones.
+    /// One pass: turn the sandboxes the node ended (lifetime or idle timeout: the node
+    /// owns lifetimes) into `expired` tombstones, remove records whose lifetime is over
+    /// and whose sandbox the node no longer has, mark dead ones failed, forget old
+    /// tombstones. Every step is safe on several replicas at once (conditional writes,
+    /// idempotent destroys).
     pub(super) async fn reap_once(&self) {
         let now = now_ms();
-        let candidates: Vec<(String, &'static str)> = self
-            .records
-            .filter(|_| true)
-            .iter()
-            // Every state but `creating`: a lifetime ends whatever the sandbox is doing (a
-            // delete that failed midway, `stopping`, is retried here). A create is in
-            // flight in this process (a start resolves every earlier one) and ends on its
-            // own; the next pass reaps it if its lifetime is over by then.
-            .filter(|s| s.state != SandboxState::Creating)
-            .filter_map(|s| {
-                if s.job_suspended_at.is_some() && self.cfg.job_suspend_stops_lifetime {
-                    // A suspended job's clock is stopped (a preempted trainer must find
-                    // its rollouts when it comes back).
-                    None
-                } else if now >= s.expires_at {
-                    Some((s.id.clone(), "lifetime (timeout_s) ended"))
-                } else if s.state == SandboxState::Ready
-                    && s.idle_timeout_s
-                        .is_some_and(|t| now.saturating_sub(s.last_active_at) >= t * 1000)
-                {
-                    Some((s.id.clone(), "idle timeout reached"))
-                } else {
-                    None
+        let on_node = self.node.list().await;
+        for ended in on_node.iter().filter(|s| s.ended.is_some()) {
+            let reason = ended.ended.clone().unwrap_or_default();
+            if let Ok(Some(sb)) = self.records.find(&ended.id).await {
+                tracing::info!(id = %sb.id, %reason, "the node ended the sandbox's lifetime");
+                let tombstone = records::Tombstone { reason, at: now };
+                if let Err(e) = self.records.remove(&sb, Some(tombstone)).await {
+                    tracing::warn!(id = %sb.id, error = %e.message, "recording the end failed; will retry");
+                    continue;
                 }
-            })
-            .collect();
-        for (id, reason) in candidates {
-            tracing::info!(%id, reason, "reaping sandbox");
-            if let Err(e) = self.remove(&id, Some(reason)).await {
-                tracing::warn!(%id, error = %e.message, "reaping failed; will retry");
+            }
+            // Forgets the node's stub.
+            let _ = self.node.destroy(&ended.id).await;
+        }
+        let held =
+            |s: &Sandbox| s.job_suspended_at.is_some() && self.cfg.job_suspend_stops_lifetime;
+        let known: std::collections::HashSet<&str> =
+            on_node.iter().map(|s| s.id.as_str()).collect();
+        // Past its lifetime with nothing left on the node (a failed sandbox, a delete that
+        // failed midway): the record goes, with its answer. `creating` ones belong to a
+        // create in flight.
+        let lapsed = self.records.filter(|s| {
+            s.state != SandboxState::Creating
+                && !held(s)
+                && now >= s.expires_at.saturating_add(LAPSE_GRACE_MS)
+                && !known.contains(s.id.as_str())
+        });
+        for sb in lapsed {
+            tracing::info!(id = %sb.id, "removing the record of a sandbox past its lifetime");
+            if let Err(e) = self.remove(&sb.id, Some(lifetime::TTL_ENDED)).await {
+                tracing::warn!(id = %sb.id, error = %e.message, "reaping failed; will retry");
             }
         }
-        let alive: HashMap<String, bool> = self
-            .node
-            .list()
-            .await
+        let alive: HashMap<String, bool> = on_node
             .into_iter()
+            .filter(|s| s.ended.is_none())
             .map(|s| (s.id, s.alive))
             .collect();
         let died = self.records.filter(|s| {
