@@ -220,3 +220,174 @@ async fn the_public_api_works_through_an_apiserver_over_a_separate_node() -> any
     assert!(status.success(), "dsec node exit: {status:?}");
     Ok(())
 }
+
+/// Starts `dsec node` on fresh directories of test `name`; its URL, token file and
+/// the test's root directory.
+async fn start_node(
+    name: &str,
+) -> anyhow::Result<(Proc, String, std::path::PathBuf, std::path::PathBuf)> {
+    let mut embedded = Server::start(name, true).await?;
+    embedded
+        .terminate(Duration::from_secs(30))
+        .context("the embedded server did not stop")?;
+    let root = embedded.state_dir.parent().context("root")?.to_path_buf();
+    let port = free_port()?;
+    let url = format!("http://127.0.0.1:{port}");
+    let node = spawn(
+        &[
+            "node".into(),
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--state-dir".into(),
+            embedded.state_dir.display().to_string(),
+            "--run-dir".into(),
+            embedded.run_dir.display().to_string(),
+            "--cgroup-parent".into(),
+            dsec_e2e::TEST_CGROUP_PARENT.into(),
+        ],
+        &root.join("node.log"),
+    )?;
+    let token_file = embedded.state_dir.join("node-token");
+    let up = wait_until(Duration::from_secs(30), || {
+        let (url, token_file) = (url.clone(), token_file.clone());
+        async move {
+            let token = std::fs::read_to_string(&token_file).ok()?;
+            reqwest::Client::new()
+                .get(format!("{url}/node/v1/info"))
+                .bearer_auth(token.trim())
+                .send()
+                .await
+                .ok()
+                .filter(|r| r.status().is_success())
+        }
+    })
+    .await;
+    anyhow::ensure!(up.is_some(), "dsec node did not come up");
+    Ok((node, url, token_file, root))
+}
+
+/// Ids of the sandboxes the node runs, asked through its internal API.
+async fn node_sandboxes(url: &str, token_file: &std::path::Path) -> anyhow::Result<Vec<String>> {
+    let token = std::fs::read_to_string(token_file)?;
+    let list: Vec<serde_json::Value> = reqwest::Client::new()
+        .get(format!("{url}/node/v1/sandboxes"))
+        .bearer_auth(token.trim())
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let mut ids: Vec<String> = list
+        .iter()
+        .filter_map(|s| s["id"].as_str().map(str::to_string))
+        .collect();
+    ids.sort();
+    Ok(ids)
+}
+
+#[tokio::test]
+async fn two_apiservers_on_etcd_serve_the_same_sandboxes() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let Some(etcd) = dsec_testkit::Etcd::start("two_apiservers_on_etcd_serve_the_same_sandboxes")
+    else {
+        return Ok(());
+    };
+    let (node, node_url, token_file, root) = start_node("split-etcd").await?;
+    let key_file = root.join("api-key");
+    let mut replicas = Vec::new();
+    let mut clients = Vec::new();
+    for r in 0..2 {
+        let dir = root.join(format!("apiserver-{r}"));
+        let port = free_port()?;
+        let proc = spawn(
+            &[
+                "apiserver".into(),
+                "--listen".into(),
+                format!("127.0.0.1:{port}"),
+                "--state-dir".into(),
+                dir.display().to_string(),
+                "--etcd".into(),
+                etcd.endpoints().join(","),
+                "--etcd-prefix".into(),
+                "/dsec-e2e-split".into(),
+                "--api-key-file".into(),
+                key_file.display().to_string(),
+                "--node".into(),
+                node_url.clone(),
+                "--node-token-file".into(),
+                token_file.display().to_string(),
+            ],
+            &root.join(format!("apiserver-{r}.log")),
+        )?;
+        replicas.push(proc);
+        let url = format!("http://127.0.0.1:{port}");
+        let client = wait_until(Duration::from_secs(30), || {
+            let (url, key_file) = (url.clone(), key_file.clone());
+            async move {
+                let key = std::fs::read_to_string(key_file).ok()?;
+                let c = Client::new(&url, Some(key.trim().to_string())).ok()?;
+                c.health().await.ok().map(|_| c)
+            }
+        })
+        .await
+        .with_context(|| format!("apiserver {r} did not come up"))?;
+        clients.push(client);
+    }
+    let (a, b) = (&clients[0], &clients[1]);
+    let tar = tokio::fs::File::open(dsec_e2e::base_tar()).await?;
+    a.upload_image("base", false, tar).await?;
+
+    // Made on one replica, used and changed on the other at once.
+    let sb = a.create_sandbox(CreateSandboxRequest::default()).await?;
+    let r = b.exec(&sb.id, sh("echo from-b")).await?;
+    assert_eq!(r.stdout, "from-b\n");
+    b.pause_sandbox(&sb.id).await?;
+    let seen = wait_until(Duration::from_secs(1), || async {
+        let s = a.get_sandbox(&sb.id).await.ok()?;
+        (s.state == dsec_wire::v1::SandboxState::Paused).then_some(())
+    })
+    .await;
+    assert!(seen.is_some(), "a sees b's pause within 1 s");
+    let e = a.exec(&sb.id, sh("true")).await.expect_err("paused");
+    assert_eq!(e.code(), Some(ErrorCode::Paused), "{e}");
+    a.resume_sandbox(&sb.id).await?;
+    assert_eq!(b.exec(&sb.id, sh("echo again")).await?.stdout, "again\n");
+
+    // The same keyed create sent to both replicas at once: one sandbox.
+    for round in 0..5 {
+        let req = CreateSandboxRequest {
+            idempotency_key: Some(format!("rollout-{round}")),
+            ..Default::default()
+        };
+        let (x, y) = tokio::join!(a.create_sandbox(req.clone()), b.create_sandbox(req));
+        let (x, y) = (x?, y?);
+        assert_eq!(x.id, y.id, "round {round}");
+    }
+    let listed = wait_until(Duration::from_secs(2), || async {
+        let la = a.list_sandboxes(Default::default()).await.ok()?;
+        let lb = b.list_sandboxes(Default::default()).await.ok()?;
+        (la.sandboxes.len() == 6 && lb.sandboxes.len() == 6).then_some(())
+    })
+    .await;
+    assert!(listed.is_some(), "both replicas list the 6 sandboxes");
+    assert_eq!(node_sandboxes(&node_url, &token_file).await?.len(), 6);
+
+    // A replica killed: the other serves everything, and deletes leave the node empty.
+    let mut dead = replicas.remove(0);
+    dead.0.kill()?;
+    dead.0.wait()?;
+    for s in b.list_sandboxes(Default::default()).await?.sandboxes {
+        b.delete_sandbox(&s.id).await?;
+    }
+    assert!(node_sandboxes(&node_url, &token_file).await?.is_empty());
+    drop(replicas);
+    let mut node = node;
+    // SAFETY: kill with our own child's pid.
+    unsafe { libc::kill(node.0.id() as i32, libc::SIGTERM) };
+    let status = node.0.wait()?;
+    assert!(status.success(), "dsec node exit: {status:?}");
+    drop(etcd);
+    Ok(())
+}
