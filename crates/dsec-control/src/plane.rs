@@ -143,7 +143,7 @@ impl ControlPlane {
         node: Arc<dyn NodeApi>,
         store: Arc<dyn StateStore>,
     ) -> ApiResult<Arc<Self>> {
-        let records = records::Records::open(store).await?;
+        let records = records::Records::open(store, !cfg.sole_owner).await?;
         let plane = Arc::new_cyclic(|me| Self {
             cfg,
             node,

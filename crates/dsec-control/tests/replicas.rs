@@ -159,3 +159,69 @@ async fn replicas_share_records_through_etcd() -> TestResult {
         EtcdStore::connect(EtcdConfig::new(etcd.endpoints(), "/dsec-test/replicas")).await?;
     all(Arc::new(store)).await
 }
+
+/// A replica killed in the middle of a keyed create (its runtime, and so its tasks and
+/// lease keep-alive, gone): the retry on another replica finds the key, sees the create
+/// abandoned once the dead replica's lease expires, undoes it and makes the sandbox.
+#[test]
+fn a_keyed_create_whose_replica_died_is_taken_over_by_the_retry() -> TestResult {
+    let store: Arc<dyn StateStore> = Arc::new(MemStore::new());
+    let node = Arc::new(FakeNode::new("fake-1"));
+    let cfg = ControlConfig {
+        sole_owner: false,
+        reap_interval: Duration::from_secs(3600),
+        ..ControlConfig::with_key("k".into())
+    };
+    let req = CreateSandboxRequest {
+        idempotency_key: Some("step-1/rollout-1".into()),
+        ..Default::default()
+    };
+    let rt_a = tokio::runtime::Runtime::new()?;
+    let rt_b = tokio::runtime::Runtime::new()?;
+    // b opens first: the in-memory store expires leases from a task on the runtime
+    // that granted its first one, which must outlive a's.
+    let b = rt_b.block_on(ControlPlane::open(cfg.clone(), node.clone(), store.clone()))?;
+    node.stall_creates(true);
+    let a = rt_a.block_on(ControlPlane::open(cfg, node.clone(), store))?;
+    let doomed = {
+        let (a, req) = (a.clone(), req.clone());
+        rt_a.spawn(async move { a.create_sandbox(req).await })
+    };
+    // The create reached the node: its record and key are stored, claimed by a.
+    let started = Instant::now();
+    while node.counters.create_calls.load(Ordering::Relaxed) == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "create never reached the node"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // a dies: its tasks go with its runtime, the node's create with them.
+    drop(doomed);
+    drop(a);
+    rt_a.shutdown_background();
+    node.stall_creates(false);
+
+    let started = Instant::now();
+    let sb = rt_b.block_on(b.create_sandbox(req.clone()))?;
+    assert_eq!(sb.state, SandboxState::Ready);
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "taken over within the lease's TTL: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        node.sandbox_ids(),
+        vec![sb.id.clone()],
+        "one sandbox on the node"
+    );
+    let listed = rt_b.block_on(b.list_sandboxes(Default::default()))?;
+    assert_eq!(
+        listed.sandboxes.len(),
+        1,
+        "no record of the abandoned create left"
+    );
+    // The key now names the new sandbox.
+    assert_eq!(rt_b.block_on(b.create_sandbox(req))?.id, sb.id);
+    Ok(())
+}

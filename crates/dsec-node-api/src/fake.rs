@@ -87,6 +87,8 @@ struct State {
     /// Set: paused sandboxes act frozen (pings wait for the resume), and a resume
     /// thaws this long after it is asked.
     freeze: Option<std::time::Duration>,
+    /// Creates wait while this is set (a node slow to build, for a test to act meanwhile).
+    stall_creates: bool,
 }
 
 /// What a [`FakeNode`] was asked to do, for assertions.
@@ -94,6 +96,8 @@ struct State {
 pub struct FakeCounters {
     /// Sandboxes created.
     pub creates: AtomicU64,
+    /// Create calls, counted as they arrive (before any refusal or stall).
+    pub create_calls: AtomicU64,
     /// Destroy calls (including of unknown ids).
     pub destroys: AtomicU64,
     /// Commands run (exec and exec_stream).
@@ -154,6 +158,12 @@ impl FakeNode {
     /// a node that cannot be reached.
     pub fn set_down(&self, down: bool) {
         self.state().down = down;
+    }
+
+    /// While `stall`, creates wait before doing anything (dropping one meanwhile leaves
+    /// nothing on the node).
+    pub fn stall_creates(&self, stall: bool) {
+        self.state().stall_creates = stall;
     }
 
     /// Every ping takes `latency` (an agent slow to answer).
@@ -391,6 +401,10 @@ impl NodeApi for FakeNode {
     }
 
     async fn create(&self, spec: NodeCreateSpec) -> NodeResult<NodeSandbox> {
+        self.counters.create_calls.fetch_add(1, Ordering::Relaxed);
+        while self.state().stall_creates {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
         let mut st = self.state();
         if st.down {
             return Err(unreachable_node(&self.name));

@@ -8,7 +8,10 @@ impl ControlPlane {
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
         loop {
             let sb = self.get_sandbox(id).await?;
-            if sb.state != SandboxState::Creating || std::time::Instant::now() > deadline {
+            if sb.state != SandboxState::Creating
+                || std::time::Instant::now() > deadline
+                || self.records.abandoned(&sb).await?
+            {
                 return Ok(sb);
             }
             // Another replica's create shows here through the watch.
@@ -176,13 +179,25 @@ impl ControlPlane {
         });
         let keyed = claim.is_some();
         if keyed {
-            match self.records.insert(&sb, claim).await {
-                Ok(()) => {}
-                Err(records::InsertError::KeyTaken(first)) => {
-                    self.same_request(&first, &req).await?;
-                    return self.await_created(&first.id).await;
+            let mut attempts = 0;
+            loop {
+                match self.records.insert(&sb, claim.clone()).await {
+                    Ok(()) => break,
+                    Err(records::InsertError::KeyTaken(first)) => {
+                        self.same_request(&first, &req).await?;
+                        let found = self.await_created(&first.id).await?;
+                        attempts += 1;
+                        if !self.records.abandoned(&found).await? || attempts > 3 {
+                            return Ok(found);
+                        }
+                        // Its replica died mid-create: undo what it left, then make the
+                        // sandbox here.
+                        tracing::info!(id = %found.id, "taking over a create whose replica is gone");
+                        self.node.destroy(&found.id).await?;
+                        self.records.remove(&found, None).await?;
+                    }
+                    Err(records::InsertError::Store(e)) => return Err(e),
                 }
-                Err(records::InsertError::Store(e)) => return Err(e),
             }
         }
         let mut env = BTreeMap::from([
@@ -287,6 +302,7 @@ impl ControlPlane {
                 Ok(true)
             })
             .await;
+        self.records.finish_create(&id).await;
         match done {
             Ok((sb, _)) => Ok(sb),
             Err(e) => {

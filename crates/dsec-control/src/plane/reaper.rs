@@ -68,6 +68,15 @@ impl ControlPlane {
                 tracing::warn!(id = %sb.id, error = %e.message, "reaping failed; will retry");
             }
         }
+        // Creates whose replica died midway (replicas sharing the store only).
+        for sb in self.records.filter(|s| s.state == SandboxState::Creating) {
+            if matches!(self.records.abandoned(&sb).await, Ok(true)) {
+                tracing::info!(id = %sb.id, "undoing a create whose replica is gone");
+                if self.node.destroy(&sb.id).await.is_ok() {
+                    let _ = self.records.remove(&sb, None).await;
+                }
+            }
+        }
         let alive: HashMap<String, bool> = on_node
             .into_iter()
             .filter(|s| s.ended.is_none())

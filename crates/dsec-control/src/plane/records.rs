@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dsec_state::{Entry, Expect, Op, Revision, StateError, StateStore, Txn, WatchEvent};
-use dsec_wire::v1::Sandbox;
+use dsec_wire::v1::{Sandbox, SandboxState};
 use dsec_wire::{ApiError, ErrorCode};
 use futures::StreamExt;
 use sha2::Digest;
@@ -25,6 +25,11 @@ use super::{internal, NS_SANDBOXES, NS_TOMBSTONES};
 
 /// Namespace of idempotency keys: hash of the key -> [`IdemEntry`].
 pub(super) const NS_IDEMPOTENCY: &str = "idempotency";
+/// Namespace of creates in flight: sandbox id -> the replica making it, on that
+/// replica's lease (gone when the replica is).
+const NS_CREATING: &str = "creating";
+/// How long a dead replica's creates stay claimed.
+const REPLICA_LEASE_TTL: Duration = Duration::from_secs(5);
 /// How often a conflicting write is retried before giving up.
 const CAS_ATTEMPTS: usize = 32;
 
@@ -116,6 +121,52 @@ pub(super) struct Records {
     /// Woken whenever the cache changes (waiters for another replica's create).
     changed: tokio::sync::Notify,
     watcher: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// This replica's lease, when creates must be claimed (several replicas share the
+    /// store): a create in flight holds `creating/<id>` on it.
+    lease: Option<Arc<ReplicaLease>>,
+}
+
+/// A replica's lease, kept alive by a task; renewed with a new lease if it was lost.
+#[derive(Debug)]
+struct ReplicaLease {
+    id: std::sync::atomic::AtomicI64,
+    keeper: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl ReplicaLease {
+    fn get(&self) -> dsec_state::LeaseId {
+        dsec_state::LeaseId(self.id.load(std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+impl Drop for ReplicaLease {
+    fn drop(&mut self) {
+        if let Some(t) = self.keeper.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            t.abort();
+        }
+    }
+}
+
+/// Keeps the replica's lease alive (a third of its TTL apart); grants a new one if it
+/// expired (an outage longer than the TTL: creates in flight lose their claim).
+async fn keep_lease(store: Arc<dyn StateStore>, lease: std::sync::Weak<ReplicaLease>) {
+    loop {
+        tokio::time::sleep(REPLICA_LEASE_TTL / 3).await;
+        let Some(l) = lease.upgrade() else { return };
+        match store.keep_alive(l.get()).await {
+            Ok(()) => {}
+            Err(StateError::LeaseExpired(_)) => {
+                match store.grant_lease(REPLICA_LEASE_TTL).await {
+                    Ok(new) => {
+                        tracing::warn!("this replica's lease expired (store unreachable too long); took a new one");
+                        l.id.store(new.0, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    Err(e) => tracing::warn!(error = %e, "renewing this replica's lease failed"),
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "keeping this replica's lease alive failed"),
+        }
+    }
 }
 
 impl Drop for Records {
@@ -160,8 +211,25 @@ fn is_conflict(e: &StateError) -> bool {
 }
 
 impl Records {
-    /// Loads every record and starts the watch that keeps them fresh.
-    pub async fn open(store: Arc<dyn StateStore>) -> ApiResult<Arc<Self>> {
+    /// Loads every record and starts the watch that keeps them fresh. With
+    /// `claim_creates` (replicas share the store), creates in flight are claimed on a
+    /// lease of this replica, so another can tell a create whose replica died.
+    pub async fn open(store: Arc<dyn StateStore>, claim_creates: bool) -> ApiResult<Arc<Self>> {
+        let lease = if claim_creates {
+            let id = store
+                .grant_lease(REPLICA_LEASE_TTL)
+                .await
+                .map_err(internal)?;
+            let lease = Arc::new(ReplicaLease {
+                id: std::sync::atomic::AtomicI64::new(id.0),
+                keeper: Mutex::new(None),
+            });
+            let task = tokio::spawn(keep_lease(store.clone(), Arc::downgrade(&lease)));
+            *lease.keeper.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
+            Some(lease)
+        } else {
+            None
+        };
         let (entries, rev) = store.list(NS_SANDBOXES).await.map_err(internal)?;
         let mut cache = Cache {
             seen: rev,
@@ -177,6 +245,7 @@ impl Records {
             cache: Mutex::new(cache),
             changed: tokio::sync::Notify::new(),
             watcher: Mutex::new(None),
+            lease,
         });
         let task = tokio::spawn(watch(Arc::downgrade(&records), rev));
         *records.watcher.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
@@ -325,6 +394,14 @@ impl Records {
                 lease: None,
             }],
         };
+        if let Some(lease) = &self.lease {
+            txn.ops.push(Op::Put {
+                ns: NS_CREATING.into(),
+                key: sb.id.clone(),
+                value: Vec::new(),
+                lease: Some(lease.get()),
+            });
+        }
         if let Some((key, entry)) = &key {
             let value = serde_json::to_vec(entry).map_err(|e| InsertError::Store(internal(e)))?;
             txn.checks
@@ -358,6 +435,36 @@ impl Records {
             ErrorCode::Conflict,
             format!("sandbox {} could not be stored: retry", sb.id),
         )))
+    }
+
+    /// Drops this replica's claim on a create that ended (either way).
+    pub async fn finish_create(&self, id: &str) {
+        if self.lease.is_some() {
+            let _ = self.store.delete(NS_CREATING, id, Expect::Any).await;
+        }
+    }
+
+    /// Whether `sb`, `creating`, was abandoned: the replica making it is gone (its
+    /// claim went with its lease). Never true where creates are not claimed.
+    pub async fn abandoned(&self, sb: &Sandbox) -> ApiResult<bool> {
+        if self.lease.is_none() || sb.state != SandboxState::Creating {
+            return Ok(false);
+        }
+        let claimed = self
+            .store
+            .get(NS_CREATING, &sb.id)
+            .await
+            .map_err(internal)?
+            .is_some();
+        if claimed {
+            return Ok(false);
+        }
+        // The claim and the record are written together: a record read before it was
+        // finished may be stale.
+        Ok(self
+            .fetch(&sb.id)
+            .await?
+            .is_some_and(|c| c.sb.state == SandboxState::Creating))
     }
 
     /// What an idempotency key points at, if it is taken.
@@ -409,6 +516,12 @@ impl Records {
                     key: idem_key(key),
                 });
             }
+        }
+        if self.lease.is_some() {
+            ops.push(Op::Delete {
+                ns: NS_CREATING.into(),
+                key: sb.id.clone(),
+            });
         }
         if let Some(t) = tombstone {
             ops.push(Op::Put {
