@@ -311,3 +311,41 @@ async fn a_restarted_node_keeps_remaining_lifetimes_and_stubs() {
     assert!(node.list().await.is_empty(), "destroyed stubs stay gone");
     close(node).await;
 }
+
+/// A paused sandbox's agent calls answer `paused` at once (a frozen agent would hold
+/// them until a resume): an API server whose view is a moment behind another replica's
+/// pause learns the state from the node.
+#[tokio::test(flavor = "multi_thread")]
+async fn agent_calls_on_a_paused_sandbox_answer_paused_at_once() {
+    if !require_root() {
+        return;
+    }
+    let _turn = TURN.lock().await;
+    let node = open_clean().await;
+    let id = new_id("paused");
+    node.create(spec(&id, life(600_000, None)))
+        .await
+        .expect("create");
+    node.pause(&id).await.expect("pause");
+    let start = Instant::now();
+    let e = tokio::time::timeout(Duration::from_secs(5), node.exec(&id, shell("true"), None))
+        .await
+        .expect("answered, not held by the frozen agent")
+        .expect_err("paused");
+    assert_eq!(e.code, ErrorCode::Paused, "{e:?}");
+    let e = node
+        .read_file(&id, "/etc/hostname", 0, None)
+        .await
+        .err()
+        .expect("paused");
+    assert_eq!(e.code, ErrorCode::Paused);
+    assert!(start.elapsed() < Duration::from_secs(1));
+    node.resume(&id).await.expect("resume");
+    let r = node
+        .exec(&id, shell("echo back"), None)
+        .await
+        .expect("exec");
+    assert_eq!(r.stdout, "back\n");
+    node.destroy(&id).await.expect("destroy");
+    close(node).await;
+}

@@ -235,6 +235,19 @@ impl Lifetimes {
         })
     }
 
+    /// An agent operation starts: as [`Lifetimes::activity`], but a paused sandbox
+    /// answers `paused` at once (its frozen agent would hold the call until a resume; a
+    /// control plane whose view is a moment old learns the state here).
+    pub(crate) fn agent_activity(self: &Arc<Self>, id: &str) -> Result<Activity, ApiError> {
+        if self.lock().clocks.get(id).is_some_and(|c| c.paused) {
+            return Err(ApiError::new(
+                ErrorCode::Paused,
+                format!("sandbox {id} is paused: resume it first"),
+            ));
+        }
+        self.activity(id)
+    }
+
     /// Forgets a sandbox being destroyed: its lifetime and its stub.
     pub(crate) fn forget(&self, id: &str) {
         let mut t = self.lock();

@@ -671,12 +671,12 @@ impl NodeApi for LocalNode {
                 "a streaming agent request was sent as a plain call",
             ));
         }
-        let _active = self.lifetimes.activity(id)?;
+        let _active = self.lifetimes.agent_activity(id)?;
         self.agent_call(id, &req).await
     }
 
     async fn exec(&self, id: &str, spec: ExecSpec, stdin: Option<Bytes>) -> NodeResult<ExecResult> {
-        let _active = self.lifetimes.activity(id)?;
+        let _active = self.lifetimes.agent_activity(id)?;
         self.exec_to_exit(id, spec, stdin).await
     }
 
@@ -686,7 +686,7 @@ impl NodeApi for LocalNode {
         spec: ExecSpec,
         stdin: Option<Bytes>,
     ) -> NodeResult<EventStream> {
-        let active = self.lifetimes.activity(id)?;
+        let active = self.lifetimes.agent_activity(id)?;
         let events = self.exec_events(id, spec, stdin).await?;
         Ok(while_active(events, active))
     }
@@ -705,13 +705,13 @@ impl NodeApi for LocalNode {
             stderr_offset,
             follow,
         };
-        let active = self.lifetimes.activity(id)?;
+        let active = self.lifetimes.agent_activity(id)?;
         let events = self.output_events(id, req).await?;
         Ok(while_active(events, active))
     }
 
     async fn process_stdin(&self, id: &str, pid: u32, data: Bytes, close: bool) -> NodeResult<()> {
-        let _active = self.lifetimes.activity(id)?;
+        let _active = self.lifetimes.agent_activity(id)?;
         self.stdin(id, pid, data, close).await
     }
 
@@ -727,7 +727,7 @@ impl NodeApi for LocalNode {
             offset,
             length,
         };
-        let active = self.lifetimes.activity(id)?;
+        let active = self.lifetimes.agent_activity(id)?;
         let (info, body) = self.file_read(id, req).await?;
         Ok((info, while_active(body, active)))
     }
@@ -744,12 +744,12 @@ impl NodeApi for LocalNode {
             mode,
             create_parents: true,
         };
-        let _active = self.lifetimes.activity(id)?;
+        let _active = self.lifetimes.agent_activity(id)?;
         self.upload(id, req, body).await
     }
 
     async fn download_tar(&self, id: &str, path: &str) -> NodeResult<ByteStream> {
-        let active = self.lifetimes.activity(id)?;
+        let active = self.lifetimes.agent_activity(id)?;
         let body = self.tar_download(id, path).await?;
         Ok(while_active(body, active))
     }
@@ -758,7 +758,7 @@ impl NodeApi for LocalNode {
         let req = Request::TarUpload {
             path: path.to_string(),
         };
-        let _active = self.lifetimes.activity(id)?;
+        let _active = self.lifetimes.agent_activity(id)?;
         self.upload(id, req, body).await
     }
 
