@@ -293,7 +293,8 @@ impl ControlPlane {
             return Err(e);
         }
         let done = self
-            .change(&id, |rec| {
+            .records
+            .complete_create(&id, |rec| {
                 if rec.state != SandboxState::Creating && rec.state != SandboxState::Ready {
                     // Deleted (stopping) meanwhile: that delete wins.
                     return Err(state_error(rec));
@@ -302,12 +303,15 @@ impl ControlPlane {
                 Ok(true)
             })
             .await;
-        self.records.finish_create(&id).await;
         match done {
-            Ok((sb, _)) => Ok(sb),
-            Err(e) => {
+            Ok(Some((sb, _))) => Ok(sb),
+            failed => {
+                self.records.finish_create(&id).await;
                 let _ = self.node.destroy(&id).await;
-                Err(e)
+                Err(match failed {
+                    Err(e) => e,
+                    _ => self.missing(&id).await,
+                })
             }
         }
     }

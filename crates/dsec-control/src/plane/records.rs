@@ -331,7 +331,26 @@ impl Records {
     pub async fn update(
         &self,
         id: &str,
+        change: impl FnMut(&mut Sandbox) -> ApiResult<bool>,
+    ) -> ApiResult<Option<(Sandbox, bool)>> {
+        self.write(id, change, false).await
+    }
+
+    /// [`Records::update`] for the last write of a create: drops the create's claim in
+    /// the same transaction (one store write, not two).
+    pub async fn complete_create(
+        &self,
+        id: &str,
+        change: impl FnMut(&mut Sandbox) -> ApiResult<bool>,
+    ) -> ApiResult<Option<(Sandbox, bool)>> {
+        self.write(id, change, true).await
+    }
+
+    async fn write(
+        &self,
+        id: &str,
         mut change: impl FnMut(&mut Sandbox) -> ApiResult<bool>,
+        end_claim: bool,
     ) -> ApiResult<Option<(Sandbox, bool)>> {
         let mut current = self.lock().sandboxes.get(id).cloned();
         if current.is_none() {
@@ -345,11 +364,22 @@ impl Records {
             if !change(&mut next)? {
                 return Ok(Some((next, false)));
             }
-            match self
-                .store
-                .put(NS_SANDBOXES, id, &encode(&next)?, Expect::Rev(rev))
-                .await
-            {
+            let mut txn = Txn {
+                checks: vec![(NS_SANDBOXES.into(), id.to_string(), Expect::Rev(rev))],
+                ops: vec![Op::Put {
+                    ns: NS_SANDBOXES.into(),
+                    key: id.to_string(),
+                    value: encode(&next)?,
+                    lease: None,
+                }],
+            };
+            if end_claim && self.lease.is_some() {
+                txn.ops.push(Op::Delete {
+                    ns: NS_CREATING.into(),
+                    key: id.to_string(),
+                });
+            }
+            match self.store.txn(txn).await {
                 Ok(written) => {
                     self.lock().offer(next.clone(), written);
                     self.changed.notify_waiters();
