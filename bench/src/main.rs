@@ -20,6 +20,7 @@ use dsec_wire::v1::{CreateSandboxRequest, ExecRequest};
 
 mod burst;
 mod churn;
+mod control;
 mod files;
 mod lifecycle;
 mod network;
@@ -44,7 +45,8 @@ struct Args {
     json: Option<PathBuf>,
     /// Run only these sections (comma-separated): runtimes, exec (its exec table alone), network, concurrency,
     /// sustained, backlog, teardown, cpu, job, idle, idle-cpu, density, files, provision, burst,
-    /// placement (simulated, needs neither root nor a server).
+    /// placement (simulated, needs neither root nor a server), control-plane (control-plane
+    /// replicas over etcd onto a fake node; needs etcd, not root).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Containers in the burst section (default 256, quick 48).
@@ -82,7 +84,7 @@ pub(crate) struct Stats {
 }
 
 impl Stats {
-    fn pct(&self, p: f64) -> f64 {
+    pub(crate) fn pct(&self, p: f64) -> f64 {
         if self.samples.is_empty() {
             return f64::NAN;
         }
@@ -1334,9 +1336,12 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let n = args.iterations.unwrap_or(if args.quick { 10 } else { 40 });
     // Sections that need no server (nor root): run first; alone, they are the whole run.
-    const SIMULATED: [&str; 1] = ["placement"];
+    const SIMULATED: [&str; 2] = ["placement", "control-plane"];
     if args.only.is_empty() || args.only.iter().any(|o| o == "placement") {
         placement::section(args.quick);
+    }
+    if args.only.is_empty() || args.only.iter().any(|o| o == "control-plane") {
+        control::section(args.quick)?;
     }
     if !args.only.is_empty() && args.only.iter().all(|o| SIMULATED.contains(&o.as_str())) {
         return write_json(&args, n).map(drop);
