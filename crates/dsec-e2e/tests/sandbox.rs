@@ -2823,7 +2823,14 @@ async fn out_of_memory_kills_commands_not_the_agent() {
         .expect("exec");
     assert!(r.oom_killed, "nothing was OOM-killed: {r:?}");
     assert_eq!(agent_pid(&sb.id), agent, "the agent was replaced");
-    let r = run(&c, &sb.id, "echo alive; cat /proc/self/oom_score_adj").await;
+    // In a user namespace the agent sets a command's score just after its exec (see
+    // docs/threat-model.md): wait for it, up to 2 s.
+    let r = run(
+        &c,
+        &sb.id,
+        "echo alive; for i in $(seq 100); do s=$(cat /proc/$$/oom_score_adj); [ \"$s\" = 500 ] && break; sleep 0.02; done; echo $s",
+    )
+    .await;
     assert_eq!(r.stdout, "alive\n500\n", "{r:?}");
     let sandbox = c.get_sandbox(&sb.id).await.expect("get");
     assert_eq!(sandbox.state, SandboxState::Ready);
