@@ -152,12 +152,7 @@ impl ControlPlane {
             tombstones_pruned_at: Default::default(),
             me: me.clone(),
         });
-        // Keys of records stored before keys had entries of their own.
-        for sb in plane.records.filter(|s| s.idempotency_key.is_some()) {
-            if let Some(key) = &sb.idempotency_key {
-                plane.records.adopt_key(key, &sb.id).await?;
-            }
-        }
+        plane.records.adopt_missing_keys().await?;
         if plane.cfg.sole_owner {
             plane.reconcile().await?;
         }

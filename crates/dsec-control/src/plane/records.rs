@@ -512,9 +512,30 @@ impl Records {
             .map_err(internal)
     }
 
-    /// Claims an idempotency key for an existing record (records stored before keys
-    /// were); a key already taken is left as it is.
-    pub async fn adopt_key(&self, key: &str, id: &str) -> ApiResult<()> {
+    /// Claims the idempotency keys of records stored before keys had entries of their
+    /// own: one list of the keys, then a write only for each key missing from it (a
+    /// start costs nothing more once every key has its entry).
+    pub async fn adopt_missing_keys(&self) -> ApiResult<()> {
+        let keyed = self.filter(|s| s.idempotency_key.is_some());
+        if keyed.is_empty() {
+            return Ok(());
+        }
+        let (entries, _) = self.store.list(NS_IDEMPOTENCY).await.map_err(internal)?;
+        let stored: std::collections::HashSet<String> =
+            entries.into_iter().map(|e| e.key).collect();
+        for sb in keyed {
+            if let Some(key) = &sb.idempotency_key {
+                if !stored.contains(&idem_key(key)) {
+                    self.adopt_key(key, &sb.id).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Claims an idempotency key for an existing record; a key already taken is left as
+    /// it is.
+    async fn adopt_key(&self, key: &str, id: &str) -> ApiResult<()> {
         let entry = IdemEntry {
             id: id.to_string(),
             digest: None,
