@@ -9,10 +9,11 @@ use dsec_control::{ControlConfig, ControlPlane, SandboxApi};
 use dsec_node_api::fake::{sandbox_spec, FakeNode};
 use dsec_node_api::{NodeApi, NodeCreateSpec};
 use dsec_state::RedbStore;
-use dsec_wire::agent::Command;
-use dsec_wire::v1::{CreateSandboxRequest, ExecRequest, SandboxState};
+use dsec_wire::v1::{CreateSandboxRequest, SandboxState};
 use dsec_wire::{ApiError, ErrorCode};
 use futures::StreamExt;
+
+use dsec_node_api::fake::shell_request as shell;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
@@ -37,18 +38,6 @@ impl Fixture {
         let mut cfg = ControlConfig::with_key("k".into());
         cfg.reap_interval = Duration::from_millis(50);
         ControlPlane::open(cfg, self.node.clone(), self.store.clone()).await
-    }
-}
-
-fn shell(cmd: &str) -> ExecRequest {
-    ExecRequest {
-        cmd: Command::Shell(cmd.into()),
-        env: Default::default(),
-        cwd: None,
-        stdin: None,
-        timeout_s: None,
-        output_limit: None,
-        user: None,
     }
 }
 

@@ -7,22 +7,11 @@ use std::time::Duration;
 use dsec_control::{ControlConfig, ControlPlane, SandboxApi};
 use dsec_node_api::fake::FakeNode;
 use dsec_state::MemStore;
-use dsec_wire::agent::Command;
-use dsec_wire::v1::{CreateSandboxRequest, ExecRequest, SandboxState};
+use dsec_wire::v1::{CreateSandboxRequest, SandboxState};
+
+use dsec_node_api::fake::shell_request as shell;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
-
-fn shell(cmd: &str) -> ExecRequest {
-    ExecRequest {
-        cmd: Command::Shell(cmd.into()),
-        env: Default::default(),
-        cwd: None,
-        stdin: None,
-        timeout_s: None,
-        output_limit: None,
-        user: None,
-    }
-}
 
 /// A ping in flight when the sandbox is paused, answered only after a resume that set
 /// the state `ready` before the agent thawed, must not mark the sandbox `unhealthy`.

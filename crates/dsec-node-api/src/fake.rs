@@ -789,6 +789,20 @@ pub fn sandbox_spec(id: &str) -> NodeCreateSpec {
     }
 }
 
+/// A public-API exec request of a shell command line with no other options, for tests
+/// of what sits above the node.
+pub fn shell_request(cmd: &str) -> dsec_wire::v1::ExecRequest {
+    dsec_wire::v1::ExecRequest {
+        cmd: Command::Shell(cmd.into()),
+        env: Default::default(),
+        cwd: None,
+        stdin: None,
+        timeout_s: None,
+        output_limit: None,
+        user: None,
+    }
+}
+
 /// An exec of a shell command line with no other options, for tests.
 pub fn shell(cmd: &str) -> ExecSpec {
     ExecSpec {
