@@ -29,12 +29,14 @@ pub struct Cli {
 pub enum Command {
     /// Run the dsec server (API + node) on this machine.
     Serve(Box<ServeArgs>),
-    /// Run only the node runtime, serving its internal API to API servers (`dsec
-    /// apiserver --node`). Takes `serve`'s node flags; `--listen` is the internal API's
-    /// address.
+    /// Run only the node runtime, serving its internal API to API servers. Takes
+    /// `serve`'s node flags; `--listen` is the internal API's address. With `--apiserver`
+    /// it joins a cluster (registers and heartbeats). `dsec node ls|drain|undrain` manage
+    /// a cluster's nodes through an API server.
+    #[command(args_conflicts_with_subcommands = true)]
     Node(Box<NodeArgs>),
-    /// Run only the public API (the `/v1` API, the E2B and SWE-ReX fronts, `/metrics`)
-    /// over a node started with `dsec node`.
+    /// Run only the public API (the `/v1` API, the E2B and SWE-ReX fronts, `/metrics`):
+    /// over one node (`--node`), or over the nodes that register with it (`--etcd`).
     Apiserver(Box<ApiserverArgs>),
     /// Create, inspect, use and remove sandboxes.
     #[command(subcommand, visible_alias = "sb")]
@@ -62,13 +64,53 @@ pub enum Command {
 /// `dsec node`.
 #[derive(Debug, Args)]
 pub struct NodeArgs {
+    /// Manage a cluster's nodes instead of running one.
+    #[command(subcommand)]
+    pub command: Option<NodeCommand>,
     /// File holding the token API servers must present (created, mode 0600, with a
-    /// random token when missing). Default: STATE_DIR/node-token.
+    /// random token when missing). Default: STATE_DIR/node-token. In a cluster, every
+    /// node and API server shares one.
     #[arg(long)]
     pub node_token_file: Option<PathBuf>,
+    /// API servers to register with and heartbeat to (`http://HOST:PORT`,
+    /// comma-separated; tried in turn): the node joins their cluster.
+    #[arg(long, value_delimiter = ',')]
+    pub apiserver: Vec<String>,
+    /// The URL API servers reach this node's internal API at. Default:
+    /// `http://` + --listen (which must then not be a wildcard address).
+    #[arg(long)]
+    pub advertise_url: Option<String>,
+    /// A label of this node (`pool=onprem`; repeatable). `pool` names its placement pool.
+    #[arg(long = "label", value_parser = parse_label)]
+    pub labels: Vec<(String, String)>,
     /// The node's flags, as `dsec serve` takes them.
     #[command(flatten)]
     pub serve: ServeArgs,
+}
+
+/// `dsec node ls|drain|undrain`.
+#[derive(Debug, Subcommand)]
+pub enum NodeCommand {
+    /// List the cluster's nodes.
+    #[command(visible_alias = "list")]
+    Ls,
+    /// Stop placing new sandboxes on a node; its sandboxes keep running.
+    Drain {
+        /// Node name.
+        name: String,
+    },
+    /// Place new sandboxes on a drained node again.
+    Undrain {
+        /// Node name.
+        name: String,
+    },
+}
+
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => Err(format!("label {s:?} must be KEY=VALUE")),
+    }
 }
 
 /// `dsec apiserver`.
@@ -92,12 +134,22 @@ pub struct ApiserverArgs {
     /// random key when missing; replicas share one). Default: STATE_DIR/api-key.
     #[arg(long)]
     pub api_key_file: Option<PathBuf>,
-    /// Internal API of the node (`http://HOST:PORT` of `dsec node --listen`).
+    /// Internal API of the one node to drive (`http://HOST:PORT` of `dsec node
+    /// --listen`). Without it (and with --etcd), the API server drives the nodes that
+    /// register with it (`dsec node --apiserver`).
     #[arg(long)]
-    pub node: String,
-    /// File holding the node's token (`dsec node` prints where it keeps it).
+    pub node: Option<String>,
+    /// File holding the node token (`dsec node` prints where it keeps it); nodes present
+    /// it to register, and the API server presents it to nodes.
     #[arg(long)]
     pub node_token_file: PathBuf,
+    /// A pool of nodes (their `pool` label) that takes sandboxes only when the other
+    /// pools are over --overflow-threshold (repeatable; e.g. `cloud`).
+    #[arg(long = "overflow-pool")]
+    pub overflow_pools: Vec<String>,
+    /// Utilization of the primary pools above which sandboxes overflow.
+    #[arg(long, default_value_t = 0.8)]
+    pub overflow_threshold: f64,
     /// An upload that brings no data for this long ends with `timeout`.
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     pub upload_idle_timeout_s: u64,

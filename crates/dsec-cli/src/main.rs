@@ -8,6 +8,7 @@
 mod cli;
 mod iam;
 mod image;
+mod nodes;
 mod output;
 mod sandbox;
 mod serve;
@@ -61,7 +62,12 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     };
     match cli.command {
         Command::Serve(args) => serve::run(*args).await.map(|()| ExitCode::SUCCESS),
-        Command::Node(args) => serve::run_node(*args).await.map(|()| ExitCode::SUCCESS),
+        Command::Node(mut args) => match args.command.take() {
+            Some(cmd) => nodes::run(&client()?, cmd, cli.json)
+                .await
+                .map(|()| ExitCode::SUCCESS),
+            None => serve::run_node(*args).await.map(|()| ExitCode::SUCCESS),
+        },
         Command::Apiserver(args) => serve::run_apiserver(*args)
             .await
             .map(|()| ExitCode::SUCCESS),

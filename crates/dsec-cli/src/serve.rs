@@ -1,7 +1,9 @@
 //! The server processes. `dsec serve`, the embedded single-node default, runs the control
 //! plane and the node runtime in one process, state in an embedded redb file, HTTP API on
 //! loopback. `dsec node` runs only the node runtime and serves it over the internal API
-//! (`dsec-node-rpc`); `dsec apiserver` runs only the public API, over such a node.
+//! (`dsec-node-rpc`), joining a cluster when given API servers to heartbeat to;
+//! `dsec apiserver` runs only the public API, over one such node or over the nodes that
+//! register with it (records and registrations in etcd).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -278,12 +280,108 @@ pub async fn run_node(args: NodeArgs) -> anyhow::Result<()> {
         listener.local_addr()?
     );
     let node_api: Arc<dyn NodeApi> = node.clone();
+    let heartbeat = if args.apiserver.is_empty() {
+        None
+    } else {
+        let url = match &args.advertise_url {
+            Some(u) => u.clone(),
+            None if listener.local_addr()?.ip().is_unspecified() => bail!(
+                "--listen {} is a wildcard address: give --advertise-url, the URL API \
+                 servers reach this node at",
+                args.serve.listen
+            ),
+            None => format!("http://{}", listener.local_addr()?),
+        };
+        Some(join_cluster(&args, node_api.clone(), url, token.clone()).await?)
+    };
     let app = dsec_node_rpc::server::router(node_api, token);
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown_signal())
         .await
         .context("serving the node's internal API")?;
+    if let Some(h) = heartbeat {
+        // Placements stop at once instead of when the lease runs out.
+        h.shutdown().await;
+    }
     stop(node).await
+}
+
+/// Registers the node with the cluster's API servers and keeps heartbeating its load.
+async fn join_cluster(
+    args: &NodeArgs,
+    node: Arc<dyn NodeApi>,
+    url: String,
+    token: String,
+) -> anyhow::Result<dsec_node_rpc::registration::Heartbeater> {
+    use dsec_fleet::{Capacity, Load, NodeRegistration};
+    use dsec_wire::v1::{Isolation, NetworkMode};
+    let at_start = node.capacity().await;
+    // Memory is admitted on what the host has free (less the node's reserve), so the
+    // registered capacity is that at start and the load what has been taken since.
+    let memory_bytes = at_start
+        .memory_available_bytes
+        .saturating_sub(at_start.memory_reserve_bytes);
+    let mut isolation = vec![Isolation::Container];
+    if args.serve.oci_runtime.is_some() || find_in_path("runc").is_some() {
+        isolation.push(Isolation::Oci);
+    }
+    let network_modes = if args.serve.no_network {
+        vec![NetworkMode::None]
+    } else {
+        vec![NetworkMode::None, NetworkMode::Allowlist, NetworkMode::Open]
+    };
+    let registration = NodeRegistration {
+        name: node.name().to_string(),
+        url,
+        labels: args.labels.iter().cloned().collect(),
+        isolation,
+        network_modes,
+        capacity: Capacity {
+            cpu_millis: at_start.cpu_millis_allocatable,
+            memory_bytes,
+            max_sandboxes: at_start.max_sandboxes,
+        },
+        load: Load::default(),
+        cached_layers: Vec::new(),
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        boot_id: dsec_fleet::new_boot_id(),
+    };
+    registration
+        .validate()
+        .map_err(|e| anyhow::anyhow!("this node's registration: {e}"))?;
+    // The heartbeat reads the load a poller keeps fresh (capacity() is async).
+    let (tx, rx) = tokio::sync::watch::channel(Load::default());
+    let poller = node.clone();
+    tokio::spawn(async move {
+        loop {
+            let c = poller.capacity().await;
+            let load = Load {
+                cpu_millis: c.cpu_millis_requested,
+                memory_bytes: memory_bytes.saturating_sub(
+                    c.memory_available_bytes
+                        .saturating_sub(c.memory_reserve_bytes),
+                ),
+                sandboxes: c.sandboxes,
+            };
+            if tx.send(load).is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    });
+    println!(
+        "node {} joining the cluster through {}",
+        registration.name,
+        args.apiserver.join(",")
+    );
+    let cfg = dsec_node_rpc::registration::HeartbeaterConfig::new(args.apiserver.clone(), token);
+    dsec_node_rpc::registration::Heartbeater::start(cfg, registration, move || {
+        dsec_node_rpc::registration::Report {
+            load: *rx.borrow(),
+            cached_layers: Vec::new(),
+        }
+    })
+    .map_err(|e| anyhow::anyhow!("joining the cluster: {e}"))
 }
 
 /// `dsec apiserver`: the public API over a remote node, until SIGINT or SIGTERM.
@@ -293,10 +391,13 @@ pub async fn run_apiserver(args: ApiserverArgs) -> anyhow::Result<()> {
         .with_context(|| format!("creating {}", args.state_dir.display()))?;
     let token = std::fs::read_to_string(&args.node_token_file)
         .with_context(|| format!("reading the node token {}", args.node_token_file.display()))?;
-    let node = dsec_node_rpc::client::RemoteNode::connect(&args.node, token.trim())
-        .await
-        .map_err(|e| anyhow::anyhow!("connecting to node {}: {}", args.node, e.message))?;
-    println!("node {} at {}", node.name(), args.node);
+    let token = token.trim().to_string();
+    if args.node.is_none() && args.etcd.is_empty() {
+        bail!(
+            "give --node URL (drive one node) or --etcd URLS (drive the nodes that register \
+             with `dsec node --apiserver`)"
+        );
+    }
     let key_path = args
         .api_key_file
         .clone()
@@ -320,7 +421,47 @@ pub async fn run_apiserver(args: ApiserverArgs) -> anyhow::Result<()> {
         sole_owner,
         ..ControlConfig::with_key(key)
     };
-    let plane = ControlPlane::open(control, Arc::new(node), store)
+    let (nodes, registration): (Arc<dyn dsec_control::NodeSet>, axum::Router) = match &args.node {
+        Some(url) => {
+            let node = dsec_node_rpc::client::RemoteNode::connect(url, &token)
+                .await
+                .map_err(|e| anyhow::anyhow!("connecting to node {url}: {}", e.message))?;
+            println!("node {} at {url}", node.name());
+            (
+                Arc::new(dsec_control::SingleNode::new(Arc::new(node))),
+                axum::Router::new(),
+            )
+        }
+        None => {
+            let registry = dsec_fleet::Registry::new(store.clone(), Default::default());
+            let placement = dsec_fleet::PlacementConfig {
+                overflow_pools: args.overflow_pools.iter().cloned().collect(),
+                overflow_threshold: args.overflow_threshold,
+                ..Default::default()
+            };
+            let dial_token = token.clone();
+            let dial: dsec_control::nodes::Dialer = Arc::new(move |reg| {
+                let info = dsec_node_rpc::NodeInfo {
+                    name: reg.name.clone(),
+                    cgroup_version: String::new(),
+                };
+                dsec_node_rpc::client::RemoteNode::known(&reg.url, &dial_token, info)
+                    .map(|node| Arc::new(node) as Arc<dyn NodeApi>)
+            });
+            let fleet = dsec_control::FleetNodes::new(
+                dsec_fleet::FleetView::start(store.clone()),
+                dsec_fleet::Placer::new(placement),
+                registry.clone(),
+                dial,
+            );
+            println!("driving the nodes that register with this cluster");
+            (
+                Arc::new(fleet),
+                dsec_node_rpc::registration::router(registry, token.clone()),
+            )
+        }
+    };
+    let plane = ControlPlane::open_on(control, nodes, store)
         .await
         .map_err(|e| anyhow::anyhow!("starting the control plane: {}", e.message))?;
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -334,7 +475,7 @@ pub async fn run_apiserver(args: ApiserverArgs) -> anyhow::Result<()> {
         upload_idle_timeout: Duration::from_secs(args.upload_idle_timeout_s),
         tcp_keepalive: Duration::from_secs(args.tcp_keepalive_s),
     };
-    dsec_http::serve(listener, plane, http, shutdown_signal())
+    dsec_http::serve_with(listener, plane, http, registration, shutdown_signal())
         .await
         .context("serving HTTP")
 }

@@ -40,11 +40,11 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use dsec_wire::error::ErrorBody;
 use dsec_wire::v1::{
-    BuildRequest, BuildResult, CommitRequest, CreateSandboxRequest, CreateSessionRequest,
-    ExecRequest, ExecResult, FileInfo, FileList, GcRequest, GcResult, Health, Image, ImageList,
-    ImportEvent, ImportImageRequest, JobResult, MkdirRequest, NetworkPolicy, PauseResult,
-    ProcessInfo, ProcessList, PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo,
-    SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
+    BuildRequest, BuildResult, ClusterNode, ClusterNodeList, CommitRequest, CreateSandboxRequest,
+    CreateSessionRequest, ExecRequest, ExecResult, FileInfo, FileList, GcRequest, GcResult, Health,
+    Image, ImageList, ImportEvent, ImportImageRequest, JobResult, MkdirRequest, NetworkPolicy,
+    PauseResult, ProcessInfo, ProcessList, PtySize, RenameRequest, Sandbox, SandboxList,
+    SessionInfo, SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
     StartProcessRequest, StdinRequest, WriteResult, API_KEY_HEADER,
 };
 use futures::stream::BoxStream;
@@ -271,6 +271,17 @@ impl Client {
     /// `POST /v1/jobs/{job}/resume`.
     pub async fn resume_job(&self, job: &str) -> Result<JobResult, ClientError> {
         Self::json(self.request(Method::POST, &["jobs", job, "resume"])).await
+    }
+
+    /// `GET /v1/nodes`: the nodes the server places sandboxes on.
+    pub async fn list_nodes(&self) -> Result<ClusterNodeList, ClientError> {
+        Self::json(self.get(&["nodes"])).await
+    }
+
+    /// `POST /v1/nodes/{name}/drain` (`drain`) or `/undrain`.
+    pub async fn drain_node(&self, name: &str, drain: bool) -> Result<ClusterNode, ClientError> {
+        let verb = if drain { "drain" } else { "undrain" };
+        Self::json(self.request(Method::POST, &["nodes", name, verb])).await
     }
 
     // ------------------------------------------------------------ exec, sessions

@@ -6,12 +6,12 @@
 use std::collections::BTreeMap;
 
 use dsec_wire::v1::{
-    BuildRequest, BuildResult, CommitRequest, CreateSandboxRequest, CreateSessionRequest,
-    ExecRequest, ExecResult, FileInfo, FileList, GcRequest, GcResult, Health, Image, ImageList,
-    ImportEvent, ImportImageRequest, JobResult, LayerStatsList, MkdirRequest, NetworkPolicy,
-    PauseResult, ProcessInfo, ProcessList, PtySize, RenameRequest, Sandbox, SandboxList,
-    SessionInfo, SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
-    StartProcessRequest, StdinRequest, WriteResult,
+    BuildRequest, BuildResult, ClusterNode, ClusterNodeList, CommitRequest, CreateSandboxRequest,
+    CreateSessionRequest, ExecRequest, ExecResult, FileInfo, FileList, GcRequest, GcResult, Health,
+    Image, ImageList, ImportEvent, ImportImageRequest, JobResult, LayerStatsList, MkdirRequest,
+    NetworkPolicy, PauseResult, ProcessInfo, ProcessList, PtySize, RenameRequest, Sandbox,
+    SandboxList, SessionInfo, SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest,
+    SignalRequest, StartProcessRequest, StdinRequest, WriteResult,
 };
 use dsec_wire::ApiError;
 use futures::stream::BoxStream;
@@ -165,5 +165,19 @@ pub trait SandboxApi: Send + Sync + 'static {
     /// `GET /v1/images/layers`: on-demand accounting of this node's layers.
     async fn layer_stats(&self) -> ApiResult<LayerStatsList> {
         Ok(LayerStatsList::default())
+    }
+
+    /// `GET /v1/nodes`: the nodes this server places sandboxes on.
+    async fn list_nodes(&self) -> ApiResult<ClusterNodeList> {
+        Ok(ClusterNodeList::default())
+    }
+    /// `POST /v1/nodes/{name}/drain` (`drain`) and `/undrain`: stop or restart new
+    /// placements on a node; its sandboxes keep running.
+    async fn drain_node(&self, name: &str, drain: bool) -> ApiResult<ClusterNode> {
+        let _ = drain;
+        Err(ApiError::new(
+            dsec_wire::ErrorCode::NotFound,
+            format!("node {name} not found"),
+        ))
     }
 }

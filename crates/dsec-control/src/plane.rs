@@ -1,4 +1,4 @@
-//! [`ControlPlane`]: the public API over one node and a state store.
+//! [`ControlPlane`]: the public API over a set of nodes and a state store.
 //!
 //! This file owns the records (the cache of the store's sandbox records, persisting,
 //! state checks) and the [`SandboxApi`] implementation, which validates each call and
@@ -27,6 +27,7 @@ use futures::StreamExt;
 use rand::Rng;
 
 use crate::api::{ApiResult, ByteStream, EventStream, ImportStream, SandboxApi};
+use crate::nodes::{NodeSet, Placement, SingleNode};
 use crate::validate;
 
 mod calls;
@@ -87,11 +88,12 @@ impl ControlConfig {
     }
 }
 
-/// The control plane over one node.
+/// The control plane over a set of nodes.
 #[derive(Debug)]
 pub struct ControlPlane {
     cfg: ControlConfig,
-    node: Arc<dyn NodeApi>,
+    /// The nodes: a sandbox's calls go to the node its record names.
+    nodes: Arc<dyn NodeSet>,
     /// The sandbox records: the store's, cached and kept fresh by a watch.
     records: Arc<records::Records>,
     /// Times a sandbox became `unhealthy` since the start.
@@ -143,10 +145,21 @@ impl ControlPlane {
         node: Arc<dyn NodeApi>,
         store: Arc<dyn StateStore>,
     ) -> ApiResult<Arc<Self>> {
+        Self::open_on(cfg, Arc::new(SingleNode::new(node)), store).await
+    }
+
+    /// [`ControlPlane::open`] over a set of nodes (a cluster's). It waits until the set
+    /// knows its nodes, so that none looks gone.
+    pub async fn open_on(
+        cfg: ControlConfig,
+        nodes: Arc<dyn NodeSet>,
+        store: Arc<dyn StateStore>,
+    ) -> ApiResult<Arc<Self>> {
         let records = records::Records::open(store, !cfg.sole_owner).await?;
+        nodes.synced().await;
         let plane = Arc::new_cyclic(|me| Self {
             cfg,
-            node,
+            nodes,
             records,
             unhealthy_marks: Default::default(),
             tombstones_pruned_at: Default::default(),
@@ -168,7 +181,8 @@ impl ControlPlane {
     /// without a record is destroyed, a record without a live sandbox fails, and a
     /// create a crash interrupted is undone.
     async fn reconcile(&self) -> ApiResult<()> {
-        let listed = self.node.list().await;
+        let node = self.nodes.any()?;
+        let listed = node.list().await?;
         // Sandboxes whose lifetime the node ended are the reaper's: it turns them into
         // `expired` answers.
         let ended: std::collections::HashSet<String> = listed
@@ -184,7 +198,7 @@ impl ControlPlane {
         for (id, alive) in &running {
             if self.records.find(id).await?.is_none() {
                 tracing::info!(%id, "destroying sandbox without a record");
-                self.node.destroy(id).await?;
+                node.destroy(id).await?;
             } else if !alive {
                 tracing::info!(%id, "sandbox died while the server was down");
             }
@@ -200,7 +214,7 @@ impl ControlPlane {
                 // stays `creating` with no create to finish it.
                 _ if sb.state == SandboxState::Creating => {
                     tracing::info!(%id, "removing half-created sandbox");
-                    match self.node.destroy(&id).await {
+                    match node.destroy(&id).await {
                         Ok(()) => {
                             self.records.remove(&sb, None).await?;
                             continue;
@@ -225,7 +239,7 @@ impl ControlPlane {
                     sb.state = SandboxState::Failed;
                     sb.failure
                         .get_or_insert_with(|| "sandbox is no longer running on its node".into());
-                    let _ = self.node.destroy(&id).await;
+                    let _ = node.destroy(&id).await;
                 }
             }
             self.records.put(&sb).await?;
@@ -280,7 +294,7 @@ impl ControlPlane {
     /// Checks that a sandbox can take calls, and records the activity. A refusal is
     /// checked against the store first (the cache may be a moment behind another
     /// replica's resume or create).
-    async fn ready(&self, id: &str) -> ApiResult<()> {
+    async fn ready(&self, id: &str) -> ApiResult<Sandbox> {
         let mut sb = self.record(id).await?;
         if sb.state != SandboxState::Ready {
             sb = match self.records.fetch_fresh(id).await? {
@@ -290,9 +304,22 @@ impl ControlPlane {
         }
         if sb.state == SandboxState::Ready {
             self.records.touch(id, now_ms());
-            return Ok(());
+            return Ok(sb);
         }
         Err(state_error(&sb))
+    }
+
+    /// The node running `sb`, or `lost` when it is not live.
+    fn node_of(&self, sb: &Sandbox) -> ApiResult<Arc<dyn NodeApi>> {
+        self.nodes
+            .get(&sb.node)
+            .ok_or_else(|| lost_error(&sb.id, &sb.node))
+    }
+
+    /// The node running sandbox `id` (see [`ControlPlane::node_of`]).
+    async fn node_for(&self, id: &str) -> ApiResult<Arc<dyn NodeApi>> {
+        let sb = self.record(id).await?;
+        self.node_of(&sb)
     }
 
     /// Moves a sandbox from `from` to `to` in the store (compare-and-swap: of concurrent
@@ -363,7 +390,19 @@ fn state_error(sb: &Sandbox) -> ApiError {
             id,
             sb.unhealthy_cause.as_deref().unwrap_or_default(),
         ),
+        SandboxState::Lost => lost_error(id, &sb.node),
     }
+}
+
+/// The answer for a sandbox whose node is not live.
+fn lost_error(id: &str, node: &str) -> ApiError {
+    ApiError::new(
+        ErrorCode::Lost,
+        format!(
+            "sandbox {id} is lost: its node {node} stopped heartbeating; it is back if the \
+             node returns still running it (delete it to give up on it)"
+        ),
+    )
 }
 
 #[async_trait::async_trait]
@@ -380,8 +419,18 @@ impl SandboxApi for ControlPlane {
     }
 
     async fn health(&self) -> ApiResult<Health> {
-        let c = self.node.capacity().await;
         let sandboxes = self.records.count(|_| true) as u64;
+        let (node, cgroup, capacity) = if self.nodes.is_single() {
+            let n = self.nodes.any()?;
+            (
+                n.name().to_string(),
+                n.cgroup_version().to_string(),
+                Some(n.capacity().await),
+            )
+        } else {
+            let live = self.nodes.live().len();
+            (format!("cluster of {live} live nodes"), String::new(), None)
+        };
         Ok(Health {
             unhealthy_sandboxes: self.unhealthy_count(),
             unhealthy_marks_total: self
@@ -389,10 +438,10 @@ impl SandboxApi for ControlPlane {
                 .load(std::sync::atomic::Ordering::Relaxed),
             status: "ok".into(),
             version: env!("CARGO_PKG_VERSION").into(),
-            node: self.node.name().into(),
-            cgroup: self.node.cgroup_version().into(),
+            node,
+            cgroup,
             sandboxes,
-            capacity: Some(c),
+            capacity,
         })
     }
 
@@ -476,8 +525,8 @@ impl SandboxApi for ControlPlane {
         let spec = Self::exec_spec(&req, false)?;
         let stdin = req.stdin.map(Bytes::from);
         self.guarded(id, limit, async {
-            self.usable(id).await?;
-            self.node.exec(id, spec, stdin).await
+            let node = self.usable(id).await?;
+            node.exec(id, spec, stdin).await
         })
         .await
     }
@@ -488,8 +537,8 @@ impl SandboxApi for ControlPlane {
         let stdin = req.stdin.map(Bytes::from);
         let events = self
             .guarded(id, limit.clone(), async {
-                self.usable(id).await?;
-                self.node.exec_stream(id, spec, stdin).await
+                let node = self.usable(id).await?;
+                node.exec_stream(id, spec, stdin).await
             })
             .await?;
         Ok(self.watched(id, events, limit, |error| ExecEvent::Error { error }))
@@ -625,9 +674,8 @@ impl SandboxApi for ControlPlane {
     ) -> ApiResult<EventStream> {
         let events = self
             .guarded(id, Some(Limit::call()), async {
-                self.usable(id).await?;
-                self.node
-                    .process_output(id, pid, stdout_offset, stderr_offset, follow)
+                let node = self.usable(id).await?;
+                node.process_output(id, pid, stdout_offset, stderr_offset, follow)
                     .await
             })
             .await?;
@@ -636,9 +684,8 @@ impl SandboxApi for ControlPlane {
 
     async fn process_stdin(&self, id: &str, pid: u32, req: StdinRequest) -> ApiResult<()> {
         self.guarded(id, Some(Limit::call()), async {
-            self.usable(id).await?;
-            self.node
-                .process_stdin(id, pid, Bytes::from(req.data.into_bytes()), req.close)
+            let node = self.usable(id).await?;
+            node.process_stdin(id, pid, Bytes::from(req.data.into_bytes()), req.close)
                 .await
         })
         .await
@@ -671,8 +718,8 @@ impl SandboxApi for ControlPlane {
         validate::read_range(offset, length)?;
         let (info, bytes) = self
             .guarded(id, Some(Limit::call()), async {
-                self.usable(id).await?;
-                self.node.read_file(id, path, offset, length).await
+                let node = self.usable(id).await?;
+                node.read_file(id, path, offset, length).await
             })
             .await?;
         Ok((info, self.watched(id, bytes, None, Err)))
@@ -688,8 +735,8 @@ impl SandboxApi for ControlPlane {
         validate::sandbox_path("path", path)?;
         // As long as the client sends: the watchdog only.
         self.guarded(id, None, async {
-            self.usable(id).await?;
-            self.node.write_file(id, path, mode, body).await
+            let node = self.usable(id).await?;
+            node.write_file(id, path, mode, body).await
         })
         .await
     }
@@ -761,8 +808,8 @@ impl SandboxApi for ControlPlane {
         validate::sandbox_path("path", path)?;
         let bytes = self
             .guarded(id, Some(Limit::call()), async {
-                self.usable(id).await?;
-                self.node.download_tar(id, path).await
+                let node = self.usable(id).await?;
+                node.download_tar(id, path).await
             })
             .await?;
         Ok(self.watched(id, bytes, None, Err))
@@ -771,14 +818,14 @@ impl SandboxApi for ControlPlane {
     async fn upload_tar(&self, id: &str, path: &str, body: ByteStream) -> ApiResult<WriteResult> {
         validate::sandbox_path("path", path)?;
         self.guarded(id, None, async {
-            self.usable(id).await?;
-            self.node.upload_tar(id, path, body).await
+            let node = self.usable(id).await?;
+            node.upload_tar(id, path, body).await
         })
         .await
     }
 
     async fn list_images(&self) -> ApiResult<ImageList> {
-        let mut images = self.node.list_images().await?;
+        let mut images = self.nodes.any()?.list_images().await?;
         images.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(ImageList { images })
     }
@@ -795,7 +842,7 @@ impl SandboxApi for ControlPlane {
         let sink: ImportProgressSink = Arc::new(move |ev| {
             let _ = progress_tx.send(ev);
         });
-        let node = self.node.clone();
+        let node = self.nodes.any()?;
         // The import runs to its end even if the client goes away: it then either stores
         // the image or leaves nothing behind.
         tokio::spawn(async move {
@@ -820,13 +867,22 @@ impl SandboxApi for ControlPlane {
 
     async fn upload_image(&self, name: &str, flatten: bool, body: ByteStream) -> ApiResult<Image> {
         // Not run to its end without the caller: the body is the caller's connection.
-        self.node
+        self.nodes
+            .any()?
             .import_image(name, ImportSource::Archive(body), flatten, None)
             .await
     }
 
     async fn layer_stats(&self) -> ApiResult<LayerStatsList> {
-        self.node.layer_stats().await
+        self.nodes.any()?.layer_stats().await
+    }
+
+    async fn list_nodes(&self) -> ApiResult<ClusterNodeList> {
+        self.nodes.describe().await
+    }
+
+    async fn drain_node(&self, name: &str, drain: bool) -> ApiResult<ClusterNode> {
+        self.nodes.drain(name, drain).await
     }
 
     async fn delete_image(&self, name: &str) -> ApiResult<()> {

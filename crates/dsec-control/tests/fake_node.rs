@@ -121,7 +121,7 @@ async fn a_restart_destroys_unrecorded_sandboxes_and_fails_vanished_ones() -> Te
     fx.node.destroy(&vanished).await?;
     let stray = NodeCreateSpec {
         id: "sb-stray".into(),
-        ..sandbox_spec(&fx.node.list().await[0].id)
+        ..sandbox_spec(&fx.node.list().await.expect("node lists")[0].id)
     };
     fx.node.adopt(stray);
 

@@ -73,7 +73,7 @@ async fn open() -> Arc<LocalNode> {
 /// Opens the node with nothing on it (a failed earlier run may have left sandboxes).
 async fn open_clean() -> Arc<LocalNode> {
     let node = open().await;
-    for sb in node.list().await {
+    for sb in node.list().await.expect("node lists") {
         node.destroy(&sb.id).await.expect("destroy a leftover");
     }
     node
@@ -115,7 +115,11 @@ fn new_id(what: &str) -> String {
 }
 
 async fn listed(node: &LocalNode, id: &str) -> Option<NodeSandbox> {
-    node.list().await.into_iter().find(|s| s.id == id)
+    node.list()
+        .await
+        .expect("node lists")
+        .into_iter()
+        .find(|s| s.id == id)
 }
 
 /// Waits until the node lists `id` as ended; returns its stub.
@@ -258,7 +262,7 @@ async fn idle_timeout_counts_activity_not_pings_and_held_stops_the_clock() {
     for id in [&idle, &busy, &held] {
         node.destroy(id).await.expect("destroy");
     }
-    assert!(node.list().await.is_empty());
+    assert!(node.list().await.expect("node lists").is_empty());
     close(node).await;
 }
 
@@ -308,7 +312,10 @@ async fn a_restarted_node_keeps_remaining_lifetimes_and_stubs() {
     }
     close(node).await;
     let node = open().await;
-    assert!(node.list().await.is_empty(), "destroyed stubs stay gone");
+    assert!(
+        node.list().await.expect("node lists").is_empty(),
+        "destroyed stubs stay gone"
+    );
     close(node).await;
 }
 

@@ -361,6 +361,21 @@ pub async fn resume_job(State(api): Api, Path(job): Path<String>) -> HttpResult<
     Ok(json(api.resume_job(&job).await?))
 }
 
+/// `GET /v1/nodes`.
+pub async fn list_nodes(State(api): Api) -> HttpResult<Response> {
+    Ok(json(api.list_nodes().await?))
+}
+
+/// `POST /v1/nodes/{name}/drain`.
+pub async fn drain_node(State(api): Api, Path(name): Path<String>) -> HttpResult<Response> {
+    Ok(json(api.drain_node(&name, true).await?))
+}
+
+/// `POST /v1/nodes/{name}/undrain`.
+pub async fn undrain_node(State(api): Api, Path(name): Path<String>) -> HttpResult<Response> {
+    Ok(json(api.drain_node(&name, false).await?))
+}
+
 // ---------------------------------------------------------------- exec, sessions
 
 /// `POST /v1/sandboxes/{id}/exec`.

@@ -113,6 +113,9 @@ pub fn router_with(api: Arc<dyn SandboxApi>, opts: HttpOptions) -> Router {
         .route("/sandboxes/{id}/commit", post(h::commit_sandbox))
         .route("/jobs/{job}/suspend", post(h::suspend_job))
         .route("/jobs/{job}/resume", post(h::resume_job))
+        .route("/nodes", get(h::list_nodes))
+        .route("/nodes/{name}/drain", post(h::drain_node))
+        .route("/nodes/{name}/undrain", post(h::undrain_node))
         .route("/sandboxes/{id}/exec", post(h::exec))
         .route("/sandboxes/{id}/exec/stream", post(h::exec_stream))
         .route(
@@ -214,6 +217,17 @@ pub async fn serve(
     opts: HttpOptions,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    serve_with(listener, api, opts, Router::new(), shutdown).await
+}
+
+/// [`serve`] with `extra` routes beside the API (a cluster's node registration).
+pub async fn serve_with(
+    listener: tokio::net::TcpListener,
+    api: Arc<dyn SandboxApi>,
+    opts: HttpOptions,
+    extra: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "dsec API listening");
     }
@@ -224,7 +238,7 @@ pub async fn serve(
             tracing::debug!(error = %e, "TCP keepalive not set");
         }
     });
-    axum::serve(listener, router_with(api, opts))
+    axum::serve(listener, extra.merge(router_with(api, opts)))
         .with_graceful_shutdown(shutdown)
         .await
 }

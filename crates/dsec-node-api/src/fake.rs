@@ -448,16 +448,15 @@ impl NodeApi for FakeNode {
         Ok(())
     }
 
-    async fn list(&self) -> Vec<NodeSandbox> {
+    async fn list(&self) -> NodeResult<Vec<NodeSandbox>> {
+        self.up()?;
         let st = self.state();
-        if st.down {
-            return Vec::new();
-        }
-        st.sandboxes
+        Ok(st
+            .sandboxes
             .values()
             .map(|sb| sb.listed(st.now_ms))
             .chain(st.ended.values().cloned())
-            .collect()
+            .collect())
     }
 
     async fn set_lifetime(&self, id: &str, lifetime: Lifetime) -> NodeResult<()> {
@@ -864,7 +863,11 @@ mod tests {
         );
         node.create(sandbox_spec("b")).await.expect("fake call");
         node.set_down(true);
-        assert!(node.list().await.is_empty());
+        // A node that does not answer lists nothing rather than an empty list.
+        assert_eq!(
+            node.list().await.expect_err("must fail").code,
+            ErrorCode::AgentUnavailable
+        );
         assert_eq!(
             node.ping("a").await.expect_err("must fail").code,
             ErrorCode::AgentUnavailable
@@ -918,13 +921,14 @@ mod tests {
             .await
             .expect("fake call");
         assert!(node.advance(secs(9)).is_empty());
-        let listed = node.list().await;
+        let listed = node.list().await.expect("node lists");
         let a = listed.iter().find(|s| s.id == "a").expect("listed");
         assert_eq!((a.age_ms, a.ttl_left_ms), (9000, Some(1000)));
         assert_eq!(node.advance(secs(1)), ["a"]);
         let stub = node
             .list()
             .await
+            .expect("node lists")
             .into_iter()
             .find(|s| s.id == "a")
             .expect("the stub stays listed");
@@ -962,13 +966,13 @@ mod tests {
             .expect("fake call");
         assert!(node.advance(secs(8)).is_empty(), "the exec was activity");
         node.ping("a").await.expect("fake call");
-        assert_eq!(node.list().await[0].idle_ms, 8000);
+        assert_eq!(node.list().await.expect("node lists")[0].idle_ms, 8000);
         node.pause("a").await.expect("fake call");
         assert!(node.advance(secs(100)).is_empty(), "paused: no idleness");
         node.resume("a").await.expect("fake call");
         assert!(node.advance(secs(9)).is_empty(), "resume was activity");
         assert_eq!(node.advance(secs(1)), ["a"], "pings kept nothing alive");
-        let stub = &node.list().await[0];
+        let stub = &node.list().await.expect("node lists")[0];
         assert_eq!(stub.ended.as_deref(), Some(crate::lifetime::IDLE_TIMEOUT));
     }
 
@@ -1000,6 +1004,7 @@ mod tests {
         let held = node
             .list()
             .await
+            .expect("node lists")
             .into_iter()
             .find(|s| s.id == "held")
             .expect("listed");

@@ -162,8 +162,10 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
     /// Destroys a sandbox and releases everything it held; forgets an ended one's stub.
     /// Idempotent.
     async fn destroy(&self, id: &str) -> NodeResult<()>;
-    /// Sandboxes on this node, the ended ones (see [`NodeSandbox::ended`]) included.
-    async fn list(&self) -> Vec<NodeSandbox>;
+    /// Sandboxes on this node, the ended ones (see [`NodeSandbox::ended`]) included. An
+    /// error (a node that does not answer) is never an empty list: callers reconcile
+    /// records against it.
+    async fn list(&self) -> NodeResult<Vec<NodeSandbox>>;
     /// Replaces a sandbox's lifetime, counted from now (see [`Lifetime`]). Counts as
     /// activity. An ended or unknown sandbox answers `not_found`.
     async fn set_lifetime(&self, id: &str, lifetime: Lifetime) -> NodeResult<()>;

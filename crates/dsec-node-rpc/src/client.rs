@@ -42,22 +42,34 @@ fn unreachable(base: &str, e: impl std::fmt::Display) -> ApiError {
 impl RemoteNode {
     /// Connects to the node at `base` (`http://host:port`), checking the token.
     pub async fn connect(base: &str, token: &str) -> NodeResult<Self> {
-        let http = reqwest::Client::builder()
-            .tcp_nodelay(true)
-            .pool_idle_timeout(std::time::Duration::from_secs(90))
-            .build()
-            .map_err(|e| unreachable(base, e))?;
-        let mut node = Self {
-            base: base.trim_end_matches('/').to_string(),
-            token: token.to_string(),
-            http,
-            info: NodeInfo {
+        let mut node = Self::known(
+            base,
+            token,
+            NodeInfo {
                 name: String::new(),
                 cgroup_version: String::new(),
             },
-        };
+        )?;
         node.info = node.json(node.req(Method::GET, "/info")).await?;
         Ok(node)
+    }
+
+    /// The node at `base` as its registration describes it (`info`), without asking it:
+    /// a cluster's API server dials every registered node this way, and the first call
+    /// finds out whether it answers.
+    pub fn known(base: &str, token: &str, info: NodeInfo) -> NodeResult<Self> {
+        let http = reqwest::Client::builder()
+            .tcp_nodelay(true)
+            .pool_idle_timeout(std::time::Duration::from_secs(90))
+            .connect_timeout(std::time::Duration::from_secs(2))
+            .build()
+            .map_err(|e| unreachable(base, e))?;
+        Ok(Self {
+            base: base.trim_end_matches('/').to_string(),
+            token: token.to_string(),
+            http,
+            info,
+        })
     }
 
     fn req(&self, method: Method, path: &str) -> RequestBuilder {
@@ -215,14 +227,8 @@ impl NodeApi for RemoteNode {
         self.empty(self.sandbox(Method::DELETE, id, "")).await
     }
 
-    async fn list(&self) -> Vec<NodeSandbox> {
-        match self.json(self.req(Method::GET, "/sandboxes")).await {
-            Ok(list) => list,
-            Err(e) => {
-                tracing::warn!(node = %self.base, error = %e.message, "listing the node's sandboxes failed");
-                Vec::new()
-            }
-        }
+    async fn list(&self) -> NodeResult<Vec<NodeSandbox>> {
+        self.json(self.req(Method::GET, "/sandboxes")).await
     }
 
     async fn pause(&self, id: &str) -> NodeResult<(u64, u64)> {

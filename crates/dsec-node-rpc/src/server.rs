@@ -15,7 +15,7 @@ use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use serde::Deserialize;
 
-use dsec_node_api::{ByteStream, ImportSource, NodeApi, NodeCreateSpec};
+use dsec_node_api::{ByteStream, ImportSource, NodeApi, NodeCreateSpec, NodeSandbox};
 use dsec_wire::error::ErrorBody;
 use dsec_wire::v1::{GcRequest, ImportEvent, NetworkPolicy};
 use dsec_wire::{ApiError, ErrorCode};
@@ -183,8 +183,8 @@ async fn capacity(State(rpc): State<Arc<Rpc>>) -> impl IntoResponse {
     Json(rpc.node.capacity().await)
 }
 
-async fn list(State(rpc): State<Arc<Rpc>>) -> impl IntoResponse {
-    Json(rpc.node.list().await)
+async fn list(State(rpc): State<Arc<Rpc>>) -> RpcResult<Json<Vec<NodeSandbox>>> {
+    Ok(Json(rpc.node.list().await?))
 }
 
 async fn create(

@@ -37,7 +37,7 @@ async fn every_kind_of_operation_crosses_the_wire() -> TestResult {
     let sb = node.create(spec("sb-1")).await?;
     assert_eq!(sb.id, "sb-1");
     assert_eq!(fake.sandbox_ids(), ["sb-1"]);
-    assert_eq!(node.list().await.len(), 1);
+    assert_eq!(node.list().await.expect("node lists").len(), 1);
     assert_eq!(node.capacity().await.sandboxes, 1);
     node.ping("sb-1").await?;
 
@@ -128,7 +128,7 @@ async fn lifetimes_and_ended_stubs_cross_the_wire() -> TestResult {
     })
     .await?;
     fake.advance(Duration::from_secs(3));
-    let listed = node.list().await;
+    let listed = node.list().await.expect("node lists");
     assert_eq!(
         (listed[0].age_ms, listed[0].idle_ms, listed[0].ttl_left_ms),
         (3000, 3000, Some(7000)),
@@ -153,7 +153,12 @@ async fn lifetimes_and_ended_stubs_cross_the_wire() -> TestResult {
     )
     .await?;
     assert_eq!(fake.advance(Duration::from_secs(1)), ["sb-1"]);
-    let stub = node.list().await.pop().ok_or("the stub is listed")?;
+    let stub = node
+        .list()
+        .await
+        .expect("node lists")
+        .pop()
+        .ok_or("the stub is listed")?;
     assert_eq!(
         (stub.id.as_str(), stub.alive, stub.ended.as_deref()),
         ("sb-1", false, Some(dsec_node_api::lifetime::TTL_ENDED))
@@ -161,7 +166,7 @@ async fn lifetimes_and_ended_stubs_cross_the_wire() -> TestResult {
     let e = node.set_lifetime("sb-1", life).await.expect_err("ended");
     assert_eq!(e.code, ErrorCode::NotFound);
     node.destroy("sb-1").await?;
-    assert!(node.list().await.is_empty());
+    assert!(node.list().await.expect("node lists").is_empty());
     Ok(())
 }
 

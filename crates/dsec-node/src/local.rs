@@ -559,7 +559,7 @@ impl NodeApi for LocalNode {
         self.lifetimes.set(id, lifetime)
     }
 
-    async fn list(&self) -> Vec<NodeSandbox> {
+    async fn list(&self) -> NodeResult<Vec<NodeSandbox>> {
         let recs: Vec<RuntimeRecord> = self.lock().values().cloned().collect();
         let now = now_ms();
         let mut listed: Vec<NodeSandbox> = recs
@@ -581,7 +581,7 @@ impl NodeApi for LocalNode {
             })
             .collect();
         listed.extend(self.lifetimes.stubs());
-        listed
+        Ok(listed)
     }
 
     async fn pause(&self, id: &str) -> NodeResult<(u64, u64)> {

@@ -44,6 +44,10 @@ pub enum ErrorCode {
     /// Retryable: it succeeds once usage drops (deletes) or the rate window refills,
     /// so the caller must wait (back off) before retrying, not retry at once.
     QuotaExceeded,
+    /// The sandbox's node stopped answering its heartbeats (it died, restarted or lost its
+    /// network): the sandbox is `lost`. It comes back if the node returns still running
+    /// it; delete removes the record either way.
+    Lost,
 }
 
 impl ErrorCode {
@@ -59,6 +63,7 @@ impl ErrorCode {
             ErrorCode::Expired => 410,
             ErrorCode::PayloadTooLarge => 413,
             ErrorCode::QuotaExceeded => 429,
+            ErrorCode::Lost => 502,
             ErrorCode::NoSpace => 507,
             ErrorCode::Capacity => 503,
             ErrorCode::Timeout => 504,
@@ -120,5 +125,13 @@ mod tests {
         assert!(!ErrorCode::Forbidden.retryable());
         assert_eq!(ErrorCode::QuotaExceeded.http_status(), 429);
         assert!(ErrorCode::QuotaExceeded.retryable());
+    }
+
+    #[test]
+    fn lost_code() {
+        let json = serde_json::to_string(&ErrorCode::Lost);
+        assert_eq!(json.ok().as_deref(), Some(r#""lost""#));
+        assert_eq!(ErrorCode::Lost.http_status(), 502);
+        assert!(!ErrorCode::Lost.retryable());
     }
 }

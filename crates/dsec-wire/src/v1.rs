@@ -380,6 +380,10 @@ pub enum SandboxState {
     /// once instead of hanging; the sandbox goes back to `ready` when the agent answers
     /// again. Delete works as usual.
     Unhealthy,
+    /// Its node stopped heartbeating (died, restarted, cut off): calls answer `lost`.
+    /// It goes back to its state before when the node returns still running it; delete
+    /// removes the record (and the node destroys the sandbox if it comes back).
+    Lost,
 }
 
 /// Effective resource limits of a sandbox.
@@ -441,6 +445,13 @@ pub struct Sandbox {
     /// Since when it is `unhealthy` (unix ms).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unhealthy_since: Option<u64>,
+    /// Since when it is `lost` (unix ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lost_since: Option<u64>,
+    /// The state it had when it became `lost`, and goes back to when its node returns
+    /// still running it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lost_from: Option<SandboxState>,
     /// Node that runs it.
     pub node: String,
     /// Set while its job is suspended (`POST /v1/jobs/{job}/suspend`): unix ms of the
@@ -1069,4 +1080,46 @@ mod network_tests {
         assert_eq!(back, p);
         assert!(serde_json::from_str::<NetworkPolicy>("\"bridge\"").is_err());
     }
+}
+
+/// A node of the cluster as `GET /v1/nodes` reports it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClusterNode {
+    /// Its unique name.
+    pub name: String,
+    /// Base URL of its internal API.
+    pub url: String,
+    /// Its labels (`pool=onprem`).
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Whether the answering API server sees it live now (its registration's lease is
+    /// held by heartbeats).
+    pub live: bool,
+    /// No new sandboxes are placed on it; its sandboxes keep running.
+    pub draining: bool,
+    /// Requested CPU it admits in total, millicores.
+    pub cpu_millis: u64,
+    /// Memory it admits in total, bytes.
+    pub memory_bytes: u64,
+    /// Most sandboxes it runs (0: no count limit).
+    pub max_sandboxes: u64,
+    /// Requested CPU of its sandboxes at its last heartbeat, millicores.
+    pub cpu_millis_used: u64,
+    /// Requested memory of its sandboxes at its last heartbeat, bytes.
+    pub memory_bytes_used: u64,
+    /// Its sandboxes at its last heartbeat.
+    pub sandboxes: u64,
+    /// Its dsec version.
+    #[serde(default)]
+    pub version: String,
+    /// Drawn when its process started: changes when it restarts.
+    #[serde(default)]
+    pub boot_id: String,
+}
+
+/// `GET /v1/nodes`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClusterNodeList {
+    /// The nodes, by name.
+    pub nodes: Vec<ClusterNode>,
 }

@@ -33,6 +33,7 @@ from .errors import (
     MethodNotAllowed,
     Paused,
     QuotaExceeded,
+    Lost,
     Timeout,
     Unauthorized,
 )
@@ -99,6 +100,7 @@ __all__ = [
     "AgentUnavailable",
     "Internal",
     "QuotaExceeded",
+    "Lost",
     "ConnectionFailed",
     "ERROR_CLASSES",
     # models

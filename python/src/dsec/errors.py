@@ -30,6 +30,7 @@ __all__ = [
     "AgentUnavailable",
     "Internal",
     "QuotaExceeded",
+    "Lost",
     "ConnectionFailed",
     "error_from_body",
     "ERROR_CLASSES",
@@ -174,6 +175,13 @@ class QuotaExceeded(DsecError):
     retryable = True
 
 
+class Lost(DsecError):
+    """The sandbox's node stopped heartbeating: the sandbox is ``lost`` until the node
+    returns still running it (HTTP 502)."""
+
+    code = "lost"
+
+
 class ConnectionFailed(DsecError):
     """The server could not be reached, or the connection broke (no HTTP answer)."""
 
@@ -202,6 +210,7 @@ ERROR_CLASSES: Dict[str, Type[DsecError]] = {
         MethodNotAllowed,
         Forbidden,
         QuotaExceeded,
+        Lost,
     )
 }
 

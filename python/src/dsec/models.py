@@ -78,8 +78,9 @@ class SandboxInfo(_Response):
 
     id: str
     state: str
-    """``creating``, ``ready``, ``paused``, ``stopping``, ``failed`` or ``unhealthy`` (its
-    agent stopped answering; it goes back to ``ready`` when the agent answers again)."""
+    """``creating``, ``ready``, ``paused``, ``stopping``, ``failed``, ``unhealthy`` (its
+    agent stopped answering; it goes back to ``ready`` when the agent answers again) or
+    ``lost`` (its node stopped heartbeating; it comes back if the node returns with it)."""
     image: str
     qos: str = "latency_sensitive"
     auto_resume: bool = False
@@ -96,6 +97,10 @@ class SandboxInfo(_Response):
     unhealthy_cause: Optional[str] = None
     """What the node saw of its agent, for ``unhealthy``."""
     unhealthy_since: Optional[int] = None
+    lost_since: Optional[int] = None
+    """Since when it is ``lost`` (unix ms)."""
+    lost_from: Optional[str] = None
+    """The state it goes back to when its node returns still running it."""
     node: str = ""
     job_suspended_at: Optional[int] = None
     committed_layers: List[str] = Field(default_factory=list)

@@ -3,18 +3,21 @@
 use super::*;
 
 impl ControlPlane {
-    /// `Ok` once sandbox `id` can take an agent call: `ready`, or paused with
-    /// `auto_resume` (then resumed now).
-    pub(super) async fn usable(&self, id: &str) -> ApiResult<()> {
-        if let Err(e) = self.ready(id).await {
-            let auto = self.records.get(id).is_some_and(|s| s.auto_resume);
-            if e.code != ErrorCode::Paused || !auto {
-                return Err(e);
+    /// The node of sandbox `id` once the sandbox can take an agent call: `ready`, or
+    /// paused with `auto_resume` (then resumed now).
+    pub(super) async fn usable(&self, id: &str) -> ApiResult<Arc<dyn NodeApi>> {
+        let sb = match self.ready(id).await {
+            Ok(sb) => sb,
+            Err(e) => {
+                let auto = self.records.get(id).is_some_and(|s| s.auto_resume);
+                if e.code != ErrorCode::Paused || !auto {
+                    return Err(e);
+                }
+                self.resume_sandbox(id).await?;
+                self.ready(id).await?
             }
-            self.resume_sandbox(id).await?;
-            self.ready(id).await?;
-        }
-        Ok(())
+        };
+        self.node_of(&sb)
     }
 
     pub(super) async fn call(&self, id: &str, req: Request) -> ApiResult<Reply> {
@@ -29,8 +32,8 @@ impl ControlPlane {
         limit: Option<Limit>,
     ) -> ApiResult<Reply> {
         self.guarded(id, limit, async {
-            self.usable(id).await?;
-            self.node.call(id, req).await
+            let node = self.usable(id).await?;
+            node.call(id, req).await
         })
         .await
     }

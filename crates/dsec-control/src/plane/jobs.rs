@@ -64,7 +64,10 @@ impl ControlPlane {
                         // find its rollouts when it comes back).
                         if error.is_none() && self.cfg.job_suspend_stops_lifetime {
                             let lifetime = lifecycle::node_lifetime(&sb, now, true);
-                            error = self.node.set_lifetime(&id, lifetime).await.err();
+                            error = match self.node_of(&sb) {
+                                Ok(node) => node.set_lifetime(&id, lifetime).await.err(),
+                                Err(e) => Some(e),
+                            };
                         }
                         JobSandboxOutcome {
                             id,

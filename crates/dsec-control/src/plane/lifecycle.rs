@@ -2,6 +2,9 @@
 
 use super::*;
 
+/// How many nodes may refuse a sandbox (`capacity`) before the create gives up.
+const MAX_REFUSALS: usize = 3;
+
 impl ControlPlane {
     /// The sandbox `id` once it is past `creating` (its first create may still be running).
     pub(super) async fn await_created(&self, id: &str) -> ApiResult<Sandbox> {
@@ -24,13 +27,14 @@ impl ControlPlane {
     /// when `strict`, else it is skipped.
     pub(super) async fn stack_config(
         &self,
+        node: &dyn NodeApi,
         image: &str,
         layers: &[String],
         strict: bool,
     ) -> ApiResult<ImageConfig> {
         let mut config = ImageConfig::default();
         for name in std::iter::once(image).chain(layers.iter().map(String::as_str)) {
-            let c = match self.node.image(name).await {
+            let c = match node.image(name).await {
                 Ok(img) => img.config,
                 Err(e) if strict => return Err(e),
                 Err(_) => continue,
@@ -48,7 +52,12 @@ impl ControlPlane {
         Ok(config)
     }
 
-    pub(super) async fn place_files(&self, id: &str, files: &[InitFile]) -> ApiResult<()> {
+    pub(super) async fn place_files(
+        &self,
+        node: &dyn NodeApi,
+        id: &str,
+        files: &[InitFile],
+    ) -> ApiResult<()> {
         for f in files {
             let bytes = match f.encoding {
                 ContentEncoding::Utf8 => f.content.as_bytes().to_vec(),
@@ -65,7 +74,7 @@ impl ControlPlane {
             self.guarded(
                 id,
                 Some(Limit::call()),
-                self.node.write_file(id, &f.path, f.mode, body),
+                node.write_file(id, &f.path, f.mode, body),
             )
             .await?;
         }
@@ -131,9 +140,25 @@ impl ControlPlane {
             .unwrap_or(self.cfg.default_memory_mb);
         let pids = req.resources.pids.unwrap_or(self.cfg.default_pids);
         let timeout_s = req.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S);
+        let cpu_millis = (cpu * 1000.0).round() as u64;
+        let memory_bytes = memory_mb * 1024 * 1024;
+        // Nodes that refused this sandbox (their own admission is the last word).
+        let mut refused: Vec<String> = Vec::new();
+        let placement = |exclude: &[String]| {
+            self.nodes.place(&Placement {
+                cpu_millis,
+                memory_bytes,
+                isolation: req.isolation,
+                network: req.network.mode,
+                exclude,
+            })
+        };
+        let mut placed = placement(&refused)?;
         // The images' own defaults, bottom first; unknown names fail here, before any
         // record exists.
-        let config = self.stack_config(&image, &req.layers, true).await?;
+        let config = self
+            .stack_config(&*placed.node, &image, &req.layers, true)
+            .await?;
         let mut sb = Sandbox {
             id: id.clone(),
             state: SandboxState::Creating,
@@ -158,7 +183,9 @@ impl ControlPlane {
             failure: None,
             unhealthy_cause: None,
             unhealthy_since: None,
-            node: self.node.name().to_string(),
+            lost_since: None,
+            lost_from: None,
+            node: placed.name.clone(),
             job_suspended_at: None,
             committed_layers: Vec::new(),
             network: req.network.clone(),
@@ -193,7 +220,11 @@ impl ControlPlane {
                         // Its replica died mid-create: undo what it left, then make the
                         // sandbox here.
                         tracing::info!(id = %found.id, "taking over a create whose replica is gone");
-                        self.node.destroy(&found.id).await?;
+                        // On a node that is gone, the sandbox is an orphan its node
+                        // destroys when it is back.
+                        if let Ok(node) = self.node_of(&found) {
+                            node.destroy(&found.id).await?;
+                        }
                         self.records.remove(&found, None).await?;
                     }
                     Err(records::InsertError::Store(e)) => return Err(e),
@@ -227,8 +258,8 @@ impl ControlPlane {
             id: id.clone(),
             image,
             layers: req.layers.clone(),
-            cpu_millis: (cpu * 1000.0).round() as u64,
-            memory_bytes: memory_mb * 1024 * 1024,
+            cpu_millis,
+            memory_bytes,
             pids_max: pids,
             disk_mb: req.resources.disk_mb,
             qos: req.qos,
@@ -261,21 +292,44 @@ impl ControlPlane {
                 })
             }
         };
-        let (stored, created) = tokio::join!(stored, self.node.create(spec));
-        let created = match (stored, created) {
-            (Ok(()), Ok(c)) => c,
-            (stored, created) => {
-                if stored.is_ok() || keyed {
-                    let _ = self.records.remove(&sb, None).await;
-                }
-                let err = match created {
-                    Ok(_) => {
-                        let _ = self.node.destroy(&id).await;
-                        stored.err()
-                    }
-                    Err(e) => Some(e),
-                };
-                return Err(err.unwrap_or_else(|| internal("create failed without an error")));
+        let (stored, mut created) = tokio::join!(stored, placed.node.create(spec.clone()));
+        if let Err(e) = stored {
+            // Only an unkeyed record is written here: nothing of it is stored.
+            if created.is_ok() {
+                let _ = placed.node.destroy(&id).await;
+            }
+            return Err(e);
+        }
+        // A node's own admission may refuse a placement made on a load a heartbeat old:
+        // the sandbox goes to another node, up to MAX_REFUSALS times.
+        while let Err(e) = &created {
+            if e.code != ErrorCode::Capacity || refused.len() >= MAX_REFUSALS {
+                break;
+            }
+            refused.push(placed.name.clone());
+            let Ok(next) = placement(&refused) else { break };
+            tracing::info!(%id, refused = %placed.name, node = %next.name, "node refused the sandbox; placing it again");
+            placed = next;
+            sb.node = placed.name.clone();
+            let to = placed.name.clone();
+            if let Err(e) = self
+                .records
+                .update(&id, |r| {
+                    r.node = to.clone();
+                    Ok(true)
+                })
+                .await
+            {
+                created = Err(e);
+                break;
+            }
+            created = placed.node.create(spec.clone()).await;
+        }
+        let created = match created {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = self.records.remove(&sb, None).await;
+                return Err(e);
             }
         };
         sb.image_digest = created.image_digest;
@@ -284,7 +338,7 @@ impl ControlPlane {
         sb.state = SandboxState::Ready;
         // Ready in this replica's cache for the calls below; stored once they are done.
         self.records.cache_only(&sb);
-        if let Err(e) = self.place_files(&id, &req.files).await {
+        if let Err(e) = self.place_files(&*placed.node, &id, &req.files).await {
             let _ = self.remove(&id, None).await;
             return Err(e);
         }
@@ -307,7 +361,7 @@ impl ControlPlane {
             Ok(Some((sb, _))) => Ok(sb),
             failed => {
                 self.records.finish_create(&id).await;
-                let _ = self.node.destroy(&id).await;
+                let _ = placed.node.destroy(&id).await;
                 Err(match failed {
                     Err(e) => e,
                     _ => self.missing(&id).await,
@@ -332,11 +386,20 @@ impl ControlPlane {
                 memory_after_bytes: 0,
             });
         }
-        let (before, after) = match self.node.pause(id).await {
+        let node = match self.node_for(id).await {
+            Ok(node) => node,
+            Err(e) => {
+                let _ = self
+                    .transition(id, SandboxState::Paused, SandboxState::Ready)
+                    .await;
+                return Err(e);
+            }
+        };
+        let (before, after) = match node.pause(id).await {
             Ok(v) => v,
             Err(e) => {
                 // Whatever froze runs again; the sandbox stays usable.
-                let _ = self.node.resume(id).await;
+                let _ = node.resume(id).await;
                 let _ = self
                     .transition(id, SandboxState::Paused, SandboxState::Ready)
                     .await;
@@ -356,12 +419,19 @@ impl ControlPlane {
             .transition(id, SandboxState::Paused, SandboxState::Ready)
             .await?
         {
-            if let Err(e) = self.node.resume(id).await {
-                let _ = self
-                    .transition(id, SandboxState::Ready, SandboxState::Paused)
-                    .await;
-                return Err(e);
-            }
+            let resumed = match self.node_for(id).await {
+                Ok(node) => node.resume(id).await.map(|()| node),
+                Err(e) => Err(e),
+            };
+            let node = match resumed {
+                Ok(node) => node,
+                Err(e) => {
+                    let _ = self
+                        .transition(id, SandboxState::Ready, SandboxState::Paused)
+                        .await;
+                    return Err(e);
+                }
+            };
             let now = now_ms();
             let stops_clock = self.cfg.job_suspend_stops_lifetime;
             let mut was_held = false;
@@ -380,8 +450,7 @@ impl ControlPlane {
                 .await?;
             // The node's clock runs again.
             if stops_clock && was_held {
-                self.node
-                    .set_lifetime(id, node_lifetime(&sandbox, now, false))
+                node.set_lifetime(id, node_lifetime(&sandbox, now, false))
                     .await?;
             }
             return Ok(sandbox);
@@ -408,9 +477,11 @@ impl ControlPlane {
             }
         };
         // An image removed since the create does not stop a commit of its files.
-        let config = self.stack_config(&sb.image, &sb.layers, false).await?;
-        let res = self
-            .node
+        let node = self.node_of(&sb)?;
+        let config = self
+            .stack_config(&*node, &sb.image, &sb.layers, false)
+            .await?;
+        let res = node
             .commit(id, &req.name, sb.committed_layers.clone(), config)
             .await;
         if paused_here {
@@ -435,8 +506,8 @@ impl ControlPlane {
         policy: NetworkPolicy,
     ) -> ApiResult<Sandbox> {
         validate::network(&policy)?;
-        self.ready(id).await?;
-        self.node.set_network(id, policy.clone()).await?;
+        let sb = self.ready(id).await?;
+        self.node_of(&sb)?.set_network(id, policy.clone()).await?;
         self.change(id, |sb| {
             sb.network = policy.clone();
             Ok(true)
@@ -456,11 +527,10 @@ impl ControlPlane {
                 format!("timeout_s must be in [1, {MAX_TIMEOUT_S}]"),
             ));
         }
-        let sb = self.record(id).await?;
-        self.ready(id).await?;
+        let sb = self.ready(id).await?;
         let expires_at = now_ms() + req.timeout_s * 1000;
         // The node keeps the clock: it ends the sandbox when the new lifetime is over.
-        self.node
+        self.node_of(&sb)?
             .set_lifetime(
                 id,
                 dsec_node_api::Lifetime {

@@ -210,7 +210,12 @@ impl ControlPlane {
     /// before the agent is thawed and answers, so a ping that overlapped a pause and
     /// resume could time out while the state reads `ready` again.
     async fn ping(&self, id: &str, state: SandboxState) -> Result<(), String> {
-        let ping = self.node.ping(id);
+        // A node that is not live says nothing of the agent: the reaper marks its
+        // sandboxes `lost`.
+        let Some(node) = self.records.get(id).and_then(|sb| self.node_of(&sb).ok()) else {
+            return Ok(());
+        };
+        let ping = node.ping(id);
         tokio::pin!(ping);
         let deadline = tokio::time::Instant::now() + PING_TIMEOUT;
         loop {

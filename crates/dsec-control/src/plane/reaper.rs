@@ -1,6 +1,8 @@
-//! The reaper: the node ends lifetimes (TTL, idle timeout) on its own; this pass turns
-//! what it ended into `expired` tombstones, removes records left past their lifetime,
-//! marks sandboxes whose init died `failed`, and forgets old tombstones.
+//! The reaper: nodes end lifetimes (TTL, idle timeout) on their own; this pass turns
+//! what they ended into `expired` tombstones, destroys sandboxes left without a record,
+//! marks sandboxes whose init died `failed` and those whose node is gone `lost` (and
+//! back when it returns), removes records left past their lifetime, and forgets old
+//! tombstones.
 
 use std::sync::atomic::Ordering;
 
@@ -11,6 +13,10 @@ use dsec_node_api::lifetime;
 /// How long past its end a lifetime must be before a record without a sandbox on its
 /// node is removed (the node's own reaper ends sandboxes on time; this is the rest).
 const LAPSE_GRACE_MS: u64 = 5_000;
+/// How long a sandbox may run on its node without a record before it is destroyed (a
+/// create's record may be written a moment after its sandbox starts), and how old a
+/// record must be before its sandbox's absence from its node makes it `lost`.
+const ORPHAN_GRACE_MS: u64 = 60_000;
 /// How often old tombstones are looked for.
 const TOMBSTONE_PRUNE_MS: u64 = 60_000;
 
@@ -28,39 +34,53 @@ impl ControlPlane {
         });
     }
 
-    /// One pass: turn the sandboxes the node ended (lifetime or idle timeout: the node
-    /// owns lifetimes) into `expired` tombstones, remove records whose lifetime is over
-    /// and whose sandbox the node no longer has, mark dead ones failed, forget old
-    /// tombstones. Every step is safe on several replicas at once (conditional writes,
-    /// idempotent destroys).
+    /// One pass over every live node: turn the sandboxes a node ended (lifetime or idle
+    /// timeout: nodes own lifetimes) into `expired` tombstones, destroy sandboxes that
+    /// have had no record for a grace period, mark dead ones failed, and sandboxes whose
+    /// node is gone (or no longer runs them) `lost` (back when the node returns with
+    /// them); then remove records whose lifetime is over and whose sandbox is gone, undo
+    /// creates whose replica died, forget old tombstones. Every step is safe on several
+    /// replicas at once (conditional writes, idempotent destroys).
     pub(super) async fn reap_once(&self) {
         let now = now_ms();
-        let on_node = self.node.list().await;
-        for ended in on_node.iter().filter(|s| s.ended.is_some()) {
-            let reason = ended.ended.clone().unwrap_or_default();
-            if let Ok(Some(sb)) = self.records.find(&ended.id).await {
-                tracing::info!(id = %sb.id, %reason, "the node ended the sandbox's lifetime");
-                let tombstone = records::Tombstone { reason, at: now };
-                if let Err(e) = self.records.remove(&sb, Some(tombstone)).await {
-                    tracing::warn!(id = %sb.id, error = %e.message, "recording the end failed; will retry");
-                    continue;
+        let listed = futures::future::join_all(self.nodes.live().into_iter().map(
+            |(name, node)| async move {
+                let listing = node.list().await;
+                (name, node, listing)
+            },
+        ))
+        .await;
+        // Node name -> the ids it holds (ended stubs included).
+        let mut known: HashMap<String, std::collections::HashSet<String>> = HashMap::new();
+        for (name, node, listing) in listed {
+            match listing {
+                Ok(sandboxes) => {
+                    self.reap_node(&name, &*node, &sandboxes, now).await;
+                    known.insert(name, sandboxes.into_iter().map(|s| s.id).collect());
                 }
+                Err(e) => tracing::warn!(node = %name, error = %e.message,
+                    "listing the node's sandboxes failed; its records stay as they are"),
             }
-            // Forgets the node's stub.
-            let _ = self.node.destroy(&ended.id).await;
         }
+        self.mark_lost(now).await;
         let held =
             |s: &Sandbox| s.job_suspended_at.is_some() && self.cfg.job_suspend_stops_lifetime;
-        let known: std::collections::HashSet<&str> =
-            on_node.iter().map(|s| s.id.as_str()).collect();
-        // Past its lifetime with nothing left on the node (a failed sandbox, a delete that
-        // failed midway): the record goes, with its answer. `creating` ones belong to a
-        // create in flight.
+        let on_node = |s: &Sandbox| {
+            let node = if self.nodes.is_single() {
+                known.values().next()
+            } else {
+                known.get(&s.node)
+            };
+            node.map(|ids| ids.contains(&s.id))
+        };
+        // Past its lifetime with nothing left on its node (a failed sandbox, a delete that
+        // failed midway, a node that is gone): the record goes, with its answer.
+        // `creating` ones belong to a create in flight.
         let lapsed = self.records.filter(|s| {
             s.state != SandboxState::Creating
                 && !held(s)
                 && now >= s.expires_at.saturating_add(LAPSE_GRACE_MS)
-                && !known.contains(s.id.as_str())
+                && (on_node(s) == Some(false) || s.state == SandboxState::Lost)
         });
         for sb in lapsed {
             tracing::info!(id = %sb.id, "removing the record of a sandbox past its lifetime");
@@ -72,39 +92,14 @@ impl ControlPlane {
         for sb in self.records.filter(|s| s.state == SandboxState::Creating) {
             if matches!(self.records.abandoned(&sb).await, Ok(true)) {
                 tracing::info!(id = %sb.id, "undoing a create whose replica is gone");
-                if self.node.destroy(&sb.id).await.is_ok() {
+                // A node that is gone destroys the sandbox as an orphan when it is back.
+                let undone = match self.node_of(&sb) {
+                    Ok(node) => node.destroy(&sb.id).await.is_ok(),
+                    Err(_) => true,
+                };
+                if undone {
                     let _ = self.records.remove(&sb, None).await;
                 }
-            }
-        }
-        let alive: HashMap<String, bool> = on_node
-            .into_iter()
-            .filter(|s| s.ended.is_none())
-            .map(|s| (s.id, s.alive))
-            .collect();
-        let died = self.records.filter(|s| {
-            matches!(
-                s.state,
-                SandboxState::Ready | SandboxState::Paused | SandboxState::Unhealthy
-            ) && alive.get(&s.id) == Some(&false)
-        });
-        for sb in died {
-            let marked = self
-                .records
-                .update(&sb.id, |s| {
-                    if !matches!(
-                        s.state,
-                        SandboxState::Ready | SandboxState::Paused | SandboxState::Unhealthy
-                    ) {
-                        return Ok(false);
-                    }
-                    s.state = SandboxState::Failed;
-                    s.failure = Some("the sandbox's init process exited".into());
-                    Ok(true)
-                })
-                .await;
-            if let Ok(Some((_, true))) = marked {
-                tracing::warn!(id = %sb.id, "sandbox died");
             }
         }
         if now.saturating_sub(self.tombstones_pruned_at.load(Ordering::Relaxed))
@@ -112,6 +107,148 @@ impl ControlPlane {
         {
             self.tombstones_pruned_at.store(now, Ordering::Relaxed);
             self.records.prune_tombstones(now, TOMBSTONE_TTL_MS).await;
+        }
+    }
+
+    /// The part of a pass for live node `name`, which listed `sandboxes` at `listed_at`.
+    async fn reap_node(
+        &self,
+        name: &str,
+        node: &dyn NodeApi,
+        sandboxes: &[dsec_node_api::NodeSandbox],
+        listed_at: u64,
+    ) {
+        for ended in sandboxes.iter().filter(|s| s.ended.is_some()) {
+            let reason = ended.ended.clone().unwrap_or_default();
+            if let Ok(Some(sb)) = self.records.find(&ended.id).await {
+                tracing::info!(id = %sb.id, %reason, "the node ended the sandbox's lifetime");
+                let tombstone = records::Tombstone {
+                    reason,
+                    at: listed_at,
+                };
+                if let Err(e) = self.records.remove(&sb, Some(tombstone)).await {
+                    tracing::warn!(id = %sb.id, error = %e.message, "recording the end failed; will retry");
+                    continue;
+                }
+            }
+            // Forgets the node's stub.
+            let _ = node.destroy(&ended.id).await;
+        }
+        let running: HashMap<&str, bool> = sandboxes
+            .iter()
+            .filter(|s| s.ended.is_none())
+            .map(|s| (s.id.as_str(), s.alive))
+            .collect();
+        // Sandboxes without a record past the grace: a create whose record was never
+        // written (its replica died), or a sandbox deleted while its node was gone.
+        for sb in sandboxes
+            .iter()
+            .filter(|s| s.ended.is_none() && s.age_ms >= ORPHAN_GRACE_MS)
+        {
+            if self.records.get(&sb.id).is_none()
+                && matches!(self.records.find(&sb.id).await, Ok(None))
+            {
+                tracing::info!(id = %sb.id, node = %name, "destroying a sandbox without a record");
+                let _ = node.destroy(&sb.id).await;
+            }
+        }
+        let single = self.nodes.is_single();
+        let mine = |s: &Sandbox| single || s.node == name;
+        // Back from `lost`: the node returned still running it.
+        for sb in self
+            .records
+            .filter(|s| mine(s) && s.state == SandboxState::Lost)
+        {
+            let Some(&alive) = running.get(sb.id.as_str()) else {
+                continue;
+            };
+            let back = self
+                .records
+                .update(&sb.id, |s| {
+                    if s.state != SandboxState::Lost {
+                        return Ok(false);
+                    }
+                    s.state = if alive {
+                        s.lost_from.take().unwrap_or(SandboxState::Ready)
+                    } else {
+                        s.failure = Some(
+                            "the sandbox's init process exited while its node was gone".into(),
+                        );
+                        SandboxState::Failed
+                    };
+                    s.lost_since = None;
+                    s.lost_from = None;
+                    Ok(true)
+                })
+                .await;
+            if let Ok(Some((sb, true))) = back {
+                tracing::info!(id = %sb.id, node = %name, state = ?sb.state, "sandbox is back with its node");
+            }
+        }
+        let was_running = |s: &Sandbox| {
+            matches!(
+                s.state,
+                SandboxState::Ready | SandboxState::Paused | SandboxState::Unhealthy
+            )
+        };
+        for sb in self.records.filter(|s| mine(s) && was_running(s)) {
+            let change = match running.get(sb.id.as_str()) {
+                Some(true) => continue,
+                Some(false) => Some(SandboxState::Failed),
+                // Not on its node at all: the node restarted without it. Records made
+                // after the listing began may not be in it.
+                None if sb.created_at.saturating_add(ORPHAN_GRACE_MS) < listed_at => {
+                    Some(SandboxState::Lost)
+                }
+                None => None,
+            };
+            let Some(to) = change else { continue };
+            let marked = self
+                .records
+                .update(&sb.id, |s| {
+                    if !was_running(s) {
+                        return Ok(false);
+                    }
+                    if to == SandboxState::Failed {
+                        s.failure = Some("the sandbox's init process exited".into());
+                    } else {
+                        s.lost_from = Some(s.state);
+                        s.lost_since = Some(listed_at);
+                    }
+                    s.state = to;
+                    Ok(true)
+                })
+                .await;
+            if let Ok(Some((_, true))) = marked {
+                tracing::warn!(id = %sb.id, node = %name, state = ?to, "sandbox died or is gone from its node");
+            }
+        }
+    }
+
+    /// Marks `lost` the sandboxes whose node is not live (its heartbeats stopped).
+    async fn mark_lost(&self, now: u64) {
+        let gone = |s: &Sandbox| {
+            matches!(
+                s.state,
+                SandboxState::Ready | SandboxState::Paused | SandboxState::Unhealthy
+            ) && self.nodes.get(&s.node).is_none()
+        };
+        for sb in self.records.filter(gone) {
+            let marked = self
+                .records
+                .update(&sb.id, |s| {
+                    if !gone(s) {
+                        return Ok(false);
+                    }
+                    s.lost_from = Some(s.state);
+                    s.lost_since = Some(now);
+                    s.state = SandboxState::Lost;
+                    Ok(true)
+                })
+                .await;
+            if let Ok(Some((_, true))) = marked {
+                tracing::warn!(id = %sb.id, node = %sb.node, "sandbox lost: its node stopped heartbeating");
+            }
         }
     }
 
@@ -124,7 +261,13 @@ impl ControlPlane {
                 Ok(!stopping)
             })
             .await?;
-        self.node.destroy(id).await?;
+        match self.node_of(&sb) {
+            Ok(node) => node.destroy(id).await?,
+            // Its node destroys it as an orphan when it is back.
+            Err(_) => {
+                tracing::info!(%id, node = %sb.node, "removing the record of a sandbox whose node is gone")
+            }
+        }
         let tombstone = expired_reason.map(|reason| records::Tombstone {
             reason: reason.to_string(),
             at: now_ms(),

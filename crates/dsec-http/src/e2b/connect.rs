@@ -28,7 +28,7 @@ pub fn code(e: &ApiError) -> (&'static str, StatusCode) {
             ("not_found", StatusCode::NOT_FOUND)
         }
         ErrorCode::Conflict => ("already_exists", StatusCode::CONFLICT),
-        ErrorCode::Capacity | ErrorCode::AgentUnavailable | ErrorCode::Paused => {
+        ErrorCode::Capacity | ErrorCode::AgentUnavailable | ErrorCode::Paused | ErrorCode::Lost => {
             ("unavailable", StatusCode::SERVICE_UNAVAILABLE)
         }
         ErrorCode::Timeout => ("deadline_exceeded", StatusCode::GATEWAY_TIMEOUT),

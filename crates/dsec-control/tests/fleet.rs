@@ -1,0 +1,354 @@
+//! The control plane over a fleet: real registrations, view and placement
+//! (`dsec_fleet` on an in-memory store) in front of several `FakeNode`s. Placement spreads
+//! sandboxes and retries a node's refusal elsewhere; calls go to the sandbox's node; a node
+//! that stops heartbeating makes its sandboxes `lost` and they come back with it; a
+//! sandbox left without a record on a node is destroyed after the grace.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dsec_control::nodes::Dialer;
+use dsec_control::{ControlConfig, ControlPlane, FleetNodes, SandboxApi};
+use dsec_fleet::{
+    Capacity, FleetView, NodeRegistration, PlacementConfig, Placer, Registry, RegistryConfig,
+};
+use dsec_node_api::fake::{sandbox_spec, shell_request as shell, FakeNode};
+use dsec_node_api::NodeApi;
+use dsec_state::{MemStore, StateStore};
+use dsec_wire::v1::{CreateSandboxRequest, Isolation, NetworkMode, SandboxState};
+use dsec_wire::ErrorCode;
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+/// Three fake nodes registered with a registry on one in-memory store, and a plane over
+/// them.
+struct Cluster {
+    store: Arc<MemStore>,
+    registry: Registry,
+    nodes: BTreeMap<String, Arc<FakeNode>>,
+    /// Node name -> (boot id, lease) of its registration.
+    leases: std::sync::Mutex<HashMap<String, (String, i64)>>,
+}
+
+impl Cluster {
+    async fn new(names: &[&str]) -> Result<Self, Box<dyn std::error::Error>> {
+        let store = Arc::new(MemStore::new());
+        // Leases outlive the test: a node goes down only when a test deregisters it.
+        let registry = Registry::new(
+            store.clone(),
+            RegistryConfig {
+                ttl: Duration::from_secs(600),
+                heartbeat_interval: Duration::from_secs(1),
+            },
+        );
+        let cluster = Self {
+            store,
+            registry,
+            nodes: names
+                .iter()
+                .map(|n| (n.to_string(), Arc::new(FakeNode::new(n))))
+                .collect(),
+            leases: Default::default(),
+        };
+        for n in names {
+            cluster.up(n).await?;
+        }
+        Ok(cluster)
+    }
+
+    /// Registers node `name` (again: a new boot id, as a restarted node).
+    async fn up(&self, name: &str) -> Result<(), Box<dyn std::error::Error>> {
+        let boot_id = dsec_fleet::new_boot_id();
+        let ticket = self
+            .registry
+            .register(NodeRegistration {
+                name: name.to_string(),
+                url: format!("http://{name}.invalid:7070"),
+                labels: Default::default(),
+                isolation: vec![Isolation::Container],
+                network_modes: vec![NetworkMode::None],
+                capacity: Capacity {
+                    cpu_millis: 64_000,
+                    memory_bytes: 64 << 30,
+                    max_sandboxes: 0,
+                },
+                load: Default::default(),
+                cached_layers: Vec::new(),
+                version: "test".into(),
+                boot_id: boot_id.clone(),
+            })
+            .await?;
+        self.leases
+            .lock()
+            .map_err(|_| "poisoned")?
+            .insert(name.to_string(), (boot_id, ticket.lease));
+        Ok(())
+    }
+
+    /// Ends node `name`'s registration, as when its heartbeats stop.
+    async fn down(&self, name: &str) -> TestResult {
+        let (boot, lease) = self
+            .leases
+            .lock()
+            .map_err(|_| "poisoned")?
+            .remove(name)
+            .ok_or("registered")?;
+        self.registry.deregister(name, &boot, lease).await?;
+        Ok(())
+    }
+
+    /// Reports `load` for node `name`, as its heartbeat does.
+    async fn heartbeat(&self, name: &str, load: dsec_fleet::Load) -> TestResult {
+        let (boot_id, lease) = self
+            .leases
+            .lock()
+            .map_err(|_| "poisoned")?
+            .get(name)
+            .cloned()
+            .ok_or("registered")?;
+        self.registry
+            .heartbeat(dsec_fleet::Heartbeat {
+                name: name.to_string(),
+                boot_id,
+                lease,
+                load,
+                cached_layers: None,
+            })
+            .await?;
+        Ok(())
+    }
+
+    fn node(&self, name: &str) -> Arc<FakeNode> {
+        self.nodes[name].clone()
+    }
+
+    async fn plane(&self) -> Result<Arc<ControlPlane>, Box<dyn std::error::Error>> {
+        let fakes = self.nodes.clone();
+        let dial: Dialer = Arc::new(move |reg| {
+            fakes
+                .get(&reg.name)
+                .map(|n| n.clone() as Arc<dyn NodeApi>)
+                .ok_or_else(|| dsec_wire::ApiError::new(ErrorCode::Internal, "unknown fake"))
+        });
+        let store: Arc<dyn StateStore> = self.store.clone();
+        let fleet = FleetNodes::new(
+            FleetView::start(store.clone()),
+            Placer::new(PlacementConfig {
+                seed: Some(7),
+                ..Default::default()
+            }),
+            self.registry.clone(),
+            dial,
+        );
+        let mut cfg = ControlConfig::with_key("k".into());
+        cfg.reap_interval = Duration::from_millis(50);
+        cfg.sole_owner = false;
+        Ok(ControlPlane::open_on(cfg, Arc::new(fleet), store).await?)
+    }
+}
+
+/// Waits (up to 10 s) until sandbox `id` is in `state`.
+async fn wait_state(plane: &ControlPlane, id: &str, state: SandboxState) -> TestResult {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let sb = plane.get_sandbox(id).await?;
+        if sb.state == state {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(format!("{id} stayed {:?}, wanted {state:?}", sb.state).into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn sandboxes_spread_over_the_nodes_and_calls_go_to_their_node() -> TestResult {
+    let cluster = Cluster::new(&["n1", "n2", "n3"]).await?;
+    let plane = cluster.plane().await?;
+    let mut on: HashMap<String, Vec<String>> = HashMap::new();
+    for _ in 0..30 {
+        let sb = plane
+            .create_sandbox(CreateSandboxRequest::default())
+            .await?;
+        assert_eq!(sb.state, SandboxState::Ready);
+        assert!(
+            cluster.node(&sb.node).sandbox_ids().contains(&sb.id),
+            "{} runs on the node its record names ({})",
+            sb.id,
+            sb.node
+        );
+        on.entry(sb.node.clone()).or_default().push(sb.id);
+    }
+    assert_eq!(on.len(), 3, "every node got sandboxes: {on:?}");
+    // An exec reaches the sandbox's own node.
+    for (name, ids) in &on {
+        let before = cluster.node(name).counters.execs.load(Ordering::Relaxed);
+        let out = plane.exec(&ids[0], shell("echo hi")).await?;
+        assert_eq!(out.exit.exit_code, Some(0));
+        let after = cluster.node(name).counters.execs.load(Ordering::Relaxed);
+        assert_eq!(after, before + 1, "the exec ran on {name}");
+    }
+    // `GET /v1/nodes` lists them; drain stops placements on one.
+    let listed = plane.list_nodes().await?;
+    assert_eq!(listed.nodes.len(), 3);
+    assert!(listed.nodes.iter().all(|n| n.live && !n.draining));
+    let drained = plane.drain_node("n1", true).await?;
+    assert!(drained.draining);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    // The drain reaches placement through the view's watch.
+    loop {
+        let sb = plane
+            .create_sandbox(CreateSandboxRequest::default())
+            .await?;
+        let n1_before = on.get("n1").map_or(0, Vec::len);
+        if sb.node != "n1" {
+            // Ten more in a row avoid it.
+            for _ in 0..10 {
+                let sb = plane
+                    .create_sandbox(CreateSandboxRequest::default())
+                    .await?;
+                assert_ne!(sb.node, "n1", "a drained node gets no new sandbox");
+            }
+            assert_eq!(cluster.node("n1").sandbox_ids().len(), n1_before);
+            break;
+        }
+        on.entry(sb.node).or_default().push(sb.id);
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the drain took effect"
+        );
+    }
+    plane.drain_node("n1", false).await?;
+    assert_eq!(
+        plane.drain_node("nope", false).await.err().map(|e| e.code),
+        Some(ErrorCode::NotFound)
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_node_that_refuses_sends_the_sandbox_elsewhere_and_a_full_cluster_says_capacity(
+) -> TestResult {
+    let cluster = Cluster::new(&["n1", "n2"]).await?;
+    // n1 holds one sandbox at most; n2 none at all: placement does not know, the nodes'
+    // own admission refuses.
+    cluster.node("n1").set_max_sandboxes(1);
+    cluster.node("n2").set_max_sandboxes(1);
+    cluster.node("n2").adopt(sandbox_spec("sb-filler"));
+    // n1 reports half its CPU taken, so placement prefers n2, which refuses.
+    cluster
+        .heartbeat(
+            "n1",
+            dsec_fleet::Load {
+                cpu_millis: 32_000,
+                ..Default::default()
+            },
+        )
+        .await?;
+    // (The plane's view starts with that load.)
+    let plane = cluster.plane().await?;
+    let sb = plane
+        .create_sandbox(CreateSandboxRequest::default())
+        .await?;
+    assert_eq!(sb.node, "n1");
+    assert_eq!(
+        cluster
+            .node("n2")
+            .counters
+            .create_calls
+            .load(Ordering::Relaxed),
+        1,
+        "n2 was asked first and refused"
+    );
+    assert_eq!(cluster.node("n1").sandbox_ids(), vec![sb.id.clone()]);
+    // Both full: `capacity`, and nothing left behind.
+    let err = plane
+        .create_sandbox(CreateSandboxRequest::default())
+        .await
+        .err()
+        .ok_or("a full cluster refuses")?;
+    assert_eq!(err.code, ErrorCode::Capacity, "{}", err.message);
+    assert_eq!(
+        plane
+            .list_sandboxes(Default::default())
+            .await?
+            .sandboxes
+            .len(),
+        1
+    );
+    assert_eq!(cluster.node("n1").sandbox_ids().len(), 1);
+    assert_eq!(
+        cluster.node("n2").sandbox_ids(),
+        vec!["sb-filler".to_string()]
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn sandboxes_of_a_node_that_goes_are_lost_and_come_back_with_it() -> TestResult {
+    let cluster = Cluster::new(&["n1", "n2"]).await?;
+    let plane = cluster.plane().await?;
+    let mut on_n1 = Vec::new();
+    while on_n1.len() < 2 {
+        let sb = plane
+            .create_sandbox(CreateSandboxRequest::default())
+            .await?;
+        if sb.node == "n1" {
+            on_n1.push(sb.id);
+        }
+    }
+    cluster.down("n1").await?;
+    for id in &on_n1 {
+        wait_state(&plane, id, SandboxState::Lost).await?;
+    }
+    let lost = plane.get_sandbox(&on_n1[0]).await?;
+    assert_eq!(lost.lost_from, Some(SandboxState::Ready));
+    assert!(lost.lost_since.is_some());
+    let err = plane
+        .exec(&on_n1[0], shell("true"))
+        .await
+        .err()
+        .ok_or("a lost sandbox takes no calls")?;
+    assert_eq!(err.code, ErrorCode::Lost, "{}", err.message);
+    // New sandboxes go to the live node.
+    for _ in 0..5 {
+        let sb = plane
+            .create_sandbox(CreateSandboxRequest::default())
+            .await?;
+        assert_eq!(sb.node, "n2");
+    }
+    // One is given up while its node is gone: the record goes at once.
+    plane.delete_sandbox(&on_n1[1]).await?;
+    assert_eq!(
+        plane.get_sandbox(&on_n1[1]).await.err().map(|e| e.code),
+        Some(ErrorCode::NotFound)
+    );
+    // The node returns (restarted, still running both): the kept one is back, the
+    // given-up one is an orphan the reaper destroys once past the grace.
+    cluster.up("n1").await?;
+    wait_state(&plane, &on_n1[0], SandboxState::Ready).await?;
+    let back = plane.get_sandbox(&on_n1[0]).await?;
+    assert_eq!((back.lost_from, back.lost_since), (None, None));
+    assert_eq!(
+        plane.exec(&on_n1[0], shell("true")).await?.exit.exit_code,
+        Some(0)
+    );
+    assert!(cluster.node("n1").sandbox_ids().contains(&on_n1[1]));
+    cluster.node("n1").advance(Duration::from_secs(61));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while cluster.node("n1").sandbox_ids().contains(&on_n1[1]) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the orphan was destroyed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        cluster.node("n1").sandbox_ids().contains(&on_n1[0]),
+        "the sandbox with a record stays"
+    );
+    Ok(())
+}
