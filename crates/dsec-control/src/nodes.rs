@@ -44,6 +44,23 @@ pub struct Placed {
     _reservation: Option<Reservation>,
 }
 
+/// How long a placement's reservation outlives the create: until the node's heartbeats
+/// (every second, with a load read every half second) report the sandbox. Released at
+/// once, sequential creates would all see the same stale load and pile onto one node.
+pub const RESERVATION_LINGER: std::time::Duration = std::time::Duration::from_secs(2);
+
+impl Placed {
+    /// Gives the reservation back [`RESERVATION_LINGER`] from now (the sandbox was made).
+    pub fn linger(self) {
+        if let Some(r) = self._reservation {
+            tokio::spawn(async move {
+                tokio::time::sleep(RESERVATION_LINGER).await;
+                drop(r);
+            });
+        }
+    }
+}
+
 impl std::fmt::Debug for Placed {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Placed").field("name", &self.name).finish()

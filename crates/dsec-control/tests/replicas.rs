@@ -67,7 +67,17 @@ async fn one_replica_sees_the_others_changes(p: &Pair) -> TestResult {
     .await;
     assert!(paused.is_some(), "a sees the pause within 1 s");
     p.a.resume_sandbox(&sb.id).await?;
-    assert_eq!(p.b.get_sandbox(&sb.id).await?.state, SandboxState::Ready);
+    // A read is as fresh as the replica's watch (within a second); a call is checked
+    // against the store, so b can use the sandbox at once.
+    p.b.exec(&sb.id, dsec_node_api::fake::shell_request("true"))
+        .await?;
+    let resumed = within(Duration::from_secs(1), async || {
+        p.b.get_sandbox(&sb.id)
+            .await
+            .is_ok_and(|s| s.state == SandboxState::Ready)
+    })
+    .await;
+    assert!(resumed.is_some(), "b sees the resume within 1 s");
 
     p.a.delete_sandbox(&sb.id).await?;
     let gone = within(

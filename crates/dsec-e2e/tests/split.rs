@@ -196,9 +196,24 @@ struct Node {
     /// live as long as the node: its drop removes them (state and run directory alike)
     /// and kills the sandboxes a failed test left.
     dirs: Server,
+    /// Its command line, for a restart.
+    args: Vec<String>,
 }
 
 impl Node {
+    /// Kills the node outright (SIGKILL, by its pid), as a machine that dies.
+    fn kill(&mut self) {
+        // SAFETY: kill with our own child's pid.
+        unsafe { libc::kill(self.proc.0.id() as i32, libc::SIGKILL) };
+        let _ = self.proc.0.wait();
+    }
+
+    /// Starts the node again on the same directories and address.
+    fn restart(&mut self) -> anyhow::Result<()> {
+        self.proc = spawn(&self.args, &self.root.join("node.log"))?;
+        Ok(())
+    }
+
     /// Stops the node with SIGTERM and checks it exits cleanly (nothing left to adopt).
     fn stop(mut self) -> anyhow::Result<()> {
         // SAFETY: kill with our own child's pid.
@@ -211,28 +226,40 @@ impl Node {
 
 /// Starts `dsec node` on fresh directories of test `name`.
 async fn start_node(name: &str) -> anyhow::Result<Node> {
+    start_node_with(name, &[], &[]).await
+}
+
+/// [`start_node`] with node flags `serve` also takes (`--cgroup-parent` overrides the
+/// e2e one) and `node_only` flags.
+async fn start_node_with(name: &str, serve: &[&str], node_only: &[&str]) -> anyhow::Result<Node> {
     // An embedded server's start cleans up after an earlier run of this test.
-    let mut dirs = Server::start(name, true).await?;
+    let mut dirs = Server::start_with(name, true, serve).await?;
     dirs.terminate(Duration::from_secs(30))
         .context("the embedded server did not stop")?;
     let root = dirs.state_dir.parent().context("root")?.to_path_buf();
     let port = free_port()?;
     let url = format!("http://127.0.0.1:{port}");
-    let proc = spawn(
-        &[
-            "node".into(),
-            "--listen".into(),
-            format!("127.0.0.1:{port}"),
-            "--state-dir".into(),
-            dirs.state_dir.display().to_string(),
-            "--run-dir".into(),
-            dirs.run_dir.display().to_string(),
+    let mut args: Vec<String> = vec![
+        "node".into(),
+        "--listen".into(),
+        format!("127.0.0.1:{port}"),
+        "--state-dir".into(),
+        dirs.state_dir.display().to_string(),
+        "--run-dir".into(),
+        dirs.run_dir.display().to_string(),
+    ];
+    if !serve.contains(&"--cgroup-parent") {
+        args.extend([
             "--cgroup-parent".into(),
             dsec_e2e::TEST_CGROUP_PARENT.into(),
-        ],
-        &root.join("node.log"),
-    )?;
-    let token_file = dirs.state_dir.join("node-token");
+        ]);
+    }
+    args.extend(serve.iter().chain(node_only).map(|s| s.to_string()));
+    let proc = spawn(&args, &root.join("node.log"))?;
+    let token_file = match node_only.iter().position(|a| *a == "--node-token-file") {
+        Some(i) => PathBuf::from(node_only.get(i + 1).context("token file")?),
+        None => dirs.state_dir.join("node-token"),
+    };
     let up = wait_until(Duration::from_secs(30), || {
         let (url, token_file) = (url.clone(), token_file.clone());
         async move {
@@ -254,6 +281,7 @@ async fn start_node(name: &str) -> anyhow::Result<Node> {
         token_file,
         root,
         dirs,
+        args,
     })
 }
 
@@ -424,4 +452,221 @@ async fn two_apiservers_on_etcd_serve_the_same_sandboxes() -> anyhow::Result<()>
     node.stop()?;
     drop(etcd);
     Ok(())
+}
+
+/// Waits (up to `limit`) until sandbox `id` is in `state`; how long it took.
+async fn until_state(
+    client: &Client,
+    id: &str,
+    state: dsec_wire::v1::SandboxState,
+    limit: Duration,
+) -> anyhow::Result<Duration> {
+    let started = std::time::Instant::now();
+    wait_until(limit, || async {
+        let s = client.get_sandbox(id).await.ok()?;
+        (s.state == state).then_some(())
+    })
+    .await
+    .with_context(|| format!("{id} did not become {state:?} within {limit:?}"))?;
+    Ok(started.elapsed())
+}
+
+#[tokio::test]
+async fn a_cluster_places_over_its_nodes_and_outlives_losing_one() -> anyhow::Result<()> {
+    use dsec_wire::v1::SandboxState;
+    if !require_root() {
+        return Ok(());
+    }
+    let _turn = TURN.lock().await;
+    let Some(etcd) = dsec_testkit::Etcd::start("a_cluster_places_over_its_nodes") else {
+        return Ok(());
+    };
+    let root = std::env::temp_dir().join("dsec-e2e").join("cluster");
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root)?;
+    // One node token for the whole cluster, one shared blob store.
+    let token_file = root.join("node-token");
+    std::fs::write(&token_file, format!("{:032x}", rand_u128()))?;
+    let blobs = root.join("blobs");
+    let key_file = root.join("api-key");
+    let api_port = free_port()?;
+    let api_url = format!("http://127.0.0.1:{api_port}");
+    let _api = spawn(
+        &[
+            "apiserver".into(),
+            "--listen".into(),
+            format!("127.0.0.1:{api_port}"),
+            "--state-dir".into(),
+            root.join("apiserver").display().to_string(),
+            "--etcd".into(),
+            etcd.endpoints().join(","),
+            "--etcd-prefix".into(),
+            "/dsec-e2e-cluster".into(),
+            "--api-key-file".into(),
+            key_file.display().to_string(),
+            "--node-token-file".into(),
+            token_file.display().to_string(),
+        ],
+        &root.join("apiserver.log"),
+    )?;
+    let client = wait_until(Duration::from_secs(30), || {
+        let (url, key_file) = (api_url.clone(), key_file.clone());
+        async move {
+            let key = std::fs::read_to_string(key_file).ok()?;
+            let c = Client::new(&url, Some(key.trim().to_string())).ok()?;
+            c.health().await.ok().map(|_| c)
+        }
+    })
+    .await
+    .context("dsec apiserver did not come up")?;
+    // Two nodes on this machine, each with its own directories, cgroup parent, subnet,
+    // nft table, link prefix, DNS port and uid range.
+    let blob_arg = blobs.display().to_string();
+    let token_arg = token_file.display().to_string();
+    let mut nodes = Vec::new();
+    for (i, name) in ["cluster-n1", "cluster-n2"].iter().enumerate() {
+        let serve: Vec<String> = vec![
+            "--node-name".into(),
+            name.to_string(),
+            "--blob-store".into(),
+            blob_arg.clone(),
+            "--cgroup-parent".into(),
+            format!("dsec-e2e-{name}"),
+            "--sandbox-subnet".into(),
+            format!("10.{}.0.0/16", 241 + i),
+            "--dns-port".into(),
+            (25353 + i).to_string(),
+            "--nft-table".into(),
+            format!("dsec-e2e-c{i}"),
+            "--link-prefix".into(),
+            format!("dc{i}"),
+            "--userns-base".into(),
+            (2_100_000_000u32 + i as u32 * 100_000_000).to_string(),
+            "--userns-ranges".into(),
+            "512".into(),
+        ];
+        let serve: Vec<&str> = serve.iter().map(String::as_str).collect();
+        let node_only = [
+            "--apiserver",
+            api_url.as_str(),
+            "--node-token-file",
+            token_arg.as_str(),
+        ];
+        nodes.push(start_node_with(name, &serve, &node_only).await?);
+    }
+    let both = wait_until(Duration::from_secs(15), || async {
+        let listed = client.list_nodes().await.ok()?;
+        (listed.nodes.iter().filter(|n| n.live).count() == 2).then_some(listed)
+    })
+    .await
+    .context("both nodes registered")?;
+    assert_eq!(
+        both.nodes
+            .iter()
+            .map(|n| n.name.as_str())
+            .collect::<Vec<_>>(),
+        ["cluster-n1", "cluster-n2"]
+    );
+
+    // The image, uploaded once, reaches both nodes through the shared blob store.
+    let tar = tokio::fs::File::open(dsec_e2e::base_tar()).await?;
+    client.upload_image("base", false, tar).await?;
+    let mut on: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for _ in 0..6 {
+        let sb = client
+            .create_sandbox(CreateSandboxRequest::default())
+            .await?;
+        on.entry(sb.node.clone()).or_default().push(sb.id);
+    }
+    assert_eq!(on.len(), 2, "sandboxes on both nodes: {on:?}");
+    for (i, node) in nodes.iter().enumerate() {
+        let name = format!("cluster-n{}", i + 1);
+        let mut mine = on[&name].clone();
+        mine.sort();
+        assert_eq!(node_sandboxes(&node.url, &node.token_file).await?, mine);
+        for id in &mine {
+            let r = client.exec(id, sh("hostname")).await?;
+            assert_eq!(r.stdout.trim(), id.as_str());
+        }
+    }
+
+    // Node 2 dies: its sandboxes are `lost` within 5 s, new ones go to node 1.
+    nodes[1].kill();
+    let on_n2 = on["cluster-n2"].clone();
+    let took = until_state(
+        &client,
+        &on_n2[0],
+        SandboxState::Lost,
+        Duration::from_secs(5),
+    )
+    .await?;
+    for id in &on_n2 {
+        until_state(&client, id, SandboxState::Lost, Duration::from_secs(1)).await?;
+    }
+    let e = client.exec(&on_n2[0], sh("true")).await.expect_err("lost");
+    assert_eq!(e.code(), Some(ErrorCode::Lost), "{e}");
+    for _ in 0..3 {
+        let sb = client
+            .create_sandbox(CreateSandboxRequest::default())
+            .await?;
+        assert_eq!(sb.node, "cluster-n1");
+        on.entry(sb.node).or_default().push(sb.id);
+    }
+    // It comes back (same directories): it adopts its sandboxes, which are usable again.
+    nodes[1].restart()?;
+    for id in &on_n2 {
+        until_state(&client, id, SandboxState::Ready, Duration::from_secs(30)).await?;
+        let r = client.exec(id, sh("echo back")).await?;
+        assert_eq!(r.stdout, "back\n");
+    }
+    println!("node loss noticed in {took:?}");
+    // Drain: no new sandbox on node 1; undrain: placements reach it again.
+    client.drain_node("cluster-n1", true).await?;
+    // (It reaches the API server's placement through its watch of the store.)
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let sb = client
+            .create_sandbox(CreateSandboxRequest::default())
+            .await?;
+        let elsewhere = sb.node == "cluster-n2";
+        on.entry(sb.node.clone()).or_default().push(sb.id);
+        if elsewhere {
+            break;
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "the drain took effect"
+        );
+    }
+    for _ in 0..3 {
+        let sb = client
+            .create_sandbox(CreateSandboxRequest::default())
+            .await?;
+        assert_eq!(sb.node, "cluster-n2", "drained node 1 gets nothing new");
+        on.entry(sb.node).or_default().push(sb.id);
+    }
+    client.drain_node("cluster-n1", false).await?;
+
+    for id in on.values().flatten() {
+        client.delete_sandbox(id).await?;
+    }
+    for node in &nodes {
+        assert!(node_sandboxes(&node.url, &node.token_file)
+            .await?
+            .is_empty());
+    }
+    for node in nodes {
+        node.stop()?;
+    }
+    drop(etcd);
+    Ok(())
+}
+
+fn rand_u128() -> u128 {
+    let mut b = [0u8; 16];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        use std::io::Read;
+        let _ = f.read_exact(&mut b);
+    }
+    u128::from_le_bytes(b)
 }

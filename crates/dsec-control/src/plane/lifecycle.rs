@@ -358,7 +358,10 @@ impl ControlPlane {
             })
             .await;
         match done {
-            Ok(Some((sb, _))) => Ok(sb),
+            Ok(Some((sb, _))) => {
+                placed.linger();
+                Ok(sb)
+            }
             failed => {
                 self.records.finish_create(&id).await;
                 let _ = placed.node.destroy(&id).await;

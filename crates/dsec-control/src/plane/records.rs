@@ -353,7 +353,9 @@ impl Records {
         end_claim: bool,
     ) -> ApiResult<Option<(Sandbox, bool)>> {
         let mut current = self.lock().sandboxes.get(id).cloned();
-        if current.is_none() {
+        // Whether `current` was read from the store now (not this replica's cache).
+        let mut fresh = current.is_none();
+        if fresh {
             current = self.fetch(id).await?;
         }
         for _ in 0..CAS_ATTEMPTS {
@@ -361,7 +363,15 @@ impl Records {
                 return Ok(None);
             };
             let mut next = sb.clone();
-            if !change(&mut next)? {
+            let verdict = change(&mut next);
+            // A refusal or a no-op decided on the cache may be a moment behind another
+            // replica's write (a create it just finished): decide again on the store's.
+            if !fresh && self.lease.is_some() && !matches!(verdict, Ok(true)) {
+                current = self.fetch(id).await?;
+                fresh = true;
+                continue;
+            }
+            if !verdict? {
                 return Ok(Some((next, false)));
             }
             let mut txn = Txn {
@@ -385,7 +395,10 @@ impl Records {
                     self.changed.notify_waiters();
                     return Ok(Some((next, true)));
                 }
-                Err(e) if is_conflict(&e) => current = self.fetch(id).await?,
+                Err(e) if is_conflict(&e) => {
+                    current = self.fetch(id).await?;
+                    fresh = true;
+                }
                 Err(e) => return Err(internal(e)),
             }
         }
