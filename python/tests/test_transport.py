@@ -20,8 +20,9 @@ from dsec.transport import AsyncTransport, Transport, TransportError
 
 
 def _idle_ports(client: dsec.Client) -> List[int]:
-    with client._http._lock:
-        return [c.sock.getsockname()[1] for c in client._http._idle]
+    pool = client._http._all[0]
+    with pool._lock:
+        return [c.sock.getsockname()[1] for c in pool._idle]
 
 
 def test_sequential_calls_share_one_connection(sandbox: dsec.Sandbox) -> None:
@@ -161,9 +162,36 @@ def test_a_silent_server_times_out_as_a_typed_error() -> None:
 
 
 def test_bad_urls_are_refused_up_front() -> None:
-    for url in ("ftp://127.0.0.1", "127.0.0.1:7070", "http://"):
+    for url in ("ftp://127.0.0.1", "127.0.0.1:7070", "http://", " , "):
         with pytest.raises(ValueError):
             dsec.Client(url, "k")
+
+
+def _dead_url() -> str:
+    """A loopback URL nothing listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_client_fails_over_to_the_next_url(sandbox: dsec.Sandbox) -> None:
+    live, dead = sandbox.client.url, _dead_url()
+    # The first server is down: each call goes on to the next at once.
+    with dsec.Client(f"{dead},{live}", sandbox.client.api_key) as c:
+        assert c.urls == [dead, live]
+        assert dsec.Sandbox.connect(sandbox.id, client=c).exec(["true"]).exit_code == 0
+        assert c.health().status == "ok"
+    # A list works too, and all of them down is a typed, retryable error.
+    with dsec.Client([dead, _dead_url()], "k") as c:
+        with pytest.raises(dsec.ConnectionFailed) as ce:
+            c.health()
+        assert ce.value.retryable
+
+    async def go() -> None:
+        async with dsec.AsyncClient([dead, live], sandbox.client.api_key) as ac:
+            assert (await ac.get_sandbox(sandbox.id)).id == sandbox.id
+
+    asyncio.run(go())
 
 
 # ------------------------------------------------------------------ asyncio
@@ -176,13 +204,13 @@ def test_async_calls_share_one_connection_and_streams_end_cleanly(sandbox: dsec.
             ports = set()
             for _ in range(10):
                 assert (await sb.exec(["true"])).exit_code == 0
-                ports.update(c.writer.get_extra_info("sockname")[1] for c in ac._http._idle)
-            assert len(ports) == 1 and len(ac._http._idle) == 1
+                ports.update(c.writer.get_extra_info("sockname")[1] for c in ac._http._all[0]._idle)
+            assert len(ports) == 1 and len(ac._http._all[0]._idle) == 1
             # A chunked NDJSON answer read to its end: the connection goes back.
             evs = [e async for e in sb.exec_stream("seq 1 3000")]
             out = "".join(e.data for e in evs if isinstance(e, dsec.StdoutEvent))
             assert out == "".join(f"{i}\n" for i in range(1, 3001))
-            assert len(ac._http._idle) == 1
+            assert len(ac._http._all[0]._idle) == 1
             # One abandoned midway is closed, not reused.
             gen = sb.exec_stream("for i in $(seq 1 2000); do echo line $i; done; sleep 1")
             await gen.__anext__()

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Sequence, 
 
 from .client import API_KEY_HEADER, DEFAULT_URL, Client, _api_key_from_env, _body, _parse_event, _seg
 from .errors import Capacity, ConnectionFailed, Expired, NotFound
-from .transport import AsyncTransport, Params, Response, TransportError
+from .transport import AsyncFailoverTransport, Params, Response, TransportError, split_urls
 from .models import (
     ExecResult,
     ExitEvent,
@@ -45,12 +45,13 @@ __all__ = ["AsyncClient", "AsyncSandbox", "AsyncSession", "AsyncProcess"]
 class AsyncClient:
     """Async counterpart of :class:`dsec.Client` (same arguments and environment)."""
 
-    def __init__(self, url: Optional[str] = None, api_key: Optional[str] = None, *, timeout: float = 120.0, create_retries: int = 5) -> None:
-        self.url = (url or os.environ.get("DSEC_URL") or DEFAULT_URL).rstrip("/")
+    def __init__(self, url: Union[str, Sequence[str], None] = None, api_key: Optional[str] = None, *, timeout: float = 120.0, create_retries: int = 5) -> None:
+        self.urls = split_urls(url or os.environ.get("DSEC_URL") or DEFAULT_URL)
+        self.url = self.urls[0]
         self.api_key = api_key if api_key is not None else _api_key_from_env()
         self.create_retries = create_retries
         headers = {API_KEY_HEADER: self.api_key} if self.api_key else {}
-        self._http = AsyncTransport(self.url + "/v1", headers, timeout)
+        self._http = AsyncFailoverTransport([u + "/v1" for u in self.urls], headers, timeout)
 
     async def aclose(self) -> None:
         """Closes the connection pool."""

@@ -8,13 +8,13 @@ import random
 import threading
 import time
 import uuid
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 from urllib.parse import quote
 
 from pydantic import TypeAdapter
 
 from .errors import Capacity, ConnectionFailed, DsecError, error_from_body
-from .transport import Body, Params, Response, Transport, TransportError
+from .transport import Body, FailoverTransport, Params, Response, TransportError, split_urls
 from .models import (
     ErrorEvent,
     ExecEvent,
@@ -59,7 +59,11 @@ class Client:
     """A connection to a dsec server.
 
     Args:
-        url: Server base URL. Default: ``$DSEC_URL``, else ``http://127.0.0.1:7070``.
+        url: Server base URL, or several (a list or a comma-separated string: API server
+            replicas of one cluster). A request that cannot connect to one goes to the
+            next at once; after any other connection failure the request's error is raised
+            and later requests start at the next (creates are retried, see
+            ``create_retries``). Default: ``$DSEC_URL``, else ``http://127.0.0.1:7070``.
         api_key: API key. Default: ``$DSEC_API_KEY``, else the contents of the file named
             by ``$DSEC_API_KEY_FILE``, else of ``/var/lib/dsec/api-key`` if readable.
         timeout: Seconds to wait for an ordinary (non-exec) answer.
@@ -73,18 +77,19 @@ class Client:
 
     def __init__(
         self,
-        url: Optional[str] = None,
+        url: Union[str, Sequence[str], None] = None,
         api_key: Optional[str] = None,
         *,
         timeout: float = 120.0,
         create_retries: int = 5,
     ) -> None:
-        self.url = (url or os.environ.get("DSEC_URL") or DEFAULT_URL).rstrip("/")
+        self.urls = split_urls(url or os.environ.get("DSEC_URL") or DEFAULT_URL)
+        self.url = self.urls[0]
         self.api_key = api_key if api_key is not None else _api_key_from_env()
         self.timeout = timeout
         self.create_retries = create_retries
         headers = {API_KEY_HEADER: self.api_key} if self.api_key else {}
-        self._http = Transport(self.url + "/v1", headers, timeout)
+        self._http = FailoverTransport([u + "/v1" for u in self.urls], headers, timeout)
 
     # ------------------------------------------------------------ plumbing
 
@@ -99,7 +104,7 @@ class Client:
         self.close()
 
     def __repr__(self) -> str:
-        return f"dsec.Client(url={self.url!r})"
+        return f"dsec.Client(url={','.join(self.urls)!r})"
 
     @staticmethod
     def _raise_for(resp: Response) -> None:

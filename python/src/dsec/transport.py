@@ -25,7 +25,22 @@ import socket
 import ssl
 import threading
 import weakref
-from typing import Any, AsyncIterator, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import (
+    Any,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+    Union,
+)
 from urllib.parse import urlencode, urlsplit
 
 __all__ = [
@@ -69,11 +84,13 @@ if hasattr(os, "register_at_fork"):
 
 class TransportError(Exception):
     """The request did not get an answer: connection refused or lost, timeout, or a
-    malformed response. ``timed_out`` tells a timeout apart."""
+    malformed response. ``timed_out`` tells a timeout apart; ``unsent`` says no
+    connection to the server could be made, so nothing of the request reached it."""
 
-    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+    def __init__(self, message: str, *, timed_out: bool = False, unsent: bool = False) -> None:
         super().__init__(message)
         self.timed_out = timed_out
+        self.unsent = unsent
 
 
 class Response:
@@ -219,10 +236,20 @@ class _Server:
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
-def _transport_error(what: str, e: BaseException) -> TransportError:
+def _transport_error(what: str, e: BaseException, *, unsent: bool = False) -> TransportError:
     if isinstance(e, (socket.timeout, TimeoutError, asyncio.TimeoutError)):
-        return TransportError(f"{what}: timed out", timed_out=True)
-    return TransportError(f"{what}: {e!r}")
+        return TransportError(f"{what}: timed out", timed_out=True, unsent=unsent)
+    return TransportError(f"{what}: {e!r}", unsent=unsent)
+
+
+def split_urls(url: Union[str, Sequence[str]]) -> List[str]:
+    """Server URLs from a list or a comma-separated string (``$DSEC_URL`` may name
+    several API server replicas), without trailing slashes."""
+    parts = url.split(",") if isinstance(url, str) else list(url)
+    urls = [u.strip().rstrip("/") for u in parts if u.strip()]
+    if not urls:
+        raise ValueError("no server URL given")
+    return urls
 
 
 class Transport:
@@ -255,7 +282,7 @@ class Transport:
         try:
             sock = socket.create_connection((self._host, self._port), timeout=_CONNECT_TIMEOUT)
         except OSError as e:
-            raise _transport_error(f"connecting to {self._host}:{self._port}", e) from e
+            raise _transport_error(f"connecting to {self._host}:{self._port}", e, unsent=True) from e
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._ssl is not None:
@@ -571,7 +598,7 @@ class AsyncTransport:
                 _CONNECT_TIMEOUT,
             )
         except (OSError, asyncio.TimeoutError, ssl.SSLError) as e:
-            raise _transport_error(f"connecting to {srv.host}:{srv.port}", e) from e
+            raise _transport_error(f"connecting to {srv.host}:{srv.port}", e, unsent=True) from e
         return _AsyncConn(reader, writer)
 
     async def _acquire(self) -> Tuple[_AsyncConn, bool]:
@@ -637,3 +664,85 @@ class AsyncTransport:
         """Sends a request and reads the whole answer."""
         resp = await self.open(method, path, params=params, body=body, headers=headers, timeout=timeout)
         return await resp.aread()
+
+
+_T = TypeVar("_T")
+
+
+class FailoverTransport:
+    """Requests to one of several servers (API server replicas serving the same
+    sandboxes), with the interface of :class:`Transport`. A request goes to the server
+    that answered last; one that cannot be connected to is skipped at once (nothing of
+    the request reached it, so any request may go to the next); after any other failure
+    the error is raised (the request may have run) and later requests start at the next
+    server."""
+
+    def __init__(self, base_urls: Sequence[str], headers: Mapping[str, str], timeout: Optional[float]) -> None:
+        self._all = [Transport(u, headers, timeout) for u in base_urls]
+        self._at = 0
+        self._lock = threading.Lock()
+
+    def _call(self, fn: Callable[[Transport], _T]) -> _T:
+        n = len(self._all)
+        with self._lock:
+            start = self._at
+        for i in range(n):
+            idx = (start + i) % n
+            try:
+                result = fn(self._all[idx])
+            except TransportError as e:
+                with self._lock:
+                    if self._at == idx:
+                        self._at = (idx + 1) % n
+                if not e.unsent or i == n - 1:
+                    raise
+                continue
+            with self._lock:
+                self._at = idx
+            return result
+        raise TransportError("no server to send the request to", unsent=True)
+
+    def request(self, *args: Any, **kwargs: Any) -> "Response":
+        return self._call(lambda t: t.request(*args, **kwargs))
+
+    def open(self, *args: Any, **kwargs: Any) -> "StreamResponse":
+        return self._call(lambda t: t.open(*args, **kwargs))
+
+    def close(self) -> None:
+        for t in self._all:
+            t.close()
+
+
+class AsyncFailoverTransport:
+    """The asyncio counterpart of :class:`FailoverTransport`."""
+
+    def __init__(self, base_urls: Sequence[str], headers: Mapping[str, str], timeout: Optional[float]) -> None:
+        self._all = [AsyncTransport(u, headers, timeout) for u in base_urls]
+        self._at = 0
+
+    async def _call(self, fn: Callable[[AsyncTransport], Awaitable[_T]]) -> _T:
+        n = len(self._all)
+        start = self._at
+        for i in range(n):
+            idx = (start + i) % n
+            try:
+                result = await fn(self._all[idx])
+            except TransportError as e:
+                if self._at == idx:
+                    self._at = (idx + 1) % n
+                if not e.unsent or i == n - 1:
+                    raise
+                continue
+            self._at = idx
+            return result
+        raise TransportError("no server to send the request to", unsent=True)
+
+    async def request(self, *args: Any, **kwargs: Any) -> "Response":
+        return await self._call(lambda t: t.request(*args, **kwargs))
+
+    async def open(self, *args: Any, **kwargs: Any) -> "AsyncStreamResponse":
+        return await self._call(lambda t: t.open(*args, **kwargs))
+
+    async def aclose(self) -> None:
+        for t in self._all:
+            await t.aclose()
