@@ -35,6 +35,7 @@ mod images;
 mod jobs;
 mod lifecycle;
 mod liveness;
+mod pull;
 mod reaper;
 mod records;
 use liveness::Limit;
@@ -816,6 +817,10 @@ impl SandboxApi for ControlPlane {
         Ok(Box::pin(
             tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
         ))
+    }
+
+    async fn pull_image_stream(&self, req: PullImageRequest) -> ApiResult<ImportStream> {
+        pull::pull_stream(self.node.clone(), req).await
     }
 
     async fn upload_image(&self, name: &str, flatten: bool, body: ByteStream) -> ApiResult<Image> {
