@@ -386,3 +386,41 @@ async fn registry_dying_mid_blob_then_retry() {
     let (img, _) = pull(&fx.store, &cfg, reference, Some("cut")).await;
     assert_eq!(img.expect("the retry").digest, fx.imported_digest(&layout));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nodes_sharing_a_blob_store_convert_a_layer_once() {
+    let t = "nodes_sharing_a_blob_store_convert_a_layer_once";
+    if !dsec_testkit::require_root(t) {
+        return;
+    }
+    let Some(reg) = Registry::start(t) else {
+        return;
+    };
+    let fx = Fixture::new();
+    let layout = fx.layout("shared", "amd64", 64 << 10);
+    reg.seed(&layout, "shared:v1", "zstd");
+    let shared: Arc<dyn dsec_image::BlobStore> =
+        Arc::new(dsec_blob::DirStore::open(fx.dir.path().join("shared")).expect("shared store"));
+    let node = |n: &str| {
+        Arc::new(
+            ImageStore::open_with(
+                fx.dir.path().join(n),
+                dsec_image::StoreOptions {
+                    shared: Some(shared.clone()),
+                    ..Default::default()
+                },
+            )
+            .expect("open a node's store"),
+        )
+    };
+    let (a, b) = (node("node-a"), node("node-b"));
+    let cfg = RegistryConfig::default();
+    let reference = format!("{}/shared:v1", reg.addr());
+    let (img_a, ev) = pull(&a, &cfg, reference.clone(), Some("app")).await;
+    let img_a = img_a.expect("pull on node a");
+    assert_eq!(downloads(&ev).len(), 2, "config and layer");
+    // Node b finds the converted layer in the shared store: it fetches only the config.
+    let (img_b, ev) = pull(&b, &cfg, reference, Some("app")).await;
+    assert_eq!(img_b.expect("pull on node b").digest, img_a.digest);
+    assert_eq!(downloads(&ev).len(), 1, "only the config: {:?}", ev.lock());
+}
