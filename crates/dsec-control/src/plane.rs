@@ -10,6 +10,7 @@
 //! - `jobs`: job suspend and resume;
 //! - `idempotency`: keyed creates;
 //! - `images`: image import, build, delete, gc.
+//! - `pull`: image pulls from OCI registries (the node pulls; progress streamed).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
