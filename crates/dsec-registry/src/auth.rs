@@ -152,6 +152,24 @@ mod tests {
     }
 
     #[test]
+    fn a_file_others_may_read_is_refused() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let path = dir.path().join("auth.json");
+        std::fs::write(&path, br#"{"r:5000":{"token":"t"}}"#).unwrap_or_else(|e| panic!("{e}"));
+        let chmod = |mode| {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))
+                .unwrap_or_else(|e| panic!("{e}"))
+        };
+        chmod(0o644);
+        let err = Credentials::load(&path).expect_err("world-readable");
+        assert!(err.to_string().contains("chmod 600"), "{err}");
+        chmod(0o600);
+        assert!(!Credentials::load(&path)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .is_empty());
+    }
+
+    #[test]
     fn debug_hides_secrets() {
         let c = Credential::Basic {
             username: "u".into(),
