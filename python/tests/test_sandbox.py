@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 
 import pytest
@@ -325,3 +326,20 @@ def test_users_and_async_processes(client: dsec.Client) -> None:
                 assert (await sb.exec("id -un", user="nobody")).stdout == "nobody\n"
 
     asyncio.run(go())
+
+
+def test_pull_image_errors_are_raised(client: dsec.Client) -> None:
+    # A reference that does not parse is refused before the pull starts.
+    with pytest.raises(dsec.errors.BadRequest):
+        client.pull_image("no spaces/allowed")
+    # Nothing listens on this port: the pull's stream ends with the error, raised here.
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    phases: list = []
+    with pytest.raises(dsec.errors.DsecError) as e:
+        client.pull_image(f"127.0.0.1:{port}/none:v1", insecure=True, on_progress=lambda p, d, t: phases.append(p))
+    assert f"127.0.0.1:{port}" in str(e.value)
+    assert phases == ["resolving"]
+    assert all(i.name != f"127.0.0.1:{port}/none:v1" for i in client.list_images())

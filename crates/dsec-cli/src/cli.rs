@@ -373,6 +373,13 @@ pub struct ServeArgs {
     /// later fetch ahead of reads (0: record nothing; lists others wrote still replay).
     #[arg(long, default_value_t = 30)]
     pub prefetch_window_s: u64,
+    /// Credentials for pulls from OCI registries: a JSON file (mode 0600) mapping a
+    /// registry host as references name it (`host[:port]`; Docker Hub: `docker.io`) to
+    /// `{"username": .., "password": ..}` (basic auth, or exchanged for a bearer token when
+    /// the registry asks for one) or `{"token": ..}` (a bearer token sent as is).
+    /// Registries not listed are pulled from anonymously.
+    #[arg(long)]
+    pub registry_auth: Option<PathBuf>,
 }
 
 /// One `--run` or `--copy` of `dsec image build`, in command-line order.
@@ -667,6 +674,19 @@ pub enum ImageCommand {
         /// tarred first). Needed for an API server whose node is another machine.
         #[arg(long)]
         upload: bool,
+    },
+    /// Pull an image from an OCI registry (the server's node fetches it, with the
+    /// credentials of its --registry-auth file). Layers already pulled are reused.
+    Pull {
+        /// `[REGISTRY[:PORT]/]REPOSITORY[:TAG][@sha256:DIGEST]` (no registry: Docker Hub;
+        /// no tag: latest).
+        reference: String,
+        /// Name to give the image (default: the reference, `@` written `:`).
+        #[arg(long)]
+        name: Option<String>,
+        /// The registry speaks plain HTTP (no TLS).
+        #[arg(long)]
+        insecure_registry: bool,
     },
     /// List images.
     #[command(visible_alias = "list")]

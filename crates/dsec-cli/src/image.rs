@@ -153,6 +153,44 @@ pub async fn run(client: &Client, cmd: ImageCommand, json: bool) -> anyhow::Resu
                 );
             }
         }
+        ImageCommand::Pull {
+            reference,
+            name,
+            insecure_registry,
+        } => {
+            let bar = (!json && std::io::stderr().is_terminal()).then(|| {
+                let pb = ProgressBar::new_spinner();
+                pb.set_style(spinner_style());
+                pb.set_message(format!("pulling {reference}"));
+                pb.enable_steady_tick(Duration::from_millis(100));
+                pb
+            });
+            let started = std::time::Instant::now();
+            let req = dsec_wire::v1::PullImageRequest {
+                reference,
+                name,
+                insecure: insecure_registry,
+            };
+            let result = match client.pull_image_stream(req).await {
+                Ok(events) => show_progress(events, bar.as_ref()).await,
+                Err(e) => Err(e.into()),
+            };
+            if let Some(pb) = bar {
+                pb.finish_and_clear();
+            }
+            let image = result?;
+            if json {
+                print_json(&image)?;
+            } else {
+                println!(
+                    "pulled {} {} ({}) in {:.1}s",
+                    image.name,
+                    image.digest,
+                    output::bytes(image.size_bytes),
+                    started.elapsed().as_secs_f64()
+                );
+            }
+        }
         ImageCommand::Ls => {
             let list = client.list_images().await?;
             if json {
@@ -204,9 +242,19 @@ async fn import_with_progress(
     req: ImportImageRequest,
     bar: Option<&ProgressBar>,
 ) -> anyhow::Result<dsec_wire::v1::Image> {
+    show_progress(client.import_image_stream(req).await?, bar).await
+}
+
+/// Shows the progress events of an import or pull on `bar`; returns the stored image.
+async fn show_progress(
+    mut events: futures::stream::BoxStream<
+        'static,
+        Result<dsec_wire::v1::ImportEvent, dsec_client::ClientError>,
+    >,
+    bar: Option<&ProgressBar>,
+) -> anyhow::Result<dsec_wire::v1::Image> {
     use dsec_wire::v1::ImportEvent;
     use futures::StreamExt;
-    let mut events = client.import_image_stream(req).await?;
     let mut phase = String::new();
     while let Some(ev) = events.next().await {
         match ev.context("reading import progress")? {
@@ -234,7 +282,7 @@ async fn import_with_progress(
             ImportEvent::Error { error } => return Err(dsec_client::ClientError::Api(error).into()),
         }
     }
-    anyhow::bail!("the server ended the import stream without a result")
+    anyhow::bail!("the server ended the progress stream without a result")
 }
 
 /// A `--copy SRC:DEST` build step: SRC (a file, or a directory's contents) as a tar for

@@ -171,6 +171,13 @@ async fn open_node(args: &ServeArgs, command: &str) -> anyhow::Result<Arc<LocalN
         lazy_prefetch_window: Duration::from_secs(args.prefetch_window_s),
         lazy_launcher: None,
         reap_interval: dsec_node::config::DEFAULT_REAP_INTERVAL,
+        registry: dsec_registry::RegistryConfig {
+            credentials: match &args.registry_auth {
+                Some(path) => dsec_registry::Credentials::load(path)?,
+                None => Default::default(),
+            },
+            ..Default::default()
+        },
         ref_ttl: Duration::from_millis(args.ref_cache_ms),
         chunk_size: args.chunk_kib << 10,
         network: (!args.no_network).then(|| dsec_net::NetConfig {

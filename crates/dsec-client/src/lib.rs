@@ -551,6 +551,16 @@ impl Client {
         Ok(ndjson::events(resp))
     }
 
+    /// `POST /v1/images/pull`: pulls an image from an OCI registry, with its progress
+    /// events; the last is `Done` or `Error`.
+    pub async fn pull_image_stream(
+        &self,
+        req: dsec_wire::v1::PullImageRequest,
+    ) -> Result<BoxStream<'static, Result<ImportEvent, ClientError>>, ClientError> {
+        let resp = Self::send(self.post(&["images", "pull"], &req)).await?;
+        Ok(ndjson::events(resp))
+    }
+
     /// `POST /v1/images/upload?name=`: imports the archive `body` (a rootfs tar, compressed
     /// or not, a `docker save` or OCI archive, or an EROFS image), streamed from here.
     pub async fn upload_image(

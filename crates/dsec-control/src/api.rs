@@ -9,9 +9,9 @@ use dsec_wire::v1::{
     BuildRequest, BuildResult, ClusterNode, ClusterNodeList, CommitRequest, CreateSandboxRequest,
     CreateSessionRequest, ExecRequest, ExecResult, FileInfo, FileList, GcRequest, GcResult, Health,
     Image, ImageList, ImportEvent, ImportImageRequest, JobResult, LayerStatsList, MkdirRequest,
-    NetworkPolicy, PauseResult, ProcessInfo, ProcessList, PtySize, RenameRequest, Sandbox,
-    SandboxList, SessionInfo, SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest,
-    SignalRequest, StartProcessRequest, StdinRequest, WriteResult,
+    NetworkPolicy, PauseResult, ProcessInfo, ProcessList, PtySize, PullImageRequest, RenameRequest,
+    Sandbox, SandboxList, SessionInfo, SessionList, SessionResult, SessionRunRequest,
+    SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest, WriteResult,
 };
 use dsec_wire::ApiError;
 use futures::stream::BoxStream;
@@ -150,6 +150,16 @@ pub trait SandboxApi: Send + Sync + 'static {
             Err(error) => ImportEvent::Error { error },
         };
         Ok(Box::pin(futures::stream::once(async move { end })))
+    }
+    /// `POST /v1/images/pull`: pulls an image from an OCI registry, with progress (the
+    /// events of an import). Bad requests fail before the stream starts; a failed pull
+    /// ends it with `Error` and keeps nothing.
+    async fn pull_image_stream(&self, req: PullImageRequest) -> ApiResult<ImportStream> {
+        let _ = req;
+        Err(ApiError::new(
+            dsec_wire::ErrorCode::BadRequest,
+            "this server does not pull images",
+        ))
     }
     /// `POST /v1/images/upload?name=`: imports an archive sent as the request body (a
     /// rootfs tar, compressed or not, a `docker save` or OCI archive, or an EROFS image).

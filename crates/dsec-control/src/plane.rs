@@ -10,6 +10,7 @@
 //! - `jobs`: job suspend and resume;
 //! - `idempotency`: keyed creates;
 //! - `images`: image import, build, delete, gc.
+//! - `pull`: image pulls from OCI registries (the node pulls; progress streamed).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -36,6 +37,7 @@ mod images;
 mod jobs;
 mod lifecycle;
 mod liveness;
+mod pull;
 mod reaper;
 mod records;
 use liveness::Limit;
@@ -863,6 +865,10 @@ impl SandboxApi for ControlPlane {
         Ok(Box::pin(
             tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
         ))
+    }
+
+    async fn pull_image_stream(&self, req: PullImageRequest) -> ApiResult<ImportStream> {
+        pull::pull_stream(self.nodes.any()?, req).await
     }
 
     async fn upload_image(&self, name: &str, flatten: bool, body: ByteStream) -> ApiResult<Image> {

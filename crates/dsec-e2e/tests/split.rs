@@ -51,7 +51,42 @@ async fn the_public_api_works_through_an_apiserver_over_a_separate_node() -> any
         return Ok(());
     }
     let _turn = TURN.lock().await;
-    let node = start_node("split").await?;
+    // A private registry the node pulls from with its own credentials.
+    let Some(registry) = dsec_testkit::Registry::start_with_auth("split", "node", "pw") else {
+        return Ok(());
+    };
+    let aux = std::env::temp_dir().join("dsec-e2e").join("split-registry");
+    let _ = std::fs::remove_dir_all(&aux);
+    std::fs::create_dir_all(&aux)?;
+    let registry_auth = aux.join("registry-auth.json");
+    std::fs::write(
+        &registry_auth,
+        format!(
+            r#"{{"{}": {{"username": "node", "password": "pw"}}}}"#,
+            registry.addr()
+        ),
+    )?;
+    std::fs::set_permissions(
+        &registry_auth,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )?;
+    let marker_tar = aux.join("marker.tar");
+    {
+        let mut b = tar::Builder::new(std::fs::File::create(&marker_tar)?);
+        let mut h = tar::Header::new_gnu();
+        let data = b"pulled through the node\n";
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_cksum();
+        b.append_data(&mut h, "etc/pulled-marker", &data[..])?;
+        b.into_inner()?;
+    }
+    let layout = dsec_testkit::oci_layout(&aux.join("marker-layout"), &[&marker_tar], "amd64", &[]);
+    registry.seed(&layout, "remote/marker:v1", "gzip");
+    let auth_arg = registry_auth.display().to_string();
+    let node = start_node_with("split", &[], &["--registry-auth", &auth_arg]).await?;
     let (node_url, token_file, root) = (&node.url, &node.token_file, &node.root);
     // The internal API refuses callers without the node token, users' keys included.
     let refused = reqwest::Client::new()
@@ -170,6 +205,35 @@ async fn the_public_api_works_through_an_apiserver_over_a_separate_node() -> any
         .await
         .expect_err("path import through a remote node");
     assert_eq!(e.code(), Some(ErrorCode::BadRequest), "{e}");
+
+    // A pull goes to the node, which fetches from the registry with its credentials; the
+    // pulled image stacks on the uploaded base.
+    let mut events = client
+        .pull_image_stream(dsec_wire::v1::PullImageRequest {
+            reference: format!("{}/remote/marker:v1", registry.addr()),
+            name: Some("marker".into()),
+            insecure: true,
+        })
+        .await?;
+    let mut last = None;
+    while let Some(ev) = events.next().await {
+        last = Some(ev?);
+    }
+    assert!(
+        matches!(&last, Some(dsec_wire::v1::ImportEvent::Done { image }) if image.name == "marker"),
+        "{last:?}"
+    );
+    let stacked = client
+        .create_sandbox(CreateSandboxRequest {
+            layers: vec!["marker".into()],
+            ..Default::default()
+        })
+        .await?;
+    let r = client
+        .exec(&stacked.id, sh("cat /etc/pulled-marker"))
+        .await?;
+    assert_eq!(r.stdout, "pulled through the node\n", "{r:?}");
+    client.delete_sandbox(&stacked.id).await?;
 
     client.delete_sandbox(&sb.id).await?;
     assert!(client

@@ -652,6 +652,14 @@ pub async fn import_image_stream(
     Ok(ndjson(api.import_image_stream(req).await?))
 }
 
+/// `POST /v1/images/pull` (NDJSON progress, then `done` or `error`).
+pub async fn pull_image(
+    State(api): Api,
+    Json(req): Json<dsec_wire::v1::PullImageRequest>,
+) -> HttpResult<Response> {
+    Ok(ndjson(api.pull_image_stream(req).await?))
+}
+
 /// `GET /v1/images/layers`.
 pub async fn layer_stats(State(api): Api) -> HttpResult<Response> {
     Ok(json(api.layer_stats().await?))

@@ -49,6 +49,7 @@ mod import;
 mod mounts;
 pub mod oci;
 pub mod packdiff;
+mod pulled;
 pub mod shared;
 
 pub use blobs::{parse_digest, CacheTrim};
@@ -59,6 +60,7 @@ pub use dsec_wire::v1::{Image, ImageConfig};
 pub use error::{ImageError, Result};
 pub use import::{ImportPhase, ImportProgress};
 pub use mounts::is_mounted;
+pub use pulled::{converted_key, parse_config, PulledLayer};
 
 use catalog::RefEntry;
 

@@ -120,15 +120,7 @@ pub(crate) fn import(
         built.push(out);
     } else {
         for (i, layer) in plan.layers.iter().enumerate() {
-            let dir = make_root(&work.path().join(format!("layer-{i}")))?;
-            if !src.unpack_layer(layer, &dir, Whiteouts::Overlay, progress)? {
-                extract::set_mtime(&dir, 0)?;
-            }
-            let out = work.path().join(format!("layer-{i}.erofs"));
-            build_erofs(&dir, &out, work.path(), progress)?;
-            // Only the built layers are needed from here on; free the space early.
-            let _ = std::fs::remove_dir_all(&dir);
-            built.push(out);
+            built.push(build_layer(&src, layer, work.path(), i, progress)?);
         }
     }
 
@@ -147,14 +139,14 @@ pub(crate) fn import(
             }
             digests.push(digest);
         }
-        let layers = dedup_keep_top(&digests);
-        let img = store.set_ref(name, &layers, &source_str, plan.config.clone())?;
-        progress(ImportProgress {
-            phase: ImportPhase::Storing,
-            bytes_done: img.size_bytes,
-            bytes_total: Some(img.size_bytes),
-        });
-        Ok(img)
+        store_image(
+            store,
+            name,
+            &digests,
+            &source_str,
+            plan.config.clone(),
+            progress,
+        )
     })();
     if res.is_err() && !created.is_empty() {
         drop_new_blobs(store, &created);
@@ -173,6 +165,77 @@ pub(crate) fn unpack_flat(source: &Path, dest: &Path) -> Result<()> {
         src.unpack_layer(layer, dest, Whiteouts::Apply, &|_| {})?;
     }
     Ok(())
+}
+
+/// Extracts `layer` of `src` into a fresh directory under `work` in overlayfs form and
+/// packs it as `work/layer-I.erofs` (the tree is removed once packed).
+pub(crate) fn build_layer(
+    src: &Source,
+    layer: &LayerPlan,
+    work: &Path,
+    i: usize,
+    progress: &dyn Fn(ImportProgress),
+) -> Result<PathBuf> {
+    let dir = make_root(&work.join(format!("layer-{i}")))?;
+    if !src.unpack_layer(layer, &dir, Whiteouts::Overlay, progress)? {
+        extract::set_mtime(&dir, 0)?;
+    }
+    let out = work.join(format!("layer-{i}.erofs"));
+    build_erofs(&dir, &out, work, progress)?;
+    // Only the built layers are needed from here on; free the space early.
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(out)
+}
+
+/// Names the stored layers `digests` (bottom first, a repeat kept at its top) `name`.
+pub(crate) fn store_image(
+    store: &ImageStore,
+    name: &str,
+    digests: &[String],
+    source: &str,
+    config: ImageConfig,
+    progress: &dyn Fn(ImportProgress),
+) -> Result<Image> {
+    let layers = dedup_keep_top(digests);
+    let img = store.set_ref(name, &layers, source, config)?;
+    progress(ImportProgress {
+        phase: ImportPhase::Storing,
+        bytes_done: img.size_bytes,
+        bytes_total: Some(img.size_bytes),
+    });
+    Ok(img)
+}
+
+/// The defaults and `rootfs.diff_ids` (sha256 hex) of an image config.
+pub(crate) fn parse_config(bytes: &[u8]) -> Result<(ImageConfig, Option<Vec<String>>)> {
+    let invalid = |message: String| ImageError::InvalidImage {
+        path: PathBuf::from("config"),
+        message,
+    };
+    if bytes.len() as u64 > JSON_LIMIT {
+        return Err(invalid(format!(
+            "the image config is {} bytes, more than the {JSON_LIMIT} allowed",
+            bytes.len()
+        )));
+    }
+    let config: ConfigFile =
+        serde_json::from_slice(bytes).map_err(|e| invalid(format!("parse config: {e}")))?;
+    let diff_ids = match &config.rootfs {
+        Some(r) => Some(
+            r.diff_ids
+                .iter()
+                .map(|d| match d.strip_prefix("sha256:") {
+                    Some(_) => parse_digest(d),
+                    None => Err(invalid(format!("unsupported diff_id {d:?}"))),
+                })
+                .collect::<Result<Vec<_>>>()?,
+        ),
+        None => None,
+    };
+    Ok((
+        config.config.unwrap_or_default().to_image_config(),
+        diff_ids,
+    ))
 }
 
 /// Creates `dir` (mode 0755) as the root of an extracted tree.
@@ -196,7 +259,7 @@ fn dedup_keep_top(digests: &[String]) -> Vec<String> {
 }
 
 /// After a failed import: deletes the blobs it added, unless a ref uses them by now.
-fn drop_new_blobs(store: &ImageStore, digests: &[String]) {
+pub(crate) fn drop_new_blobs(store: &ImageStore, digests: &[String]) {
     let res = (|| {
         let _lock = store.lock_refs()?;
         let refs = store.read_refs()?;
@@ -313,16 +376,16 @@ struct Plan {
 
 /// One layer: where it is and what it must hash to.
 #[derive(Debug)]
-struct LayerPlan {
+pub(crate) struct LayerPlan {
     /// 1-based position, bottom first (for messages).
-    index: usize,
-    member: String,
+    pub(crate) index: usize,
+    pub(crate) member: String,
     /// sha256 hex of the stored (maybe compressed) bytes, when known.
-    blob: Option<String>,
+    pub(crate) blob: Option<String>,
     /// Size of the stored bytes, when known.
-    size: Option<u64>,
+    pub(crate) size: Option<u64>,
     /// sha256 hex of the uncompressed tar (`rootfs.diff_ids`), when known.
-    diff_id: Option<String>,
+    pub(crate) diff_id: Option<String>,
 }
 
 /// Where a tar member's bytes are.
@@ -347,7 +410,7 @@ enum Backing {
 
 /// An image source: a directory or a scanned tar file.
 #[derive(Debug)]
-struct Source {
+pub(crate) struct Source {
     path: PathBuf,
     backing: Backing,
 }
@@ -463,6 +526,14 @@ fn host_arch() -> &'static str {
 }
 
 impl Source {
+    /// The directory `path`, whose members are read as files.
+    pub(crate) fn dir(path: &Path) -> Self {
+        Self {
+            path: path.to_path_buf(),
+            backing: Backing::Dir,
+        }
+    }
+
     fn open(path: &Path) -> Result<Self> {
         let meta = std::fs::metadata(path).map_err(|e| ImageError::io("stat", path, e))?;
         let backing = if meta.is_dir() {

@@ -259,6 +259,21 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
         flatten: bool,
         progress: Option<ImportProgressSink>,
     ) -> NodeResult<Image>;
+    /// Pulls `req.reference` from its OCI registry and stores it as an image (layers
+    /// converted once per layer blob; a failed pull keeps nothing). The node talks to the
+    /// registry with its own credentials (`--registry-auth`). The default refuses: a node
+    /// that cannot pull.
+    async fn pull_image(
+        &self,
+        req: &dsec_wire::v1::PullImageRequest,
+        progress: Option<ImportProgressSink>,
+    ) -> NodeResult<Image> {
+        let _ = (req, progress);
+        Err(ApiError::new(
+            dsec_wire::ErrorCode::BadRequest,
+            "this node cannot pull images from registries",
+        ))
+    }
     /// Removes an image name.
     async fn remove_image(&self, name: &str) -> NodeResult<()>;
     /// Removes build-cache refs older than `req.older_than_s` and the layers only they

@@ -453,6 +453,29 @@ impl NodeApi for RemoteNode {
         Err(unreachable(&self.base, "import ended without a result"))
     }
 
+    async fn pull_image(
+        &self,
+        req: &dsec_wire::v1::PullImageRequest,
+        progress: Option<ImportProgressSink>,
+    ) -> NodeResult<Image> {
+        let resp = self
+            .send(self.req(Method::POST, "/images/pull").json(req))
+            .await?;
+        let mut events = self.events_of(resp, |error| ImportEvent::Error { error });
+        while let Some(ev) = events.next().await {
+            match ev {
+                ImportEvent::Done { image } => return Ok(image),
+                ImportEvent::Error { error } => return Err(error),
+                progress_event => {
+                    if let Some(sink) = &progress {
+                        sink(progress_event);
+                    }
+                }
+            }
+        }
+        Err(unreachable(&self.base, "pull ended without a result"))
+    }
+
     async fn remove_image(&self, name: &str) -> NodeResult<()> {
         self.empty(self.req(Method::DELETE, "/image").query(&[("name", name)]))
             .await

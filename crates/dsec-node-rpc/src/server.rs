@@ -84,6 +84,7 @@ pub fn router(node: Arc<dyn NodeApi>, token: String) -> Router {
         .route("/images", get(list_images))
         .route("/image", get(image).delete(remove_image))
         .route("/images/import", post(import_image))
+        .route("/images/pull", post(pull_image))
         .route("/images/tag", post(tag_image))
         .route("/images/gc", post(gc_images))
         .route("/layer-stats", get(layer_stats))
@@ -418,6 +419,28 @@ async fn import_image(
     let source = ImportSource::Archive(body_stream(body));
     tokio::spawn(async move {
         let end = match node.import_image(&name, source, flatten, Some(sink)).await {
+            Ok(image) => ImportEvent::Done { image },
+            Err(error) => ImportEvent::Error { error },
+        };
+        let _ = tx.send(end);
+    });
+    Ok(ndjson_response(tokio_stream_unbounded(rx)))
+}
+
+/// Pulls the image the JSON body names; answers with NDJSON progress ending in `done` or
+/// `error`. The pull runs to its end even if the caller goes away.
+async fn pull_image(
+    State(rpc): State<Arc<Rpc>>,
+    Json(req): Json<dsec_wire::v1::PullImageRequest>,
+) -> RpcResult<Response> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let progress_tx = tx.clone();
+    let sink: dsec_node_api::ImportProgressSink = Arc::new(move |ev| {
+        let _ = progress_tx.send(ev);
+    });
+    let node = rpc.node.clone();
+    tokio::spawn(async move {
+        let end = match node.pull_image(&req, Some(sink)).await {
             Ok(image) => ImportEvent::Done { image },
             Err(error) => ImportEvent::Error { error },
         };

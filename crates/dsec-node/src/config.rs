@@ -67,6 +67,8 @@ pub struct NodeConfig {
     /// How often the node ends sandboxes whose lifetime ran out (see
     /// [`DEFAULT_REAP_INTERVAL`]).
     pub reap_interval: std::time::Duration,
+    /// How the node pulls from OCI registries (credentials, limits).
+    pub registry: dsec_registry::RegistryConfig,
 }
 
 /// The default [`NodeConfig::reap_interval`].

@@ -830,6 +830,23 @@ impl NodeApi for LocalNode {
         Ok(img)
     }
 
+    async fn pull_image(
+        &self,
+        req: &dsec_wire::v1::PullImageRequest,
+        progress: Option<crate::ImportProgressSink>,
+    ) -> NodeResult<Image> {
+        let sink: dsec_registry::Progress = match progress {
+            Some(p) => p,
+            None => Arc::new(|_| {}),
+        };
+        dsec_registry::pull(self.images.clone(), &self.cfg.registry, req, sink)
+            .await
+            .map_err(|e| match e {
+                dsec_registry::RegistryError::Image(e) => NodeError::Image(e).into(),
+                e => ApiError::from(e),
+            })
+    }
+
     async fn gc_images(
         &self,
         req: &dsec_wire::v1::GcRequest,

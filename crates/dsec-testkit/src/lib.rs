@@ -6,10 +6,14 @@
 //! `DSEC_TEST_SKIP_UNAVAILABLE=1`; then such a test prints `SKIPPED: <reason>` and returns
 //! early. `CI=true` never skips, whatever else is set.
 //!
-//! It also starts real services tests need: [`Etcd`] (one member or a cluster).
+//! It also starts real services tests need: [`Etcd`] (one member or a cluster) and
+//! [`Registry`] (an OCI registry, with [`oci_layout`] to seed it and [`CutProxy`] to
+//! break its transfers off).
 
 mod etcd;
+pub mod registry;
 pub use etcd::{etcd_binary, Etcd, ETCD_BIN_VAR};
+pub use registry::{oci_layout, CutProxy, Registry};
 
 /// The variable that lets tests skip on a machine that lacks their prerequisites.
 pub const SKIP_VAR: &str = "DSEC_TEST_SKIP_UNAVAILABLE";

@@ -956,6 +956,23 @@ pub struct ImportImageRequest {
     pub flatten: bool,
 }
 
+/// `POST /v1/images/pull`: pull an image from an OCI registry (answered with
+/// [`ImportEvent`] lines, like `/v1/images/import/stream`, with two more phases:
+/// `resolving` the manifest and `downloading` a layer blob).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PullImageRequest {
+    /// What to pull: `[REGISTRY[:PORT]/]REPOSITORY[:TAG][@sha256:DIGEST]` (no registry:
+    /// Docker Hub; no tag or digest: `latest`).
+    pub reference: String,
+    /// Name to give the image; default: `reference` as given, `@` written `:`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Speak plain HTTP to the registry (one without TLS, e.g. on loopback).
+    #[serde(default)]
+    pub insecure: bool,
+}
+
 /// One line of the NDJSON answer of `POST /v1/images/import/stream`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -963,7 +980,9 @@ pub enum ImportEvent {
     /// Work done so far in the current phase.
     Progress {
         /// `extracting` (bytes of the source read), `building` (bytes of the layer
-        /// written), `hashing`, `storing` (also uploading to a shared store).
+        /// written), `hashing`, `storing` (also uploading to a shared store); a pull
+        /// also reports `resolving` (the manifest) and `downloading` (bytes of a layer
+        /// blob).
         phase: String,
         /// Bytes processed in this phase.
         bytes_done: u64,

@@ -162,6 +162,41 @@ class Client:
         body = {"name": name, "source": source, "flatten": flatten}
         return Image.model_validate(self._json("POST", "/images", json_body=body, timeout=None))
 
+    def pull_image(
+        self,
+        reference: str,
+        *,
+        name: Optional[str] = None,
+        insecure: bool = False,
+        on_progress: Optional[Any] = None,
+    ) -> Image:
+        """``POST /v1/images/pull``: pulls ``reference`` (``[REGISTRY[:PORT]/]REPO[:TAG][@sha256:..]``)
+        from its OCI registry as ``name`` (default: the reference, ``@`` written ``:``);
+        ``insecure`` speaks plain HTTP to the registry. ``on_progress(phase, bytes_done,
+        bytes_total)`` is called for each progress line. A failed pull raises and keeps nothing."""
+        body: Dict[str, Any] = {"reference": reference, "insecure": insecure}
+        if name is not None:
+            body["name"] = name
+        raw, headers = _body(body, None, None)
+        try:
+            with self._http.open("POST", "/images/pull", body=raw, headers=headers, timeout=None) as resp:
+                if not resp.is_success:
+                    self._raise_for(resp.read())
+                for line in resp.iter_lines():
+                    if not line.strip():
+                        continue
+                    ev = json.loads(line)
+                    kind = ev.get("type")
+                    if kind == "progress" and on_progress is not None:
+                        on_progress(ev.get("phase"), ev.get("bytes_done", 0), ev.get("bytes_total"))
+                    elif kind == "done":
+                        return Image.model_validate(ev["image"])
+                    elif kind == "error":
+                        raise error_from_body(ev["error"])
+        except TransportError as e:
+            raise ConnectionFailed(f"POST /images/pull: {e}") from e
+        raise ConnectionFailed("POST /images/pull: the stream ended without a result")
+
     def delete_image(self, name: str) -> None:
         """``DELETE /v1/images/{name}``."""
         self.request("DELETE", f"/images/{_seg(name)}")

@@ -1,0 +1,506 @@
+//! One pull: resolve the reference to a manifest, fetch the config and the layer blobs
+//! not converted before, and hand them to the image store.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use dsec_image::{Image, ImageStore, PulledLayer};
+use dsec_wire::v1::{ImportEvent, PullImageRequest};
+use futures::StreamExt as _;
+use oci_client::client::{ClientConfig, ClientProtocol};
+use oci_client::errors::OciDistributionError;
+use oci_client::manifest::OciDescriptor;
+use oci_client::secrets::RegistryAuth;
+use oci_client::{Client, Reference};
+use serde::Deserialize;
+use sha2::{Digest as _, Sha256};
+use tokio::io::AsyncWriteExt as _;
+
+use crate::{
+    default_name, parse_reference, Progress, RegistryConfig, RegistryError, Result, CONFIG_LIMIT,
+    MANIFEST_LIMIT,
+};
+
+const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
+const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
+const DOCKER_LIST: &str = "application/vnd.docker.distribution.manifest.list.v2+json";
+const DOCKER_MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
+/// Progress of a download is reported at most once per this many bytes.
+const REPORT_EVERY: u64 = 1 << 20;
+
+/// A descriptor, as manifests and indexes list them.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Descriptor {
+    #[serde(default)]
+    media_type: String,
+    digest: String,
+    size: u64,
+    #[serde(default)]
+    platform: Option<Platform>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct Platform {
+    #[serde(default)]
+    architecture: String,
+    #[serde(default)]
+    os: String,
+}
+
+/// An image index or an image manifest (OCI or Docker v2).
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Manifest {
+    #[serde(default)]
+    media_type: Option<String>,
+    #[serde(default)]
+    manifests: Option<Vec<Descriptor>>,
+    #[serde(default)]
+    config: Option<Descriptor>,
+    #[serde(default)]
+    layers: Option<Vec<Descriptor>>,
+}
+
+/// The Go name of this machine's architecture, as image platforms spell it.
+fn host_arch() -> &'static str {
+    match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        other => other,
+    }
+}
+
+/// Turns a client error into ours, saying what was being fetched.
+fn client_err(reference: &Reference, what: &str, e: OciDistributionError) -> RegistryError {
+    let registry = reference.registry();
+    let repo = reference.repository();
+    match e {
+        OciDistributionError::UnauthorizedError { .. }
+        | OciDistributionError::AuthenticationFailure(_) => RegistryError::Unauthorized(format!(
+            "registry {registry} refused access to {repo} ({what}): wrong or missing \
+             credentials (see --registry-auth)"
+        )),
+        OciDistributionError::ImageManifestNotFoundError(m) => {
+            RegistryError::NotFound(format!("{}: {what} not found: {m}", reference.whole()))
+        }
+        OciDistributionError::RegistryError { envelope, .. } => {
+            let codes: Vec<String> = envelope
+                .errors
+                .iter()
+                .map(|e| format!("{:?}: {}", e.code, e.message))
+                .collect();
+            let msg = format!("{}: {what}: {}", reference.whole(), codes.join("; "));
+            let unknown = envelope.errors.iter().any(|e| {
+                use oci_client::errors::OciErrorCode as C;
+                matches!(
+                    e.code,
+                    C::ManifestUnknown | C::NameUnknown | C::BlobUnknown | C::NotFound
+                )
+            });
+            let denied = envelope.errors.iter().any(|e| {
+                use oci_client::errors::OciErrorCode as C;
+                matches!(e.code, C::Unauthorized | C::Denied)
+            });
+            if denied {
+                RegistryError::Unauthorized(format!(
+                    "registry {registry} refused access to {repo} ({what}): wrong or missing \
+                     credentials (see --registry-auth)"
+                ))
+            } else if unknown {
+                RegistryError::NotFound(msg)
+            } else {
+                RegistryError::Unsupported(msg)
+            }
+        }
+        OciDistributionError::ServerError { code: 404, .. } => {
+            RegistryError::NotFound(format!("{}: {what} not found", reference.whole()))
+        }
+        OciDistributionError::ServerError { code, message, .. } if code < 500 => {
+            RegistryError::Unsupported(format!(
+                "{}: {what}: registry answered {code}: {message}",
+                reference.whole()
+            ))
+        }
+        OciDistributionError::DigestError(d) => {
+            RegistryError::Corrupt(format!("{}: {what}: {d}", reference.whole()))
+        }
+        OciDistributionError::RequestError(r) if r.status().is_some_and(|s| s == 401) => {
+            RegistryError::Unauthorized(format!(
+                "registry {registry} refused access to {repo} ({what}): wrong or missing \
+                 credentials (see --registry-auth)"
+            ))
+        }
+        OciDistributionError::RequestError(r) if r.status().is_some_and(|s| s == 404) => {
+            RegistryError::NotFound(format!("{}: {what} not found", reference.whole()))
+        }
+        other => RegistryError::Transport(format!(
+            "registry {registry}: fetching {what} of {repo} failed: {}",
+            error_chain(&other)
+        )),
+    }
+}
+
+/// `e` and its sources, `: `-separated (reqwest hides the cause in its sources).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let m = c.to_string();
+        if !s.contains(&m) {
+            s.push_str(": ");
+            s.push_str(&m);
+        }
+        cur = c.source();
+    }
+    s
+}
+
+/// The sha256 hex of `d`, which must be a `sha256:` digest.
+fn sha256_hex(d: &str, what: &str) -> Result<String> {
+    match d.strip_prefix("sha256:") {
+        Some(_) => dsec_image::parse_digest(d)
+            .map_err(|_| RegistryError::Unsupported(format!("{what}: invalid digest {d:?}"))),
+        None => Err(RegistryError::Unsupported(format!(
+            "{what}: unsupported digest {d:?} (only sha256)"
+        ))),
+    }
+}
+
+/// A client for `reference`'s registry.
+fn client(config: &RegistryConfig, reference: &Reference, insecure: bool) -> Client {
+    let protocol = if insecure {
+        ClientProtocol::HttpsExcept(vec![reference.resolve_registry().to_string()])
+    } else {
+        ClientProtocol::Https
+    };
+    Client::new(ClientConfig {
+        protocol,
+        // Indexes are resolved here (by platform, with the digest checked).
+        platform_resolver: None,
+        connect_timeout: Some(config.connect_timeout),
+        read_timeout: Some(config.read_timeout),
+        ..Default::default()
+    })
+}
+
+/// Fetches the manifest or index `reference` names, checking its size and (for a
+/// reference by digest) its digest. Returns it and its digest.
+async fn fetch_manifest(
+    client: &Client,
+    auth: &RegistryAuth,
+    reference: &Reference,
+) -> Result<(Manifest, String)> {
+    let (bytes, digest) = client
+        .pull_manifest_raw(
+            reference,
+            auth,
+            &[OCI_INDEX, OCI_MANIFEST, DOCKER_LIST, DOCKER_MANIFEST],
+        )
+        .await
+        .map_err(|e| client_err(reference, "manifest", e))?;
+    if bytes.len() as u64 > MANIFEST_LIMIT {
+        return Err(RegistryError::TooLarge {
+            what: format!("the manifest of {}", reference.whole()),
+            size: bytes.len() as u64,
+            limit: MANIFEST_LIMIT,
+        });
+    }
+    let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| {
+        RegistryError::Unsupported(format!(
+            "{}: the manifest does not parse: {e}",
+            reference.whole()
+        ))
+    })?;
+    Ok((m, digest))
+}
+
+/// The image manifest of `reference` (an index resolved to this machine's platform), and
+/// the manifest's digest.
+async fn resolve(
+    client: &Client,
+    auth: &RegistryAuth,
+    reference: &Reference,
+) -> Result<(Manifest, String)> {
+    let (m, digest) = fetch_manifest(client, auth, reference).await?;
+    let Some(entries) = &m.manifests else {
+        return Ok((m, digest));
+    };
+    let arch = host_arch();
+    let pick = entries.iter().find(|d| {
+        d.platform
+            .as_ref()
+            .is_some_and(|p| p.os == "linux" && p.architecture == arch)
+    });
+    let Some(pick) = pick else {
+        let found: Vec<String> = entries
+            .iter()
+            .map(|d| match &d.platform {
+                Some(p) => format!("{}/{}", p.os, p.architecture),
+                None => "unknown".into(),
+            })
+            .collect();
+        return Err(RegistryError::Unsupported(format!(
+            "{}: the image index has no linux/{arch} image (found: {})",
+            reference.whole(),
+            found.join(", ")
+        )));
+    };
+    if pick.size > MANIFEST_LIMIT {
+        return Err(RegistryError::TooLarge {
+            what: format!("manifest {}", pick.digest),
+            size: pick.size,
+            limit: MANIFEST_LIMIT,
+        });
+    }
+    sha256_hex(&pick.digest, "index entry")?;
+    // Fetched by digest: the client checks the bytes against it.
+    let by_digest = reference.clone_with_digest(pick.digest.clone());
+    let (inner, inner_digest) = fetch_manifest(client, auth, &by_digest).await?;
+    if inner.manifests.is_some() {
+        return Err(RegistryError::Unsupported(format!(
+            "{}: image index {} nests another index",
+            reference.whole(),
+            pick.digest
+        )));
+    }
+    Ok((inner, inner_digest))
+}
+
+/// Writes blob `desc` of `reference` to `dest`, checking its size and digest as it
+/// arrives. Reports `downloading` progress.
+async fn download(
+    client: &Client,
+    reference: &Reference,
+    desc: &Descriptor,
+    what: &str,
+    dest: &Path,
+    progress: &Progress,
+) -> Result<()> {
+    let want_hex = sha256_hex(&desc.digest, what)?;
+    // Only the digest and size: `urls` (foreign layers) would send the node elsewhere.
+    let oci_desc = OciDescriptor {
+        media_type: desc.media_type.clone(),
+        digest: desc.digest.clone(),
+        size: desc.size as i64,
+        urls: None,
+        annotations: None,
+    };
+    let mut stream = client
+        .pull_blob_stream(reference, &oci_desc)
+        .await
+        .map_err(|e| client_err(reference, what, e))?;
+    let io_err = |op, e| RegistryError::Io {
+        op,
+        path: dest.display().to_string(),
+        source: e,
+    };
+    let mut file = tokio::fs::File::create(dest)
+        .await
+        .map_err(|e| io_err("create", e))?;
+    let mut hasher = Sha256::new();
+    let mut done = 0u64;
+    let mut reported = 0u64;
+    let report = |done| {
+        progress(ImportEvent::Progress {
+            phase: "downloading".into(),
+            bytes_done: done,
+            bytes_total: Some(desc.size),
+        })
+    };
+    report(0);
+    let corrupt = |got: String| {
+        RegistryError::Corrupt(format!(
+            "{}: {what} {}: {got}; nothing was kept",
+            reference.whole(),
+            desc.digest
+        ))
+    };
+    while let Some(chunk) = stream.next().await {
+        let chunk = match chunk {
+            Ok(c) => c,
+            // The client's own digest check ends the stream with an error: say so plainly.
+            Err(_) if done == desc.size && hex::encode(hasher.clone().finalize()) != want_hex => {
+                break;
+            }
+            Err(e) => {
+                return Err(RegistryError::Transport(format!(
+                    "registry {}: download of {what} {} broke off after {done} of {} bytes: \
+                     {}; nothing was kept, retry the pull",
+                    reference.registry(),
+                    desc.digest,
+                    desc.size,
+                    error_chain(&e)
+                )))
+            }
+        };
+        done += chunk.len() as u64;
+        if done > desc.size {
+            return Err(corrupt(format!(
+                "the registry sent more than the manifest's {} bytes",
+                desc.size
+            )));
+        }
+        hasher.update(&chunk);
+        file.write_all(&chunk)
+            .await
+            .map_err(|e| io_err("write", e))?;
+        if done - reported >= REPORT_EVERY {
+            reported = done;
+            report(done);
+        }
+    }
+    file.flush().await.map_err(|e| io_err("write", e))?;
+    if done < desc.size {
+        return Err(corrupt(format!(
+            "truncated: {done} of the manifest's {} bytes",
+            desc.size
+        )));
+    }
+    let got = hex::encode(hasher.finalize());
+    if got != want_hex {
+        return Err(corrupt(format!("the bytes hash to sha256:{got}")));
+    }
+    report(done);
+    Ok(())
+}
+
+pub(crate) async fn pull(
+    store: Arc<ImageStore>,
+    config: &RegistryConfig,
+    req: &PullImageRequest,
+    progress: Progress,
+) -> Result<Image> {
+    let reference = parse_reference(&req.reference)?;
+    let name = req
+        .name
+        .clone()
+        .unwrap_or_else(|| default_name(&req.reference));
+    dsec_image::validate_name(&name)?;
+    let client = client(config, &reference, req.insecure);
+    let auth = config.credentials.for_reference(&reference);
+    progress(ImportEvent::Progress {
+        phase: "resolving".into(),
+        bytes_done: 0,
+        bytes_total: None,
+    });
+    let (manifest, manifest_digest) = resolve(&client, &auth, &reference).await?;
+    let whole = reference.whole();
+    let (Some(config_desc), Some(layer_descs)) = (manifest.config, manifest.layers) else {
+        return Err(RegistryError::Unsupported(format!(
+            "{whole}: manifest {manifest_digest} ({}) has no config or no layers",
+            manifest.media_type.as_deref().unwrap_or("no media type")
+        )));
+    };
+    if layer_descs.is_empty() {
+        return Err(RegistryError::Unsupported(format!(
+            "{whole}: manifest {manifest_digest} lists no layers"
+        )));
+    }
+    for (i, l) in layer_descs.iter().enumerate() {
+        if !l.media_type.is_empty() && !l.media_type.contains("tar") {
+            return Err(RegistryError::Unsupported(format!(
+                "{whole}: layer {} has media type {}, not a (gzip or zstd) tar",
+                i + 1,
+                l.media_type
+            )));
+        }
+        if l.size > config.layer_limit {
+            return Err(RegistryError::TooLarge {
+                what: format!("layer {} ({})", i + 1, l.digest),
+                size: l.size,
+                limit: config.layer_limit,
+            });
+        }
+    }
+    if config_desc.size > CONFIG_LIMIT {
+        return Err(RegistryError::TooLarge {
+            what: format!("the config of {whole}"),
+            size: config_desc.size,
+            limit: CONFIG_LIMIT,
+        });
+    }
+
+    // Everything downloaded goes under the store's tmp/ and is removed with `work`.
+    let work = {
+        let store = store.clone();
+        tokio::task::spawn_blocking(move || store.upload_dir())
+            .await
+            .map_err(|e| RegistryError::Transport(format!("join: {e}")))??
+    };
+    let blobs = work.path().join("blobs/sha256");
+    std::fs::create_dir_all(&blobs).map_err(|e| RegistryError::Io {
+        op: "mkdir",
+        path: blobs.display().to_string(),
+        source: e,
+    })?;
+
+    let config_hex = sha256_hex(&config_desc.digest, "config")?;
+    let config_path = blobs.join(&config_hex);
+    download(
+        &client,
+        &reference,
+        &config_desc,
+        "config",
+        &config_path,
+        &progress,
+    )
+    .await?;
+    let config_bytes = std::fs::read(&config_path).map_err(|e| RegistryError::Io {
+        op: "read",
+        path: config_path.display().to_string(),
+        source: e,
+    })?;
+    let (image_config, diff_ids) = dsec_image::parse_config(&config_bytes)?;
+    if let Some(ids) = &diff_ids {
+        if ids.len() != layer_descs.len() {
+            return Err(RegistryError::Unsupported(format!(
+                "{whole}: the manifest lists {} layers but the config's rootfs.diff_ids {}",
+                layer_descs.len(),
+                ids.len()
+            )));
+        }
+    }
+
+    let mut layers = Vec::new();
+    for (i, d) in layer_descs.iter().enumerate() {
+        let hex = sha256_hex(&d.digest, "layer")?;
+        let converted = {
+            let (store, hex) = (store.clone(), hex.clone());
+            tokio::task::spawn_blocking(move || store.converted_layer(&hex))
+                .await
+                .map_err(|e| RegistryError::Transport(format!("join: {e}")))?
+        };
+        if converted.is_none() {
+            let what = format!("layer {}/{}", i + 1, layer_descs.len());
+            download(&client, &reference, d, &what, &blobs.join(&hex), &progress).await?;
+        } else {
+            tracing::debug!(layer = %d.digest, "layer converted before; not downloaded");
+        }
+        layers.push(PulledLayer {
+            blob: hex,
+            size: d.size,
+            diff_id: diff_ids.as_ref().and_then(|ids| ids.get(i).cloned()),
+        });
+    }
+
+    let label = match reference.digest() {
+        Some(_) => whole.clone(),
+        None => format!("{whole}@{manifest_digest}"),
+    };
+    let img = tokio::task::spawn_blocking(move || {
+        let report = |p: dsec_image::ImportProgress| {
+            progress(ImportEvent::Progress {
+                phase: p.phase.as_str().to_string(),
+                bytes_done: p.bytes_done,
+                bytes_total: p.bytes_total,
+            })
+        };
+        let res = store.import_pulled(&name, work.path(), &layers, image_config, &label, &report);
+        drop(work);
+        res
+    })
+    .await
+    .map_err(|e| RegistryError::Transport(format!("join: {e}")))??;
+    Ok(img)
+}

@@ -1,0 +1,426 @@
+//! Pulls from a real registry (Debian's docker-registry on loopback, seeded with skopeo)
+//! into a real image store: what a pull stores is what importing the same image from an
+//! OCI layout stores, and every failure leaves the store as it was.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use dsec_image::ImageStore;
+use dsec_registry::{Credential, RegistryConfig, RegistryError};
+use dsec_testkit::{oci_layout, CutProxy, Registry};
+use dsec_wire::v1::{ImportEvent, PullImageRequest};
+
+/// A plain tar with `/etc/os-release` saying `id` and `size` bytes of noise in `/data`
+/// (incompressible, so a transfer of it can be cut in the middle).
+fn layer_tar(dir: &Path, id: &str, size: usize) -> PathBuf {
+    let path = dir.join(format!("{id}.tar"));
+    let f = std::fs::File::create(&path).expect("create tar");
+    let mut b = tar::Builder::new(f);
+    let mut add = |name: &str, data: &[u8]| {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_mtime(0);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_cksum();
+        b.append_data(&mut h, name, data).expect("append");
+    };
+    add("etc/os-release", format!("ID={id}\n").as_bytes());
+    let mut x: u64 = 0x9e3779b97f4a7c15 ^ id.len() as u64 ^ size as u64;
+    let noise: Vec<u8> = (0..size)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    add("data", &noise);
+    b.into_inner().expect("finish tar");
+    path
+}
+
+struct Fixture {
+    dir: tempfile::TempDir,
+    store: Arc<ImageStore>,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Arc::new(ImageStore::open(dir.path().join("images")).expect("open store"));
+        Self { dir, store }
+    }
+
+    /// An OCI layout of one layer `id` for `arch`.
+    fn layout(&self, id: &str, arch: &str, size: usize) -> PathBuf {
+        let tar = layer_tar(self.dir.path(), id, size);
+        oci_layout(
+            &self.dir.path().join(format!("layout-{id}")),
+            &[&tar],
+            arch,
+            &[&format!("IMAGE={id}")],
+        )
+    }
+
+    /// The digest a local import of `layout` stores (in a store of its own).
+    fn imported_digest(&self, layout: &Path) -> String {
+        let other = ImageStore::open(self.dir.path().join(format!(
+            "check-{}",
+            layout.file_name().and_then(|n| n.to_str()).unwrap_or("x")
+        )))
+        .expect("open store");
+        other
+            .import_oci("check", layout, false, &|_| {})
+            .expect("import the layout")
+            .digest
+    }
+
+    /// Asserts the store holds no image, layer or temp file.
+    fn assert_empty(&self) {
+        assert!(self.store.list().expect("list").is_empty());
+        let root = self.store.root();
+        for d in ["blobs/sha256", "tmp"] {
+            let left: Vec<_> = std::fs::read_dir(root.join(d))
+                .expect("read_dir")
+                .flatten()
+                .map(|e| e.path())
+                .collect();
+            assert!(left.is_empty(), "{d} kept {left:?}");
+        }
+        assert!(
+            !root.join("layers/sha256").exists()
+                || std::fs::read_dir(root.join("layers/sha256"))
+                    .expect("read_dir")
+                    .next()
+                    .is_none()
+        );
+    }
+}
+
+type Events = Arc<Mutex<Vec<ImportEvent>>>;
+
+async fn pull(
+    store: &Arc<ImageStore>,
+    config: &RegistryConfig,
+    reference: String,
+    name: Option<&str>,
+) -> (Result<dsec_image::Image, RegistryError>, Events) {
+    let events: Events = Arc::default();
+    let sink = events.clone();
+    let req = PullImageRequest {
+        reference,
+        name: name.map(str::to_string),
+        insecure: true,
+    };
+    let res = dsec_registry::pull(
+        store.clone(),
+        config,
+        &req,
+        Arc::new(move |e| sink.lock().expect("events").push(e)),
+    )
+    .await;
+    (res, events)
+}
+
+/// Bytes of blobs the pull downloaded (`downloading` events' largest totals per blob).
+fn downloads(events: &Events) -> Vec<u64> {
+    events
+        .lock()
+        .expect("events")
+        .iter()
+        .filter_map(|e| match e {
+            ImportEvent::Progress {
+                phase,
+                bytes_done: 0,
+                bytes_total: Some(t),
+            } if phase == "downloading" => Some(*t),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pull_by_tag_and_digest_gzip_and_zstd() {
+    let t = "pull_by_tag_and_digest_gzip_and_zstd";
+    if !dsec_testkit::require_root(t) {
+        return;
+    }
+    let Some(reg) = Registry::start(t) else {
+        return;
+    };
+    let fx = Fixture::new();
+    let layout = fx.layout("tagged", "amd64", 300 << 10);
+    reg.seed(&layout, "org/app:gz", "gzip");
+    reg.seed(&layout, "org/app:zst", "zstd");
+    let want = fx.imported_digest(&layout);
+    let cfg = RegistryConfig::default();
+
+    let gz = format!("{}/org/app:gz", reg.addr());
+    let (img, ev) = pull(&fx.store, &cfg, gz.clone(), None).await;
+    let img = img.expect("pull by tag (gzip)");
+    assert_eq!(img.name, gz, "the default name is the reference");
+    assert_eq!(img.digest, want, "a pull stores what an import stores");
+    assert_eq!(
+        img.config.env.get("IMAGE").map(String::as_str),
+        Some("tagged")
+    );
+    assert_eq!(downloads(&ev).len(), 2, "config and one layer");
+
+    let (img, _) = pull(&fx.store, &cfg, format!("{}/org/app:zst", reg.addr()), None).await;
+    assert_eq!(img.expect("pull by tag (zstd)").digest, want);
+
+    // By digest: the manifest is checked against it, and the layer converted by the
+    // first pull is neither downloaded nor converted again (only the config is fetched).
+    let (_, manifest_digest) = reg.manifest("org/app", "gz");
+    let by_digest = format!("{}/org/app@{manifest_digest}", reg.addr());
+    let (img, ev) = pull(&fx.store, &cfg, by_digest, Some("pinned")).await;
+    let img = img.expect("pull by digest");
+    assert_eq!(
+        (img.name.as_str(), img.digest.as_str()),
+        ("pinned", want.as_str())
+    );
+    assert!(img.source.ends_with(&manifest_digest), "{}", img.source);
+    assert_eq!(downloads(&ev).len(), 1, "only the config: {:?}", ev.lock());
+
+    // A digest the registry does not have.
+    let missing = format!("{}/org/app@sha256:{}", reg.addr(), "0".repeat(64));
+    let (res, _) = pull(&fx.store, &cfg, missing, Some("missing")).await;
+    let err = res.expect_err("an unknown digest");
+    assert!(matches!(err, RegistryError::NotFound(_)), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn multi_arch_index_picks_linux_amd64() {
+    let t = "multi_arch_index_picks_linux_amd64";
+    if !dsec_testkit::require_root(t) {
+        return;
+    }
+    let Some(reg) = Registry::start(t) else {
+        return;
+    };
+    let fx = Fixture::new();
+    let amd = fx.layout("amd", "amd64", 4 << 10);
+    let arm = fx.layout("arm", "arm64", 4 << 10);
+    reg.seed(&amd, "multi:amd64", "gzip");
+    reg.seed(&arm, "multi:arm64", "gzip");
+    let entry = |tag: &str, arch: &str| {
+        let (m, digest) = reg.manifest("multi", tag);
+        // The size of the registry's bytes (which the digest is of).
+        let raw = reg
+            .request(
+                "GET",
+                &format!("/v2/multi/manifests/{digest}"),
+                &[("Accept", m["mediaType"].as_str().unwrap_or_default())],
+                &[],
+            )
+            .expect("GET manifest");
+        serde_json::json!({
+            "mediaType": m["mediaType"], "digest": digest, "size": raw.body.len(),
+            "platform": {"os": "linux", "architecture": arch},
+        })
+    };
+    // arm64 first: the pull must choose by platform, not by position.
+    let index = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [entry("arm64", "arm64"), entry("amd64", "amd64")],
+    });
+    reg.put_manifest(
+        "multi",
+        "latest",
+        "application/vnd.oci.image.index.v1+json",
+        &serde_json::to_vec(&index).expect("index JSON"),
+    );
+    let (img, _) = pull(
+        &fx.store,
+        &RegistryConfig::default(),
+        format!("{}/multi", reg.addr()),
+        Some("multi"),
+    )
+    .await;
+    let img = img.expect("pull of the index");
+    assert_eq!(img.digest, fx.imported_digest(&amd));
+    assert_eq!(img.config.env.get("IMAGE").map(String::as_str), Some("amd"));
+
+    // An index without linux/amd64 names what it has.
+    let only_arm = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [entry("arm64", "arm64")],
+    });
+    reg.put_manifest(
+        "multi",
+        "armonly",
+        "application/vnd.oci.image.index.v1+json",
+        &serde_json::to_vec(&only_arm).expect("index JSON"),
+    );
+    let (res, _) = pull(
+        &fx.store,
+        &RegistryConfig::default(),
+        format!("{}/multi:armonly", reg.addr()),
+        Some("armonly"),
+    )
+    .await;
+    let err = res.expect_err("no amd64 image").to_string();
+    assert!(
+        err.contains("no linux/amd64") && err.contains("linux/arm64"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn private_repository_with_basic_auth() {
+    let t = "private_repository_with_basic_auth";
+    if !dsec_testkit::require_root(t) {
+        return;
+    }
+    let Some(reg) = Registry::start_with_auth(t, "ci", "right") else {
+        return;
+    };
+    let fx = Fixture::new();
+    let layout = fx.layout("private", "amd64", 4 << 10);
+    reg.seed(&layout, "team/private:v1", "gzip");
+    let reference = format!("{}/team/private:v1", reg.addr());
+    let with = |password: &str| {
+        let mut cfg = RegistryConfig::default();
+        cfg.credentials.insert(
+            &reg.addr(),
+            Credential::Basic {
+                username: "ci".into(),
+                password: password.into(),
+            },
+        );
+        cfg
+    };
+
+    for cfg in [RegistryConfig::default(), with("wrong")] {
+        let (res, _) = pull(&fx.store, &cfg, reference.clone(), None).await;
+        let err = res.expect_err("refused");
+        assert!(matches!(err, RegistryError::Unauthorized(_)), "{err}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("refused access to team/private") && msg.contains("credentials"),
+            "{msg}"
+        );
+        fx.assert_empty();
+    }
+    let (img, _) = pull(&fx.store, &with("right"), reference, None).await;
+    assert_eq!(
+        img.expect("pull with credentials").digest,
+        fx.imported_digest(&layout)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn corrupt_blob_is_rejected_and_nothing_kept() {
+    let t = "corrupt_blob_is_rejected_and_nothing_kept";
+    if !dsec_testkit::require_root(t) {
+        return;
+    }
+    let Some(reg) = Registry::start(t) else {
+        return;
+    };
+    let fx = Fixture::new();
+    let layout = fx.layout("corrupt", "amd64", 64 << 10);
+    reg.seed(&layout, "bad:v1", "gzip");
+    let (m, _) = reg.manifest("bad", "v1");
+    let layer = m["layers"][0]["digest"].as_str().expect("layer digest");
+    let file = reg.blob_file(layer);
+    let mut bytes = std::fs::read(&file).expect("read the stored blob");
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    std::fs::write(&file, &bytes).expect("corrupt the stored blob");
+
+    let (res, _) = pull(
+        &fx.store,
+        &RegistryConfig::default(),
+        format!("{}/bad:v1", reg.addr()),
+        None,
+    )
+    .await;
+    let err = res.expect_err("a corrupt blob");
+    assert!(matches!(err, RegistryError::Corrupt(_)), "{err}");
+    assert!(err.to_string().contains(layer), "{err}");
+    fx.assert_empty();
+
+    // Truncated on disk: the registry serves fewer bytes than the manifest says.
+    std::fs::write(&file, &bytes[..mid]).expect("truncate the stored blob");
+    let (res, _) = pull(
+        &fx.store,
+        &RegistryConfig::default(),
+        format!("{}/bad:v1", reg.addr()),
+        None,
+    )
+    .await;
+    assert!(res.is_err());
+    fx.assert_empty();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn registry_dying_mid_blob_then_retry() {
+    let t = "registry_dying_mid_blob_then_retry";
+    if !dsec_testkit::require_root(t) {
+        return;
+    }
+    let Some(reg) = Registry::start(t) else {
+        return;
+    };
+    let fx = Fixture::new();
+    let layout = fx.layout("cut", "amd64", 2 << 20);
+    reg.seed(&layout, "cut:v1", "gzip");
+    // Manifest and config (a few KiB) pass; the 2 MiB layer is cut at 256 KiB.
+    let proxy = CutProxy::start(reg.port(), 256 << 10);
+    proxy.arm(true);
+    let reference = format!("{}/cut:v1", proxy.addr());
+    let cfg = RegistryConfig::default();
+    let (res, _) = pull(&fx.store, &cfg, reference.clone(), Some("cut")).await;
+    let err = res.expect_err("the transfer was cut");
+    assert!(matches!(err, RegistryError::Transport(_)), "{err}");
+    assert!(err.to_string().contains("broke off"), "{err}");
+    assert!(proxy.passed() >= 256 << 10);
+    fx.assert_empty();
+
+    proxy.arm(false);
+    let (img, _) = pull(&fx.store, &cfg, reference, Some("cut")).await;
+    assert_eq!(img.expect("the retry").digest, fx.imported_digest(&layout));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nodes_sharing_a_blob_store_convert_a_layer_once() {
+    let t = "nodes_sharing_a_blob_store_convert_a_layer_once";
+    if !dsec_testkit::require_root(t) {
+        return;
+    }
+    let Some(reg) = Registry::start(t) else {
+        return;
+    };
+    let fx = Fixture::new();
+    let layout = fx.layout("shared", "amd64", 64 << 10);
+    reg.seed(&layout, "shared:v1", "zstd");
+    let shared: Arc<dyn dsec_image::BlobStore> =
+        Arc::new(dsec_blob::DirStore::open(fx.dir.path().join("shared")).expect("shared store"));
+    let node = |n: &str| {
+        Arc::new(
+            ImageStore::open_with(
+                fx.dir.path().join(n),
+                dsec_image::StoreOptions {
+                    shared: Some(shared.clone()),
+                    ..Default::default()
+                },
+            )
+            .expect("open a node's store"),
+        )
+    };
+    let (a, b) = (node("node-a"), node("node-b"));
+    let cfg = RegistryConfig::default();
+    let reference = format!("{}/shared:v1", reg.addr());
+    let (img_a, ev) = pull(&a, &cfg, reference.clone(), Some("app")).await;
+    let img_a = img_a.expect("pull on node a");
+    assert_eq!(downloads(&ev).len(), 2, "config and layer");
+    // Node b finds the converted layer in the shared store: it fetches only the config.
+    let (img_b, ev) = pull(&b, &cfg, reference, Some("app")).await;
+    assert_eq!(img_b.expect("pull on node b").digest, img_a.digest);
+    assert_eq!(downloads(&ev).len(), 1, "only the config: {:?}", ev.lock());
+}
