@@ -113,16 +113,7 @@ async fn the_public_api_works_through_an_apiserver_over_a_separate_node() -> any
         &root.join("apiserver.log"),
     )?;
     let api_url = format!("http://127.0.0.1:{api_port}");
-    let client = wait_until(Duration::from_secs(30), || {
-        let (url, key_file) = (api_url.clone(), api_dir.join("api-key"));
-        async move {
-            let key = std::fs::read_to_string(key_file).ok()?;
-            let c = Client::new(&url, Some(key.trim().to_string())).ok()?;
-            c.health().await.ok().map(|_| c)
-        }
-    })
-    .await
-    .context("dsec apiserver did not come up")?;
+    let client = api_client(&api_url, &api_dir.join("api-key")).await?;
 
     // Images reach a remote node as uploads, streamed through the API server.
     let e = client
@@ -381,6 +372,55 @@ async fn listed(client: &Client) -> anyhow::Result<Vec<String>> {
     Ok(ids)
 }
 
+/// Starts API server replica `r` over `node`, its records in etcd under `prefix`, and a
+/// client of it once it answers.
+async fn start_replica(
+    node: &Node,
+    r: &str,
+    etcd: &[String],
+    prefix: &str,
+    key_file: &std::path::Path,
+) -> anyhow::Result<(Proc, Client)> {
+    let dir = node.root.join(format!("apiserver-{r}"));
+    let port = free_port()?;
+    let proc = spawn(
+        &[
+            "apiserver".into(),
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--state-dir".into(),
+            dir.display().to_string(),
+            "--etcd".into(),
+            etcd.join(","),
+            "--etcd-prefix".into(),
+            prefix.into(),
+            "--api-key-file".into(),
+            key_file.display().to_string(),
+            "--node".into(),
+            node.url.clone(),
+            "--node-token-file".into(),
+            node.token_file.display().to_string(),
+        ],
+        &node.root.join(format!("apiserver-{r}.log")),
+    )?;
+    let url = format!("http://127.0.0.1:{port}");
+    let client = api_client(&url, key_file)
+        .await
+        .with_context(|| format!("apiserver {r}"))?;
+    Ok((proc, client))
+}
+
+/// A client of the API server at `url` (key in `key_file`) once it answers.
+async fn api_client(url: &str, key_file: &std::path::Path) -> anyhow::Result<Client> {
+    wait_until(Duration::from_secs(30), move || async move {
+        let key = std::fs::read_to_string(key_file).ok()?;
+        let c = Client::new(url, Some(key.trim().to_string())).ok()?;
+        c.health().await.ok().map(|_| c)
+    })
+    .await
+    .context("dsec apiserver did not come up")
+}
+
 #[tokio::test]
 async fn two_apiservers_on_etcd_serve_the_same_sandboxes() -> anyhow::Result<()> {
     if !require_root() {
@@ -396,40 +436,9 @@ async fn two_apiservers_on_etcd_serve_the_same_sandboxes() -> anyhow::Result<()>
     let mut replicas = Vec::new();
     let mut clients = Vec::new();
     for r in ["a", "b"] {
-        let dir = node.root.join(format!("apiserver-{r}"));
-        let port = free_port()?;
-        let proc = spawn(
-            &[
-                "apiserver".into(),
-                "--listen".into(),
-                format!("127.0.0.1:{port}"),
-                "--state-dir".into(),
-                dir.display().to_string(),
-                "--etcd".into(),
-                etcd.endpoints().join(","),
-                "--etcd-prefix".into(),
-                "/dsec-e2e-split".into(),
-                "--api-key-file".into(),
-                key_file.display().to_string(),
-                "--node".into(),
-                node.url.clone(),
-                "--node-token-file".into(),
-                node.token_file.display().to_string(),
-            ],
-            &node.root.join(format!("apiserver-{r}.log")),
-        )?;
+        let (proc, client) =
+            start_replica(&node, r, &etcd.endpoints(), "/dsec-e2e-split", &key_file).await?;
         replicas.push(proc);
-        let url = format!("http://127.0.0.1:{port}");
-        let client = wait_until(Duration::from_secs(30), || {
-            let (url, key_file) = (url.clone(), key_file.clone());
-            async move {
-                let key = std::fs::read_to_string(key_file).ok()?;
-                let c = Client::new(&url, Some(key.trim().to_string())).ok()?;
-                c.health().await.ok().map(|_| c)
-            }
-        })
-        .await
-        .with_context(|| format!("apiserver {r} did not come up"))?;
         clients.push(client);
     }
     let (a, b) = (&clients[0], &clients[1]);
@@ -573,16 +582,7 @@ async fn a_cluster_places_over_its_nodes_and_outlives_losing_one() -> anyhow::Re
         ],
         &root.join("apiserver.log"),
     )?;
-    let client = wait_until(Duration::from_secs(30), || {
-        let (url, key_file) = (api_url.clone(), key_file.clone());
-        async move {
-            let key = std::fs::read_to_string(key_file).ok()?;
-            let c = Client::new(&url, Some(key.trim().to_string())).ok()?;
-            c.health().await.ok().map(|_| c)
-        }
-    })
-    .await
-    .context("dsec apiserver did not come up")?;
+    let client = api_client(&api_url, &key_file).await?;
     // Two nodes on this machine, each with its own directories, cgroup parent, subnet,
     // nft table, link prefix, DNS port and uid range.
     let blob_arg = blobs.display().to_string();
@@ -733,4 +733,125 @@ fn rand_u128() -> u128 {
         let _ = f.read_exact(&mut b);
     }
     u128::from_le_bytes(b)
+}
+
+/// A keyed create through `clients[first]`, retried (same key) on the other replica
+/// after a transport failure, as the SDK does: how many attempts it took.
+async fn create_with_failover(
+    clients: &[Client; 2],
+    first: usize,
+    key: String,
+) -> anyhow::Result<(dsec_wire::v1::Sandbox, usize)> {
+    let req = CreateSandboxRequest {
+        idempotency_key: Some(key),
+        ..Default::default()
+    };
+    let mut at = first;
+    for attempt in 1..=6 {
+        match clients[at % 2].create_sandbox(req.clone()).await {
+            Ok(sb) => return Ok((sb, attempt)),
+            Err(dsec_client::ClientError::Http(_)) => at += 1,
+            Err(e) if e.code().is_some_and(|c| c.retryable()) => {
+                tokio::time::sleep(Duration::from_millis(200)).await
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    anyhow::bail!("create gave up")
+}
+
+#[tokio::test]
+async fn killing_an_apiserver_under_create_load_fails_nothing_and_leaves_nothing(
+) -> anyhow::Result<()> {
+    use futures::stream::{self, StreamExt as _};
+    if !require_root() {
+        return Ok(());
+    }
+    let _turn = TURN.lock().await;
+    let Some(etcd) = dsec_testkit::Etcd::start("killing_an_apiserver_under_create_load") else {
+        return Ok(());
+    };
+    let node = start_node("split-load").await?;
+    let key_file = node.root.join("api-key");
+    let (a_proc, a) =
+        start_replica(&node, "a", &etcd.endpoints(), "/dsec-e2e-load", &key_file).await?;
+    let (_b_proc, b) =
+        start_replica(&node, "b", &etcd.endpoints(), "/dsec-e2e-load", &key_file).await?;
+    let tar = tokio::fs::File::open(dsec_e2e::base_tar()).await?;
+    a.upload_image("base", false, tar).await?;
+    const CREATES: usize = 200;
+    let clients = [a.clone(), b.clone()];
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    // A is killed outright once a fifth of the creates are done, mid-load.
+    let killer = {
+        let done = done.clone();
+        let pid = a_proc.0.id() as i32;
+        tokio::spawn(async move {
+            while done.load(std::sync::atomic::Ordering::Relaxed) < CREATES / 5 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            // SAFETY: kill with our own child's pid.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        })
+    };
+    let results: Vec<anyhow::Result<(dsec_wire::v1::Sandbox, usize)>> = stream::iter(0..CREATES)
+        .map(|i| {
+            let (clients, done) = (&clients, done.clone());
+            async move {
+                let r = create_with_failover(clients, i % 2, format!("load-{i}")).await;
+                done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                r
+            }
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    killer.await?;
+    drop(a_proc);
+    let mut ids = Vec::new();
+    let mut retried = 0;
+    for r in results {
+        let (sb, attempts) = r.context("a create failed")?;
+        assert_eq!(sb.state, dsec_wire::v1::SandboxState::Ready);
+        retried += usize::from(attempts > 1);
+        ids.push(sb.id);
+    }
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), CREATES, "one sandbox per key, none twice");
+    assert!(
+        retried > 0,
+        "some creates were cut off by the kill and retried"
+    );
+    // The node runs exactly the recorded sandboxes: nothing half-made stays.
+    let settled = wait_until(Duration::from_secs(20), || async {
+        let on_node = node_sandboxes(&node.url, &node.token_file).await.ok()?;
+        (on_node == ids).then_some(())
+    })
+    .await;
+    assert!(
+        settled.is_some(),
+        "node has {:?} sandboxes, records {}",
+        node_sandboxes(&node.url, &node.token_file).await?.len(),
+        ids.len()
+    );
+    assert_eq!(listed(&b).await?, ids);
+    println!("{retried} of {CREATES} creates retried on the other replica");
+    let deleted: Vec<_> = stream::iter(ids.clone())
+        .map(|id| {
+            let b = &b;
+            async move { b.delete_sandbox(&id).await }
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    for d in deleted {
+        d?;
+    }
+    assert!(node_sandboxes(&node.url, &node.token_file)
+        .await?
+        .is_empty());
+    node.stop()?;
+    drop(etcd);
+    Ok(())
 }
