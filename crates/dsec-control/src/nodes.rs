@@ -41,7 +41,7 @@ pub struct Placed {
     pub name: String,
     /// The node.
     pub node: Arc<dyn NodeApi>,
-    _reservation: Option<Reservation>,
+    reservation: Option<Reservation>,
 }
 
 /// How long a placement's reservation outlives the create: until the node's heartbeats
@@ -52,7 +52,7 @@ pub const RESERVATION_LINGER: std::time::Duration = std::time::Duration::from_se
 impl Placed {
     /// Gives the reservation back [`RESERVATION_LINGER`] from now (the sandbox was made).
     pub fn linger(self) {
-        if let Some(r) = self._reservation {
+        if let Some(r) = self.reservation {
             tokio::spawn(async move {
                 tokio::time::sleep(RESERVATION_LINGER).await;
                 drop(r);
@@ -150,7 +150,7 @@ impl NodeSet for SingleNode {
         Ok(Placed {
             name,
             node: self.node.clone(),
-            _reservation: None,
+            reservation: None,
         })
     }
 
@@ -335,7 +335,7 @@ impl NodeSet for FleetNodes {
                 Ok(Placed {
                     name: status.name().to_string(),
                     node,
-                    _reservation: Some(reservation),
+                    reservation: Some(reservation),
                 })
             }
             Err(PlacementError::NoNodes) => Err(no_nodes()),

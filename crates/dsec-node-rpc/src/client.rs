@@ -117,6 +117,32 @@ impl RemoteNode {
         self.send(req).await.map(drop)
     }
 
+    /// Reads an import's or pull's NDJSON answer to its end: progress goes to `progress`,
+    /// the last event is the image or the error.
+    async fn image_result(
+        &self,
+        resp: Response,
+        progress: Option<ImportProgressSink>,
+        what: &str,
+    ) -> NodeResult<Image> {
+        let mut events = self.events_of(resp, |error| ImportEvent::Error { error });
+        while let Some(ev) = events.next().await {
+            match ev {
+                ImportEvent::Done { image } => return Ok(image),
+                ImportEvent::Error { error } => return Err(error),
+                progress_event => {
+                    if let Some(sink) = &progress {
+                        sink(progress_event);
+                    }
+                }
+            }
+        }
+        Err(unreachable(
+            &self.base,
+            format!("{what} ended without a result"),
+        ))
+    }
+
     fn bytes_of(&self, resp: Response) -> ByteStream {
         let base = self.base.clone();
         resp.bytes_stream()
@@ -438,19 +464,7 @@ impl NodeApi for RemoteNode {
             .query(&[("name", name.to_string()), ("flatten", flatten.to_string())])
             .body(upload_body(body));
         let resp = self.send(req).await?;
-        let mut events = self.events_of(resp, |error| ImportEvent::Error { error });
-        while let Some(ev) = events.next().await {
-            match ev {
-                ImportEvent::Done { image } => return Ok(image),
-                ImportEvent::Error { error } => return Err(error),
-                progress_event => {
-                    if let Some(sink) = &progress {
-                        sink(progress_event);
-                    }
-                }
-            }
-        }
-        Err(unreachable(&self.base, "import ended without a result"))
+        self.image_result(resp, progress, "import").await
     }
 
     async fn pull_image(
@@ -461,19 +475,7 @@ impl NodeApi for RemoteNode {
         let resp = self
             .send(self.req(Method::POST, "/images/pull").json(req))
             .await?;
-        let mut events = self.events_of(resp, |error| ImportEvent::Error { error });
-        while let Some(ev) = events.next().await {
-            match ev {
-                ImportEvent::Done { image } => return Ok(image),
-                ImportEvent::Error { error } => return Err(error),
-                progress_event => {
-                    if let Some(sink) = &progress {
-                        sink(progress_event);
-                    }
-                }
-            }
-        }
-        Err(unreachable(&self.base, "pull ended without a result"))
+        self.image_result(resp, progress, "pull").await
     }
 
     async fn remove_image(&self, name: &str) -> NodeResult<()> {
