@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Dict, Iterator, List
 
 import pytest
 
@@ -65,21 +65,37 @@ class Server:
             return ""
 
 
-@pytest.fixture(scope="session")
-def server() -> Iterator[Server]:
-    if os.geteuid() != 0:
-        _missing("dsec serve needs root")
+def _dsec_bin() -> Path:
     bin_path = Path(os.environ.get("DSEC_BIN", REPO / "target" / "debug" / "dsec"))
     if not bin_path.is_absolute():
         bin_path = REPO / bin_path
-    base_tar = Path(os.environ.get("DSEC_BASE_TAR", "/var/cache/dsec/base-bookworm.tar"))
     if not bin_path.exists():
         _missing(f"{bin_path} not built (cargo build --workspace --bins)")
+    return bin_path
+
+
+def _base_tar() -> Path:
+    base_tar = Path(os.environ.get("DSEC_BASE_TAR", "/var/cache/dsec/base-bookworm.tar"))
+    if not base_tar.exists():
+        _missing(f"{base_tar} missing (scripts/build-base-image.sh)")
+    return base_tar
+
+
+def _server_env() -> Dict[str, str]:
     env = dict(os.environ)
     if not env.get("DSEC_AGENT_BIN"):
         static = REPO / "target" / "x86_64-unknown-linux-gnu" / "release" / "dsec-agent"
         if static.exists():
             env["DSEC_AGENT_BIN"] = str(static)
+    return env
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Server]:
+    if os.geteuid() != 0:
+        _missing("dsec serve needs root")
+    bin_path = _dsec_bin()
+    env = _server_env()
 
     root = Path(os.environ.get("DSEC_PY_TEST_DIR", "/tmp/dsec-pytest"))
     root.mkdir(parents=True, exist_ok=True)
@@ -124,9 +140,7 @@ def server() -> Iterator[Server]:
             pytest.fail(f"dsec serve did not come up; log:\n{srv.log()}", pytrace=False)
         with dsec.Client(url, key) as c:
             if not any(i.name == "base" for i in c.list_images()):
-                if not base_tar.exists():
-                    _missing(f"{base_tar} missing (scripts/build-base-image.sh)")
-                c.import_image("base", str(base_tar))
+                c.import_image("base", str(_base_tar()))
             for sb in c.list_sandboxes():  # leftovers of an interrupted run
                 c.delete_sandbox(sb.id)
         yield srv
@@ -164,3 +178,47 @@ def client(server: Server) -> Iterator[dsec.Client]:
 def sandbox(client: dsec.Client) -> Iterator[dsec.Sandbox]:
     with dsec.Sandbox.create(client, timeout=600) as sb:
         yield sb
+
+
+class Cluster:
+    """A dsec cluster on this machine (scripts/local-cluster): etcd, API servers, nodes."""
+
+    def __init__(self, root: Path, urls: List[str], key: str) -> None:
+        self.root = root
+        self.urls = urls
+        self.key = key
+
+    def logs(self) -> str:
+        out = []
+        for log in sorted(self.root.glob("*.log")):
+            out.append(f"--- {log.name}\n{log.read_text(errors='replace')[-2000:]}")
+        return "\n".join(out)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    """Three nodes and two API servers on one etcd, with the base image uploaded."""
+    if os.geteuid() != 0:
+        _missing("dsec nodes need root")
+    bin_path, base_tar = _dsec_bin(), _base_tar()
+    if shutil.which("etcd") is None and not Path("/usr/bin/etcd").exists():
+        _missing("etcd not installed (apt-get install etcd-server)")
+    root = Path(os.environ.get("DSEC_PY_TEST_DIR", "/tmp/dsec-pytest")) / "cluster"
+    script = str(REPO / "scripts" / "local-cluster")
+    if (root / "cluster.json").exists():  # an interrupted run's
+        subprocess.run([script, "down", str(root)], check=False)
+    shutil.rmtree(root, ignore_errors=True)
+    up = subprocess.run(
+        [script, "up", str(root), "--nodes", "3", "--apiservers", "2", "--dsec", str(bin_path)],
+        env=_server_env(), capture_output=True, text=True,
+    )
+    if up.returncode != 0:
+        pytest.fail(f"local-cluster up failed:\n{up.stderr}", pytrace=False)
+    env = dict(line.split("=", 1) for line in up.stdout.splitlines() if "=" in line)
+    c = Cluster(root, env["DSEC_URL"].split(","), env["DSEC_API_KEY"])
+    try:
+        with dsec.Client(c.urls, c.key) as client:
+            client.upload_image("base", str(base_tar))
+        yield c
+    finally:
+        subprocess.run([script, "down", str(root)], check=False)

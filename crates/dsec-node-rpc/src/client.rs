@@ -452,8 +452,9 @@ impl NodeApi for RemoteNode {
                 return Err(ApiError::new(
                     ErrorCode::BadRequest,
                     format!(
-                        "{} is a path on the API server; a remote node imports an uploaded \
-                         archive",
+                        "{} is a path on the API server, and its nodes are other machines: \
+                         send the file instead (`dsec image import --upload`, the SDK's \
+                         upload_image, POST /v1/images/upload)",
                         path.display()
                     ),
                 ))

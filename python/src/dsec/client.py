@@ -162,6 +162,34 @@ class Client:
         body = {"name": name, "source": source, "flatten": flatten}
         return Image.model_validate(self._json("POST", "/images", json_body=body, timeout=None))
 
+    def upload_image(self, name: str, path: str, *, flatten: bool = False) -> Image:
+        """``POST /v1/images/upload``: sends the archive at ``path`` on *this* machine (a
+        rootfs .tar or .tar.gz, a ``docker save`` or OCI archive, or an .erofs layer) as
+        ``name``, streamed. What a cluster needs: its API servers' nodes are other machines,
+        so :meth:`import_image`'s server-side path does not reach them."""
+        f = open(path, "rb")  # a missing file raises here, before anything is sent
+
+        def chunks() -> Iterator[bytes]:
+            with f:
+                while True:
+                    b = f.read(1 << 20)
+                    if not b:
+                        return
+                    yield b
+
+        try:
+            data = self._json(
+                "POST",
+                "/images/upload",
+                params={"name": name, "flatten": "true" if flatten else "false"},
+                content=chunks(),
+                headers={"content-type": "application/octet-stream"},
+                timeout=None,
+            )
+        finally:
+            f.close()
+        return Image.model_validate(data)
+
     def pull_image(
         self,
         reference: str,

@@ -1,0 +1,164 @@
+"""A cluster of three `dsec node`s behind two `dsec apiserver`s on etcd
+(scripts/local-cluster): the SDK, the unmodified E2B SDK and the unmodified SWE-ReX
+client work through either API server, and creates spread over every node."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Dict, List
+
+import pytest
+
+import dsec
+
+CREATES = 300
+
+
+def _on_every_node(infos: List[dsec.SandboxInfo]) -> List[dsec.SandboxInfo]:
+    """One sandbox of each node."""
+    first = {}
+    for i in infos:
+        first.setdefault(i.node, i)
+    return [first[n] for n in sorted(first)]
+
+
+def _node_counts(c: dsec.Client) -> Dict[str, int]:
+    return {n["name"]: n["sandboxes"] for n in c.request("GET", "/nodes").json()["nodes"]}
+
+
+def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_300_creates_spread_over_three_nodes_and_work_through_either_apiserver(cluster) -> None:
+    a_url, b_url = cluster.urls
+    with dsec.Client(cluster.urls, cluster.key) as both, dsec.Client(a_url, cluster.key) as a, dsec.Client(
+        b_url, cluster.key
+    ) as b:
+        clients = [a, b]
+
+        # 300 creates from 16 threads, alternating API servers.
+        def create(i: int) -> dsec.SandboxInfo:
+            return clients[i % 2].create_sandbox({"labels": {"suite": "cluster", "i": str(i)}})
+
+        with ThreadPoolExecutor(16) as pool:
+            infos = list(pool.map(create, range(CREATES)))
+        try:
+            assert len({i.id for i in infos}) == CREATES
+            per_node = collections.Counter(i.node for i in infos)
+            assert sorted(per_node) == ["node1", "node2", "node3"], per_node
+            # Placement spreads them (equal nodes, equal sandboxes): no node gets less than
+            # half its share.
+            assert min(per_node.values()) >= CREATES // 3 // 2, per_node
+            # Each node reports what it runs in its heartbeats (every second).
+            assert _until(lambda: _node_counts(both) == dict(per_node)), (_node_counts(both), per_node)
+            # Both API servers list all of them (one store).
+            for c in clients:
+                listed = c.list_sandboxes(labels={"suite": "cluster"})
+                assert len(listed) == CREATES
+
+            for k, info in enumerate(_on_every_node(infos)):
+                via_a = dsec.Sandbox.connect(info.id, client=a)
+                via_b = dsec.Sandbox.connect(info.id, client=b)
+                # exec through A, files written through A read through B and the reverse.
+                r = via_a.exec(["sh", "-c", "hostname; echo $((6*7))"])
+                assert (r.exit_code, r.stdout) == (0, f"{info.id}\n42\n")
+                via_a.write("/tmp/from-a", b"a" * 100_000)
+                assert via_b.read("/tmp/from-a") == b"a" * 100_000
+                via_b.write("/tmp/from-b", "b\n")
+                assert via_a.read("/tmp/from-b") == b"b\n"
+                # A session opened through B keeps its state; streamed exec through A.
+                with via_b.session() as s:
+                    s.run("cd /tmp && export K=%d" % k)
+                    assert s.run("echo $K; pwd").output == f"{k}\n/tmp\n"
+                events = [e.type for e in via_a.exec_stream(["sh", "-c", "echo 1; echo 2 >&2"])]
+                assert "stdout" in events and "stderr" in events and events[-1] in ("exit", "end")
+        finally:
+            with ThreadPoolExecutor(16) as pool:
+                list(pool.map(lambda i: clients[hash(i.id) % 2].delete_sandbox(i.id), infos))
+        assert both.list_sandboxes(labels={"suite": "cluster"}) == []
+        assert _until(lambda: set(_node_counts(both).values()) == {0}), _node_counts(both)
+
+
+def test_e2b_sdk_through_either_apiserver(cluster, monkeypatch) -> None:
+    from e2b import Sandbox  # installed by run-tests.sh (pinned)
+
+    monkeypatch.setenv("E2B_API_KEY", cluster.key)
+    monkeypatch.setenv("E2B_VALIDATE_API_KEY", "false")
+
+    def through(url: str) -> None:
+        monkeypatch.setenv("E2B_API_URL", f"{url}/e2b")
+        monkeypatch.setenv("E2B_SANDBOX_URL", f"{url}/e2b/envd")
+
+    a_url, b_url = cluster.urls
+    made = []
+    try:
+        # Three creates through A, each used through B: wherever it was placed.
+        through(a_url)
+        for i in range(3):
+            made.append(Sandbox.create(template="base", timeout=300, metadata={"suite": "e2b-cluster"}))
+        through(b_url)
+        for i, sb in enumerate(made):
+            again = Sandbox.connect(made[i].sandbox_id)
+            r = again.commands.run(f"echo {i} > /tmp/n; cat /tmp/n; hostname")
+            assert r.stdout == f"{i}\n{sb.sandbox_id}\n"
+            again.files.write("/tmp/e2b.txt", "through b\n")
+            h = again.commands.run("cat", background=True, stdin=True)
+            again.commands.send_stdin(h.pid, "stdin through b\n")
+            again.commands.close_stdin(h.pid)
+            assert h.wait().stdout == "stdin through b\n"
+        through(a_url)
+        for sb in made:
+            assert Sandbox.connect(sb.sandbox_id).files.read("/tmp/e2b.txt") == "through b\n"
+        nodes = {dsec.Client(a_url, cluster.key).get_sandbox(sb.sandbox_id).node for sb in made}
+        assert len(nodes) >= 2, nodes
+    finally:
+        through(b_url)
+        for sb in made:
+            Sandbox.connect(sb.sandbox_id).kill()
+
+
+def test_swerex_through_either_apiserver(cluster) -> None:
+    try:
+        import swerex.runtime.remote as swerex_remote
+        from swerex.runtime.abstract import BashAction, Command, CreateBashSessionRequest, ReadFileRequest, WriteFileRequest
+    except ImportError as e:
+        if os.environ.get("CI") in ("true", "1"):
+            raise
+        pytest.skip(f"swe-rex not installed: {e}")
+    a_url, b_url = cluster.urls
+    with dsec.Client(cluster.urls, cluster.key) as c:
+        sbs = [dsec.Sandbox.create(c, timeout=300) for _ in range(3)]
+        try:
+            assert len({sb.refresh().node for sb in sbs}) >= 2
+            for sb in sbs:
+                via_a = swerex_remote.RemoteRuntime(host=f"{a_url}/swerex/{sb.id}", port=None, auth_token=cluster.key)
+                via_b = swerex_remote.RemoteRuntime(host=f"{b_url}/swerex/{sb.id}", port=None, auth_token=cluster.key)
+
+                async def episode() -> None:
+                    assert (await via_a.is_alive()).is_alive and (await via_b.is_alive()).is_alive
+                    await via_a.create_session(CreateBashSessionRequest(session="main"))
+                    # The session lives in the sandbox: B drives what A opened.
+                    await via_a.run_in_session(BashAction(session="main", command="cd /etc && export X=9"))
+                    obs = await via_b.run_in_session(BashAction(session="main", command="echo $X; pwd"))
+                    assert obs.output.split() == ["9", "/etc"]
+                    await via_b.write_file(WriteFileRequest(path="/work/x.txt", content="x\n"))
+                    assert (await via_a.read_file(ReadFileRequest(path="/work/x.txt"))).content == "x\n"
+                    r = await via_b.execute(Command(command="hostname", shell=True))
+                    assert r.stdout.strip() == sb.id
+                    await via_a.close()
+                    await via_b.close()
+
+                asyncio.run(episode())
+        finally:
+            for sb in sbs:
+                sb.kill()
