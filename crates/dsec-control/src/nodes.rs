@@ -279,7 +279,7 @@ fn fleet_error(e: dsec_fleet::FleetError) -> ApiError {
     let code = match &e {
         dsec_fleet::FleetError::Invalid(_) => ErrorCode::BadRequest,
         dsec_fleet::FleetError::Store(dsec_state::StateError::Unavailable(_)) => {
-            ErrorCode::Capacity
+            ErrorCode::Unavailable
         }
         _ => ErrorCode::Internal,
     };

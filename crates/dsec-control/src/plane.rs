@@ -117,6 +117,17 @@ fn internal(e: impl std::fmt::Display) -> ApiError {
     ApiError::new(ErrorCode::Internal, e.to_string())
 }
 
+/// A state store error as the API answers it: a store without quorum (or out of reach)
+/// is `unavailable` (retryable), anything else `internal`.
+fn store_err(e: dsec_state::StateError) -> ApiError {
+    match e {
+        dsec_state::StateError::Unavailable(_) => {
+            ApiError::new(ErrorCode::Unavailable, e.to_string())
+        }
+        e => internal(e),
+    }
+}
+
 fn new_id() -> String {
     const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
     let mut rng = rand::thread_rng();

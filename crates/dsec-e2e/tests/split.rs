@@ -855,3 +855,126 @@ async fn killing_an_apiserver_under_create_load_fails_nothing_and_leaves_nothing
     drop(etcd);
     Ok(())
 }
+
+#[tokio::test]
+async fn etcd_losing_a_member_or_its_quorum_loses_no_record() -> anyhow::Result<()> {
+    use std::time::Instant;
+    if !require_root() {
+        return Ok(());
+    }
+    let _turn = TURN.lock().await;
+    let Some(mut etcd) = dsec_testkit::Etcd::start_cluster("etcd_losing_a_member_or_its_quorum", 3)
+    else {
+        return Ok(());
+    };
+    let node = start_node("split-etcd-ha").await?;
+    let key_file = node.root.join("api-key");
+    let (_a_proc, a) =
+        start_replica(&node, "a", &etcd.endpoints(), "/dsec-e2e-ha", &key_file).await?;
+    let (_b_proc, b) =
+        start_replica(&node, "b", &etcd.endpoints(), "/dsec-e2e-ha", &key_file).await?;
+    let tar = tokio::fs::File::open(dsec_e2e::base_tar()).await?;
+    a.upload_image("base", false, tar).await?;
+    let mut ids = Vec::new();
+    for c in [&a, &b, &a] {
+        ids.push(
+            c.create_sandbox(CreateSandboxRequest::default())
+                .await
+                .context("a create with 3 members")?
+                .id,
+        );
+    }
+
+    // One member of three dies (the API servers talk to all three). Creates go on: a
+    // request caught in flight (the member led, and its followers wait out etcd's own
+    // request timeout) answers `unavailable`, and the client retries it with its key, as
+    // the SDK does.
+    etcd.stop(0);
+    let clients = [a.clone(), b.clone()];
+    let started = Instant::now();
+    let mut attempts = 0;
+    for i in 0..3 {
+        let (sb, n) = create_with_failover(&clients, i, format!("two-of-three-{i}"))
+            .await
+            .context("a create with 2 of 3 members")?;
+        attempts += n;
+        ids.push(sb.id);
+    }
+    println!(
+        "3 creates with 2 of 3 members: {attempts} attempts, {:?}",
+        started.elapsed()
+    );
+    ids.sort();
+    assert_eq!(listed(&a).await?, ids);
+    assert_eq!(listed(&b).await?, ids);
+
+    // The majority goes too: a create fails, retryable and in bounded time, and makes
+    // nothing; sandboxes that exist still run commands (their records are cached).
+    etcd.stop(1);
+    let started = Instant::now();
+    let refused = tokio::time::timeout(
+        Duration::from_secs(60),
+        a.create_sandbox(CreateSandboxRequest {
+            idempotency_key: Some("during-the-outage".into()),
+            ..Default::default()
+        }),
+    )
+    .await
+    .context("a create without quorum hangs")?
+    .expect_err("no create without quorum");
+    assert!(
+        refused.code().is_some_and(|c| c.retryable()),
+        "without quorum: {refused}"
+    );
+    println!(
+        "a create without quorum fails after {:?}: {refused}",
+        started.elapsed()
+    );
+    let r = b.exec(&ids[0], sh("echo still")).await?;
+    assert_eq!(r.stdout, "still\n");
+
+    // All three restart on their data (a full etcd restart): within 5 s of quorum
+    // returning both API servers create again, and every record is there.
+    etcd.stop(2);
+    etcd.start_members(&[0, 1, 2]);
+    let back = Instant::now();
+    for c in [&a, &b] {
+        let sb = wait_until(Duration::from_secs(5), || async {
+            c.create_sandbox(CreateSandboxRequest::default()).await.ok()
+        })
+        .await
+        .context("the API answers again within 5 s of quorum returning")?;
+        ids.push(sb.id);
+    }
+    println!("creates again {:?} after quorum returned", back.elapsed());
+    // The create cut off by the outage, retried with its key, makes one sandbox.
+    let retried = a
+        .create_sandbox(CreateSandboxRequest {
+            idempotency_key: Some("during-the-outage".into()),
+            ..Default::default()
+        })
+        .await?;
+    ids.push(retried.id);
+    ids.sort();
+    assert_eq!(listed(&a).await?, ids);
+    assert_eq!(listed(&b).await?, ids);
+    let settled = wait_until(Duration::from_secs(10), || async {
+        let on_node = node_sandboxes(&node.url, &node.token_file).await.ok()?;
+        (on_node == ids).then_some(())
+    })
+    .await;
+    assert!(
+        settled.is_some(),
+        "the node runs exactly the recorded sandboxes: {:?} vs {ids:?}",
+        node_sandboxes(&node.url, &node.token_file).await?
+    );
+    for id in &ids {
+        b.delete_sandbox(id).await?;
+    }
+    assert!(node_sandboxes(&node.url, &node.token_file)
+        .await?
+        .is_empty());
+    node.stop()?;
+    drop(etcd);
+    Ok(())
+}

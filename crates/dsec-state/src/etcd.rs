@@ -4,7 +4,18 @@
 //! Revisions are etcd's (`mod_revision`); a transaction is one etcd Txn comparing
 //! `mod_revision` (or `version == 0` for [`Expect::Absent`]); watches start at
 //! `after + 1`; leases are etcd leases (TTLs in whole seconds, rounded up).
+//!
+//! **Members.** etcd-client balances over every endpoint it was given and keeps sending
+//! to a dead one (a request waits out its timeout), so the store holds one client per
+//! member instead: requests go to the member in use; a member that fails (or stops
+//! answering the prober, which asks every member for its status each second) is skipped
+//! until it answers again. Reads, watches and lease calls that fail on one member are
+//! retried on the next; a transaction that failed is not (it may have been applied):
+//! it ends [`StateError::Unavailable`] and the caller retries (keyed creates find what
+//! an earlier attempt made).
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -45,12 +56,99 @@ impl EtcdConfig {
     }
 }
 
-/// The state store on etcd. Cheap to clone (one shared connection pool).
+/// The state store on etcd. Cheap to clone (the members' connections are shared).
 #[derive(Clone)]
 pub struct EtcdStore {
-    client: Client,
+    members: Arc<Members>,
     prefix: String,
     timeout: Duration,
+}
+
+/// One client per member, which of them answer, and the one in use.
+struct Members {
+    endpoints: Vec<String>,
+    clients: Vec<Client>,
+    /// Whether each member answered its last request or probe.
+    up: Vec<AtomicBool>,
+    /// The member requests go to first.
+    current: AtomicUsize,
+}
+
+/// How often the prober asks every member for its status, and how long it waits.
+const PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// Whether a failed call may be sent again to another member.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Retry {
+    /// Reads, watches and lease calls: sending them twice changes nothing that matters
+    /// (a second lease grant leaks a lease only until its TTL).
+    Idempotent,
+    /// Transactions: a failed one may have been applied, so it is not resent.
+    Once,
+}
+
+impl Members {
+    /// The order to try members in: the one in use, then the others that answer, then
+    /// the rest (the answering ones may all have failed since the last probe).
+    fn order(&self) -> Vec<usize> {
+        let n = self.clients.len();
+        let first = self.current.load(Ordering::Relaxed) % n;
+        let ring = (0..n).map(|k| (first + k) % n);
+        let (up, down): (Vec<usize>, Vec<usize>) =
+            ring.partition(|&i| self.up[i].load(Ordering::Relaxed));
+        up.into_iter().chain(down).collect()
+    }
+
+    fn mark(&self, i: usize, up: bool) {
+        self.up[i].store(up, Ordering::Relaxed);
+        if up {
+            if !self.up[self.current.load(Ordering::Relaxed) % self.clients.len()]
+                .load(Ordering::Relaxed)
+            {
+                self.current.store(i, Ordering::Relaxed);
+            }
+        } else if self.current.load(Ordering::Relaxed) == i {
+            let n = self.clients.len();
+            if let Some(next) = (1..n)
+                .map(|k| (i + k) % n)
+                .find(|&j| self.up[j].load(Ordering::Relaxed))
+            {
+                self.current.store(next, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// Asks every member for its status each [`PROBE_EVERY`] while the store exists.
+fn spawn_prober(members: &Arc<Members>) {
+    if members.clients.len() < 2 {
+        return;
+    }
+    let weak = Arc::downgrade(members);
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(PROBE_EVERY).await;
+            let Some(m) = weak.upgrade() else { return };
+            let probes = m.clients.iter().cloned().map(|mut c| async move {
+                matches!(
+                    tokio::time::timeout(PROBE_EVERY, c.status()).await,
+                    Ok(Ok(_))
+                )
+            });
+            let answers = futures::future::join_all(probes).await;
+            for (i, up) in answers.into_iter().enumerate() {
+                if m.up[i].load(Ordering::Relaxed) != up {
+                    tracing::info!(
+                        member = %m.endpoints[i],
+                        up,
+                        "etcd member {}",
+                        if up { "answers again" } else { "does not answer" }
+                    );
+                }
+                m.mark(i, up);
+            }
+        }
+    });
 }
 
 impl std::fmt::Debug for EtcdStore {
@@ -96,6 +194,19 @@ fn map_err(e: etcd_client::Error) -> StateError {
     }
 }
 
+/// Whether `e` says the request never reached a member (its connection could not be
+/// made), so sending it to another member cannot apply it twice.
+fn never_sent(e: &etcd_client::Error) -> bool {
+    let msg = e.to_string();
+    [
+        "tcp connect error",
+        "error trying to connect",
+        "Connection refused",
+    ]
+    .iter()
+    .any(|m| msg.contains(m))
+}
+
 impl EtcdStore {
     /// Connects to `cfg.endpoints`. Fails as [`StateError::Unavailable`] if none answers.
     pub async fn connect(cfg: EtcdConfig) -> Result<Self, StateError> {
@@ -112,22 +223,40 @@ impl EtcdStore {
             .with_connect_timeout(cfg.connect_timeout)
             .with_keep_alive(Duration::from_secs(5), cfg.request_timeout)
             .with_keep_alive_while_idle(true);
-        let client = tokio::time::timeout(
-            cfg.request_timeout,
-            Client::connect(&cfg.endpoints, Some(opts)),
-        )
-        .await
-        .map_err(|_| StateError::Unavailable("connecting to etcd timed out".into()))?
-        .map_err(map_err)?;
+        let mut clients = Vec::with_capacity(cfg.endpoints.len());
+        for e in &cfg.endpoints {
+            // Connecting is lazy: a member that is down now is used once it answers.
+            let c = tokio::time::timeout(
+                cfg.request_timeout,
+                Client::connect([e.as_str()], Some(opts.clone())),
+            )
+            .await
+            .map_err(|_| StateError::Unavailable(format!("connecting to etcd {e} timed out")))?
+            .map_err(map_err)?;
+            clients.push(c);
+        }
+        let members = Arc::new(Members {
+            up: cfg
+                .endpoints
+                .iter()
+                .map(|_| AtomicBool::new(true))
+                .collect(),
+            endpoints: cfg.endpoints,
+            clients,
+            current: AtomicUsize::new(0),
+        });
         let store = Self {
-            client,
+            members,
             prefix: cfg.prefix,
             timeout: cfg.request_timeout,
         };
-        // Connecting is lazy: ask once, so a wrong address fails here.
+        // Ask once, so a wrong address fails here.
         store
-            .call(|mut c| async move { c.get("health-probe", None).await })
+            .call(Retry::Idempotent, |mut c| async move {
+                c.get("health-probe", None).await
+            })
             .await?;
+        spawn_prober(&store.members);
         Ok(store)
     }
 
@@ -139,16 +268,50 @@ impl EtcdStore {
         format!("{}/{ns}/", self.prefix)
     }
 
-    /// Runs one request with the request timeout.
-    async fn call<T, F, Fut>(&self, f: F) -> Result<T, StateError>
+    /// Runs one request on the member in use, with the request timeout; when that member
+    /// is unavailable, an [`Retry::Idempotent`] request goes on to the next.
+    async fn call<T, F, Fut>(&self, retry: Retry, f: F) -> Result<T, StateError>
     where
-        F: FnOnce(Client) -> Fut,
+        F: Fn(Client) -> Fut,
         Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
     {
-        tokio::time::timeout(self.timeout, f(self.client.clone()))
-            .await
-            .map_err(|_| StateError::Unavailable("etcd request timed out".into()))?
-            .map_err(map_err)
+        let m = &self.members;
+        let mut last = None;
+        for i in m.order() {
+            let e = match tokio::time::timeout(self.timeout, f(m.clients[i].clone())).await {
+                Ok(Ok(v)) => {
+                    m.mark(i, true);
+                    return Ok(v);
+                }
+                Ok(Err(e)) => {
+                    let unsent = never_sent(&e);
+                    match map_err(e) {
+                        StateError::Unavailable(why) => {
+                            let e =
+                                StateError::Unavailable(format!("etcd {}: {why}", m.endpoints[i]));
+                            if unsent {
+                                // Nothing reached the member: any request may go on.
+                                m.mark(i, false);
+                                last = Some(e);
+                                continue;
+                            }
+                            e
+                        }
+                        other => return Err(other),
+                    }
+                }
+                Err(_) => StateError::Unavailable(format!(
+                    "etcd {} did not answer within {:?}",
+                    m.endpoints[i], self.timeout
+                )),
+            };
+            m.mark(i, false);
+            if retry == Retry::Once {
+                return Err(e);
+            }
+            last = Some(e);
+        }
+        Err(last.unwrap_or_else(|| StateError::Unavailable("no etcd member".into())))
     }
 
     /// Runs `txn`: the revision after it and, per op, whether it changed a key.
@@ -198,7 +361,10 @@ impl EtcdStore {
             .and_then(ops)
             .or_else(reads);
         let resp = self
-            .call(|mut c| async move { c.txn(request).await })
+            .call(Retry::Once, |mut c| {
+                let request = request.clone();
+                async move { c.txn(request).await }
+            })
             .await
             .map_err(|e| with_lease(e, lease_of(&txn)))?;
         let rev = resp.header().map_or(0, |h| h.revision().max(0) as u64);
@@ -259,7 +425,10 @@ impl StateStore for EtcdStore {
         check_key(ns, key)?;
         let k = self.full(ns, key);
         let resp = self
-            .call(|mut c| async move { c.get(k, None).await })
+            .call(Retry::Idempotent, |mut c| {
+                let k = k.clone();
+                async move { c.get(k, None).await }
+            })
             .await?;
         Ok(resp.kvs().first().map(|kv| Entry {
             key: key.to_string(),
@@ -290,7 +459,10 @@ impl StateStore for EtcdStore {
         let prefix = self.ns_prefix(ns);
         let p = prefix.clone();
         let resp = self
-            .call(|mut c| async move { c.get(p, Some(GetOptions::new().with_prefix())).await })
+            .call(Retry::Idempotent, |mut c| {
+                let p = p.clone();
+                async move { c.get(p, Some(GetOptions::new().with_prefix())).await }
+            })
             .await?;
         let rev = resp.header().map_or(0, |h| h.revision().max(0) as u64);
         let mut out = Vec::with_capacity(resp.kvs().len());
@@ -313,12 +485,15 @@ impl StateStore for EtcdStore {
         let p = prefix.clone();
         let start = i64::try_from(after.saturating_add(1)).unwrap_or(i64::MAX);
         let stream = self
-            .call(|mut c| async move {
-                c.watch(
-                    p,
-                    Some(WatchOptions::new().with_prefix().with_start_revision(start)),
-                )
-                .await
+            .call(Retry::Idempotent, |mut c| {
+                let p = p.clone();
+                async move {
+                    c.watch(
+                        p,
+                        Some(WatchOptions::new().with_prefix().with_start_revision(start)),
+                    )
+                    .await
+                }
             })
             .await?;
         // Pending events of one response, then the next response.
@@ -384,14 +559,16 @@ impl StateStore for EtcdStore {
         let secs =
             i64::try_from(ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0)).unwrap_or(i64::MAX);
         let resp = self
-            .call(|mut c| async move { c.lease_grant(secs, None).await })
+            .call(Retry::Idempotent, |mut c| async move {
+                c.lease_grant(secs, None).await
+            })
             .await?;
         Ok(LeaseId(resp.id()))
     }
 
     async fn keep_alive(&self, lease: LeaseId) -> Result<(), StateError> {
         let ttl = self
-            .call(|mut c| async move {
+            .call(Retry::Idempotent, |mut c| async move {
                 let (mut keeper, mut stream) = c.lease_keep_alive(lease.0).await?;
                 keeper.keep_alive().await?;
                 stream.message().await
@@ -406,7 +583,9 @@ impl StateStore for EtcdStore {
 
     async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StateError> {
         match self
-            .call(|mut c| async move { c.lease_revoke(lease.0).await })
+            .call(Retry::Idempotent, |mut c| async move {
+                c.lease_revoke(lease.0).await
+            })
             .await
         {
             Ok(_) | Err(StateError::LeaseExpired(_)) => Ok(()),

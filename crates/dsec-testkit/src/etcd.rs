@@ -243,6 +243,18 @@ impl Etcd {
         self.wait_ready(i);
     }
 
+    /// Starts the stopped members `which` together (a majority cannot come up one at a
+    /// time) and waits until each answers healthy.
+    pub fn start_members(&mut self, which: &[usize]) {
+        for &i in which {
+            assert!(self.members[i].child.is_none(), "member {i} is running");
+            self.spawn(i);
+        }
+        for &i in which {
+            self.wait_ready(i);
+        }
+    }
+
     /// [`Etcd::stop`] then [`Etcd::start_member`].
     pub fn restart(&mut self, i: usize) {
         self.stop(i);

@@ -48,6 +48,10 @@ pub enum ErrorCode {
     /// network): the sandbox is `lost`. It comes back if the node returns still running
     /// it; delete removes the record either way.
     Lost,
+    /// The cluster's state store cannot be reached or has no quorum (etcd members
+    /// down). Retryable: a create retried with the same `idempotency_key` finds what an
+    /// earlier attempt made.
+    Unavailable,
 }
 
 impl ErrorCode {
@@ -65,7 +69,7 @@ impl ErrorCode {
             ErrorCode::QuotaExceeded => 429,
             ErrorCode::Lost => 502,
             ErrorCode::NoSpace => 507,
-            ErrorCode::Capacity => 503,
+            ErrorCode::Capacity | ErrorCode::Unavailable => 503,
             ErrorCode::Timeout => 504,
             ErrorCode::Failed | ErrorCode::AgentUnavailable | ErrorCode::Internal => 500,
         }
@@ -79,6 +83,7 @@ impl ErrorCode {
                 | ErrorCode::Timeout
                 | ErrorCode::AgentUnavailable
                 | ErrorCode::QuotaExceeded
+                | ErrorCode::Unavailable
         )
     }
 }

@@ -34,6 +34,7 @@ from .errors import (
     Paused,
     QuotaExceeded,
     Lost,
+    Unavailable,
     Timeout,
     Unauthorized,
 )
@@ -101,6 +102,7 @@ __all__ = [
     "Internal",
     "QuotaExceeded",
     "Lost",
+    "Unavailable",
     "ConnectionFailed",
     "ERROR_CLASSES",
     # models

@@ -18,7 +18,7 @@ import uuid
 from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .client import API_KEY_HEADER, DEFAULT_URL, Client, _api_key_from_env, _body, _parse_event, _seg
-from .errors import Capacity, ConnectionFailed, Expired, NotFound
+from .errors import Capacity, ConnectionFailed, Expired, NotFound, Unavailable
 from .transport import AsyncFailoverTransport, Params, Response, TransportError, split_urls
 from .models import (
     ExecResult,
@@ -98,7 +98,7 @@ class AsyncClient:
         while True:
             try:
                 return SandboxInfo.model_validate(await self._json("POST", "/sandboxes", json=body))
-            except (ConnectionFailed, Capacity):
+            except (ConnectionFailed, Capacity, Unavailable):
                 if attempt >= self.create_retries:
                     raise
                 await asyncio.sleep(min(8.0, 0.5 * (2**attempt)) * (0.5 + random.random() / 2))

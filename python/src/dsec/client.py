@@ -13,7 +13,7 @@ from urllib.parse import quote
 
 from pydantic import TypeAdapter
 
-from .errors import Capacity, ConnectionFailed, DsecError, error_from_body
+from .errors import Capacity, ConnectionFailed, DsecError, Unavailable, error_from_body
 from .transport import Body, FailoverTransport, Params, Response, TransportError, split_urls
 from .models import (
     ErrorEvent,
@@ -68,7 +68,7 @@ class Client:
             by ``$DSEC_API_KEY_FILE``, else of ``/var/lib/dsec/api-key`` if readable.
         timeout: Seconds to wait for an ordinary (non-exec) answer.
         create_retries: How many times :meth:`create_sandbox` retries after a connection
-            error or a ``capacity`` answer (exponential backoff from 0.5 s, at most 8 s
+            error, a ``capacity`` or an ``unavailable`` answer (exponential backoff from 0.5 s, at most 8 s
             between attempts, with jitter). 0 disables retries.
 
     The client is thread-safe (a pool of keep-alive connections, see
@@ -233,8 +233,8 @@ class Client:
 
     def create_sandbox(self, body: Dict[str, Any]) -> SandboxInfo:
         """``POST /v1/sandboxes`` with the raw request ``body``, retried after connection
-        errors and ``capacity`` answers (see ``create_retries``). Every attempt carries the
-        same ``idempotency_key`` (a random one unless the body has its own), so a retry
+        errors, ``capacity`` and ``unavailable`` answers (see ``create_retries``). Every
+        attempt carries the same ``idempotency_key`` (a random one unless the body has its own), so a retry
         after a lost answer gets the sandbox the first attempt made instead of a second."""
         body = {**body}
         body.setdefault("idempotency_key", uuid.uuid4().hex)
@@ -242,7 +242,7 @@ class Client:
         while True:
             try:
                 return SandboxInfo.model_validate(self._json("POST", "/sandboxes", json_body=body))
-            except (ConnectionFailed, Capacity):
+            except (ConnectionFailed, Capacity, Unavailable):
                 if attempt >= self.create_retries:
                     raise
                 delay = min(8.0, 0.5 * (2**attempt)) * (0.5 + random.random() / 2)

@@ -31,6 +31,7 @@ __all__ = [
     "Internal",
     "QuotaExceeded",
     "Lost",
+    "Unavailable",
     "ConnectionFailed",
     "error_from_body",
     "ERROR_CLASSES",
@@ -182,6 +183,15 @@ class Lost(DsecError):
     code = "lost"
 
 
+class Unavailable(DsecError):
+    """The cluster's state store (etcd) cannot be reached or has no quorum; retry (a
+    create retried with its ``idempotency_key`` finds what an earlier attempt made)
+    (HTTP 503)."""
+
+    code = "unavailable"
+    retryable = True
+
+
 class ConnectionFailed(DsecError):
     """The server could not be reached, or the connection broke (no HTTP answer)."""
 
@@ -211,6 +221,7 @@ ERROR_CLASSES: Dict[str, Type[DsecError]] = {
         Forbidden,
         QuotaExceeded,
         Lost,
+        Unavailable,
     )
 }
 

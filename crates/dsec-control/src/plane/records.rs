@@ -21,7 +21,7 @@ use dsec_wire::{ApiError, ErrorCode};
 use futures::StreamExt;
 use sha2::Digest;
 
-use super::{internal, NS_SANDBOXES, NS_TOMBSTONES};
+use super::{internal, store_err, NS_SANDBOXES, NS_TOMBSTONES};
 
 /// Namespace of idempotency keys: hash of the key -> [`IdemEntry`].
 pub(super) const NS_IDEMPOTENCY: &str = "idempotency";
@@ -219,7 +219,7 @@ impl Records {
             let id = store
                 .grant_lease(REPLICA_LEASE_TTL)
                 .await
-                .map_err(internal)?;
+                .map_err(store_err)?;
             let lease = Arc::new(ReplicaLease {
                 id: std::sync::atomic::AtomicI64::new(id.0),
                 keeper: Mutex::new(None),
@@ -230,7 +230,7 @@ impl Records {
         } else {
             None
         };
-        let (entries, rev) = store.list(NS_SANDBOXES).await.map_err(internal)?;
+        let (entries, rev) = store.list(NS_SANDBOXES).await.map_err(store_err)?;
         let mut cache = Cache {
             seen: rev,
             ..Cache::default()
@@ -277,7 +277,7 @@ impl Records {
 
     /// Reads `id` from the store into the cache.
     async fn fetch(&self, id: &str) -> ApiResult<Option<Cached>> {
-        let entry = self.store.get(NS_SANDBOXES, id).await.map_err(internal)?;
+        let entry = self.store.get(NS_SANDBOXES, id).await.map_err(store_err)?;
         let mut cache = self.lock();
         match entry.as_ref().and_then(|e| decode(e).map(|sb| (sb, e.rev))) {
             Some((sb, rev)) => {
@@ -399,7 +399,7 @@ impl Records {
                     current = self.fetch(id).await?;
                     fresh = true;
                 }
-                Err(e) => return Err(internal(e)),
+                Err(e) => return Err(store_err(e)),
             }
         }
         Err(ApiError::new(
@@ -415,7 +415,7 @@ impl Records {
             .store
             .put(NS_SANDBOXES, &sb.id, &encode(sb)?, Expect::Any)
             .await
-            .map_err(internal)?;
+            .map_err(store_err)?;
         self.lock().offer(sb.clone(), rev);
         self.changed.notify_waiters();
         Ok(())
@@ -471,7 +471,7 @@ impl Records {
                         None => continue,
                     }
                 }
-                Err(e) => return Err(InsertError::Store(internal(e))),
+                Err(e) => return Err(InsertError::Store(store_err(e))),
             }
         }
         Err(InsertError::Store(ApiError::new(
@@ -497,7 +497,7 @@ impl Records {
             .store
             .get(NS_CREATING, &sb.id)
             .await
-            .map_err(internal)?
+            .map_err(store_err)?
             .is_some();
         if claimed {
             return Ok(false);
@@ -516,7 +516,7 @@ impl Records {
             .store
             .get(NS_IDEMPOTENCY, &idem_key(key))
             .await
-            .map_err(internal)?
+            .map_err(store_err)?
         else {
             return Ok(None);
         };
@@ -533,7 +533,7 @@ impl Records {
         if keyed.is_empty() {
             return Ok(());
         }
-        let (entries, _) = self.store.list(NS_IDEMPOTENCY).await.map_err(internal)?;
+        let (entries, _) = self.store.list(NS_IDEMPOTENCY).await.map_err(store_err)?;
         let stored: std::collections::HashSet<String> =
             entries.into_iter().map(|e| e.key).collect();
         for sb in keyed {
@@ -561,7 +561,7 @@ impl Records {
         {
             Ok(_) => Ok(()),
             Err(e) if is_conflict(&e) => Ok(()),
-            Err(e) => Err(internal(e)),
+            Err(e) => Err(store_err(e)),
         }
     }
 
@@ -602,7 +602,7 @@ impl Records {
                 ops,
             })
             .await
-            .map_err(internal)?;
+            .map_err(store_err)?;
         self.lock().forget(&sb.id, rev.max(1));
         self.lock().sandboxes.remove(&sb.id);
         self.changed.notify_waiters();

@@ -28,9 +28,11 @@ pub fn code(e: &ApiError) -> (&'static str, StatusCode) {
             ("not_found", StatusCode::NOT_FOUND)
         }
         ErrorCode::Conflict => ("already_exists", StatusCode::CONFLICT),
-        ErrorCode::Capacity | ErrorCode::AgentUnavailable | ErrorCode::Paused | ErrorCode::Lost => {
-            ("unavailable", StatusCode::SERVICE_UNAVAILABLE)
-        }
+        ErrorCode::Capacity
+        | ErrorCode::AgentUnavailable
+        | ErrorCode::Paused
+        | ErrorCode::Lost
+        | ErrorCode::Unavailable => ("unavailable", StatusCode::SERVICE_UNAVAILABLE),
         ErrorCode::Timeout => ("deadline_exceeded", StatusCode::GATEWAY_TIMEOUT),
         ErrorCode::NoSpace | ErrorCode::PayloadTooLarge | ErrorCode::QuotaExceeded => {
             ("resource_exhausted", StatusCode::TOO_MANY_REQUESTS)
