@@ -251,3 +251,8 @@ def test_async_stale_connection_is_not_reused(closing_server: str) -> None:
         await tr.aclose()
 
     asyncio.run(go())
+
+
+def test_an_unavailable_store_is_a_retryable_typed_error() -> None:
+    e = dsec.errors.error_from_body({"error": {"code": "unavailable", "message": "no quorum"}}, 503)
+    assert isinstance(e, dsec.Unavailable) and e.retryable and e.status == 503
