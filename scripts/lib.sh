@@ -15,7 +15,7 @@ APT_PACKAGES="erofs-utils e2fsprogs nftables iproute2 mmdebstrap crun runc pytho
 # What only the tests need: etcd-server (a real etcd for the state store and cluster tests),
 # docker-registry (a real OCI registry for the pull tests; the tests start their own on
 # loopback), skopeo (seeds it) and apache2-utils (htpasswd, for its basic auth).
-TEST_APT_PACKAGES="etcd-server docker-registry skopeo apache2-utils"
+TEST_APT_PACKAGES="etcd-server docker-registry skopeo apache2-utils faketime"
 
 # Installs APT_PACKAGES and any packages named as arguments.
 ensure_packages() {

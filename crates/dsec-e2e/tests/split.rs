@@ -32,12 +32,22 @@ fn free_port() -> anyhow::Result<u16> {
 }
 
 fn spawn(args: &[String], log: &std::path::Path) -> anyhow::Result<Proc> {
+    spawn_env(args, log, &[])
+}
+
+/// [`spawn`] with more environment variables.
+fn spawn_env(
+    args: &[String],
+    log: &std::path::Path,
+    env: &[(String, String)],
+) -> anyhow::Result<Proc> {
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(log)?;
     let child = Command::new(dsec_bin())
         .args(args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdout(Stdio::from(log.try_clone()?))
         .stderr(Stdio::from(log))
         .spawn()
@@ -251,8 +261,9 @@ struct Node {
     /// live as long as the node: its drop removes them (state and run directory alike)
     /// and kills the sandboxes a failed test left.
     dirs: Server,
-    /// Its command line, for a restart.
+    /// Its command line and extra environment, for a restart.
     args: Vec<String>,
+    env: Vec<(String, String)>,
 }
 
 impl Node {
@@ -265,7 +276,7 @@ impl Node {
 
     /// Starts the node again on the same directories and address.
     fn restart(&mut self) -> anyhow::Result<()> {
-        self.proc = spawn(&self.args, &self.root.join("node.log"))?;
+        self.proc = spawn_env(&self.args, &self.root.join("node.log"), &self.env)?;
         Ok(())
     }
 
@@ -287,6 +298,16 @@ async fn start_node(name: &str) -> anyhow::Result<Node> {
 /// [`start_node`] with node flags `serve` also takes (`--cgroup-parent` overrides the
 /// e2e one) and `node_only` flags.
 async fn start_node_with(name: &str, serve: &[&str], node_only: &[&str]) -> anyhow::Result<Node> {
+    start_node_env(name, serve, node_only, Vec::new()).await
+}
+
+/// [`start_node_with`] with more environment variables for the node process.
+async fn start_node_env(
+    name: &str,
+    serve: &[&str],
+    node_only: &[&str],
+    env: Vec<(String, String)>,
+) -> anyhow::Result<Node> {
     // An embedded server's start cleans up after an earlier run of this test.
     let mut dirs = Server::start_with(name, true, serve).await?;
     dirs.terminate(Duration::from_secs(30))
@@ -310,7 +331,7 @@ async fn start_node_with(name: &str, serve: &[&str], node_only: &[&str]) -> anyh
         ]);
     }
     args.extend(serve.iter().chain(node_only).map(|s| s.to_string()));
-    let proc = spawn(&args, &root.join("node.log"))?;
+    let proc = spawn_env(&args, &root.join("node.log"), &env)?;
     let token_file = match node_only.iter().position(|a| *a == "--node-token-file") {
         Some(i) => PathBuf::from(node_only.get(i + 1).context("token file")?),
         None => dirs.state_dir.join("node-token"),
@@ -337,7 +358,33 @@ async fn start_node_with(name: &str, serve: &[&str], node_only: &[&str]) -> anyh
         root,
         dirs,
         args,
+        env,
     })
+}
+
+/// The flags of node `i` of a cluster on this machine: its own cgroup parent, subnet,
+/// nft table, link prefix, DNS port and uid range; blobs in the shared store `blobs`.
+fn cluster_node_flags(i: usize, name: &str, blobs: &str) -> Vec<String> {
+    vec![
+        "--node-name".into(),
+        name.to_string(),
+        "--blob-store".into(),
+        blobs.to_string(),
+        "--cgroup-parent".into(),
+        format!("dsec-e2e-{name}"),
+        "--sandbox-subnet".into(),
+        format!("10.{}.0.0/16", 241 + i),
+        "--dns-port".into(),
+        (25353 + i).to_string(),
+        "--nft-table".into(),
+        format!("dsec-e2e-c{i}"),
+        "--link-prefix".into(),
+        format!("dc{i}"),
+        "--userns-base".into(),
+        (2_100_000_000u32 + i as u32 * 100_000_000).to_string(),
+        "--userns-ranges".into(),
+        "512".into(),
+    ]
 }
 
 /// Ids of the sandboxes the node runs, asked through its internal API.
@@ -589,26 +636,7 @@ async fn a_cluster_places_over_its_nodes_and_outlives_losing_one() -> anyhow::Re
     let token_arg = token_file.display().to_string();
     let mut nodes = Vec::new();
     for (i, name) in ["cluster-n1", "cluster-n2"].iter().enumerate() {
-        let serve: Vec<String> = vec![
-            "--node-name".into(),
-            name.to_string(),
-            "--blob-store".into(),
-            blob_arg.clone(),
-            "--cgroup-parent".into(),
-            format!("dsec-e2e-{name}"),
-            "--sandbox-subnet".into(),
-            format!("10.{}.0.0/16", 241 + i),
-            "--dns-port".into(),
-            (25353 + i).to_string(),
-            "--nft-table".into(),
-            format!("dsec-e2e-c{i}"),
-            "--link-prefix".into(),
-            format!("dc{i}"),
-            "--userns-base".into(),
-            (2_100_000_000u32 + i as u32 * 100_000_000).to_string(),
-            "--userns-ranges".into(),
-            "512".into(),
-        ];
+        let serve = cluster_node_flags(i, name, &blob_arg);
         let serve: Vec<&str> = serve.iter().map(String::as_str).collect();
         let node_only = [
             "--apiserver",
@@ -975,6 +1003,133 @@ async fn etcd_losing_a_member_or_its_quorum_loses_no_record() -> anyhow::Result<
         .await?
         .is_empty());
     node.stop()?;
+    drop(etcd);
+    Ok(())
+}
+
+/// libfaketime, which shifts a process's clock (Debian: `faketime`).
+const FAKETIME_LIB: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
+
+#[tokio::test]
+async fn a_node_whose_clock_is_ten_minutes_off_works_like_any_other() -> anyhow::Result<()> {
+    use dsec_wire::v1::SandboxState;
+    if !require_root() {
+        return Ok(());
+    }
+    if !std::path::Path::new(FAKETIME_LIB).exists() {
+        let why = format!("{FAKETIME_LIB} missing (apt-get install faketime)");
+        anyhow::ensure!(std::env::var("CI").as_deref() != Ok("true"), "{why}");
+        println!("SKIPPED: {why}");
+        return Ok(());
+    }
+    let _turn = TURN.lock().await;
+    let Some(etcd) = dsec_testkit::Etcd::start("a_node_whose_clock_is_ten_minutes_off") else {
+        return Ok(());
+    };
+    let root = std::env::temp_dir().join("dsec-e2e").join("skew");
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root)?;
+    let token_file = root.join("node-token");
+    std::fs::write(&token_file, format!("{:032x}", rand_u128()))?;
+    let key_file = root.join("api-key");
+    let api_port = free_port()?;
+    let api_url = format!("http://127.0.0.1:{api_port}");
+    let _api = spawn(
+        &[
+            "apiserver".into(),
+            "--listen".into(),
+            format!("127.0.0.1:{api_port}"),
+            "--state-dir".into(),
+            root.join("apiserver").display().to_string(),
+            "--etcd".into(),
+            etcd.endpoints().join(","),
+            "--etcd-prefix".into(),
+            "/dsec-e2e-skew".into(),
+            "--api-key-file".into(),
+            key_file.display().to_string(),
+            "--node-token-file".into(),
+            token_file.display().to_string(),
+        ],
+        &root.join("apiserver.log"),
+    )?;
+    let client = api_client(&api_url, &key_file).await?;
+    let blobs = root.join("blobs").display().to_string();
+    let token_arg = token_file.display().to_string();
+    let node_only = [
+        "--apiserver",
+        api_url.as_str(),
+        "--node-token-file",
+        token_arg.as_str(),
+    ];
+    let mut nodes = Vec::new();
+    for (i, (name, offset)) in [("skew-n1", None), ("skew-n2", Some("+10m"))]
+        .into_iter()
+        .enumerate()
+    {
+        let serve = cluster_node_flags(i, name, &blobs);
+        let serve: Vec<&str> = serve.iter().map(String::as_str).collect();
+        let env = offset
+            .map(|o| {
+                vec![
+                    ("LD_PRELOAD".to_string(), FAKETIME_LIB.to_string()),
+                    ("FAKETIME".to_string(), o.to_string()),
+                ]
+            })
+            .unwrap_or_default();
+        nodes.push(start_node_env(name, &serve, &node_only, env).await?);
+    }
+    // The shifted clock is real: the node's own process sees it.
+    let pid = nodes[1].proc.0.id();
+    let environ = std::fs::read(format!("/proc/{pid}/environ"))?;
+    assert!(String::from_utf8_lossy(&environ).contains("FAKETIME=+10m"));
+    let live = || async {
+        let listed = client.list_nodes().await.ok()?;
+        (listed.nodes.iter().filter(|n| n.live).count() == 2).then_some(())
+    };
+    wait_until(Duration::from_secs(15), live)
+        .await
+        .context("both nodes registered")?;
+
+    // Every sandbox goes to the skewed node (the other is drained).
+    client.drain_node("skew-n1", true).await?;
+    let tar = tokio::fs::File::open(dsec_e2e::base_tar()).await?;
+    client.upload_image("base", false, tar).await?;
+    let before = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?;
+    let sb = wait_until(Duration::from_secs(5), || async {
+        client
+            .create_sandbox(CreateSandboxRequest {
+                timeout_s: Some(60),
+                ..Default::default()
+            })
+            .await
+            .ok()
+            .filter(|sb| sb.node == "skew-n2")
+    })
+    .await
+    .context("a sandbox on the skewed node")?;
+    // Its times are the API server's, not the node's clock.
+    let now_ms = before.as_millis() as u64;
+    assert!(
+        sb.created_at.abs_diff(now_ms) < 30_000,
+        "created_at {} vs now {now_ms}",
+        sb.created_at
+    );
+    assert!(sb.expires_at.abs_diff(now_ms + 60_000) < 30_000);
+    // Past several heartbeat leases: both nodes stay live, the sandbox stays ready (its
+    // 60 s are counted on the node as a duration, not an instant 10 minutes away).
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    live().await.context("both nodes still live")?;
+    let got = client.get_sandbox(&sb.id).await?;
+    assert_eq!(got.state, SandboxState::Ready);
+    let r = client.exec(&sb.id, sh("echo fine")).await?;
+    assert_eq!(r.stdout, "fine\n");
+    client.delete_sandbox(&sb.id).await?;
+    assert!(node_sandboxes(&nodes[1].url, &nodes[1].token_file)
+        .await?
+        .is_empty());
+    for node in nodes {
+        node.stop()?;
+    }
     drop(etcd);
     Ok(())
 }
