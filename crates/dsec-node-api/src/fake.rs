@@ -184,6 +184,15 @@ impl FakeNode {
         ids
     }
 
+    /// What the node's sandboxes request in all, as its heartbeat reports it: CPU
+    /// (millicores), memory (bytes) and the number of sandboxes.
+    pub fn requested(&self) -> (u64, u64, u64) {
+        let st = self.state();
+        st.sandboxes.values().fold((0, 0, 0), |(c, m, n), s| {
+            (c + s.spec.cpu_millis, m + s.spec.memory_bytes, n + 1)
+        })
+    }
+
     /// Ids of the sandboxes whose lifetime ended and that are not destroyed yet, sorted.
     pub fn ended_ids(&self) -> Vec<String> {
         self.state().ended.keys().cloned().collect()
@@ -874,9 +883,16 @@ mod tests {
         );
         node.set_down(false);
         assert_eq!(node.sandbox_ids(), ["a", "b"]);
+        let one = sandbox_spec("b");
+        assert_eq!(
+            node.requested(),
+            (2 * one.cpu_millis, 2 * one.memory_bytes, 2),
+            "a and b are requested"
+        );
         node.destroy("a").await.expect("fake call");
         node.destroy("a").await.expect("fake call");
         assert_eq!(node.sandbox_ids(), ["b"]);
+        assert_eq!(node.requested(), (one.cpu_millis, one.memory_bytes, 1));
     }
 
     #[tokio::test]
