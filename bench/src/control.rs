@@ -255,7 +255,7 @@ async fn run(
         ids.push(id);
         samples.push(ms);
     }
-    let cv = nodes.cv();
+    let cv = (nodes.nodes.len() > 1).then(|| nodes.spread().0);
     let nodes_used = nodes.nodes.values().filter(|n| n.requested().2 > 0).count();
     futures::stream::iter(ids.iter().enumerate())
         .map(|(i, id)| via.delete(i, id))
@@ -307,9 +307,15 @@ impl Fleet {
                 (r.name.clone(), r)
             })
             .collect();
+        // Each admits what its registration says it holds, as a real node does.
         let nodes = regs
-            .keys()
-            .map(|name| (name.clone(), Arc::new(FakeNode::new(name))))
+            .iter()
+            .map(|(name, r)| {
+                let node = FakeNode::new(name);
+                node.set_admission(r.capacity.cpu_millis, r.capacity.memory_bytes);
+                node.set_max_sandboxes(r.capacity.max_sandboxes as usize);
+                (name.clone(), Arc::new(node))
+            })
             .collect();
         Self { nodes, regs }
     }
@@ -325,24 +331,37 @@ impl Fleet {
         })
     }
 
-    /// Coefficient of variation of the nodes' utilization (the fuller of requested CPU
-    /// and memory over capacity).
-    pub(crate) fn cv(&self) -> Option<f64> {
-        if self.nodes.len() < 2 {
-            return None;
-        }
-        let util: Vec<f64> = self
-            .nodes
+    /// Each node's utilization: the fuller of requested CPU and memory over capacity.
+    fn utilization(&self) -> Vec<f64> {
+        self.nodes
             .iter()
             .map(|(name, node)| {
                 let (cpu, mem, _) = node.requested();
                 let c = self.regs[name].capacity;
                 (cpu as f64 / c.cpu_millis as f64).max(mem as f64 / c.memory_bytes as f64)
             })
-            .collect();
-        let mean = util.iter().sum::<f64>() / util.len() as f64;
-        let var = util.iter().map(|u| (u - mean).powi(2)).sum::<f64>() / util.len() as f64;
-        Some(if mean > 0.0 { var.sqrt() / mean } else { 0.0 })
+            .collect()
+    }
+
+    /// Coefficient of variation of the nodes' utilization, the mean and the highest.
+    pub(crate) fn spread(&self) -> (f64, f64, f64) {
+        let util = self.utilization();
+        let mean = util.iter().sum::<f64>() / util.len().max(1) as f64;
+        let var = util.iter().map(|u| (u - mean).powi(2)).sum::<f64>() / util.len().max(1) as f64;
+        let max = util.iter().copied().fold(0.0, f64::max);
+        let cv = if mean > 0.0 { var.sqrt() / mean } else { 0.0 };
+        (cv, mean, max)
+    }
+
+    /// Creates the nodes refused (their admission: full).
+    fn refusals(&self) -> u64 {
+        self.nodes
+            .values()
+            .map(|n| {
+                n.counters.create_calls.load(Ordering::Relaxed)
+                    - n.counters.creates.load(Ordering::Relaxed)
+            })
+            .sum()
     }
 
     /// Sandboxes on the nodes now.
@@ -588,9 +607,49 @@ async fn redb_row(n: usize) -> anyhow::Result<Row> {
     row
 }
 
+/// The nodes' load spread after `n` creates with each placement strategy, through the
+/// same two replicas (in-process, on an in-memory store: the rate is the control
+/// plane's own, and the loads the replicas see are as stale as the heartbeats, 1 s);
+/// one JSON row per strategy.
+async fn imbalance(n: usize) -> anyhow::Result<Vec<serde_json::Value>> {
+    println!("| strategy | CV of node utilization | mean utilization | fullest node | refused by a node (retried) | failed | creates/s |");
+    println!("|---|---|---|---|---|---|---|");
+    let mut rows = Vec::new();
+    for strategy in [Strategy::SampleD, Strategy::Random, Strategy::LeastLoaded] {
+        let mem: Arc<dyn StateStore> = Arc::new(MemStore::new());
+        let cluster = Cluster::start(vec![mem.clone(), mem], Fleet::new(100), strategy).await?;
+        let via = cluster.in_process();
+        let via = &via;
+        let start = Instant::now();
+        let failed = futures::stream::iter(0..n)
+            .map(|i| async move { via.create(i, request(strategy.name(), i)).await.is_err() })
+            .buffer_unordered(IN_FLIGHT)
+            .filter(|failed| std::future::ready(*failed))
+            .count()
+            .await;
+        let rate = n as f64 / start.elapsed().as_secs_f64();
+        let (cv, mean, max) = cluster.fleet.spread();
+        let refused = cluster.fleet.refusals();
+        println!(
+            "| {} | {cv:.3} | {:.0}% | {:.0}% | {refused} | {failed} | {rate:.0} |",
+            strategy.name(),
+            mean * 100.0,
+            max * 100.0
+        );
+        rows.push(
+            serde_json::json!({"strategy": strategy.name(), "creates": n, "cv": cv,
+            "mean_util": mean, "max_util": max, "node_refusals": refused, "failed": failed,
+            "creates_per_s": rate}),
+        );
+        cluster.stop().await;
+    }
+    Ok(rows)
+}
+
 /// Prints (and records) the control-plane table.
 pub fn section(quick: bool) -> anyhow::Result<()> {
-    let n = if quick { 2_000 } else { 20_000 };
+    let n = if quick { 1_000 } else { 5_000 };
+    let fill = if quick { 5_000 } else { 20_000 };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -621,12 +680,12 @@ pub fn section(quick: bool) -> anyhow::Result<()> {
         cluster.stop().await;
         rows.push(redb_row(n).await?);
 
-        println!("| setup | creates/s | p50 ms | p99 ms | store reads / writes per create | per delete | CPU ms per create: bench process / host | CV of node utilization |");
-        println!("|---|---|---|---|---|---|---|---|");
+        println!("| setup | creates/s | p50 ms | p99 ms | store reads / writes per create | per delete | CPU ms per create: bench process / host |");
+        println!("|---|---|---|---|---|---|---|");
         let mut json = Vec::new();
         for r in &rows {
             println!(
-                "| {} | {:.0} | {:.2} | {:.2} | {:.2} / {:.2} | {:.2} / {:.2} | {:.2} / {:.2} | {} |",
+                "| {} | {:.0} | {:.2} | {:.2} | {:.2} / {:.2} | {:.2} / {:.2} | {:.2} / {:.2} |",
                 r.name,
                 r.rate,
                 r.latency.pct(50.0),
@@ -637,7 +696,6 @@ pub fn section(quick: bool) -> anyhow::Result<()> {
                 r.writes_per_delete,
                 r.cpu_ms_per_create,
                 r.host_cpu_ms_per_create,
-                r.cv.map_or("-".into(), |cv| format!("{cv:.3}")),
             );
             json.push(serde_json::json!({"setup": r.name, "creates": r.creates, "creates_per_s": r.rate,
                 "p50_ms": r.latency.pct(50.0), "p99_ms": r.latency.pct(99.0),
@@ -648,7 +706,7 @@ pub fn section(quick: bool) -> anyhow::Result<()> {
         }
         if let Some((rate, lat)) = etcd_put {
             println!(
-                "| etcd alone: {} single-put txns (1.5 kB), 2 clients | {rate:.0} txns/s | {:.2} | {:.2} | 0 / 1 | | | |",
+                "| etcd alone: {} single-put txns (1.5 kB), 2 clients | {rate:.0} txns/s | {:.2} | {:.2} | 0 / 1 | | |",
                 2 * n,
                 lat.pct(50.0),
                 lat.pct(99.0)
@@ -657,6 +715,11 @@ pub fn section(quick: bool) -> anyhow::Result<()> {
                 "p50_ms": lat.pct(50.0), "p99_ms": lat.pct(99.0)}));
         }
         record("control plane alone", serde_json::Value::Array(json));
+        println!(
+            "\n## control plane alone: load spread after {fill} creates on the 100 simulated nodes, 2 replicas in-process, memory store\n"
+        );
+        let rows = imbalance(fill).await?;
+        record("control plane load spread", serde_json::Value::Array(rows));
         Ok(())
     })
 }
