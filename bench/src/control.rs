@@ -161,6 +161,35 @@ fn process_cpu_ms() -> f64 {
     ms(ru.ru_utime) + ms(ru.ru_stime)
 }
 
+/// CPU time of the processes whose command line names `marker` (etcd: its data
+/// directory), ms.
+fn processes_cpu_ms(marker: &str) -> f64 {
+    // SAFETY: sysconf with a constant name.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return f64::NAN;
+    };
+    let mut ticks = 0u64;
+    for e in dir.flatten() {
+        let p = e.path();
+        let named = std::fs::read(p.join("cmdline"))
+            .is_ok_and(|c| String::from_utf8_lossy(&c).contains(marker));
+        let Some(stat) = named
+            .then(|| std::fs::read_to_string(p.join("stat")).ok())
+            .flatten()
+        else {
+            continue;
+        };
+        // After the command name: state is field 3, utime 14 and stime 15.
+        if let Some((_, rest)) = stat.rsplit_once(')') {
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            ticks += f.get(11).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
+                + f.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        }
+    }
+    ticks as f64 * 1000.0 / hz
+}
+
 /// How a run reaches the planes.
 #[derive(Debug, Clone)]
 enum Via {
@@ -215,6 +244,8 @@ pub(crate) struct Row {
     pub(crate) writes_per_delete: f64,
     /// CPU of this process per create, ms (planes, HTTP both sides, nodes, client).
     pub(crate) cpu_ms_per_create: f64,
+    /// CPU of etcd per create, ms.
+    pub(crate) etcd_cpu_ms_per_create: f64,
     /// CPU of the whole host per create, ms (etcd included).
     pub(crate) host_cpu_ms_per_create: f64,
     /// Coefficient of variation of the nodes' utilization after the creates (`None`:
@@ -232,9 +263,11 @@ async fn run(
     counts: &Counts,
     nodes: &Fleet,
     n: usize,
+    etcd: Option<&str>,
 ) -> anyhow::Result<Row> {
     let (r0, w0) = counts.now();
-    let (cpu0, host0) = (process_cpu_ms(), HostCpu::now());
+    let etcd_cpu = || etcd.map_or(0.0, processes_cpu_ms);
+    let (cpu0, etcd0, host0) = (process_cpu_ms(), etcd_cpu(), HostCpu::now());
     let start = Instant::now();
     let results: Vec<anyhow::Result<(String, f64)>> = futures::stream::iter(0..n)
         .map(|i| async move {
@@ -246,7 +279,7 @@ async fn run(
         .collect()
         .await;
     let elapsed = start.elapsed().as_secs_f64();
-    let (cpu1, host) = (process_cpu_ms(), host0.elapsed_ms());
+    let (cpu1, etcd1, host) = (process_cpu_ms(), etcd_cpu(), host0.elapsed_ms());
     let (r1, w1) = counts.now();
     let mut ids = Vec::new();
     let mut samples = Vec::new();
@@ -280,6 +313,7 @@ async fn run(
         reads_per_delete: per(r1, r2),
         writes_per_delete: per(w1, w2),
         cpu_ms_per_create: (cpu1 - cpu0) / n as f64,
+        etcd_cpu_ms_per_create: (etcd1 - etcd0) / n as f64,
         host_cpu_ms_per_create: host / n as f64,
         cv,
         nodes_used,
@@ -537,10 +571,11 @@ async fn etcd_stores(
     Ok(stores)
 }
 
-/// etcd alone: `n` single-put transactions of a record-sized value, 64 in flight, two
-/// clients (the replicas' share of what a create costs the store).
-async fn etcd_alone(stores: &[Arc<dyn StateStore>], n: usize) -> anyhow::Result<(f64, Stats)> {
+/// etcd alone: `n` single-put transactions of a record-sized value, 64 in flight, from
+/// two clients (what the store can commit, without a control plane); a row per txn.
+async fn etcd_alone(stores: &[Arc<dyn StateStore>], n: usize, etcd: &str) -> anyhow::Result<Row> {
     let value = vec![b'x'; 1500];
+    let (cpu0, etcd0, host0) = (process_cpu_ms(), processes_cpu_ms(etcd), HostCpu::now());
     let start = Instant::now();
     let samples: Vec<f64> = futures::stream::iter(0..n)
         .map(|i| {
@@ -559,15 +594,27 @@ async fn etcd_alone(stores: &[Arc<dyn StateStore>], n: usize) -> anyhow::Result<
         .await
         .into_iter()
         .collect::<anyhow::Result<_>>()?;
-    let rate = n as f64 / start.elapsed().as_secs_f64();
-    Ok((
-        rate,
-        Stats {
+    let elapsed = start.elapsed().as_secs_f64();
+    let per = |ms: f64| ms / n as f64;
+    Ok(Row {
+        name: format!("etcd alone: {n} single-put txns of 1.5 kB (per txn, not per create)"),
+        creates: n,
+        rate: n as f64 / elapsed,
+        latency: Stats {
             name: "etcd put".into(),
             samples,
             note: None,
         },
-    ))
+        reads_per_create: 0.0,
+        writes_per_create: 1.0,
+        reads_per_delete: f64::NAN,
+        writes_per_delete: f64::NAN,
+        cpu_ms_per_create: per(process_cpu_ms() - cpu0),
+        etcd_cpu_ms_per_create: per(processes_cpu_ms(etcd) - etcd0),
+        host_cpu_ms_per_create: per(host0.elapsed_ms()),
+        cv: None,
+        nodes_used: 0,
+    })
 }
 
 /// One plane on redb onto one fake node: `dsec serve`'s control plane and store.
@@ -581,13 +628,11 @@ async fn redb_row(n: usize) -> anyhow::Result<Row> {
         counts: counts.clone(),
     });
     let fleet = Fleet::new(1);
-    let node = fleet
-        .nodes
-        .values()
-        .next()
-        .cloned()
-        .map(|n| n as Arc<dyn NodeApi>);
+    let node = fleet.nodes.values().next().cloned();
     let node = node.ok_or_else(|| anyhow::anyhow!("no node"))?;
+    // One node holds every sandbox of the run.
+    node.set_admission(u64::MAX, u64::MAX);
+    node.set_max_sandboxes(0);
     let cfg = ControlConfig {
         reap_interval: Duration::from_secs(1),
         ..ControlConfig::with_key(KEY.into())
@@ -601,6 +646,7 @@ async fn redb_row(n: usize) -> anyhow::Result<Row> {
         &counts,
         &fleet,
         n,
+        None,
     )
     .await;
     let _ = std::fs::remove_dir_all(&dir);
@@ -659,60 +705,57 @@ pub fn section(quick: bool) -> anyhow::Result<()> {
             "\n## control plane alone: {n} keyed creates, {IN_FLIGHT} in flight, 2 API servers, 100 simulated nodes\n"
         );
         let mut rows = Vec::new();
-        let mut etcd_put = None;
         match dsec_testkit::Etcd::start("bench-control-plane") {
             Some(etcd) => {
+                let marker = etcd.dir().to_string_lossy().into_owned();
+                let marker = Some(marker.as_str());
                 let stores = etcd_stores(&etcd.endpoints(), "/bench", 2).await?;
                 let cluster = Cluster::start(stores, Fleet::new(100), Strategy::SampleD).await?;
+                let (counts, fleet) = (&cluster.counts, &cluster.fleet);
                 let via = cluster.http()?;
-                rows.push(run("etcd, 2 API servers over HTTP", &via, &cluster.counts, &cluster.fleet, n).await?);
+                rows.push(run("etcd, 2 API servers over HTTP", &via, counts, fleet, n, marker).await?);
                 let via = cluster.in_process();
-                rows.push(run("etcd, 2 planes in-process", &via, &cluster.counts, &cluster.fleet, n).await?);
+                rows.push(run("etcd, 2 planes in-process", &via, counts, fleet, n, marker).await?);
                 cluster.stop().await;
                 let stores = etcd_stores(&etcd.endpoints(), "/bench-put", 2).await?;
-                etcd_put = Some(etcd_alone(&stores, 2 * n).await?);
+                rows.push(etcd_alone(&stores, 2 * n, marker.unwrap_or_default()).await?);
             }
             None => println!("(etcd is not installed: the etcd rows are missing)\n"),
         }
         let mem: Arc<dyn StateStore> = Arc::new(MemStore::new());
         let cluster = Cluster::start(vec![mem.clone(), mem], Fleet::new(100), Strategy::SampleD).await?;
-        rows.push(run("memory store, 2 planes in-process", &cluster.in_process(), &cluster.counts, &cluster.fleet, n).await?);
+        let (counts, fleet) = (&cluster.counts, &cluster.fleet);
+        rows.push(run("memory store, 2 planes in-process", &cluster.in_process(), counts, fleet, n, None).await?);
         cluster.stop().await;
         rows.push(redb_row(n).await?);
 
-        println!("| setup | creates/s | p50 ms | p99 ms | store reads / writes per create | per delete | CPU ms per create: bench process / host |");
+        println!("| setup | creates/s | p50 ms | p99 ms | store reads / writes per create | per delete | CPU ms per create: bench process / etcd / whole host |");
         println!("|---|---|---|---|---|---|---|");
         let mut json = Vec::new();
         for r in &rows {
+            let delete = if r.writes_per_delete.is_nan() {
+                String::new()
+            } else {
+                format!("{:.2} / {:.2}", r.reads_per_delete, r.writes_per_delete)
+            };
             println!(
-                "| {} | {:.0} | {:.2} | {:.2} | {:.2} / {:.2} | {:.2} / {:.2} | {:.2} / {:.2} |",
+                "| {} | {:.0} | {:.2} | {:.2} | {:.2} / {:.2} | {delete} | {:.2} / {:.2} / {:.2} |",
                 r.name,
                 r.rate,
                 r.latency.pct(50.0),
                 r.latency.pct(99.0),
                 r.reads_per_create,
                 r.writes_per_create,
-                r.reads_per_delete,
-                r.writes_per_delete,
                 r.cpu_ms_per_create,
+                r.etcd_cpu_ms_per_create,
                 r.host_cpu_ms_per_create,
             );
             json.push(serde_json::json!({"setup": r.name, "creates": r.creates, "creates_per_s": r.rate,
                 "p50_ms": r.latency.pct(50.0), "p99_ms": r.latency.pct(99.0),
                 "reads_per_create": r.reads_per_create, "writes_per_create": r.writes_per_create,
                 "reads_per_delete": r.reads_per_delete, "writes_per_delete": r.writes_per_delete,
-                "cpu_ms_per_create": r.cpu_ms_per_create, "host_cpu_ms_per_create": r.host_cpu_ms_per_create,
-                "cv": r.cv, "nodes_used": r.nodes_used}));
-        }
-        if let Some((rate, lat)) = etcd_put {
-            println!(
-                "| etcd alone: {} single-put txns (1.5 kB), 2 clients | {rate:.0} txns/s | {:.2} | {:.2} | 0 / 1 | | |",
-                2 * n,
-                lat.pct(50.0),
-                lat.pct(99.0)
-            );
-            json.push(serde_json::json!({"setup": "etcd alone", "txns": 2 * n, "txns_per_s": rate,
-                "p50_ms": lat.pct(50.0), "p99_ms": lat.pct(99.0)}));
+                "cpu_ms_per_create": r.cpu_ms_per_create, "etcd_cpu_ms_per_create": r.etcd_cpu_ms_per_create,
+                "host_cpu_ms_per_create": r.host_cpu_ms_per_create, "cv": r.cv, "nodes_used": r.nodes_used}));
         }
         record("control plane alone", serde_json::Value::Array(json));
         println!(
@@ -737,7 +780,7 @@ mod tests {
         let cluster =
             Cluster::start(vec![mem.clone(), mem], Fleet::new(5), Strategy::SampleD).await?;
         let via = cluster.http()?;
-        let row = run("smoke", &via, &cluster.counts, &cluster.fleet, 200).await?;
+        let row = run("smoke", &via, &cluster.counts, &cluster.fleet, 200, None).await?;
         assert_eq!(row.latency.samples.len(), 200);
         // A keyed create is two commits: its record with key and claim, then `ready`.
         assert_eq!(row.writes_per_create, 2.0, "{row:?}");
