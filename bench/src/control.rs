@@ -707,8 +707,8 @@ pub fn section(quick: bool) -> anyhow::Result<()> {
         let mut rows = Vec::new();
         match dsec_testkit::Etcd::start("bench-control-plane") {
             Some(etcd) => {
-                let marker = etcd.dir().to_string_lossy().into_owned();
-                let marker = Some(marker.as_str());
+                let dir = etcd.dir().to_string_lossy().into_owned();
+                let marker = Some(dir.as_str());
                 let stores = etcd_stores(&etcd.endpoints(), "/bench", 2).await?;
                 let cluster = Cluster::start(stores, Fleet::new(100), Strategy::SampleD).await?;
                 let (counts, fleet) = (&cluster.counts, &cluster.fleet);
@@ -718,7 +718,7 @@ pub fn section(quick: bool) -> anyhow::Result<()> {
                 rows.push(run("etcd, 2 planes in-process", &via, counts, fleet, n, marker).await?);
                 cluster.stop().await;
                 let stores = etcd_stores(&etcd.endpoints(), "/bench-put", 2).await?;
-                rows.push(etcd_alone(&stores, 2 * n, marker.unwrap_or_default()).await?);
+                rows.push(etcd_alone(&stores, 2 * n, &dir).await?);
             }
             None => println!("(etcd is not installed: the etcd rows are missing)\n"),
         }
