@@ -45,8 +45,8 @@ struct Args {
     json: Option<PathBuf>,
     /// Run only these sections (comma-separated): runtimes, exec (its exec table alone), network, concurrency,
     /// sustained, backlog, teardown, cpu, job, idle, idle-cpu, density, files, provision, burst,
-    /// placement (simulated, needs neither root nor a server), control-plane (control-plane
-    /// replicas over etcd onto a fake node; needs etcd, not root).
+    /// placement (simulated, needs neither root nor a server), control-plane (2 API servers
+    /// over etcd and 100 simulated nodes; needs etcd, not root).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Containers in the burst section (default 256, quick 48).

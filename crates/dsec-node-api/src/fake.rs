@@ -82,6 +82,8 @@ struct State {
     down: bool,
     /// At most this many sandboxes (0: no limit).
     max_sandboxes: usize,
+    /// At most this much requested CPU (millicores) and memory (bytes) in all.
+    admit: Option<(u64, u64)>,
     /// How long each ping takes.
     ping_latency: std::time::Duration,
     /// Set: paused sandboxes act frozen (pings wait for the resume), and a resume
@@ -149,6 +151,12 @@ impl FakeNode {
         self.state().max_sandboxes = n;
     }
 
+    /// Admits sandboxes only while their requests add up to at most `cpu_millis` and
+    /// `memory_bytes`, as a real node's admission does; more answer `capacity`.
+    pub fn set_admission(&self, cpu_millis: u64, memory_bytes: u64) {
+        self.state().admit = Some((cpu_millis, memory_bytes));
+    }
+
     /// The next create fails with `error` (and creates nothing).
     pub fn fail_next_create(&self, error: ApiError) {
         self.state().fail_next_create = Some(error);
@@ -182,6 +190,15 @@ impl FakeNode {
         let mut ids: Vec<String> = self.state().sandboxes.keys().cloned().collect();
         ids.sort();
         ids
+    }
+
+    /// What the node's sandboxes request in all, as its heartbeat reports it: CPU
+    /// (millicores), memory (bytes) and the number of sandboxes.
+    pub fn requested(&self) -> (u64, u64, u64) {
+        let st = self.state();
+        st.sandboxes.values().fold((0, 0, 0), |(c, m, n), s| {
+            (c + s.spec.cpu_millis, m + s.spec.memory_bytes, n + 1)
+        })
     }
 
     /// Ids of the sandboxes whose lifetime ended and that are not destroyed yet, sorted.
@@ -417,6 +434,17 @@ impl NodeApi for FakeNode {
                 ErrorCode::Capacity,
                 format!("node {} at capacity: sandboxes", self.name),
             ));
+        }
+        if let Some((cpu, mem)) = st.admit {
+            let (c, m) = st.sandboxes.values().fold((0, 0), |(c, m), s| {
+                (c + s.spec.cpu_millis, m + s.spec.memory_bytes)
+            });
+            if c + spec.cpu_millis > cpu || m + spec.memory_bytes > mem {
+                return Err(ApiError::new(
+                    ErrorCode::Capacity,
+                    format!("node {} at capacity: requests", self.name),
+                ));
+            }
         }
         let image = st.images.get(&spec.image).cloned().ok_or_else(|| {
             ApiError::new(
@@ -853,6 +881,15 @@ mod tests {
         let e = node.create(sandbox_spec("b")).await.expect_err("must fail");
         assert_eq!(e.code, ErrorCode::Capacity);
         node.set_max_sandboxes(0);
+        let one = sandbox_spec("x");
+        node.set_admission(2 * one.cpu_millis - 1, u64::MAX);
+        let e = node.create(sandbox_spec("b")).await.expect_err("must fail");
+        assert_eq!(
+            e.code,
+            ErrorCode::Capacity,
+            "a CPU request over the admission"
+        );
+        node.set_admission(u64::MAX, 2 * one.memory_bytes);
         node.fail_next_create(ApiError::new(ErrorCode::Failed, "boom"));
         assert_eq!(
             node.create(sandbox_spec("b"))
@@ -874,9 +911,15 @@ mod tests {
         );
         node.set_down(false);
         assert_eq!(node.sandbox_ids(), ["a", "b"]);
+        assert_eq!(
+            node.requested(),
+            (2 * one.cpu_millis, 2 * one.memory_bytes, 2),
+            "a and b are requested"
+        );
         node.destroy("a").await.expect("fake call");
         node.destroy("a").await.expect("fake call");
         assert_eq!(node.sandbox_ids(), ["b"]);
+        assert_eq!(node.requested(), (one.cpu_millis, one.memory_bytes, 1));
     }
 
     #[tokio::test]
