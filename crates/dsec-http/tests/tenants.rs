@@ -225,10 +225,14 @@ async fn a_tenant_cannot_see_or_touch_another_tenants_sandbox() {
                     "{method} {path}: the words of an unknown id"
                 );
             }
-            // The E2B and SWE-ReX fronts answer in their own shapes, still 404.
-            for (method, path, body) in [
+        }
+        // The E2B and SWE-ReX fronts answer in their own shapes: alice's id gets exactly
+        // what a guessed id gets, and never success.
+        let fronts = |target: &str| {
+            vec![
                 (Method::GET, format!("/e2b/sandboxes/{target}"), None),
                 (Method::DELETE, format!("/e2b/sandboxes/{target}"), None),
+                (Method::POST, format!("/e2b/sandboxes/{target}/pause"), None),
                 (
                     Method::POST,
                     format!("/swerex/{target}/execute"),
@@ -239,10 +243,19 @@ async fn a_tenant_cannot_see_or_touch_another_tenants_sandbox() {
                     format!("/swerex/{target}/read_file"),
                     Some(json!({"path": "/etc/hostname"})),
                 ),
-            ] {
-                let (st, v) = c.call(r, &bob, method.clone(), &path, body).await;
-                assert_eq!(st, StatusCode::NOT_FOUND, "{method} {path}: {v}");
-            }
+            ]
+        };
+        for (owned, guessed) in fronts(&id).into_iter().zip(fronts("sb-guessed00000")) {
+            let (method, path, body) = owned;
+            let (st, v) = c.call(r, &bob, method.clone(), &path, body).await;
+            let (gst, gv) = c.call(r, &bob, guessed.0, &guessed.1, guessed.2).await;
+            assert!(!st.is_success(), "{method} {path}: {v}");
+            assert_eq!(st, gst, "{method} {path}: as for a guessed id");
+            assert_eq!(
+                v.to_string().replace(&id, "ID"),
+                gv.to_string().replace("sb-guessed00000", "ID"),
+                "{method} {path}"
+            );
         }
         // Bob's key is not an admin's.
         let (st, v) = c.call(r, &bob, Method::GET, "/v1/tenants", None).await;
