@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dsec_control::nodes::Dialer;
-use dsec_control::{ControlConfig, ControlPlane, FleetNodes, SandboxApi};
+use dsec_control::{ControlConfig, ControlPlane, FleetNodes, Principal, SandboxApi};
 use dsec_fleet::{FleetView, PlacementConfig, Placer, Registry, Strategy};
 use dsec_node_api::fake::FakeNode;
 use dsec_node_api::NodeApi;
@@ -212,7 +212,7 @@ impl Via {
         match self {
             Via::Http(c) => Ok(c[i % n].create_sandbox(req).await?.id),
             Via::InProcess(p) => Ok(p[i % n]
-                .create_sandbox(req)
+                .create_sandbox(&Principal::bootstrap(), req)
                 .await
                 .map_err(|e| anyhow::anyhow!("create: {}", e.message))?
                 .id),
@@ -224,7 +224,7 @@ impl Via {
         match self {
             Via::Http(c) => Ok(c[i % n].delete_sandbox(id).await?),
             Via::InProcess(p) => p[i % n]
-                .delete_sandbox(id)
+                .delete_sandbox(&Principal::bootstrap(), id)
                 .await
                 .map_err(|e| anyhow::anyhow!("delete: {}", e.message)),
         }
@@ -511,7 +511,7 @@ impl Cluster {
         for plane in &self.planes {
             loop {
                 let live = plane
-                    .list_nodes()
+                    .list_nodes(&Principal::bootstrap())
                     .await
                     .map_err(|e| anyhow::anyhow!("listing nodes: {}", e.message))?
                     .nodes

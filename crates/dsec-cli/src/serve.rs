@@ -263,7 +263,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         upload_idle_timeout: std::time::Duration::from_secs(args.upload_idle_timeout_s),
         tcp_keepalive: std::time::Duration::from_secs(args.tcp_keepalive_s),
     };
-    dsec_http::serve(listener, plane, http, shutdown)
+    // The key is the bootstrap admin: `dsec tenant` / `dsec key` manage the rest.
+    let admin = dsec_http::admin::admin_router(plane.iam().clone());
+    dsec_http::serve_with(listener, plane, http, admin, shutdown)
         .await
         .context("serving HTTP")?;
     stop(local).await
@@ -482,7 +484,8 @@ pub async fn run_apiserver(args: ApiserverArgs) -> anyhow::Result<()> {
         upload_idle_timeout: Duration::from_secs(args.upload_idle_timeout_s),
         tcp_keepalive: Duration::from_secs(args.tcp_keepalive_s),
     };
-    dsec_http::serve_with(listener, plane, http, registration, shutdown_signal())
+    let extra = registration.merge(dsec_http::admin::admin_router(plane.iam().clone()));
+    dsec_http::serve_with(listener, plane, http, extra, shutdown_signal())
         .await
         .context("serving HTTP")
 }
@@ -502,19 +505,33 @@ async fn stop(node: Arc<LocalNode>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `dsec serve --cleanup`: deletes every sandbox, then stops as a node with none left.
+/// `dsec serve --cleanup`: deletes every sandbox (of every tenant), then stops as a node
+/// with none left.
 async fn cleanup(plane: &Arc<ControlPlane>, node: Arc<LocalNode>) -> anyhow::Result<()> {
-    use dsec_control::SandboxApi;
-    let list = plane
-        .list_sandboxes(Default::default())
+    use dsec_control::{Principal, SandboxApi, Scope};
+    let tenants = plane
+        .iam()
+        .list_tenants()
         .await
-        .map_err(|e| anyhow::anyhow!("listing sandboxes: {}", e.message))?;
-    for sb in list.sandboxes {
-        plane
-            .delete_sandbox(&sb.id)
+        .map_err(|e| anyhow::anyhow!("listing tenants: {e}"))?;
+    for tenant in tenants {
+        // Each tenant's sandboxes, as that tenant sees them.
+        let caller = Principal {
+            tenant: tenant.name,
+            key_id: dsec_iam::BOOTSTRAP_KEY_ID.into(),
+            scopes: vec![Scope::Sandboxes],
+        };
+        let list = plane
+            .list_sandboxes(&caller, Default::default())
             .await
-            .map_err(|e| anyhow::anyhow!("deleting sandbox {}: {}", sb.id, e.message))?;
-        println!("deleted sandbox {}", sb.id);
+            .map_err(|e| anyhow::anyhow!("listing sandboxes: {}", e.message))?;
+        for sb in list.sandboxes {
+            plane
+                .delete_sandbox(&caller, &sb.id)
+                .await
+                .map_err(|e| anyhow::anyhow!("deleting sandbox {}: {}", sb.id, e.message))?;
+            println!("deleted sandbox {}", sb.id);
+        }
     }
     stop(node).await?;
     println!("removed this node's traces from the host");

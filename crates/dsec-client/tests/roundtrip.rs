@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use dsec_client::{Client, ClientError};
 use dsec_control::api::ApiResult;
-use dsec_control::{ByteStream, EventStream, SandboxApi};
+use dsec_control::{ByteStream, EventStream, Principal, SandboxApi};
 use dsec_wire::v1::*;
 use dsec_wire::{ApiError, ErrorCode};
 use futures::StreamExt;
@@ -51,9 +51,13 @@ async fn collect(mut body: ByteStream) -> ApiResult<Vec<u8>> {
 
 #[async_trait::async_trait]
 impl SandboxApi for Fake {
-    fn authenticate(&self, key: Option<&str>) -> ApiResult<()> {
+    fn authenticate(&self, key: Option<&str>) -> ApiResult<Principal> {
         if key == Some(KEY) {
-            Ok(())
+            Ok(Principal {
+                tenant: "default".into(),
+                key_id: "test".into(),
+                scopes: dsec_control::Scope::ALL.to_vec(),
+            })
         } else {
             Err(ApiError::new(ErrorCode::Unauthorized, "bad key"))
         }
@@ -70,52 +74,80 @@ impl SandboxApi for Fake {
             capacity: None,
         })
     }
-    async fn create_sandbox(&self, _: CreateSandboxRequest) -> ApiResult<Sandbox> {
+    async fn create_sandbox(
+        &self,
+        _caller: &Principal,
+        _: CreateSandboxRequest,
+    ) -> ApiResult<Sandbox> {
         nope()
     }
-    async fn get_sandbox(&self, id: &str) -> ApiResult<Sandbox> {
+    async fn get_sandbox(&self, _caller: &Principal, id: &str) -> ApiResult<Sandbox> {
         Err(ApiError::new(
             ErrorCode::NotFound,
             format!("no sandbox {id}"),
         ))
     }
-    async fn list_sandboxes(&self, labels: BTreeMap<String, String>) -> ApiResult<SandboxList> {
+    async fn list_sandboxes(
+        &self,
+        _caller: &Principal,
+        labels: BTreeMap<String, String>,
+    ) -> ApiResult<SandboxList> {
         Err(ApiError::new(ErrorCode::BadRequest, format!("{labels:?}")))
     }
-    async fn delete_sandbox(&self, _: &str) -> ApiResult<()> {
+    async fn delete_sandbox(&self, _caller: &Principal, _: &str) -> ApiResult<()> {
         Ok(())
     }
-    async fn set_timeout(&self, _: &str, _: SetTimeoutRequest) -> ApiResult<Sandbox> {
+    async fn set_timeout(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        _: SetTimeoutRequest,
+    ) -> ApiResult<Sandbox> {
         nope()
     }
-    async fn set_network(&self, _: &str, _: NetworkPolicy) -> ApiResult<Sandbox> {
+    async fn set_network(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        _: NetworkPolicy,
+    ) -> ApiResult<Sandbox> {
         nope()
     }
-    async fn pause_sandbox(&self, _: &str) -> ApiResult<PauseResult> {
+    async fn pause_sandbox(&self, _caller: &Principal, _: &str) -> ApiResult<PauseResult> {
         nope()
     }
-    async fn resume_sandbox(&self, _: &str) -> ApiResult<Sandbox> {
+    async fn resume_sandbox(&self, _caller: &Principal, _: &str) -> ApiResult<Sandbox> {
         nope()
     }
-    async fn gc_images(&self, _: GcRequest) -> ApiResult<GcResult> {
+    async fn gc_images(&self, _caller: &Principal, _: GcRequest) -> ApiResult<GcResult> {
         nope()
     }
-    async fn build_image(&self, _: BuildRequest) -> ApiResult<BuildResult> {
+    async fn build_image(&self, _caller: &Principal, _: BuildRequest) -> ApiResult<BuildResult> {
         nope()
     }
-    async fn commit_sandbox(&self, _: &str, _: CommitRequest) -> ApiResult<Image> {
+    async fn commit_sandbox(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        _: CommitRequest,
+    ) -> ApiResult<Image> {
         nope()
     }
-    async fn suspend_job(&self, _: &str) -> ApiResult<JobResult> {
+    async fn suspend_job(&self, _caller: &Principal, _: &str) -> ApiResult<JobResult> {
         nope()
     }
-    async fn resume_job(&self, _: &str) -> ApiResult<JobResult> {
+    async fn resume_job(&self, _caller: &Principal, _: &str) -> ApiResult<JobResult> {
         nope()
     }
-    async fn exec(&self, _: &str, _: ExecRequest) -> ApiResult<ExecResult> {
+    async fn exec(&self, _caller: &Principal, _: &str, _: ExecRequest) -> ApiResult<ExecResult> {
         nope()
     }
-    async fn exec_stream(&self, _: &str, req: ExecRequest) -> ApiResult<EventStream> {
+    async fn exec_stream(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        req: ExecRequest,
+    ) -> ApiResult<EventStream> {
         let text = req.cmd.display();
         let events = vec![
             ExecEvent::Started { pid: 1 },
@@ -133,34 +165,46 @@ impl SandboxApi for Fake {
         ];
         Ok(futures::stream::iter(events).boxed())
     }
-    async fn create_session(&self, _: &str, _: CreateSessionRequest) -> ApiResult<SessionInfo> {
+    async fn create_session(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        _: CreateSessionRequest,
+    ) -> ApiResult<SessionInfo> {
         nope()
     }
-    async fn list_sessions(&self, _: &str) -> ApiResult<SessionList> {
+    async fn list_sessions(&self, _caller: &Principal, _: &str) -> ApiResult<SessionList> {
         nope()
     }
     async fn run_in_session(
         &self,
+        _caller: &Principal,
         _: &str,
         _: &str,
         _: SessionRunRequest,
     ) -> ApiResult<SessionResult> {
         nope()
     }
-    async fn interrupt_session(&self, _: &str, _: &str) -> ApiResult<()> {
+    async fn interrupt_session(&self, _caller: &Principal, _: &str, _: &str) -> ApiResult<()> {
         nope()
     }
-    async fn close_session(&self, _: &str, _: &str) -> ApiResult<()> {
+    async fn close_session(&self, _caller: &Principal, _: &str, _: &str) -> ApiResult<()> {
         nope()
     }
-    async fn start_process(&self, _: &str, _: StartProcessRequest) -> ApiResult<ProcessInfo> {
+    async fn start_process(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        _: StartProcessRequest,
+    ) -> ApiResult<ProcessInfo> {
         nope()
     }
-    async fn list_processes(&self, _: &str) -> ApiResult<ProcessList> {
+    async fn list_processes(&self, _caller: &Principal, _: &str) -> ApiResult<ProcessList> {
         nope()
     }
     async fn process_output(
         &self,
+        _caller: &Principal,
         _: &str,
         _: u32,
         _: u64,
@@ -169,17 +213,36 @@ impl SandboxApi for Fake {
     ) -> ApiResult<EventStream> {
         nope()
     }
-    async fn process_stdin(&self, _: &str, _: u32, _: StdinRequest) -> ApiResult<()> {
+    async fn process_stdin(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        _: u32,
+        _: StdinRequest,
+    ) -> ApiResult<()> {
         nope()
     }
-    async fn signal_process(&self, _: &str, _: u32, _: SignalRequest) -> ApiResult<()> {
+    async fn signal_process(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        _: u32,
+        _: SignalRequest,
+    ) -> ApiResult<()> {
         nope()
     }
-    async fn resize_process(&self, _: &str, _: u32, _: PtySize) -> ApiResult<()> {
+    async fn resize_process(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        _: u32,
+        _: PtySize,
+    ) -> ApiResult<()> {
         nope()
     }
     async fn read_file(
         &self,
+        _caller: &Principal,
         _: &str,
         path: &str,
         offset: u64,
@@ -203,6 +266,7 @@ impl SandboxApi for Fake {
     }
     async fn write_file(
         &self,
+        _caller: &Principal,
         _: &str,
         path: &str,
         mode: Option<u32>,
@@ -216,10 +280,10 @@ impl SandboxApi for Fake {
             .insert(path.to_owned(), (data, mode.unwrap_or(0o644)));
         Ok(WriteResult { bytes })
     }
-    async fn list_files(&self, _: &str, _: &str) -> ApiResult<FileList> {
+    async fn list_files(&self, _caller: &Principal, _: &str, _: &str) -> ApiResult<FileList> {
         nope()
     }
-    async fn stat_file(&self, _: &str, path: &str) -> ApiResult<FileInfo> {
+    async fn stat_file(&self, _caller: &Principal, _: &str, path: &str) -> ApiResult<FileInfo> {
         let files = self.files.lock().expect("lock");
         match files.get(path) {
             Some((d, m)) => Ok(info(path, FileKind::File, d.len() as u64, *m)),
@@ -232,16 +296,21 @@ impl SandboxApi for Fake {
             )),
         }
     }
-    async fn mkdir(&self, _: &str, _: MkdirRequest) -> ApiResult<()> {
+    async fn mkdir(&self, _caller: &Principal, _: &str, _: MkdirRequest) -> ApiResult<()> {
         nope()
     }
-    async fn remove_file(&self, _: &str, _: &str, _: bool) -> ApiResult<()> {
+    async fn remove_file(&self, _caller: &Principal, _: &str, _: &str, _: bool) -> ApiResult<()> {
         nope()
     }
-    async fn rename_file(&self, _: &str, _: RenameRequest) -> ApiResult<()> {
+    async fn rename_file(&self, _caller: &Principal, _: &str, _: RenameRequest) -> ApiResult<()> {
         nope()
     }
-    async fn download_tar(&self, _: &str, path: &str) -> ApiResult<ByteStream> {
+    async fn download_tar(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        path: &str,
+    ) -> ApiResult<ByteStream> {
         let mut b = tar::Builder::new(Vec::new());
         let prefix = format!("{path}/");
         let files = self.files.lock().expect("lock").clone();
@@ -258,7 +327,13 @@ impl SandboxApi for Fake {
             .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
         Ok(futures::stream::iter(vec![Ok(Bytes::from(tar))]).boxed())
     }
-    async fn upload_tar(&self, _: &str, path: &str, body: ByteStream) -> ApiResult<WriteResult> {
+    async fn upload_tar(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        path: &str,
+        body: ByteStream,
+    ) -> ApiResult<WriteResult> {
         let data = collect(body).await?;
         let mut archive = tar::Archive::new(&data[..]);
         let mut total = 0;
@@ -276,13 +351,13 @@ impl SandboxApi for Fake {
         }
         Ok(WriteResult { bytes: total })
     }
-    async fn list_images(&self) -> ApiResult<ImageList> {
+    async fn list_images(&self, _caller: &Principal) -> ApiResult<ImageList> {
         Ok(ImageList { images: vec![] })
     }
-    async fn import_image(&self, _: ImportImageRequest) -> ApiResult<Image> {
+    async fn import_image(&self, _caller: &Principal, _: ImportImageRequest) -> ApiResult<Image> {
         nope()
     }
-    async fn delete_image(&self, name: &str) -> ApiResult<()> {
+    async fn delete_image(&self, _caller: &Principal, name: &str) -> ApiResult<()> {
         Err(ApiError::new(
             ErrorCode::ImageNotFound,
             format!("image {name}"),

@@ -2,6 +2,15 @@
 //!
 //! Every method corresponds to one `/v1` route. Errors are [`ApiError`]s with stable
 //! codes; transports map them onto their own status codes exactly once.
+//!
+//! Every call but `health` is made on behalf of a caller: the [`Principal`] that
+//! [`SandboxApi::authenticate`] returned for the request's key (its tenant and scopes).
+//! A transport checks the scope a route needs ([`dsec_iam::required_scope`]) and passes
+//! the principal; the implementation confines it to its tenant's sandboxes, answering
+//! `not_found` for any other tenant's, exactly as for an id that does not exist.
+//! Images are cluster-wide: every tenant lists and uses the same ones, and changing them
+//! needs the `images` scope. Nodes are the operator's: listing and draining them needs a
+//! cluster admin ([`Principal::is_cluster_admin`]).
 
 use std::collections::BTreeMap;
 
@@ -15,6 +24,8 @@ use dsec_wire::v1::{
 };
 use dsec_wire::ApiError;
 use futures::stream::BoxStream;
+
+pub use dsec_iam::{Principal, Scope};
 
 // Streams of bytes (file contents, tar archives) and of exec/process events (the last
 // item is `Exit`, `End` or `Error`): the same types the node seam uses, so a node's
@@ -30,69 +41,111 @@ pub type ApiResult<T> = Result<T, ApiError>;
 /// The dsec API. Implemented by the control plane; called by transports.
 #[async_trait::async_trait]
 pub trait SandboxApi: Send + Sync + 'static {
-    /// Checks an API key; `None` when the request carried none.
-    fn authenticate(&self, key: Option<&str>) -> ApiResult<()>;
+    /// Who an API key acts for (`unauthorized` if it is missing, unknown or revoked);
+    /// `None` when the request carried none.
+    fn authenticate(&self, key: Option<&str>) -> ApiResult<Principal>;
 
     /// `GET /v1/health`.
     async fn health(&self) -> ApiResult<Health>;
 
     /// `POST /v1/sandboxes`: returns once the sandbox is ready.
-    async fn create_sandbox(&self, req: CreateSandboxRequest) -> ApiResult<Sandbox>;
+    async fn create_sandbox(
+        &self,
+        caller: &Principal,
+        req: CreateSandboxRequest,
+    ) -> ApiResult<Sandbox>;
     /// `GET /v1/sandboxes/{id}`.
-    async fn get_sandbox(&self, id: &str) -> ApiResult<Sandbox>;
+    async fn get_sandbox(&self, caller: &Principal, id: &str) -> ApiResult<Sandbox>;
     /// `GET /v1/sandboxes?label=k=v`: sandboxes whose labels include all of `labels`.
-    async fn list_sandboxes(&self, labels: BTreeMap<String, String>) -> ApiResult<SandboxList>;
+    async fn list_sandboxes(
+        &self,
+        caller: &Principal,
+        labels: BTreeMap<String, String>,
+    ) -> ApiResult<SandboxList>;
     /// `DELETE /v1/sandboxes/{id}`.
-    async fn delete_sandbox(&self, id: &str) -> ApiResult<()>;
+    async fn delete_sandbox(&self, caller: &Principal, id: &str) -> ApiResult<()>;
     /// `POST /v1/sandboxes/{id}/timeout`.
-    async fn set_timeout(&self, id: &str, req: SetTimeoutRequest) -> ApiResult<Sandbox>;
+    async fn set_timeout(
+        &self,
+        caller: &Principal,
+        id: &str,
+        req: SetTimeoutRequest,
+    ) -> ApiResult<Sandbox>;
     /// `PUT /v1/sandboxes/{id}/network`: replaces a networked sandbox's policy (between
     /// `allowlist` and `open`; a sandbox created with `none` has no network to change).
-    async fn set_network(&self, id: &str, policy: NetworkPolicy) -> ApiResult<Sandbox>;
+    async fn set_network(
+        &self,
+        caller: &Principal,
+        id: &str,
+        policy: NetworkPolicy,
+    ) -> ApiResult<Sandbox>;
     /// `POST /v1/sandboxes/{id}/pause`: freeze and reclaim memory. Idempotent.
-    async fn pause_sandbox(&self, id: &str) -> ApiResult<PauseResult>;
+    async fn pause_sandbox(&self, caller: &Principal, id: &str) -> ApiResult<PauseResult>;
     /// `POST /v1/sandboxes/{id}/resume`. Idempotent.
-    async fn resume_sandbox(&self, id: &str) -> ApiResult<Sandbox>;
+    async fn resume_sandbox(&self, caller: &Principal, id: &str) -> ApiResult<Sandbox>;
     /// `POST /v1/images/gc`: drops build-cache entries and the layers only they used.
-    async fn gc_images(&self, req: GcRequest) -> ApiResult<GcResult>;
+    async fn gc_images(&self, caller: &Principal, req: GcRequest) -> ApiResult<GcResult>;
     /// `POST /v1/images/build`: an image from a base and steps, each a cached layer.
-    async fn build_image(&self, req: BuildRequest) -> ApiResult<BuildResult>;
+    async fn build_image(&self, caller: &Principal, req: BuildRequest) -> ApiResult<BuildResult>;
     /// `POST /v1/sandboxes/{id}/commit`: its files as a new image (packdiff).
-    async fn commit_sandbox(&self, id: &str, req: CommitRequest) -> ApiResult<Image>;
+    async fn commit_sandbox(
+        &self,
+        caller: &Principal,
+        id: &str,
+        req: CommitRequest,
+    ) -> ApiResult<Image>;
     /// `POST /v1/jobs/{job}/suspend`: pauses every sandbox labelled `job=<job>` and stops
     /// their lifetimes. Idempotent; reports each sandbox's outcome.
-    async fn suspend_job(&self, job: &str) -> ApiResult<JobResult>;
+    async fn suspend_job(&self, caller: &Principal, job: &str) -> ApiResult<JobResult>;
     /// `POST /v1/jobs/{job}/resume`: resumes them; lifetimes continue where they stopped.
-    async fn resume_job(&self, job: &str) -> ApiResult<JobResult>;
+    async fn resume_job(&self, caller: &Principal, job: &str) -> ApiResult<JobResult>;
 
     /// `POST /v1/sandboxes/{id}/exec`.
-    async fn exec(&self, id: &str, req: ExecRequest) -> ApiResult<ExecResult>;
+    async fn exec(&self, caller: &Principal, id: &str, req: ExecRequest) -> ApiResult<ExecResult>;
     /// `POST /v1/sandboxes/{id}/exec/stream` (NDJSON of [`dsec_wire::v1::ExecEvent`]).
-    async fn exec_stream(&self, id: &str, req: ExecRequest) -> ApiResult<EventStream>;
+    async fn exec_stream(
+        &self,
+        caller: &Principal,
+        id: &str,
+        req: ExecRequest,
+    ) -> ApiResult<EventStream>;
 
     /// `POST /v1/sandboxes/{id}/sessions`.
-    async fn create_session(&self, id: &str, req: CreateSessionRequest) -> ApiResult<SessionInfo>;
+    async fn create_session(
+        &self,
+        caller: &Principal,
+        id: &str,
+        req: CreateSessionRequest,
+    ) -> ApiResult<SessionInfo>;
     /// `GET /v1/sandboxes/{id}/sessions`.
-    async fn list_sessions(&self, id: &str) -> ApiResult<SessionList>;
+    async fn list_sessions(&self, caller: &Principal, id: &str) -> ApiResult<SessionList>;
     /// `POST /v1/sandboxes/{id}/sessions/{session}/run`.
     async fn run_in_session(
         &self,
+        caller: &Principal,
         id: &str,
         session: &str,
         req: SessionRunRequest,
     ) -> ApiResult<SessionResult>;
     /// `POST /v1/sandboxes/{id}/sessions/{session}/interrupt`.
-    async fn interrupt_session(&self, id: &str, session: &str) -> ApiResult<()>;
+    async fn interrupt_session(&self, caller: &Principal, id: &str, session: &str)
+        -> ApiResult<()>;
     /// `DELETE /v1/sandboxes/{id}/sessions/{session}`.
-    async fn close_session(&self, id: &str, session: &str) -> ApiResult<()>;
+    async fn close_session(&self, caller: &Principal, id: &str, session: &str) -> ApiResult<()>;
 
     /// `POST /v1/sandboxes/{id}/processes`.
-    async fn start_process(&self, id: &str, req: StartProcessRequest) -> ApiResult<ProcessInfo>;
+    async fn start_process(
+        &self,
+        caller: &Principal,
+        id: &str,
+        req: StartProcessRequest,
+    ) -> ApiResult<ProcessInfo>;
     /// `GET /v1/sandboxes/{id}/processes`.
-    async fn list_processes(&self, id: &str) -> ApiResult<ProcessList>;
+    async fn list_processes(&self, caller: &Principal, id: &str) -> ApiResult<ProcessList>;
     /// `GET /v1/sandboxes/{id}/processes/{pid}/output`.
     async fn process_output(
         &self,
+        caller: &Principal,
         id: &str,
         pid: u32,
         stdout_offset: u64,
@@ -100,15 +153,34 @@ pub trait SandboxApi: Send + Sync + 'static {
         follow: bool,
     ) -> ApiResult<EventStream>;
     /// `POST /v1/sandboxes/{id}/processes/{pid}/stdin`.
-    async fn process_stdin(&self, id: &str, pid: u32, req: StdinRequest) -> ApiResult<()>;
+    async fn process_stdin(
+        &self,
+        caller: &Principal,
+        id: &str,
+        pid: u32,
+        req: StdinRequest,
+    ) -> ApiResult<()>;
     /// `POST /v1/sandboxes/{id}/processes/{pid}/signal`.
-    async fn signal_process(&self, id: &str, pid: u32, req: SignalRequest) -> ApiResult<()>;
+    async fn signal_process(
+        &self,
+        caller: &Principal,
+        id: &str,
+        pid: u32,
+        req: SignalRequest,
+    ) -> ApiResult<()>;
     /// `POST /v1/sandboxes/{id}/processes/{pid}/resize`.
-    async fn resize_process(&self, id: &str, pid: u32, size: PtySize) -> ApiResult<()>;
+    async fn resize_process(
+        &self,
+        caller: &Principal,
+        id: &str,
+        pid: u32,
+        size: PtySize,
+    ) -> ApiResult<()>;
 
     /// `GET /v1/sandboxes/{id}/files?path=&offset=&length=`.
     async fn read_file(
         &self,
+        caller: &Principal,
         id: &str,
         path: &str,
         offset: u64,
@@ -117,35 +189,53 @@ pub trait SandboxApi: Send + Sync + 'static {
     /// `PUT /v1/sandboxes/{id}/files?path=&mode=`: the body is the file's bytes.
     async fn write_file(
         &self,
+        caller: &Principal,
         id: &str,
         path: &str,
         mode: Option<u32>,
         body: ByteStream,
     ) -> ApiResult<WriteResult>;
     /// `GET /v1/sandboxes/{id}/files/list?path=`.
-    async fn list_files(&self, id: &str, path: &str) -> ApiResult<FileList>;
+    async fn list_files(&self, caller: &Principal, id: &str, path: &str) -> ApiResult<FileList>;
     /// `GET /v1/sandboxes/{id}/files/stat?path=`.
-    async fn stat_file(&self, id: &str, path: &str) -> ApiResult<FileInfo>;
+    async fn stat_file(&self, caller: &Principal, id: &str, path: &str) -> ApiResult<FileInfo>;
     /// `POST /v1/sandboxes/{id}/files/mkdir`.
-    async fn mkdir(&self, id: &str, req: MkdirRequest) -> ApiResult<()>;
+    async fn mkdir(&self, caller: &Principal, id: &str, req: MkdirRequest) -> ApiResult<()>;
     /// `DELETE /v1/sandboxes/{id}/files?path=&recursive=`.
-    async fn remove_file(&self, id: &str, path: &str, recursive: bool) -> ApiResult<()>;
+    async fn remove_file(
+        &self,
+        caller: &Principal,
+        id: &str,
+        path: &str,
+        recursive: bool,
+    ) -> ApiResult<()>;
     /// `POST /v1/sandboxes/{id}/files/rename`.
-    async fn rename_file(&self, id: &str, req: RenameRequest) -> ApiResult<()>;
+    async fn rename_file(&self, caller: &Principal, id: &str, req: RenameRequest) -> ApiResult<()>;
     /// `GET /v1/sandboxes/{id}/files/tar?path=`: a tar stream of the directory.
-    async fn download_tar(&self, id: &str, path: &str) -> ApiResult<ByteStream>;
+    async fn download_tar(&self, caller: &Principal, id: &str, path: &str)
+        -> ApiResult<ByteStream>;
     /// `PUT /v1/sandboxes/{id}/files/tar?path=`: extract the tar body into the directory.
-    async fn upload_tar(&self, id: &str, path: &str, body: ByteStream) -> ApiResult<WriteResult>;
+    async fn upload_tar(
+        &self,
+        caller: &Principal,
+        id: &str,
+        path: &str,
+        body: ByteStream,
+    ) -> ApiResult<WriteResult>;
 
     /// `GET /v1/images`.
-    async fn list_images(&self) -> ApiResult<ImageList>;
+    async fn list_images(&self, caller: &Principal) -> ApiResult<ImageList>;
     /// `POST /v1/images`.
-    async fn import_image(&self, req: ImportImageRequest) -> ApiResult<Image>;
+    async fn import_image(&self, caller: &Principal, req: ImportImageRequest) -> ApiResult<Image>;
     /// `POST /v1/images/import/stream`: the import with its progress. Bad requests fail
     /// before the stream starts; a failed import ends it with `Error`. The default runs
     /// [`SandboxApi::import_image`] and reports only its end.
-    async fn import_image_stream(&self, req: ImportImageRequest) -> ApiResult<ImportStream> {
-        let end = match self.import_image(req).await {
+    async fn import_image_stream(
+        &self,
+        caller: &Principal,
+        req: ImportImageRequest,
+    ) -> ApiResult<ImportStream> {
+        let end = match self.import_image(caller, req).await {
             Ok(image) => ImportEvent::Done { image },
             Err(error) => ImportEvent::Error { error },
         };
@@ -154,8 +244,12 @@ pub trait SandboxApi: Send + Sync + 'static {
     /// `POST /v1/images/pull`: pulls an image from an OCI registry, with progress (the
     /// events of an import). Bad requests fail before the stream starts; a failed pull
     /// ends it with `Error` and keeps nothing.
-    async fn pull_image_stream(&self, req: PullImageRequest) -> ApiResult<ImportStream> {
-        let _ = req;
+    async fn pull_image_stream(
+        &self,
+        caller: &Principal,
+        req: PullImageRequest,
+    ) -> ApiResult<ImportStream> {
+        let _ = (caller, req);
         Err(ApiError::new(
             dsec_wire::ErrorCode::BadRequest,
             "this server does not pull images",
@@ -163,28 +257,41 @@ pub trait SandboxApi: Send + Sync + 'static {
     }
     /// `POST /v1/images/upload?name=`: imports an archive sent as the request body (a
     /// rootfs tar, compressed or not, a `docker save` or OCI archive, or an EROFS image).
-    async fn upload_image(&self, name: &str, flatten: bool, body: ByteStream) -> ApiResult<Image> {
-        let _ = (name, flatten, body);
+    async fn upload_image(
+        &self,
+        caller: &Principal,
+        name: &str,
+        flatten: bool,
+        body: ByteStream,
+    ) -> ApiResult<Image> {
+        let _ = (caller, name, flatten, body);
         Err(ApiError::new(
             dsec_wire::ErrorCode::BadRequest,
             "this server does not take image uploads",
         ))
     }
     /// `DELETE /v1/images/{name}`.
-    async fn delete_image(&self, name: &str) -> ApiResult<()>;
+    async fn delete_image(&self, caller: &Principal, name: &str) -> ApiResult<()>;
     /// `GET /v1/images/layers`: on-demand accounting of this node's layers.
-    async fn layer_stats(&self) -> ApiResult<LayerStatsList> {
+    async fn layer_stats(&self, caller: &Principal) -> ApiResult<LayerStatsList> {
+        let _ = caller;
         Ok(LayerStatsList::default())
     }
 
     /// `GET /v1/nodes`: the nodes this server places sandboxes on.
-    async fn list_nodes(&self) -> ApiResult<ClusterNodeList> {
+    async fn list_nodes(&self, caller: &Principal) -> ApiResult<ClusterNodeList> {
+        let _ = caller;
         Ok(ClusterNodeList::default())
     }
     /// `POST /v1/nodes/{name}/drain` (`drain`) and `/undrain`: stop or restart new
     /// placements on a node; its sandboxes keep running.
-    async fn drain_node(&self, name: &str, drain: bool) -> ApiResult<ClusterNode> {
-        let _ = drain;
+    async fn drain_node(
+        &self,
+        caller: &Principal,
+        name: &str,
+        drain: bool,
+    ) -> ApiResult<ClusterNode> {
+        let _ = (caller, drain);
         Err(ApiError::new(
             dsec_wire::ErrorCode::NotFound,
             format!("node {name} not found"),

@@ -9,7 +9,7 @@ use dsec_wire::{ApiError, ErrorCode};
 use futures::StreamExt;
 use sha2::{Digest, Sha256};
 
-use crate::api::{ApiResult, ByteStream, SandboxApi};
+use crate::api::{ApiResult, ByteStream, Principal, SandboxApi};
 
 /// Most steps one build may have.
 pub const MAX_STEPS: usize = 128;
@@ -25,9 +25,11 @@ pub fn cache_name(parent_digest: &str, step: &BuildStep) -> String {
     format!("build-cache/{}", &hex::encode(h.finalize())[..32])
 }
 
-/// Runs the build. The build sandbox is deleted on every path.
+/// Runs the build for `caller` (the build sandbox is one of its tenant's). The build
+/// sandbox is deleted on every path.
 pub async fn build(
     api: &dyn SandboxApi,
+    caller: &Principal,
     node: &dyn NodeApi,
     req: BuildRequest,
 ) -> ApiResult<BuildResult> {
@@ -40,9 +42,9 @@ pub async fn build(
     let base = node.image(&req.base).await?;
     let mut sandbox: Option<String> = None;
     let mut cached = Vec::with_capacity(req.steps.len());
-    let res = run_steps(api, node, &req, base, &mut sandbox, &mut cached).await;
+    let res = run_steps(api, caller, node, &req, base, &mut sandbox, &mut cached).await;
     if let Some(id) = sandbox {
-        let _ = api.delete_sandbox(&id).await;
+        let _ = api.delete_sandbox(caller, &id).await;
     }
     Ok(BuildResult {
         image: res?,
@@ -52,6 +54,7 @@ pub async fn build(
 
 async fn run_steps(
     api: &dyn SandboxApi,
+    caller: &Principal,
     node: &dyn NodeApi,
     req: &BuildRequest,
     base: Image,
@@ -64,7 +67,7 @@ async fn run_steps(
         if let Ok(img) = node.image(&name).await {
             // The build sandbox (if any) is behind the cached image now.
             if let Some(id) = sandbox.take() {
-                let _ = api.delete_sandbox(&id).await;
+                let _ = api.delete_sandbox(caller, &id).await;
             }
             parent_name = name;
             parent_digest = img.digest;
@@ -75,12 +78,15 @@ async fn run_steps(
             Some(id) => id,
             None => {
                 let sb = api
-                    .create_sandbox(CreateSandboxRequest {
-                        image: Some(parent_name.clone()),
-                        labels: [("dsec-build".to_string(), req.name.clone())].into(),
-                        timeout_s: Some(24 * 3600),
-                        ..Default::default()
-                    })
+                    .create_sandbox(
+                        caller,
+                        CreateSandboxRequest {
+                            image: Some(parent_name.clone()),
+                            labels: [("dsec-build".to_string(), req.name.clone())].into(),
+                            timeout_s: Some(24 * 3600),
+                            ..Default::default()
+                        },
+                    )
                     .await?;
                 *sandbox = Some(sb.id.clone());
                 sb.id
@@ -90,6 +96,7 @@ async fn run_steps(
             BuildStep::Run(cmd) => {
                 let r = api
                     .exec(
+                        caller,
                         &id,
                         ExecRequest {
                             cmd: Command::Shell(cmd.clone()),
@@ -127,7 +134,7 @@ async fn run_steps(
             BuildStep::File { path, content } => {
                 let body: ByteStream =
                     futures::stream::iter([Ok(bytes::Bytes::from(content.clone()))]).boxed();
-                api.write_file(&id, path, None, body).await?;
+                api.write_file(caller, &id, path, None, body).await?;
             }
             BuildStep::Copy { dest, tar } => {
                 use base64::Engine;
@@ -142,14 +149,15 @@ async fn run_steps(
                             ),
                         )
                     })?;
-                api.mkdir(&id, MkdirRequest { path: dest.clone() }).await?;
+                api.mkdir(caller, &id, MkdirRequest { path: dest.clone() })
+                    .await?;
                 let body: ByteStream =
                     futures::stream::iter([Ok(bytes::Bytes::from(data))]).boxed();
-                api.upload_tar(&id, dest, body).await?;
+                api.upload_tar(caller, &id, dest, body).await?;
             }
         }
         let img = api
-            .commit_sandbox(&id, CommitRequest { name: name.clone() })
+            .commit_sandbox(caller, &id, CommitRequest { name: name.clone() })
             .await?;
         parent_name = name;
         parent_digest = img.digest;

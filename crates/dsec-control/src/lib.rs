@@ -14,6 +14,6 @@ pub mod nodes;
 pub mod plane;
 mod validate;
 
-pub use api::{ApiResult, ByteStream, EventStream, ImportStream, SandboxApi};
+pub use api::{ApiResult, ByteStream, EventStream, ImportStream, Principal, SandboxApi, Scope};
 pub use nodes::{FleetNodes, NodeSet, SingleNode};
 pub use plane::{ControlConfig, ControlPlane};

@@ -27,7 +27,7 @@ use dsec_wire::{ApiError, ErrorCode};
 use futures::StreamExt;
 use rand::Rng;
 
-use crate::api::{ApiResult, ByteStream, EventStream, ImportStream, SandboxApi};
+use crate::api::{ApiResult, ByteStream, EventStream, ImportStream, Principal, SandboxApi};
 use crate::nodes::{NodeSet, Placement, SingleNode};
 use crate::validate;
 
@@ -52,8 +52,13 @@ const TOMBSTONE_TTL_MS: u64 = 24 * 3600 * 1000;
 /// Defaults and knobs of the control plane.
 #[derive(Debug, Clone)]
 pub struct ControlConfig {
-    /// The API key requests must carry.
+    /// The bootstrap API key: the `admin` key of tenant `default` with every scope
+    /// (see [`dsec_iam`]); other keys are made with the admin API.
     pub api_key: String,
+    /// The IAM to authenticate and charge quotas with; it must be over the store the
+    /// plane is opened on. `None`: [`ControlPlane::open_on`] makes one over that store
+    /// with `api_key` as the bootstrap key.
+    pub iam: Option<Arc<dsec_iam::Iam>>,
     /// Default CPU limit, cores.
     pub default_cpu: f64,
     /// Default memory limit, MiB.
@@ -79,6 +84,7 @@ impl ControlConfig {
     pub fn with_key(api_key: String) -> Self {
         Self {
             api_key,
+            iam: None,
             default_cpu: 1.0,
             default_memory_mb: 512,
             default_pids: 512,
@@ -98,6 +104,9 @@ pub struct ControlPlane {
     nodes: Arc<dyn NodeSet>,
     /// The sandbox records: the store's, cached and kept fresh by a watch.
     records: Arc<records::Records>,
+    /// Tenants, keys and quotas, on the same store as the records (a create's quota
+    /// reservation commits in the same transaction as its record).
+    iam: Arc<dsec_iam::Iam>,
     /// Times a sandbox became `unhealthy` since the start.
     unhealthy_marks: std::sync::atomic::AtomicU64,
     /// When the reaper last looked for old tombstones (ms since the epoch).
@@ -168,12 +177,21 @@ impl ControlPlane {
         nodes: Arc<dyn NodeSet>,
         store: Arc<dyn StateStore>,
     ) -> ApiResult<Arc<Self>> {
-        let records = records::Records::open(store, !cfg.sole_owner).await?;
+        let iam = match &cfg.iam {
+            Some(iam) => iam.clone(),
+            None => Arc::new(
+                dsec_iam::Iam::new(store.clone(), Some(cfg.api_key.clone()))
+                    .await
+                    .map_err(ApiError::from)?,
+            ),
+        };
+        let records = records::Records::open(store, !cfg.sole_owner, iam.clone()).await?;
         nodes.synced().await;
         let plane = Arc::new_cyclic(|me| Self {
             cfg,
             nodes,
             records,
+            iam,
             unhealthy_marks: Default::default(),
             tombstones_pruned_at: Default::default(),
             me: me.clone(),
@@ -188,6 +206,12 @@ impl ControlPlane {
         }
         plane.clone().spawn_reaper();
         Ok(plane)
+    }
+
+    /// Tenants, keys and quotas: serve the admin API over it
+    /// (`dsec_http::admin::admin_router`).
+    pub fn iam(&self) -> &Arc<dsec_iam::Iam> {
+        &self.iam
     }
 
     /// Makes records and the node agree after a start (sole owner only): a sandbox
@@ -290,6 +314,44 @@ impl ControlPlane {
         ApiError::new(ErrorCode::NotFound, format!("sandbox {id} not found"))
     }
 
+    /// `not_found`, worded exactly as for an id that does not exist, unless `caller`'s
+    /// tenant owns sandbox `id` (or no sandbox `id` exists: the call then answers as it
+    /// does for any unknown id). Every call on a sandbox checks this first, before it
+    /// changes anything. A sandbox's tenant never changes, so the check holds for the
+    /// rest of the call.
+    async fn owned(&self, caller: &Principal, id: &str) -> ApiResult<()> {
+        let tenant = match self.records.find(id).await? {
+            Some(sb) => Some(sb.tenant),
+            None => self.records.tombstone(id).await.map(|t| t.tenant),
+        };
+        match tenant {
+            Some(t) if t != caller.tenant => Err(ApiError::new(
+                ErrorCode::NotFound,
+                format!("sandbox {id} not found"),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// `GET /files` of sandbox `id`, whoever owns it (callers check that first).
+    async fn read_file_of(
+        &self,
+        id: &str,
+        path: &str,
+        offset: u64,
+        length: Option<u64>,
+    ) -> ApiResult<(FileInfo, ByteStream)> {
+        validate::sandbox_path("path", path)?;
+        validate::read_range(offset, length)?;
+        let (info, bytes) = self
+            .guarded(id, Some(Limit::call()), async {
+                let node = self.usable(id).await?;
+                node.read_file(id, path, offset, length).await
+            })
+            .await?;
+        Ok((info, self.watched(id, bytes, None, Err)))
+    }
+
     /// The record of `id`, or the error saying why there is none. A cached record
     /// still `creating` is read again from the store: another replica's create may have
     /// finished a moment ago, before this replica's watch saw it.
@@ -373,6 +435,17 @@ impl ControlPlane {
     }
 }
 
+/// `forbidden` unless `caller` is a cluster admin: nodes are the operator's.
+fn operator(caller: &Principal) -> ApiResult<()> {
+    if caller.is_cluster_admin() {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        ErrorCode::Forbidden,
+        "nodes are managed by the cluster's operator (an admin key of the default tenant)",
+    ))
+}
+
 /// Why a sandbox in `sb.state` cannot take calls.
 fn state_error(sb: &Sandbox) -> ApiError {
     let id = &sb.id;
@@ -420,10 +493,9 @@ fn lost_error(id: &str, node: &str) -> ApiError {
 
 #[async_trait::async_trait]
 impl SandboxApi for ControlPlane {
-    fn authenticate(&self, key: Option<&str>) -> ApiResult<()> {
+    fn authenticate(&self, key: Option<&str>) -> ApiResult<Principal> {
         match key {
-            Some(k) if crate::auth::keys_equal(k, &self.cfg.api_key) => Ok(()),
-            Some(_) => Err(ApiError::new(ErrorCode::Unauthorized, "invalid API key")),
+            Some(k) => self.iam.authenticate(k).map_err(ApiError::from),
             None => Err(ApiError::new(
                 ErrorCode::Unauthorized,
                 "missing API key: send it in the x-api-key header (or Authorization: Bearer)",
@@ -458,82 +530,121 @@ impl SandboxApi for ControlPlane {
         })
     }
 
-    async fn create_sandbox(&self, req: CreateSandboxRequest) -> ApiResult<Sandbox> {
-        self.to_end(move |me| async move { me.create_sandbox_to_end(req).await })
+    async fn create_sandbox(
+        &self,
+        caller: &Principal,
+        req: CreateSandboxRequest,
+    ) -> ApiResult<Sandbox> {
+        let tenant = caller.tenant.clone();
+        self.to_end(move |me| async move { me.create_sandbox_to_end(&tenant, req).await })
             .await
     }
 
-    async fn get_sandbox(&self, id: &str) -> ApiResult<Sandbox> {
+    async fn get_sandbox(&self, caller: &Principal, id: &str) -> ApiResult<Sandbox> {
+        self.owned(caller, id).await?;
         self.record(id).await
     }
 
-    async fn list_sandboxes(&self, labels: BTreeMap<String, String>) -> ApiResult<SandboxList> {
-        let mut sandboxes = self
-            .records
-            .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(v)));
+    async fn list_sandboxes(
+        &self,
+        caller: &Principal,
+        labels: BTreeMap<String, String>,
+    ) -> ApiResult<SandboxList> {
+        let mut sandboxes = self.records.filter(|s| {
+            s.tenant == caller.tenant && labels.iter().all(|(k, v)| s.labels.get(k) == Some(v))
+        });
         sandboxes.sort_by(|a, b| a.created_at.cmp(&b.created_at).then(a.id.cmp(&b.id)));
         Ok(SandboxList { sandboxes })
     }
 
-    async fn delete_sandbox(&self, id: &str) -> ApiResult<()> {
+    async fn delete_sandbox(&self, caller: &Principal, id: &str) -> ApiResult<()> {
+        self.owned(caller, id).await?;
         let id = id.to_string();
         self.to_end(move |me| async move { me.delete_sandbox_to_end(&id).await })
             .await
     }
 
-    async fn pause_sandbox(&self, id: &str) -> ApiResult<PauseResult> {
+    async fn pause_sandbox(&self, caller: &Principal, id: &str) -> ApiResult<PauseResult> {
+        self.owned(caller, id).await?;
         let id = id.to_string();
         self.to_end(move |me| async move { me.pause_sandbox_to_end(&id).await })
             .await
     }
 
-    async fn resume_sandbox(&self, id: &str) -> ApiResult<Sandbox> {
+    async fn resume_sandbox(&self, caller: &Principal, id: &str) -> ApiResult<Sandbox> {
+        self.owned(caller, id).await?;
         let id = id.to_string();
         self.to_end(move |me| async move { me.resume_sandbox_to_end(&id).await })
             .await
     }
 
-    async fn gc_images(&self, req: GcRequest) -> ApiResult<GcResult> {
+    async fn gc_images(&self, caller: &Principal, req: GcRequest) -> ApiResult<GcResult> {
+        caller.require(dsec_iam::Scope::Images)?;
         self.to_end(move |me| async move { me.gc_images_to_end(req).await })
             .await
     }
 
-    async fn build_image(&self, req: BuildRequest) -> ApiResult<BuildResult> {
-        self.to_end(move |me| async move { me.build_image_to_end(req).await })
+    async fn build_image(&self, caller: &Principal, req: BuildRequest) -> ApiResult<BuildResult> {
+        caller.require(dsec_iam::Scope::Images)?;
+        let caller = caller.clone();
+        self.to_end(move |me| async move { me.build_image_to_end(&caller, req).await })
             .await
     }
 
-    async fn commit_sandbox(&self, id: &str, req: CommitRequest) -> ApiResult<Image> {
+    async fn commit_sandbox(
+        &self,
+        caller: &Principal,
+        id: &str,
+        req: CommitRequest,
+    ) -> ApiResult<Image> {
+        self.owned(caller, id).await?;
+        // The image it makes is cluster-wide, like any other.
+        caller.require(dsec_iam::Scope::Images)?;
         let id = id.to_string();
         self.to_end(move |me| async move { me.commit_sandbox_to_end(&id, req).await })
             .await
     }
 
-    async fn suspend_job(&self, job: &str) -> ApiResult<JobResult> {
+    async fn suspend_job(&self, caller: &Principal, job: &str) -> ApiResult<JobResult> {
         let job = job.to_string();
-        self.to_end(move |me| async move { me.suspend_job_to_end(&job).await })
+        let tenant = caller.tenant.clone();
+        self.to_end(move |me| async move { me.suspend_job_to_end(&tenant, &job).await })
             .await
     }
 
-    async fn resume_job(&self, job: &str) -> ApiResult<JobResult> {
+    async fn resume_job(&self, caller: &Principal, job: &str) -> ApiResult<JobResult> {
         let job = job.to_string();
-        self.to_end(move |me| async move { me.resume_job_to_end(&job).await })
+        let tenant = caller.tenant.clone();
+        self.to_end(move |me| async move { me.resume_job_to_end(&tenant, &job).await })
             .await
     }
 
-    async fn set_network(&self, id: &str, policy: NetworkPolicy) -> ApiResult<Sandbox> {
+    async fn set_network(
+        &self,
+        caller: &Principal,
+        id: &str,
+        policy: NetworkPolicy,
+    ) -> ApiResult<Sandbox> {
+        self.owned(caller, id).await?;
         let id = id.to_string();
         self.to_end(move |me| async move { me.set_network_to_end(&id, policy).await })
             .await
     }
 
-    async fn set_timeout(&self, id: &str, req: SetTimeoutRequest) -> ApiResult<Sandbox> {
+    async fn set_timeout(
+        &self,
+        caller: &Principal,
+        id: &str,
+        req: SetTimeoutRequest,
+    ) -> ApiResult<Sandbox> {
+        self.owned(caller, id).await?;
         let id = id.to_string();
         self.to_end(move |me| async move { me.set_timeout_to_end(&id, req).await })
             .await
     }
 
-    async fn exec(&self, id: &str, req: ExecRequest) -> ApiResult<ExecResult> {
+    async fn exec(&self, caller: &Principal, id: &str, req: ExecRequest) -> ApiResult<ExecResult> {
+        self.owned(caller, id).await?;
         let limit = ms_from_s("timeout_s", req.timeout_s)?.map(Limit::exec);
         let spec = Self::exec_spec(&req, false)?;
         let stdin = req.stdin.map(Bytes::from);
@@ -544,7 +655,13 @@ impl SandboxApi for ControlPlane {
         .await
     }
 
-    async fn exec_stream(&self, id: &str, req: ExecRequest) -> ApiResult<EventStream> {
+    async fn exec_stream(
+        &self,
+        caller: &Principal,
+        id: &str,
+        req: ExecRequest,
+    ) -> ApiResult<EventStream> {
+        self.owned(caller, id).await?;
         let limit = ms_from_s("timeout_s", req.timeout_s)?.map(Limit::exec);
         let spec = Self::exec_spec(&req, true)?;
         let stdin = req.stdin.map(Bytes::from);
@@ -557,7 +674,13 @@ impl SandboxApi for ControlPlane {
         Ok(self.watched(id, events, limit, |error| ExecEvent::Error { error }))
     }
 
-    async fn create_session(&self, id: &str, req: CreateSessionRequest) -> ApiResult<SessionInfo> {
+    async fn create_session(
+        &self,
+        caller: &Principal,
+        id: &str,
+        req: CreateSessionRequest,
+    ) -> ApiResult<SessionInfo> {
+        self.owned(caller, id).await?;
         validate::env(&req.env)?;
         let session = req
             .session
@@ -594,7 +717,8 @@ impl SandboxApi for ControlPlane {
         }
     }
 
-    async fn list_sessions(&self, id: &str) -> ApiResult<SessionList> {
+    async fn list_sessions(&self, caller: &Principal, id: &str) -> ApiResult<SessionList> {
+        self.owned(caller, id).await?;
         match self.call(id, Request::SessionList).await? {
             Reply::Sessions { sessions } => Ok(SessionList { sessions }),
             other => Err(unexpected(other)),
@@ -603,10 +727,12 @@ impl SandboxApi for ControlPlane {
 
     async fn run_in_session(
         &self,
+        caller: &Principal,
         id: &str,
         session: &str,
         req: SessionRunRequest,
     ) -> ApiResult<SessionResult> {
+        self.owned(caller, id).await?;
         let timeout_ms = ms_from_s("timeout_s", req.timeout_s)?;
         let r = Request::SessionRun {
             session: session.to_string(),
@@ -623,7 +749,13 @@ impl SandboxApi for ControlPlane {
         }
     }
 
-    async fn interrupt_session(&self, id: &str, session: &str) -> ApiResult<()> {
+    async fn interrupt_session(
+        &self,
+        caller: &Principal,
+        id: &str,
+        session: &str,
+    ) -> ApiResult<()> {
+        self.owned(caller, id).await?;
         self.call_ok(
             id,
             Request::SessionInterrupt {
@@ -633,7 +765,8 @@ impl SandboxApi for ControlPlane {
         .await
     }
 
-    async fn close_session(&self, id: &str, session: &str) -> ApiResult<()> {
+    async fn close_session(&self, caller: &Principal, id: &str, session: &str) -> ApiResult<()> {
+        self.owned(caller, id).await?;
         self.call_ok(
             id,
             Request::SessionClose {
@@ -643,7 +776,13 @@ impl SandboxApi for ControlPlane {
         .await
     }
 
-    async fn start_process(&self, id: &str, req: StartProcessRequest) -> ApiResult<ProcessInfo> {
+    async fn start_process(
+        &self,
+        caller: &Principal,
+        id: &str,
+        req: StartProcessRequest,
+    ) -> ApiResult<ProcessInfo> {
+        self.owned(caller, id).await?;
         let as_exec = ExecRequest {
             cmd: req.cmd.clone(),
             env: req.env.clone(),
@@ -670,7 +809,8 @@ impl SandboxApi for ControlPlane {
         }
     }
 
-    async fn list_processes(&self, id: &str) -> ApiResult<ProcessList> {
+    async fn list_processes(&self, caller: &Principal, id: &str) -> ApiResult<ProcessList> {
+        self.owned(caller, id).await?;
         match self.call(id, Request::ProcessList).await? {
             Reply::Processes { processes } => Ok(ProcessList { processes }),
             other => Err(unexpected(other)),
@@ -679,12 +819,14 @@ impl SandboxApi for ControlPlane {
 
     async fn process_output(
         &self,
+        caller: &Principal,
         id: &str,
         pid: u32,
         stdout_offset: u64,
         stderr_offset: u64,
         follow: bool,
     ) -> ApiResult<EventStream> {
+        self.owned(caller, id).await?;
         let events = self
             .guarded(id, Some(Limit::call()), async {
                 let node = self.usable(id).await?;
@@ -695,7 +837,14 @@ impl SandboxApi for ControlPlane {
         Ok(self.watched(id, events, None, |error| ExecEvent::Error { error }))
     }
 
-    async fn process_stdin(&self, id: &str, pid: u32, req: StdinRequest) -> ApiResult<()> {
+    async fn process_stdin(
+        &self,
+        caller: &Principal,
+        id: &str,
+        pid: u32,
+        req: StdinRequest,
+    ) -> ApiResult<()> {
+        self.owned(caller, id).await?;
         self.guarded(id, Some(Limit::call()), async {
             let node = self.usable(id).await?;
             node.process_stdin(id, pid, Bytes::from(req.data.into_bytes()), req.close)
@@ -704,13 +853,27 @@ impl SandboxApi for ControlPlane {
         .await
     }
 
-    async fn signal_process(&self, id: &str, pid: u32, req: SignalRequest) -> ApiResult<()> {
+    async fn signal_process(
+        &self,
+        caller: &Principal,
+        id: &str,
+        pid: u32,
+        req: SignalRequest,
+    ) -> ApiResult<()> {
+        self.owned(caller, id).await?;
         let signal = validate::signal(&req.signal)?;
         self.call_ok(id, Request::ProcessSignal { pid, signal })
             .await
     }
 
-    async fn resize_process(&self, id: &str, pid: u32, size: PtySize) -> ApiResult<()> {
+    async fn resize_process(
+        &self,
+        caller: &Principal,
+        id: &str,
+        pid: u32,
+        size: PtySize,
+    ) -> ApiResult<()> {
+        self.owned(caller, id).await?;
         if size.rows == 0 || size.cols == 0 {
             return Err(ApiError::new(
                 ErrorCode::BadRequest,
@@ -722,29 +885,25 @@ impl SandboxApi for ControlPlane {
 
     async fn read_file(
         &self,
+        caller: &Principal,
         id: &str,
         path: &str,
         offset: u64,
         length: Option<u64>,
     ) -> ApiResult<(FileInfo, ByteStream)> {
-        validate::sandbox_path("path", path)?;
-        validate::read_range(offset, length)?;
-        let (info, bytes) = self
-            .guarded(id, Some(Limit::call()), async {
-                let node = self.usable(id).await?;
-                node.read_file(id, path, offset, length).await
-            })
-            .await?;
-        Ok((info, self.watched(id, bytes, None, Err)))
+        self.owned(caller, id).await?;
+        self.read_file_of(id, path, offset, length).await
     }
 
     async fn write_file(
         &self,
+        caller: &Principal,
         id: &str,
         path: &str,
         mode: Option<u32>,
         body: ByteStream,
     ) -> ApiResult<WriteResult> {
+        self.owned(caller, id).await?;
         validate::sandbox_path("path", path)?;
         // As long as the client sends: the watchdog only.
         self.guarded(id, None, async {
@@ -754,7 +913,8 @@ impl SandboxApi for ControlPlane {
         .await
     }
 
-    async fn list_files(&self, id: &str, path: &str) -> ApiResult<FileList> {
+    async fn list_files(&self, caller: &Principal, id: &str, path: &str) -> ApiResult<FileList> {
+        self.owned(caller, id).await?;
         validate::sandbox_path("path", path)?;
         match self
             .call(
@@ -770,7 +930,8 @@ impl SandboxApi for ControlPlane {
         }
     }
 
-    async fn stat_file(&self, id: &str, path: &str) -> ApiResult<FileInfo> {
+    async fn stat_file(&self, caller: &Principal, id: &str, path: &str) -> ApiResult<FileInfo> {
+        self.owned(caller, id).await?;
         validate::sandbox_path("path", path)?;
         match self
             .call(
@@ -786,13 +947,21 @@ impl SandboxApi for ControlPlane {
         }
     }
 
-    async fn mkdir(&self, id: &str, req: MkdirRequest) -> ApiResult<()> {
+    async fn mkdir(&self, caller: &Principal, id: &str, req: MkdirRequest) -> ApiResult<()> {
+        self.owned(caller, id).await?;
         validate::sandbox_path("path", &req.path)?;
         self.call_ok(id, Request::FileMkdir { path: req.path })
             .await
     }
 
-    async fn remove_file(&self, id: &str, path: &str, recursive: bool) -> ApiResult<()> {
+    async fn remove_file(
+        &self,
+        caller: &Principal,
+        id: &str,
+        path: &str,
+        recursive: bool,
+    ) -> ApiResult<()> {
+        self.owned(caller, id).await?;
         validate::sandbox_path("path", path)?;
         self.call_ok(
             id,
@@ -804,7 +973,8 @@ impl SandboxApi for ControlPlane {
         .await
     }
 
-    async fn rename_file(&self, id: &str, req: RenameRequest) -> ApiResult<()> {
+    async fn rename_file(&self, caller: &Principal, id: &str, req: RenameRequest) -> ApiResult<()> {
+        self.owned(caller, id).await?;
         validate::sandbox_path("from", &req.from)?;
         validate::sandbox_path("to", &req.to)?;
         self.call_ok(
@@ -817,7 +987,13 @@ impl SandboxApi for ControlPlane {
         .await
     }
 
-    async fn download_tar(&self, id: &str, path: &str) -> ApiResult<ByteStream> {
+    async fn download_tar(
+        &self,
+        caller: &Principal,
+        id: &str,
+        path: &str,
+    ) -> ApiResult<ByteStream> {
+        self.owned(caller, id).await?;
         validate::sandbox_path("path", path)?;
         let bytes = self
             .guarded(id, Some(Limit::call()), async {
@@ -828,7 +1004,14 @@ impl SandboxApi for ControlPlane {
         Ok(self.watched(id, bytes, None, Err))
     }
 
-    async fn upload_tar(&self, id: &str, path: &str, body: ByteStream) -> ApiResult<WriteResult> {
+    async fn upload_tar(
+        &self,
+        caller: &Principal,
+        id: &str,
+        path: &str,
+        body: ByteStream,
+    ) -> ApiResult<WriteResult> {
+        self.owned(caller, id).await?;
         validate::sandbox_path("path", path)?;
         self.guarded(id, None, async {
             let node = self.usable(id).await?;
@@ -837,18 +1020,26 @@ impl SandboxApi for ControlPlane {
         .await
     }
 
-    async fn list_images(&self) -> ApiResult<ImageList> {
+    async fn list_images(&self, caller: &Principal) -> ApiResult<ImageList> {
+        // Images are cluster-wide: any key may see them.
+        let _ = caller;
         let mut images = self.nodes.any()?.list_images().await?;
         images.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(ImageList { images })
     }
 
-    async fn import_image(&self, req: ImportImageRequest) -> ApiResult<Image> {
+    async fn import_image(&self, caller: &Principal, req: ImportImageRequest) -> ApiResult<Image> {
+        caller.require(dsec_iam::Scope::Images)?;
         self.to_end(move |me| async move { me.import_image_to_end(req).await })
             .await
     }
 
-    async fn import_image_stream(&self, req: ImportImageRequest) -> ApiResult<ImportStream> {
+    async fn import_image_stream(
+        &self,
+        caller: &Principal,
+        req: ImportImageRequest,
+    ) -> ApiResult<ImportStream> {
+        caller.require(dsec_iam::Scope::Images)?;
         let source = images::import_source(&req)?;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let progress_tx = tx.clone();
@@ -878,11 +1069,23 @@ impl SandboxApi for ControlPlane {
         ))
     }
 
-    async fn pull_image_stream(&self, req: PullImageRequest) -> ApiResult<ImportStream> {
+    async fn pull_image_stream(
+        &self,
+        caller: &Principal,
+        req: PullImageRequest,
+    ) -> ApiResult<ImportStream> {
+        caller.require(dsec_iam::Scope::Images)?;
         pull::pull_stream(self.nodes.any()?, req).await
     }
 
-    async fn upload_image(&self, name: &str, flatten: bool, body: ByteStream) -> ApiResult<Image> {
+    async fn upload_image(
+        &self,
+        caller: &Principal,
+        name: &str,
+        flatten: bool,
+        body: ByteStream,
+    ) -> ApiResult<Image> {
+        caller.require(dsec_iam::Scope::Images)?;
         // Not run to its end without the caller: the body is the caller's connection.
         self.nodes
             .any()?
@@ -890,19 +1093,29 @@ impl SandboxApi for ControlPlane {
             .await
     }
 
-    async fn layer_stats(&self) -> ApiResult<LayerStatsList> {
+    async fn layer_stats(&self, caller: &Principal) -> ApiResult<LayerStatsList> {
+        // Images are cluster-wide: any key may see them.
+        let _ = caller;
         self.nodes.any()?.layer_stats().await
     }
 
-    async fn list_nodes(&self) -> ApiResult<ClusterNodeList> {
+    async fn list_nodes(&self, caller: &Principal) -> ApiResult<ClusterNodeList> {
+        operator(caller)?;
         self.nodes.describe().await
     }
 
-    async fn drain_node(&self, name: &str, drain: bool) -> ApiResult<ClusterNode> {
+    async fn drain_node(
+        &self,
+        caller: &Principal,
+        name: &str,
+        drain: bool,
+    ) -> ApiResult<ClusterNode> {
+        operator(caller)?;
         self.nodes.drain(name, drain).await
     }
 
-    async fn delete_image(&self, name: &str) -> ApiResult<()> {
+    async fn delete_image(&self, caller: &Principal, name: &str) -> ApiResult<()> {
+        caller.require(dsec_iam::Scope::Images)?;
         let name = name.to_string();
         self.to_end(move |me| async move { me.delete_image_to_end(&name).await })
             .await

@@ -15,6 +15,12 @@ use futures::StreamExt;
 
 use dsec_node_api::fake::shell_request as shell;
 
+/// The operator: the bootstrap key's principal (tenant `default`, every scope).
+fn op() -> &'static dsec_control::Principal {
+    static OP: std::sync::OnceLock<dsec_control::Principal> = std::sync::OnceLock::new();
+    OP.get_or_init(dsec_control::Principal::bootstrap)
+}
+
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
 struct Fixture {
@@ -50,18 +56,18 @@ async fn a_sandbox_lives_on_its_node_from_create_to_delete() -> TestResult {
     let fx = Fixture::new()?;
     let plane = fx.plane().await?;
     let sb = plane
-        .create_sandbox(CreateSandboxRequest::default())
+        .create_sandbox(op(), CreateSandboxRequest::default())
         .await?;
     assert_eq!(sb.state, SandboxState::Ready);
     assert_eq!(fx.node.sandbox_ids(), std::slice::from_ref(&sb.id));
 
     plane
-        .write_file(&sb.id, "/w/f", None, bytes("data"))
+        .write_file(op(), &sb.id, "/w/f", None, bytes("data"))
         .await?;
-    let r = plane.exec(&sb.id, shell("cat /w/f")).await?;
+    let r = plane.exec(op(), &sb.id, shell("cat /w/f")).await?;
     assert_eq!((r.stdout.as_str(), r.exit.exit_code), ("data", Some(0)));
     let events: Vec<_> = plane
-        .exec_stream(&sb.id, shell("echo hi"))
+        .exec_stream(op(), &sb.id, shell("echo hi"))
         .await?
         .collect()
         .await;
@@ -70,9 +76,9 @@ async fn a_sandbox_lives_on_its_node_from_create_to_delete() -> TestResult {
         "{events:?}"
     );
 
-    plane.delete_sandbox(&sb.id).await?;
+    plane.delete_sandbox(op(), &sb.id).await?;
     assert!(fx.node.sandbox_ids().is_empty());
-    let e = plane.get_sandbox(&sb.id).await.expect_err("deleted");
+    let e = plane.get_sandbox(op(), &sb.id).await.expect_err("deleted");
     assert_eq!(e.code, ErrorCode::NotFound);
     Ok(())
 }
@@ -84,20 +90,20 @@ async fn a_failed_node_create_leaves_no_record_and_no_sandbox() -> TestResult {
     fx.node
         .fail_next_create(ApiError::new(ErrorCode::Failed, "mount failed"));
     let e = plane
-        .create_sandbox(CreateSandboxRequest::default())
+        .create_sandbox(op(), CreateSandboxRequest::default())
         .await
         .expect_err("node refused");
     assert_eq!(e.code, ErrorCode::Failed);
     fx.node.set_max_sandboxes(1);
     plane
-        .create_sandbox(CreateSandboxRequest::default())
+        .create_sandbox(op(), CreateSandboxRequest::default())
         .await?;
     let e = plane
-        .create_sandbox(CreateSandboxRequest::default())
+        .create_sandbox(op(), CreateSandboxRequest::default())
         .await
         .expect_err("node full");
     assert_eq!(e.code, ErrorCode::Capacity, "retryable, as the node said");
-    let list = plane.list_sandboxes(Default::default()).await?;
+    let list = plane.list_sandboxes(op(), Default::default()).await?;
     assert_eq!(list.sandboxes.len(), 1, "only the admitted one is recorded");
     assert_eq!(fx.node.sandbox_ids().len(), 1);
     Ok(())
@@ -109,10 +115,10 @@ async fn a_restart_destroys_unrecorded_sandboxes_and_fails_vanished_ones() -> Te
     let (kept, vanished) = {
         let plane = fx.plane().await?;
         let a = plane
-            .create_sandbox(CreateSandboxRequest::default())
+            .create_sandbox(op(), CreateSandboxRequest::default())
             .await?;
         let b = plane
-            .create_sandbox(CreateSandboxRequest::default())
+            .create_sandbox(op(), CreateSandboxRequest::default())
             .await?;
         (a.id, b.id)
     };
@@ -131,14 +137,17 @@ async fn a_restart_destroys_unrecorded_sandboxes_and_fails_vanished_ones() -> Te
         std::slice::from_ref(&kept),
         "the stray one is gone"
     );
-    assert_eq!(plane.get_sandbox(&kept).await?.state, SandboxState::Ready);
-    let gone = plane.get_sandbox(&vanished).await?;
+    assert_eq!(
+        plane.get_sandbox(op(), &kept).await?.state,
+        SandboxState::Ready
+    );
+    let gone = plane.get_sandbox(op(), &vanished).await?;
     assert_eq!(gone.state, SandboxState::Failed);
     assert!(gone
         .failure
         .unwrap_or_default()
         .contains("no longer running"));
-    let r = plane.exec(&kept, shell("echo still")).await?;
+    let r = plane.exec(op(), &kept, shell("echo still")).await?;
     assert_eq!(r.stdout, "still\n");
     Ok(())
 }
@@ -151,15 +160,18 @@ async fn a_keyed_create_retried_finds_the_first_and_a_different_body_conflicts()
         idempotency_key: Some("step-7/rollout-3".into()),
         ..Default::default()
     };
-    let first = plane.create_sandbox(req.clone()).await?;
-    let again = plane.create_sandbox(req.clone()).await?;
+    let first = plane.create_sandbox(op(), req.clone()).await?;
+    let again = plane.create_sandbox(op(), req.clone()).await?;
     assert_eq!(first.id, again.id);
     assert_eq!(fx.node.counters.creates.load(Ordering::Relaxed), 1);
     let other = CreateSandboxRequest {
         timeout_s: Some(77),
         ..req
     };
-    let e = plane.create_sandbox(other).await.expect_err("other body");
+    let e = plane
+        .create_sandbox(op(), other)
+        .await
+        .expect_err("other body");
     assert_eq!(e.code, ErrorCode::Conflict);
     assert_eq!(fx.node.sandbox_ids().len(), 1);
     Ok(())
@@ -170,17 +182,20 @@ async fn a_lifetime_ends_on_the_node_and_leaves_an_expired_answer() -> TestResul
     let fx = Fixture::new()?;
     let plane = fx.plane().await?;
     let sb = plane
-        .create_sandbox(CreateSandboxRequest {
-            timeout_s: Some(1),
-            ..Default::default()
-        })
+        .create_sandbox(
+            op(),
+            CreateSandboxRequest {
+                timeout_s: Some(1),
+                ..Default::default()
+            },
+        )
         .await?;
     // The node keeps the clock (the fake one moves when told): its sandbox goes first,
     // then the record.
     fx.node.advance(Duration::from_secs(2));
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let e = loop {
-        if let Err(e) = plane.get_sandbox(&sb.id).await {
+        if let Err(e) = plane.get_sandbox(op(), &sb.id).await {
             break e;
         }
         assert!(tokio::time::Instant::now() < deadline, "not reaped in 10 s");
@@ -196,13 +211,16 @@ async fn an_unreachable_node_fails_calls_with_a_retryable_code() -> TestResult {
     let fx = Fixture::new()?;
     let plane = fx.plane().await?;
     let sb = plane
-        .create_sandbox(CreateSandboxRequest::default())
+        .create_sandbox(op(), CreateSandboxRequest::default())
         .await?;
     fx.node.set_down(true);
-    let e = plane.exec(&sb.id, shell("true")).await.expect_err("down");
+    let e = plane
+        .exec(op(), &sb.id, shell("true"))
+        .await
+        .expect_err("down");
     assert_eq!(e.code, ErrorCode::AgentUnavailable);
     fx.node.set_down(false);
-    plane.exec(&sb.id, shell("true")).await?;
+    plane.exec(op(), &sb.id, shell("true")).await?;
     Ok(())
 }
 
@@ -215,23 +233,24 @@ async fn timeout_changes_and_job_suspends_reach_the_nodes_clock() -> TestResult 
         labels: [("job".to_string(), n.to_string())].into(),
         ..Default::default()
     };
-    let extended = plane.create_sandbox(job("a")).await?;
-    let held = plane.create_sandbox(job("b")).await?;
-    let plain = plane.create_sandbox(job("c")).await?;
+    let extended = plane.create_sandbox(op(), job("a")).await?;
+    let held = plane.create_sandbox(op(), job("b")).await?;
+    let plain = plane.create_sandbox(op(), job("c")).await?;
     plane
         .set_timeout(
+            op(),
             &extended.id,
             dsec_wire::v1::SetTimeoutRequest { timeout_s: 100 },
         )
         .await?;
-    plane.suspend_job("b").await?;
+    plane.suspend_job(op(), "b").await?;
     let ended = fx.node.advance(Duration::from_secs(20));
     assert_eq!(
         ended,
         vec![plain.id.clone()],
         "only the unchanged lifetime ended"
     );
-    plane.resume_job("b").await?;
+    plane.resume_job(op(), "b").await?;
     let ended = fx.node.advance(Duration::from_secs(9));
     assert!(
         ended.is_empty(),
@@ -239,7 +258,7 @@ async fn timeout_changes_and_job_suspends_reach_the_nodes_clock() -> TestResult 
     );
     let ended = fx.node.advance(Duration::from_secs(2));
     assert_eq!(ended, vec![held.id.clone()]);
-    let e = plane.get_sandbox(&extended.id).await;
+    let e = plane.get_sandbox(op(), &extended.id).await;
     assert!(e.is_ok(), "the extended one lives on: {e:?}");
     Ok(())
 }

@@ -20,6 +20,12 @@ use dsec_state::{MemStore, StateStore};
 use dsec_wire::v1::{CreateSandboxRequest, Isolation, NetworkMode, SandboxState};
 use dsec_wire::ErrorCode;
 
+/// The operator: the bootstrap key's principal (tenant `default`, every scope).
+fn op() -> &'static dsec_control::Principal {
+    static OP: std::sync::OnceLock<dsec_control::Principal> = std::sync::OnceLock::new();
+    OP.get_or_init(dsec_control::Principal::bootstrap)
+}
+
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
 /// Three fake nodes registered with a registry on one in-memory store, and a plane over
@@ -153,7 +159,7 @@ impl Cluster {
 async fn wait_state(plane: &ControlPlane, id: &str, state: SandboxState) -> TestResult {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let sb = plane.get_sandbox(id).await?;
+        let sb = plane.get_sandbox(op(), id).await?;
         if sb.state == state {
             return Ok(());
         }
@@ -171,7 +177,7 @@ async fn sandboxes_spread_over_the_nodes_and_calls_go_to_their_node() -> TestRes
     let mut on: HashMap<String, Vec<String>> = HashMap::new();
     for _ in 0..30 {
         let sb = plane
-            .create_sandbox(CreateSandboxRequest::default())
+            .create_sandbox(op(), CreateSandboxRequest::default())
             .await?;
         assert_eq!(sb.state, SandboxState::Ready);
         assert!(
@@ -186,29 +192,29 @@ async fn sandboxes_spread_over_the_nodes_and_calls_go_to_their_node() -> TestRes
     // An exec reaches the sandbox's own node.
     for (name, ids) in &on {
         let before = cluster.node(name).counters.execs.load(Ordering::Relaxed);
-        let out = plane.exec(&ids[0], shell("echo hi")).await?;
+        let out = plane.exec(op(), &ids[0], shell("echo hi")).await?;
         assert_eq!(out.exit.exit_code, Some(0));
         let after = cluster.node(name).counters.execs.load(Ordering::Relaxed);
         assert_eq!(after, before + 1, "the exec ran on {name}");
     }
     // `GET /v1/nodes` lists them; drain stops placements on one.
-    let listed = plane.list_nodes().await?;
+    let listed = plane.list_nodes(op()).await?;
     assert_eq!(listed.nodes.len(), 3);
     assert!(listed.nodes.iter().all(|n| n.live && !n.draining));
-    let drained = plane.drain_node("n1", true).await?;
+    let drained = plane.drain_node(op(), "n1", true).await?;
     assert!(drained.draining);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     // The drain reaches placement through the view's watch.
     loop {
         let sb = plane
-            .create_sandbox(CreateSandboxRequest::default())
+            .create_sandbox(op(), CreateSandboxRequest::default())
             .await?;
         let n1_before = on.get("n1").map_or(0, Vec::len);
         if sb.node != "n1" {
             // Ten more in a row avoid it.
             for _ in 0..10 {
                 let sb = plane
-                    .create_sandbox(CreateSandboxRequest::default())
+                    .create_sandbox(op(), CreateSandboxRequest::default())
                     .await?;
                 assert_ne!(sb.node, "n1", "a drained node gets no new sandbox");
             }
@@ -221,9 +227,13 @@ async fn sandboxes_spread_over_the_nodes_and_calls_go_to_their_node() -> TestRes
             "the drain took effect"
         );
     }
-    plane.drain_node("n1", false).await?;
+    plane.drain_node(op(), "n1", false).await?;
     assert_eq!(
-        plane.drain_node("nope", false).await.err().map(|e| e.code),
+        plane
+            .drain_node(op(), "nope", false)
+            .await
+            .err()
+            .map(|e| e.code),
         Some(ErrorCode::NotFound)
     );
     Ok(())
@@ -251,7 +261,7 @@ async fn a_node_that_refuses_sends_the_sandbox_elsewhere_and_a_full_cluster_says
     // (The plane's view starts with that load.)
     let plane = cluster.plane().await?;
     let sb = plane
-        .create_sandbox(CreateSandboxRequest::default())
+        .create_sandbox(op(), CreateSandboxRequest::default())
         .await?;
     assert_eq!(sb.node, "n1");
     assert_eq!(
@@ -266,14 +276,14 @@ async fn a_node_that_refuses_sends_the_sandbox_elsewhere_and_a_full_cluster_says
     assert_eq!(cluster.node("n1").sandbox_ids(), vec![sb.id.clone()]);
     // Both full: `capacity`, and nothing left behind.
     let err = plane
-        .create_sandbox(CreateSandboxRequest::default())
+        .create_sandbox(op(), CreateSandboxRequest::default())
         .await
         .err()
         .ok_or("a full cluster refuses")?;
     assert_eq!(err.code, ErrorCode::Capacity, "{}", err.message);
     assert_eq!(
         plane
-            .list_sandboxes(Default::default())
+            .list_sandboxes(op(), Default::default())
             .await?
             .sandboxes
             .len(),
@@ -294,7 +304,7 @@ async fn sandboxes_of_a_node_that_goes_are_lost_and_come_back_with_it() -> TestR
     let mut on_n1 = Vec::new();
     while on_n1.len() < 2 {
         let sb = plane
-            .create_sandbox(CreateSandboxRequest::default())
+            .create_sandbox(op(), CreateSandboxRequest::default())
             .await?;
         if sb.node == "n1" {
             on_n1.push(sb.id);
@@ -304,11 +314,11 @@ async fn sandboxes_of_a_node_that_goes_are_lost_and_come_back_with_it() -> TestR
     for id in &on_n1 {
         wait_state(&plane, id, SandboxState::Lost).await?;
     }
-    let lost = plane.get_sandbox(&on_n1[0]).await?;
+    let lost = plane.get_sandbox(op(), &on_n1[0]).await?;
     assert_eq!(lost.lost_from, Some(SandboxState::Ready));
     assert!(lost.lost_since.is_some());
     let err = plane
-        .exec(&on_n1[0], shell("true"))
+        .exec(op(), &on_n1[0], shell("true"))
         .await
         .err()
         .ok_or("a lost sandbox takes no calls")?;
@@ -316,24 +326,32 @@ async fn sandboxes_of_a_node_that_goes_are_lost_and_come_back_with_it() -> TestR
     // New sandboxes go to the live node.
     for _ in 0..5 {
         let sb = plane
-            .create_sandbox(CreateSandboxRequest::default())
+            .create_sandbox(op(), CreateSandboxRequest::default())
             .await?;
         assert_eq!(sb.node, "n2");
     }
     // One is given up while its node is gone: the record goes at once.
-    plane.delete_sandbox(&on_n1[1]).await?;
+    plane.delete_sandbox(op(), &on_n1[1]).await?;
     assert_eq!(
-        plane.get_sandbox(&on_n1[1]).await.err().map(|e| e.code),
+        plane
+            .get_sandbox(op(), &on_n1[1])
+            .await
+            .err()
+            .map(|e| e.code),
         Some(ErrorCode::NotFound)
     );
     // The node returns (restarted, still running both): the kept one is back, the
     // given-up one is an orphan the reaper destroys once past the grace.
     cluster.up("n1").await?;
     wait_state(&plane, &on_n1[0], SandboxState::Ready).await?;
-    let back = plane.get_sandbox(&on_n1[0]).await?;
+    let back = plane.get_sandbox(op(), &on_n1[0]).await?;
     assert_eq!((back.lost_from, back.lost_since), (None, None));
     assert_eq!(
-        plane.exec(&on_n1[0], shell("true")).await?.exit.exit_code,
+        plane
+            .exec(op(), &on_n1[0], shell("true"))
+            .await?
+            .exit
+            .exit_code,
         Some(0)
     );
     assert!(cluster.node("n1").sandbox_ids().contains(&on_n1[1]));

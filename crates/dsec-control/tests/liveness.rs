@@ -11,6 +11,12 @@ use dsec_wire::v1::{CreateSandboxRequest, SandboxState};
 
 use dsec_node_api::fake::shell_request as shell;
 
+/// The operator: the bootstrap key's principal (tenant `default`, every scope).
+fn op() -> &'static dsec_control::Principal {
+    static OP: std::sync::OnceLock<dsec_control::Principal> = std::sync::OnceLock::new();
+    OP.get_or_init(dsec_control::Principal::bootstrap)
+}
+
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
 /// A ping in flight when the sandbox is paused, answered only after a resume that set
@@ -32,18 +38,18 @@ async fn a_ping_overlapping_a_pause_and_resume_does_not_mark_the_sandbox_unhealt
     )
     .await?;
     let sb = plane
-        .create_sandbox(CreateSandboxRequest::default())
+        .create_sandbox(op(), CreateSandboxRequest::default())
         .await?;
     let start = tokio::time::Instant::now();
 
     let exec = tokio::spawn({
         let (plane, id) = (plane.clone(), sb.id.clone());
-        async move { plane.exec(&id, shell("sleep 20")).await }
+        async move { plane.exec(op(), &id, shell("sleep 20")).await }
     });
     tokio::time::sleep_until(start + Duration::from_secs(4)).await;
-    plane.pause_sandbox(&sb.id).await?;
+    plane.pause_sandbox(op(), &sb.id).await?;
     tokio::time::sleep_until(start + Duration::from_millis(5500)).await;
-    let resumed = plane.resume_sandbox(&sb.id).await?;
+    let resumed = plane.resume_sandbox(op(), &sb.id).await?;
     assert_eq!(resumed.state, SandboxState::Ready);
     assert!(
         start.elapsed() >= Duration::from_millis(6500),
@@ -52,7 +58,7 @@ async fn a_ping_overlapping_a_pause_and_resume_does_not_mark_the_sandbox_unhealt
 
     let r = exec.await??;
     assert_eq!(r.exit.exit_code, Some(0), "{r:?}");
-    let after = plane.get_sandbox(&sb.id).await?;
+    let after = plane.get_sandbox(op(), &sb.id).await?;
     assert_eq!(after.state, SandboxState::Ready, "{after:?}");
     Ok(())
 }
@@ -70,10 +76,10 @@ async fn an_agent_that_never_answers_marks_its_sandbox_unhealthy() -> TestResult
     )
     .await?;
     let sb = plane
-        .create_sandbox(CreateSandboxRequest::default())
+        .create_sandbox(op(), CreateSandboxRequest::default())
         .await?;
     let start = tokio::time::Instant::now();
-    let err = match plane.exec(&sb.id, shell("sleep 20")).await {
+    let err = match plane.exec(op(), &sb.id, shell("sleep 20")).await {
         Ok(r) => return Err(format!("exec answered {r:?}").into()),
         Err(e) => e,
     };
@@ -83,7 +89,7 @@ async fn an_agent_that_never_answers_marks_its_sandbox_unhealthy() -> TestResult
         "{:?}",
         start.elapsed()
     );
-    let after = plane.get_sandbox(&sb.id).await?;
+    let after = plane.get_sandbox(op(), &sb.id).await?;
     assert_eq!(after.state, SandboxState::Unhealthy, "{after:?}");
     Ok(())
 }

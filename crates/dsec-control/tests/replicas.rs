@@ -14,6 +14,12 @@ use dsec_testkit::Etcd;
 use dsec_wire::v1::{CreateSandboxRequest, SandboxState};
 use dsec_wire::ErrorCode;
 
+/// The operator: the bootstrap key's principal (tenant `default`, every scope).
+fn op() -> &'static dsec_control::Principal {
+    static OP: std::sync::OnceLock<dsec_control::Principal> = std::sync::OnceLock::new();
+    OP.get_or_init(dsec_control::Principal::bootstrap)
+}
+
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
 struct Pair {
@@ -47,46 +53,54 @@ async fn within(limit: Duration, mut f: impl AsyncFnMut() -> bool) -> Option<Dur
 }
 
 async fn one_replica_sees_the_others_changes(p: &Pair) -> TestResult {
-    let sb = p.a.create_sandbox(CreateSandboxRequest::default()).await?;
+    let sb =
+        p.a.create_sandbox(op(), CreateSandboxRequest::default())
+            .await?;
     // Read-your-writes on any replica: a get goes to the store when its cache misses.
-    assert_eq!(p.b.get_sandbox(&sb.id).await?.state, SandboxState::Ready);
+    assert_eq!(
+        p.b.get_sandbox(op(), &sb.id).await?.state,
+        SandboxState::Ready
+    );
     let listed = within(Duration::from_secs(1), async || {
-        p.b.list_sandboxes(Default::default())
+        p.b.list_sandboxes(op(), Default::default())
             .await
             .is_ok_and(|l| l.sandboxes.iter().any(|s| s.id == sb.id))
     })
     .await;
     assert!(listed.is_some(), "b lists a's sandbox within 1 s");
 
-    p.b.pause_sandbox(&sb.id).await?;
+    p.b.pause_sandbox(op(), &sb.id).await?;
     let paused = within(Duration::from_secs(1), async || {
-        p.a.get_sandbox(&sb.id)
+        p.a.get_sandbox(op(), &sb.id)
             .await
             .is_ok_and(|s| s.state == SandboxState::Paused)
     })
     .await;
     assert!(paused.is_some(), "a sees the pause within 1 s");
-    p.a.resume_sandbox(&sb.id).await?;
+    p.a.resume_sandbox(op(), &sb.id).await?;
     // A read is as fresh as the replica's watch (within a second); a call is checked
     // against the store, so b can use the sandbox at once.
-    p.b.exec(&sb.id, dsec_node_api::fake::shell_request("true"))
+    p.b.exec(op(), &sb.id, dsec_node_api::fake::shell_request("true"))
         .await?;
     let resumed = within(Duration::from_secs(1), async || {
-        p.b.get_sandbox(&sb.id)
+        p.b.get_sandbox(op(), &sb.id)
             .await
             .is_ok_and(|s| s.state == SandboxState::Ready)
     })
     .await;
     assert!(resumed.is_some(), "b sees the resume within 1 s");
 
-    p.a.delete_sandbox(&sb.id).await?;
+    p.a.delete_sandbox(op(), &sb.id).await?;
     let gone = within(
         Duration::from_secs(1),
-        async || matches!(p.b.get_sandbox(&sb.id).await, Err(e) if e.code == ErrorCode::NotFound),
+        async || matches!(p.b.get_sandbox(op(), &sb.id).await, Err(e) if e.code == ErrorCode::NotFound),
     )
     .await;
     assert!(gone.is_some(), "b forgets the deleted sandbox within 1 s");
-    let e = p.b.delete_sandbox(&sb.id).await.expect_err("deleted twice");
+    let e =
+        p.b.delete_sandbox(op(), &sb.id)
+            .await
+            .expect_err("deleted twice");
     assert_eq!(e.code, ErrorCode::NotFound);
     Ok(())
 }
@@ -99,8 +113,8 @@ async fn a_keyed_create_on_both_replicas_makes_one_sandbox(p: &Pair) -> TestResu
             ..Default::default()
         };
         let (x, y) = tokio::join!(
-            p.a.create_sandbox(req.clone()),
-            p.b.create_sandbox(req.clone())
+            p.a.create_sandbox(op(), req.clone()),
+            p.b.create_sandbox(op(), req.clone())
         );
         let (x, y) = (x?, y?);
         assert_eq!(x.id, y.id, "round {round}: both answers name one sandbox");
@@ -110,7 +124,10 @@ async fn a_keyed_create_on_both_replicas_makes_one_sandbox(p: &Pair) -> TestResu
             timeout_s: Some(99),
             ..req
         };
-        let e = p.b.create_sandbox(other).await.expect_err("other body");
+        let e =
+            p.b.create_sandbox(op(), other)
+                .await
+                .expect_err("other body");
         assert_eq!(e.code, ErrorCode::Conflict);
     }
     assert_eq!(
@@ -123,16 +140,21 @@ async fn a_keyed_create_on_both_replicas_makes_one_sandbox(p: &Pair) -> TestResu
         idempotency_key: Some("race-0".into()),
         ..Default::default()
     };
-    let first = p.a.create_sandbox(req.clone()).await?;
-    p.b.delete_sandbox(&first.id).await?;
-    let second = p.a.create_sandbox(req).await?;
+    let first = p.a.create_sandbox(op(), req.clone()).await?;
+    p.b.delete_sandbox(op(), &first.id).await?;
+    let second = p.a.create_sandbox(op(), req).await?;
     assert_ne!(first.id, second.id);
     Ok(())
 }
 
 async fn concurrent_pauses_on_both_replicas_pause_once(p: &Pair) -> TestResult {
-    let sb = p.a.create_sandbox(CreateSandboxRequest::default()).await?;
-    let (x, y) = tokio::join!(p.a.pause_sandbox(&sb.id), p.b.pause_sandbox(&sb.id));
+    let sb =
+        p.a.create_sandbox(op(), CreateSandboxRequest::default())
+            .await?;
+    let (x, y) = tokio::join!(
+        p.a.pause_sandbox(op(), &sb.id),
+        p.b.pause_sandbox(op(), &sb.id)
+    );
     let (x, y) = (x?, y?);
     assert_eq!(x.sandbox.state, SandboxState::Paused);
     assert_eq!(y.sandbox.state, SandboxState::Paused);
@@ -141,7 +163,10 @@ async fn concurrent_pauses_on_both_replicas_pause_once(p: &Pair) -> TestResult {
         x.memory_before_bytes == 0 || y.memory_before_bytes == 0,
         "only one replica paused the node's sandbox: {x:?} {y:?}"
     );
-    let (x, y) = tokio::join!(p.a.delete_sandbox(&sb.id), p.b.delete_sandbox(&sb.id));
+    let (x, y) = tokio::join!(
+        p.a.delete_sandbox(op(), &sb.id),
+        p.b.delete_sandbox(op(), &sb.id)
+    );
     assert!(x.is_ok() || y.is_ok(), "{x:?} {y:?}");
     assert!(!p.node.sandbox_ids().contains(&sb.id));
     Ok(())
@@ -195,7 +220,7 @@ fn a_keyed_create_whose_replica_died_is_taken_over_by_the_retry() -> TestResult 
     let a = rt_a.block_on(ControlPlane::open(cfg, node.clone(), store))?;
     let doomed = {
         let (a, req) = (a.clone(), req.clone());
-        rt_a.spawn(async move { a.create_sandbox(req).await })
+        rt_a.spawn(async move { a.create_sandbox(op(), req).await })
     };
     // The create reached the node: its record and key are stored, claimed by a.
     let started = Instant::now();
@@ -213,7 +238,7 @@ fn a_keyed_create_whose_replica_died_is_taken_over_by_the_retry() -> TestResult 
     node.stall_creates(false);
 
     let started = Instant::now();
-    let sb = rt_b.block_on(b.create_sandbox(req.clone()))?;
+    let sb = rt_b.block_on(b.create_sandbox(op(), req.clone()))?;
     assert_eq!(sb.state, SandboxState::Ready);
     assert!(
         started.elapsed() < Duration::from_secs(10),
@@ -225,13 +250,13 @@ fn a_keyed_create_whose_replica_died_is_taken_over_by_the_retry() -> TestResult 
         vec![sb.id.clone()],
         "one sandbox on the node"
     );
-    let listed = rt_b.block_on(b.list_sandboxes(Default::default()))?;
+    let listed = rt_b.block_on(b.list_sandboxes(op(), Default::default()))?;
     assert_eq!(
         listed.sandboxes.len(),
         1,
         "no record of the abandoned create left"
     );
     // The key now names the new sandbox.
-    assert_eq!(rt_b.block_on(b.create_sandbox(req))?.id, sb.id);
+    assert_eq!(rt_b.block_on(b.create_sandbox(op(), req))?.id, sb.id);
     Ok(())
 }

@@ -3,12 +3,13 @@
 
 use std::sync::Arc;
 
-use axum::extract::{FromRequest, FromRequestParts, Request, State};
+use axum::extract::{FromRequest, FromRequestParts, OriginalUri, Request, State};
 use axum::http::{header, HeaderMap};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use dsec_control::SandboxApi;
+use dsec_control::{Principal, SandboxApi};
 use dsec_wire::v1::API_KEY_HEADER;
+use dsec_wire::ApiError;
 
 use crate::error::HttpError;
 
@@ -89,14 +90,35 @@ pub fn api_key(headers: &HeaderMap) -> Option<&str> {
     scheme.eq_ignore_ascii_case("bearer").then(|| key.trim())
 }
 
-/// Middleware on every route but `/v1/health`: asks the API whether the key is valid.
+/// Middleware on every route but `/v1/health`: asks the API who the key is, checks that
+/// it has the scope the route needs ([`dsec_iam::required_scope`]: `forbidden` if not),
+/// and hands the [`dsec_control::Principal`] to the handler (see [`crate::Scoped`]).
 pub async fn require_api_key(
     State(api): State<Arc<dyn SandboxApi>>,
-    req: Request,
+    mut req: Request,
     next: Next,
 ) -> Response {
-    if let Err(e) = api.authenticate(api_key(req.headers())) {
-        return HttpError(e).into_response();
+    match authorize(api.as_ref(), api_key(req.headers()), &req) {
+        Ok(principal) => {
+            req.extensions_mut().insert(principal);
+            next.run(req).await
+        }
+        Err(e) => HttpError(e).into_response(),
     }
-    next.run(req).await
+}
+
+/// Who `key` is, if it may make `req` (`unauthorized` / `forbidden` otherwise).
+pub fn authorize(
+    api: &dyn SandboxApi,
+    key: Option<&str>,
+    req: &Request,
+) -> Result<Principal, ApiError> {
+    let principal = api.authenticate(key)?;
+    // Nested routers see their path without the prefix: the scope is the full path's.
+    let path = req
+        .extensions()
+        .get::<OriginalUri>()
+        .map_or_else(|| req.uri().path(), |u| u.path());
+    principal.require(dsec_iam::required_scope(req.method().as_str(), path))?;
+    Ok(principal)
 }

@@ -31,7 +31,7 @@ pub const FILE_INFO_HEADER: &str = "x-dsec-file-info";
 /// Content type of exec/process event streams.
 pub const NDJSON: &str = "application/x-ndjson";
 
-type Api = State<Arc<dyn SandboxApi>>;
+type Api = crate::Scoped;
 type HttpResult<T> = Result<T, HttpError>;
 
 // ---------------------------------------------------------------- responses
@@ -266,13 +266,13 @@ pub async fn method_not_allowed(method: Method, uri: Uri) -> HttpError {
 // ---------------------------------------------------------------- health, sandboxes
 
 /// `GET /v1/health` (no API key needed).
-pub async fn health(State(api): Api) -> HttpResult<Response> {
+pub async fn health(State(api): State<Arc<dyn SandboxApi>>) -> HttpResult<Response> {
     Ok(json(api.health().await?))
 }
 
 /// `POST /v1/sandboxes`.
 pub async fn create_sandbox(
-    State(api): Api,
+    api: Api,
     Json(req): Json<CreateSandboxRequest>,
 ) -> HttpResult<Response> {
     Ok(created(api.create_sandbox(req).await?))
@@ -280,7 +280,7 @@ pub async fn create_sandbox(
 
 /// `GET /v1/sandboxes?label=k=v...`.
 pub async fn list_sandboxes(
-    State(api): Api,
+    api: Api,
     Query(pairs): Query<Vec<(String, String)>>,
 ) -> HttpResult<Response> {
     // `state=S` (repeatable: any of them) beside the label filters.
@@ -305,18 +305,18 @@ pub async fn list_sandboxes(
 }
 
 /// `GET /v1/sandboxes/{id}`.
-pub async fn get_sandbox(State(api): Api, Path(id): Path<String>) -> HttpResult<Response> {
+pub async fn get_sandbox(api: Api, Path(id): Path<String>) -> HttpResult<Response> {
     Ok(json(api.get_sandbox(&id).await?))
 }
 
 /// `DELETE /v1/sandboxes/{id}`.
-pub async fn delete_sandbox(State(api): Api, Path(id): Path<String>) -> HttpResult<Response> {
+pub async fn delete_sandbox(api: Api, Path(id): Path<String>) -> HttpResult<Response> {
     Ok(no_content(api.delete_sandbox(&id).await?))
 }
 
 /// `POST /v1/sandboxes/{id}/timeout`.
 pub async fn set_timeout(
-    State(api): Api,
+    api: Api,
     Path(id): Path<String>,
     Json(req): Json<SetTimeoutRequest>,
 ) -> HttpResult<Response> {
@@ -325,7 +325,7 @@ pub async fn set_timeout(
 
 /// `PUT /v1/sandboxes/{id}/network`.
 pub async fn set_network(
-    State(api): Api,
+    api: Api,
     Path(id): Path<String>,
     Json(policy): Json<NetworkPolicy>,
 ) -> HttpResult<Response> {
@@ -333,18 +333,18 @@ pub async fn set_network(
 }
 
 /// `POST /v1/sandboxes/{id}/pause`.
-pub async fn pause_sandbox(State(api): Api, Path(id): Path<String>) -> HttpResult<Response> {
+pub async fn pause_sandbox(api: Api, Path(id): Path<String>) -> HttpResult<Response> {
     Ok(json(api.pause_sandbox(&id).await?))
 }
 
 /// `POST /v1/sandboxes/{id}/resume`.
-pub async fn resume_sandbox(State(api): Api, Path(id): Path<String>) -> HttpResult<Response> {
+pub async fn resume_sandbox(api: Api, Path(id): Path<String>) -> HttpResult<Response> {
     Ok(json(api.resume_sandbox(&id).await?))
 }
 
 /// `POST /v1/sandboxes/{id}/commit`.
 pub async fn commit_sandbox(
-    State(api): Api,
+    api: Api,
     Path(id): Path<String>,
     Json(req): Json<CommitRequest>,
 ) -> HttpResult<Response> {
@@ -352,27 +352,27 @@ pub async fn commit_sandbox(
 }
 
 /// `POST /v1/jobs/{job}/suspend`.
-pub async fn suspend_job(State(api): Api, Path(job): Path<String>) -> HttpResult<Response> {
+pub async fn suspend_job(api: Api, Path(job): Path<String>) -> HttpResult<Response> {
     Ok(json(api.suspend_job(&job).await?))
 }
 
 /// `POST /v1/jobs/{job}/resume`.
-pub async fn resume_job(State(api): Api, Path(job): Path<String>) -> HttpResult<Response> {
+pub async fn resume_job(api: Api, Path(job): Path<String>) -> HttpResult<Response> {
     Ok(json(api.resume_job(&job).await?))
 }
 
 /// `GET /v1/nodes`.
-pub async fn list_nodes(State(api): Api) -> HttpResult<Response> {
+pub async fn list_nodes(api: Api) -> HttpResult<Response> {
     Ok(json(api.list_nodes().await?))
 }
 
 /// `POST /v1/nodes/{name}/drain`.
-pub async fn drain_node(State(api): Api, Path(name): Path<String>) -> HttpResult<Response> {
+pub async fn drain_node(api: Api, Path(name): Path<String>) -> HttpResult<Response> {
     Ok(json(api.drain_node(&name, true).await?))
 }
 
 /// `POST /v1/nodes/{name}/undrain`.
-pub async fn undrain_node(State(api): Api, Path(name): Path<String>) -> HttpResult<Response> {
+pub async fn undrain_node(api: Api, Path(name): Path<String>) -> HttpResult<Response> {
     Ok(json(api.drain_node(&name, false).await?))
 }
 
@@ -380,7 +380,7 @@ pub async fn undrain_node(State(api): Api, Path(name): Path<String>) -> HttpResu
 
 /// `POST /v1/sandboxes/{id}/exec`.
 pub async fn exec(
-    State(api): Api,
+    api: Api,
     Path(id): Path<String>,
     Json(req): Json<ExecRequest>,
 ) -> HttpResult<Response> {
@@ -397,7 +397,7 @@ pub async fn exec(
 
 /// `POST /v1/sandboxes/{id}/exec/stream` (NDJSON).
 pub async fn exec_stream(
-    State(api): Api,
+    api: Api,
     Path(id): Path<String>,
     Json(req): Json<ExecRequest>,
 ) -> HttpResult<Response> {
@@ -406,7 +406,7 @@ pub async fn exec_stream(
 
 /// `POST /v1/sandboxes/{id}/sessions`.
 pub async fn create_session(
-    State(api): Api,
+    api: Api,
     Path(id): Path<String>,
     Json(req): Json<CreateSessionRequest>,
 ) -> HttpResult<Response> {
@@ -414,13 +414,13 @@ pub async fn create_session(
 }
 
 /// `GET /v1/sandboxes/{id}/sessions`.
-pub async fn list_sessions(State(api): Api, Path(id): Path<String>) -> HttpResult<Response> {
+pub async fn list_sessions(api: Api, Path(id): Path<String>) -> HttpResult<Response> {
     Ok(json(api.list_sessions(&id).await?))
 }
 
 /// `POST /v1/sandboxes/{id}/sessions/{session}/run`.
 pub async fn run_in_session(
-    State(api): Api,
+    api: Api,
     Path((id, session)): Path<(String, String)>,
     Json(req): Json<SessionRunRequest>,
 ) -> HttpResult<Response> {
@@ -429,7 +429,7 @@ pub async fn run_in_session(
 
 /// `POST /v1/sandboxes/{id}/sessions/{session}/interrupt`.
 pub async fn interrupt_session(
-    State(api): Api,
+    api: Api,
     Path((id, session)): Path<(String, String)>,
 ) -> HttpResult<Response> {
     Ok(no_content(api.interrupt_session(&id, &session).await?))
@@ -437,7 +437,7 @@ pub async fn interrupt_session(
 
 /// `DELETE /v1/sandboxes/{id}/sessions/{session}`.
 pub async fn close_session(
-    State(api): Api,
+    api: Api,
     Path((id, session)): Path<(String, String)>,
 ) -> HttpResult<Response> {
     Ok(no_content(api.close_session(&id, &session).await?))
@@ -447,7 +447,7 @@ pub async fn close_session(
 
 /// `POST /v1/sandboxes/{id}/processes`.
 pub async fn start_process(
-    State(api): Api,
+    api: Api,
     Path(id): Path<String>,
     Json(req): Json<StartProcessRequest>,
 ) -> HttpResult<Response> {
@@ -455,13 +455,13 @@ pub async fn start_process(
 }
 
 /// `GET /v1/sandboxes/{id}/processes`.
-pub async fn list_processes(State(api): Api, Path(id): Path<String>) -> HttpResult<Response> {
+pub async fn list_processes(api: Api, Path(id): Path<String>) -> HttpResult<Response> {
     Ok(json(api.list_processes(&id).await?))
 }
 
 /// `GET /v1/sandboxes/{id}/processes/{pid}/output` (NDJSON).
 pub async fn process_output(
-    State(api): Api,
+    api: Api,
     Path((id, pid)): Path<(String, u32)>,
     Query(q): Query<OutputQuery>,
 ) -> HttpResult<Response> {
@@ -471,7 +471,7 @@ pub async fn process_output(
 
 /// `POST /v1/sandboxes/{id}/processes/{pid}/stdin`.
 pub async fn process_stdin(
-    State(api): Api,
+    api: Api,
     Path((id, pid)): Path<(String, u32)>,
     Json(req): Json<StdinRequest>,
 ) -> HttpResult<Response> {
@@ -480,7 +480,7 @@ pub async fn process_stdin(
 
 /// `POST /v1/sandboxes/{id}/processes/{pid}/signal`.
 pub async fn signal_process(
-    State(api): Api,
+    api: Api,
     Path((id, pid)): Path<(String, u32)>,
     Json(req): Json<SignalRequest>,
 ) -> HttpResult<Response> {
@@ -489,7 +489,7 @@ pub async fn signal_process(
 
 /// `POST /v1/sandboxes/{id}/processes/{pid}/resize`.
 pub async fn resize_process(
-    State(api): Api,
+    api: Api,
     Path((id, pid)): Path<(String, u32)>,
     Json(size): Json<PtySize>,
 ) -> HttpResult<Response> {
@@ -501,7 +501,7 @@ pub async fn resize_process(
 /// `GET /v1/sandboxes/{id}/files?path=&offset=&length=`: the bytes, with the
 /// [`FileInfo`] in the `x-dsec-file-info` header.
 pub async fn read_file(
-    State(api): Api,
+    api: Api,
     Path(id): Path<String>,
     Query(q): Query<ReadQuery>,
 ) -> HttpResult<Response> {
@@ -524,7 +524,7 @@ pub async fn read_file(
 
 /// `PUT /v1/sandboxes/{id}/files?path=&mode=`: the body (streamed) is the file's bytes.
 pub async fn write_file(
-    State(api): Api,
+    api: Api,
     Extension(opts): Extension<HttpOptions>,
     Path(id): Path<String>,
     Query(q): Query<WriteQuery>,
@@ -537,7 +537,7 @@ pub async fn write_file(
 
 /// `DELETE /v1/sandboxes/{id}/files?path=&recursive=`.
 pub async fn remove_file(
-    State(api): Api,
+    api: Api,
     Path(id): Path<String>,
     Query(q): Query<RemoveQuery>,
 ) -> HttpResult<Response> {
@@ -548,7 +548,7 @@ pub async fn remove_file(
 
 /// `GET /v1/sandboxes/{id}/files/list?path=`.
 pub async fn list_files(
-    State(api): Api,
+    api: Api,
     Path(id): Path<String>,
     Query(q): Query<PathQuery>,
 ) -> HttpResult<Response> {
@@ -557,7 +557,7 @@ pub async fn list_files(
 
 /// `GET /v1/sandboxes/{id}/files/stat?path=`.
 pub async fn stat_file(
-    State(api): Api,
+    api: Api,
     Path(id): Path<String>,
     Query(q): Query<PathQuery>,
 ) -> HttpResult<Response> {
@@ -566,7 +566,7 @@ pub async fn stat_file(
 
 /// `POST /v1/sandboxes/{id}/files/mkdir`.
 pub async fn mkdir(
-    State(api): Api,
+    api: Api,
     Path(id): Path<String>,
     Json(req): Json<MkdirRequest>,
 ) -> HttpResult<Response> {
@@ -575,7 +575,7 @@ pub async fn mkdir(
 
 /// `POST /v1/sandboxes/{id}/files/rename`.
 pub async fn rename_file(
-    State(api): Api,
+    api: Api,
     Path(id): Path<String>,
     Json(req): Json<RenameRequest>,
 ) -> HttpResult<Response> {
@@ -584,7 +584,7 @@ pub async fn rename_file(
 
 /// `GET /v1/sandboxes/{id}/files/tar?path=`: a streamed tar of the directory.
 pub async fn download_tar(
-    State(api): Api,
+    api: Api,
     Path(id): Path<String>,
     Query(q): Query<PathQuery>,
 ) -> HttpResult<Response> {
@@ -596,7 +596,7 @@ pub async fn download_tar(
 
 /// `PUT /v1/sandboxes/{id}/files/tar?path=`: the (streamed) tar body is extracted there.
 pub async fn upload_tar(
-    State(api): Api,
+    api: Api,
     Extension(opts): Extension<HttpOptions>,
     Path(id): Path<String>,
     Query(q): Query<PathQuery>,
@@ -609,15 +609,12 @@ pub async fn upload_tar(
 // ---------------------------------------------------------------- images
 
 /// `GET /v1/images`.
-pub async fn list_images(State(api): Api) -> HttpResult<Response> {
+pub async fn list_images(api: Api) -> HttpResult<Response> {
     Ok(json(api.list_images().await?))
 }
 
 /// `POST /v1/images`.
-pub async fn import_image(
-    State(api): Api,
-    Json(req): Json<ImportImageRequest>,
-) -> HttpResult<Response> {
+pub async fn import_image(api: Api, Json(req): Json<ImportImageRequest>) -> HttpResult<Response> {
     Ok(created(api.import_image(req).await?))
 }
 
@@ -635,7 +632,7 @@ pub struct UploadImageQuery {
 /// `POST /v1/images/upload?name=`: imports the archive in the body (a rootfs tar,
 /// compressed or not, a `docker save` or OCI archive, or an EROFS image).
 pub async fn upload_image(
-    State(api): Api,
+    api: Api,
     Extension(opts): Extension<HttpOptions>,
     Query(q): Query<UploadImageQuery>,
     body: Body,
@@ -646,7 +643,7 @@ pub async fn upload_image(
 
 /// `POST /v1/images/import/stream` (NDJSON progress, then `done` or `error`).
 pub async fn import_image_stream(
-    State(api): Api,
+    api: Api,
     Json(req): Json<ImportImageRequest>,
 ) -> HttpResult<Response> {
     Ok(ndjson(api.import_image_stream(req).await?))
@@ -654,19 +651,19 @@ pub async fn import_image_stream(
 
 /// `POST /v1/images/pull` (NDJSON progress, then `done` or `error`).
 pub async fn pull_image(
-    State(api): Api,
+    api: Api,
     Json(req): Json<dsec_wire::v1::PullImageRequest>,
 ) -> HttpResult<Response> {
     Ok(ndjson(api.pull_image_stream(req).await?))
 }
 
 /// `GET /v1/images/layers`.
-pub async fn layer_stats(State(api): Api) -> HttpResult<Response> {
+pub async fn layer_stats(api: Api) -> HttpResult<Response> {
     Ok(json(api.layer_stats().await?))
 }
 
 /// `GET /metrics`: Prometheus text (see [`crate::metrics`]).
-pub async fn metrics(State(api): Api) -> HttpResult<Response> {
+pub async fn metrics(api: Api) -> HttpResult<Response> {
     let (health, layers) = (api.health().await?, api.layer_stats().await?);
     Ok((
         [(
@@ -680,7 +677,7 @@ pub async fn metrics(State(api): Api) -> HttpResult<Response> {
 
 /// `POST /v1/images/gc`.
 pub async fn gc_images(
-    State(api): Api,
+    api: Api,
     Json(req): Json<dsec_wire::v1::GcRequest>,
 ) -> HttpResult<Response> {
     Ok(json(api.gc_images(req).await?))
@@ -688,14 +685,14 @@ pub async fn gc_images(
 
 /// `POST /v1/images/build`.
 pub async fn build_image(
-    State(api): Api,
+    api: Api,
     Json(req): Json<dsec_wire::v1::BuildRequest>,
 ) -> HttpResult<Response> {
     Ok(created(api.build_image(req).await?))
 }
 
 /// `DELETE /v1/images/{name}`.
-pub async fn delete_image(State(api): Api, Path(name): Path<String>) -> HttpResult<Response> {
+pub async fn delete_image(api: Api, Path(name): Path<String>) -> HttpResult<Response> {
     Ok(no_content(api.delete_image(&name).await?))
 }
 

@@ -6,7 +6,9 @@
 //! HTTP-specific lives here and nowhere else:
 //!
 //! - **Auth**: every route except `GET /v1/health` passes the key from `x-api-key` (or
-//!   `Authorization: Bearer KEY`) to [`SandboxApi::authenticate`].
+//!   `Authorization: Bearer KEY`) to [`SandboxApi::authenticate`], checks the scope the
+//!   route needs ([`dsec_iam::required_scope`]) and makes the handler's calls as the
+//!   principal (its tenant) through a [`Scoped`] handle.
 //! - **Errors**: one `IntoResponse` ([`error::HttpError`]) maps an [`ApiError`] to the status
 //!   of its code and the body `{"error":{"code":"...","message":"..."}}`. Malformed JSON,
 //!   query strings and path parameters are `bad_request` in the same shape; unknown routes
@@ -27,6 +29,7 @@ pub mod extract;
 pub mod handlers;
 pub mod json;
 pub mod metrics;
+pub mod scoped;
 mod swerex;
 
 use std::any::Any;
@@ -46,6 +49,7 @@ use tower_http::trace::TraceLayer;
 
 pub use error::HttpError;
 pub use handlers::{FILE_INFO_HEADER, NDJSON};
+pub use scoped::Scoped;
 
 /// Largest accepted JSON request body (64 MiB; inline files in a create request count).
 pub const JSON_BODY_LIMIT: usize = 64 * 1024 * 1024;

@@ -16,7 +16,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use axum::body::Bytes;
-use axum::extract::{Multipart, Path, State};
+use axum::extract::{Multipart, Path};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -28,7 +28,7 @@ use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-type Api = State<Arc<dyn SandboxApi>>;
+type Api = crate::Scoped;
 
 /// Largest `upload` body (the form is read into memory).
 const UPLOAD_LIMIT: usize = 512 << 20;
@@ -130,7 +130,7 @@ async fn root(Path(_id): Path<String>) -> Response {
     axum::Json(json!({"message": "hello world"})).into_response()
 }
 
-async fn is_alive(State(api): Api, Path(id): Path<String>) -> Response {
+async fn is_alive(api: Api, Path(id): Path<String>) -> Response {
     let (alive, message) = match api.get_sandbox(&id).await {
         Ok(sb) if sb.state == SandboxState::Ready => (true, String::new()),
         Ok(sb) => (false, format!("sandbox {id} is {:?}", sb.state)),
@@ -159,7 +159,7 @@ fn default_session() -> String {
 }
 
 async fn create_session(
-    State(api): Api,
+    api: Api,
     Path(id): Path<String>,
     headers: HeaderMap,
     body: Bytes,
@@ -249,7 +249,7 @@ fn observation(output: &str, exit_code: Option<i32>) -> Value {
 }
 
 async fn run_in_session(
-    State(api): Api,
+    api: Api,
     Path(id): Path<String>,
     headers: HeaderMap,
     body: Bytes,
@@ -313,7 +313,7 @@ struct CloseSession {
 }
 
 async fn close_session(
-    State(api): Api,
+    api: Api,
     Path(id): Path<String>,
     headers: HeaderMap,
     body: Bytes,
@@ -382,12 +382,7 @@ fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }
 
-async fn execute(
-    State(api): Api,
-    Path(id): Path<String>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+async fn execute(api: Api, Path(id): Path<String>, headers: HeaderMap, body: Bytes) -> Response {
     answer(&id, &headers, async {
         let req: ExecuteRequest = parse(&body)?;
         let exec = ExecRequest {
@@ -430,12 +425,7 @@ struct ReadFile {
     path: String,
 }
 
-async fn read_file(
-    State(api): Api,
-    Path(id): Path<String>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+async fn read_file(api: Api, Path(id): Path<String>, headers: HeaderMap, body: Bytes) -> Response {
     answer(&id, &headers, async {
         let req: ReadFile = parse(&body)?;
         let (_, mut stream) = match api.read_file(&id, &req.path, 0, None).await {
@@ -470,7 +460,7 @@ struct WriteFile {
 }
 
 async fn write_bytes(
-    api: &Arc<dyn SandboxApi>,
+    api: &crate::Scoped,
     id: &str,
     path: &str,
     data: Bytes,
@@ -479,12 +469,7 @@ async fn write_bytes(
     api.write_file(id, path, None, body).await.map(|_| ())
 }
 
-async fn write_file(
-    State(api): Api,
-    Path(id): Path<String>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+async fn write_file(api: Api, Path(id): Path<String>, headers: HeaderMap, body: Bytes) -> Response {
     answer(&id, &headers, async {
         let req: WriteFile = parse(&body)?;
         write_bytes(&api, &id, &req.path, Bytes::from(req.content)).await?;
@@ -494,7 +479,7 @@ async fn write_file(
 }
 
 async fn upload(
-    State(api): Api,
+    api: Api,
     Path(id): Path<String>,
     headers: HeaderMap,
     mut form: Multipart,

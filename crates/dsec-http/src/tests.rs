@@ -11,7 +11,7 @@ use axum::body::Body;
 use axum::http::{header, Request, StatusCode};
 use bytes::Bytes;
 use dsec_control::api::ApiResult;
-use dsec_control::{ByteStream, EventStream};
+use dsec_control::{ByteStream, EventStream, Principal};
 use dsec_wire::error::ErrorBody;
 use dsec_wire::v1::*;
 use dsec_wire::ApiError;
@@ -21,6 +21,16 @@ use tower::ServiceExt;
 use super::*;
 
 const KEY: &str = "test-key";
+/// A key with only the `read` scope.
+const READ_KEY: &str = "read-key";
+
+fn principal(scopes: Vec<dsec_iam::Scope>) -> Principal {
+    Principal {
+        tenant: "default".into(),
+        key_id: "test".into(),
+        scopes,
+    }
+}
 
 /// Test double: accepts [`KEY`], answers health, echoes a few inputs inside errors so the
 /// tests can see what the transport decoded, and fails everything else with `not_found`.
@@ -46,9 +56,10 @@ fn file_info(size: u64) -> FileInfo {
 
 #[async_trait::async_trait]
 impl SandboxApi for Stub {
-    fn authenticate(&self, key: Option<&str>) -> ApiResult<()> {
+    fn authenticate(&self, key: Option<&str>) -> ApiResult<Principal> {
         match key {
-            Some(KEY) => Ok(()),
+            Some(KEY) => Ok(principal(dsec_control::Scope::ALL.to_vec())),
+            Some(READ_KEY) => Ok(principal(vec![dsec_control::Scope::Read])),
             Some(_) => Err(ApiError::new(ErrorCode::Unauthorized, "invalid API key")),
             None => Err(ApiError::new(ErrorCode::Unauthorized, "missing API key")),
         }
@@ -65,52 +76,80 @@ impl SandboxApi for Stub {
             capacity: None,
         })
     }
-    async fn create_sandbox(&self, _: CreateSandboxRequest) -> ApiResult<Sandbox> {
+    async fn create_sandbox(
+        &self,
+        _caller: &Principal,
+        _: CreateSandboxRequest,
+    ) -> ApiResult<Sandbox> {
         stub_err("create_sandbox")
     }
-    async fn get_sandbox(&self, id: &str) -> ApiResult<Sandbox> {
+    async fn get_sandbox(&self, _caller: &Principal, id: &str) -> ApiResult<Sandbox> {
         if id == "panic" {
             panic!("boom");
         }
         stub_err(&format!("get_sandbox {id}"))
     }
-    async fn list_sandboxes(&self, labels: BTreeMap<String, String>) -> ApiResult<SandboxList> {
+    async fn list_sandboxes(
+        &self,
+        _caller: &Principal,
+        labels: BTreeMap<String, String>,
+    ) -> ApiResult<SandboxList> {
         stub_err(&format!("labels {labels:?}"))
     }
-    async fn delete_sandbox(&self, _: &str) -> ApiResult<()> {
+    async fn delete_sandbox(&self, _caller: &Principal, _: &str) -> ApiResult<()> {
         Ok(())
     }
-    async fn set_timeout(&self, _: &str, _: SetTimeoutRequest) -> ApiResult<Sandbox> {
+    async fn set_timeout(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        _: SetTimeoutRequest,
+    ) -> ApiResult<Sandbox> {
         stub_err("set_timeout")
     }
-    async fn set_network(&self, _: &str, _: NetworkPolicy) -> ApiResult<Sandbox> {
+    async fn set_network(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        _: NetworkPolicy,
+    ) -> ApiResult<Sandbox> {
         stub_err("set_network")
     }
-    async fn pause_sandbox(&self, _: &str) -> ApiResult<PauseResult> {
+    async fn pause_sandbox(&self, _caller: &Principal, _: &str) -> ApiResult<PauseResult> {
         stub_err("pause_sandbox")
     }
-    async fn resume_sandbox(&self, _: &str) -> ApiResult<Sandbox> {
+    async fn resume_sandbox(&self, _caller: &Principal, _: &str) -> ApiResult<Sandbox> {
         stub_err("resume_sandbox")
     }
-    async fn gc_images(&self, _: GcRequest) -> ApiResult<GcResult> {
+    async fn gc_images(&self, _caller: &Principal, _: GcRequest) -> ApiResult<GcResult> {
         stub_err("gc_images")
     }
-    async fn build_image(&self, _: BuildRequest) -> ApiResult<BuildResult> {
+    async fn build_image(&self, _caller: &Principal, _: BuildRequest) -> ApiResult<BuildResult> {
         stub_err("build_image")
     }
-    async fn commit_sandbox(&self, _: &str, _: CommitRequest) -> ApiResult<Image> {
+    async fn commit_sandbox(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        _: CommitRequest,
+    ) -> ApiResult<Image> {
         stub_err("commit_sandbox")
     }
-    async fn suspend_job(&self, _: &str) -> ApiResult<JobResult> {
+    async fn suspend_job(&self, _caller: &Principal, _: &str) -> ApiResult<JobResult> {
         stub_err("suspend_job")
     }
-    async fn resume_job(&self, _: &str) -> ApiResult<JobResult> {
+    async fn resume_job(&self, _caller: &Principal, _: &str) -> ApiResult<JobResult> {
         stub_err("resume_job")
     }
-    async fn exec(&self, _: &str, _: ExecRequest) -> ApiResult<ExecResult> {
+    async fn exec(&self, _caller: &Principal, _: &str, _: ExecRequest) -> ApiResult<ExecResult> {
         stub_err("exec")
     }
-    async fn exec_stream(&self, _: &str, _: ExecRequest) -> ApiResult<EventStream> {
+    async fn exec_stream(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        _: ExecRequest,
+    ) -> ApiResult<EventStream> {
         let events = vec![
             ExecEvent::Started { pid: 7 },
             ExecEvent::Stdout {
@@ -126,34 +165,46 @@ impl SandboxApi for Stub {
         ];
         Ok(futures::stream::iter(events).boxed())
     }
-    async fn create_session(&self, _: &str, _: CreateSessionRequest) -> ApiResult<SessionInfo> {
+    async fn create_session(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        _: CreateSessionRequest,
+    ) -> ApiResult<SessionInfo> {
         stub_err("create_session")
     }
-    async fn list_sessions(&self, _: &str) -> ApiResult<SessionList> {
+    async fn list_sessions(&self, _caller: &Principal, _: &str) -> ApiResult<SessionList> {
         stub_err("list_sessions")
     }
     async fn run_in_session(
         &self,
+        _caller: &Principal,
         _: &str,
         _: &str,
         _: SessionRunRequest,
     ) -> ApiResult<SessionResult> {
         stub_err("run_in_session")
     }
-    async fn interrupt_session(&self, _: &str, _: &str) -> ApiResult<()> {
+    async fn interrupt_session(&self, _caller: &Principal, _: &str, _: &str) -> ApiResult<()> {
         stub_err("interrupt_session")
     }
-    async fn close_session(&self, _: &str, _: &str) -> ApiResult<()> {
+    async fn close_session(&self, _caller: &Principal, _: &str, _: &str) -> ApiResult<()> {
         stub_err("close_session")
     }
-    async fn start_process(&self, _: &str, _: StartProcessRequest) -> ApiResult<ProcessInfo> {
+    async fn start_process(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        _: StartProcessRequest,
+    ) -> ApiResult<ProcessInfo> {
         stub_err("start_process")
     }
-    async fn list_processes(&self, _: &str) -> ApiResult<ProcessList> {
+    async fn list_processes(&self, _caller: &Principal, _: &str) -> ApiResult<ProcessList> {
         stub_err("list_processes")
     }
     async fn process_output(
         &self,
+        _caller: &Principal,
         _: &str,
         pid: u32,
         so: u64,
@@ -162,17 +213,36 @@ impl SandboxApi for Stub {
     ) -> ApiResult<EventStream> {
         stub_err(&format!("output {pid} {so} {se} {follow}"))
     }
-    async fn process_stdin(&self, _: &str, _: u32, _: StdinRequest) -> ApiResult<()> {
+    async fn process_stdin(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        _: u32,
+        _: StdinRequest,
+    ) -> ApiResult<()> {
         stub_err("process_stdin")
     }
-    async fn signal_process(&self, _: &str, _: u32, req: SignalRequest) -> ApiResult<()> {
+    async fn signal_process(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        _: u32,
+        req: SignalRequest,
+    ) -> ApiResult<()> {
         stub_err(&format!("signal {}", req.signal))
     }
-    async fn resize_process(&self, _: &str, _: u32, _: PtySize) -> ApiResult<()> {
+    async fn resize_process(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        _: u32,
+        _: PtySize,
+    ) -> ApiResult<()> {
         stub_err("resize_process")
     }
     async fn read_file(
         &self,
+        _caller: &Principal,
         _: &str,
         _: &str,
         _: u64,
@@ -186,6 +256,7 @@ impl SandboxApi for Stub {
     }
     async fn write_file(
         &self,
+        _caller: &Principal,
         _: &str,
         path: &str,
         mode: Option<u32>,
@@ -197,34 +268,40 @@ impl SandboxApi for Stub {
         }
         stub_err(&format!("write {path} {mode:?} {n}"))
     }
-    async fn list_files(&self, _: &str, _: &str) -> ApiResult<FileList> {
+    async fn list_files(&self, _caller: &Principal, _: &str, _: &str) -> ApiResult<FileList> {
         stub_err("list_files")
     }
-    async fn stat_file(&self, _: &str, _: &str) -> ApiResult<FileInfo> {
+    async fn stat_file(&self, _caller: &Principal, _: &str, _: &str) -> ApiResult<FileInfo> {
         stub_err("stat_file")
     }
-    async fn mkdir(&self, _: &str, _: MkdirRequest) -> ApiResult<()> {
+    async fn mkdir(&self, _caller: &Principal, _: &str, _: MkdirRequest) -> ApiResult<()> {
         stub_err("mkdir")
     }
-    async fn remove_file(&self, _: &str, _: &str, _: bool) -> ApiResult<()> {
+    async fn remove_file(&self, _caller: &Principal, _: &str, _: &str, _: bool) -> ApiResult<()> {
         stub_err("remove_file")
     }
-    async fn rename_file(&self, _: &str, _: RenameRequest) -> ApiResult<()> {
+    async fn rename_file(&self, _caller: &Principal, _: &str, _: RenameRequest) -> ApiResult<()> {
         stub_err("rename_file")
     }
-    async fn download_tar(&self, _: &str, _: &str) -> ApiResult<ByteStream> {
+    async fn download_tar(&self, _caller: &Principal, _: &str, _: &str) -> ApiResult<ByteStream> {
         stub_err("download_tar")
     }
-    async fn upload_tar(&self, _: &str, _: &str, _: ByteStream) -> ApiResult<WriteResult> {
+    async fn upload_tar(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        _: &str,
+        _: ByteStream,
+    ) -> ApiResult<WriteResult> {
         stub_err("upload_tar")
     }
-    async fn list_images(&self) -> ApiResult<ImageList> {
+    async fn list_images(&self, _caller: &Principal) -> ApiResult<ImageList> {
         stub_err("list_images")
     }
-    async fn import_image(&self, _: ImportImageRequest) -> ApiResult<Image> {
+    async fn import_image(&self, _caller: &Principal, _: ImportImageRequest) -> ApiResult<Image> {
         stub_err("import_image")
     }
-    async fn delete_image(&self, name: &str) -> ApiResult<()> {
+    async fn delete_image(&self, _caller: &Principal, name: &str) -> ApiResult<()> {
         stub_err(&format!("delete_image {name}"))
     }
 }

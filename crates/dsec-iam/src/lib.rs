@@ -217,11 +217,7 @@ impl Iam {
     pub fn authenticate(&self, key: &str) -> Result<Principal, IamError> {
         if let Some(boot) = &self.bootstrap {
             if key::ct_eq(&key::sha256(key.as_bytes()), boot) {
-                return Ok(Principal {
-                    tenant: DEFAULT_TENANT.into(),
-                    key_id: BOOTSTRAP_KEY_ID.into(),
-                    scopes: Scope::ALL.to_vec(),
-                });
+                return Ok(Principal::bootstrap());
             }
         }
         let (id, secret) = key::parse(key).ok_or(IamError::Unauthenticated)?;

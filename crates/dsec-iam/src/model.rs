@@ -243,6 +243,17 @@ pub struct Principal {
 }
 
 impl Principal {
+    /// The bootstrap key's principal (the operator of `dsec serve --api-key`): admin of
+    /// [`DEFAULT_TENANT`] with every scope. Also what in-process callers (tests,
+    /// benchmarks) act as.
+    pub fn bootstrap() -> Self {
+        Self {
+            tenant: DEFAULT_TENANT.into(),
+            key_id: BOOTSTRAP_KEY_ID.into(),
+            scopes: Scope::ALL.to_vec(),
+        }
+    }
+
     /// Whether it may make a call needing `scope` (any scope includes `read`, `admin`
     /// includes all).
     pub fn allows(&self, scope: Scope) -> bool {

@@ -400,11 +400,19 @@ pub struct EffectiveResources {
     pub disk_mb: Option<u64>,
 }
 
+fn default_tenant() -> String {
+    "default".into()
+}
+
 /// A sandbox as the API reports it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Sandbox {
     /// Sandbox id (also its hostname).
     pub id: String,
+    /// The tenant that owns it (the key that created it); records written before tenants
+    /// existed belong to `default`.
+    #[serde(default = "default_tenant")]
+    pub tenant: String,
     /// Lifecycle state.
     pub state: SandboxState,
     /// Image name as requested.

@@ -13,7 +13,9 @@ impl ControlPlane {
                 if e.code != ErrorCode::Paused || !auto {
                     return Err(e);
                 }
-                self.resume_sandbox(id).await?;
+                let resumed = id.to_string();
+                self.to_end(move |me| async move { me.resume_sandbox_to_end(&resumed).await })
+                    .await?;
                 self.ready(id).await?
             }
         };

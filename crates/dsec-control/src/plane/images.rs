@@ -21,8 +21,12 @@ impl ControlPlane {
         })
     }
 
-    pub(super) async fn build_image_to_end(&self, req: BuildRequest) -> ApiResult<BuildResult> {
-        crate::build::build(self, self.nodes.any()?.as_ref(), req).await
+    pub(super) async fn build_image_to_end(
+        &self,
+        caller: &Principal,
+        req: BuildRequest,
+    ) -> ApiResult<BuildResult> {
+        crate::build::build(self, caller, self.nodes.any()?.as_ref(), req).await
     }
 
     pub(super) async fn import_image_to_end(&self, req: ImportImageRequest) -> ApiResult<Image> {

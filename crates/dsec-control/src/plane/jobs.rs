@@ -3,8 +3,8 @@
 use super::*;
 
 impl ControlPlane {
-    /// Ids of the sandboxes labelled `job=<job>`, sorted.
-    pub(super) fn job_members(&self, job: &str) -> ApiResult<Vec<String>> {
+    /// Ids of `tenant`'s sandboxes labelled `job=<job>`, sorted.
+    pub(super) fn job_members(&self, tenant: &str, job: &str) -> ApiResult<Vec<String>> {
         if job.is_empty() || job.len() > 256 {
             return Err(ApiError::new(
                 ErrorCode::BadRequest,
@@ -13,7 +13,9 @@ impl ControlPlane {
         }
         let mut ids: Vec<String> = self
             .records
-            .filter(|s| s.labels.get(JOB_LABEL).map(String::as_str) == Some(job))
+            .filter(|s| {
+                s.tenant == tenant && s.labels.get(JOB_LABEL).map(String::as_str) == Some(job)
+            })
             .into_iter()
             .map(|s| s.id)
             .collect();
@@ -44,11 +46,11 @@ impl ControlPlane {
         }
     }
 
-    pub(super) async fn suspend_job_to_end(&self, job: &str) -> ApiResult<JobResult> {
-        let ids = self.job_members(job)?;
+    pub(super) async fn suspend_job_to_end(&self, tenant: &str, job: &str) -> ApiResult<JobResult> {
+        let ids = self.job_members(tenant, job)?;
         let outcomes = futures::stream::iter(ids)
             .map(|id| async move {
-                match self.pause_sandbox(&id).await {
+                match self.pause_sandbox_to_end(&id).await {
                     Ok(p) => {
                         let now = now_ms();
                         let (sb, mut error) = match self
@@ -86,11 +88,11 @@ impl ControlPlane {
         Ok(Self::job_result(job, outcomes))
     }
 
-    pub(super) async fn resume_job_to_end(&self, job: &str) -> ApiResult<JobResult> {
-        let ids = self.job_members(job)?;
+    pub(super) async fn resume_job_to_end(&self, tenant: &str, job: &str) -> ApiResult<JobResult> {
+        let ids = self.job_members(tenant, job)?;
         let outcomes = futures::stream::iter(ids)
             .map(|id| async move {
-                match self.resume_sandbox(&id).await {
+                match self.resume_sandbox_to_end(&id).await {
                     Ok(sb) => JobSandboxOutcome {
                         id,
                         state: sb.state,

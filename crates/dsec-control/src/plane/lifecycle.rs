@@ -10,7 +10,7 @@ impl ControlPlane {
     pub(super) async fn await_created(&self, id: &str) -> ApiResult<Sandbox> {
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
         loop {
-            let sb = self.get_sandbox(id).await?;
+            let sb = self.record(id).await?;
             if sb.state != SandboxState::Creating
                 || std::time::Instant::now() > deadline
                 || self.records.abandoned(&sb).await?
@@ -106,7 +106,7 @@ impl ControlPlane {
     /// A small text file of the sandbox (`None` if it does not exist).
     pub(super) async fn small_file(&self, id: &str, path: &str) -> ApiResult<Option<String>> {
         const LIMIT: usize = 16 << 20;
-        let (_, mut stream) = match self.read_file(id, path, 0, None).await {
+        let (_, mut stream) = match self.read_file_of(id, path, 0, None).await {
             Ok(v) => v,
             Err(e) if e.code == ErrorCode::NotFound => return Ok(None),
             Err(e) => return Err(e),
@@ -121,8 +121,13 @@ impl ControlPlane {
         Ok(Some(String::from_utf8_lossy(&text).into_owned()))
     }
 
+    /// Creates a sandbox of `tenant`. Its record and the reservation of its quota are
+    /// one transaction; a tenant with quotas has it stored before the node is asked, so
+    /// a refusal (`quota_exceeded`) leaves nothing anywhere. An unlimited tenant's
+    /// unkeyed record is stored while the node builds the sandbox.
     pub(super) async fn create_sandbox_to_end(
         &self,
+        tenant: &str,
         req: CreateSandboxRequest,
     ) -> ApiResult<Sandbox> {
         let req = validate::flatten_environment(req)?;
@@ -159,8 +164,10 @@ impl ControlPlane {
         let config = self
             .stack_config(&*placed.node, &image, &req.layers, true)
             .await?;
+        let charge = dsec_iam::Usage::sandbox(cpu_millis, memory_mb);
         let mut sb = Sandbox {
             id: id.clone(),
+            tenant: tenant.to_string(),
             state: SandboxState::Creating,
             image: image.clone(),
             auto_resume: req.auto_resume,
@@ -208,7 +215,7 @@ impl ControlPlane {
         if keyed {
             let mut attempts = 0;
             loop {
-                match self.records.insert(&sb, claim.clone()).await {
+                match self.records.insert(&sb, claim.clone(), charge).await {
                     Ok(()) => break,
                     Err(records::InsertError::KeyTaken(first)) => {
                         self.same_request(&first, &req).await?;
@@ -282,14 +289,27 @@ impl ControlPlane {
         // (no retry can look for it): a crash before it is written leaves a sandbox
         // without a record, which the next start destroys, as it does one still
         // `creating`.
-        let stored = async {
-            if keyed {
-                Ok(())
-            } else {
-                self.records.insert(&sb, None).await.map_err(|e| match e {
+        let insert_unkeyed = || async {
+            self.records
+                .insert(&sb, None, charge)
+                .await
+                .map_err(|e| match e {
                     records::InsertError::Store(e) => e,
                     records::InsertError::KeyTaken(_) => internal("sandbox id taken"),
                 })
+        };
+        let limited = self
+            .iam
+            .cached_tenant(tenant)
+            .is_none_or(|t| t.quotas != dsec_iam::Quotas::default());
+        if !keyed && limited {
+            insert_unkeyed().await?;
+        }
+        let stored = async {
+            if keyed || limited {
+                Ok(())
+            } else {
+                insert_unkeyed().await
             }
         };
         let (stored, mut created) = tokio::join!(stored, placed.node.create(spec.clone()));
@@ -382,7 +402,7 @@ impl ControlPlane {
             .transition(id, SandboxState::Ready, SandboxState::Paused)
             .await?
         {
-            let sandbox = self.get_sandbox(id).await?;
+            let sandbox = self.record(id).await?;
             return Ok(PauseResult {
                 sandbox,
                 memory_before_bytes: 0,
@@ -409,7 +429,7 @@ impl ControlPlane {
                 return Err(e);
             }
         };
-        let sandbox = self.get_sandbox(id).await?;
+        let sandbox = self.record(id).await?;
         Ok(PauseResult {
             sandbox,
             memory_before_bytes: before,
@@ -458,7 +478,7 @@ impl ControlPlane {
             }
             return Ok(sandbox);
         }
-        self.get_sandbox(id).await
+        self.record(id).await
     }
 
     pub(super) async fn commit_sandbox_to_end(
@@ -466,11 +486,11 @@ impl ControlPlane {
         id: &str,
         req: CommitRequest,
     ) -> ApiResult<Image> {
-        let sb = self.get_sandbox(id).await?;
+        let sb = self.record(id).await?;
         // Still files while the copy runs: pause a running sandbox, resume it after.
         let paused_here = match sb.state {
             SandboxState::Ready => {
-                self.pause_sandbox(id).await?;
+                self.pause_sandbox_to_end(id).await?;
                 true
             }
             SandboxState::Paused => false,
@@ -488,7 +508,7 @@ impl ControlPlane {
             .commit(id, &req.name, sb.committed_layers.clone(), config)
             .await;
         if paused_here {
-            self.resume_sandbox(id).await?;
+            self.resume_sandbox_to_end(id).await?;
         }
         let (img, diff) = res?;
         // An empty diff added no layer: nothing to remember.

@@ -125,6 +125,7 @@ impl ControlPlane {
                 let tombstone = records::Tombstone {
                     reason,
                     at: listed_at,
+                    tenant: sb.tenant.clone(),
                 };
                 if let Err(e) = self.records.remove(&sb, Some(tombstone)).await {
                     tracing::warn!(id = %sb.id, error = %e.message, "recording the end failed; will retry");
@@ -271,6 +272,7 @@ impl ControlPlane {
         let tombstone = expired_reason.map(|reason| records::Tombstone {
             reason: reason.to_string(),
             at: now_ms(),
+            tenant: sb.tenant.clone(),
         });
         self.records.remove(&sb, tombstone).await
     }

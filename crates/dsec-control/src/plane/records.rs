@@ -8,6 +8,14 @@
 //!   free; a retry on another replica finds the key taken and the first sandbox;
 //! - a removal deletes the record and its key, and may leave a tombstone, at once.
 //!
+//! Quotas ride on the same transactions: a create's record is stored together with its
+//! tenant's usage record, reserved by [`dsec_iam::Iam::reserve`] (a compare-and-swap on
+//! the usage: of replicas racing for the last unit of a quota, one wins and the others
+//! reserve again and are refused), and a removal gives back what its record says it
+//! reserved, in the transaction that deletes it (guarded by the record's revision, so
+//! two removals cannot both give it back). Records written before quotas existed
+//! reserved nothing and give nothing back. Idempotency keys are per tenant.
+//!
 //! Activity (`last_active_at`) is kept here only (a write per call would cost too much):
 //! the cache keeps the newest it saw, and writes carry it when something else changes.
 
@@ -15,6 +23,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use dsec_iam::{Iam, IamError, Usage, DEFAULT_TENANT};
 use dsec_state::{Entry, Expect, Op, Revision, StateError, StateStore, Txn, WatchEvent};
 use dsec_wire::v1::{Sandbox, SandboxState};
 use dsec_wire::{ApiError, ErrorCode};
@@ -37,6 +46,10 @@ const CAS_ATTEMPTS: usize = 32;
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct Record {
     sandbox: Sandbox,
+    /// What its create reserved of its tenant's quotas (given back when it is removed);
+    /// absent in records written before quotas existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    charged: Option<Usage>,
 }
 
 /// Why a removed sandbox is gone (`expired` answers name it).
@@ -44,6 +57,14 @@ struct Record {
 pub(super) struct Tombstone {
     pub reason: String,
     pub at: u64,
+    /// The sandbox's tenant (only it is told `expired`; others get `not_found`). Set by
+    /// [`Records::remove`].
+    #[serde(default = "default_tenant")]
+    pub tenant: String,
+}
+
+fn default_tenant() -> String {
+    DEFAULT_TENANT.into()
 }
 
 /// What an idempotency key points at.
@@ -61,7 +82,7 @@ pub(super) struct IdemEntry {
 pub(super) enum InsertError {
     /// The key belongs to an earlier create.
     KeyTaken(IdemEntry),
-    /// The store failed.
+    /// The store failed, or the tenant's quota refused the sandbox.
     Store(ApiError),
 }
 
@@ -69,6 +90,7 @@ pub(super) enum InsertError {
 struct Cached {
     sb: Sandbox,
     rev: Revision,
+    charged: Option<Usage>,
 }
 
 #[derive(Debug, Default)]
@@ -83,7 +105,7 @@ struct Cache {
 
 impl Cache {
     /// Takes a stored version of a record unless the cache holds a newer one.
-    fn offer(&mut self, sb: Sandbox, rev: Revision) -> bool {
+    fn offer(&mut self, sb: Sandbox, rev: Revision, charged: Option<Usage>) -> bool {
         if self.deleted.get(&sb.id).is_some_and(|&d| d >= rev) {
             return false;
         }
@@ -94,10 +116,12 @@ impl Cache {
                 c.sb = sb;
                 c.sb.last_active_at = active;
                 c.rev = rev;
+                c.charged = charged;
                 true
             }
             None => {
-                self.sandboxes.insert(sb.id.clone(), Cached { sb, rev });
+                self.sandboxes
+                    .insert(sb.id.clone(), Cached { sb, rev, charged });
                 true
             }
         }
@@ -124,6 +148,8 @@ pub(super) struct Records {
     /// This replica's lease, when creates must be claimed (several replicas share the
     /// store): a create in flight holds `creating/<id>` on it.
     lease: Option<Arc<ReplicaLease>>,
+    /// Quotas, charged in the transactions that insert and remove records.
+    iam: Arc<Iam>,
 }
 
 /// A replica's lease, kept alive by a task; renewed with a new lease if it was lost.
@@ -182,9 +208,9 @@ impl Drop for Records {
     }
 }
 
-fn decode(entry: &Entry) -> Option<Sandbox> {
+fn decode(entry: &Entry) -> Option<(Sandbox, Option<Usage>)> {
     match serde_json::from_slice::<Record>(&entry.value) {
-        Ok(r) => Some(r.sandbox),
+        Ok(r) => Some((r.sandbox, r.charged)),
         Err(e) => {
             tracing::warn!(id = %entry.key, error = %e, "ignoring an unreadable sandbox record");
             None
@@ -192,29 +218,50 @@ fn decode(entry: &Entry) -> Option<Sandbox> {
     }
 }
 
-fn encode(sb: &Sandbox) -> ApiResult<Vec<u8>> {
+fn encode(sb: &Sandbox, charged: Option<Usage>) -> ApiResult<Vec<u8>> {
     serde_json::to_vec(&Record {
         sandbox: sb.clone(),
+        charged,
     })
     .map_err(internal)
 }
 
 type ApiResult<T> = Result<T, ApiError>;
 
-/// The store key of an idempotency key (hashed: any characters, fixed length).
-pub(super) fn idem_key(key: &str) -> String {
-    hex::encode(sha2::Sha256::digest(key.as_bytes()))
+/// The store key of `tenant`'s idempotency key (hashed: any characters, fixed length).
+/// Keys are per tenant: another tenant's create with the same key is a different
+/// create. `default`'s keys hash as they did before tenants existed.
+pub(super) fn idem_key(tenant: &str, key: &str) -> String {
+    let mut h = sha2::Sha256::new();
+    if tenant != DEFAULT_TENANT {
+        h.update(tenant.as_bytes());
+        h.update([0]);
+    }
+    h.update(key.as_bytes());
+    hex::encode(h.finalize())
 }
 
 fn is_conflict(e: &StateError) -> bool {
     matches!(e, StateError::Conflict { .. })
 }
 
+/// A short jittered pause before retrying a write another replica won.
+async fn backoff(attempt: usize) {
+    use rand::Rng;
+    let cap = 1u64 << attempt.min(5);
+    let ms = rand::thread_rng().gen_range(0..=cap);
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+}
+
 impl Records {
     /// Loads every record and starts the watch that keeps them fresh. With
     /// `claim_creates` (replicas share the store), creates in flight are claimed on a
     /// lease of this replica, so another can tell a create whose replica died.
-    pub async fn open(store: Arc<dyn StateStore>, claim_creates: bool) -> ApiResult<Arc<Self>> {
+    pub async fn open(
+        store: Arc<dyn StateStore>,
+        claim_creates: bool,
+        iam: Arc<Iam>,
+    ) -> ApiResult<Arc<Self>> {
         let lease = if claim_creates {
             let id = store
                 .grant_lease(REPLICA_LEASE_TTL)
@@ -236,8 +283,8 @@ impl Records {
             ..Cache::default()
         };
         for e in &entries {
-            if let Some(sb) = decode(e) {
-                cache.offer(sb, e.rev);
+            if let Some((sb, charged)) = decode(e) {
+                cache.offer(sb, e.rev, charged);
             }
         }
         let records = Arc::new(Self {
@@ -246,6 +293,7 @@ impl Records {
             changed: tokio::sync::Notify::new(),
             watcher: Mutex::new(None),
             lease,
+            iam,
         });
         let task = tokio::spawn(watch(Arc::downgrade(&records), rev));
         *records.watcher.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
@@ -279,9 +327,9 @@ impl Records {
     async fn fetch(&self, id: &str) -> ApiResult<Option<Cached>> {
         let entry = self.store.get(NS_SANDBOXES, id).await.map_err(store_err)?;
         let mut cache = self.lock();
-        match entry.as_ref().and_then(|e| decode(e).map(|sb| (sb, e.rev))) {
-            Some((sb, rev)) => {
-                cache.offer(sb, rev);
+        match entry.as_ref().and_then(|e| decode(e).map(|d| (d, e.rev))) {
+            Some(((sb, charged), rev)) => {
+                cache.offer(sb, rev, charged);
                 Ok(cache.sandboxes.get(id).cloned())
             }
             None => {
@@ -359,7 +407,7 @@ impl Records {
             current = self.fetch(id).await?;
         }
         for _ in 0..CAS_ATTEMPTS {
-            let Some(Cached { sb, rev }) = current else {
+            let Some(Cached { sb, rev, charged }) = current else {
                 return Ok(None);
             };
             let mut next = sb.clone();
@@ -379,7 +427,7 @@ impl Records {
                 ops: vec![Op::Put {
                     ns: NS_SANDBOXES.into(),
                     key: id.to_string(),
-                    value: encode(&next)?,
+                    value: encode(&next, charged)?,
                     lease: None,
                 }],
             };
@@ -391,7 +439,7 @@ impl Records {
             }
             match self.store.txn(txn).await {
                 Ok(written) => {
-                    self.lock().offer(next.clone(), written);
+                    self.lock().offer(next.clone(), written, charged);
                     self.changed.notify_waiters();
                     return Ok(Some((next, true)));
                 }
@@ -411,34 +459,38 @@ impl Records {
     /// Writes a record as it is (no check of what the store holds): for records this
     /// replica alone is changing, such as a create in flight.
     pub async fn put(&self, sb: &Sandbox) -> ApiResult<()> {
+        let charged = self.lock().sandboxes.get(&sb.id).and_then(|c| c.charged);
         let rev = self
             .store
-            .put(NS_SANDBOXES, &sb.id, &encode(sb)?, Expect::Any)
+            .put(NS_SANDBOXES, &sb.id, &encode(sb, charged)?, Expect::Any)
             .await
             .map_err(store_err)?;
-        self.lock().offer(sb.clone(), rev);
+        self.lock().offer(sb.clone(), rev, charged);
         self.changed.notify_waiters();
         Ok(())
     }
 
-    /// Stores a new record, claiming its id and (if given) its idempotency key in one
-    /// transaction.
+    /// Stores a new record, claiming its id and (if given) its idempotency key, and
+    /// reserving `charge` of its tenant's quotas, in one transaction. A quota that
+    /// refuses it is `quota_exceeded` (nothing written), unless the key is taken: then
+    /// the earlier create is the answer ([`InsertError::KeyTaken`]), full quota or not.
     pub async fn insert(
         &self,
         sb: &Sandbox,
         key: Option<(&str, IdemEntry)>,
+        charge: Usage,
     ) -> Result<(), InsertError> {
-        let mut txn = Txn {
+        let mut base = Txn {
             checks: vec![(NS_SANDBOXES.into(), sb.id.clone(), Expect::Absent)],
             ops: vec![Op::Put {
                 ns: NS_SANDBOXES.into(),
                 key: sb.id.clone(),
-                value: encode(sb).map_err(InsertError::Store)?,
+                value: encode(sb, Some(charge)).map_err(InsertError::Store)?,
                 lease: None,
             }],
         };
         if let Some(lease) = &self.lease {
-            txn.ops.push(Op::Put {
+            base.ops.push(Op::Put {
                 ns: NS_CREATING.into(),
                 key: sb.id.clone(),
                 value: Vec::new(),
@@ -447,25 +499,59 @@ impl Records {
         }
         if let Some((key, entry)) = &key {
             let value = serde_json::to_vec(entry).map_err(|e| InsertError::Store(internal(e)))?;
-            txn.checks
-                .push((NS_IDEMPOTENCY.into(), idem_key(key), Expect::Absent));
-            txn.ops.push(Op::Put {
+            let stored_key = idem_key(&sb.tenant, key);
+            base.checks
+                .push((NS_IDEMPOTENCY.into(), stored_key.clone(), Expect::Absent));
+            base.ops.push(Op::Put {
                 ns: NS_IDEMPOTENCY.into(),
-                key: idem_key(key),
+                key: stored_key,
                 value,
                 lease: None,
             });
         }
-        for _ in 0..CAS_ATTEMPTS {
-            match self.store.txn(txn.clone()).await {
+        // This replica's creates of the tenant queue here rather than race each other
+        // for the usage record; only other replicas' win a race.
+        let _usage = self.iam.lock_usage(&sb.tenant).await;
+        for attempt in 0..CAS_ATTEMPTS {
+            let quota = match self.iam.reserve(&sb.tenant, charge).await {
+                Ok(q) => q,
+                Err(e) => {
+                    if let (IamError::QuotaExceeded { .. }, Some((key, _))) = (&e, &key) {
+                        if let Some(first) = self
+                            .idempotency(&sb.tenant, key)
+                            .await
+                            .map_err(InsertError::Store)?
+                        {
+                            return Err(InsertError::KeyTaken(first));
+                        }
+                    }
+                    return Err(InsertError::Store(e.into()));
+                }
+            };
+            let mut txn = base.clone();
+            let lost_race = |e: &StateError| quota.lost_race(e);
+            let result = {
+                let q = quota.clone();
+                q.add_to(&mut txn);
+                self.store.txn(txn).await
+            };
+            match result {
                 Ok(rev) => {
-                    self.lock().offer(sb.clone(), rev);
+                    self.lock().offer(sb.clone(), rev, Some(charge));
                     self.changed.notify_waiters();
                     return Ok(());
                 }
+                Err(e) if lost_race(&e) => {
+                    // Another replica changed the usage first: reserve again.
+                    backoff(attempt).await;
+                }
                 Err(StateError::Conflict { ns, .. }) if ns == NS_IDEMPOTENCY => {
                     let Some((key, _)) = &key else { break };
-                    match self.idempotency(key).await.map_err(InsertError::Store)? {
+                    match self
+                        .idempotency(&sb.tenant, key)
+                        .await
+                        .map_err(InsertError::Store)?
+                    {
                         Some(first) => return Err(InsertError::KeyTaken(first)),
                         // Its sandbox was removed meanwhile: claim it again.
                         None => continue,
@@ -510,11 +596,11 @@ impl Records {
             .is_some_and(|c| c.sb.state == SandboxState::Creating))
     }
 
-    /// What an idempotency key points at, if it is taken.
-    pub async fn idempotency(&self, key: &str) -> ApiResult<Option<IdemEntry>> {
+    /// What `tenant`'s idempotency key points at, if it is taken.
+    pub async fn idempotency(&self, tenant: &str, key: &str) -> ApiResult<Option<IdemEntry>> {
         let Some(entry) = self
             .store
-            .get(NS_IDEMPOTENCY, &idem_key(key))
+            .get(NS_IDEMPOTENCY, &idem_key(tenant, key))
             .await
             .map_err(store_err)?
         else {
@@ -538,8 +624,8 @@ impl Records {
             entries.into_iter().map(|e| e.key).collect();
         for sb in keyed {
             if let Some(key) = &sb.idempotency_key {
-                if !stored.contains(&idem_key(key)) {
-                    self.adopt_key(key, &sb.id).await?;
+                if !stored.contains(&idem_key(&sb.tenant, key)) {
+                    self.adopt_key(&sb.tenant, key, &sb.id).await?;
                 }
             }
         }
@@ -548,7 +634,7 @@ impl Records {
 
     /// Claims an idempotency key for an existing record; a key already taken is left as
     /// it is.
-    async fn adopt_key(&self, key: &str, id: &str) -> ApiResult<()> {
+    async fn adopt_key(&self, tenant: &str, key: &str, id: &str) -> ApiResult<()> {
         let entry = IdemEntry {
             id: id.to_string(),
             digest: None,
@@ -556,7 +642,12 @@ impl Records {
         let value = serde_json::to_vec(&entry).map_err(internal)?;
         match self
             .store
-            .put(NS_IDEMPOTENCY, &idem_key(key), &value, Expect::Absent)
+            .put(
+                NS_IDEMPOTENCY,
+                &idem_key(tenant, key),
+                &value,
+                Expect::Absent,
+            )
             .await
         {
             Ok(_) => Ok(()),
@@ -565,44 +656,97 @@ impl Records {
         }
     }
 
-    /// Deletes record `id` and its idempotency key; with a tombstone, remembers why.
+    /// Deletes record `id` and its idempotency key, giving back what it reserved of its
+    /// tenant's quotas; with a tombstone, remembers why. Removing a record that is gone
+    /// already changes nothing (and gives nothing back twice).
     pub async fn remove(&self, sb: &Sandbox, tombstone: Option<Tombstone>) -> ApiResult<()> {
-        let mut ops = vec![Op::Delete {
-            ns: NS_SANDBOXES.into(),
-            key: sb.id.clone(),
-        }];
+        let mut key_ops = Vec::new();
         if let Some(key) = &sb.idempotency_key {
             // Only if the key is still this sandbox's: checked by reading it first (a
             // create may have claimed a freed key meanwhile; then it is left alone).
-            if self.idempotency(key).await?.is_some_and(|e| e.id == sb.id) {
-                ops.push(Op::Delete {
+            if self
+                .idempotency(&sb.tenant, key)
+                .await?
+                .is_some_and(|e| e.id == sb.id)
+            {
+                key_ops.push(Op::Delete {
                     ns: NS_IDEMPOTENCY.into(),
-                    key: idem_key(key),
+                    key: idem_key(&sb.tenant, key),
                 });
             }
         }
         if self.lease.is_some() {
-            ops.push(Op::Delete {
+            key_ops.push(Op::Delete {
                 ns: NS_CREATING.into(),
                 key: sb.id.clone(),
             });
         }
-        if let Some(t) = tombstone {
-            ops.push(Op::Put {
+        if let Some(mut t) = tombstone {
+            t.tenant = sb.tenant.clone();
+            key_ops.push(Op::Put {
                 ns: NS_TOMBSTONES.into(),
                 key: sb.id.clone(),
                 value: serde_json::to_vec(&t).map_err(internal)?,
                 lease: None,
             });
         }
-        let rev = self
-            .store
-            .txn(Txn {
-                checks: Vec::new(),
-                ops,
-            })
-            .await
-            .map_err(store_err)?;
+        let _usage = self.iam.lock_usage(&sb.tenant).await;
+        let mut done = None;
+        for attempt in 0..CAS_ATTEMPTS {
+            // The record as stored now: its revision guards the release.
+            let stored = self
+                .store
+                .get(NS_SANDBOXES, &sb.id)
+                .await
+                .map_err(store_err)?;
+            let Some(entry) = stored else {
+                // Gone already (another removal won): only the leftovers go.
+                let rev = self
+                    .store
+                    .txn(Txn {
+                        checks: Vec::new(),
+                        ops: key_ops.clone(),
+                    })
+                    .await
+                    .map_err(store_err)?;
+                done = Some(rev);
+                break;
+            };
+            let charged = decode(&entry).and_then(|(_, c)| c);
+            let mut txn = Txn {
+                checks: vec![(NS_SANDBOXES.into(), sb.id.clone(), Expect::Rev(entry.rev))],
+                ops: vec![Op::Delete {
+                    ns: NS_SANDBOXES.into(),
+                    key: sb.id.clone(),
+                }],
+            };
+            txn.ops.extend(key_ops.iter().cloned());
+            if let Some(charged) = charged {
+                self.iam
+                    .release(&sb.tenant, charged)
+                    .await
+                    .map_err(ApiError::from)?
+                    .add_to(&mut txn);
+            }
+            match self.store.txn(txn).await {
+                Ok(rev) => {
+                    done = Some(rev);
+                    break;
+                }
+                // The record changed, or another replica changed the usage: again.
+                Err(e) if is_conflict(&e) => backoff(attempt).await,
+                Err(e) => return Err(store_err(e)),
+            }
+        }
+        let Some(rev) = done else {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!(
+                    "sandbox {} is being changed by other requests: retry",
+                    sb.id
+                ),
+            ));
+        };
         self.lock().forget(&sb.id, rev.max(1));
         self.lock().sandboxes.remove(&sb.id);
         self.changed.notify_waiters();
@@ -643,8 +787,8 @@ impl Records {
         let rev = event.rev();
         match event {
             WatchEvent::Put(entry) => {
-                if let Some(sb) = decode(&entry) {
-                    cache.offer(sb, entry.rev);
+                if let Some((sb, charged)) = decode(&entry) {
+                    cache.offer(sb, entry.rev, charged);
                 }
             }
             WatchEvent::Delete { key, rev } => cache.forget(&key, rev),
@@ -665,8 +809,8 @@ impl Records {
             .sandboxes
             .retain(|id, c| listed.contains(id.as_str()) || c.rev > rev);
         for e in &entries {
-            if let Some(sb) = decode(e) {
-                cache.offer(sb, e.rev);
+            if let Some((sb, charged)) = decode(e) {
+                cache.offer(sb, e.rev, charged);
             }
         }
         cache.seen = cache.seen.max(rev);

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{FromRequest, Multipart, Path, Query, Request, State};
+use axum::extract::{FromRequest, Multipart, Path, Query, Request};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -25,7 +25,7 @@ use serde_json::{json, Value};
 
 use super::{connect, rest, rfc3339, run_as_root, sandbox_id, DEFAULT_USER};
 
-type Api = State<Arc<dyn SandboxApi>>;
+type Api = crate::Scoped;
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 
 /// The most entries one `ListDir` gathers before it answers `bad_request`.
@@ -88,7 +88,7 @@ fn resolve(path: &str, user: &str) -> String {
 }
 
 /// Gives `path` to `user` (files the API writes belong to root otherwise).
-async fn chown(api: &dyn SandboxApi, id: &str, path: &str, user: &str) -> Result<(), ApiError> {
+async fn chown(api: &crate::Scoped, id: &str, path: &str, user: &str) -> Result<(), ApiError> {
     if user == "root" {
         return Ok(());
     }
@@ -111,7 +111,7 @@ async fn chown(api: &dyn SandboxApi, id: &str, path: &str, user: &str) -> Result
 
 /// 204 while the sandbox runs; 502 once it is gone, as E2B's proxy answers (the SDK's
 /// `is_running` reads exactly that).
-async fn health(State(api): Api, headers: HeaderMap) -> Response {
+async fn health(api: Api, headers: HeaderMap) -> Response {
     let Ok(id) = sandbox_id(&headers) else {
         return StatusCode::NO_CONTENT.into_response();
     };
@@ -137,7 +137,7 @@ fn files_error(e: ApiError) -> Response {
     rest::error(e)
 }
 
-async fn download(State(api): Api, headers: HeaderMap, Query(q): Query<FileQuery>) -> Response {
+async fn download(api: Api, headers: HeaderMap, Query(q): Query<FileQuery>) -> Response {
     let r = async {
         let id = sandbox_id(&headers)?;
         let user = q.username.clone().unwrap_or_else(|| user(&headers));
@@ -169,7 +169,7 @@ fn write_info(path: &str) -> Value {
 
 /// Writes one file as `user`, creating its parent directories like envd does.
 async fn write_one(
-    api: &dyn SandboxApi,
+    api: &crate::Scoped,
     id: &str,
     path: &str,
     user: &str,
@@ -191,7 +191,7 @@ async fn write_one(
     Ok(write_info(path))
 }
 
-async fn upload(State(api): Api, Query(q): Query<FileQuery>, req: Request) -> Response {
+async fn upload(api: Api, Query(q): Query<FileQuery>, req: Request) -> Response {
     let r = async {
         let headers = req.headers().clone();
         let id = sandbox_id(&headers)?;
@@ -228,7 +228,7 @@ async fn upload(State(api): Api, Query(q): Query<FileQuery>, req: Request) -> Re
                     .await
                     .map_err(|e| bad(format!("multipart: {e}")))?;
                 let body: ByteStream = futures::stream::iter([Ok(data)]).boxed();
-                written.push(write_one(api.as_ref(), &id, &path, &user, body).await?);
+                written.push(write_one(&api, &id, &path, &user, body).await?);
             }
         } else {
             let path = resolve(
@@ -240,7 +240,7 @@ async fn upload(State(api): Api, Query(q): Query<FileQuery>, req: Request) -> Re
                 .into_data_stream()
                 .map(|r| r.map_err(|e| bad(format!("reading the upload: {e}"))))
                 .boxed();
-            written.push(write_one(api.as_ref(), &id, &path, &user, stream).await?);
+            written.push(write_one(&api, &id, &path, &user, stream).await?);
         }
         Ok(Json(written).into_response())
     }
@@ -251,7 +251,7 @@ async fn upload(State(api): Api, Query(q): Query<FileQuery>, req: Request) -> Re
 // ---------------------------------------------------------------------------- helpers
 
 /// The pid a `ProcessSelector` (`{"pid": N}` or `{"tag": "..."}`) names.
-async fn selected_pid(api: &dyn SandboxApi, id: &str, sel: &Value) -> Result<u32, ApiError> {
+async fn selected_pid(api: &crate::Scoped, id: &str, sel: &Value) -> Result<u32, ApiError> {
     if let Some(pid) = sel.get("pid").and_then(Value::as_u64) {
         return u32::try_from(pid).map_err(|_| bad("pid out of range"));
     }
@@ -288,7 +288,7 @@ fn process_config(p: &ProcessInfo) -> Value {
 /// Process output events as envd `ProcessEvent`s, from the given offsets, until exit.
 /// A PTY's output is `data.pty`, a pipe's `data.stdout` / `data.stderr`.
 async fn event_stream(
-    api: Arc<dyn SandboxApi>,
+    api: crate::Scoped,
     id: String,
     pid: u32,
     offsets: (u64, u64),
@@ -332,7 +332,7 @@ async fn event_stream(
 // ---------------------------------------------------------------------------- process
 
 async fn process(
-    State(api): Api,
+    api: Api,
     Path(method): Path<String>,
     headers: HeaderMap,
     body: Bytes,
@@ -374,7 +374,7 @@ async fn process(
                 Ok(json!({"processes": running}))
             }
             "SendInput" => {
-                let pid = selected_pid(api.as_ref(), &id, &msg["process"]).await?;
+                let pid = selected_pid(&api, &id, &msg["process"]).await?;
                 let input = &msg["input"];
                 let data = input["stdin"]
                     .as_str()
@@ -394,7 +394,7 @@ async fn process(
                 Ok(json!({}))
             }
             "CloseStdin" => {
-                let pid = selected_pid(api.as_ref(), &id, &msg["process"]).await?;
+                let pid = selected_pid(&api, &id, &msg["process"]).await?;
                 api.process_stdin(
                     &id,
                     pid,
@@ -407,7 +407,7 @@ async fn process(
                 Ok(json!({}))
             }
             "SendSignal" => {
-                let pid = selected_pid(api.as_ref(), &id, &msg["process"]).await?;
+                let pid = selected_pid(&api, &id, &msg["process"]).await?;
                 let sig = match &msg["signal"] {
                     Value::String(s) => s.trim_start_matches("SIGNAL_").to_string(),
                     Value::Number(n) => match n.as_u64() {
@@ -422,7 +422,7 @@ async fn process(
                 Ok(json!({}))
             }
             "Update" => {
-                let pid = selected_pid(api.as_ref(), &id, &msg["process"]).await?;
+                let pid = selected_pid(&api, &id, &msg["process"]).await?;
                 let size = &msg["pty"]["size"];
                 let (cols, rows) = (size["cols"].as_u64(), size["rows"].as_u64());
                 if let (Some(cols), Some(rows)) = (cols, rows) {
@@ -446,7 +446,7 @@ async fn process(
 }
 
 async fn start(
-    api: Arc<dyn SandboxApi>,
+    api: crate::Scoped,
     id: String,
     user: &str,
     msg: &Value,
@@ -503,11 +503,11 @@ async fn start(
 
 /// `Connect`: the running process's output from now on, then its end.
 async fn reattach(
-    api: Arc<dyn SandboxApi>,
+    api: crate::Scoped,
     id: String,
     msg: &Value,
 ) -> Result<futures::stream::BoxStream<'static, Result<Value, ApiError>>, ApiError> {
-    let pid = selected_pid(api.as_ref(), &id, &msg["process"]).await?;
+    let pid = selected_pid(&api, &id, &msg["process"]).await?;
     let list = api.list_processes(&id).await?;
     let p = list
         .processes
@@ -554,7 +554,7 @@ fn entry(f: &FileInfo) -> Value {
 }
 
 async fn filesystem(
-    State(api): Api,
+    api: Api,
     Path(method): Path<String>,
     headers: HeaderMap,
     body: Bytes,
@@ -586,7 +586,7 @@ async fn filesystem(
                     ));
                 }
                 api.mkdir(&id, MkdirRequest { path: p.clone() }).await?;
-                chown(api.as_ref(), &id, &p, &user).await?;
+                chown(&api, &id, &p, &user).await?;
                 let f = api.stat_file(&id, &p).await?;
                 Ok(json!({"entry": entry(&f)}))
             }

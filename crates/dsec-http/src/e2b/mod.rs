@@ -26,6 +26,8 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::Router;
 use dsec_control::SandboxApi;
+
+use crate::Scoped;
 use dsec_wire::{ApiError, ErrorCode};
 
 /// The envd version reported to the SDK: recent enough for stdin control (0.3.0), a
@@ -52,7 +54,7 @@ pub fn routes(api: Arc<dyn SandboxApi>) -> Router<Arc<dyn SandboxApi>> {
 /// envd's auth: `X-Access-Token` (or `X-API-Key`) must be the API key.
 async fn require_envd_token(
     State(api): State<Arc<dyn SandboxApi>>,
-    req: Request,
+    mut req: Request,
     next: Next,
 ) -> Response {
     let h = req.headers();
@@ -60,10 +62,13 @@ async fn require_envd_token(
         .get("x-access-token")
         .or_else(|| h.get(dsec_wire::v1::API_KEY_HEADER))
         .and_then(|v| v.to_str().ok());
-    if let Err(e) = api.authenticate(token) {
-        return rest::error(e).into_response();
+    match crate::extract::authorize(api.as_ref(), token, &req) {
+        Ok(principal) => {
+            req.extensions_mut().insert(principal);
+            next.run(req).await
+        }
+        Err(e) => rest::error(e).into_response(),
     }
-    next.run(req).await
 }
 
 /// The sandbox an envd request is for (`E2b-Sandbox-Id`).
@@ -82,7 +87,7 @@ fn sandbox_id(h: &HeaderMap) -> Result<String, ApiError> {
 
 /// Runs `cmd` as root in sandbox `id` (setup the front does on the caller's behalf).
 async fn run_as_root(
-    api: &dyn SandboxApi,
+    api: &Scoped,
     id: &str,
     cmd: dsec_wire::v1::Command,
 ) -> Result<dsec_wire::v1::ExecResult, ApiError> {

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, Query};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -20,7 +20,7 @@ use serde_json::{json, Value};
 
 use super::{rfc3339, run_as_root, DEFAULT_USER, ENVD_VERSION, META_PREFIX, TEMPLATE_LABEL};
 
-type Api = State<Arc<dyn SandboxApi>>;
+type Api = crate::Scoped;
 
 /// E2B's default sandbox lifetime when a create names none.
 const DEFAULT_TIMEOUT_S: u64 = 15;
@@ -142,7 +142,7 @@ const ENSURE_USER: &str = "id -u user >/dev/null 2>&1 || { \
     echo 'user:x:1000:1000::/home/user:/bin/bash' >> /etc/passwd; }; \
     mkdir -p /home/user && chown user:user /home/user";
 
-async fn create(State(api): Api, headers: HeaderMap, Json(req): Json<NewSandbox>) -> Response {
+async fn create(api: Api, headers: HeaderMap, Json(req): Json<NewSandbox>) -> Response {
     answer(
         async {
             let template = req.template_id.clone();
@@ -175,7 +175,7 @@ async fn create(State(api): Api, headers: HeaderMap, Json(req): Json<NewSandbox>
                     ..Default::default()
                 })
                 .await?;
-            let setup = run_as_root(api.as_ref(), &sb.id, Command::Shell(ENSURE_USER.into())).await;
+            let setup = run_as_root(&api, &sb.id, Command::Shell(ENSURE_USER.into())).await;
             match setup {
                 Ok(r) if r.exit.exit_code == Some(0) => {}
                 other => {
@@ -221,7 +221,7 @@ struct ListQuery {
     next_token: Option<String>,
 }
 
-async fn list(State(api): Api, Query(q): Query<ListQuery>) -> Response {
+async fn list(api: Api, Query(q): Query<ListQuery>) -> Response {
     answer(
         async {
             // `metadata` is itself a query string of URL-quoted pairs.
@@ -274,7 +274,7 @@ fn percent_decode(s: &str) -> String {
         .into_owned()
 }
 
-async fn detail(State(api): Api, headers: HeaderMap, Path(id): Path<String>) -> Response {
+async fn detail(api: Api, headers: HeaderMap, Path(id): Path<String>) -> Response {
     answer(
         async {
             let sb = api.get_sandbox(&id).await?;
@@ -284,7 +284,7 @@ async fn detail(State(api): Api, headers: HeaderMap, Path(id): Path<String>) -> 
     )
 }
 
-async fn kill(State(api): Api, Path(id): Path<String>) -> Response {
+async fn kill(api: Api, Path(id): Path<String>) -> Response {
     answer(
         api.delete_sandbox(&id)
             .await
@@ -304,11 +304,7 @@ struct ConnectBody {
     timeout: Option<u64>,
 }
 
-async fn set_timeout(
-    State(api): Api,
-    Path(id): Path<String>,
-    Json(b): Json<TimeoutBody>,
-) -> Response {
+async fn set_timeout(api: Api, Path(id): Path<String>, Json(b): Json<TimeoutBody>) -> Response {
     answer(
         api.set_timeout(
             &id,
@@ -321,7 +317,7 @@ async fn set_timeout(
     )
 }
 
-async fn refresh(State(api): Api, Path(id): Path<String>) -> Response {
+async fn refresh(api: Api, Path(id): Path<String>) -> Response {
     answer(
         api.get_sandbox(&id)
             .await
@@ -331,7 +327,7 @@ async fn refresh(State(api): Api, Path(id): Path<String>) -> Response {
 
 /// Resumes a paused sandbox (and sets its timeout); answers its `Sandbox`.
 async fn connect(
-    State(api): Api,
+    api: Api,
     headers: HeaderMap,
     Path(id): Path<String>,
     body: Option<Json<ConnectBody>>,
@@ -359,7 +355,7 @@ async fn connect(
     )
 }
 
-async fn pause(State(api): Api, Path(id): Path<String>) -> Response {
+async fn pause(api: Api, Path(id): Path<String>) -> Response {
     answer(
         api.pause_sandbox(&id)
             .await
@@ -367,7 +363,7 @@ async fn pause(State(api): Api, Path(id): Path<String>) -> Response {
     )
 }
 
-async fn resume(State(api): Api, headers: HeaderMap, Path(id): Path<String>) -> Response {
+async fn resume(api: Api, headers: HeaderMap, Path(id): Path<String>) -> Response {
     answer(api.resume_sandbox(&id).await.map(|sb| {
         (
             StatusCode::CREATED,
