@@ -332,7 +332,9 @@ pub(crate) async fn pull(
         .clone()
         .unwrap_or_else(|| default_name(&req.reference));
     dsec_image::validate_name(&name)?;
-    let client = client(config, &reference, req.insecure);
+    config.allow.check(&reference).await?;
+    let insecure = req.insecure || config.insecure.iter().any(|r| r == reference.registry());
+    let client = client(config, &reference, insecure);
     let auth = config.credentials.for_reference(&reference);
     progress(ImportEvent::Progress {
         phase: "resolving".into(),
@@ -420,7 +422,9 @@ pub(crate) async fn pull(
         }
     }
 
+    // The layers not converted before, each blob once, downloaded a few at a time.
     let mut layers = Vec::new();
+    let mut fetch: Vec<(String, String, &Descriptor, std::path::PathBuf)> = Vec::new();
     for (i, d) in layer_descs.iter().enumerate() {
         let hex = sha256_hex(&d.digest, "layer")?;
         let converted = {
@@ -429,11 +433,11 @@ pub(crate) async fn pull(
                 .await
                 .map_err(|e| RegistryError::Transport(format!("join: {e}")))?
         };
-        if converted.is_none() {
-            let what = format!("layer {}/{}", i + 1, layer_descs.len());
-            download(&client, &reference, d, &what, &blobs.join(&hex), &progress).await?;
-        } else {
+        if converted.is_some() {
             tracing::debug!(layer = %d.digest, "layer converted before; not downloaded");
+        } else if !fetch.iter().any(|(h, ..)| *h == hex) {
+            let what = format!("layer {}/{}", i + 1, layer_descs.len());
+            fetch.push((hex.clone(), what, d, blobs.join(&hex)));
         }
         layers.push(PulledLayer {
             blob: hex,
@@ -441,6 +445,20 @@ pub(crate) async fn pull(
             diff_id: diff_ids.as_ref().and_then(|ids| ids.get(i).cloned()),
         });
     }
+    // A plain loop, not a closure: a closure's future here is not `Send` for every
+    // lifetime (rust-lang/rust#110338).
+    let mut pending = Vec::with_capacity(fetch.len());
+    for (_, what, d, dest) in &fetch {
+        pending.push(download(&client, &reference, d, what, dest, &progress));
+    }
+    // The first failure ends the pull; the downloads still running are dropped and
+    // their partial files go with `work`.
+    let mut downloads =
+        futures::stream::iter(pending).buffer_unordered(config.parallel_downloads.max(1));
+    while let Some(done) = downloads.next().await {
+        done?;
+    }
+    drop(downloads);
 
     let label = match reference.digest() {
         Some(_) => whole.clone(),

@@ -72,6 +72,15 @@ impl Fixture {
         layout
     }
 
+    /// The default configuration, allowed to pull from this fixture's registry (on
+    /// loopback, which only an explicit allow reaches).
+    fn config(&self) -> RegistryConfig {
+        RegistryConfig {
+            allow: dsec_registry::Allow::from_flags(&[self.reg.addr()]).expect("allow"),
+            ..Default::default()
+        }
+    }
+
     /// `REGISTRY/path`: a reference to this fixture's registry.
     fn reference(&self, path: &str) -> String {
         format!("{}/{path}", self.reg.addr())
@@ -183,7 +192,7 @@ async fn pull_by_tag_and_digest_gzip_and_zstd() {
     let layout = fx.seeded("tagged", 300 << 10, "org/app:gz", "gzip");
     fx.reg.seed(&layout, "org/app:zst", "zstd");
     let want = fx.imported_digest(&layout);
-    let cfg = RegistryConfig::default();
+    let cfg = fx.config();
 
     let (img, ev) = fx.pull(&cfg, "org/app:gz", None).await;
     let img = img.expect("pull by tag (gzip)");
@@ -260,7 +269,7 @@ async fn multi_arch_index_picks_linux_amd64() {
         "application/vnd.oci.image.index.v1+json",
         &serde_json::to_vec(&index).expect("index JSON"),
     );
-    let cfg = RegistryConfig::default();
+    let cfg = fx.config();
     let (img, _) = fx.pull(&cfg, "multi", Some("multi")).await;
     let img = img.expect("pull of the index");
     assert_eq!(img.digest, fx.imported_digest(&amd));
@@ -294,7 +303,7 @@ async fn private_repository_with_basic_auth() {
     };
     let layout = fx.seeded("private", 4 << 10, "team/private:v1", "gzip");
     let with = |password: &str| {
-        let mut cfg = RegistryConfig::default();
+        let mut cfg = fx.config();
         cfg.credentials.insert(
             &fx.reg.addr(),
             Credential::Basic {
@@ -305,7 +314,7 @@ async fn private_repository_with_basic_auth() {
         cfg
     };
 
-    for cfg in [RegistryConfig::default(), with("wrong")] {
+    for cfg in [fx.config(), with("wrong")] {
         let (res, _) = fx.pull(&cfg, "team/private:v1", None).await;
         let err = res.expect_err("refused");
         assert!(matches!(err, RegistryError::Unauthorized(_)), "{err}");
@@ -337,7 +346,7 @@ async fn corrupt_blob_is_rejected_and_nothing_kept() {
     bytes[mid] ^= 0xff;
     std::fs::write(&file, &bytes).expect("corrupt the stored blob");
 
-    let cfg = RegistryConfig::default();
+    let cfg = fx.config();
     let (res, _) = fx.pull(&cfg, "bad:v1", None).await;
     let err = res.expect_err("a corrupt blob");
     assert!(matches!(err, RegistryError::Corrupt(_)), "{err}");
@@ -361,7 +370,8 @@ async fn registry_dying_mid_blob_then_retry() {
     let proxy = CutProxy::start(fx.reg.port(), 256 << 10);
     proxy.arm(true);
     let reference = format!("{}/cut:v1", proxy.addr());
-    let cfg = RegistryConfig::default();
+    let mut cfg = fx.config();
+    cfg.allow.named.push(proxy.addr());
     let (res, _) = pull(&fx.store, &cfg, reference.clone(), Some("cut")).await;
     let err = res.expect_err("the transfer was cut");
     assert!(matches!(err, RegistryError::Transport(_)), "{err}");
@@ -395,7 +405,7 @@ async fn nodes_sharing_a_blob_store_convert_a_layer_once() {
         )
     };
     let (a, b) = (node("node-a"), node("node-b"));
-    let cfg = RegistryConfig::default();
+    let cfg = fx.config();
     let reference = fx.reference("shared:v1");
     let (img_a, ev) = pull(&a, &cfg, reference.clone(), Some("app")).await;
     let img_a = img_a.expect("pull on node a");
@@ -404,4 +414,128 @@ async fn nodes_sharing_a_blob_store_convert_a_layer_once() {
     let (img_b, ev) = pull(&b, &cfg, reference, Some("app")).await;
     assert_eq!(img_b.expect("pull on node b").digest, img_a.digest);
     assert_eq!(downloads(&ev).len(), 1, "only the config: {:?}", ev.lock());
+}
+
+/// `reg`'s count of `GET path` once it has logged at least `least` (it logs a request
+/// as it finishes answering, a moment after the client has the bytes).
+fn gets(reg: &Registry, path: &str, least: usize) -> usize {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let n = reg.requests("GET", path);
+        if n >= least || std::time::Instant::now() > deadline {
+            return n;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_pulls_of_one_reference_pull_once() {
+    let Some(fx) = Fixture::start("concurrent_pulls_of_one_reference_pull_once", None) else {
+        return;
+    };
+    let layout = fx.seeded("flight", 1 << 20, "flight:v1", "gzip");
+    let (m, _) = fx.reg.manifest("flight", "v1");
+    let layer = m["layers"][0]["digest"].as_str().expect("layer digest");
+    let puller = Arc::new(dsec_registry::Puller::new(fx.store.clone(), fx.config()));
+    let request = |path: &str| PullImageRequest {
+        reference: fx.reference(path),
+        name: None,
+        insecure: true,
+    };
+
+    let pulls = (0..16).map(|_| {
+        let (puller, req) = (puller.clone(), request("flight:v1"));
+        tokio::spawn(async move { puller.pull(&req, Arc::new(|_| {})).await })
+    });
+    let digests: Vec<String> = futures::future::join_all(pulls)
+        .await
+        .into_iter()
+        .map(|r| r.expect("join").expect("pull").digest)
+        .collect();
+    assert!(digests.iter().all(|d| *d == fx.imported_digest(&layout)));
+    let blob = format!("/v2/flight/blobs/{layer}");
+    assert_eq!(
+        gets(&fx.reg, &blob, 1),
+        1,
+        "16 pulls fetched the layer once"
+    );
+    // One GET was the test's own.
+    let manifest = "/v2/flight/manifests/v1";
+    assert_eq!(
+        gets(&fx.reg, manifest, 2),
+        2,
+        "16 pulls fetched the manifest once"
+    );
+
+    // A pull that fails fails every caller alike and leaves nothing.
+    let pulls = (0..8).map(|_| {
+        let (puller, req) = (puller.clone(), request("flight:nope"));
+        tokio::spawn(async move { puller.pull(&req, Arc::new(|_| {})).await })
+    });
+    for r in futures::future::join_all(pulls).await {
+        let err = r.expect("join").expect_err("no such tag");
+        assert!(matches!(*err, RegistryError::NotFound(_)), "{err}");
+    }
+    assert_eq!(gets(&fx.reg, "/v2/flight/manifests/nope", 1), 1);
+    let names: Vec<String> = fx
+        .store
+        .list()
+        .expect("list")
+        .into_iter()
+        .map(|i| i.name)
+        .collect();
+    assert_eq!(names, vec![fx.reference("flight:v1")]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_loopback_registry_needs_an_explicit_allow() {
+    let Some(fx) = Fixture::start("a_loopback_registry_needs_an_explicit_allow", None) else {
+        return;
+    };
+    fx.seeded("near", 4 << 10, "near:v1", "gzip");
+    let (res, _) = fx.pull(&RegistryConfig::default(), "near:v1", None).await;
+    let err = res.expect_err("loopback is not public");
+    assert!(matches!(err, RegistryError::Refused(_)), "{err}");
+    assert!(
+        err.to_string()
+            .contains(&format!("--allow-registry {}", fx.reg.addr())),
+        "{err}"
+    );
+    assert_eq!(fx.reg.requests("GET", "/v2/near/manifests/v1"), 0);
+    fx.assert_empty();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn multi_layer_pulls_in_parallel_store_what_serial_pulls_store() {
+    let Some(fx) = Fixture::start(
+        "multi_layer_pulls_in_parallel_store_what_serial_pulls_store",
+        None,
+    ) else {
+        return;
+    };
+    let tars: Vec<PathBuf> = (0..5)
+        .map(|i| layer_tar(fx.dir.path(), &format!("part{i}"), 200 << 10))
+        .collect();
+    let refs: Vec<&Path> = tars.iter().map(PathBuf::as_path).collect();
+    let layout = oci_layout(&fx.dir.path().join("layout-multi"), &refs, "amd64", &[]);
+    fx.reg.seed(&layout, "multi:v1", "gzip");
+    let want = fx.imported_digest(&layout);
+    for parallel in [1, 3] {
+        // A store of its own each time: every layer is downloaded.
+        let store = Arc::new(
+            ImageStore::open(fx.dir.path().join(format!("store-{parallel}"))).expect("store"),
+        );
+        let cfg = RegistryConfig {
+            parallel_downloads: parallel,
+            ..fx.config()
+        };
+        let (img, ev) = pull(&store, &cfg, fx.reference("multi:v1"), Some("m")).await;
+        assert_eq!(
+            img.expect("multi-layer pull").digest,
+            want,
+            "{parallel} at a time"
+        );
+        assert_eq!(downloads(&ev).len(), 6, "config and 5 layers");
+    }
 }

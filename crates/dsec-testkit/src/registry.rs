@@ -211,6 +211,17 @@ impl Registry {
         );
     }
 
+    /// How many `method` requests for `path` (as sent, e.g. `/v2/app/blobs/sha256:..`)
+    /// the registry has answered, from its access log (which it writes as it answers).
+    pub fn requests(&self, method: &str, path: &str) -> usize {
+        let needle = format!("\"{method} {path} HTTP/");
+        std::fs::read_to_string(&self.log)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains(&needle))
+            .count()
+    }
+
     /// The manifest (or index) `repo:reference` and its digest.
     pub fn manifest(&self, repo: &str, reference: &str) -> (serde_json::Value, String) {
         let accept = "application/vnd.oci.image.manifest.v1+json, \
