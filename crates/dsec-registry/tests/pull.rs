@@ -539,3 +539,48 @@ async fn multi_layer_pulls_in_parallel_store_what_serial_pulls_store() {
         assert_eq!(downloads(&ev).len(), 6, "config and 5 layers");
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn private_repository_behind_a_token_server() {
+    let t = "private_repository_behind_a_token_server";
+    if !dsec_testkit::require_root(t) {
+        return;
+    }
+    let tokens = dsec_testkit::TokenServer::start("ci", "right");
+    let Some(reg) = Registry::start_with_token(t, &tokens, "ci", "right") else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Arc::new(ImageStore::open(dir.path().join("images")).expect("store"));
+    let tar = layer_tar(dir.path(), "token", 8 << 10);
+    let layout = oci_layout(&dir.path().join("layout"), &[&tar], "amd64", &[]);
+    reg.seed(&layout, "team/app:v1", "gzip");
+    let seeded = tokens.issued();
+    assert!(seeded > 0, "skopeo's push went through the token server");
+    let reference = format!("{}/team/app:v1", reg.addr());
+    let with = |password: Option<&str>| {
+        let mut cfg = RegistryConfig {
+            allow: dsec_registry::Allow::from_flags(&[reg.addr()]).expect("allow"),
+            ..Default::default()
+        };
+        if let Some(p) = password {
+            cfg.credentials.insert(
+                &reg.addr(),
+                Credential::Basic {
+                    username: "ci".into(),
+                    password: p.into(),
+                },
+            );
+        }
+        cfg
+    };
+    for cfg in [with(None), with(Some("wrong"))] {
+        let (res, _) = pull(&store, &cfg, reference.clone(), None).await;
+        let err = res.expect_err("no token");
+        assert!(matches!(err, RegistryError::Unauthorized(_)), "{err}");
+    }
+    assert_eq!(tokens.issued(), seeded, "no token for wrong credentials");
+    let (img, _) = pull(&store, &with(Some("right")), reference, None).await;
+    img.expect("pull with a bearer token");
+    assert!(tokens.issued() > seeded, "the pull fetched a token");
+}
