@@ -14,8 +14,9 @@ repo_root() { cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd; }
 APT_PACKAGES="erofs-utils e2fsprogs nftables iproute2 mmdebstrap crun runc python3 python3-venv ca-certificates protobuf-compiler"
 # What only the tests need: etcd-server (a real etcd for the state store and cluster tests),
 # docker-registry (a real OCI registry for the pull tests; the tests start their own on
-# loopback), skopeo (seeds it) and apache2-utils (htpasswd, for its basic auth).
-TEST_APT_PACKAGES="etcd-server docker-registry skopeo apache2-utils"
+# loopback), skopeo (seeds it), apache2-utils (htpasswd, for its basic auth) and openssl
+# (the key pair and token signatures of its bearer-token auth).
+TEST_APT_PACKAGES="etcd-server docker-registry skopeo apache2-utils openssl"
 
 # Installs APT_PACKAGES and any packages named as arguments.
 ensure_packages() {
