@@ -14,9 +14,10 @@ repo_root() { cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd; }
 APT_PACKAGES="erofs-utils e2fsprogs nftables iproute2 mmdebstrap crun runc python3 python3-venv ca-certificates protobuf-compiler"
 # What only the tests need: etcd-server (a real etcd for the state store and cluster tests),
 # docker-registry (a real OCI registry for the pull tests; the tests start their own on
-# loopback), skopeo (seeds it), apache2-utils (htpasswd, for its basic auth) and faketime
-# (a node whose clock is off).
-TEST_APT_PACKAGES="etcd-server docker-registry skopeo apache2-utils faketime"
+# loopback), skopeo (seeds it), apache2-utils (htpasswd, for its basic auth), openssl (the
+# key pair and token signatures of its bearer-token auth) and faketime (a node whose clock
+# is off).
+TEST_APT_PACKAGES="etcd-server docker-registry skopeo apache2-utils openssl faketime"
 
 # Installs APT_PACKAGES and any packages named as arguments.
 ensure_packages() {

@@ -28,6 +28,7 @@ mod peers;
 mod placement;
 mod plot;
 mod provision;
+mod pull;
 mod startup;
 
 /// Command line.
@@ -46,7 +47,9 @@ struct Args {
     /// Run only these sections (comma-separated): runtimes, exec (its exec table alone), network, concurrency,
     /// sustained, backlog, teardown, cpu, job, idle, idle-cpu, density, files, provision, burst,
     /// placement (simulated, needs neither root nor a server), control-plane (2 API servers
-    /// over etcd and 100 simulated nodes; needs etcd, not root).
+    /// over etcd and 100 simulated nodes; needs etcd, not root), registry-pull (a
+    /// multi-layer pull from a local docker-registry, serial vs parallel layer downloads;
+    /// no server).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Containers in the burst section (default 256, quick 48).
@@ -1336,12 +1339,15 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let n = args.iterations.unwrap_or(if args.quick { 10 } else { 40 });
     // Sections that need no server (nor root): run first; alone, they are the whole run.
-    const SIMULATED: [&str; 2] = ["placement", "control-plane"];
+    const SIMULATED: [&str; 3] = ["placement", "control-plane", "registry-pull"];
     if args.only.is_empty() || args.only.iter().any(|o| o == "placement") {
         placement::section(args.quick);
     }
     if args.only.is_empty() || args.only.iter().any(|o| o == "control-plane") {
         control::section(args.quick)?;
+    }
+    if args.only.is_empty() || args.only.iter().any(|o| o == "registry-pull") {
+        pull::section(args.quick)?;
     }
     if !args.only.is_empty() && args.only.iter().all(|o| SIMULATED.contains(&o.as_str())) {
         return write_json(&args, n).map(drop);

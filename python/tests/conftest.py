@@ -113,6 +113,8 @@ def server() -> Iterator[Server]:
             "--dns-port", "15369", "--net-pool", "1",
             # Its own cgroup parent: a node on the default one (the quick start's) keeps it.
             "--cgroup-parent", "dsec-py",
+            # A loopback "registry" where nothing listens (port 1): the pull error test.
+            "--allow-registry", "127.0.0.1:1",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,

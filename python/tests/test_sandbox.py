@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 
 import pytest
@@ -332,11 +331,13 @@ def test_pull_image_errors_are_raised(client: dsec.Client) -> None:
     # A reference that does not parse is refused before the pull starts.
     with pytest.raises(dsec.errors.BadRequest):
         client.pull_image("no spaces/allowed")
-    # Nothing listens on this port: the pull's stream ends with the error, raised here.
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    # A registry the server's --allow-registry does not name: refused before any request.
+    with pytest.raises(dsec.errors.Forbidden) as e:
+        client.pull_image("127.0.0.1:2/none:v1", insecure=True)
+    assert "--allow-registry 127.0.0.1:2" in str(e.value)
+    # Allowed, but nothing listens there (port 1): the pull's stream ends with the error,
+    # raised here.
+    port = 1
     phases: list = []
     with pytest.raises(dsec.errors.DsecError) as e:
         client.pull_image(f"127.0.0.1:{port}/none:v1", insecure=True, on_progress=lambda p, d, t: phases.append(p))

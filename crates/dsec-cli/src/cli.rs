@@ -380,6 +380,17 @@ pub struct ServeArgs {
     /// Registries not listed are pulled from anonymously.
     #[arg(long)]
     pub registry_auth: Option<PathBuf>,
+    /// A registry (`host[:port]` as references name it) the server may pull from;
+    /// repeatable. Without any, pulls may reach every registry whose host is a public
+    /// name or address (loopback, private, link-local, CGNAT and ULA addresses refused).
+    /// With some, only the registries named, plus every public one if `public` is one
+    /// of them. A private registry must be named to be reached.
+    #[arg(long = "allow-registry", value_name = "HOST[:PORT]")]
+    pub allow_registry: Vec<String>,
+    /// A registry (`host[:port]`) the server speaks plain HTTP to (no TLS); repeatable.
+    /// Pulls of a reference to it, and creates naming one, use HTTP.
+    #[arg(long = "insecure-registry", value_name = "HOST[:PORT]")]
+    pub insecure_registry: Vec<String>,
 }
 
 /// One `--run` or `--copy` of `dsec image build`, in command-line order.

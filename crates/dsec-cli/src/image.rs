@@ -95,17 +95,7 @@ pub async fn run(client: &Client, cmd: ImageCommand, json: bool) -> anyhow::Resu
             }
             let started = std::time::Instant::now();
             let image = client.upload_image(&name, flatten, file).await?;
-            if json {
-                print_json(&image)?;
-            } else {
-                println!(
-                    "uploaded {} {} ({}) in {:.1}s",
-                    image.name,
-                    image.digest,
-                    output::bytes(image.size_bytes),
-                    started.elapsed().as_secs_f64()
-                );
-            }
+            print_stored("uploaded", &image, started, json)?;
         }
         ImageCommand::Import {
             name,
@@ -119,77 +109,26 @@ pub async fn run(client: &Client, cmd: ImageCommand, json: bool) -> anyhow::Resu
                 .to_str()
                 .with_context(|| format!("{} is not valid UTF-8", source.display()))?
                 .to_owned();
-            let bar = (!json && std::io::stderr().is_terminal()).then(|| {
-                let pb = ProgressBar::new_spinner();
-                pb.set_style(spinner_style());
-                pb.set_message(format!("importing {name}"));
-                pb.enable_steady_tick(Duration::from_millis(100));
-                pb
-            });
-            let started = std::time::Instant::now();
-            let result = import_with_progress(
-                client,
-                ImportImageRequest {
-                    name: name.clone(),
-                    source,
-                    flatten,
-                },
-                bar.as_ref(),
-            )
-            .await;
-            if let Some(pb) = bar {
-                pb.finish_and_clear();
-            }
-            let image = result?;
-            if json {
-                print_json(&image)?;
-            } else {
-                println!(
-                    "imported {} {} ({}) in {:.1}s",
-                    image.name,
-                    image.digest,
-                    output::bytes(image.size_bytes),
-                    started.elapsed().as_secs_f64()
-                );
-            }
+            let req = ImportImageRequest {
+                name: name.clone(),
+                source,
+                flatten,
+            };
+            let events = client.import_image_stream(req);
+            with_progress(format!("importing {name}"), "imported", json, events).await?;
         }
         ImageCommand::Pull {
             reference,
             name,
             insecure_registry,
         } => {
-            let bar = (!json && std::io::stderr().is_terminal()).then(|| {
-                let pb = ProgressBar::new_spinner();
-                pb.set_style(spinner_style());
-                pb.set_message(format!("pulling {reference}"));
-                pb.enable_steady_tick(Duration::from_millis(100));
-                pb
-            });
-            let started = std::time::Instant::now();
+            let label = format!("pulling {reference}");
             let req = dsec_wire::v1::PullImageRequest {
                 reference,
                 name,
                 insecure: insecure_registry,
             };
-            let result = match client.pull_image_stream(req).await {
-                Ok(events) => show_progress(events, bar.as_ref()).await,
-                Err(e) => Err(e.into()),
-            };
-            if let Some(pb) = bar {
-                pb.finish_and_clear();
-            }
-            let image = result?;
-            if json {
-                print_json(&image)?;
-            } else {
-                println!(
-                    "pulled {} {} ({}) in {:.1}s",
-                    image.name,
-                    image.digest,
-                    output::bytes(image.size_bytes),
-                    started.elapsed().as_secs_f64()
-                );
-            }
+            with_progress(label, "pulled", json, client.pull_image_stream(req)).await?;
         }
         ImageCommand::Ls => {
             let list = client.list_images().await?;
@@ -234,23 +173,60 @@ fn bar_style() -> ProgressStyle {
     .unwrap_or_else(|_| ProgressStyle::default_bar())
 }
 
-/// Runs an import through the progress stream, showing each phase on `bar`: a bar where
-/// the phase's size is known (reading the source, hashing, storing), bytes written
-/// otherwise (building the layer).
-async fn import_with_progress(
-    client: &Client,
-    req: ImportImageRequest,
-    bar: Option<&ProgressBar>,
-) -> anyhow::Result<dsec_wire::v1::Image> {
-    show_progress(client.import_image_stream(req).await?, bar).await
+type Events = futures::stream::BoxStream<
+    'static,
+    Result<dsec_wire::v1::ImportEvent, dsec_client::ClientError>,
+>;
+
+/// Runs an import or pull through its progress stream (`events`), with a progress bar
+/// labelled `label` on a terminal, and prints the stored image (`verb NAME DIGEST ...`).
+async fn with_progress(
+    label: String,
+    verb: &str,
+    json: bool,
+    events: impl std::future::Future<Output = Result<Events, dsec_client::ClientError>>,
+) -> anyhow::Result<()> {
+    let bar = (!json && std::io::stderr().is_terminal()).then(|| {
+        let pb = ProgressBar::new_spinner();
+        pb.set_style(spinner_style());
+        pb.set_message(label);
+        pb.enable_steady_tick(Duration::from_millis(100));
+        pb
+    });
+    let started = std::time::Instant::now();
+    let result = match events.await {
+        Ok(events) => show_progress(events, bar.as_ref()).await,
+        Err(e) => Err(e.into()),
+    };
+    if let Some(pb) = bar {
+        pb.finish_and_clear();
+    }
+    print_stored(verb, &result?, started, json)
+}
+
+/// Prints an image just stored: as JSON, or `verb NAME DIGEST (SIZE) in Ns`.
+fn print_stored(
+    verb: &str,
+    image: &dsec_wire::v1::Image,
+    started: std::time::Instant,
+    json: bool,
+) -> anyhow::Result<()> {
+    if json {
+        return print_json(image);
+    }
+    println!(
+        "{verb} {} {} ({}) in {:.1}s",
+        image.name,
+        image.digest,
+        output::bytes(image.size_bytes),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 /// Shows the progress events of an import or pull on `bar`; returns the stored image.
 async fn show_progress(
-    mut events: futures::stream::BoxStream<
-        'static,
-        Result<dsec_wire::v1::ImportEvent, dsec_client::ClientError>,
-    >,
+    mut events: Events,
     bar: Option<&ProgressBar>,
 ) -> anyhow::Result<dsec_wire::v1::Image> {
     use dsec_wire::v1::ImportEvent;

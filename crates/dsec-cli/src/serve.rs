@@ -176,6 +176,8 @@ async fn open_node(args: &ServeArgs, command: &str) -> anyhow::Result<Arc<LocalN
                 Some(path) => dsec_registry::Credentials::load(path)?,
                 None => Default::default(),
             },
+            allow: dsec_registry::Allow::from_flags(&args.allow_registry)?,
+            insecure: args.insecure_registry.clone(),
             ..Default::default()
         },
         ref_ttl: Duration::from_millis(args.ref_cache_ms),

@@ -96,7 +96,17 @@ async fn the_public_api_works_through_an_apiserver_over_a_separate_node() -> any
     let layout = dsec_testkit::oci_layout(&aux.join("marker-layout"), &[&marker_tar], "amd64", &[]);
     registry.seed(&layout, "remote/marker:v1", "gzip");
     let auth_arg = registry_auth.display().to_string();
-    let node = start_node_with("split", &[], &["--registry-auth", &auth_arg]).await?;
+    let node = start_node_with(
+        "split",
+        &[],
+        &[
+            "--registry-auth",
+            &auth_arg,
+            "--allow-registry",
+            &registry.addr(),
+        ],
+    )
+    .await?;
     let (node_url, token_file, root) = (&node.url, &node.token_file, &node.root);
     // The internal API refuses callers without the node token, users' keys included.
     let refused = reqwest::Client::new()

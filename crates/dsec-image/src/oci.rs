@@ -283,37 +283,74 @@ struct DockerManifest {
     layers: Vec<String>,
 }
 
-/// An OCI descriptor.
+/// An OCI descriptor, as image indexes and manifests (OCI or Docker v2) list them.
+/// Lenient: fields a reader does not need may be missing. `dsec-registry` reads the same
+/// documents with these types.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct Descriptor {
+pub struct Descriptor {
+    /// What the blob is.
     #[serde(default)]
-    media_type: Option<String>,
-    digest: String,
+    pub media_type: Option<String>,
+    /// `sha256:<hex>` of its bytes.
+    pub digest: String,
+    /// Its size in bytes.
     #[serde(default)]
-    size: Option<u64>,
+    pub size: Option<u64>,
+    /// The platform of an index entry.
     #[serde(default)]
-    platform: Option<Platform>,
+    pub platform: Option<Platform>,
 }
 
+/// The platform of an image index entry.
 #[derive(Debug, Clone, Deserialize)]
-struct Platform {
+pub struct Platform {
+    /// Go architecture name (`amd64`, `arm64`).
     #[serde(default)]
-    architecture: String,
+    pub architecture: String,
+    /// Operating system (`linux`).
     #[serde(default)]
-    os: String,
+    pub os: String,
 }
 
-/// An OCI image index or image manifest (or their Docker equivalents).
+/// An OCI image index or image manifest (or their Docker equivalents): an index has
+/// `manifests`, a manifest `config` and `layers`.
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct Manifest {
+pub struct Manifest {
+    /// Its declared media type.
     #[serde(default)]
-    manifests: Option<Vec<Descriptor>>,
+    pub media_type: Option<String>,
+    /// An index's entries.
     #[serde(default)]
-    config: Option<Descriptor>,
+    pub manifests: Option<Vec<Descriptor>>,
+    /// A manifest's config blob.
     #[serde(default)]
-    layers: Option<Vec<Descriptor>>,
+    pub config: Option<Descriptor>,
+    /// A manifest's layer blobs, bottom first.
+    #[serde(default)]
+    pub layers: Option<Vec<Descriptor>>,
+}
+
+/// The entry of an index for linux on this machine's architecture, or (`Err`) the
+/// platforms the index has, `, `-separated, to say what was found instead.
+pub fn pick_platform(list: &[Descriptor]) -> std::result::Result<&Descriptor, String> {
+    let arch = host_arch();
+    list.iter()
+        .find(|d| {
+            d.platform
+                .as_ref()
+                .is_some_and(|p| p.os == "linux" && p.architecture == arch)
+        })
+        .ok_or_else(|| {
+            list.iter()
+                .map(|d| match &d.platform {
+                    Some(p) => format!("{}/{}", p.os, p.architecture),
+                    None => "unknown".to_string(),
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        })
 }
 
 /// The parts of an image config we use.
@@ -514,7 +551,7 @@ fn digest_in_name(name: &str) -> Option<String> {
 }
 
 /// The Go name of this machine's architecture, as image platforms spell it.
-fn host_arch() -> &'static str {
+pub fn host_arch() -> &'static str {
     match std::env::consts::ARCH {
         "x86_64" => "amd64",
         "aarch64" => "arm64",
@@ -880,28 +917,13 @@ impl Source {
         if list.is_empty() {
             return Err(self.invalid(format!("{what} lists no manifests")));
         }
-        let arch = host_arch();
-        list.iter()
-            .find(|d| {
-                d.platform
-                    .as_ref()
-                    .is_some_and(|p| p.os == "linux" && p.architecture == arch)
-            })
-            .cloned()
-            .ok_or_else(|| {
-                let platforms: Vec<String> = list
-                    .iter()
-                    .map(|d| match &d.platform {
-                        Some(p) => format!("{}/{}", p.os, p.architecture),
-                        None => "unknown".to_string(),
-                    })
-                    .collect();
-                self.invalid(format!(
-                    "{what} lists {} manifests and none for linux/{arch} (found: {})",
-                    list.len(),
-                    platforms.join(", ")
-                ))
-            })
+        pick_platform(list).cloned().map_err(|found| {
+            self.invalid(format!(
+                "{what} lists {} manifests and none for linux/{} (found: {found})",
+                list.len(),
+                host_arch()
+            ))
+        })
     }
 
     /// Extracts `layer` into `dest`, verifying its digests. Returns whether it had a `./`

@@ -40,6 +40,8 @@ pub struct LocalNode {
     claims: crate::claims::HostClaims,
     /// Lifetimes of the sandboxes, and stubs of those whose lifetime ended.
     lifetimes: Arc<Lifetimes>,
+    /// Registry pulls, one at a time per reference.
+    puller: dsec_registry::Puller,
 }
 
 /// Sandboxes whose lifetime ended torn down at once by the reaper (deletes take turns
@@ -159,6 +161,7 @@ impl LocalNode {
         images.cleanup_unused(&refs.keys().cloned().collect::<HashSet<_>>())?;
         let lifetimes = Arc::new(Lifetimes::open(&cfg, table.keys())?);
         let node = Arc::new(Self {
+            puller: dsec_registry::Puller::new(images.clone(), cfg.registry.clone()),
             lifetimes,
             admission: Admission::new(cfg.admission),
             delete_turns: (cfg.delete_concurrency > 0)
@@ -839,12 +842,10 @@ impl NodeApi for LocalNode {
             Some(p) => p,
             None => Arc::new(|_| {}),
         };
-        dsec_registry::pull(self.images.clone(), &self.cfg.registry, req, sink)
+        self.puller
+            .pull(req, sink)
             .await
-            .map_err(|e| match e {
-                dsec_registry::RegistryError::Image(e) => NodeError::Image(e).into(),
-                e => ApiError::from(e),
-            })
+            .map_err(|e| ApiError::from(&*e))
     }
 
     async fn gc_images(

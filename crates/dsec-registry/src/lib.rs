@@ -26,15 +26,21 @@ use dsec_wire::v1::{ImportEvent, PullImageRequest};
 use dsec_wire::{ApiError, ErrorCode};
 use oci_client::Reference;
 
+pub mod allow;
 pub mod auth;
+mod flight;
 mod pull;
 
+pub use allow::Allow;
 pub use auth::{Credential, Credentials};
+pub use flight::Puller;
 
 /// Largest manifest or index accepted (the OCI distribution spec's suggested limit).
 pub const MANIFEST_LIMIT: u64 = 4 << 20;
 /// Largest image config accepted.
 pub const CONFIG_LIMIT: u64 = 16 << 20;
+/// Default number of layer blobs one pull downloads at once.
+pub const DEFAULT_PARALLEL_DOWNLOADS: usize = 3;
 /// Default largest layer blob accepted (compressed, as the registry serves it).
 pub const DEFAULT_LAYER_LIMIT: u64 = 16 << 30;
 
@@ -57,6 +63,9 @@ pub enum RegistryError {
         /// Why.
         message: String,
     },
+    /// The registry is not one this node may pull from (`--allow-registry`).
+    #[error("{0}")]
+    Refused(String),
     /// The registry refused the credentials, or wants some and has none.
     #[error("{0}")]
     Unauthorized(String),
@@ -112,11 +121,17 @@ impl RegistryError {
             | RegistryError::Unsupported(_)
             | RegistryError::Corrupt(_) => ErrorCode::BadRequest,
             RegistryError::NotFound(_) => ErrorCode::ImageNotFound,
+            RegistryError::Refused(_) => ErrorCode::Forbidden,
             RegistryError::TooLarge { .. } => ErrorCode::PayloadTooLarge,
             RegistryError::Transport(_) => ErrorCode::Timeout,
-            RegistryError::Image(ImageError::InvalidName { .. }) => ErrorCode::BadRequest,
+            RegistryError::Image(ImageError::NotFound(_)) => ErrorCode::ImageNotFound,
             RegistryError::Image(
-                ImageError::DigestMismatch { .. }
+                ImageError::InvalidName { .. }
+                | ImageError::InvalidDigest(_)
+                | ImageError::UnsupportedSource(_)
+                | ImageError::UnsafeEntry { .. }
+                | ImageError::NotErofs(_)
+                | ImageError::DigestMismatch { .. }
                 | ImageError::InvalidImage { .. }
                 | ImageError::Archive { .. },
             ) => ErrorCode::BadRequest,
@@ -125,9 +140,15 @@ impl RegistryError {
     }
 }
 
+impl From<&RegistryError> for ApiError {
+    fn from(e: &RegistryError) -> Self {
+        ApiError::new(e.code(), e.to_string())
+    }
+}
+
 impl From<RegistryError> for ApiError {
     fn from(e: RegistryError) -> Self {
-        ApiError::new(e.code(), e.to_string())
+        (&e).into()
     }
 }
 
@@ -139,8 +160,15 @@ pub type Progress = Arc<dyn Fn(ImportEvent) + Send + Sync>;
 pub struct RegistryConfig {
     /// Credentials by registry.
     pub credentials: Credentials,
+    /// Registries pulls may reach.
+    pub allow: Allow,
+    /// Registries (`host[:port]` as references name them) spoken to in plain HTTP,
+    /// whatever a request says (`--insecure-registry`).
+    pub insecure: Vec<String>,
     /// Largest layer blob accepted.
     pub layer_limit: u64,
+    /// Layer blobs of one pull downloaded at once.
+    pub parallel_downloads: usize,
     /// Connect timeout of registry requests.
     pub connect_timeout: Duration,
     /// How long a request may go without receiving anything.
@@ -151,7 +179,10 @@ impl Default for RegistryConfig {
     fn default() -> Self {
         Self {
             credentials: Credentials::default(),
+            allow: Allow::default(),
+            insecure: Vec::new(),
             layer_limit: DEFAULT_LAYER_LIMIT,
+            parallel_downloads: DEFAULT_PARALLEL_DOWNLOADS,
             connect_timeout: Duration::from_secs(10),
             read_timeout: Duration::from_secs(60),
         }

@@ -4,6 +4,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use dsec_image::oci::{host_arch, pick_platform, Descriptor, Manifest};
 use dsec_image::{Image, ImageStore, PulledLayer};
 use dsec_wire::v1::{ImportEvent, PullImageRequest};
 use futures::StreamExt as _;
@@ -12,7 +13,6 @@ use oci_client::errors::OciDistributionError;
 use oci_client::manifest::OciDescriptor;
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
-use serde::Deserialize;
 use sha2::{Digest as _, Sha256};
 use tokio::io::AsyncWriteExt as _;
 
@@ -27,49 +27,6 @@ const DOCKER_LIST: &str = "application/vnd.docker.distribution.manifest.list.v2+
 const DOCKER_MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
 /// Progress of a download is reported at most once per this many bytes.
 const REPORT_EVERY: u64 = 1 << 20;
-
-/// A descriptor, as manifests and indexes list them.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Descriptor {
-    #[serde(default)]
-    media_type: String,
-    digest: String,
-    size: u64,
-    #[serde(default)]
-    platform: Option<Platform>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-struct Platform {
-    #[serde(default)]
-    architecture: String,
-    #[serde(default)]
-    os: String,
-}
-
-/// An image index or an image manifest (OCI or Docker v2).
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Manifest {
-    #[serde(default)]
-    media_type: Option<String>,
-    #[serde(default)]
-    manifests: Option<Vec<Descriptor>>,
-    #[serde(default)]
-    config: Option<Descriptor>,
-    #[serde(default)]
-    layers: Option<Vec<Descriptor>>,
-}
-
-/// The Go name of this machine's architecture, as image platforms spell it.
-fn host_arch() -> &'static str {
-    match std::env::consts::ARCH {
-        "x86_64" => "amd64",
-        "aarch64" => "arm64",
-        other => other,
-    }
-}
 
 /// Turns a client error into ours, saying what was being fetched.
 fn client_err(reference: &Reference, what: &str, e: OciDistributionError) -> RegistryError {
@@ -167,6 +124,17 @@ fn sha256_hex(d: &str, what: &str) -> Result<String> {
     }
 }
 
+/// The size a descriptor of `reference` states (a registry's manifests always do).
+fn size_of(d: &Descriptor, reference: &Reference) -> Result<u64> {
+    d.size.ok_or_else(|| {
+        RegistryError::Unsupported(format!(
+            "{}: descriptor {} has no size",
+            reference.whole(),
+            d.digest
+        ))
+    })
+}
+
 /// A client for `reference`'s registry.
 fn client(config: &RegistryConfig, reference: &Reference, insecure: bool) -> Client {
     let protocol = if insecure {
@@ -226,30 +194,18 @@ async fn resolve(
     let Some(entries) = &m.manifests else {
         return Ok((m, digest));
     };
-    let arch = host_arch();
-    let pick = entries.iter().find(|d| {
-        d.platform
-            .as_ref()
-            .is_some_and(|p| p.os == "linux" && p.architecture == arch)
-    });
-    let Some(pick) = pick else {
-        let found: Vec<String> = entries
-            .iter()
-            .map(|d| match &d.platform {
-                Some(p) => format!("{}/{}", p.os, p.architecture),
-                None => "unknown".into(),
-            })
-            .collect();
-        return Err(RegistryError::Unsupported(format!(
-            "{}: the image index has no linux/{arch} image (found: {})",
+    let pick = pick_platform(entries).map_err(|found| {
+        RegistryError::Unsupported(format!(
+            "{}: the image index has no linux/{} image (found: {found})",
             reference.whole(),
-            found.join(", ")
-        )));
-    };
-    if pick.size > MANIFEST_LIMIT {
+            host_arch()
+        ))
+    })?;
+    let pick_size = size_of(pick, reference)?;
+    if pick_size > MANIFEST_LIMIT {
         return Err(RegistryError::TooLarge {
             what: format!("manifest {}", pick.digest),
-            size: pick.size,
+            size: pick_size,
             limit: MANIFEST_LIMIT,
         });
     }
@@ -278,11 +234,12 @@ async fn download(
     progress: &Progress,
 ) -> Result<()> {
     let want_hex = sha256_hex(&desc.digest, what)?;
+    let size = size_of(desc, reference)?;
     // Only the digest and size: `urls` (foreign layers) would send the node elsewhere.
     let oci_desc = OciDescriptor {
-        media_type: desc.media_type.clone(),
+        media_type: desc.media_type.clone().unwrap_or_default(),
         digest: desc.digest.clone(),
-        size: desc.size as i64,
+        size: size as i64,
         urls: None,
         annotations: None,
     };
@@ -305,7 +262,7 @@ async fn download(
         progress(ImportEvent::Progress {
             phase: "downloading".into(),
             bytes_done: done,
-            bytes_total: Some(desc.size),
+            bytes_total: Some(size),
         })
     };
     report(0);
@@ -320,7 +277,7 @@ async fn download(
         let chunk = match chunk {
             Ok(c) => c,
             // The client's own digest check ends the stream with an error: say so plainly.
-            Err(_) if done == desc.size && hex::encode(hasher.clone().finalize()) != want_hex => {
+            Err(_) if done == size && hex::encode(hasher.clone().finalize()) != want_hex => {
                 break;
             }
             Err(e) => {
@@ -329,16 +286,15 @@ async fn download(
                      {}; nothing was kept, retry the pull",
                     reference.registry(),
                     desc.digest,
-                    desc.size,
+                    size,
                     error_chain(&e)
                 )))
             }
         };
         done += chunk.len() as u64;
-        if done > desc.size {
+        if done > size {
             return Err(corrupt(format!(
-                "the registry sent more than the manifest's {} bytes",
-                desc.size
+                "the registry sent more than the manifest's {size} bytes"
             )));
         }
         hasher.update(&chunk);
@@ -351,10 +307,9 @@ async fn download(
         }
     }
     file.flush().await.map_err(|e| io_err("write", e))?;
-    if done < desc.size {
+    if done < size {
         return Err(corrupt(format!(
-            "truncated: {done} of the manifest's {} bytes",
-            desc.size
+            "truncated: {done} of the manifest's {size} bytes"
         )));
     }
     let got = hex::encode(hasher.finalize());
@@ -377,7 +332,9 @@ pub(crate) async fn pull(
         .clone()
         .unwrap_or_else(|| default_name(&req.reference));
     dsec_image::validate_name(&name)?;
-    let client = client(config, &reference, req.insecure);
+    config.allow.check(&reference).await?;
+    let insecure = req.insecure || config.insecure.iter().any(|r| r == reference.registry());
+    let client = client(config, &reference, insecure);
     let auth = config.credentials.for_reference(&reference);
     progress(ImportEvent::Progress {
         phase: "resolving".into(),
@@ -398,25 +355,28 @@ pub(crate) async fn pull(
         )));
     }
     for (i, l) in layer_descs.iter().enumerate() {
-        if !l.media_type.is_empty() && !l.media_type.contains("tar") {
+        let media = l.media_type.as_deref().unwrap_or_default();
+        if !media.is_empty() && !media.contains("tar") {
             return Err(RegistryError::Unsupported(format!(
                 "{whole}: layer {} has media type {}, not a (gzip or zstd) tar",
                 i + 1,
-                l.media_type
+                media
             )));
         }
-        if l.size > config.layer_limit {
+        let size = size_of(l, &reference)?;
+        if size > config.layer_limit {
             return Err(RegistryError::TooLarge {
                 what: format!("layer {} ({})", i + 1, l.digest),
-                size: l.size,
+                size,
                 limit: config.layer_limit,
             });
         }
     }
-    if config_desc.size > CONFIG_LIMIT {
+    let config_size = size_of(&config_desc, &reference)?;
+    if config_size > CONFIG_LIMIT {
         return Err(RegistryError::TooLarge {
             what: format!("the config of {whole}"),
-            size: config_desc.size,
+            size: config_size,
             limit: CONFIG_LIMIT,
         });
     }
@@ -462,7 +422,9 @@ pub(crate) async fn pull(
         }
     }
 
+    // The layers not converted before, each blob once, downloaded a few at a time.
     let mut layers = Vec::new();
+    let mut fetch: Vec<(String, String, &Descriptor, std::path::PathBuf)> = Vec::new();
     for (i, d) in layer_descs.iter().enumerate() {
         let hex = sha256_hex(&d.digest, "layer")?;
         let converted = {
@@ -471,18 +433,32 @@ pub(crate) async fn pull(
                 .await
                 .map_err(|e| RegistryError::Transport(format!("join: {e}")))?
         };
-        if converted.is_none() {
-            let what = format!("layer {}/{}", i + 1, layer_descs.len());
-            download(&client, &reference, d, &what, &blobs.join(&hex), &progress).await?;
-        } else {
+        if converted.is_some() {
             tracing::debug!(layer = %d.digest, "layer converted before; not downloaded");
+        } else if !fetch.iter().any(|(h, ..)| *h == hex) {
+            let what = format!("layer {}/{}", i + 1, layer_descs.len());
+            fetch.push((hex.clone(), what, d, blobs.join(&hex)));
         }
         layers.push(PulledLayer {
             blob: hex,
-            size: d.size,
+            size: size_of(d, &reference)?,
             diff_id: diff_ids.as_ref().and_then(|ids| ids.get(i).cloned()),
         });
     }
+    // A plain loop, not a closure: a closure's future here is not `Send` for every
+    // lifetime (rust-lang/rust#110338).
+    let mut pending = Vec::with_capacity(fetch.len());
+    for (_, what, d, dest) in &fetch {
+        pending.push(download(&client, &reference, d, what, dest, &progress));
+    }
+    // The first failure ends the pull; the downloads still running are dropped and
+    // their partial files go with `work`.
+    let mut downloads =
+        futures::stream::iter(pending).buffer_unordered(config.parallel_downloads.max(1));
+    while let Some(done) = downloads.next().await {
+        done?;
+    }
+    drop(downloads);
 
     let label = match reference.digest() {
         Some(_) => whole.clone(),

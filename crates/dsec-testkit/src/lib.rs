@@ -7,13 +7,15 @@
 //! early. `CI=true` never skips, whatever else is set.
 //!
 //! It also starts real services tests need: [`Etcd`] (one member or a cluster) and
-//! [`Registry`] (an OCI registry, with [`oci_layout`] to seed it and [`CutProxy`] to
-//! break its transfers off).
+//! [`Registry`] (an OCI registry, with [`oci_layout`] to seed it, [`CutProxy`] to
+//! break its transfers off and [`TokenServer`] for its bearer-token auth).
 
 mod etcd;
 pub mod registry;
+pub mod token;
 pub use etcd::{etcd_binary, Etcd, ETCD_BIN_VAR};
 pub use registry::{oci_layout, CutProxy, Registry};
+pub use token::TokenServer;
 
 /// The variable that lets tests skip on a machine that lacks their prerequisites.
 pub const SKIP_VAR: &str = "DSEC_TEST_SKIP_UNAVAILABLE";

@@ -69,18 +69,46 @@ impl Registry {
     /// skipping is allowed (see [`crate::unavailable`]); panics otherwise, or if it does
     /// not start.
     pub fn start(test: &str) -> Option<Self> {
-        Self::start_inner(test, None)
+        Self::start_inner(test, None, None)
     }
 
     /// A registry that wants HTTP basic auth with `user` and `password` (htpasswd, bcrypt).
     pub fn start_with_auth(test: &str, user: &str, password: &str) -> Option<Self> {
-        Self::start_inner(test, Some((user.to_string(), password.to_string())))
+        Self::start_inner(test, Some((user.to_string(), password.to_string())), None)
     }
 
-    fn start_inner(test: &str, creds: Option<(String, String)>) -> Option<Self> {
+    /// A registry that wants bearer tokens of `tokens` (distribution's `auth: token`):
+    /// clients get one there with basic auth of `user` and `password`.
+    pub fn start_with_token(
+        test: &str,
+        tokens: &crate::TokenServer,
+        user: &str,
+        password: &str,
+    ) -> Option<Self> {
+        let auth = format!(
+            "auth:\n  token:\n    realm: {}\n    service: {}\n    issuer: {}\n    \
+             rootcertbundle: {}\n",
+            tokens.realm(),
+            crate::token::SERVICE,
+            crate::token::ISSUER,
+            tokens.cert().display()
+        );
+        Self::start_inner(
+            test,
+            Some((user.to_string(), password.to_string())),
+            Some(auth),
+        )
+    }
+
+    fn start_inner(
+        test: &str,
+        creds: Option<(String, String)>,
+        token_auth: Option<String>,
+    ) -> Option<Self> {
         let missing = ["docker-registry", "skopeo"]
             .into_iter()
             .chain(creds.as_ref().map(|_| "htpasswd"))
+            .chain(token_auth.as_ref().map(|_| "openssl"))
             .filter(|b| binary(b).is_none())
             .collect::<Vec<_>>();
         let missing = (!missing.is_empty()).then(|| {
@@ -105,7 +133,9 @@ impl Registry {
              delete:\n    enabled: true\nhttp:\n  addr: 127.0.0.1:{port}\n  secret: dsec-test\n",
             dir.path().join("data").display()
         );
-        if let Some((user, password)) = &creds {
+        if let Some(auth) = &token_auth {
+            config.push_str(auth);
+        } else if let Some((user, password)) = &creds {
             let out = Command::new(binary("htpasswd").expect("htpasswd"))
                 .args(["-Bbn", user, password])
                 .output()
@@ -209,6 +239,17 @@ impl Registry {
             "skopeo copy to {repo_tag} failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
+    }
+
+    /// How many `method` requests for `path` (as sent, e.g. `/v2/app/blobs/sha256:..`)
+    /// the registry has answered, from its access log (which it writes as it answers).
+    pub fn requests(&self, method: &str, path: &str) -> usize {
+        let needle = format!("\"{method} {path} HTTP/");
+        std::fs::read_to_string(&self.log)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains(&needle))
+            .count()
     }
 
     /// The manifest (or index) `repo:reference` and its digest.

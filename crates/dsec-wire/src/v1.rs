@@ -267,6 +267,8 @@ pub struct InitFile {
 #[serde(deny_unknown_fields)]
 pub struct CreateSandboxRequest {
     /// Image name (`base`, `debian:bookworm`, ...) or `sha256:` digest. Default `base`.
+    /// A name that starts with a registry host (see [`registry_image_name`]) and is not
+    /// in the catalog is pulled from that registry first.
     #[serde(default)]
     pub image: Option<String>,
     /// More images stacked on top of `image`, bottom first (a workspace, toolkits): the
@@ -981,6 +983,21 @@ pub struct PullImageRequest {
     pub insecure: bool,
 }
 
+/// The catalog name of `image` if it is a registry reference a create pulls on first use;
+/// `None` for a plain catalog name.
+///
+/// A registry reference names its registry: its first `/`-separated part holds a `.` or
+/// a `:` or is `localhost` (Docker's rule: `ghcr.io/org/app:v1`,
+/// `registry:5000/app@sha256:...`, `localhost/app`). `python:3.12` or `org/app` name no
+/// registry and are catalog names (Docker Hub's images are `docker.io/library/python:3.12`).
+/// The catalog name is the reference with `@` written `:`, what a pull without `name`
+/// stores.
+pub fn registry_image_name(image: &str) -> Option<String> {
+    let (host, rest) = image.split_once('/')?;
+    let names_registry = host.contains('.') || host.contains(':') || host == "localhost";
+    (names_registry && !rest.is_empty()).then(|| image.replace('@', ":"))
+}
+
 /// One line of the NDJSON answer of `POST /v1/images/import/stream`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -1149,4 +1166,26 @@ pub struct ClusterNode {
 pub struct ClusterNodeList {
     /// The nodes, by name.
     pub nodes: Vec<ClusterNode>,
+}
+
+#[cfg(test)]
+mod image_name_tests {
+    use super::*;
+
+    #[test]
+    fn registry_references_name_their_registry() {
+        let r = registry_image_name;
+        assert_eq!(
+            r("ghcr.io/org/app:v1").as_deref(),
+            Some("ghcr.io/org/app:v1")
+        );
+        assert_eq!(
+            r("127.0.0.1:5000/app@sha256:ab").as_deref(),
+            Some("127.0.0.1:5000/app:sha256:ab")
+        );
+        assert_eq!(r("localhost/app").as_deref(), Some("localhost/app"));
+        for plain in ["base", "python:3.12", "org/app", "sha256:ab", "my.host/"] {
+            assert_eq!(r(plain), None, "{plain}");
+        }
+    }
 }

@@ -197,6 +197,8 @@ class Sandbox:
         Args:
             client: Client to use; default :func:`dsec.default_client` (from the environment).
             image: Image name or ``sha256:`` digest; the server's default is ``base``.
+                A registry reference (``"ghcr.io/org/app:v1"``) the server has not
+                pulled yet is pulled first (if its ``--allow-registry`` allows it).
             layers: More images stacked on top of ``image``, bottom first.
             resources: ``Resources`` or a dict with ``cpu``, ``memory_mb``, ``pids``, ``disk_mb``.
             timeout: Lifetime in seconds (server default one hour).

@@ -159,6 +159,8 @@ impl ControlPlane {
             })
         };
         let mut placed = placement(&refused)?;
+        // A registry reference the node's catalog lacks is pulled first.
+        let image = pull::ensure_image(&*placed.node, image).await?;
         // The images' own defaults, bottom first; unknown names fail here, before any
         // record exists.
         let config = self
@@ -343,7 +345,10 @@ impl ControlPlane {
                 created = Err(e);
                 break;
             }
-            created = placed.node.create(spec.clone()).await;
+            created = match pull::ensure_image(&*placed.node, spec.image.clone()).await {
+                Ok(_) => placed.node.create(spec.clone()).await,
+                Err(e) => Err(e),
+            };
         }
         let created = match created {
             Ok(c) => c,
