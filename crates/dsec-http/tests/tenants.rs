@@ -121,7 +121,9 @@ impl Cluster {
                 BOOT,
                 Method::POST,
                 "/v1/tenants",
-                Some(json!({ "name": name })),
+                // A quota, so that usage is counted (tenants without quotas are not
+                // charged).
+                Some(json!({ "name": name, "quotas": { "max_sandboxes": 1000 } })),
             )
             .await;
         assert_eq!(st, StatusCode::CREATED, "{v}");

@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dsec_iam::{Iam, IamError, Usage, DEFAULT_TENANT};
+use dsec_iam::{Iam, IamError, Quotas, Usage, DEFAULT_TENANT};
 use dsec_state::{Entry, Expect, Op, Revision, StateError, StateStore, Txn, WatchEvent};
 use dsec_wire::v1::{Sandbox, SandboxState};
 use dsec_wire::{ApiError, ErrorCode};
@@ -508,6 +508,45 @@ impl Records {
                 value,
                 lease: None,
             });
+        }
+        // A tenant without quotas (as this replica's cache has it: a quota set elsewhere
+        // a moment ago may be missed for that moment) is not charged: its creates neither
+        // queue on the usage lock nor contend for the usage record across replicas, so a
+        // create stays one commit. Its sandboxes release nothing either, so usage counts
+        // only sandboxes created while a quota was set.
+        let unlimited = self
+            .iam
+            .cached_tenant(&sb.tenant)
+            .is_some_and(|t| !t.disabled && t.quotas == Quotas::default());
+        if unlimited {
+            return match self.store.txn(base).await {
+                Ok(rev) => {
+                    self.lock().offer(sb.clone(), rev, None);
+                    self.changed.notify_waiters();
+                    Ok(())
+                }
+                Err(StateError::Conflict { ns, .. }) if ns == NS_IDEMPOTENCY => {
+                    let Some((key, _)) = &key else {
+                        return Err(InsertError::Store(ApiError::new(
+                            ErrorCode::Conflict,
+                            format!("sandbox {} could not be stored: retry", sb.id),
+                        )));
+                    };
+                    match self
+                        .idempotency(&sb.tenant, key)
+                        .await
+                        .map_err(InsertError::Store)?
+                    {
+                        Some(first) => Err(InsertError::KeyTaken(first)),
+                        // Its sandbox was removed meanwhile: the caller may retry.
+                        None => Err(InsertError::Store(ApiError::new(
+                            ErrorCode::Conflict,
+                            format!("sandbox {} could not be stored: retry", sb.id),
+                        ))),
+                    }
+                }
+                Err(e) => Err(InsertError::Store(store_err(e))),
+            };
         }
         // This replica's creates of the tenant queue here rather than race each other
         // for the usage record; only other replicas' win a race.
