@@ -113,7 +113,7 @@ def test_typed_errors(client: dsec.Client) -> None:
         "bad_request", "not_found", "expired", "failed", "conflict", "image_not_found",
         "capacity", "timeout", "invalid_path", "no_space", "payload_too_large", "paused",
         "agent_unavailable", "internal", "unauthorized", "method_not_allowed", "forbidden",
-        "quota_exceeded", "lost",
+        "quota_exceeded", "lost", "unavailable",
     }
     assert all(issubclass(c, dsec.DsecError) for c in dsec.ERROR_CLASSES.values())
     assert dsec.Capacity("x").retryable and not dsec.Paused("x").retryable

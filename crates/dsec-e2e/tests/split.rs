@@ -943,8 +943,14 @@ async fn etcd_losing_a_member_or_its_quorum_loses_no_record() -> anyhow::Result<
         started.elapsed()
     );
     ids.sort();
-    assert_eq!(listed(&a).await?, ids);
-    assert_eq!(listed(&b).await?, ids);
+    // Each replica's list is its cache, which a watch fed through the member's loss.
+    for c in [&a, &b] {
+        let same = wait_until(Duration::from_secs(10), || async {
+            (listed(c).await.ok()? == ids).then_some(())
+        })
+        .await;
+        assert!(same.is_some(), "{:?} vs {ids:?}", listed(c).await?);
+    }
 
     // The majority goes too: a create fails, retryable and in bounded time, and makes
     // nothing; sandboxes that exist still run commands (their records are cached).
@@ -994,8 +1000,13 @@ async fn etcd_losing_a_member_or_its_quorum_loses_no_record() -> anyhow::Result<
         .await?;
     ids.push(retried.id);
     ids.sort();
-    assert_eq!(listed(&a).await?, ids);
-    assert_eq!(listed(&b).await?, ids);
+    for c in [&a, &b] {
+        let same = wait_until(Duration::from_secs(10), || async {
+            (listed(c).await.ok()? == ids).then_some(())
+        })
+        .await;
+        assert!(same.is_some(), "{:?} vs {ids:?}", listed(c).await?);
+    }
     let settled = wait_until(Duration::from_secs(10), || async {
         let on_node = node_sandboxes(&node.url, &node.token_file).await.ok()?;
         (on_node == ids).then_some(())
