@@ -480,12 +480,21 @@ impl Records {
         key: Option<(&str, IdemEntry)>,
         charge: Usage,
     ) -> Result<(), InsertError> {
+        // A tenant without quotas (as this replica's cache has it: a quota set elsewhere
+        // a moment ago may be missed for that moment) is not charged: its creates neither
+        // queue on the usage lock nor contend for the usage record across replicas, so a
+        // create stays one commit. Its sandboxes release nothing either, so usage counts
+        // only sandboxes created while a quota was set.
+        let unlimited = self
+            .iam
+            .cached_tenant(&sb.tenant)
+            .is_some_and(|t| !t.disabled && t.quotas == Quotas::default());
         let mut base = Txn {
             checks: vec![(NS_SANDBOXES.into(), sb.id.clone(), Expect::Absent)],
             ops: vec![Op::Put {
                 ns: NS_SANDBOXES.into(),
                 key: sb.id.clone(),
-                value: encode(sb, Some(charge)).map_err(InsertError::Store)?,
+                value: encode(sb, (!unlimited).then_some(charge)).map_err(InsertError::Store)?,
                 lease: None,
             }],
         };
@@ -509,52 +518,21 @@ impl Records {
                 lease: None,
             });
         }
-        // A tenant without quotas (as this replica's cache has it: a quota set elsewhere
-        // a moment ago may be missed for that moment) is not charged: its creates neither
-        // queue on the usage lock nor contend for the usage record across replicas, so a
-        // create stays one commit. Its sandboxes release nothing either, so usage counts
-        // only sandboxes created while a quota was set.
-        let unlimited = self
-            .iam
-            .cached_tenant(&sb.tenant)
-            .is_some_and(|t| !t.disabled && t.quotas == Quotas::default());
-        if unlimited {
-            return match self.store.txn(base).await {
-                Ok(rev) => {
-                    self.lock().offer(sb.clone(), rev, None);
-                    self.changed.notify_waiters();
-                    Ok(())
-                }
-                Err(StateError::Conflict { ns, .. }) if ns == NS_IDEMPOTENCY => {
-                    let Some((key, _)) = &key else {
-                        return Err(InsertError::Store(ApiError::new(
-                            ErrorCode::Conflict,
-                            format!("sandbox {} could not be stored: retry", sb.id),
-                        )));
-                    };
-                    match self
-                        .idempotency(&sb.tenant, key)
-                        .await
-                        .map_err(InsertError::Store)?
-                    {
-                        Some(first) => Err(InsertError::KeyTaken(first)),
-                        // Its sandbox was removed meanwhile: the caller may retry.
-                        None => Err(InsertError::Store(ApiError::new(
-                            ErrorCode::Conflict,
-                            format!("sandbox {} could not be stored: retry", sb.id),
-                        ))),
-                    }
-                }
-                Err(e) => Err(InsertError::Store(store_err(e))),
-            };
-        }
         // This replica's creates of the tenant queue here rather than race each other
         // for the usage record; only other replicas' win a race.
-        let _usage = self.iam.lock_usage(&sb.tenant).await;
+        let _usage = match unlimited {
+            true => None,
+            false => Some(self.iam.lock_usage(&sb.tenant).await),
+        };
         for attempt in 0..CAS_ATTEMPTS {
-            let quota = match self.iam.reserve(&sb.tenant, charge).await {
-                Ok(q) => q,
-                Err(e) => {
+            let quota = match unlimited {
+                true => None,
+                false => Some(self.iam.reserve(&sb.tenant, charge).await),
+            };
+            let quota = match quota {
+                None => None,
+                Some(Ok(q)) => Some(q),
+                Some(Err(e)) => {
                     if let (IamError::QuotaExceeded { .. }, Some((key, _))) = (&e, &key) {
                         if let Some(first) = self
                             .idempotency(&sb.tenant, key)
@@ -568,15 +546,14 @@ impl Records {
                 }
             };
             let mut txn = base.clone();
-            let lost_race = |e: &StateError| quota.lost_race(e);
-            let result = {
-                let q = quota.clone();
+            let lost_race = |e: &StateError| quota.as_ref().is_some_and(|q| q.lost_race(e));
+            if let Some(q) = quota.clone() {
                 q.add_to(&mut txn);
-                self.store.txn(txn).await
-            };
-            match result {
+            }
+            match self.store.txn(txn).await {
                 Ok(rev) => {
-                    self.lock().offer(sb.clone(), rev, Some(charge));
+                    let charged = quota.is_some().then_some(charge);
+                    self.lock().offer(sb.clone(), rev, charged);
                     self.changed.notify_waiters();
                     return Ok(());
                 }
