@@ -221,8 +221,16 @@ impl ControlPlane {
                     Ok(()) => break,
                     Err(records::InsertError::KeyTaken(first)) => {
                         self.same_request(&first, &req).await?;
-                        let found = self.await_created(&first.id).await?;
                         attempts += 1;
+                        let found = match self.await_created(&first.id).await {
+                            Ok(found) => found,
+                            // The first attempt failed and its record went (with the
+                            // key): this one is the create now.
+                            Err(e) if e.code == ErrorCode::NotFound && attempts <= 3 => {
+                                continue;
+                            }
+                            Err(e) => return Err(e),
+                        };
                         if !self.records.abandoned(&found).await? || attempts > 3 {
                             return Ok(found);
                         }
@@ -353,7 +361,7 @@ impl ControlPlane {
         let created = match created {
             Ok(c) => c,
             Err(e) => {
-                let _ = self.records.remove(&sb, None).await;
+                self.records.give_up(&sb).await;
                 return Err(e);
             }
         };
@@ -388,7 +396,11 @@ impl ControlPlane {
                 Ok(sb)
             }
             failed => {
-                self.records.finish_create(&id).await;
+                match &failed {
+                    // Whether the store kept it is unknown: it must not stay.
+                    Err(e) if e.code == ErrorCode::Unavailable => self.records.give_up(&sb).await,
+                    _ => self.records.finish_create(&id).await,
+                }
                 let _ = placed.node.destroy(&id).await;
                 Err(match failed {
                     Err(e) => e,

@@ -41,6 +41,11 @@ const NS_CREATING: &str = "creating";
 const REPLICA_LEASE_TTL: Duration = Duration::from_secs(5);
 /// How often a conflicting write is retried before giving up.
 const CAS_ATTEMPTS: usize = 32;
+/// How long a transaction whose answer was lost may still be applied: etcd commits a
+/// proposal it held when quorum returns (well within its own request timeout of ~7 s).
+const IN_DOUBT_SETTLE: Duration = Duration::from_secs(30);
+/// How often creates given up on are looked for in the store.
+const GIVE_UP_TICK: Duration = Duration::from_millis(500);
 
 /// Persisted record of a sandbox (the API view plus what create needs to remember).
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -145,11 +150,27 @@ pub(super) struct Records {
     /// Woken whenever the cache changes (waiters for another replica's create).
     changed: tokio::sync::Notify,
     watcher: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Creates that failed whose records must go once the store answers (see
+    /// [`Records::give_up`]), and the task that removes them.
+    given_up: Mutex<Vec<GivenUp>>,
+    remover: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// This replica's lease, when creates must be claimed (several replicas share the
     /// store): a create in flight holds `creating/<id>` on it.
     lease: Option<Arc<ReplicaLease>>,
     /// Quotas, charged in the transactions that insert and remove records.
     iam: Arc<Iam>,
+}
+
+/// A create that failed: its record, if one is stored (or is stored later by a
+/// transaction whose answer was lost), is removed.
+#[derive(Debug)]
+struct GivenUp {
+    sb: Sandbox,
+    /// Until when a lost transaction may still store the record: it is looked for until
+    /// then, even after a removal found nothing.
+    settle_at: std::time::Instant,
+    /// When to look next.
+    next_at: std::time::Instant,
 }
 
 /// A replica's lease, kept alive by a task; renewed with a new lease if it was lost.
@@ -197,13 +218,46 @@ async fn keep_lease(store: Arc<dyn StateStore>, lease: std::sync::Weak<ReplicaLe
 
 impl Drop for Records {
     fn drop(&mut self) {
-        if let Some(task) = self
-            .watcher
+        for task in [&self.watcher, &self.remover] {
+            if let Some(task) = task.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                task.abort();
+            }
+        }
+    }
+}
+
+/// Removes the records of creates given up on ([`Records::give_up`]) as the store lets it.
+async fn remove_given_up(records: std::sync::Weak<Records>) {
+    loop {
+        tokio::time::sleep(GIVE_UP_TICK).await;
+        let Some(r) = records.upgrade() else { return };
+        let now = std::time::Instant::now();
+        let due: Vec<Sandbox> = r
+            .given_up
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
-            task.abort();
+            .iter()
+            .filter(|g| g.next_at <= now)
+            .map(|g| g.sb.clone())
+            .collect();
+        for sb in due {
+            let removed = r.remove(&sb, None).await;
+            let mut given_up = r.given_up.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(i) = given_up.iter().position(|g| g.sb.id == sb.id) else {
+                continue;
+            };
+            match removed {
+                Ok(()) if given_up[i].settle_at <= now => {
+                    tracing::info!(id = %sb.id, "removed what a failed create left");
+                    given_up.swap_remove(i);
+                }
+                // Removed (or not there yet): look once more when nothing can store it.
+                Ok(()) => given_up[i].next_at = given_up[i].settle_at,
+                Err(e) => {
+                    tracing::debug!(id = %sb.id, error = %e, "a failed create's record cannot be removed yet");
+                    given_up[i].next_at = now + GIVE_UP_TICK;
+                }
+            }
         }
     }
 }
@@ -292,11 +346,15 @@ impl Records {
             cache: Mutex::new(cache),
             changed: tokio::sync::Notify::new(),
             watcher: Mutex::new(None),
+            given_up: Mutex::new(Vec::new()),
+            remover: Mutex::new(None),
             lease,
             iam,
         });
         let task = tokio::spawn(watch(Arc::downgrade(&records), rev));
         *records.watcher.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
+        let task = tokio::spawn(remove_given_up(Arc::downgrade(&records)));
+        *records.remover.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
         Ok(records)
     }
 
@@ -573,13 +631,42 @@ impl Records {
                         None => continue,
                     }
                 }
-                Err(e) => return Err(InsertError::Store(store_err(e))),
+                Err(e) => {
+                    if matches!(e, StateError::Unavailable(_)) {
+                        // The store may apply it yet (etcd does once quorum returns):
+                        // the caller is told it failed, so what it stores must go.
+                        self.queue_give_up(sb, IN_DOUBT_SETTLE);
+                    }
+                    return Err(InsertError::Store(store_err(e)));
+                }
             }
         }
         Err(InsertError::Store(ApiError::new(
             ErrorCode::Conflict,
             format!("sandbox {} could not be stored: retry", sb.id),
         )))
+    }
+
+    /// Gives up on a create whose caller is told it failed: its record, claim and key go
+    /// (and its reservation is given back), now or, if the store cannot be written now,
+    /// once it can. A keyed retry waiting on the record then finds it gone and creates.
+    pub async fn give_up(&self, sb: &Sandbox) {
+        if let Err(e) = self.remove(sb, None).await {
+            tracing::warn!(id = %sb.id, error = %e, "a failed create's record stays until the store answers");
+            self.queue_give_up(sb, Duration::ZERO);
+        }
+    }
+
+    fn queue_give_up(&self, sb: &Sandbox, settle: Duration) {
+        let now = std::time::Instant::now();
+        self.given_up
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(GivenUp {
+                sb: sb.clone(),
+                settle_at: now + settle,
+                next_at: now,
+            });
     }
 
     /// Drops this replica's claim on a create that ended (either way).
