@@ -111,6 +111,9 @@ pub struct ControlPlane {
     unhealthy_marks: std::sync::atomic::AtomicU64,
     /// When the reaper last looked for old tombstones (ms since the epoch).
     tombstones_pruned_at: std::sync::atomic::AtomicU64,
+    /// Node sandboxes the reaper found without a record, and their age (on their node's
+    /// clock) when it first did: destroyed once that lasted [`reaper::ORPHAN_GRACE_MS`].
+    unrecorded: std::sync::Mutex<HashMap<String, u64>>,
     /// This plane itself, for the tasks of [`ControlPlane::to_end`].
     me: Weak<ControlPlane>,
 }
@@ -194,6 +197,7 @@ impl ControlPlane {
             iam,
             unhealthy_marks: Default::default(),
             tombstones_pruned_at: Default::default(),
+            unrecorded: Default::default(),
             me: me.clone(),
         });
         plane.records.adopt_missing_keys().await?;

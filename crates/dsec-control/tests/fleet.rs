@@ -355,15 +355,23 @@ async fn sandboxes_of_a_node_that_goes_are_lost_and_come_back_with_it() -> TestR
         Some(0)
     );
     assert!(cluster.node("n1").sandbox_ids().contains(&on_n1[1]));
-    cluster.node("n1").advance(Duration::from_secs(61));
+    // The node's clock runs 1 s per 50 ms of the test: the reaper, which passes every
+    // 50 ms, destroys the orphan once it saw it without a record for 15 s of node time.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut node_time = Duration::ZERO;
     while cluster.node("n1").sandbox_ids().contains(&on_n1[1]) {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the orphan was destroyed"
         );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        cluster.node("n1").advance(Duration::from_secs(1));
+        node_time += Duration::from_secs(1);
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    assert!(
+        node_time >= Duration::from_secs(15),
+        "an orphan has a grace of 15 s: destroyed after {node_time:?}"
+    );
     assert!(
         cluster.node("n1").sandbox_ids().contains(&on_n1[0]),
         "the sandbox with a record stays"

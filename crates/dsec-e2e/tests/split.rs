@@ -861,8 +861,10 @@ async fn killing_an_apiserver_under_create_load_fails_nothing_and_leaves_nothing
         retried > 0,
         "some creates were cut off by the kill and retried"
     );
-    // The node runs exactly the recorded sandboxes: nothing half-made stays.
-    let settled = wait_until(Duration::from_secs(20), || async {
+    // The node runs exactly the recorded sandboxes: nothing half-made stays (a create
+    // cut off after its node made the sandbox, before its record was stored, leaves an
+    // orphan the reaper destroys once it saw it without a record for 15 s).
+    let settled = wait_until(Duration::from_secs(40), || async {
         let on_node = node_sandboxes(&node.url, &node.token_file).await.ok()?;
         (on_node == ids).then_some(())
     })

@@ -4,6 +4,20 @@ use super::*;
 
 /// How many nodes may refuse a sandbox (`capacity`) before the create gives up.
 const MAX_REFUSALS: usize = 3;
+/// How often a keyed create may find its key's earlier attempt gone (failed, or its
+/// replica dead) and try to take the key again before it gives up.
+const MAX_TAKEOVERS: usize = 3;
+
+/// A keyed create that kept losing its key to attempts that then went away.
+fn key_contended(req: &CreateSandboxRequest) -> ApiError {
+    ApiError::new(
+        ErrorCode::Conflict,
+        format!(
+            "idempotency_key {:?} is contended by other attempts: retry",
+            req.idempotency_key.as_deref().unwrap_or_default()
+        ),
+    )
+}
 
 impl ControlPlane {
     /// The sandbox `id` once it is past `creating` (its first create may still be running).
@@ -123,8 +137,8 @@ impl ControlPlane {
 
     /// Creates a sandbox of `tenant`. Its record and the reservation of its quota are
     /// one transaction; a tenant with quotas has it stored before the node is asked, so
-    /// a refusal (`quota_exceeded`) leaves nothing anywhere. An unlimited tenant's
-    /// unkeyed record is stored while the node builds the sandbox.
+    /// a refusal (`quota_exceeded`) leaves nothing anywhere. A plain sandbox of a tenant
+    /// without quotas is one store write, made once its node answered.
     pub(super) async fn create_sandbox_to_end(
         &self,
         tenant: &str,
@@ -202,52 +216,6 @@ impl ControlPlane {
             filesystem: req.filesystem.clone(),
             isolation: req.isolation,
         };
-        // A keyed create claims its key with the record, in one transaction, before the
-        // node is asked: a retry (on any replica) finds the first attempt instead.
-        let claim = req.idempotency_key.as_deref().map(|key| {
-            (
-                key,
-                records::IdemEntry {
-                    id: id.clone(),
-                    digest: Some(hex::encode(idempotency::request_digest(&req))),
-                },
-            )
-        });
-        let keyed = claim.is_some();
-        if keyed {
-            let mut attempts = 0;
-            loop {
-                match self.records.insert(&sb, claim.clone(), charge).await {
-                    Ok(()) => break,
-                    Err(records::InsertError::KeyTaken(first)) => {
-                        self.same_request(&first, &req).await?;
-                        attempts += 1;
-                        let found = match self.await_created(&first.id).await {
-                            Ok(found) => found,
-                            // The first attempt failed and its record went (with the
-                            // key): this one is the create now.
-                            Err(e) if e.code == ErrorCode::NotFound && attempts <= 3 => {
-                                continue;
-                            }
-                            Err(e) => return Err(e),
-                        };
-                        if !self.records.abandoned(&found).await? || attempts > 3 {
-                            return Ok(found);
-                        }
-                        // Its replica died mid-create: undo what it left, then make the
-                        // sandbox here.
-                        tracing::info!(id = %found.id, "taking over a create whose replica is gone");
-                        // On a node that is gone, the sandbox is an orphan its node
-                        // destroys when it is back.
-                        if let Ok(node) = self.node_of(&found) {
-                            node.destroy(&found.id).await?;
-                        }
-                        self.records.remove(&found, None).await?;
-                    }
-                    Err(records::InsertError::Store(e)) => return Err(e),
-                }
-            }
-        }
         let mut env = BTreeMap::from([
             (
                 "PATH".to_string(),
@@ -295,41 +263,49 @@ impl ControlPlane {
                 held: false,
             },
         };
-        // An unkeyed `creating` record is made durable while the node builds the sandbox
-        // (no retry can look for it): a crash before it is written leaves a sandbox
-        // without a record, which the next start destroys, as it does one still
-        // `creating`.
-        let insert_unkeyed = || async {
-            self.records
-                .insert(&sb, None, charge)
-                .await
-                .map_err(|e| match e {
-                    records::InsertError::Store(e) => e,
-                    records::InsertError::KeyTaken(_) => internal("sandbox id taken"),
-                })
-        };
+        let claim = req.idempotency_key.as_deref().map(|key| {
+            (
+                key,
+                records::IdemEntry {
+                    id: id.clone(),
+                    digest: Some(hex::encode(idempotency::request_digest(&req))),
+                },
+            )
+        });
+        // What is stored when. A plain sandbox (no init files, no user to check) of a
+        // tenant without quotas is stored once, `ready`, with its idempotency key, in one
+        // transaction after its node made it: a retry racing it makes a second sandbox,
+        // which loses that transaction and is destroyed, and a crash before it leaves a
+        // sandbox without a record, which the reaper destroys. Otherwise the record
+        // (`creating`, with its key and its quota reservation) is stored before the node
+        // is asked, so a retry on any replica finds it, and `ready` after.
         let limited = self
             .iam
             .cached_tenant(tenant)
             .is_none_or(|t| t.quotas != dsec_iam::Quotas::default());
-        if !keyed && limited {
-            insert_unkeyed().await?;
-        }
-        let stored = async {
-            if keyed || limited {
-                Ok(())
-            } else {
-                insert_unkeyed().await
+        let deferred = !limited && req.files.is_empty() && spec_user.is_none();
+        match (&claim, deferred) {
+            (Some((key, _)), true) => {
+                // A retry of a create that was made answers without asking a node.
+                if let Some(first) = self.records.idempotency(tenant, key).await? {
+                    if let Some(found) = self.first_attempt(&first, &req).await? {
+                        return Ok(found);
+                    }
+                }
             }
-        };
-        let (stored, mut created) = tokio::join!(stored, placed.node.create(spec.clone()));
-        if let Err(e) = stored {
-            // Only an unkeyed record is written here: nothing of it is stored.
-            if created.is_ok() {
-                let _ = placed.node.destroy(&id).await;
+            (Some(_), false) => {
+                if let Some(found) = self.insert_keyed(&sb, &claim, charge, &req).await? {
+                    return Ok(found);
+                }
             }
-            return Err(e);
+            (None, false) => self
+                .records
+                .insert(&sb, None, charge)
+                .await
+                .map_err(records::InsertError::into_api)?,
+            (None, true) => {}
         }
+        let mut created = placed.node.create(spec.clone()).await;
         // A node's own admission may refuse a placement made on a load a heartbeat old:
         // the sandbox goes to another node, up to MAX_REFUSALS times.
         while let Err(e) = &created {
@@ -342,16 +318,18 @@ impl ControlPlane {
             placed = next;
             sb.node = placed.name.clone();
             let to = placed.name.clone();
-            if let Err(e) = self
-                .records
-                .update(&id, |r| {
-                    r.node = to.clone();
-                    Ok(true)
-                })
-                .await
-            {
-                created = Err(e);
-                break;
+            if !deferred {
+                if let Err(e) = self
+                    .records
+                    .update(&id, |r| {
+                        r.node = to.clone();
+                        Ok(true)
+                    })
+                    .await
+                {
+                    created = Err(e);
+                    break;
+                }
             }
             created = match pull::ensure_image(&*placed.node, spec.image.clone()).await {
                 Ok(_) => placed.node.create(spec.clone()).await,
@@ -361,7 +339,9 @@ impl ControlPlane {
         let created = match created {
             Ok(c) => c,
             Err(e) => {
-                self.records.give_up(&sb).await;
+                if !deferred {
+                    self.records.give_up(&sb).await;
+                }
                 return Err(e);
             }
         };
@@ -369,6 +349,9 @@ impl ControlPlane {
         sb.resources.disk_mb = created.disk_mb;
         sb.ip = created.ip.map(|ip| ip.to_string());
         sb.state = SandboxState::Ready;
+        if deferred {
+            return self.store_created(sb, &claim, charge, &req, placed).await;
+        }
         // Ready in this replica's cache for the calls below; stored once they are done.
         self.records.cache_only(&sb);
         if let Err(e) = self.place_files(&*placed.node, &id, &req.files).await {
@@ -408,6 +391,93 @@ impl ControlPlane {
                 })
             }
         }
+    }
+
+    /// Stores the record (`creating`) of a keyed create with its key, before its node is
+    /// asked. `Some` if an earlier attempt with the key is the answer.
+    async fn insert_keyed(
+        &self,
+        sb: &Sandbox,
+        claim: &Option<(&str, records::IdemEntry)>,
+        charge: dsec_iam::Usage,
+        req: &CreateSandboxRequest,
+    ) -> ApiResult<Option<Sandbox>> {
+        for _ in 0..=MAX_TAKEOVERS {
+            match self.records.insert(sb, claim.clone(), charge).await {
+                Ok(()) => return Ok(None),
+                Err(records::InsertError::KeyTaken(first)) => {
+                    if let Some(found) = self.first_attempt(&first, req).await? {
+                        return Ok(Some(found));
+                    }
+                }
+                Err(e) => return Err(e.into_api()),
+            }
+        }
+        Err(key_contended(req))
+    }
+
+    /// Stores a create made on its node in one transaction: the record, `ready`, with
+    /// its idempotency key. If a racing attempt with the key stored its sandbox first,
+    /// that one is the answer and this one is destroyed; if the store refuses, it is
+    /// destroyed too.
+    async fn store_created(
+        &self,
+        sb: Sandbox,
+        claim: &Option<(&str, records::IdemEntry)>,
+        charge: dsec_iam::Usage,
+        req: &CreateSandboxRequest,
+        placed: crate::nodes::Placed,
+    ) -> ApiResult<Sandbox> {
+        let mut answer = Err(key_contended(req));
+        for _ in 0..=MAX_TAKEOVERS {
+            match self.records.insert(&sb, claim.clone(), charge).await {
+                Ok(()) => {
+                    placed.linger();
+                    return Ok(sb);
+                }
+                Err(records::InsertError::KeyTaken(first)) => {
+                    match self.first_attempt(&first, req).await {
+                        Ok(None) => continue,
+                        Ok(Some(found)) => answer = Ok(found),
+                        Err(e) => answer = Err(e),
+                    }
+                    break;
+                }
+                Err(e) => {
+                    answer = Err(e.into_api());
+                    break;
+                }
+            }
+        }
+        let _ = placed.node.destroy(&sb.id).await;
+        answer
+    }
+
+    /// What a keyed create gets from the attempt that took its key first: that sandbox
+    /// once it is made, or `None` when this attempt is to make it (the first failed and
+    /// its record went, or its replica died mid-create and what it left is undone here).
+    async fn first_attempt(
+        &self,
+        first: &records::IdemEntry,
+        req: &CreateSandboxRequest,
+    ) -> ApiResult<Option<Sandbox>> {
+        self.same_request(first, req).await?;
+        let found = match self.await_created(&first.id).await {
+            Ok(found) => found,
+            Err(e) if e.code == ErrorCode::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        if !self.records.abandoned(&found).await? {
+            return Ok(Some(found));
+        }
+        tracing::info!(id = %found.id, "taking over a create whose replica is gone");
+        // On a node that is gone, the sandbox is an orphan its node destroys when it is
+        // back.
+        if let Ok(node) = self.node_of(&found) {
+            node.destroy(&found.id).await?;
+        }
+        self.records.remove(&found, None).await?;
+        Ok(None)
     }
 
     pub(super) async fn delete_sandbox_to_end(&self, id: &str) -> ApiResult<()> {

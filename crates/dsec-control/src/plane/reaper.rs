@@ -13,10 +13,15 @@ use dsec_node_api::lifetime;
 /// How long past its end a lifetime must be before a record without a sandbox on its
 /// node is removed (the node's own reaper ends sandboxes on time; this is the rest).
 const LAPSE_GRACE_MS: u64 = 5_000;
-/// How long a sandbox may run on its node without a record before it is destroyed (a
-/// create's record may be written a moment after its sandbox starts), and how old a
-/// record must be before its sandbox's absence from its node makes it `lost`.
-const ORPHAN_GRACE_MS: u64 = 60_000;
+/// How old a record must be before its sandbox's absence from its node makes it `lost`.
+const LOST_GRACE_MS: u64 = 60_000;
+/// How long a sandbox may be seen on its node without a record before it is destroyed:
+/// a create stores its record once its node made it, within the store's request
+/// timeout, or gives up and destroys it.
+pub(super) const ORPHAN_GRACE_MS: u64 = 15_000;
+/// How old a node's sandbox must be before the reaper looks for its record (most creates
+/// store theirs sooner: no store read for them).
+const UNRECORDED_MIN_AGE_MS: u64 = 1_000;
 /// How often old tombstones are looked for.
 const TOMBSTONE_PRUNE_MS: u64 = 60_000;
 
@@ -140,18 +145,44 @@ impl ControlPlane {
             .filter(|s| s.ended.is_none())
             .map(|s| (s.id.as_str(), s.alive))
             .collect();
-        // Sandboxes without a record past the grace: a create whose record was never
+        // Sandboxes seen without a record for the grace: a create whose record was never
         // written (its replica died), or a sandbox deleted while its node was gone.
+        let mut unrecorded = Vec::new();
         for sb in sandboxes
             .iter()
-            .filter(|s| s.ended.is_none() && s.age_ms >= ORPHAN_GRACE_MS)
+            .filter(|s| s.ended.is_none() && s.age_ms >= UNRECORDED_MIN_AGE_MS)
         {
             if self.records.get(&sb.id).is_none()
                 && matches!(self.records.find(&sb.id).await, Ok(None))
             {
-                tracing::info!(id = %sb.id, node = %name, "destroying a sandbox without a record");
-                let _ = node.destroy(&sb.id).await;
+                unrecorded.push((sb.id.clone(), sb.age_ms));
             }
+        }
+        let orphans: Vec<String> = {
+            let mut seen = self.unrecorded.lock().unwrap_or_else(|p| p.into_inner());
+            let on_this_node: std::collections::HashSet<&str> =
+                sandboxes.iter().map(|s| s.id.as_str()).collect();
+            // Forget what this node no longer has, or has a record for now.
+            seen.retain(|id, _| {
+                !on_this_node.contains(id.as_str()) || unrecorded.iter().any(|(u, _)| u == id)
+            });
+            // Measured on the node's own clock (its sandbox's age): no skew matters.
+            unrecorded
+                .into_iter()
+                .filter(|(id, age_ms)| {
+                    let first = *seen.entry(id.clone()).or_insert(*age_ms);
+                    age_ms.saturating_sub(first) >= ORPHAN_GRACE_MS
+                })
+                .map(|(id, _)| id)
+                .collect()
+        };
+        for id in orphans {
+            tracing::info!(%id, node = %name, "destroying a sandbox without a record");
+            let _ = node.destroy(&id).await;
+            self.unrecorded
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&id);
         }
         let single = self.nodes.is_single();
         let mine = |s: &Sandbox| single || s.node == name;
@@ -198,7 +229,7 @@ impl ControlPlane {
                 Some(false) => Some(SandboxState::Failed),
                 // Not on its node at all: the node restarted without it. Records made
                 // after the listing began may not be in it.
-                None if sb.created_at.saturating_add(ORPHAN_GRACE_MS) < listed_at => {
+                None if sb.created_at.saturating_add(LOST_GRACE_MS) < listed_at => {
                     Some(SandboxState::Lost)
                 }
                 None => None,

@@ -91,6 +91,16 @@ pub(super) enum InsertError {
     Store(ApiError),
 }
 
+impl InsertError {
+    /// The error of an insert that had no key to find taken.
+    pub fn into_api(self) -> ApiError {
+        match self {
+            Self::Store(e) => e,
+            Self::KeyTaken(first) => internal(format!("sandbox id or key taken by {}", first.id)),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Cached {
     sb: Sandbox,
@@ -556,7 +566,13 @@ impl Records {
                 lease: None,
             }],
         };
-        if let Some(lease) = &self.lease {
+        // A record stored `creating` is claimed while its create runs (one stored `ready`
+        // is made already).
+        if let Some(lease) = self
+            .lease
+            .as_ref()
+            .filter(|_| sb.state == SandboxState::Creating)
+        {
             base.ops.push(Op::Put {
                 ns: NS_CREATING.into(),
                 key: sb.id.clone(),
