@@ -36,10 +36,18 @@ struct Cluster {
     nodes: BTreeMap<String, Arc<FakeNode>>,
     /// Node name -> (boot id, lease) of its registration.
     leases: std::sync::Mutex<HashMap<String, (String, i64)>>,
+    /// Node name -> its pool label and CPU capacity, where not the defaults.
+    shapes: HashMap<String, (String, u64)>,
 }
 
 impl Cluster {
     async fn new(names: &[&str]) -> Result<Self, Box<dyn std::error::Error>> {
+        Self::with_pools(&names.iter().map(|n| (*n, "", 64_000)).collect::<Vec<_>>()).await
+    }
+
+    /// Nodes given as (name, pool label or "", CPU capacity in millicores).
+    async fn with_pools(nodes: &[(&str, &str, u64)]) -> Result<Self, Box<dyn std::error::Error>> {
+        let names: Vec<&str> = nodes.iter().map(|(n, _, _)| *n).collect();
         let store = Arc::new(MemStore::new());
         // Leases outlive the test: a node goes down only when a test deregisters it.
         let registry = Registry::new(
@@ -57,6 +65,10 @@ impl Cluster {
                 .map(|n| (n.to_string(), Arc::new(FakeNode::new(n))))
                 .collect(),
             leases: Default::default(),
+            shapes: nodes
+                .iter()
+                .map(|(n, pool, cpu)| (n.to_string(), (pool.to_string(), *cpu)))
+                .collect(),
         };
         for n in names {
             cluster.up(n).await?;
@@ -67,16 +79,21 @@ impl Cluster {
     /// Registers node `name` (again: a new boot id, as a restarted node).
     async fn up(&self, name: &str) -> Result<(), Box<dyn std::error::Error>> {
         let boot_id = dsec_fleet::new_boot_id();
+        let (pool, cpu_millis) = self.shapes[name].clone();
+        let labels = match pool.as_str() {
+            "" => BTreeMap::new(),
+            pool => BTreeMap::from([(dsec_fleet::POOL_LABEL.to_string(), pool.to_string())]),
+        };
         let ticket = self
             .registry
             .register(NodeRegistration {
                 name: name.to_string(),
                 url: format!("http://{name}.invalid:7070"),
-                labels: Default::default(),
+                labels,
                 isolation: vec![Isolation::Container],
                 network_modes: vec![NetworkMode::None],
                 capacity: Capacity {
-                    cpu_millis: 64_000,
+                    cpu_millis,
                     memory_bytes: 64 << 30,
                     max_sandboxes: 0,
                 },
@@ -131,6 +148,17 @@ impl Cluster {
     }
 
     async fn plane(&self) -> Result<Arc<ControlPlane>, Box<dyn std::error::Error>> {
+        self.plane_with(PlacementConfig {
+            seed: Some(7),
+            ..Default::default()
+        })
+        .await
+    }
+
+    async fn plane_with(
+        &self,
+        placement: PlacementConfig,
+    ) -> Result<Arc<ControlPlane>, Box<dyn std::error::Error>> {
         let fakes = self.nodes.clone();
         let dial: Dialer = Arc::new(move |reg| {
             fakes
@@ -141,10 +169,7 @@ impl Cluster {
         let store: Arc<dyn StateStore> = self.store.clone();
         let fleet = FleetNodes::new(
             FleetView::start(store.clone()),
-            Placer::new(PlacementConfig {
-                seed: Some(7),
-                ..Default::default()
-            }),
+            Placer::new(placement),
             self.registry.clone(),
             dial,
         );
@@ -376,5 +401,82 @@ async fn sandboxes_of_a_node_that_goes_are_lost_and_come_back_with_it() -> TestR
         cluster.node("n1").sandbox_ids().contains(&on_n1[0]),
         "the sandbox with a record stays"
     );
+    Ok(())
+}
+
+/// A primary pool fills to its threshold (80% by default) before an overflow pool gets
+/// anything; past it, creates go to the overflow pool; deleted, they free the primary
+/// again. (The rule's corners are unit tests of `dsec_fleet::placement`.)
+#[tokio::test]
+async fn creates_overflow_to_the_cloud_pool_only_past_80_percent_of_the_primary() -> TestResult {
+    // The primary holds 10 one-core sandboxes; the overflow pool many more.
+    let cluster =
+        Cluster::with_pools(&[("prem", "onprem", 10_000), ("cloud", "cloud", 64_000)]).await?;
+    let plane = cluster
+        .plane_with(PlacementConfig {
+            seed: Some(7),
+            overflow_pools: ["cloud".to_string()].into(),
+            ..Default::default()
+        })
+        .await?;
+    let one_core = || CreateSandboxRequest {
+        resources: dsec_wire::v1::Resources {
+            cpu: Some(1.0),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let mut placed = Vec::new();
+    for i in 0..12 {
+        if i == 8 {
+            // The primary's heartbeat reports what it holds (placements count their
+            // reservations meanwhile).
+            cluster
+                .heartbeat(
+                    "prem",
+                    dsec_fleet::Load {
+                        sandboxes: 8,
+                        cpu_millis: 8_000,
+                        ..Default::default()
+                    },
+                )
+                .await?;
+        }
+        let sb = plane.create_sandbox(op(), one_core()).await?;
+        placed.push((sb.id, sb.node));
+    }
+    let nodes: Vec<&str> = placed.iter().map(|(_, n)| n.as_str()).collect();
+    // Until 8 of 10 cores are taken, the primary; from then on, the overflow pool.
+    assert_eq!(nodes[..8], ["prem"; 8], "{nodes:?}");
+    assert_eq!(nodes[8..], ["cloud"; 4], "{nodes:?}");
+    assert_eq!(cluster.node("prem").sandbox_ids().len(), 8);
+    // Room on the primary again (its heartbeat says so once the reservations lapse):
+    // new work goes back to it.
+    for (id, _) in placed.iter().filter(|(_, n)| n == "prem").take(4) {
+        plane.delete_sandbox(op(), id).await?;
+    }
+    cluster
+        .heartbeat(
+            "prem",
+            dsec_fleet::Load {
+                sandboxes: 4,
+                cpu_millis: 4_000,
+                ..Default::default()
+            },
+        )
+        .await?;
+    let back = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let sb = plane.create_sandbox(op(), one_core()).await?;
+        plane.delete_sandbox(op(), &sb.id).await?;
+        if sb.node == "prem" {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < back,
+            "work returns to the primary"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     Ok(())
 }
