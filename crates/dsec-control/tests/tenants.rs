@@ -343,3 +343,63 @@ async fn another_tenants_sandbox_is_not_found_and_untouched() -> TestResult {
     assert!(node_has.iter().any(|s| s.id == sb.id));
     Ok(())
 }
+
+/// A sandbox whose lifetime its node ended gives its tenant's quota back when the reaper
+/// turns it into an `expired` tombstone: the tenant can create again, and the usage
+/// counts only what is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_sandbox_gives_its_quota_back() -> TestResult {
+    let p = pair(Arc::new(MemStore::new()), None).await?;
+    p.a.iam()
+        .create_tenant(
+            "short",
+            Quotas {
+                max_sandboxes: Some(2),
+                ..Quotas::default()
+            },
+        )
+        .await?;
+    let caller = tenant("short");
+    let brief = CreateSandboxRequest {
+        timeout_s: Some(60),
+        ..small()
+    };
+    let ending = p.a.create_sandbox(&caller, brief).await?;
+    let staying = p.b.create_sandbox(&caller, small()).await?;
+    let e =
+        p.a.create_sandbox(&caller, small())
+            .await
+            .expect_err("full");
+    assert_eq!(e.code, ErrorCode::QuotaExceeded);
+    // The node's clock passes the first one's lifetime; its reaper ends it.
+    assert_eq!(
+        p.node.advance(Duration::from_secs(61)),
+        vec![ending.id.clone()]
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match p.b.get_sandbox(&caller, &ending.id).await {
+            Err(e) if e.code == ErrorCode::Expired => break,
+            other => assert!(
+                tokio::time::Instant::now() < deadline,
+                "still {other:?}: the reaper records the end"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        p.a.iam().usage("short").await?,
+        Usage {
+            sandboxes: 1,
+            cpu_millis: 500,
+            memory_mb: 64,
+        },
+        "the expired sandbox's share is given back once"
+    );
+    let again = p.a.create_sandbox(&caller, small()).await?;
+    for id in [&staying.id, &again.id] {
+        p.b.delete_sandbox(&caller, id).await?;
+    }
+    assert_eq!(p.a.iam().usage("short").await?, Usage::default());
+    Ok(())
+}
