@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import os
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List
@@ -37,6 +39,53 @@ def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+def test_a_tenant_made_with_the_cli_holds_on_every_apiserver(cluster) -> None:
+    """`dsec tenant` and `dsec key` through one API server: the key works on the other,
+    the tenant's quota holds across both, the operator does not see its sandboxes, and a
+    revocation through one API server stops the key on the other within a second."""
+    a_url, b_url = cluster.urls
+    dsec_bin = os.environ.get("DSEC_BIN", "target/debug/dsec")
+
+    def cli(url: str, *args: str) -> dict:
+        out = subprocess.run(
+            [dsec_bin, "--url", url, "--api-key", cluster.key, "--json", *args],
+            capture_output=True, text=True, check=True,
+        )
+        return json.loads(out.stdout)
+
+    cli(a_url, "tenant", "create", "team-c", "--max-sandboxes", "2")
+    made = cli(a_url, "key", "create", "team-c", "--scope", "sandboxes")
+    key, key_id = made["key"], made["info"]["key_id"]
+    with dsec.Client(a_url, key) as ta, dsec.Client(b_url, key) as tb, dsec.Client(
+        cluster.urls, cluster.key
+    ) as op:
+        first, second = ta.create_sandbox({}), tb.create_sandbox({})
+        assert first.tenant == second.tenant == "team-c"
+        for c in (ta, tb):
+            with pytest.raises(dsec.QuotaExceeded):
+                c.create_sandbox({})
+        with pytest.raises(dsec.NotFound):
+            op.get_sandbox(first.id)
+        assert cli(b_url, "tenant", "get", "team-c")["usage"]["sandboxes"] == 2
+        ta.delete_sandbox(second.id)
+        tb.delete_sandbox(first.id)
+        assert cli(a_url, "tenant", "get", "team-c")["usage"]["sandboxes"] == 0
+
+        cli(b_url, "key", "revoke", key_id)
+        revoked_at = time.monotonic()
+
+        def refused() -> bool:
+            try:
+                ta.list_sandboxes()
+                return False
+            except dsec.Unauthorized:
+                return True
+
+        assert _until(refused, timeout=5.0), "the revoked key still works on the other API server"
+        took = time.monotonic() - revoked_at
+        assert took < 1.5, f"the revocation reached the other API server after {took:.2f} s"
 
 
 def test_300_creates_spread_over_three_nodes_and_work_through_either_apiserver(cluster) -> None:

@@ -77,6 +77,8 @@ class SandboxInfo(_Response):
     """A sandbox as the API reports it (wire type ``Sandbox``)."""
 
     id: str
+    tenant: str = "default"
+    """The tenant it belongs to (the API key's)."""
     state: str
     """``creating``, ``ready``, ``paused``, ``stopping``, ``failed``, ``unhealthy`` (its
     agent stopped answering; it goes back to ``ready`` when the agent answers again) or
