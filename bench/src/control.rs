@@ -14,7 +14,7 @@
 //! etcd alone committing the same number of transactions.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -25,8 +25,7 @@ use dsec_node_api::fake::FakeNode;
 use dsec_node_api::NodeApi;
 use dsec_node_rpc::registration::{Heartbeater, HeartbeaterConfig, Report};
 use dsec_state::{
-    EtcdConfig, EtcdStore, Expect, LeaseId, MemStore, Op, RedbStore, Revision, StateError,
-    StateStore, Txn, WatchStream,
+    EtcdConfig, EtcdStore, Expect, FaultyStore, MemStore, RedbStore, StateStore, StoreCalls,
 };
 use dsec_wire::v1::{CreateSandboxRequest, Resources};
 use dsec_wire::{ApiError, ErrorCode};
@@ -39,90 +38,14 @@ pub(crate) const IN_FLIGHT: usize = 64;
 const KEY: &str = "bench";
 const NODE_TOKEN: &str = "bench-node-token";
 
-/// Store calls a control plane made (its records, keys and claims; not the fleet's
-/// registrations and heartbeats, which go to the store unwrapped).
-#[derive(Debug, Default)]
-pub(crate) struct Counts {
-    /// `get` and `list`: each a round trip to etcd.
-    reads: AtomicU64,
-    /// `txn`, `put` and `delete`: each one etcd commit (a raft round and an fsync).
-    writes: AtomicU64,
-}
+/// Store calls the control planes made (their records, keys and claims; not the fleet's
+/// registrations and heartbeats, which go to the store unwrapped): a read is a round trip
+/// to etcd, a write one commit (a raft round and an fsync).
+pub(crate) type Counts = StoreCalls;
 
-impl Counts {
-    fn now(&self) -> (u64, u64) {
-        (
-            self.reads.load(Ordering::Relaxed),
-            self.writes.load(Ordering::Relaxed),
-        )
-    }
-}
-
-/// A store that counts the calls made through it.
-#[derive(Debug)]
-struct Counted {
-    inner: Arc<dyn StateStore>,
-    counts: Arc<Counts>,
-}
-
-impl Counted {
-    fn read(&self) {
-        self.counts.reads.fetch_add(1, Ordering::Relaxed);
-    }
-    fn write(&self) {
-        self.counts.writes.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-#[async_trait::async_trait]
-impl StateStore for Counted {
-    async fn get(&self, ns: &str, key: &str) -> Result<Option<dsec_state::Entry>, StateError> {
-        self.read();
-        self.inner.get(ns, key).await
-    }
-    async fn put(
-        &self,
-        ns: &str,
-        key: &str,
-        value: &[u8],
-        expect: Expect,
-    ) -> Result<Revision, StateError> {
-        self.write();
-        self.inner.put(ns, key, value, expect).await
-    }
-    async fn delete(&self, ns: &str, key: &str, expect: Expect) -> Result<bool, StateError> {
-        self.write();
-        self.inner.delete(ns, key, expect).await
-    }
-    async fn txn(&self, txn: Txn) -> Result<Revision, StateError> {
-        // A transaction of checks alone writes nothing (etcd serves it as a read).
-        if txn
-            .ops
-            .iter()
-            .any(|o| matches!(o, Op::Put { .. } | Op::Delete { .. }))
-        {
-            self.write();
-        } else {
-            self.read();
-        }
-        self.inner.txn(txn).await
-    }
-    async fn list(&self, ns: &str) -> Result<(Vec<dsec_state::Entry>, Revision), StateError> {
-        self.read();
-        self.inner.list(ns).await
-    }
-    async fn watch(&self, ns: &str, after: Revision) -> Result<WatchStream, StateError> {
-        self.inner.watch(ns, after).await
-    }
-    async fn grant_lease(&self, ttl: Duration) -> Result<LeaseId, StateError> {
-        self.inner.grant_lease(ttl).await
-    }
-    async fn keep_alive(&self, lease: LeaseId) -> Result<(), StateError> {
-        self.inner.keep_alive(lease).await
-    }
-    async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StateError> {
-        self.inner.revoke_lease(lease).await
-    }
+/// `store`, its calls counted into `counts`.
+fn counted(store: Arc<dyn StateStore>, counts: &Arc<Counts>) -> Arc<dyn StateStore> {
+    Arc::new(FaultyStore::counting_into(store, counts.clone()))
 }
 
 /// A tiny deterministic generator (splitmix64): the same sizes in every row.
@@ -441,10 +364,7 @@ impl Cluster {
                 registry.clone(),
                 fleet.dialer(),
             );
-            let counted: Arc<dyn StateStore> = Arc::new(Counted {
-                inner: store,
-                counts: counts.clone(),
-            });
+            let counted = counted(store, &counts);
             let cfg = ControlConfig {
                 sole_owner: false,
                 ..ControlConfig::with_key(KEY.into())
@@ -623,10 +543,7 @@ async fn redb_row(n: usize) -> anyhow::Result<Row> {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
     let counts = Arc::new(Counts::default());
-    let store: Arc<dyn StateStore> = Arc::new(Counted {
-        inner: Arc::new(RedbStore::open(&dir.join("state.redb"))?),
-        counts: counts.clone(),
-    });
+    let store = counted(Arc::new(RedbStore::open(&dir.join("state.redb"))?), &counts);
     let fleet = Fleet::new(1);
     let node = fleet.nodes.values().next().cloned();
     let node = node.ok_or_else(|| anyhow::anyhow!("no node"))?;

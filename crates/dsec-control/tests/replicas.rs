@@ -9,10 +9,7 @@ use std::time::{Duration, Instant};
 
 use dsec_control::{ControlConfig, ControlPlane, SandboxApi};
 use dsec_node_api::fake::FakeNode;
-use dsec_state::{
-    Entry, EtcdConfig, EtcdStore, Expect, LeaseId, MemStore, Revision, StateError, StateStore, Txn,
-    WatchStream,
-};
+use dsec_state::{EtcdConfig, EtcdStore, FaultyStore, MemStore, StateStore};
 use dsec_testkit::Etcd;
 use dsec_wire::v1::{CreateSandboxRequest, SandboxState};
 use dsec_wire::ErrorCode;
@@ -280,67 +277,21 @@ fn a_keyed_create_whose_replica_died_is_taken_over_by_the_retry() -> TestResult 
     Ok(())
 }
 
-/// A store that applies its next `lose` transactions but answers them `unavailable`: an
-/// etcd that lost quorum with the create's proposal in flight and committed it when
-/// quorum came back.
-#[derive(Debug)]
-struct LostAnswers {
-    inner: MemStore,
-    lose: std::sync::atomic::AtomicUsize,
-}
-
-#[async_trait::async_trait]
-impl StateStore for LostAnswers {
-    async fn get(&self, ns: &str, key: &str) -> Result<Option<Entry>, StateError> {
-        self.inner.get(ns, key).await
-    }
-    async fn delete(&self, ns: &str, key: &str, expect: Expect) -> Result<bool, StateError> {
-        self.inner.delete(ns, key, expect).await
-    }
-    async fn txn(&self, txn: Txn) -> Result<Revision, StateError> {
-        let applied = self.inner.txn(txn).await?;
-        let lost = self
-            .lose
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-            .is_ok();
-        match lost {
-            true => Err(StateError::Unavailable("the answer was lost".into())),
-            false => Ok(applied),
-        }
-    }
-    async fn list(&self, ns: &str) -> Result<(Vec<Entry>, Revision), StateError> {
-        self.inner.list(ns).await
-    }
-    async fn watch(&self, ns: &str, after: Revision) -> Result<WatchStream, StateError> {
-        self.inner.watch(ns, after).await
-    }
-    async fn grant_lease(&self, ttl: Duration) -> Result<LeaseId, StateError> {
-        self.inner.grant_lease(ttl).await
-    }
-    async fn keep_alive(&self, lease: LeaseId) -> Result<(), StateError> {
-        self.inner.keep_alive(lease).await
-    }
-    async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StateError> {
-        self.inner.revoke_lease(lease).await
-    }
-}
-
 /// A create told `unavailable` whose record the store kept anyway leaves nothing: the
 /// replica removes the record, and a retry with the key (on either replica) makes one
 /// sandbox instead of answering with the record of the failed attempt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_create_whose_stored_record_was_answered_unavailable_leaves_nothing() -> TestResult {
-    let store = Arc::new(LostAnswers {
-        inner: MemStore::new(),
-        lose: 0.into(),
-    });
+    // Its next transactions are applied but answered `unavailable` when told: an etcd
+    // that lost quorum with the proposal in flight and committed it when quorum came back.
+    let store = Arc::new(FaultyStore::new(Arc::new(MemStore::new())));
     let p = pair(store.clone()).await?;
     for (retry_on, key) in [(&p.b, "lost-then-b"), (&p.a, "lost-then-a")] {
         let req = CreateSandboxRequest {
             idempotency_key: Some(key.into()),
             ..Default::default()
         };
-        store.lose.store(1, Ordering::SeqCst);
+        store.lose_answers.store(1, Ordering::SeqCst);
         let e =
             p.a.create_sandbox(op(), req.clone())
                 .await
@@ -352,14 +303,14 @@ async fn a_create_whose_stored_record_was_answered_unavailable_leaves_nothing() 
         p.a.delete_sandbox(op(), &sb.id).await?;
     }
     // Unkeyed: the node's sandbox is destroyed and the record goes too.
-    store.lose.store(1, Ordering::SeqCst);
+    store.lose_answers.store(1, Ordering::SeqCst);
     let e =
         p.a.create_sandbox(op(), CreateSandboxRequest::default())
             .await
             .expect_err("the insert's answer was lost");
     assert_eq!(e.code, ErrorCode::Unavailable, "{e}");
     let cleared = within(Duration::from_secs(5), async || {
-        let (records, _) = store.inner.list("sandboxes").await.unwrap_or_default();
+        let (records, _) = store.inner().list("sandboxes").await.unwrap_or_default();
         records.is_empty() && p.node.sandbox_ids().is_empty()
     })
     .await;

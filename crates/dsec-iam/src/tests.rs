@@ -1,87 +1,17 @@
 //! The cache's recovery from a broken watch (history compacted, store unavailable), on a
 //! MemStore whose watches can be broken on demand.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use dsec_state::{Entry, LeaseId, MemStore, Revision, WatchStream};
-use futures::StreamExt;
+use dsec_state::{Entry, FaultyStore, MemStore};
 
 use super::*;
 
-/// A MemStore whose open watches end with `Compacted` when `break_watches` is called, and
-/// whose next `fail_lists` lists fail as unavailable.
-#[derive(Debug)]
-struct Breakable {
-    inner: MemStore,
-    breaker: tokio::sync::watch::Sender<u64>,
-    fail_lists: AtomicUsize,
-    lists: AtomicUsize,
-    fail_watches: std::sync::atomic::AtomicBool,
-}
-
-impl Breakable {
-    fn new() -> Self {
-        Breakable {
-            inner: MemStore::new(),
-            breaker: tokio::sync::watch::channel(0).0,
-            fail_lists: AtomicUsize::new(0),
-            lists: AtomicUsize::new(0),
-            fail_watches: Default::default(),
-        }
-    }
-
-    fn break_watches(&self) {
-        self.breaker.send_modify(|g| *g += 1);
-    }
-}
-
-#[async_trait::async_trait]
-impl StateStore for Breakable {
-    async fn get(&self, ns: &str, key: &str) -> Result<Option<Entry>, StateError> {
-        self.inner.get(ns, key).await
-    }
-    async fn delete(&self, ns: &str, key: &str, expect: Expect) -> Result<bool, StateError> {
-        self.inner.delete(ns, key, expect).await
-    }
-    async fn txn(&self, txn: Txn) -> Result<Revision, StateError> {
-        self.inner.txn(txn).await
-    }
-    async fn list(&self, ns: &str) -> Result<(Vec<Entry>, Revision), StateError> {
-        self.lists.fetch_add(1, Ordering::SeqCst);
-        let fail = self
-            .fail_lists
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-            .is_ok();
-        if fail {
-            return Err(StateError::Unavailable("told to fail".into()));
-        }
-        self.inner.list(ns).await
-    }
-    async fn watch(&self, ns: &str, after: Revision) -> Result<WatchStream, StateError> {
-        if self.fail_watches.load(Ordering::SeqCst) {
-            return Err(StateError::Unavailable("told to fail".into()));
-        }
-        let mut rx = self.breaker.subscribe();
-        rx.borrow_and_update();
-        let inner = self.inner.watch(ns, after).await?;
-        let broken = async move {
-            let _ = rx.changed().await;
-        };
-        Ok(inner
-            .take_until(broken)
-            .chain(futures::stream::once(async { Err(StateError::Compacted) }))
-            .boxed())
-    }
-    async fn grant_lease(&self, ttl: Duration) -> Result<LeaseId, StateError> {
-        self.inner.grant_lease(ttl).await
-    }
-    async fn keep_alive(&self, lease: LeaseId) -> Result<(), StateError> {
-        self.inner.keep_alive(lease).await
-    }
-    async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StateError> {
-        self.inner.revoke_lease(lease).await
-    }
+/// A MemStore whose open watches can be broken (they end `Compacted`) and whose next lists
+/// can be made to fail.
+fn breakable() -> Arc<FaultyStore> {
+    Arc::new(FaultyStore::new(Arc::new(MemStore::new())))
 }
 
 async fn eventually(what: &str, f: impl Fn() -> bool) {
@@ -94,12 +24,10 @@ async fn eventually(what: &str, f: impl Fn() -> bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_compacted_watch_relists_and_misses_nothing() {
-    let store = Arc::new(Breakable::new());
+    let store = breakable();
     let dyn_store: Arc<dyn StateStore> = store.clone();
     let follower = Iam::new(dyn_store.clone(), None).await.expect("iam");
-    let writer = Iam::new(Arc::new(store.inner.clone()), None)
-        .await
-        .expect("iam");
+    let writer = Iam::new(store.inner(), None).await.expect("iam");
     writer
         .create_tenant("t", Quotas::default())
         .await
@@ -112,7 +40,7 @@ async fn a_compacted_watch_relists_and_misses_nothing() {
 
     // The watches break as compacted, and the first relists fail: the follower backs
     // off, relists, and sees what changed meanwhile.
-    let lists = store.lists.load(Ordering::SeqCst);
+    let lists = store.calls().lists.load(Ordering::SeqCst);
     store.fail_lists.store(2, Ordering::SeqCst);
     store.break_watches();
     writer.revoke_key(&k.info.key_id).await.expect("revoke");
@@ -121,7 +49,7 @@ async fn a_compacted_watch_relists_and_misses_nothing() {
     })
     .await;
     assert!(
-        store.lists.load(Ordering::SeqCst) >= lists + 3,
+        store.calls().lists.load(Ordering::SeqCst) >= lists + 3,
         "relisted after two failures"
     );
     // And it follows live changes again.
@@ -137,7 +65,7 @@ async fn a_compacted_watch_relists_and_misses_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cache_that_cannot_follow_the_store_fails_closed() {
-    let store = Arc::new(Breakable::new());
+    let store = breakable();
     let mut cfg = IamConfig::new(Some("boot".into()));
     cfg.max_stale = Some(Duration::from_millis(200));
     let r = Iam::with_config(store.clone(), cfg).await.expect("iam");

@@ -11,6 +11,8 @@
 //! - [`MemStore`]: the same engine over memory, for tests of the control plane (and a way
 //!   to make it fail, to test retries).
 //! - [`EtcdStore`]: etcd v3, for a cluster of stateless API servers.
+//! - [`FaultyStore`]: any of them behind a wrapper that counts calls and fails them on
+//!   request, for tests and benchmarks.
 //!
 //! All three pass one conformance suite (`conformance`, under `cfg(test)` or the
 //! `conformance` feature).
@@ -25,9 +27,11 @@ use futures::stream::BoxStream;
 #[doc(hidden)]
 pub mod conformance;
 mod etcd;
+mod faulty;
 mod local;
 
 pub use etcd::{EtcdConfig, EtcdStore};
+pub use faulty::{FaultyStore, StoreCalls};
 pub use local::{MemStore, RedbStore};
 
 /// A store-wide revision: every change of the store gets the next one (etcd's
