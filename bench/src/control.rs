@@ -702,6 +702,8 @@ mod tests {
         // A plain keyed create of a tenant without quotas is one commit: its record,
         // `ready`, with its key, once the node made it.
         assert_eq!(row.writes_per_create, 1.0, "{row:?}");
+        // A new key is looked up in the replica's cache, not the store.
+        assert!(row.reads_per_create < 0.1, "{row:?}");
         assert!(row.writes_per_delete >= 1.0, "{row:?}");
         assert!(row.cv.is_some_and(|cv| cv.is_finite()), "{row:?}");
         // Placement saw all five nodes through their registrations.

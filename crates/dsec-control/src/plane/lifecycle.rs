@@ -286,8 +286,15 @@ impl ControlPlane {
         let deferred = !limited && req.files.is_empty() && spec_user.is_none();
         match (&claim, deferred) {
             (Some((key, _)), true) => {
-                // A retry of a create that was made answers without asking a node.
-                if let Some(first) = self.records.idempotency(tenant, key).await? {
+                // A retry of a create that was made answers without asking a node. The
+                // cache knows (a retry comes after its first attempt's record reached this
+                // replica's watch); a create racing its retry builds a sandbox the losing
+                // transaction destroys.
+                let known = self.records.key_cached(tenant, key);
+                if let Some(first) = match known {
+                    true => self.records.idempotency(tenant, key).await?,
+                    false => None,
+                } {
                     if let Some(found) = self.first_attempt(&first, &req).await? {
                         return Ok(found);
                     }

@@ -116,6 +116,8 @@ struct Cache {
     deleted: HashMap<String, Revision>,
     /// The newest revision the watch has applied.
     seen: Revision,
+    /// (tenant, idempotency key) -> the id of the cached record that holds it.
+    by_key: HashMap<(String, String), String>,
 }
 
 impl Cache {
@@ -135,6 +137,10 @@ impl Cache {
                 true
             }
             None => {
+                if let Some(key) = &sb.idempotency_key {
+                    self.by_key
+                        .insert((sb.tenant.clone(), key.clone()), sb.id.clone());
+                }
                 self.sandboxes
                     .insert(sb.id.clone(), Cached { sb, rev, charged });
                 true
@@ -142,9 +148,22 @@ impl Cache {
         }
     }
 
+    /// Drops record `id` (and its key from the index).
+    fn drop_record(&mut self, id: &str) {
+        let Some(c) = self.sandboxes.remove(id) else {
+            return;
+        };
+        if let Some(key) = c.sb.idempotency_key {
+            let k = (c.sb.tenant, key);
+            if self.by_key.get(&k).is_some_and(|held| held == id) {
+                self.by_key.remove(&k);
+            }
+        }
+    }
+
     fn forget(&mut self, id: &str, rev: Revision) {
         if self.sandboxes.get(id).is_some_and(|c| c.rev < rev) {
-            self.sandboxes.remove(id);
+            self.drop_record(id);
         }
         if rev > self.seen {
             self.deleted.insert(id.to_string(), rev);
@@ -401,7 +420,7 @@ impl Records {
                 Ok(cache.sandboxes.get(id).cloned())
             }
             None => {
-                cache.sandboxes.remove(id);
+                cache.drop_record(id);
                 Ok(None)
             }
         }
@@ -715,6 +734,14 @@ impl Records {
             .is_some_and(|c| c.sb.state == SandboxState::Creating))
     }
 
+    /// Whether this replica's cache holds a record with `tenant`'s idempotency `key` (a
+    /// record stored a moment ago by another replica may not be in it yet).
+    pub fn key_cached(&self, tenant: &str, key: &str) -> bool {
+        self.lock()
+            .by_key
+            .contains_key(&(tenant.to_string(), key.to_string()))
+    }
+
     /// What `tenant`'s idempotency key points at, if it is taken.
     pub async fn idempotency(&self, tenant: &str, key: &str) -> ApiResult<Option<IdemEntry>> {
         let Some(entry) = self
@@ -867,7 +894,7 @@ impl Records {
             ));
         };
         self.lock().forget(&sb.id, rev.max(1));
-        self.lock().sandboxes.remove(&sb.id);
+        self.lock().drop_record(&sb.id);
         self.changed.notify_waiters();
         Ok(())
     }
@@ -924,9 +951,15 @@ impl Records {
         let mut cache = self.lock();
         let listed: std::collections::HashSet<&str> =
             entries.iter().map(|e| e.key.as_str()).collect();
-        cache
+        let gone: Vec<String> = cache
             .sandboxes
-            .retain(|id, c| listed.contains(id.as_str()) || c.rev > rev);
+            .iter()
+            .filter(|(id, c)| !listed.contains(id.as_str()) && c.rev <= rev)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in gone {
+            cache.drop_record(&id);
+        }
         for e in &entries {
             if let Some((sb, charged)) = decode(e) {
                 cache.offer(sb, e.rev, charged);
