@@ -806,67 +806,83 @@ impl Records {
     /// tenant's quotas; with a tombstone, remembers why. Removing a record that is gone
     /// already changes nothing (and gives nothing back twice).
     pub async fn remove(&self, sb: &Sandbox, tombstone: Option<Tombstone>) -> ApiResult<()> {
-        let mut key_ops = Vec::new();
-        if let Some(key) = &sb.idempotency_key {
-            // Only if the key is still this sandbox's: checked by reading it first (a
-            // create may have claimed a freed key meanwhile; then it is left alone).
-            if self
-                .idempotency(&sb.tenant, key)
-                .await?
-                .is_some_and(|e| e.id == sb.id)
-            {
-                key_ops.push(Op::Delete {
-                    ns: NS_IDEMPOTENCY.into(),
-                    key: idem_key(&sb.tenant, key),
-                });
-            }
-        }
+        let mut leftovers = Vec::new();
         if self.lease.is_some() {
-            key_ops.push(Op::Delete {
+            leftovers.push(Op::Delete {
                 ns: NS_CREATING.into(),
                 key: sb.id.clone(),
             });
         }
         if let Some(mut t) = tombstone {
             t.tenant = sb.tenant.clone();
-            key_ops.push(Op::Put {
+            leftovers.push(Op::Put {
                 ns: NS_TOMBSTONES.into(),
                 key: sb.id.clone(),
                 value: serde_json::to_vec(&t).map_err(internal)?,
                 lease: None,
             });
         }
-        let _usage = self.iam.lock_usage(&sb.tenant).await;
+        // The record as this replica knows it: its revision guards the removal (a stale
+        // one fails the check, and the store is read), and what it reserved is fixed at
+        // its create. A record that reserved nothing takes no usage lock.
+        let mut current = self
+            .lock()
+            .sandboxes
+            .get(&sb.id)
+            .map(|c| (c.rev, c.charged));
+        let _usage = match current {
+            Some((_, None)) => None,
+            _ => Some(self.iam.lock_usage(&sb.tenant).await),
+        };
+        if current.is_none() {
+            current = self.stored(&sb.id).await?;
+        }
         let mut done = None;
         for attempt in 0..CAS_ATTEMPTS {
-            // The record as stored now: its revision guards the release.
-            let stored = self
-                .store
-                .get(NS_SANDBOXES, &sb.id)
-                .await
-                .map_err(store_err)?;
-            let Some(entry) = stored else {
-                // Gone already (another removal won): only the leftovers go.
+            let Some((rev, charged)) = current else {
+                // Gone already (another removal won): only the leftovers go, and the key
+                // only if it is still this sandbox's (read: a create may have claimed the
+                // freed key meanwhile; then it is left alone).
+                let mut ops = leftovers.clone();
+                if let Some(key) = &sb.idempotency_key {
+                    if self
+                        .idempotency(&sb.tenant, key)
+                        .await?
+                        .is_some_and(|e| e.id == sb.id)
+                    {
+                        ops.push(Op::Delete {
+                            ns: NS_IDEMPOTENCY.into(),
+                            key: idem_key(&sb.tenant, key),
+                        });
+                    }
+                }
                 let rev = self
                     .store
                     .txn(Txn {
                         checks: Vec::new(),
-                        ops: key_ops.clone(),
+                        ops,
                     })
                     .await
                     .map_err(store_err)?;
                 done = Some(rev);
                 break;
             };
-            let charged = decode(&entry).and_then(|(_, c)| c);
             let mut txn = Txn {
-                checks: vec![(NS_SANDBOXES.into(), sb.id.clone(), Expect::Rev(entry.rev))],
+                checks: vec![(NS_SANDBOXES.into(), sb.id.clone(), Expect::Rev(rev))],
                 ops: vec![Op::Delete {
                     ns: NS_SANDBOXES.into(),
                     key: sb.id.clone(),
                 }],
             };
-            txn.ops.extend(key_ops.iter().cloned());
+            // While its record is there, the key is the record's: the two are stored and
+            // deleted together.
+            if let Some(key) = &sb.idempotency_key {
+                txn.ops.push(Op::Delete {
+                    ns: NS_IDEMPOTENCY.into(),
+                    key: idem_key(&sb.tenant, key),
+                });
+            }
+            txn.ops.extend(leftovers.iter().cloned());
             if let Some(charged) = charged {
                 self.iam
                     .release(&sb.tenant, charged)
@@ -880,7 +896,10 @@ impl Records {
                     break;
                 }
                 // The record changed, or another replica changed the usage: again.
-                Err(e) if is_conflict(&e) => backoff(attempt).await,
+                Err(e) if is_conflict(&e) => {
+                    backoff(attempt).await;
+                    current = self.stored(&sb.id).await?;
+                }
                 Err(e) => return Err(store_err(e)),
             }
         }
@@ -897,6 +916,12 @@ impl Records {
         self.lock().drop_record(&sb.id);
         self.changed.notify_waiters();
         Ok(())
+    }
+
+    /// The revision of record `id` in the store and what it reserved, if it is there.
+    async fn stored(&self, id: &str) -> ApiResult<Option<(Revision, Option<Usage>)>> {
+        let entry = self.store.get(NS_SANDBOXES, id).await.map_err(store_err)?;
+        Ok(entry.map(|e| (e.rev, decode(&e).and_then(|(_, c)| c))))
     }
 
     /// Why `id` was removed, if a tombstone says.
