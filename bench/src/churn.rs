@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use dsec_client::Client;
 use dsec_e2e::{host, Server};
 use dsec_wire::v1::CreateSandboxRequest;
 
@@ -12,12 +13,18 @@ use crate::{Churn, Stats};
 
 /// Runs create -> exec true -> delete in `workers` loops for `secs` seconds.
 pub async fn sustained(server: &Server, workers: usize, secs: u64) -> Churn {
+    sustained_on(|_| server.client(), workers, secs).await
+}
+
+/// [`sustained`] against any API: worker `i` uses the client `client(i)` makes (several
+/// API servers of a cluster, one per worker in turn).
+pub async fn sustained_on(client: impl Fn(usize) -> Client, workers: usize, secs: u64) -> Churn {
     let stop = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
     let cpu = crate::HostCpu::now();
     let mut tasks = Vec::new();
-    for _ in 0..workers {
-        let (c, stop) = (server.client(), stop.clone());
+    for i in 0..workers {
+        let (c, stop) = (client(i), stop.clone());
         tasks.push(tokio::spawn(async move {
             let (mut cycles, mut failed) = (Vec::new(), 0usize);
             while !stop.load(Ordering::Relaxed) {
