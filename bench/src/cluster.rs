@@ -448,6 +448,7 @@ fn print_sustained(rows: &[(&str, Churn, Vec<f64>)]) {
         );
         let mut j = r.json();
         j["setup"] = (*name).into();
+        j["errors"] = serde_json::json!(r.errors);
         let per = |ms: f64| ms / r.ok().max(1) as f64;
         j["cpu_ms_per_cycle"] = ROLES
             .iter()

@@ -979,6 +979,9 @@ pub(crate) struct Churn {
     pub delete: Stats,
     /// Failed creates, execs or deletes.
     pub failed: usize,
+    /// Why they failed (the error's message, at most 160 characters) and how often, where
+    /// the run kept it.
+    pub errors: std::collections::BTreeMap<String, usize>,
     /// Wall time of the run.
     pub secs: f64,
     /// Busy host CPU over the run, ms (all cores).
@@ -1012,6 +1015,7 @@ impl Churn {
                 note: None,
             },
             failed,
+            errors: Default::default(),
             secs,
             cpu_ms,
         }
