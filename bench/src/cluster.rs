@@ -25,7 +25,7 @@ use dsec_node_rpc::client::RemoteNode;
 use dsec_wire::agent::ExecSpec;
 use dsec_wire::v1::CreateSandboxRequest;
 
-use crate::{argv_true, cycle, on_one_thread, print_table, record, Churn, HostCpu, Stats};
+use crate::{argv_true, cycle, on_one_thread, print_table, record, Churn, Cycle, HostCpu, Stats};
 
 /// Nodes and API servers of the cluster.
 const NODES: usize = 3;
@@ -86,16 +86,12 @@ impl LocalCluster {
         }
         let state: serde_json::Value =
             serde_json::from_slice(&std::fs::read(dir.join("cluster.json"))?)?;
-        let strings = |v: &serde_json::Value| -> Vec<String> {
-            v.as_array()
-                .map(|a| {
-                    a.iter()
-                        .filter_map(|s| s.as_str().map(str::to_string))
-                        .collect()
-                })
-                .unwrap_or_default()
-        };
-        c.urls = strings(&state["apiservers"]);
+        c.urls = state["apiservers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|u| u.as_str().map(str::to_string))
+            .collect();
         c.tag = state["tag"].as_str().unwrap_or_default().to_string();
         for n in state["nodes"].as_array().into_iter().flatten() {
             let (Some(name), Some(url)) = (n["name"].as_str(), n["url"].as_str()) else {
@@ -229,32 +225,29 @@ fn time_to_interactive(
         }
         Ok((s, c))
     })?;
-    let row = |name: &str, v: Vec<f64>, note: &str| Stats {
+    let row = |name: &str, cycles: &[Cycle], ms: fn(&Cycle) -> f64, note: &str| Stats {
         name: name.into(),
-        samples: v,
+        samples: cycles.iter().map(ms).collect(),
         note: Some(note.into()),
     };
+    let tti: fn(&Cycle) -> f64 = |c| c.tti_ms;
+    let create: fn(&Cycle) -> f64 = |c| c.create_ms;
+    let alone = "the create call alone";
     Ok([
         row(
             "dsec serve create + exec true",
-            s.iter().map(|c| c.tti_ms).collect(),
+            &s,
+            tti,
             "one process, HTTP API",
         ),
         row(
             "cluster create + exec true",
-            c.iter().map(|c| c.tti_ms).collect(),
+            &c,
+            tti,
             "API server (etcd) -> node, alternating 2 API servers",
         ),
-        row(
-            "dsec serve create (ready)",
-            s.iter().map(|c| c.create_ms).collect(),
-            "the create call alone",
-        ),
-        row(
-            "cluster create (ready)",
-            c.iter().map(|c| c.create_ms).collect(),
-            "the create call alone",
-        ),
+        row("dsec serve create (ready)", &s, create, alone),
+        row("cluster create (ready)", &c, create, alone),
     ])
 }
 
@@ -330,15 +323,10 @@ async fn exec_loops(
             .await
             .map_err(|e| anyhow::anyhow!("node {node_url}: {}", e.message))?;
         let req = argv_true();
+        // The spec the API server makes of `req` (`exec_spec`, no streaming).
         let spec = ExecSpec {
             cmd: req.cmd.clone(),
-            env: Default::default(),
-            cwd: None,
-            stdin: false,
-            timeout_ms: None,
-            stream: false,
-            output_limit: None,
-            user: None,
+            ..dsec_node_api::fake::shell("")
         };
         let mut out: [Vec<f64>; 5] = Default::default();
         for i in 0..n + 5 {
