@@ -160,7 +160,10 @@ impl LocalCluster {
                 .map(|l| format!("nft {l}")),
         );
         let dir = self.dir.display().to_string();
-        let run = format!("/run/dsec-local-cluster/{}", self.tag);
+        let run = self.run_root().display().to_string();
+        if self.run_root().exists() {
+            out.push(format!("directory {run}"));
+        }
         for m in host::mounts(&dir).into_iter().chain(host::mounts(&run)) {
             out.push(format!("mount {m}"));
         }
@@ -177,6 +180,11 @@ impl LocalCluster {
         out
     }
 
+    /// The parent of its nodes' run directories.
+    fn run_root(&self) -> PathBuf {
+        Path::new("/run/dsec-local-cluster").join(&self.tag)
+    }
+
     /// `local-cluster down`: its sandboxes deleted through the API, its processes
     /// stopped by pid. Idempotent.
     fn down(&self) -> anyhow::Result<()> {
@@ -190,6 +198,8 @@ impl LocalCluster {
                 String::from_utf8_lossy(&out.stderr).trim()
             );
         }
+        // `down` removes the nodes' run directories, not their (then empty) parent.
+        let _ = std::fs::remove_dir(self.run_root());
         Ok(())
     }
 }
@@ -460,6 +470,17 @@ fn print_sustained(rows: &[(&str, Churn, Vec<f64>)]) {
             per.join(" | "),
             r.cpu_per_cycle()
         );
+    }
+    for (name, r, _) in rows.iter().filter(|(_, r, _)| r.failed > 0) {
+        let mut errors: Vec<_> = r.errors.iter().collect();
+        errors.sort_by(|a, b| b.1.cmp(a.1));
+        println!(
+            "\n{name}: {} cycles failed; the most frequent errors:",
+            r.failed
+        );
+        for (why, k) in errors.into_iter().take(5) {
+            println!("- {k}x {why}");
+        }
     }
     record(
         "cluster vs serve: sustained create -> exec -> delete",
