@@ -1,10 +1,12 @@
 //! Creation throughput sustained over a fixed time, and teardown: delete latency and
 //! what is left on the host afterwards.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use dsec_client::Client;
 use dsec_e2e::{host, Server};
 use dsec_wire::v1::CreateSandboxRequest;
 
@@ -12,40 +14,54 @@ use crate::{Churn, Stats};
 
 /// Runs create -> exec true -> delete in `workers` loops for `secs` seconds.
 pub async fn sustained(server: &Server, workers: usize, secs: u64) -> Churn {
+    sustained_on(|_| server.client(), workers, secs).await
+}
+
+/// [`sustained`] against any API: worker `i` uses the client `client(i)` makes (several
+/// API servers of a cluster, one per worker in turn).
+pub async fn sustained_on(client: impl Fn(usize) -> Client, workers: usize, secs: u64) -> Churn {
     let stop = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
     let cpu = crate::HostCpu::now();
     let mut tasks = Vec::new();
-    for _ in 0..workers {
-        let (c, stop) = (server.client(), stop.clone());
+    for i in 0..workers {
+        let (c, stop) = (client(i), stop.clone());
         tasks.push(tokio::spawn(async move {
-            let (mut cycles, mut failed) = (Vec::new(), 0usize);
+            let (mut cycles, mut errors) = (Vec::new(), BTreeMap::<String, usize>::new());
             while !stop.load(Ordering::Relaxed) {
                 match crate::cycle(&c, CreateSandboxRequest::default()).await {
                     Ok(cy) => cycles.push(cy),
-                    Err(_) => failed += 1,
+                    Err(e) => {
+                        let why: String = format!("{e:#}").chars().take(160).collect();
+                        *errors.entry(why).or_default() += 1;
+                    }
                 }
             }
-            (cycles, failed)
+            (cycles, errors)
         }));
     }
     tokio::time::sleep(Duration::from_secs(secs)).await;
     stop.store(true, Ordering::Relaxed);
-    let (mut all, mut failed) = (Vec::new(), 0);
+    let (mut all, mut errors) = (Vec::new(), BTreeMap::<String, usize>::new());
     for t in tasks {
-        if let Ok((s, f)) = t.await {
+        if let Ok((s, e)) = t.await {
             all.extend(s);
-            failed += f;
+            for (why, k) in e {
+                *errors.entry(why).or_default() += k;
+            }
         }
     }
-    Churn::new(
+    let failed = errors.values().sum();
+    let mut churn = Churn::new(
         format!("sustained c{workers}"),
         workers,
         all,
         failed,
         start.elapsed().as_secs_f64(),
         cpu.elapsed_ms(),
-    )
+    );
+    churn.errors = errors;
+    churn
 }
 
 /// What a teardown run measured.

@@ -349,7 +349,7 @@ pub struct IdleCpu {
 }
 
 /// User + system CPU of `pid` (all its threads), ms.
-fn proc_cpu_ms(pid: i32) -> Option<f64> {
+pub(crate) fn proc_cpu_ms(pid: i32) -> Option<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // After the `(comm)` field, which may hold spaces: state is field 3, utime 14, stime 15.
     let rest = &stat[stat.rfind(')')? + 2..];

@@ -20,6 +20,7 @@ use dsec_wire::v1::{CreateSandboxRequest, ExecRequest};
 
 mod burst;
 mod churn;
+mod cluster;
 mod control;
 mod files;
 mod lifecycle;
@@ -49,7 +50,8 @@ struct Args {
     /// placement (simulated, needs neither root nor a server), control-plane (2 API servers
     /// over etcd and 100 simulated nodes; needs etcd, not root), registry-pull (a
     /// multi-layer pull from a local docker-registry, serial vs parallel layer downloads;
-    /// no server).
+    /// no server), cluster (a real 3-node cluster on this machine vs dsec serve; needs
+    /// etcd).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Containers in the burst section (default 256, quick 48).
@@ -64,7 +66,8 @@ struct Args {
     /// First-byte latency of the burst's emulated remote store, ms.
     #[arg(long, default_value_t = 5)]
     store_latency_ms: u64,
-    /// Length of the sustained run, s (default 60, quick 10).
+    /// Length of the sustained run, s (default 60, quick 10; the cluster section's two
+    /// runs: 30 each, quick 5).
     #[arg(long)]
     sustained_secs: Option<u64>,
     /// Idle sandboxes in the idle-cpu section (default 500, quick 100).
@@ -976,6 +979,9 @@ pub(crate) struct Churn {
     pub delete: Stats,
     /// Failed creates, execs or deletes.
     pub failed: usize,
+    /// Why they failed (the error's message, at most 160 characters) and how often, where
+    /// the run kept it.
+    pub errors: std::collections::BTreeMap<String, usize>,
     /// Wall time of the run.
     pub secs: f64,
     /// Busy host CPU over the run, ms (all cores).
@@ -1009,6 +1015,7 @@ impl Churn {
                 note: None,
             },
             failed,
+            errors: Default::default(),
             secs,
             cpu_ms,
         }
@@ -1524,6 +1531,11 @@ fn main() -> anyhow::Result<()> {
             }
             record("file churn", rows.iter().map(|r| serde_json::json!({"where": r.name,
                 "fresh_us": r.fresh_us, "after_delete_us": r.after_delete_us})).collect());
+        }
+        if want("cluster") {
+            let n = args.iterations.unwrap_or(if args.quick { 10 } else { 100 });
+            let secs = args.sustained_secs.unwrap_or(if args.quick { 5 } else { 30 });
+            cluster::section(&server, n, secs).await?;
         }
         if want("provision") {
             provision_section(&server, if args.quick { 1 } else { 5 }).await?;

@@ -410,7 +410,7 @@ fn with_test_parent(args: &[&str]) -> Vec<String> {
 
 /// Detaches every mount at or below `root` (layer mounts an earlier, killed server left),
 /// deepest first, so the directory can be removed.
-fn unmount_under(root: &Path) {
+pub fn unmount_under(root: &Path) {
     let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
         return;
     };
