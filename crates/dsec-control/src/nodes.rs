@@ -41,7 +41,7 @@ pub struct Placed {
     pub name: String,
     /// The node.
     pub node: Arc<dyn NodeApi>,
-    reservation: Option<Reservation>,
+    reservation: Option<(Reservation, Lingering)>,
 }
 
 /// How long a placement's reservation outlives the create: until the node's heartbeats
@@ -49,15 +49,39 @@ pub struct Placed {
 /// once, sequential creates would all see the same stale load and pile onto one node.
 pub const RESERVATION_LINGER: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// The reservations of sandboxes made a moment ago, by sandbox id: each is kept until
+/// the node's heartbeats count the sandbox ([`RESERVATION_LINGER`]) or the sandbox is
+/// deleted, whichever comes first. (Kept for their whole linger, the reservations of
+/// sandboxes created and deleted at once added up to far more than the nodes hold, and
+/// placement answered `capacity` with the nodes all but empty.)
+#[derive(Debug, Clone, Default)]
+pub struct Lingering(Arc<Mutex<HashMap<String, Reservation>>>);
+
+impl Lingering {
+    /// Gives back the reservation of sandbox `id`, if it still holds one.
+    pub fn release(&self, id: &str) {
+        let r = self.0.lock().unwrap_or_else(|p| p.into_inner()).remove(id);
+        drop(r);
+    }
+}
+
 impl Placed {
-    /// Gives the reservation back [`RESERVATION_LINGER`] from now (the sandbox was made).
-    pub fn linger(self) {
-        if let Some(r) = self.reservation {
-            tokio::spawn(async move {
-                tokio::time::sleep(RESERVATION_LINGER).await;
-                drop(r);
-            });
-        }
+    /// Keeps the reservation for sandbox `id` (made) until [`RESERVATION_LINGER`] from
+    /// now or its delete, whichever comes first.
+    pub fn linger(self, id: &str) {
+        let Some((r, lingering)) = self.reservation else {
+            return;
+        };
+        lingering
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.to_string(), r);
+        let id = id.to_string();
+        tokio::spawn(async move {
+            tokio::time::sleep(RESERVATION_LINGER).await;
+            lingering.release(&id);
+        });
     }
 }
 
@@ -95,6 +119,9 @@ pub trait NodeSet: Send + Sync + std::fmt::Debug {
 
     /// Chooses a node for a new sandbox and reserves it there.
     fn place(&self, req: &Placement<'_>) -> ApiResult<Placed>;
+
+    /// Sandbox `id` is being deleted: what its placement still reserves is given back.
+    fn release(&self, _id: &str) {}
 
     /// Every node, live or drained, for `GET /v1/nodes`.
     async fn describe(&self) -> ApiResult<ClusterNodeList>;
@@ -197,6 +224,8 @@ pub struct FleetNodes {
     dial: Dialer,
     /// Node name → its connection.
     conns: Mutex<HashMap<String, Conn>>,
+    /// Reservations of sandboxes made a moment ago.
+    lingering: Lingering,
 }
 
 /// A connection to a node, and the URL and boot id it was dialed for.
@@ -224,6 +253,7 @@ impl FleetNodes {
             registry,
             dial,
             conns: Mutex::new(HashMap::new()),
+            lingering: Lingering::default(),
         }
     }
 
@@ -308,6 +338,10 @@ impl NodeSet for FleetNodes {
             .collect()
     }
 
+    fn release(&self, id: &str) {
+        self.lingering.release(id);
+    }
+
     fn place(&self, req: &Placement<'_>) -> ApiResult<Placed> {
         let nodes = self.view.nodes();
         let request = PlacementRequest {
@@ -335,7 +369,7 @@ impl NodeSet for FleetNodes {
                 Ok(Placed {
                     name: status.name().to_string(),
                     node,
-                    reservation: Some(reservation),
+                    reservation: Some((reservation, self.lingering.clone())),
                 })
             }
             Err(PlacementError::NoNodes) => Err(no_nodes()),

@@ -480,3 +480,23 @@ async fn creates_overflow_to_the_cloud_pool_only_past_80_percent_of_the_primary(
     }
     Ok(())
 }
+
+/// Sandboxes created and deleted at once (an RL step's create -> exec -> delete) give
+/// their placement's reservation back with the delete: 30 such cycles on a node of 2
+/// cores all find room (a reservation kept for its whole linger made the node look full
+/// after a few, and placement answered `capacity` with the node empty).
+#[tokio::test]
+async fn sandboxes_created_and_deleted_at_once_do_not_fill_the_node() -> TestResult {
+    let cluster = Cluster::with_pools(&[("small", "", 2_000)]).await?;
+    let plane = cluster.plane().await?;
+    for i in 0..30 {
+        let sb = plane
+            .create_sandbox(op(), CreateSandboxRequest::default())
+            .await
+            .map_err(|e| format!("cycle {i}: {e}"))?;
+        plane.exec(op(), &sb.id, shell("true")).await?;
+        plane.delete_sandbox(op(), &sb.id).await?;
+    }
+    assert!(cluster.node("small").sandbox_ids().is_empty());
+    Ok(())
+}

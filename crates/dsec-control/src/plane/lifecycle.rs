@@ -382,7 +382,7 @@ impl ControlPlane {
             .await;
         match done {
             Ok(Some((sb, _))) => {
-                placed.linger();
+                placed.linger(&sb.id);
                 Ok(sb)
             }
             failed => {
@@ -439,7 +439,7 @@ impl ControlPlane {
         for _ in 0..=MAX_TAKEOVERS {
             match self.records.insert(&sb, claim.clone(), charge).await {
                 Ok(()) => {
-                    placed.linger();
+                    placed.linger(&sb.id);
                     return Ok(sb);
                 }
                 Err(records::InsertError::KeyTaken(first)) => {

@@ -293,6 +293,7 @@ impl ControlPlane {
                 Ok(!stopping)
             })
             .await?;
+        self.nodes.release(id);
         match self.node_of(&sb) {
             Ok(node) => node.destroy(id).await?,
             // Its node destroys it as an orphan when it is back.
