@@ -1,6 +1,9 @@
 //! The control plane over a `FakeNode`: records, reconciliation at start, failures,
 //! idempotent creates and lifetimes, without root or a real sandbox.
 
+mod common;
+
+use common::op;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,12 +17,6 @@ use dsec_wire::{ApiError, ErrorCode};
 use futures::StreamExt;
 
 use dsec_node_api::fake::shell_request as shell;
-
-/// The operator: the bootstrap key's principal (tenant `default`, every scope).
-fn op() -> &'static dsec_control::Principal {
-    static OP: std::sync::OnceLock<dsec_control::Principal> = std::sync::OnceLock::new();
-    OP.get_or_init(dsec_control::Principal::bootstrap)
-}
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 

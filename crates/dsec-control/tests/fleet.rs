@@ -4,6 +4,9 @@
 //! that stops heartbeating makes its sandboxes `lost` and they come back with it; a
 //! sandbox left without a record on a node is destroyed after the grace.
 
+mod common;
+
+use common::op;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -19,12 +22,6 @@ use dsec_node_api::NodeApi;
 use dsec_state::{MemStore, StateStore};
 use dsec_wire::v1::{CreateSandboxRequest, Isolation, NetworkMode, SandboxState};
 use dsec_wire::ErrorCode;
-
-/// The operator: the bootstrap key's principal (tenant `default`, every scope).
-fn op() -> &'static dsec_control::Principal {
-    static OP: std::sync::OnceLock<dsec_control::Principal> = std::sync::OnceLock::new();
-    OP.get_or_init(dsec_control::Principal::bootstrap)
-}
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 

@@ -1,6 +1,9 @@
 //! The watchdog over a `FakeNode`, on tokio's paused clock: what marks a sandbox
 //! `unhealthy` and what must not.
 
+mod common;
+
+use common::op;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,12 +13,6 @@ use dsec_state::MemStore;
 use dsec_wire::v1::{CreateSandboxRequest, SandboxState};
 
 use dsec_node_api::fake::shell_request as shell;
-
-/// The operator: the bootstrap key's principal (tenant `default`, every scope).
-fn op() -> &'static dsec_control::Principal {
-    static OP: std::sync::OnceLock<dsec_control::Principal> = std::sync::OnceLock::new();
-    OP.get_or_init(dsec_control::Principal::bootstrap)
-}
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 

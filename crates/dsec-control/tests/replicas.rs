@@ -3,6 +3,9 @@
 //! resolve in the store (compare-and-swap), not in either replica's memory. Run over the
 //! in-memory store and over a real etcd.
 
+mod common;
+
+use common::op;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,12 +16,6 @@ use dsec_state::{EtcdConfig, EtcdStore, FaultyStore, MemStore, StateStore};
 use dsec_testkit::Etcd;
 use dsec_wire::v1::{CreateSandboxRequest, SandboxState};
 use dsec_wire::ErrorCode;
-
-/// The operator: the bootstrap key's principal (tenant `default`, every scope).
-fn op() -> &'static dsec_control::Principal {
-    static OP: std::sync::OnceLock<dsec_control::Principal> = std::sync::OnceLock::new();
-    OP.get_or_init(dsec_control::Principal::bootstrap)
-}
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
