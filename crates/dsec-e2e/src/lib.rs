@@ -190,7 +190,23 @@ impl Server {
     }
 
     /// Starts (or restarts) the server process on a new port with the same directories.
+    /// A port taken between choosing it and the server's bind (another test's server got
+    /// it first) makes the server exit: it is started again on another port.
     pub async fn spawn(&mut self) -> anyhow::Result<()> {
+        for _ in 0..5 {
+            if self.spawn_once().await? {
+                return Ok(());
+            }
+        }
+        bail!(
+            "dsec serve found no free port in 5 tries; log: {}",
+            self.log()
+        )
+    }
+
+    /// One start on a free port: `false` if the server exited before it answered (its
+    /// port was taken meanwhile).
+    async fn spawn_once(&mut self) -> anyhow::Result<bool> {
         let port = free_port()?;
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -209,7 +225,7 @@ impl Server {
                 Ok(())
             });
         }
-        let child = cmd
+        let mut child = cmd
             .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
             .arg("--state-dir")
             .arg(&self.state_dir)
@@ -220,26 +236,31 @@ impl Server {
             .stderr(Stdio::from(log))
             .spawn()
             .with_context(|| format!("starting {}", dsec_bin().display()))?;
-        self.child = Some(child);
-        self.url = format!("http://127.0.0.1:{port}");
+        let url = format!("http://127.0.0.1:{port}");
         let key_path = self.state_dir.join("api-key");
-        let url = self.url.clone();
-        let up = wait_until(Duration::from_secs(30), || {
-            let url = url.clone();
-            let key_path = key_path.clone();
-            async move {
-                let key = std::fs::read_to_string(&key_path).ok()?;
-                let c = Client::new(&url, Some(key.trim().to_string())).ok()?;
-                c.health().await.ok().map(|_| key.trim().to_string())
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            if child.try_wait()?.is_some() {
+                return Ok(false);
             }
-        })
-        .await;
-        match up {
-            Some(key) => {
-                self.key = key;
-                Ok(())
+            // An authenticated call: another server on the port would refuse this key.
+            if let Ok(key) = std::fs::read_to_string(&key_path) {
+                let key = key.trim().to_string();
+                if let Ok(c) = Client::new(&url, Some(key.clone())) {
+                    if c.list_images().await.is_ok() {
+                        self.child = Some(child);
+                        self.url = url;
+                        self.key = key;
+                        return Ok(true);
+                    }
+                }
             }
-            None => bail!("dsec serve did not come up; log: {}", self.log()),
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                bail!("dsec serve did not come up; log: {}", self.log());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
