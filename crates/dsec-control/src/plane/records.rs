@@ -165,7 +165,9 @@ impl Cache {
         if self.sandboxes.get(id).is_some_and(|c| c.rev < rev) {
             self.drop_record(id);
         }
-        if rev > self.seen {
+        // `seen` may be this very revision with its other events still coming (one
+        // transaction, or one etcd batch, changes many keys at one revision).
+        if rev >= self.seen {
             self.deleted.insert(id.to_string(), rev);
         }
     }
@@ -966,7 +968,9 @@ impl Records {
         }
         cache.seen = cache.seen.max(rev);
         let seen = cache.seen;
-        cache.deleted.retain(|_, r| *r > seen);
+        // Deletes at `seen` stay until the watch is past it (its other events may be
+        // deletes that a stale local put must not undo).
+        cache.deleted.retain(|_, r| *r >= seen);
         drop(cache);
         self.changed.notify_waiters();
     }
