@@ -274,11 +274,12 @@ fn a_keyed_create_whose_replica_died_is_taken_over_by_the_retry() -> TestResult 
     Ok(())
 }
 
-/// A create told `unavailable` whose record the store kept anyway leaves nothing: the
-/// replica removes the record, and a retry with the key (on either replica) makes one
-/// sandbox instead of answering with the record of the failed attempt.
+/// A create told `unavailable` whose record the store kept anyway: a keyed one's retry
+/// (on either replica) gets that sandbox, whole (its record and its node's sandbox), and
+/// nothing else is made; an unkeyed one leaves nothing (its record is removed once it
+/// shows, its sandbox destroyed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_create_whose_stored_record_was_answered_unavailable_leaves_nothing() -> TestResult {
+async fn a_create_answered_unavailable_but_stored_is_found_whole_or_leaves_nothing() -> TestResult {
     // Its next transactions are applied but answered `unavailable` when told: an etcd
     // that lost quorum with the proposal in flight and committed it when quorum came back.
     let store = Arc::new(FaultyStore::new(Arc::new(MemStore::new())));
@@ -295,7 +296,12 @@ async fn a_create_whose_stored_record_was_answered_unavailable_leaves_nothing() 
                 .expect_err("the insert's answer was lost");
         assert_eq!(e.code, ErrorCode::Unavailable, "{e}");
         let sb = retry_on.create_sandbox(op(), req.clone()).await?;
-        assert_eq!(sb.state, SandboxState::Ready, "{key}: the retry made it");
+        assert_eq!(sb.state, SandboxState::Ready, "{key}: the retry found it");
+        assert_eq!(
+            p.node.sandbox_ids(),
+            std::slice::from_ref(&sb.id),
+            "{key}: one sandbox, the kept one"
+        );
         assert_eq!(p.a.create_sandbox(op(), req).await?.id, sb.id, "{key}");
         p.a.delete_sandbox(op(), &sb.id).await?;
     }

@@ -1009,7 +1009,10 @@ async fn etcd_losing_a_member_or_its_quorum_loses_no_record() -> anyhow::Result<
         .await;
         assert!(same.is_some(), "{:?} vs {ids:?}", listed(c).await?);
     }
-    let settled = wait_until(Duration::from_secs(10), || async {
+    // The create cut off by the outage kept its sandbox for the retry to find; if its
+    // record never landed, the reaper destroys it once it has gone unrecorded for the
+    // orphan grace (15 s).
+    let settled = wait_until(Duration::from_secs(40), || async {
         let on_node = node_sandboxes(&node.url, &node.token_file).await.ok()?;
         (on_node == ids).then_some(())
     })

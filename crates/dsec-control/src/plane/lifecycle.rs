@@ -426,7 +426,7 @@ impl ControlPlane {
     /// Stores a create made on its node in one transaction: the record, `ready`, with
     /// its idempotency key. If a racing attempt with the key stored its sandbox first,
     /// that one is the answer and this one is destroyed; if the store refuses, it is
-    /// destroyed too.
+    /// destroyed too, unless the store could not say whether it kept a keyed record.
     async fn store_created(
         &self,
         sb: Sandbox,
@@ -451,7 +451,14 @@ impl ControlPlane {
                     break;
                 }
                 Err(e) => {
-                    answer = Err(e.into_api());
+                    let e = e.into_api();
+                    if e.code == ErrorCode::Unavailable && claim.is_some() {
+                        // The store may keep the record yet (see `Records::insert`): the
+                        // sandbox stays, for a retry with the key to find whole; if the
+                        // record never lands, its node's reaper destroys it as an orphan.
+                        return Err(e);
+                    }
+                    answer = Err(e);
                     break;
                 }
             }
@@ -469,6 +476,12 @@ impl ControlPlane {
         req: &CreateSandboxRequest,
     ) -> ApiResult<Option<Sandbox>> {
         self.same_request(first, req).await?;
+        // An attempt this replica gave up on (its store's answer was lost, and the
+        // store kept it after all): what it left goes now, and the retry makes anew.
+        if let Some(removed) = self.records.remove_if_given_up(&first.id).await {
+            removed?;
+            return Ok(None);
+        }
         let found = match self.await_created(&first.id).await {
             Ok(found) => found,
             Err(e) if e.code == ErrorCode::NotFound => return Ok(None),

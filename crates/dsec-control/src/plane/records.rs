@@ -669,9 +669,13 @@ impl Records {
                     }
                 }
                 Err(e) => {
-                    if matches!(e, StateError::Unavailable(_)) {
-                        // The store may apply it yet (etcd does once quorum returns):
-                        // the caller is told it failed, so what it stores must go.
+                    // The store may apply it yet (etcd does once quorum returns). A
+                    // keyed record stored `ready` (its sandbox made) may: a retry with
+                    // the key then finds a whole sandbox (if it never lands, the node's
+                    // reaper destroys the sandbox as an orphan). Anything else the
+                    // caller is told failed must go.
+                    let whole = key.is_some() && sb.state == SandboxState::Ready;
+                    if matches!(e, StateError::Unavailable(_)) && !whole {
                         self.queue_give_up(sb, IN_DOUBT_SETTLE);
                     }
                     return Err(InsertError::Store(store_err(e)));
@@ -692,6 +696,20 @@ impl Records {
             tracing::warn!(id = %sb.id, error = %e, "a failed create's record stays until the store answers");
             self.queue_give_up(sb, Duration::ZERO);
         }
+    }
+
+    /// If this replica gave up on the create of `id`, removes its record now (a keyed
+    /// retry found it before the removal task did) and says how that went; `None`
+    /// otherwise. The removal task keeps looking until the create's answer settles.
+    pub async fn remove_if_given_up(&self, id: &str) -> Option<ApiResult<()>> {
+        let sb = self
+            .given_up
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|g| g.sb.id == id)
+            .map(|g| g.sb.clone())?;
+        Some(self.remove(&sb, None).await)
     }
 
     fn queue_give_up(&self, sb: &Sandbox, settle: Duration) {
