@@ -165,6 +165,10 @@ pub(crate) struct Row {
     pub(crate) writes_per_create: f64,
     pub(crate) reads_per_delete: f64,
     pub(crate) writes_per_delete: f64,
+    /// etcd transaction requests per create (writes share requests under load).
+    pub(crate) etcd_requests_per_create: Option<f64>,
+    /// etcd transaction requests per delete.
+    pub(crate) etcd_requests_per_delete: Option<f64>,
     /// CPU of this process per create, ms (planes, HTTP both sides, nodes, client).
     pub(crate) cpu_ms_per_create: f64,
     /// CPU of etcd per create, ms.
@@ -186,10 +190,11 @@ async fn run(
     counts: &Counts,
     nodes: &Fleet,
     n: usize,
-    etcd: Option<&str>,
+    etcd: Option<&EtcdSide<'_>>,
 ) -> anyhow::Result<Row> {
     let (r0, w0) = counts.now();
-    let etcd_cpu = || etcd.map_or(0.0, processes_cpu_ms);
+    let sent0 = etcd.map(EtcdSide::requests);
+    let etcd_cpu = || etcd.map_or(0.0, |e| processes_cpu_ms(e.marker));
     let (cpu0, etcd0, host0) = (process_cpu_ms(), etcd_cpu(), HostCpu::now());
     let start = Instant::now();
     let results: Vec<anyhow::Result<(String, f64)>> = futures::stream::iter(0..n)
@@ -204,6 +209,7 @@ async fn run(
     let elapsed = start.elapsed().as_secs_f64();
     let (cpu1, etcd1, host) = (process_cpu_ms(), etcd_cpu(), host0.elapsed_ms());
     let (r1, w1) = counts.now();
+    let sent1 = etcd.map(EtcdSide::requests);
     let mut ids = Vec::new();
     let mut samples = Vec::new();
     for r in results {
@@ -221,7 +227,9 @@ async fn run(
         .into_iter()
         .collect::<anyhow::Result<Vec<_>>>()?;
     let (r2, w2) = counts.now();
+    let sent2 = etcd.map(EtcdSide::requests);
     let per = |a: u64, b: u64| (b - a) as f64 / n as f64;
+    let per_sent = |a: Option<u64>, b: Option<u64>| Some(per(a?, b?));
     Ok(Row {
         name: name.to_string(),
         creates: n,
@@ -235,6 +243,8 @@ async fn run(
         writes_per_create: per(w0, w1),
         reads_per_delete: per(r1, r2),
         writes_per_delete: per(w1, w2),
+        etcd_requests_per_create: per_sent(sent0, sent1),
+        etcd_requests_per_delete: per_sent(sent1, sent2),
         cpu_ms_per_create: (cpu1 - cpu0) / n as f64,
         etcd_cpu_ms_per_create: (etcd1 - etcd0) / n as f64,
         host_cpu_ms_per_create: host / n as f64,
@@ -481,25 +491,39 @@ async fn etcd_stores(
     endpoints: &[String],
     prefix: &str,
     n: usize,
-) -> anyhow::Result<Vec<Arc<dyn StateStore>>> {
-    let mut stores: Vec<Arc<dyn StateStore>> = Vec::new();
+) -> anyhow::Result<Vec<EtcdStore>> {
+    let mut stores = Vec::new();
     for _ in 0..n {
-        stores.push(Arc::new(
-            EtcdStore::connect(EtcdConfig::new(endpoints.to_vec(), prefix)).await?,
-        ));
+        stores.push(EtcdStore::connect(EtcdConfig::new(endpoints.to_vec(), prefix)).await?);
     }
     Ok(stores)
 }
 
+/// The etcd side of a run: its process (by a marker in its command line) and the
+/// planes' clients.
+struct EtcdSide<'a> {
+    marker: &'a str,
+    stores: &'a [EtcdStore],
+}
+
+impl EtcdSide<'_> {
+    /// etcd transaction requests the clients sent so far.
+    fn requests(&self) -> u64 {
+        self.stores.iter().map(|s| s.txn_counts().0).sum()
+    }
+}
+
 /// etcd alone: `n` single-put transactions of a record-sized value, 64 in flight, from
 /// two clients (what the store can commit, without a control plane); a row per txn.
-async fn etcd_alone(stores: &[Arc<dyn StateStore>], n: usize, etcd: &str) -> anyhow::Result<Row> {
+async fn etcd_alone(etcd: &EtcdSide<'_>, n: usize) -> anyhow::Result<Row> {
+    let (stores, marker) = (etcd.stores, etcd.marker);
     let value = vec![b'x'; 1500];
-    let (cpu0, etcd0, host0) = (process_cpu_ms(), processes_cpu_ms(etcd), HostCpu::now());
+    let sent0 = etcd.requests();
+    let (cpu0, etcd0, host0) = (process_cpu_ms(), processes_cpu_ms(marker), HostCpu::now());
     let start = Instant::now();
     let samples: Vec<f64> = futures::stream::iter(0..n)
         .map(|i| {
-            let store = stores[i % stores.len()].clone();
+            let store = &stores[i % stores.len()];
             let value = &value;
             async move {
                 let t = Instant::now();
@@ -516,6 +540,7 @@ async fn etcd_alone(stores: &[Arc<dyn StateStore>], n: usize, etcd: &str) -> any
         .collect::<anyhow::Result<_>>()?;
     let elapsed = start.elapsed().as_secs_f64();
     let per = |ms: f64| ms / n as f64;
+    let sent = etcd.requests() - sent0;
     Ok(Row {
         name: format!("etcd alone: {n} single-put txns of 1.5 kB (per txn, not per create)"),
         creates: n,
@@ -529,8 +554,10 @@ async fn etcd_alone(stores: &[Arc<dyn StateStore>], n: usize, etcd: &str) -> any
         writes_per_create: 1.0,
         reads_per_delete: f64::NAN,
         writes_per_delete: f64::NAN,
+        etcd_requests_per_create: Some(sent as f64 / n as f64),
+        etcd_requests_per_delete: None,
         cpu_ms_per_create: per(process_cpu_ms() - cpu0),
-        etcd_cpu_ms_per_create: per(processes_cpu_ms(etcd) - etcd0),
+        etcd_cpu_ms_per_create: per(processes_cpu_ms(marker) - etcd0),
         host_cpu_ms_per_create: per(host0.elapsed_ms()),
         cv: None,
         nodes_used: 0,
@@ -625,9 +652,11 @@ pub fn section(quick: bool) -> anyhow::Result<()> {
         match dsec_testkit::Etcd::start("bench-control-plane") {
             Some(etcd) => {
                 let dir = etcd.dir().to_string_lossy().into_owned();
-                let marker = Some(dir.as_str());
                 let stores = etcd_stores(&etcd.endpoints(), "/bench", 2).await?;
-                let cluster = Cluster::start(stores, Fleet::new(100), Strategy::SampleD).await?;
+                let side = EtcdSide { marker: &dir, stores: &stores };
+                let marker = Some(&side);
+                let dyn_stores = stores.iter().map(|s| Arc::new(s.clone()) as Arc<dyn StateStore>).collect();
+                let cluster = Cluster::start(dyn_stores, Fleet::new(100), Strategy::SampleD).await?;
                 let (counts, fleet) = (&cluster.counts, &cluster.fleet);
                 let via = cluster.http()?;
                 rows.push(run("etcd, 2 API servers over HTTP", &via, counts, fleet, n, marker).await?);
@@ -635,7 +664,7 @@ pub fn section(quick: bool) -> anyhow::Result<()> {
                 rows.push(run("etcd, 2 planes in-process", &via, counts, fleet, n, marker).await?);
                 cluster.stop().await;
                 let stores = etcd_stores(&etcd.endpoints(), "/bench-put", 2).await?;
-                rows.push(etcd_alone(&stores, 2 * n, &dir).await?);
+                rows.push(etcd_alone(&EtcdSide { marker: &dir, stores: &stores }, 2 * n).await?);
             }
             None => println!("(etcd is not installed: the etcd rows are missing)\n"),
         }
@@ -646,8 +675,8 @@ pub fn section(quick: bool) -> anyhow::Result<()> {
         cluster.stop().await;
         rows.push(redb_row(n).await?);
 
-        println!("| setup | creates/s | p50 ms | p99 ms | store reads / writes per create | per delete | CPU ms per create: bench process / etcd / whole host |");
-        println!("|---|---|---|---|---|---|---|");
+        println!("| setup | creates/s | p50 ms | p99 ms | store reads / writes per create | per delete | etcd requests per create / delete | CPU ms per create: bench process / etcd / whole host |");
+        println!("|---|---|---|---|---|---|---|---|");
         let mut json = Vec::new();
         for r in &rows {
             let delete = if r.writes_per_delete.is_nan() {
@@ -655,8 +684,13 @@ pub fn section(quick: bool) -> anyhow::Result<()> {
             } else {
                 format!("{:.2} / {:.2}", r.reads_per_delete, r.writes_per_delete)
             };
+            let f = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+            let requests = match r.etcd_requests_per_create {
+                Some(_) => format!("{} / {}", f(r.etcd_requests_per_create), f(r.etcd_requests_per_delete)),
+                None => String::new(),
+            };
             println!(
-                "| {} | {:.0} | {:.2} | {:.2} | {:.2} / {:.2} | {delete} | {:.2} / {:.2} / {:.2} |",
+                "| {} | {:.0} | {:.2} | {:.2} | {:.2} / {:.2} | {delete} | {requests} | {:.2} / {:.2} / {:.2} |",
                 r.name,
                 r.rate,
                 r.latency.pct(50.0),
@@ -671,6 +705,7 @@ pub fn section(quick: bool) -> anyhow::Result<()> {
                 "p50_ms": r.latency.pct(50.0), "p99_ms": r.latency.pct(99.0),
                 "reads_per_create": r.reads_per_create, "writes_per_create": r.writes_per_create,
                 "reads_per_delete": r.reads_per_delete, "writes_per_delete": r.writes_per_delete,
+                "etcd_requests_per_create": r.etcd_requests_per_create, "etcd_requests_per_delete": r.etcd_requests_per_delete,
                 "cpu_ms_per_create": r.cpu_ms_per_create, "etcd_cpu_ms_per_create": r.etcd_cpu_ms_per_create,
                 "host_cpu_ms_per_create": r.host_cpu_ms_per_create, "cv": r.cv, "nodes_used": r.nodes_used}));
         }
