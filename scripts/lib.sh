@@ -10,8 +10,10 @@ repo_root() { cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd; }
 # python3-venv (the Python SDK's tests run in a venv), nftables (sandbox network policy),
 # iproute2 (the network tests build a fake internet with `ip`),
 # mmdebstrap (base image), the OCI runtimes the benchmark compares against, and
-# protobuf-compiler (protoc: the etcd client compiles etcd's .proto files when it builds).
-APT_PACKAGES="erofs-utils e2fsprogs nftables iproute2 mmdebstrap crun runc python3 python3-venv ca-certificates protobuf-compiler"
+# protobuf-compiler and libprotobuf-dev (protoc and the well-known types its imports name,
+# google/protobuf/descriptor.proto: the etcd client compiles etcd's .proto files when it
+# builds; protoc alone fails on a machine that never had the headers).
+APT_PACKAGES="erofs-utils e2fsprogs nftables iproute2 mmdebstrap crun runc python3 python3-venv ca-certificates protobuf-compiler libprotobuf-dev"
 # What only the tests need: etcd-server (a real etcd for the state store and cluster tests),
 # docker-registry (a real OCI registry for the pull tests; the tests start their own on
 # loopback), skopeo (seeds it), apache2-utils (htpasswd, for its basic auth), openssl (the
