@@ -739,9 +739,9 @@ mod tests {
         assert_eq!(row.writes_per_create, 1.0, "{row:?}");
         // A new key is looked up in the replica's cache, not the store.
         assert!(row.reads_per_create < 0.1, "{row:?}");
-        // A delete is two commits (`stopping`, then the record, its key and its claim
-        // at once), guarded by the cached revision: no read.
-        assert_eq!(row.writes_per_delete, 2.0, "{row:?}");
+        // A delete is one commit once its node destroyed it (the record, its key and
+        // its claim at once), guarded by the cached revision: no read.
+        assert_eq!(row.writes_per_delete, 1.0, "{row:?}");
         assert!(row.reads_per_delete < 0.1, "{row:?}");
         assert!(row.cv.is_some_and(|cv| cv.is_finite()), "{row:?}");
         // Placement saw all five nodes through their registrations.

@@ -216,8 +216,19 @@ async fn an_unreachable_node_fails_calls_with_a_retryable_code() -> TestResult {
         .await
         .expect_err("down");
     assert_eq!(e.code, ErrorCode::AgentUnavailable);
+    // A delete the node refuses changes nothing: the sandbox stays ready, for a retry.
+    let e = plane.delete_sandbox(op(), &sb.id).await.expect_err("down");
+    assert_eq!(e.code, ErrorCode::AgentUnavailable);
     fx.node.set_down(false);
+    assert_eq!(
+        plane.get_sandbox(op(), &sb.id).await?.state,
+        SandboxState::Ready
+    );
     plane.exec(op(), &sb.id, shell("true")).await?;
+    plane.delete_sandbox(op(), &sb.id).await?;
+    assert!(fx.node.sandbox_ids().is_empty());
+    let e = plane.get_sandbox(op(), &sb.id).await.expect_err("deleted");
+    assert_eq!(e.code, ErrorCode::NotFound);
     Ok(())
 }
 

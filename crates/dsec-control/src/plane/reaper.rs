@@ -162,9 +162,11 @@ impl ControlPlane {
             let mut seen = self.unrecorded.lock().unwrap_or_else(|p| p.into_inner());
             let on_this_node: std::collections::HashSet<&str> =
                 sandboxes.iter().map(|s| s.id.as_str()).collect();
+            let still_unrecorded: std::collections::HashSet<&str> =
+                unrecorded.iter().map(|(id, _)| id.as_str()).collect();
             // Forget what this node no longer has, or has a record for now.
             seen.retain(|id, _| {
-                !on_this_node.contains(id.as_str()) || unrecorded.iter().any(|(u, _)| u == id)
+                !on_this_node.contains(id.as_str()) || still_unrecorded.contains(id.as_str())
             });
             // Measured on the node's own clock (its sandbox's age): no skew matters.
             unrecorded
@@ -285,15 +287,24 @@ impl ControlPlane {
     }
 
     /// Destroys a sandbox and forgets it; with `expired_reason`, remembers why.
+    ///
+    /// The node destroys it first and one store write then removes the record (with its
+    /// idempotency key, quota usage and tombstone): a destroy that fails changes nothing,
+    /// for the caller or the reaper to retry. Only a record still `creating` (a create in
+    /// flight, on this or another replica) is marked `stopping` first, so that create's
+    /// finishing write fails instead of bringing it back.
     pub(super) async fn remove(&self, id: &str, expired_reason: Option<&str>) -> ApiResult<()> {
-        let (sb, _) = self
-            .change(id, |sb| {
-                let stopping = sb.state == SandboxState::Stopping;
-                sb.state = SandboxState::Stopping;
-                Ok(!stopping)
-            })
-            .await?;
-        self.nodes.release(id);
+        let mut sb = self.record(id).await?;
+        if sb.state == SandboxState::Creating {
+            sb = self
+                .change(id, |sb| {
+                    let stopping = sb.state == SandboxState::Stopping;
+                    sb.state = SandboxState::Stopping;
+                    Ok(!stopping)
+                })
+                .await?
+                .0;
+        }
         match self.node_of(&sb) {
             Ok(node) => node.destroy(id).await?,
             // Its node destroys it as an orphan when it is back.
@@ -301,6 +312,7 @@ impl ControlPlane {
                 tracing::info!(%id, node = %sb.node, "removing the record of a sandbox whose node is gone")
             }
         }
+        self.nodes.release(id);
         let tombstone = expired_reason.map(|reason| records::Tombstone {
             reason: reason.to_string(),
             at: now_ms(),
