@@ -184,6 +184,8 @@ pub(super) struct Records {
     /// Creates that failed whose records must go once the store answers (see
     /// [`Records::give_up`]), and the task that removes them.
     given_up: Mutex<Vec<GivenUp>>,
+    /// Wakes the remover when `given_up` gains an entry (it sleeps while it is empty).
+    given_up_added: Arc<tokio::sync::Notify>,
     remover: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// This replica's lease, when creates must be claimed (several replicas share the
     /// store): a create in flight holds `creating/<id>` on it.
@@ -257,9 +259,22 @@ impl Drop for Records {
     }
 }
 
-/// Removes the records of creates given up on ([`Records::give_up`]) as the store lets it.
-async fn remove_given_up(records: std::sync::Weak<Records>) {
+/// Removes the records of creates given up on ([`Records::give_up`]) as the store lets it;
+/// idle (no timer) while there are none.
+async fn remove_given_up(records: std::sync::Weak<Records>, added: Arc<tokio::sync::Notify>) {
     loop {
+        let idle = match records.upgrade() {
+            Some(r) => r
+                .given_up
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_empty(),
+            None => return,
+        };
+        if idle {
+            // An entry queued since the check left a permit: this returns at once.
+            added.notified().await;
+        }
         tokio::time::sleep(GIVE_UP_TICK).await;
         let Some(r) = records.upgrade() else { return };
         let now = std::time::Instant::now();
@@ -378,13 +393,17 @@ impl Records {
             changed: tokio::sync::Notify::new(),
             watcher: Mutex::new(None),
             given_up: Mutex::new(Vec::new()),
+            given_up_added: Arc::new(tokio::sync::Notify::new()),
             remover: Mutex::new(None),
             lease,
             iam,
         });
         let task = tokio::spawn(watch(Arc::downgrade(&records), rev));
         *records.watcher.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
-        let task = tokio::spawn(remove_given_up(Arc::downgrade(&records)));
+        let task = tokio::spawn(remove_given_up(
+            Arc::downgrade(&records),
+            records.given_up_added.clone(),
+        ));
         *records.remover.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
         Ok(records)
     }
@@ -722,6 +741,7 @@ impl Records {
                 settle_at: now + settle,
                 next_at: now,
             });
+        self.given_up_added.notify_one();
     }
 
     /// Drops this replica's claim on a create that ended (either way).
