@@ -101,28 +101,31 @@ fn value_bytes(txn: &Txn) -> usize {
 /// Takes the longest prefix of `waiting` that can go as one etcd transaction: disjoint
 /// keys, at most [`MAX_TXN_OPS`] checks and ops, at most [`MAX_VALUE_BYTES`] of values.
 fn take_batch(waiting: &mut VecDeque<Pending>) -> Vec<Pending> {
-    let mut keys_taken: HashSet<(String, String)> = HashSet::new();
-    let (mut checks, mut ops, mut bytes) = (0usize, 0usize, 0usize);
-    let mut n = 0;
-    for p in waiting.iter() {
-        let t = &p.txn;
-        let fits = checks + t.checks.len() <= MAX_TXN_OPS
-            && ops + t.ops.len() <= MAX_TXN_OPS
-            && bytes + value_bytes(t) <= MAX_VALUE_BYTES;
-        let disjoint =
-            keys(t).all(|(ns, k)| !keys_taken.contains(&(ns.to_string(), k.to_string())));
-        if n > 0 && !(fits && disjoint && batchable(t)) {
-            break;
+    let n = {
+        // Borrowed from the queue: no key is copied while its lock is held.
+        let mut keys_taken: HashSet<(&str, &str)> = HashSet::new();
+        let (mut checks, mut ops, mut bytes) = (0usize, 0usize, 0usize);
+        let mut n = 0;
+        for p in waiting.iter() {
+            let t = &p.txn;
+            let fits = checks + t.checks.len() <= MAX_TXN_OPS
+                && ops + t.ops.len() <= MAX_TXN_OPS
+                && bytes + value_bytes(t) <= MAX_VALUE_BYTES;
+            let disjoint = keys(t).all(|k| !keys_taken.contains(&k));
+            if n > 0 && !(fits && disjoint && batchable(t)) {
+                break;
+            }
+            keys_taken.extend(keys(t));
+            checks += t.checks.len();
+            ops += t.ops.len();
+            bytes += value_bytes(t);
+            n += 1;
+            if !batchable(t) {
+                break;
+            }
         }
-        keys_taken.extend(keys(t).map(|(ns, k)| (ns.to_string(), k.to_string())));
-        checks += t.checks.len();
-        ops += t.ops.len();
-        bytes += value_bytes(t);
-        n += 1;
-        if !batchable(t) {
-            break;
-        }
-    }
+        n
+    };
     waiting.drain(..n).collect()
 }
 
@@ -189,11 +192,7 @@ impl Batcher {
                     batcher: self.clone(),
                     store: store.clone(),
                 };
-                self.sent.fetch_add(1, Ordering::Relaxed);
-                store
-                    .send_txn(&txn)
-                    .await
-                    .and_then(|s| s.into_outcome(&txn))
+                self.alone(store, &txn).await
             }
             Turn::Later(rx) => rx.await.unwrap_or_else(|_| {
                 Err(StateError::Unavailable(
@@ -230,18 +229,19 @@ impl Batcher {
         }
     }
 
+    /// Sends `txn` as an etcd transaction of its own.
+    async fn alone(&self, store: &EtcdStore, txn: &Txn) -> Outcome {
+        self.sent.fetch_add(1, Ordering::Relaxed);
+        store.send_txn(txn).await.and_then(|s| s.into_outcome(txn))
+    }
+
     /// Sends `batch` as one transaction and answers each member.
     async fn run(&self, store: &EtcdStore, batch: Vec<Pending>) {
         if let [_] = batch.as_slice() {
             let Some(p) = batch.into_iter().next() else {
                 return;
             };
-            self.sent.fetch_add(1, Ordering::Relaxed);
-            let out = store
-                .send_txn(&p.txn)
-                .await
-                .and_then(|s| s.into_outcome(&p.txn));
-            let _ = p.reply.send(out);
+            let _ = p.reply.send(self.alone(store, &p.txn).await);
             return;
         }
         let merged = merge(&batch);
@@ -276,12 +276,7 @@ impl Batcher {
                     }
                 }
                 let alone = again.into_iter().map(|p| async move {
-                    self.sent.fetch_add(1, Ordering::Relaxed);
-                    let out = store
-                        .send_txn(&p.txn)
-                        .await
-                        .and_then(|s| s.into_outcome(&p.txn));
-                    let _ = p.reply.send(out);
+                    let _ = p.reply.send(self.alone(store, &p.txn).await);
                 });
                 futures::future::join_all(alone).await;
             }
