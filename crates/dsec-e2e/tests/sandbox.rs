@@ -2762,11 +2762,15 @@ async fn out_of_memory_kills_commands_not_the_agent() {
     )
     .await;
     let agent = agent_pid(&sb.id);
-    // Commands start above the agent's score, and cannot go below the floor.
+    // Commands start above the agent's score, and cannot go below the floor. In a user
+    // namespace the agent sets a command's score just after its exec (see
+    // `dsec_container::harden::protect_from_oom`): the shell waits for it, up to 2 s.
     let r = run(
         &c,
         &sb.id,
-        "cat /proc/$$/oom_score_adj; echo -1000 > /proc/self/oom_score_adj || echo refused",
+        "i=0; while [ \"$(cat /proc/$$/oom_score_adj)\" != 500 ] && [ $i -lt 20 ]; \
+         do sleep 0.1; i=$((i+1)); done; \
+         cat /proc/$$/oom_score_adj; echo -1000 > /proc/self/oom_score_adj || echo refused",
     )
     .await;
     assert!(r.stdout.starts_with("500\n"), "{r:?}");

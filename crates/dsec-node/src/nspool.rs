@@ -367,8 +367,19 @@ mod tests {
         // Back in the pool: the range is the pool's again.
         assert!(pool.give_back("a", got));
         assert!(lock(&ranges).held("a").is_none());
-        assert_eq!(pool.ready(), 3);
-        assert_eq!(lock(&ranges).in_use(), 4, "3 pooled and the label's");
+        assert!(pool.ready() >= 3);
+        // A filler started before the give-back may hold one more range for a moment,
+        // until its entry is pooled too.
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        while lock(&ranges).in_use() != pool.ready() + 1 {
+            assert!(
+                std::time::Instant::now() < until,
+                "ranges in use {} for {} pooled and the label's",
+                lock(&ranges).in_use(),
+                pool.ready()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
         drop(pool);
         assert_eq!(lock(&ranges).in_use(), 1, "only the label's is left");
     }
