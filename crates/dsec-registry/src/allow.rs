@@ -65,13 +65,13 @@ impl Allow {
         Ok(allow)
     }
 
-    /// `Ok` if `reference`'s registry may be pulled from; resolves its host to check a
-    /// registry allowed only as public.
-    pub(crate) async fn check(&self, reference: &Reference) -> Result<()> {
+    /// How `reference`'s registry may be pulled from, or why not; resolves its host to
+    /// check a registry allowed only as public.
+    pub(crate) async fn check(&self, reference: &Reference) -> Result<Reach> {
         let registry = reference.registry().to_ascii_lowercase();
         let resolved = reference.resolve_registry().to_ascii_lowercase();
         if self.named.iter().any(|n| *n == registry || *n == resolved) {
-            return Ok(());
+            return Ok(Reach::Named);
         }
         let refuse = |why: String| {
             Err(RegistryError::Refused(format!(
@@ -86,7 +86,7 @@ impl Allow {
                     .into(),
             );
         }
-        let (host, port) = split_host_port(&resolved);
+        let (host, port) = split_host_port(&resolved, 443);
         let addrs: Vec<IpAddr> = match host.parse::<IpAddr>() {
             Ok(ip) => vec![ip],
             Err(_) if host == "localhost" || host.ends_with(".localhost") => {
@@ -106,22 +106,32 @@ impl Allow {
                 "its address {ip} is not public (loopback, private, link-local or \
                  another reserved range)"
             )),
-            None => Ok(()),
+            None => Ok(Reach::Public),
         }
     }
 }
 
-/// `host` and port of `host[:port]` (`[v6]:port` too); 443 when none.
-fn split_host_port(s: &str) -> (&str, u16) {
+/// Why a registry may be pulled from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reach {
+    /// An operator named it: its pulls go wherever it sends them.
+    Named,
+    /// Its address is public: so must be every address its pulls reach (redirects,
+    /// token realms, a name resolved again), which [`crate::egress`] enforces.
+    Public,
+}
+
+/// `host` and port of `host[:port]` (`[v6]:port` too); `default` when none.
+pub(crate) fn split_host_port(s: &str, default: u16) -> (&str, u16) {
     if let Some(rest) = s.strip_prefix('[') {
         if let Some((h, tail)) = rest.split_once(']') {
             let port = tail.strip_prefix(':').and_then(|p| p.parse().ok());
-            return (h, port.unwrap_or(443));
+            return (h, port.unwrap_or(default));
         }
     }
     match s.rsplit_once(':') {
-        Some((h, p)) if !h.contains(':') => (h, p.parse().unwrap_or(443)),
-        _ => (s, 443),
+        Some((h, p)) if !h.contains(':') => (h, p.parse().unwrap_or(default)),
+        _ => (s, default),
     }
 }
 
@@ -194,7 +204,10 @@ mod tests {
             assert!(matches!(err, RegistryError::Refused(_)), "{refused}: {msg}");
             assert!(msg.contains("--allow-registry"), "{msg}");
         }
-        assert!(default.check(&r("8.8.8.8/app")).await.is_ok());
+        assert_eq!(
+            default.check(&r("8.8.8.8/app")).await.ok(),
+            Some(Reach::Public)
+        );
         // References cannot spell IPv6 literals, but names resolve to them.
         for v6 in [
             "::1",
@@ -211,7 +224,10 @@ mod tests {
         ));
 
         let named = Allow::from_flags(&["127.0.0.1:5000".into()]).unwrap_or_else(|e| panic!("{e}"));
-        assert!(named.check(&r("127.0.0.1:5000/app")).await.is_ok());
+        assert_eq!(
+            named.check(&r("127.0.0.1:5000/app")).await.ok(),
+            Some(Reach::Named)
+        );
         let err = named
             .check(&r("127.0.0.1:5001/app"))
             .await

@@ -28,6 +28,7 @@ use oci_client::Reference;
 
 pub mod allow;
 pub mod auth;
+mod egress;
 mod flight;
 mod pull;
 

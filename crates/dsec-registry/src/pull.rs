@@ -1,6 +1,7 @@
 //! One pull: resolve the reference to a manifest, fetch the config and the layer blobs
 //! not converted before, and hand them to the image store.
 
+use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -16,6 +17,8 @@ use oci_client::{Client, Reference};
 use sha2::{Digest as _, Sha256};
 use tokio::io::AsyncWriteExt as _;
 
+use crate::allow::{is_public, Reach};
+use crate::egress::{Egress, Permit};
 use crate::{
     default_name, parse_reference, Progress, RegistryConfig, RegistryError, Result, CONFIG_LIMIT,
     MANIFEST_LIMIT,
@@ -135,21 +138,33 @@ fn size_of(d: &Descriptor, reference: &Reference) -> Result<u64> {
     })
 }
 
-/// A client for `reference`'s registry.
-fn client(config: &RegistryConfig, reference: &Reference, insecure: bool) -> Client {
+/// A client for `reference`'s registry; with `proxy`, every request goes through it.
+fn client(
+    config: &RegistryConfig,
+    reference: &Reference,
+    insecure: bool,
+    proxy: Option<&Egress>,
+) -> Result<Client> {
     let protocol = if insecure {
         ClientProtocol::HttpsExcept(vec![reference.resolve_registry().to_string()])
     } else {
         ClientProtocol::Https
     };
-    Client::new(ClientConfig {
+    let proxy = proxy.map(Egress::url);
+    // Not `Client::new`: on a bad config it falls back to a default client, which
+    // would go around the proxy.
+    Client::try_from(ClientConfig {
         protocol,
         // Indexes are resolved here (by platform, with the digest checked).
         platform_resolver: None,
         connect_timeout: Some(config.connect_timeout),
         read_timeout: Some(config.read_timeout),
+        https_proxy: proxy.clone(),
+        http_proxy: proxy,
+        no_proxy: None,
         ..Default::default()
     })
+    .map_err(|e| RegistryError::Transport(format!("registry client: {e}")))
 }
 
 /// Fetches the manifest or index `reference` names, checking its size and (for a
@@ -332,9 +347,67 @@ pub(crate) async fn pull(
         .clone()
         .unwrap_or_else(|| default_name(&req.reference));
     dsec_image::validate_name(&name)?;
-    config.allow.check(&reference).await?;
+    let permit: Option<Permit> = match config.allow.check(&reference).await? {
+        Reach::Named => None,
+        Reach::Public => Some(Arc::new(|a: &SocketAddr| is_public(&a.ip()))),
+    };
+    pull_guarded(store, config, req, progress, reference, name, permit).await
+}
+
+/// A pull of an allowed `reference`; with `permit`, its connections go through an
+/// [`Egress`] that lets them reach only the addresses it permits.
+async fn pull_guarded(
+    store: Arc<ImageStore>,
+    config: &RegistryConfig,
+    req: &PullImageRequest,
+    progress: Progress,
+    reference: Reference,
+    name: String,
+    permit: Option<Permit>,
+) -> Result<Image> {
+    let egress = match permit {
+        Some(p) => Some(
+            Egress::start(p)
+                .await
+                .map_err(|e| RegistryError::Transport(format!("registry egress proxy: {e}")))?,
+        ),
+        None => None,
+    };
+    let res = pull_with(
+        store,
+        config,
+        req,
+        progress,
+        &reference,
+        name,
+        egress.as_ref(),
+    )
+    .await;
+    match (res, egress.as_ref().and_then(Egress::refused)) {
+        // Whatever the client made of the refusal, this is why the pull failed.
+        (Err(_), Some(refused)) => Err(RegistryError::Refused(format!(
+            "registry {} sent the pull to {refused}, which is not a public address (a \
+             redirect or token realm into a private network); an operator who trusts it \
+             allows it with `dsec serve --allow-registry {}`",
+            reference.registry(),
+            reference.registry()
+        ))),
+        (res, _) => res,
+    }
+}
+
+async fn pull_with(
+    store: Arc<ImageStore>,
+    config: &RegistryConfig,
+    req: &PullImageRequest,
+    progress: Progress,
+    reference: &Reference,
+    name: String,
+    egress: Option<&Egress>,
+) -> Result<Image> {
+    let reference = reference.clone();
     let insecure = req.insecure || config.insecure.iter().any(|r| r == reference.registry());
-    let client = client(config, &reference, insecure);
+    let client = client(config, &reference, insecure, egress)?;
     let auth = config.credentials.for_reference(&reference);
     progress(ImportEvent::Progress {
         phase: "resolving".into(),
@@ -479,4 +552,90 @@ pub(crate) async fn pull(
     .await
     .map_err(|e| RegistryError::Transport(format!("join: {e}")))??;
     Ok(img)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Credential;
+
+    /// A registry allowed as public may not send its pull anywhere else: here its token
+    /// realm (a server on another port, standing in for the metadata endpoint) is not
+    /// permitted, and the pull fails naming it with nothing stored; permitted, the same
+    /// pull (manifest, token, blobs) goes through the proxy whole.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_public_registry_cannot_send_the_pull_to_an_address_that_is_not() {
+        let t = "a_public_registry_cannot_send_the_pull_to_an_address_that_is_not";
+        if !dsec_testkit::require_root(t) {
+            return;
+        }
+        let tokens = dsec_testkit::TokenServer::start("ci", "right");
+        let Some(reg) = dsec_testkit::Registry::start_with_token(t, &tokens, "ci", "right") else {
+            return;
+        };
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Arc::new(ImageStore::open(dir.path().join("images")).expect("store"));
+        let tar = dsec_testkit::layer_tar(dir.path(), "egress", 64 << 10);
+        let layout = dsec_testkit::oci_layout(&dir.path().join("layout"), &[&tar], "amd64", &[]);
+        reg.seed(&layout, "team/app:v1", "gzip");
+        let seeded = tokens.issued();
+
+        let mut config = RegistryConfig::default();
+        config.credentials.insert(
+            &reg.addr(),
+            Credential::Basic {
+                username: "ci".into(),
+                password: "right".into(),
+            },
+        );
+        let req = PullImageRequest {
+            reference: format!("{}/team/app:v1", reg.addr()),
+            name: Some("egress".into()),
+            insecure: true,
+        };
+        let token_port: u16 = tokens
+            .realm()
+            .trim_start_matches("http://127.0.0.1:")
+            .trim_end_matches("/token")
+            .parse()
+            .expect("token port");
+        let pull = |ports: Vec<u16>| {
+            let (store, config, req) = (store.clone(), config.clone(), req.clone());
+            async move {
+                let reference = parse_reference(&req.reference)?;
+                let permit: Permit = Arc::new(move |a: &SocketAddr| {
+                    a.ip().is_loopback() && ports.contains(&a.port())
+                });
+                pull_guarded(
+                    store,
+                    &config,
+                    &req,
+                    Arc::new(|_| {}),
+                    reference,
+                    "egress".into(),
+                    Some(permit),
+                )
+                .await
+            }
+        };
+
+        let err = pull(vec![reg.port()])
+            .await
+            .expect_err("realm not permitted");
+        let msg = err.to_string();
+        assert!(matches!(err, RegistryError::Refused(_)), "{msg}");
+        assert!(
+            msg.contains(&format!("127.0.0.1:{token_port}"))
+                && msg.contains("not a public address"),
+            "{msg}"
+        );
+        assert_eq!(tokens.issued(), seeded, "no token was fetched");
+        assert!(store.image_info("egress").is_err(), "nothing stored");
+
+        let img = pull(vec![reg.port(), token_port])
+            .await
+            .expect("a pull through the proxy");
+        assert_eq!(img.name, "egress");
+        assert!(tokens.issued() > seeded, "the token came through the proxy");
+    }
 }

@@ -14,7 +14,7 @@ mod etcd;
 pub mod registry;
 pub mod token;
 pub use etcd::{etcd_binary, Etcd, ETCD_BIN_VAR};
-pub use registry::{oci_layout, CutProxy, Registry};
+pub use registry::{layer_tar, oci_layout, CutProxy, Registry};
 pub use token::TokenServer;
 
 /// The variable that lets tests skip on a machine that lacks their prerequisites.

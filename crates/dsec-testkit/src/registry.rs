@@ -372,6 +372,37 @@ fn base64(s: &str) -> String {
     out
 }
 
+/// A plain tar with `/etc/os-release` saying `id` and `size` bytes of noise in `/data`
+/// (incompressible, so a transfer of it can be cut in the middle).
+pub fn layer_tar(dir: &Path, id: &str, size: usize) -> PathBuf {
+    let path = dir.join(format!("{id}.tar"));
+    let f = std::fs::File::create(&path).expect("create tar");
+    let mut b = tar::Builder::new(f);
+    let mut add = |name: &str, data: &[u8]| {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_mtime(0);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_cksum();
+        b.append_data(&mut h, name, data).expect("append");
+    };
+    add("etc/os-release", format!("ID={id}\n").as_bytes());
+    let mut x: u64 = 0x9e3779b97f4a7c15 ^ id.len() as u64 ^ size as u64;
+    let noise: Vec<u8> = (0..size)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    add("data", &noise);
+    b.into_inner().expect("finish tar");
+    path
+}
+
 /// Writes an OCI image layout into `dir` (created) with one uncompressed layer per tar
 /// file of `layers`, bottom first, for `architecture` (`amd64`, `arm64`, ...), with
 /// `env` (`K=V`) in its config, tagged `latest`. Returns the layout's path.
