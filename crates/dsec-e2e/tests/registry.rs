@@ -239,6 +239,30 @@ async fn creates_naming_a_registry_reference_pull_it_once() {
     assert_eq!(sb.image, pinned.replace('@', ":"));
     c.delete_sandbox(&sb.id).await.expect("delete");
 
+    // Layers may be registry references too: pulled like the image, stacked on it.
+    let tool = dsec_testkit::layer_tar(dir.path(), "tool", 4 << 10);
+    let tool_layout = oci_layout(&dir.path().join("tool"), &[&tool], "amd64", &[]);
+    reg.seed(&tool_layout, "dsec/tool:v1", "zstd");
+    let (_, tool_digest) = reg.manifest("dsec/tool", "v1");
+    let tool_ref = format!("{}/dsec/tool@{tool_digest}", reg.addr());
+    let sb = c
+        .create_sandbox(CreateSandboxRequest {
+            layers: vec![tool_ref.clone()],
+            ..small(reference.clone())
+        })
+        .await
+        .expect("create with a registry layer");
+    assert_eq!(sb.layers, vec![tool_ref.replace('@', ":")]);
+    let r = c
+        .exec(
+            &sb.id,
+            sh("grep ^ID= /etc/os-release; test -s /data && echo FROM=$FROM"),
+        )
+        .await
+        .expect("exec");
+    assert_eq!(r.stdout, "ID=tool\nFROM=create\n", "{r:?}");
+    c.delete_sandbox(&sb.id).await.expect("delete");
+
     // A failed pull fails every create waiting for it, clearly, and leaves nothing.
     let missing = format!("{}/dsec/app:missing", reg.addr());
     let creates = (0..4).map(|_| c.create_sandbox(small(missing.clone())));

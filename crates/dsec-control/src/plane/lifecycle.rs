@@ -173,12 +173,15 @@ impl ControlPlane {
             })
         };
         let mut placed = placement(&refused)?;
-        // A registry reference the node's catalog lacks is pulled first.
-        let image = pull::ensure_image(&*placed.node, image).await?;
+        // Registry references (the image, layers) the node's catalog lacks are pulled
+        // first; from here on they go by their catalog names.
+        let requested_image = image;
+        let (image, layers) =
+            pull::ensure_images(&*placed.node, &requested_image, &req.layers).await?;
         // The images' own defaults, bottom first; unknown names fail here, before any
         // record exists.
         let config = self
-            .stack_config(&*placed.node, &image, &req.layers, true)
+            .stack_config(&*placed.node, &image, &layers, true)
             .await?;
         let charge = dsec_iam::Usage::sandbox(cpu_millis, memory_mb);
         let mut sb = Sandbox {
@@ -189,7 +192,7 @@ impl ControlPlane {
             auto_resume: req.auto_resume,
             qos: req.qos,
             idempotency_key: req.idempotency_key.clone(),
-            layers: req.layers.clone(),
+            layers: layers.clone(),
             image_digest: String::new(),
             backend: req.backend,
             resources: EffectiveResources {
@@ -242,7 +245,7 @@ impl ControlPlane {
         let spec = NodeCreateSpec {
             id: id.clone(),
             image,
-            layers: req.layers.clone(),
+            layers,
             cpu_millis,
             memory_bytes,
             pids_max: pids,
@@ -338,7 +341,8 @@ impl ControlPlane {
                     break;
                 }
             }
-            created = match pull::ensure_image(&*placed.node, spec.image.clone()).await {
+            created = match pull::ensure_images(&*placed.node, &requested_image, &req.layers).await
+            {
                 Ok(_) => placed.node.create(spec.clone()).await,
                 Err(e) => Err(e),
             };

@@ -58,6 +58,19 @@ pub(super) async fn ensure_image(node: &dyn NodeApi, image: String) -> ApiResult
     }
 }
 
+/// [`ensure_image`] for a create's image and each of its `layers` at once: the catalog
+/// names they have on `node`, in order.
+pub(super) async fn ensure_images(
+    node: &dyn NodeApi,
+    image: &str,
+    layers: &[String],
+) -> ApiResult<(String, Vec<String>)> {
+    let image = ensure_image(node, image.to_string());
+    let layers =
+        futures::future::try_join_all(layers.iter().map(|l| ensure_image(node, l.clone())));
+    futures::future::try_join(image, layers).await
+}
+
 /// Starts `node` pulling `req`; the stream carries its progress and ends with `Done` or
 /// `Error`. A request the node refuses before it contacts the registry (a reference or
 /// name that does not parse) is an error, not a stream. The pull runs to its end even if
