@@ -18,9 +18,11 @@
 //! starts) and its text: `Dockerfile line 7: ONBUILD is not supported (in "ONBUILD RUN
 //! make")`.
 
+pub mod ignore;
 pub mod parse;
 pub mod subst;
 
+pub use ignore::{Ignore, IgnoreError};
 pub use parse::{
     parse, ArgDecl, Command, CopyArgs, Dockerfile, Healthcheck, Instruction, InstructionKind, Stage,
 };
