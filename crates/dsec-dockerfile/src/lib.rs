@@ -1,6 +1,6 @@
 //! Dockerfile front end of dsec image builds: text in, a build plan out. No I/O.
 //!
-//! - [`parse`] (module [`mod@parse`]): Dockerfile text -> [`Dockerfile`] (stages and
+//! - [`parse()`] (module [`mod@parse`]): Dockerfile text -> [`Dockerfile`] (stages and
 //!   instructions, unsubstituted), refusing what dsec cannot build;
 //! - [`subst`]: Docker's variable substitution (`$VAR`, `${VAR:-word}`, quotes, escapes);
 //! - [`plan()`] (module [`mod@plan`]): [`Dockerfile`] + build args + target -> [`Plan`]: the
@@ -20,11 +20,16 @@
 
 pub mod ignore;
 pub mod parse;
+pub mod plan;
 pub mod subst;
 
 pub use ignore::{Ignore, IgnoreError};
 pub use parse::{
     parse, ArgDecl, Command, CopyArgs, Dockerfile, Healthcheck, Instruction, InstructionKind, Stage,
+};
+pub use plan::{
+    plan, plan_with, Base, CacheKey, CopyFrom, CopyStep, ImageConfig, Plan, PlanOptions,
+    PlannedStage, RunStep, Step, StepKind,
 };
 pub use subst::SubstError;
 

@@ -1,7 +1,7 @@
 //! Dockerfile text -> [`Dockerfile`]: parser directives (`# escape=`), comments, line
 //! continuations, instruction names (any case), `--flags`, exec (JSON) vs shell forms and
 //! `key=value` lists, following Docker's (BuildKit's) parser. Values stay unsubstituted:
-//! substitution needs the build args, so it belongs to [`crate::plan`].
+//! substitution needs the build args, so it belongs to [`mod@crate::plan`].
 //!
 //! What dsec cannot build is refused here, with the line: ONBUILD, RUN flags (`--mount`,
 //! `--network`...), heredocs, unknown instructions and flags. VOLUME and MAINTAINER are

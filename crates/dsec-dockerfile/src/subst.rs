@@ -6,7 +6,7 @@
 //! removed from the result. An undefined variable is empty.
 //!
 //! This module owns only the lexer; which instruction is substituted with which
-//! variables is the planner's business ([`crate::plan`]).
+//! variables is the planner's business ([`mod@crate::plan`]).
 
 use std::collections::BTreeMap;
 

@@ -142,7 +142,11 @@ fn continuations_comments_and_blank_lines() {
     // continues; one at the end of the file is dropped.
     assert_eq!(
         got,
-        vec![(2, "RUN echo a      b"), (8, "RUN x y"), (10, "RUN trailing")]
+        vec![
+            (2, "RUN echo a      b"),
+            (8, "RUN x y"),
+            (10, "RUN trailing")
+        ]
     );
 }
 
