@@ -200,6 +200,8 @@ fn directives() {
     assert_eq!(esc("FROM a\n# escape=`"), '\\');
     // An unknown directive ends the directives too.
     assert_eq!(esc("# foo=bar\n# escape=`\nFROM a"), '\\');
+    assert_eq!(esc("# escape=\n# escape=`\nFROM a"), '\\');
+    assert_eq!(esc("# check=skip=all\n#escape=`\nFROM a"), '`');
 }
 
 #[test]
@@ -870,6 +872,7 @@ fn durations() {
         ("-1s", None),
         (".s", None),
         ("1.2.3s", None),
+        ("9999999999999h", None),
     ];
     for (input, want) in cases {
         assert_eq!(parse_duration(input), want, "{input:?}");

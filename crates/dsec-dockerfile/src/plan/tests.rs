@@ -1,6 +1,7 @@
+use super::eval::{platform_vars, remote_source, resolve};
 use super::*;
 use crate::parse::parse;
-use crate::SubstError;
+use crate::{ErrorKind, SubstError};
 
 fn s(v: &[&str]) -> Vec<String> {
     v.iter().map(|x| x.to_string()).collect()
@@ -502,6 +503,25 @@ fn build_args_override_defaults() {
         runs(&p.stages[0])[0].env[1],
         ("A".to_string(), "cli".to_string())
     );
+}
+
+#[test]
+fn global_args() {
+    let p = plan_of(
+        "ARG REG=docker.io\n\
+         ARG IMG=${REG}/library/python\n\
+         ARG TAG\n\
+         ARG TARGETOS\n\
+         FROM ${IMG}:${TAG:-3.12}-$TARGETOS",
+        &[],
+        None,
+    );
+    assert_eq!(
+        p.stages[0].base,
+        Base::Image("docker.io/library/python:3.12-linux".into())
+    );
+    let p = plan_of("ARG TAG=1\nFROM a:$TAG", &[("TAG", "2")], None);
+    assert_eq!(p.stages[0].base, Base::Image("a:2".into()));
 }
 
 #[test]
