@@ -403,3 +403,69 @@ async fn an_expired_sandbox_gives_its_quota_back() -> TestResult {
     assert_eq!(p.a.iam().usage("short").await?, Usage::default());
     Ok(())
 }
+
+/// Sandboxes a tenant created while it had no quotas charged nothing. Once a quota is
+/// set, the reaper counts them (on whichever replica gets there first, once), so the
+/// quota holds against what runs, and their deletes give their share back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandboxes_from_before_a_quota_count_against_it() -> TestResult {
+    let p = pair(Arc::new(MemStore::new()), None).await?;
+    p.a.iam().create_tenant("late", Quotas::default()).await?;
+    let caller = tenant("late");
+    let mut made = Vec::new();
+    for plane in [&p.a, &p.b, &p.a] {
+        made.push(plane.create_sandbox(&caller, small()).await?);
+    }
+    assert_eq!(
+        p.a.iam().usage("late").await?,
+        Usage::default(),
+        "without quotas nothing is charged"
+    );
+    let quotas = Quotas {
+        max_sandboxes: Some(3),
+        ..Quotas::default()
+    };
+    p.a.iam().set_quotas("late", quotas.clone()).await?;
+    let usage = |n: u64| Usage {
+        sandboxes: n,
+        cpu_millis: n * 500,
+        memory_mb: n * 64,
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while p.a.iam().usage("late").await? != usage(3) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the reaper counts the 3 running sandboxes: {:?}",
+            p.a.iam().usage("late").await?
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Both replicas' passes run on: each sandbox stays counted once.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(p.a.iam().usage("late").await?, usage(3));
+    // Once replica b knows the quota, the tenant is full there too.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while p.b.iam().cached_tenant("late").map(|t| t.quotas) != Some(quotas.clone()) {
+        assert!(tokio::time::Instant::now() < deadline, "b sees the quota");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let e =
+        p.b.create_sandbox(&caller, small())
+            .await
+            .expect_err("full");
+    assert_eq!(e.code, ErrorCode::QuotaExceeded);
+    p.b.delete_sandbox(&caller, &made[0].id).await?;
+    assert_eq!(
+        p.a.iam().usage("late").await?,
+        usage(2),
+        "its share is given back"
+    );
+    let again = p.b.create_sandbox(&caller, small()).await?;
+    assert_eq!(p.a.iam().usage("late").await?, usage(3));
+    for sb in made.iter().skip(1).chain([&again]) {
+        p.a.delete_sandbox(&caller, &sb.id).await?;
+    }
+    assert_eq!(p.a.iam().usage("late").await?, usage(0));
+    assert!(p.node.sandbox_ids().is_empty());
+    Ok(())
+}

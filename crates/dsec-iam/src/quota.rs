@@ -239,6 +239,21 @@ impl Iam {
         Ok(QuotaTxn::new(tenant, expect, &rec))
     }
 
+    /// Counts `delta` in `tenant`'s usage without checking its quotas and without
+    /// writing: for sandboxes that run already (created while the tenant had no quotas,
+    /// so charged nothing), so that a quota set since sees them. The [`QuotaTxn`] goes
+    /// with the write that marks them counted; usage may end above a quota, which then
+    /// refuses reservations until it drops.
+    pub async fn count(&self, tenant: &str, delta: Usage) -> Result<QuotaTxn, IamError> {
+        validate_tenant_name(tenant)?;
+        let (mut rec, expect) = self.load_usage(tenant).await?;
+        let u = &mut rec.used;
+        u.sandboxes = u.sandboxes.saturating_add(delta.sandboxes);
+        u.cpu_millis = u.cpu_millis.saturating_add(delta.cpu_millis);
+        u.memory_mb = u.memory_mb.saturating_add(delta.memory_mb);
+        Ok(QuotaTxn::new(tenant, expect, &rec))
+    }
+
     /// [`Iam::reserve`] committed on its own, retrying (with jittered backoff, up to
     /// [`crate::IamConfig::contention_deadline`]) while other replicas win the race.
     /// Returns the usage after it. A store that is unavailable is not retried: the write

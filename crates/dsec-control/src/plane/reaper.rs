@@ -68,6 +68,7 @@ impl ControlPlane {
             }
         }
         self.mark_lost(now).await;
+        self.count_uncharged().await;
         let held =
             |s: &Sandbox| s.job_suspended_at.is_some() && self.cfg.job_suspend_stops_lifetime;
         let on_node = |s: &Sandbox| {
@@ -282,6 +283,36 @@ impl ControlPlane {
                 .await;
             if let Ok(Some((_, true))) = marked {
                 tracing::warn!(id = %sb.id, node = %sb.node, "sandbox lost: its node stopped heartbeating");
+            }
+        }
+    }
+
+    /// Counts in their tenant's usage the sandboxes created while it had no quotas (they
+    /// charged nothing), once it has some: a quota set on a tenant with sandboxes
+    /// running sees them within a pass.
+    async fn count_uncharged(&self) {
+        // Each tenant looked up once per pass, not once per record.
+        let mut limited: HashMap<String, bool> = HashMap::new();
+        let uncharged = self.records.uncharged(|s| match limited.get(&s.tenant) {
+            Some(&l) => l,
+            None => {
+                let l = self
+                    .iam
+                    .cached_tenant(&s.tenant)
+                    .is_some_and(|t| t.quotas != dsec_iam::Quotas::default());
+                limited.insert(s.tenant.clone(), l);
+                l
+            }
+        });
+        for sb in uncharged {
+            match self.records.charge_late(&sb.id).await {
+                Ok(true) => {
+                    tracing::info!(id = %sb.id, tenant = %sb.tenant, "counted a sandbox created before its tenant's quotas")
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(id = %sb.id, error = %e.message, "counting a sandbox in its tenant's usage failed")
+                }
             }
         }
     }

@@ -564,6 +564,73 @@ impl Records {
         ))
     }
 
+    /// Cached records that charged nothing at their create (their tenant had no quotas
+    /// then) and that `keep` selects.
+    pub fn uncharged(&self, mut keep: impl FnMut(&Sandbox) -> bool) -> Vec<Sandbox> {
+        self.lock()
+            .sandboxes
+            .values()
+            .filter(|c| c.charged.is_none() && keep(&c.sb))
+            .map(|c| c.sb.clone())
+            .collect()
+    }
+
+    /// Counts record `id`, which charged nothing at its create, in its tenant's usage
+    /// now: the record and the usage change in one transaction, and the record then
+    /// gives its charge back when it is removed. False if it is gone or charged already
+    /// (another replica got there first).
+    pub async fn charge_late(&self, id: &str) -> ApiResult<bool> {
+        let cached = self.lock().sandboxes.get(id).cloned();
+        let mut current = match cached {
+            Some(c) => Some(c),
+            None => self.fetch(id).await?,
+        };
+        let Some(tenant) = current.as_ref().map(|c| c.sb.tenant.clone()) else {
+            return Ok(false);
+        };
+        let _usage = self.iam.lock_usage(&tenant).await;
+        for attempt in 0..CAS_ATTEMPTS {
+            let Some(Cached { sb, rev, charged }) = current.take() else {
+                return Ok(false);
+            };
+            if charged.is_some() {
+                return Ok(false);
+            }
+            let charge = Usage::sandbox(
+                (sb.resources.cpu * 1000.0).round() as u64,
+                sb.resources.memory_mb,
+            );
+            let quota = self.iam.count(&sb.tenant, charge).await?;
+            let mut txn = Txn {
+                checks: vec![(NS_SANDBOXES.into(), id.to_string(), Expect::Rev(rev))],
+                ops: vec![Op::Put {
+                    ns: NS_SANDBOXES.into(),
+                    key: id.to_string(),
+                    value: encode(&sb, Some(charge))?,
+                    lease: None,
+                }],
+            };
+            let lost_race = |e: &StateError| quota.lost_race(e);
+            quota.clone().add_to(&mut txn);
+            match self.store.txn(txn).await {
+                Ok(written) => {
+                    self.lock().offer(sb, written, Some(charge));
+                    return Ok(true);
+                }
+                Err(e) if lost_race(&e) => {
+                    backoff(attempt).await;
+                    current = self.fetch(id).await?;
+                }
+                Err(e) if is_conflict(&e) => current = self.fetch(id).await?,
+                Err(e) => return Err(store_err(e)),
+            }
+        }
+        Err(ApiError::new(
+            ErrorCode::Conflict,
+            format!("sandbox {id}: counting it in its tenant's usage was contended: retry"),
+        ))
+    }
+
     /// Writes a record as it is (no check of what the store holds): for records this
     /// replica alone is changing, such as a create in flight.
     pub async fn put(&self, sb: &Sandbox) -> ApiResult<()> {
