@@ -467,6 +467,40 @@ async fn start_replica(
     Ok((proc, client))
 }
 
+/// A `dsec apiserver` driving the nodes that register with it (no `--node`), its records
+/// in etcd under `prefix`, its files under `root` (key `api-key`, logs); `extra` flags
+/// appended. Returns the process, its URL and a client once it answers.
+async fn start_fleet_apiserver(
+    root: &std::path::Path,
+    etcd: &dsec_testkit::Etcd,
+    prefix: &str,
+    token_file: &std::path::Path,
+    extra: &[&str],
+) -> anyhow::Result<(Proc, String, Client)> {
+    let key_file = root.join("api-key");
+    let port = free_port()?;
+    let url = format!("http://127.0.0.1:{port}");
+    let mut args: Vec<String> = vec![
+        "apiserver".into(),
+        "--listen".into(),
+        format!("127.0.0.1:{port}"),
+        "--state-dir".into(),
+        root.join("apiserver").display().to_string(),
+        "--etcd".into(),
+        etcd.endpoints().join(","),
+        "--etcd-prefix".into(),
+        prefix.into(),
+        "--api-key-file".into(),
+        key_file.display().to_string(),
+        "--node-token-file".into(),
+        token_file.display().to_string(),
+    ];
+    args.extend(extra.iter().map(|a| a.to_string()));
+    let proc = spawn(&args, &root.join("apiserver.log"))?;
+    let client = api_client(&url, &key_file).await?;
+    Ok((proc, url, client))
+}
+
 /// A client of the API server at `url` (key in `key_file`) once it answers.
 async fn api_client(url: &str, key_file: &std::path::Path) -> anyhow::Result<Client> {
     wait_until(Duration::from_secs(30), move || async move {
@@ -618,28 +652,8 @@ async fn a_cluster_places_over_its_nodes_and_outlives_losing_one() -> anyhow::Re
     let token_file = root.join("node-token");
     std::fs::write(&token_file, format!("{:032x}", rand_u128()))?;
     let blobs = root.join("blobs");
-    let key_file = root.join("api-key");
-    let api_port = free_port()?;
-    let api_url = format!("http://127.0.0.1:{api_port}");
-    let _api = spawn(
-        &[
-            "apiserver".into(),
-            "--listen".into(),
-            format!("127.0.0.1:{api_port}"),
-            "--state-dir".into(),
-            root.join("apiserver").display().to_string(),
-            "--etcd".into(),
-            etcd.endpoints().join(","),
-            "--etcd-prefix".into(),
-            "/dsec-e2e-cluster".into(),
-            "--api-key-file".into(),
-            key_file.display().to_string(),
-            "--node-token-file".into(),
-            token_file.display().to_string(),
-        ],
-        &root.join("apiserver.log"),
-    )?;
-    let client = api_client(&api_url, &key_file).await?;
+    let (_api, api_url, client) =
+        start_fleet_apiserver(&root, &etcd, "/dsec-e2e-cluster", &token_file, &[]).await?;
     // Two nodes on this machine, each with its own directories, cgroup parent, subnet,
     // nft table, link prefix, DNS port and uid range.
     let blob_arg = blobs.display().to_string();
@@ -1057,28 +1071,8 @@ async fn a_node_whose_clock_is_ten_minutes_off_works_like_any_other() -> anyhow:
     std::fs::create_dir_all(&root)?;
     let token_file = root.join("node-token");
     std::fs::write(&token_file, format!("{:032x}", rand_u128()))?;
-    let key_file = root.join("api-key");
-    let api_port = free_port()?;
-    let api_url = format!("http://127.0.0.1:{api_port}");
-    let _api = spawn(
-        &[
-            "apiserver".into(),
-            "--listen".into(),
-            format!("127.0.0.1:{api_port}"),
-            "--state-dir".into(),
-            root.join("apiserver").display().to_string(),
-            "--etcd".into(),
-            etcd.endpoints().join(","),
-            "--etcd-prefix".into(),
-            "/dsec-e2e-skew".into(),
-            "--api-key-file".into(),
-            key_file.display().to_string(),
-            "--node-token-file".into(),
-            token_file.display().to_string(),
-        ],
-        &root.join("apiserver.log"),
-    )?;
-    let client = api_client(&api_url, &key_file).await?;
+    let (_api, api_url, client) =
+        start_fleet_apiserver(&root, &etcd, "/dsec-e2e-skew", &token_file, &[]).await?;
     let blobs = root.join("blobs").display().to_string();
     let token_arg = token_file.display().to_string();
     let node_only = [
@@ -1153,6 +1147,146 @@ async fn a_node_whose_clock_is_ten_minutes_off_works_like_any_other() -> anyhow:
     assert!(node_sandboxes(&nodes[1].url, &nodes[1].token_file)
         .await?
         .is_empty());
+    for node in nodes {
+        node.stop()?;
+    }
+    drop(etcd);
+    Ok(())
+}
+
+/// Two pools of real nodes: `onprem` (its CPU capacity pinned to the machine's 2 cores
+/// with `--cpu-overcommit 1`) and `cloud`, an overflow pool (`--overflow-pool cloud`).
+/// Sandboxes of 0.4 cores fill the primary to its 80% threshold before the overflow
+/// pool gets any; past it they overflow; with the primary's sandboxes deleted, work
+/// returns to it.
+#[tokio::test]
+async fn creates_overflow_to_a_cloud_pool_only_past_80_percent_of_the_primary() -> anyhow::Result<()>
+{
+    if !require_root() {
+        return Ok(());
+    }
+    let _turn = TURN.lock().await;
+    let Some(etcd) = dsec_testkit::Etcd::start("creates_overflow_to_a_cloud_pool") else {
+        return Ok(());
+    };
+    let root = std::env::temp_dir().join("dsec-e2e").join("overflow");
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root)?;
+    let token_file = root.join("node-token");
+    std::fs::write(&token_file, format!("{:032x}", rand_u128()))?;
+    let (_api, api_url, client) = start_fleet_apiserver(
+        &root,
+        &etcd,
+        "/dsec-e2e-overflow",
+        &token_file,
+        &["--overflow-pool", "cloud", "--overflow-threshold", "0.8"],
+    )
+    .await?;
+    let blobs = root.join("blobs").display().to_string();
+    let token_arg = token_file.display().to_string();
+    let node_only = [
+        "--apiserver",
+        api_url.as_str(),
+        "--node-token-file",
+        token_arg.as_str(),
+    ];
+    let mut nodes = Vec::new();
+    for (i, (name, pool)) in [("pool-prem", "onprem"), ("pool-cloud", "cloud")]
+        .into_iter()
+        .enumerate()
+    {
+        let mut serve = cluster_node_flags(i, name, &blobs);
+        serve.extend(["--label".to_string(), format!("pool={pool}")]);
+        if pool == "onprem" {
+            serve.extend(["--cpu-overcommit".to_string(), "1".to_string()]);
+        }
+        let serve: Vec<&str> = serve.iter().map(String::as_str).collect();
+        nodes.push(start_node_with(name, &serve, &node_only).await?);
+    }
+    let registered = wait_until(Duration::from_secs(15), || async {
+        let listed = client.list_nodes().await.ok()?;
+        (listed.nodes.iter().filter(|n| n.live).count() == 2).then_some(listed)
+    })
+    .await
+    .context("both nodes registered")?;
+    let prem = registered
+        .nodes
+        .iter()
+        .find(|n| n.name == "pool-prem")
+        .context("prem listed")?;
+    // `--cpu-overcommit 1`: the primary holds its cores' worth of sandboxes.
+    let capacity = prem.cpu_millis;
+    anyhow::ensure!(
+        capacity >= 1_000 && capacity % 1_000 == 0 && capacity <= 64_000,
+        "the primary's capacity is its cores: {capacity}"
+    );
+    let tar = tokio::fs::File::open(dsec_e2e::base_tar()).await?;
+    client.upload_image("base", false, tar).await?;
+    let small = || CreateSandboxRequest {
+        resources: dsec_wire::v1::Resources {
+            cpu: Some(0.4),
+            memory_mb: Some(64),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    // 0.4 cores each: on 2 cores, four take the primary to 80%, the next ones overflow.
+    let fill = (capacity * 8 / 10).div_ceil(400) as usize;
+    let mut placed: Vec<(String, String)> = Vec::new();
+    for _ in 0..fill + 2 {
+        let sb = client.create_sandbox(small()).await?;
+        placed.push((sb.id, sb.node));
+        // The next placement must see the primary as its node reports it, not this
+        // create's reservation on top of that: wait for the heartbeat to count it, then
+        // for the reservation to lapse (`RESERVATION_LINGER`, 2 s, which no API shows).
+        let on_prem = placed.iter().filter(|(_, n)| n == "pool-prem").count() as u64;
+        wait_until(Duration::from_secs(10), || async {
+            let listed = client.list_nodes().await.ok()?;
+            let prem = listed.nodes.iter().find(|n| n.name == "pool-prem")?;
+            (prem.cpu_millis_used == on_prem * 400).then_some(())
+        })
+        .await
+        .context("the primary's heartbeat counts its sandboxes")?;
+        tokio::time::sleep(Duration::from_millis(2_200)).await;
+    }
+    let on: Vec<&str> = placed.iter().map(|(_, n)| n.as_str()).collect();
+    assert_eq!(on[..fill], vec!["pool-prem"; fill][..], "{on:?}");
+    assert_eq!(on[fill..], ["pool-cloud"; 2], "{on:?}");
+    for (i, node) in nodes.iter().enumerate() {
+        let mut mine: Vec<String> = placed
+            .iter()
+            .filter(|(_, n)| *n == ["pool-prem", "pool-cloud"][i])
+            .map(|(id, _)| id.clone())
+            .collect();
+        mine.sort();
+        assert_eq!(node_sandboxes(&node.url, &node.token_file).await?, mine);
+    }
+    let (overflowed, _) = &placed[fill];
+    let r = client.exec(overflowed, sh("echo on the cloud")).await?;
+    assert_eq!(r.stdout, "on the cloud\n");
+    // The primary's sandboxes go: once its heartbeat says so, work returns to it.
+    for (id, node) in &placed {
+        if node == "pool-prem" {
+            client.delete_sandbox(id).await?;
+        }
+    }
+    placed.retain(|(_, n)| n != "pool-prem");
+    let back = wait_until(Duration::from_secs(10), || async {
+        let sb = client.create_sandbox(small()).await.ok()?;
+        let home = sb.node == "pool-prem";
+        client.delete_sandbox(&sb.id).await.ok()?;
+        home.then_some(())
+    })
+    .await;
+    anyhow::ensure!(back.is_some(), "work returns to the primary");
+    for (id, _) in &placed {
+        client.delete_sandbox(id).await?;
+    }
+    for node in &nodes {
+        assert!(node_sandboxes(&node.url, &node.token_file)
+            .await?
+            .is_empty());
+    }
     for node in nodes {
         node.stop()?;
     }
