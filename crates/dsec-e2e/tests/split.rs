@@ -1214,6 +1214,23 @@ async fn creates_overflow_to_a_cloud_pool_only_past_80_percent_of_the_primary() 
         .iter()
         .find(|n| n.name == "pool-prem")
         .context("prem listed")?;
+    // The API server's /metrics shows the fleet, a series per node (an admin's key).
+    let key = std::fs::read_to_string(root.join("api-key"))?;
+    let metrics = reqwest::Client::new()
+        .get(format!("{api_url}/metrics"))
+        .bearer_auth(key.trim())
+        .send()
+        .await?
+        .error_for_status()?
+        .text()
+        .await?;
+    for series in [
+        "dsec_nodes_live 2",
+        "dsec_node_live{node=\"pool-prem\",pool=\"onprem\"} 1",
+        "dsec_node_live{node=\"pool-cloud\",pool=\"cloud\"} 1",
+    ] {
+        anyhow::ensure!(metrics.lines().any(|l| l == series), "{series}:\n{metrics}");
+    }
     // `--cpu-overcommit 1`: the primary holds its cores' worth of sandboxes.
     let capacity = prem.cpu_millis;
     anyhow::ensure!(

@@ -662,15 +662,17 @@ pub async fn layer_stats(api: Api) -> HttpResult<Response> {
     Ok(json(api.layer_stats().await?))
 }
 
-/// `GET /metrics`: Prometheus text (see [`crate::metrics`]).
+/// `GET /metrics`: Prometheus text (see [`crate::metrics`]). The per-node series need a
+/// key that may list nodes (a cluster admin's); other keys get the rest.
 pub async fn metrics(api: Api) -> HttpResult<Response> {
     let (health, layers) = (api.health().await?, api.layer_stats().await?);
+    let nodes = api.list_nodes().await.ok();
     Ok((
         [(
             axum::http::header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        crate::metrics::render(&health, &layers),
+        crate::metrics::render(&health, &layers, nodes.as_ref()),
     )
         .into_response())
 }

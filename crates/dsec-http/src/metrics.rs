@@ -1,14 +1,15 @@
-//! `GET /metrics`: the node's state in the Prometheus text exposition format (version
-//! 0.0.4), built per scrape from the same snapshots the JSON API serves (`/v1/health`,
-//! `/v1/images/layers`). The values live in other processes (the lazy layer server) and
+//! `GET /metrics`: the node's (or cluster's) state in the Prometheus text exposition
+//! format (version 0.0.4), built per scrape from the same snapshots the JSON API serves
+//! (`/v1/health`, `/v1/images/layers` and, for a cluster admin's key, `/v1/nodes`: one
+//! series per registered node, so any API server replica shows the whole fleet). The values live in other processes (the lazy layer server) and
 //! are snapshots, not live metric objects, so they are rendered directly.
 
 use std::fmt::Write;
 
-use dsec_wire::v1::{Health, LayerStatsList};
+use dsec_wire::v1::{ClusterNode, ClusterNodeList, Health, LayerStatsList};
 
-/// Prometheus text of `health` and `layers`.
-pub fn render(health: &Health, layers: &LayerStatsList) -> String {
+/// Prometheus text of `health`, `layers` and, when given, the cluster's `nodes`.
+pub fn render(health: &Health, layers: &LayerStatsList, nodes: Option<&ClusterNodeList>) -> String {
     let mut out = String::new();
     let mut gauge = |name: &str, help: &str, v: u64| {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
@@ -46,6 +47,9 @@ pub fn render(health: &Health, layers: &LayerStatsList) -> String {
         );
     }
 
+    if let Some(nodes) = nodes {
+        render_nodes(&mut out, nodes);
+    }
     let _ = writeln!(
         out,
         "# HELP dsec_sandbox_unhealthy_total Times a sandbox became unhealthy since the server started.\n\
@@ -126,6 +130,77 @@ pub fn render(health: &Health, layers: &LayerStatsList) -> String {
     out
 }
 
+/// A label value in the exposition format's escaping.
+fn label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// One gauge family per node field, a series per node (`node` and `pool` labels).
+fn render_nodes(out: &mut String, nodes: &ClusterNodeList) {
+    let _ = writeln!(
+        out,
+        "# HELP dsec_nodes_live Registered nodes whose heartbeats this API server sees.\n\
+         # TYPE dsec_nodes_live gauge\ndsec_nodes_live {}",
+        nodes.nodes.iter().filter(|n| n.live).count()
+    );
+    type Field = fn(&ClusterNode) -> u64;
+    let families: [(&str, &str, Field); 8] = [
+        ("dsec_node_live", "1 while the node heartbeats.", |n| {
+            n.live as u64
+        }),
+        (
+            "dsec_node_draining",
+            "1 while no new sandbox is placed on the node.",
+            |n| n.draining as u64,
+        ),
+        (
+            "dsec_node_sandboxes",
+            "Sandboxes on the node at its last heartbeat.",
+            |n| n.sandboxes,
+        ),
+        (
+            "dsec_node_cpu_millis_used",
+            "CPU its sandboxes requested at its last heartbeat, millicores.",
+            |n| n.cpu_millis_used,
+        ),
+        (
+            "dsec_node_cpu_millis_capacity",
+            "CPU the node admits in total, millicores.",
+            |n| n.cpu_millis,
+        ),
+        (
+            "dsec_node_memory_bytes_used",
+            "Memory its sandboxes requested at its last heartbeat.",
+            |n| n.memory_bytes_used,
+        ),
+        (
+            "dsec_node_memory_bytes_capacity",
+            "Memory the node admits in total.",
+            |n| n.memory_bytes,
+        ),
+        (
+            "dsec_node_max_sandboxes",
+            "Most sandboxes the node runs (0: no count limit).",
+            |n| n.max_sandboxes,
+        ),
+    ];
+    for (name, help, field) in families {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for n in &nodes.nodes {
+            let pool = n.labels.get("pool").map(String::as_str).unwrap_or("");
+            let _ = writeln!(
+                out,
+                "{name}{{node=\"{}\",pool=\"{}\"}} {}",
+                label(&n.name),
+                label(pool),
+                field(n)
+            );
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -166,7 +241,7 @@ mod tests {
                 ..Default::default()
             },
         };
-        let text = render(&health, &layers);
+        let text = render(&health, &layers, None);
         assert_eq!(value(&text, "dsec_sandboxes"), Some(3.0));
         assert_eq!(value(&text, "dsec_sandboxes_unhealthy"), Some(1.0));
         assert_eq!(value(&text, "dsec_sandbox_unhealthy_total"), Some(2.0));
@@ -197,5 +272,59 @@ mod tests {
         let mut unique = types.clone();
         unique.dedup();
         assert_eq!(types, unique);
+    }
+
+    #[test]
+    fn every_registered_node_is_a_series_of_each_node_family() {
+        let health = Health {
+            status: "ok".into(),
+            version: "0".into(),
+            node: "cluster of 1 live nodes".into(),
+            cgroup: String::new(),
+            sandboxes: 2,
+            unhealthy_sandboxes: 0,
+            unhealthy_marks_total: 0,
+            capacity: None,
+        };
+        let node = |name: &str, live: bool, pool: &str| ClusterNode {
+            name: name.into(),
+            url: "http://n".into(),
+            labels: [("pool".to_string(), pool.to_string())].into(),
+            live,
+            draining: !live,
+            cpu_millis: 2000,
+            memory_bytes: 1 << 30,
+            max_sandboxes: 0,
+            cpu_millis_used: 800,
+            memory_bytes_used: 128 << 20,
+            sandboxes: 2,
+            version: "0".into(),
+            boot_id: "b".into(),
+        };
+        let nodes = ClusterNodeList {
+            nodes: vec![node("n1", true, "onprem"), node("n\"2", false, "cloud")],
+        };
+        let text = render(&health, &LayerStatsList::default(), Some(&nodes));
+        assert_eq!(value(&text, "dsec_nodes_live"), Some(1.0));
+        let n1 = "{node=\"n1\",pool=\"onprem\"}";
+        assert_eq!(value(&text, &format!("dsec_node_live{n1}")), Some(1.0));
+        assert_eq!(
+            value(&text, &format!("dsec_node_cpu_millis_used{n1}")),
+            Some(800.0)
+        );
+        assert_eq!(
+            value(&text, &format!("dsec_node_memory_bytes_capacity{n1}")),
+            Some(1073741824.0)
+        );
+        // Label values are escaped.
+        let n2 = "{node=\"n\\\"2\",pool=\"cloud\"}";
+        assert_eq!(value(&text, &format!("dsec_node_draining{n2}")), Some(1.0));
+        let types: Vec<&str> = text.lines().filter(|l| l.starts_with("# TYPE")).collect();
+        let mut unique = types.clone();
+        unique.dedup();
+        assert_eq!(types, unique);
+        // Without the list (a key that may not see nodes), no node series.
+        let text = render(&health, &LayerStatsList::default(), None);
+        assert!(!text.contains("dsec_node_"), "{text}");
     }
 }
