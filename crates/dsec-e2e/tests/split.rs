@@ -1196,11 +1196,13 @@ async fn creates_overflow_to_a_cloud_pool_only_past_80_percent_of_the_primary() 
         .enumerate()
     {
         let mut serve = cluster_node_flags(i, name, &blobs);
-        serve.extend(["--label".to_string(), format!("pool={pool}")]);
         if pool == "onprem" {
             serve.extend(["--cpu-overcommit".to_string(), "1".to_string()]);
         }
         let serve: Vec<&str> = serve.iter().map(String::as_str).collect();
+        let label = format!("pool={pool}");
+        let mut node_only = node_only.to_vec();
+        node_only.extend(["--label", label.as_str()]);
         nodes.push(start_node_with(name, &serve, &node_only).await?);
     }
     let registered = wait_until(Duration::from_secs(15), || async {
