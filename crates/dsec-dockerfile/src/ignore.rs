@@ -298,36 +298,42 @@ fn class(cs: &[char], mut i: usize) -> Result<(Tok, usize), &'static str> {
     }
 }
 
-/// Whether the compiled pattern matches all of `s`.
+/// Whether the compiled pattern matches all of `s`. Dynamic programming over (token,
+/// position), one row per token from the last: O(tokens x chars) whatever the pattern
+/// (`a*a*a*...b` or `**/**/...` took exponential time backtracking, and a `.dockerignore`
+/// is the caller's input).
 fn glob_match(t: &[Tok], s: &[char]) -> bool {
-    let Some((tok, rest)) = t.split_first() else {
-        return s.is_empty();
-    };
-    match tok {
-        Tok::Lit(c) => s.first() == Some(c) && glob_match(rest, &s[1..]),
-        Tok::One => s.first().is_some_and(|c| *c != '/') && glob_match(rest, &s[1..]),
-        Tok::Class { negated, ranges } => {
-            s.first()
-                .is_some_and(|c| ranges.iter().any(|(lo, hi)| (lo..=hi).contains(&c)) != *negated)
-                && glob_match(rest, &s[1..])
-        }
-        Tok::Star => {
-            for k in 0..=s.len() {
-                if glob_match(rest, &s[k..]) {
-                    return true;
+    let m = s.len();
+    // next[j]: whether the tokens after the current one match s[j..].
+    let mut next: Vec<bool> = (0..=m).map(|j| j == m).collect();
+    let mut cur = vec![false; m + 1];
+    for tok in t.iter().rev() {
+        // For `Dirs`: whether some '/' at k >= j has the rest matching s[k+1..].
+        let mut slash_then_rest = false;
+        for j in (0..=m).rev() {
+            let c = s.get(j);
+            cur[j] = match tok {
+                Tok::Lit(l) => c == Some(l) && next[j + 1],
+                Tok::One => c.is_some_and(|c| *c != '/') && next[j + 1],
+                Tok::Class { negated, ranges } => {
+                    c.is_some_and(|c| {
+                        ranges.iter().any(|(lo, hi)| (lo..=hi).contains(&c)) != *negated
+                    }) && next[j + 1]
                 }
-                if s.get(k) == Some(&'/') {
-                    break;
+                // Zero characters, or one that is not '/' and the star again.
+                Tok::Star => next[j] || (c.is_some_and(|c| *c != '/') && cur[j + 1]),
+                Tok::Rest => next[j] || (c.is_some() && cur[j + 1]),
+                Tok::Dirs => {
+                    if c == Some(&'/') && next[j + 1] {
+                        slash_then_rest = true;
+                    }
+                    next[j] || slash_then_rest
                 }
-            }
-            false
+            };
         }
-        Tok::Rest => (0..=s.len()).any(|k| glob_match(rest, &s[k..])),
-        Tok::Dirs => {
-            glob_match(rest, s)
-                || (0..s.len()).any(|k| s[k] == '/' && glob_match(rest, &s[k + 1..]))
-        }
+        std::mem::swap(&mut next, &mut cur);
     }
+    next[0]
 }
 
 #[cfg(test)]
