@@ -107,8 +107,21 @@ async fn quota_race(p: &Pair) -> TestResult {
         20,
         "a refused create never reaches the node"
     );
-    let listed = p.b.list_sandboxes(&caller, Default::default()).await?;
-    assert_eq!(listed.sandboxes.len(), 20);
+    // Replica b lists from its cache, which the store's watch fills within a moment
+    // (the other replica's creates included).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let listed = p.b.list_sandboxes(&caller, Default::default()).await?;
+        if listed.sandboxes.len() == 20 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "b lists {} of the 20",
+            listed.sandboxes.len()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert_eq!(
         p.a.iam().usage("racer").await?,
         Usage {
