@@ -467,6 +467,27 @@ async fn start_replica(
     Ok((proc, client))
 }
 
+/// A fresh directory for fleet test `name` (`/tmp/dsec-e2e/NAME`) and in it the node
+/// token the whole cluster shares.
+fn fleet_root(name: &str) -> anyhow::Result<(PathBuf, PathBuf)> {
+    let root = std::env::temp_dir().join("dsec-e2e").join(name);
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root)?;
+    let token_file = root.join("node-token");
+    std::fs::write(&token_file, format!("{:032x}", rand_u128()))?;
+    Ok((root, token_file))
+}
+
+/// The API server's node list once `n` nodes are live in it.
+async fn until_live(client: &Client, n: usize) -> anyhow::Result<dsec_wire::v1::ClusterNodeList> {
+    wait_until(Duration::from_secs(15), || async {
+        let listed = client.list_nodes().await.ok()?;
+        (listed.nodes.iter().filter(|x| x.live).count() == n).then_some(listed)
+    })
+    .await
+    .with_context(|| format!("{n} nodes live"))
+}
+
 /// A `dsec apiserver` driving the nodes that register with it (no `--node`), its records
 /// in etcd under `prefix`, its files under `root` (key `api-key`, logs); `extra` flags
 /// appended. Returns the process, its URL and a client once it answers.
@@ -645,12 +666,8 @@ async fn a_cluster_places_over_its_nodes_and_outlives_losing_one() -> anyhow::Re
     let Some(etcd) = dsec_testkit::Etcd::start("a_cluster_places_over_its_nodes") else {
         return Ok(());
     };
-    let root = std::env::temp_dir().join("dsec-e2e").join("cluster");
-    let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(&root)?;
+    let (root, token_file) = fleet_root("cluster")?;
     // One node token for the whole cluster, one shared blob store.
-    let token_file = root.join("node-token");
-    std::fs::write(&token_file, format!("{:032x}", rand_u128()))?;
     let blobs = root.join("blobs");
     let (_api, api_url, client) =
         start_fleet_apiserver(&root, &etcd, "/dsec-e2e-cluster", &token_file, &[]).await?;
@@ -670,12 +687,7 @@ async fn a_cluster_places_over_its_nodes_and_outlives_losing_one() -> anyhow::Re
         ];
         nodes.push(start_node_with(name, &serve, &node_only).await?);
     }
-    let both = wait_until(Duration::from_secs(15), || async {
-        let listed = client.list_nodes().await.ok()?;
-        (listed.nodes.iter().filter(|n| n.live).count() == 2).then_some(listed)
-    })
-    .await
-    .context("both nodes registered")?;
+    let both = until_live(&client, 2).await?;
     assert_eq!(
         both.nodes
             .iter()
@@ -1066,11 +1078,7 @@ async fn a_node_whose_clock_is_ten_minutes_off_works_like_any_other() -> anyhow:
     let Some(etcd) = dsec_testkit::Etcd::start("a_node_whose_clock_is_ten_minutes_off") else {
         return Ok(());
     };
-    let root = std::env::temp_dir().join("dsec-e2e").join("skew");
-    let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(&root)?;
-    let token_file = root.join("node-token");
-    std::fs::write(&token_file, format!("{:032x}", rand_u128()))?;
+    let (root, token_file) = fleet_root("skew")?;
     let (_api, api_url, client) =
         start_fleet_apiserver(&root, &etcd, "/dsec-e2e-skew", &token_file, &[]).await?;
     let blobs = root.join("blobs").display().to_string();
@@ -1102,13 +1110,7 @@ async fn a_node_whose_clock_is_ten_minutes_off_works_like_any_other() -> anyhow:
     let pid = nodes[1].proc.0.id();
     let environ = std::fs::read(format!("/proc/{pid}/environ"))?;
     assert!(String::from_utf8_lossy(&environ).contains("FAKETIME=+10m"));
-    let live = || async {
-        let listed = client.list_nodes().await.ok()?;
-        (listed.nodes.iter().filter(|n| n.live).count() == 2).then_some(())
-    };
-    wait_until(Duration::from_secs(15), live)
-        .await
-        .context("both nodes registered")?;
+    until_live(&client, 2).await?;
 
     // Every sandbox goes to the skewed node (the other is drained).
     client.drain_node("skew-n1", true).await?;
@@ -1138,7 +1140,11 @@ async fn a_node_whose_clock_is_ten_minutes_off_works_like_any_other() -> anyhow:
     // Past several heartbeat leases: both nodes stay live, the sandbox stays ready (its
     // 60 s are counted on the node as a duration, not an instant 10 minutes away).
     tokio::time::sleep(Duration::from_secs(5)).await;
-    live().await.context("both nodes still live")?;
+    let listed = client.list_nodes().await?;
+    anyhow::ensure!(
+        listed.nodes.iter().filter(|n| n.live).count() == 2,
+        "both nodes still live: {listed:?}"
+    );
     let got = client.get_sandbox(&sb.id).await?;
     assert_eq!(got.state, SandboxState::Ready);
     let r = client.exec(&sb.id, sh("echo fine")).await?;
@@ -1169,11 +1175,7 @@ async fn creates_overflow_to_a_cloud_pool_only_past_80_percent_of_the_primary() 
     let Some(etcd) = dsec_testkit::Etcd::start("creates_overflow_to_a_cloud_pool") else {
         return Ok(());
     };
-    let root = std::env::temp_dir().join("dsec-e2e").join("overflow");
-    let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(&root)?;
-    let token_file = root.join("node-token");
-    std::fs::write(&token_file, format!("{:032x}", rand_u128()))?;
+    let (root, token_file) = fleet_root("overflow")?;
     let (_api, api_url, client) = start_fleet_apiserver(
         &root,
         &etcd,
@@ -1205,12 +1207,7 @@ async fn creates_overflow_to_a_cloud_pool_only_past_80_percent_of_the_primary() 
         node_only.extend(["--label", label.as_str()]);
         nodes.push(start_node_with(name, &serve, &node_only).await?);
     }
-    let registered = wait_until(Duration::from_secs(15), || async {
-        let listed = client.list_nodes().await.ok()?;
-        (listed.nodes.iter().filter(|n| n.live).count() == 2).then_some(listed)
-    })
-    .await
-    .context("both nodes registered")?;
+    let registered = until_live(&client, 2).await?;
     let prem = registered
         .nodes
         .iter()
