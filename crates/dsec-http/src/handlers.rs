@@ -662,11 +662,15 @@ pub async fn layer_stats(api: Api) -> HttpResult<Response> {
     Ok(json(api.layer_stats().await?))
 }
 
-/// `GET /metrics`: Prometheus text (see [`crate::metrics`]). The per-node series need a
-/// key that may list nodes (a cluster admin's); other keys get the rest.
+/// `GET /metrics`: Prometheus text (see [`crate::metrics`]). A cluster's API server adds
+/// a series per node for a key that may list nodes (a cluster admin's); a single node
+/// (its capacity in the health already) asks its node nothing more.
 pub async fn metrics(api: Api) -> HttpResult<Response> {
     let (health, layers) = (api.health().await?, api.layer_stats().await?);
-    let nodes = api.list_nodes().await.ok();
+    let nodes = match health.capacity {
+        Some(_) => None,
+        None => api.list_nodes().await.ok(),
+    };
     Ok((
         [(
             axum::http::header::CONTENT_TYPE,
