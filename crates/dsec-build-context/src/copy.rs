@@ -139,7 +139,7 @@ impl<'a> Writer<'a> {
         Writer {
             tar: tar::Builder::new(BufWriter::with_capacity(256 << 10, out)),
             owner,
-            chmod,
+            chmod: chmod.map(|m| m & 0o7777),
             max_path_len,
             digest,
             paths: Vec::new(),
