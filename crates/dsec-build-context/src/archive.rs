@@ -14,7 +14,7 @@
 use std::collections::HashSet;
 use std::io::{self, BufReader, Read};
 
-use crate::context::{Context, Meta};
+use crate::context::{is_pax_sparse, Context, Meta};
 use crate::copy::Writer;
 use crate::name::{entry_name, join, link_target, path_of};
 use crate::ContextError;
@@ -226,11 +226,20 @@ pub(crate) fn extract(
                 limit: limits.max_entries as u64,
             });
         }
+        let ty = entry.header().entry_type();
+        if ty == tar::EntryType::XGlobalHeader {
+            continue;
+        }
         let raw = entry.path_bytes().into_owned();
         let shown = String::from_utf8_lossy(&raw).into_owned();
+        if ty == tar::EntryType::GNUSparse || is_pax_sparse(&mut entry).map_err(err)? {
+            return Err(ContextError::Unsupported {
+                archive: label,
+                what: format!("sparse file {shown:?}"),
+            });
+        }
         let name = entry_name(&raw, &label, limits.max_path_len)?;
         let header = entry.header();
-        let ty = header.entry_type();
         let meta = Meta {
             mode: header.mode().map_err(err)? & 0o7777,
             mtime: header.mtime().map_err(err)?,
@@ -279,12 +288,7 @@ pub(crate) fn extract(
                 w.hardlink(&target, meta, &join(dest, &link))?;
                 linkable.insert(name);
             }
-            tar::EntryType::GNUSparse => {
-                return Err(ContextError::Unsupported {
-                    archive: label,
-                    what: format!("sparse file {shown:?}"),
-                })
-            }
+            // Devices, FIFOs...: left out.
             _ => {}
         }
     }

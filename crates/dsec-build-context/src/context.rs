@@ -104,7 +104,7 @@ impl Context {
         };
         let mut count = 0usize;
         for entry in ar.entries_with_seek().map_err(bad)? {
-            let entry = entry.map_err(bad)?;
+            let mut entry = entry.map_err(bad)?;
             count += 1;
             if count > limits.max_entries {
                 return Err(ContextError::Limit {
@@ -113,9 +113,21 @@ impl Context {
                     limit: limits.max_entries as u64,
                 });
             }
+            let ty = entry.header().entry_type();
+            if ty == tar::EntryType::XGlobalHeader {
+                continue;
+            }
+            if ty == tar::EntryType::GNUSparse || is_pax_sparse(&mut entry).map_err(bad)? {
+                return Err(ContextError::Unsupported {
+                    archive: CONTEXT.into(),
+                    what: format!(
+                        "sparse file {:?}",
+                        String::from_utf8_lossy(&entry.path_bytes())
+                    ),
+                });
+            }
             let raw = entry.path_bytes();
             let header = entry.header();
-            let ty = header.entry_type();
             let name = entry_name(&raw, CONTEXT, limits.max_path_len)?;
             let shown = || String::from_utf8_lossy(&raw).into_owned();
             let meta = Meta {
@@ -170,14 +182,7 @@ impl Context {
                         }
                     }
                 }
-                tar::EntryType::GNUSparse => {
-                    return Err(ContextError::Unsupported {
-                        archive: CONTEXT.into(),
-                        what: format!("sparse file {:?}", shown()),
-                    })
-                }
-                // Devices, FIFOs, global PAX headers, GNU volume labels...: not files a
-                // build copies.
+                // Devices, FIFOs, GNU volume labels...: not files a build copies.
                 _ => continue,
             };
             index.insert(&name, Node { kind, meta }, &shown())?;
@@ -356,6 +361,20 @@ impl Context {
         }
         Ok(current)
     }
+}
+
+/// Whether a PAX entry is a sparse file (`GNU.sparse.*` records): the tar crate would
+/// read its sparse map as content.
+pub(crate) fn is_pax_sparse<R: Read>(entry: &mut tar::Entry<'_, R>) -> io::Result<bool> {
+    let Some(exts) = entry.pax_extensions()? else {
+        return Ok(false);
+    };
+    for ext in exts {
+        if ext?.key_bytes().starts_with(b"GNU.sparse.") {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// The index being built by [`Context::open`].

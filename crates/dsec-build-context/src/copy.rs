@@ -29,7 +29,8 @@ impl Context {
     /// `dest_is_dir`: the builder found `step.dest` to be an existing directory of the
     /// image (a single file then goes inside it, as with Docker). `owner`: uid and gid of
     /// every entry. Entry names are relative to `/`; the parents of the destination get
-    /// no entries (the sandbox creates missing ones, 0755).
+    /// no entries (the sandbox creates missing ones, 0755). `out` is written from its
+    /// current position, normally a new empty file.
     pub fn copy(
         &self,
         step: &CopyStep,
@@ -48,6 +49,11 @@ impl Context {
             || step.dest.ends_with('/')
             || step.dest.ends_with("/.");
         let dest = clean_rooted(&step.dest).join("/");
+        if step.sources.is_empty() {
+            return Err(ContextError::NoMatch {
+                pattern: String::new(),
+            });
+        }
         let mut sources = Vec::new();
         for source in &step.sources {
             let keys = self.expand(source)?;

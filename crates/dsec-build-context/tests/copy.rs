@@ -708,3 +708,68 @@ fn digest_is_about_content_not_metadata() {
         assert_ne!(*d, d0, "variant {i}");
     }
 }
+
+#[test]
+fn sparse_files_are_refused_devices_skipped() {
+    // GNU sparse entry: 5 bytes of data at offset 0 of a 10-byte file.
+    let mut h = tar::Header::new_gnu();
+    h.set_path("s").expect("path");
+    h.set_entry_type(tar::EntryType::GNUSparse);
+    h.set_mode(0o644);
+    h.set_size(5);
+    let gnu = h.as_gnu_mut().expect("gnu header");
+    gnu.set_real_size(10);
+    gnu.sparse[0].set_offset(0);
+    gnu.sparse[0].set_length(5);
+    gnu.sparse[1].set_offset(10);
+    gnu.sparse[1].set_length(0);
+    h.set_cksum();
+    let mut b = tar::Builder::new(Vec::new());
+    b.append(&h, &b"12345"[..]).expect("append");
+    let bytes = b.into_inner().expect("finish");
+    let e = Context::open(temp_with(&bytes), true, &Limits::default()).expect_err("gnu sparse");
+    assert!(matches!(e, ContextError::Unsupported { .. }), "{e}");
+    // PAX sparse (format 1.0): a local PAX header with GNU.sparse.* records.
+    let record = b"22 GNU.sparse.major=1\n";
+    assert_eq!(record.len(), 22);
+    let pax = Ent {
+        data: record.to_vec(),
+        ..ent("PaxHeaders/s", tar::EntryType::XHeader, 0o644)
+    };
+    let entries = [pax, file("s", b"map and data")];
+    let e = open_with(&entries, true, &Limits::default()).expect_err("pax sparse");
+    assert!(matches!(e, ContextError::Unsupported { .. }), "{e}");
+    let ctx = open(&[file("a.tar", &tar_bytes(&entries))]);
+    let e = try_copy(&ctx, &add(&["a.tar"], "/"), false, (0, 0)).expect_err("inner sparse");
+    assert!(matches!(e, ContextError::Unsupported { .. }), "{e}");
+    // FIFOs and devices are not part of what a build copies.
+    let ctx = open(&[
+        ent("fifo", tar::EntryType::Fifo, 0o644),
+        ent("dev", tar::EntryType::Char, 0o644),
+        file("f", b"f"),
+    ]);
+    let (_, out) = copy(&ctx, &step(&["."], "/"));
+    assert_eq!(names(&out), ["f"]);
+}
+
+#[test]
+fn no_sources_is_an_error() {
+    let ctx = open(&sample());
+    let e = try_copy(&ctx, &step(&[], "/d/"), false, (0, 0)).expect_err("no sources");
+    assert!(matches!(e, ContextError::NoMatch { .. }), "{e}");
+}
+
+#[test]
+fn contexts_are_shared_across_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Context>();
+    let ctx = open(&sample());
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                let (outcome, _) = copy(&ctx, &step(&["src"], "/app"));
+                assert_eq!(outcome.bytes, 13);
+            });
+        }
+    });
+}
