@@ -239,14 +239,15 @@ impl ImageStore {
         Ok((names, before.saturating_sub(self.blob_bytes())))
     }
 
-    /// Points `name` at the same layers and config as `source` (a name or digest).
-    pub fn tag(&self, source: &str, name: &str) -> Result<Image> {
+    /// Points `name` at the same layers as `source` (a name or digest), with its config
+    /// or `config` when given.
+    pub fn tag(&self, source: &str, name: &str, config: Option<ImageConfig>) -> Result<Image> {
         let src = self.resolve(source)?;
         self.set_ref(
             name,
             &src.layers,
             &format!("tag of {}", src.name),
-            src.config,
+            config.unwrap_or(src.config),
         )
     }
 

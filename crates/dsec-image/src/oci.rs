@@ -375,6 +375,8 @@ struct RunConfig {
     entrypoint: Option<Vec<String>>,
     #[serde(default)]
     cmd: Option<Vec<String>>,
+    #[serde(default)]
+    labels: Option<std::collections::BTreeMap<String, String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -400,6 +402,7 @@ impl RunConfig {
             user: non_empty(&self.user),
             entrypoint: self.entrypoint.clone().unwrap_or_default(),
             cmd: self.cmd.clone().unwrap_or_default(),
+            labels: self.labels.clone().unwrap_or_default(),
         }
     }
 }

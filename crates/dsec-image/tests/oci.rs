@@ -496,6 +496,7 @@ fn sample_image_config() -> ImageConfig {
         user: Some("1000:1000".into()),
         entrypoint: vec!["/bin/sh".into(), "-c".into()],
         cmd: vec!["echo hi".into()],
+        labels: Default::default(),
     }
 }
 

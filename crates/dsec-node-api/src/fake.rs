@@ -784,9 +784,17 @@ impl NodeApi for FakeNode {
         Err(unsupported("layer stats"))
     }
 
-    async fn tag_image(&self, source: &str, name: &str) -> NodeResult<Image> {
+    async fn tag_image(
+        &self,
+        source: &str,
+        name: &str,
+        config: Option<ImageConfig>,
+    ) -> NodeResult<Image> {
         let mut image = self.image(source).await?;
         image.name = name.to_string();
+        if let Some(config) = config {
+            image.config = config;
+        }
         self.state().images.insert(name.to_string(), image.clone());
         Ok(image)
     }

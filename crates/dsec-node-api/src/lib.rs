@@ -281,8 +281,14 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
     async fn gc_images(&self, req: &GcRequest) -> NodeResult<GcResult>;
     /// Accounting of the layers this node serves on demand.
     async fn layer_stats(&self) -> NodeResult<LayerStatsList>;
-    /// Names `source`'s layers and config `name` too.
-    async fn tag_image(&self, source: &str, name: &str) -> NodeResult<Image>;
+    /// Names `source`'s layers `name` too, with `source`'s config or, when given,
+    /// `config` (a Dockerfile build's final ENV, CMD, LABELs...).
+    async fn tag_image(
+        &self,
+        source: &str,
+        name: &str,
+        config: Option<ImageConfig>,
+    ) -> NodeResult<Image>;
 }
 
 /// Whether `req` is a plain request/reply exchange ([`NodeApi::call`] takes it).

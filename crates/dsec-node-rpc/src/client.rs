@@ -493,10 +493,16 @@ impl NodeApi for RemoteNode {
         self.json(self.req(Method::GET, "/layer-stats")).await
     }
 
-    async fn tag_image(&self, source: &str, name: &str) -> NodeResult<Image> {
+    async fn tag_image(
+        &self,
+        source: &str,
+        name: &str,
+        config: Option<ImageConfig>,
+    ) -> NodeResult<Image> {
         let call = TagCall {
             source: source.to_string(),
             name: name.to_string(),
+            config,
         };
         self.json(self.req(Method::POST, "/images/tag").json(&call))
             .await

@@ -98,4 +98,7 @@ pub struct TagCall {
     pub source: String,
     /// New name.
     pub name: String,
+    /// Config of the new name; default the source's.
+    #[serde(default)]
+    pub config: Option<dsec_wire::v1::ImageConfig>,
 }

@@ -459,7 +459,9 @@ async fn tag_image(
     State(rpc): State<Arc<Rpc>>,
     Json(t): Json<TagCall>,
 ) -> RpcResult<impl IntoResponse> {
-    Ok(Json(rpc.node.tag_image(&t.source, &t.name).await?))
+    Ok(Json(
+        rpc.node.tag_image(&t.source, &t.name, t.config).await?,
+    ))
 }
 
 async fn gc_images(

@@ -100,7 +100,7 @@ async fn every_kind_of_operation_crosses_the_wire() -> TestResult {
     assert_eq!(img.name, "snap");
     assert!(diff.is_some());
     assert_eq!(node.image("snap").await?.digest, img.digest);
-    node.tag_image("snap", "snap-2").await?;
+    node.tag_image("snap", "snap-2", None).await?;
     assert_eq!(node.list_images().await?.len(), 3);
 
     node.pause("sb-1").await?;

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use dsec_cgroups::{CgroupRoot, CgroupVersion};
 use dsec_image::ImageStore;
-use dsec_wire::v1::Image;
+use dsec_wire::v1::{Image, ImageConfig};
 
 use crate::admission::Admission;
 use crate::backend::{Backend, Layers, RuntimeRecord};
@@ -915,10 +915,15 @@ impl NodeApi for LocalNode {
         Ok(dsec_wire::v1::LayerStatsList { lazy, node })
     }
 
-    async fn tag_image(&self, source: &str, name: &str) -> NodeResult<Image> {
+    async fn tag_image(
+        &self,
+        source: &str,
+        name: &str,
+        config: Option<ImageConfig>,
+    ) -> NodeResult<Image> {
         let (source, name) = (source.to_string(), name.to_string());
         Ok(self
-            .blocking(move |images| images.tag(&source, &name))
+            .blocking(move |images| images.tag(&source, &name, config))
             .await?)
     }
 

@@ -637,6 +637,161 @@ pub struct BuildResult {
     pub cached: Vec<bool>,
 }
 
+/// `POST /v1/images/build/dockerfile`: an image from a Dockerfile. The body is the build
+/// context as a tar archive (it holds the Dockerfile); the request travels in the query
+/// string ([`DockerfileBuildRequest::to_query`]). The answer is NDJSON [`BuildEvent`]s.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DockerfileBuildRequest {
+    /// Name of the result.
+    pub name: String,
+    /// Path of the Dockerfile inside the context; default `Dockerfile`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dockerfile: Option<String>,
+    /// Stage to build (`--target`); default the last one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
+    /// `--build-arg NAME=VALUE`s.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub build_args: BTreeMap<String, String>,
+    /// Network of `RUN` steps; default `none`. `open` lets them reach the internet
+    /// (package installs), never the node or other sandboxes.
+    #[serde(default)]
+    pub network: NetworkMode,
+    /// Run every step again instead of taking layers from the build cache.
+    #[serde(default)]
+    pub no_cache: bool,
+    /// Time limit of one `RUN` in seconds; default 1800.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_timeout_s: Option<f64>,
+}
+
+impl DockerfileBuildRequest {
+    /// The query-string pairs of this request (`build_arg=NAME=VALUE` once per arg).
+    pub fn to_query(&self) -> Vec<(String, String)> {
+        let mut q = vec![("name".to_string(), self.name.clone())];
+        let mut opt = |k: &str, v: &Option<String>| {
+            if let Some(v) = v {
+                q.push((k.to_string(), v.clone()));
+            }
+        };
+        opt("dockerfile", &self.dockerfile);
+        opt("target", &self.target);
+        opt(
+            "step_timeout_s",
+            &self.step_timeout_s.map(|t| t.to_string()),
+        );
+        if self.network != NetworkMode::None {
+            let mode = serde_json::to_value(self.network)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_string));
+            opt("network", &mode);
+        }
+        if self.no_cache {
+            q.push(("no_cache".to_string(), "true".to_string()));
+        }
+        for (k, v) in &self.build_args {
+            q.push(("build_arg".to_string(), format!("{k}={v}")));
+        }
+        q
+    }
+
+    /// The request from query-string pairs ([`DockerfileBuildRequest::to_query`]); the
+    /// error says which pair is wrong.
+    pub fn from_query(pairs: Vec<(String, String)>) -> Result<Self, String> {
+        let mut r = DockerfileBuildRequest::default();
+        let mut named = false;
+        for (k, v) in pairs {
+            match k.as_str() {
+                "name" => {
+                    r.name = v;
+                    named = true;
+                }
+                "dockerfile" => r.dockerfile = Some(v),
+                "target" => r.target = Some(v),
+                "step_timeout_s" => {
+                    let t: f64 = v
+                        .parse()
+                        .map_err(|_| format!("step_timeout_s: not a number: {v:?}"))?;
+                    r.step_timeout_s = Some(t);
+                }
+                "network" => {
+                    r.network = serde_json::from_value(serde_json::Value::String(v.clone()))
+                        .map_err(|_| format!("network: {v:?} is not none, allowlist or open"))?;
+                }
+                "no_cache" => {
+                    r.no_cache = match v.as_str() {
+                        "true" | "1" | "" => true,
+                        "false" | "0" => false,
+                        _ => return Err(format!("no_cache: {v:?} is not true or false")),
+                    }
+                }
+                "build_arg" => {
+                    let (name, value) = v
+                        .split_once('=')
+                        .ok_or_else(|| format!("build_arg: {v:?} is not NAME=VALUE"))?;
+                    if name.is_empty() {
+                        return Err(format!("build_arg: {v:?} has no name"));
+                    }
+                    r.build_args.insert(name.to_string(), value.to_string());
+                }
+                other => return Err(format!("unknown query parameter {other:?}")),
+            }
+        }
+        if !named {
+            return Err("name: missing".to_string());
+        }
+        Ok(r)
+    }
+}
+
+/// One line of a Dockerfile build's NDJSON answer. The last line is `done` or `error`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum BuildEvent {
+    /// Something to tell the user (an ignored instruction, an unused build arg).
+    Warning {
+        /// The message (naming its Dockerfile line).
+        message: String,
+    },
+    /// A step begins (or was found in the cache).
+    Step {
+        /// 1-based number of the step among all steps of the build.
+        step: usize,
+        /// Steps in the build.
+        steps: usize,
+        /// Stage it belongs to (its name, else its index).
+        stage: String,
+        /// Dockerfile line of its instruction.
+        line: usize,
+        /// The instruction as written.
+        text: String,
+        /// Its layer came from the build cache.
+        cached: bool,
+    },
+    /// Output of the running `RUN`.
+    Output {
+        /// `stdout` or `stderr`.
+        stream: String,
+        /// Text (UTF-8; invalid sequences replaced).
+        data: String,
+    },
+    /// The build finished; the last line.
+    Done {
+        /// The built image.
+        image: Image,
+        /// Steps in the build.
+        steps: usize,
+        /// Of those, how many came from the cache.
+        cached: usize,
+    },
+    /// The build failed and named nothing; the last line.
+    Error {
+        /// Why (a step's failure names its Dockerfile line and output tail).
+        error: ApiError,
+    },
+}
+
 /// `POST /v1/sandboxes/{id}/commit`: the sandbox's files as a new image.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -936,6 +1091,9 @@ pub struct ImageConfig {
     /// OCI `Cmd` (recorded for callers).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cmd: Vec<String>,
+    /// OCI `Labels` (a Dockerfile's `LABEL`s).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
 }
 
 impl ImageConfig {
@@ -999,6 +1157,8 @@ pub fn registry_image_name(image: &str) -> Option<String> {
 }
 
 /// One line of the NDJSON answer of `POST /v1/images/import/stream`.
+// A handful of events per import: the size of the one `Done` does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ImportEvent {
@@ -1187,5 +1347,56 @@ mod image_name_tests {
         for plain in ["base", "python:3.12", "org/app", "sha256:ab", "my.host/"] {
             assert_eq!(r(plain), None, "{plain}");
         }
+    }
+}
+
+#[cfg(test)]
+mod dockerfile_build_query_tests {
+    use super::*;
+
+    #[test]
+    fn a_build_request_survives_its_query_string() {
+        let req = DockerfileBuildRequest {
+            name: "task:1".into(),
+            dockerfile: Some("docker/Dockerfile".into()),
+            target: Some("test".into()),
+            build_args: [
+                ("PY".to_string(), "3.12".to_string()),
+                ("EMPTY".to_string(), String::new()),
+                ("EQ".to_string(), "a=b".to_string()),
+            ]
+            .into(),
+            network: NetworkMode::Open,
+            no_cache: true,
+            step_timeout_s: Some(90.5),
+        };
+        assert_eq!(DockerfileBuildRequest::from_query(req.to_query()), Ok(req));
+        let minimal = DockerfileBuildRequest {
+            name: "x".into(),
+            ..Default::default()
+        };
+        assert_eq!(minimal.to_query(), [("name".to_string(), "x".to_string())]);
+    }
+
+    #[test]
+    fn bad_queries_say_which_pair_is_wrong() {
+        let q = |pairs: &[(&str, &str)]| {
+            DockerfileBuildRequest::from_query(
+                pairs
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            )
+        };
+        assert!(q(&[]).expect_err("refused").contains("name"));
+        assert!(q(&[("name", "x"), ("build_arg", "NOEQ")])
+            .expect_err("refused")
+            .contains("NOEQ"));
+        assert!(q(&[("name", "x"), ("network", "wide")])
+            .expect_err("refused")
+            .contains("wide"));
+        assert!(q(&[("name", "x"), ("colour", "red")])
+            .expect_err("refused")
+            .contains("colour"));
     }
 }
