@@ -638,16 +638,43 @@ pub struct ExecArgs {
 /// `dsec image ...`.
 #[derive(Debug, Subcommand)]
 pub enum ImageCommand {
-    /// Build an image from a base and shell steps, run in a dsec sandbox; each step is a
-    /// layer, cached by (parent image, step), so a rebuild redoes only what changed.
+    /// Build an image in dsec sandboxes, each step a layer cached by (parent image, step),
+    /// so a rebuild redoes only what changed: from a Dockerfile (`dsec image build [-f
+    /// Dockerfile] CONTEXT NAME`), or from a base and shell steps (`dsec image build NAME
+    /// --from base --run CMD ...`).
     Build {
-        /// Name of the result.
-        name: String,
+        /// The build context directory (a Dockerfile build, NAME follows), or the NAME of
+        /// the result of a --run/--copy build.
+        #[arg(value_name = "CONTEXT|NAME")]
+        first: String,
+        /// Name of the result of a Dockerfile build.
+        #[arg(value_name = "NAME")]
+        second: Option<String>,
+        /// The Dockerfile (default: CONTEXT/Dockerfile); it may be outside the context.
+        #[arg(long, short = 'f', value_name = "DOCKERFILE")]
+        file: Option<PathBuf>,
+        /// A Dockerfile ARG value (repeatable).
+        #[arg(long = "build-arg", value_name = "NAME=VALUE")]
+        build_args: Vec<String>,
+        /// The stage of the Dockerfile to build (default: the last).
+        #[arg(long)]
+        target: Option<String>,
+        /// Run every step again instead of taking layers from the build cache.
+        #[arg(long)]
+        no_cache: bool,
+        /// Network of RUN steps: none (default) or open (the internet, never the node or
+        /// other sandboxes).
+        #[arg(long, value_name = "MODE")]
+        network: Option<String>,
         /// Image to start from.
         #[arg(long, default_value = "base")]
         from: String,
         /// A shell command (repeatable; steps keep their command-line order).
-        #[arg(long = "run", value_name = "CMD", required_unless_present = "copies")]
+        #[arg(
+            long = "run",
+            value_name = "CMD",
+            required_unless_present_any = ["copies", "second", "file"]
+        )]
         runs: Vec<String>,
         /// Local files or a directory to place in the image (repeatable): SRC:DEST copies
         /// the file SRC, or the contents of directory SRC, into directory DEST.

@@ -32,8 +32,7 @@ pub async fn build(
     }
     let (context, dockerfile) = (context.to_path_buf(), dockerfile.map(Path::to_path_buf));
     let (tar, member, files) =
-        tokio::task::spawn_blocking(move || tar_context(&context, dockerfile.as_deref()))
-            .await??;
+        tokio::task::spawn_blocking(move || tar_context(&context, dockerfile.as_deref())).await??;
     req.dockerfile = Some(member);
     let size = tar.metadata().map(|m| m.len()).unwrap_or(0);
     if !json {
@@ -114,7 +113,9 @@ fn tar_context(
                 .canonicalize()
                 .with_context(|| format!("Dockerfile {}", f.display()))?;
             match real.strip_prefix(&canonical_context) {
-                Ok(rel) if !rel.as_os_str().is_empty() => (rel.to_string_lossy().into_owned(), None),
+                Ok(rel) if !rel.as_os_str().is_empty() => {
+                    (rel.to_string_lossy().into_owned(), None)
+                }
                 _ => (OUTSIDE_DOCKERFILE.to_string(), Some(real)),
             }
         }
@@ -194,8 +195,11 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let d = dir.path();
         std::fs::write(d.join("Dockerfile"), "FROM base\n").expect("write");
-        std::fs::write(d.join(".dockerignore"), "Dockerfile\n*.log\nbuild/\n!build/keep\n")
-            .expect("write");
+        std::fs::write(
+            d.join(".dockerignore"),
+            "Dockerfile\n*.log\nbuild/\n!build/keep\n",
+        )
+        .expect("write");
         std::fs::write(d.join("a.py"), "x").expect("write");
         std::fs::write(d.join("x.log"), "x").expect("write");
         std::fs::create_dir_all(d.join("build")).expect("mkdir");
@@ -207,7 +211,14 @@ mod tests {
         let got = names(tar);
         assert_eq!(
             got,
-            [".dockerignore", "Dockerfile", "a.py", "build", "build/keep", "link"]
+            [
+                ".dockerignore",
+                "Dockerfile",
+                "a.py",
+                "build",
+                "build/keep",
+                "link"
+            ]
         );
         assert_eq!(n, got.len());
     }

@@ -15,7 +15,54 @@ use crate::output::{self, print_json, Table};
 pub async fn run(client: &Client, cmd: ImageCommand, json: bool) -> anyhow::Result<()> {
     match cmd {
         ImageCommand::Build {
-            name, from, order, ..
+            first,
+            second,
+            file,
+            build_args,
+            target,
+            no_cache,
+            network,
+            order,
+            ..
+        } if second.is_some() || file.is_some() => {
+            if !order.is_empty() {
+                anyhow::bail!(
+                    "--run and --copy make a build without a Dockerfile; a Dockerfile build \
+                     takes its steps from the Dockerfile"
+                );
+            }
+            let (context, name) = match second {
+                Some(name) => (std::path::PathBuf::from(first), name),
+                None => anyhow::bail!("a Dockerfile build takes CONTEXT and NAME"),
+            };
+            let mut req = dsec_wire::v1::DockerfileBuildRequest {
+                name,
+                target,
+                no_cache,
+                ..Default::default()
+            };
+            for arg in build_args {
+                let (k, v) = match arg.split_once('=') {
+                    Some((k, v)) => (k.to_string(), v.to_string()),
+                    // Docker's `--build-arg NAME` takes NAME from the environment.
+                    None => match std::env::var(&arg) {
+                        Ok(v) => (arg.clone(), v),
+                        Err(_) => continue,
+                    },
+                };
+                req.build_args.insert(k, v);
+            }
+            if let Some(mode) = network {
+                req.network = serde_json::from_value(serde_json::Value::String(mode.clone()))
+                    .map_err(|_| anyhow::anyhow!("--network {mode:?}: none, allowlist or open"))?;
+            }
+            crate::dockerfile::build(client, req, &context, file.as_deref(), json).await?;
+        }
+        ImageCommand::Build {
+            first: name,
+            from,
+            order,
+            ..
         } => {
             let mut steps = Vec::with_capacity(order.len());
             for arg in order {

@@ -6,6 +6,7 @@
 //! `dsec sandbox exec` exits with the command's own exit code.
 
 mod cli;
+mod dockerfile;
 mod iam;
 mod image;
 mod nodes;

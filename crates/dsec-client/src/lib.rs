@@ -561,6 +561,26 @@ impl Client {
         Ok(ndjson::events(resp))
     }
 
+    /// `POST /v1/images/build/dockerfile`: builds the Dockerfile of the build context
+    /// `context` (a tar archive, streamed from here), with its steps, output and warnings
+    /// as events; the last is `Done` or `Error`.
+    pub async fn build_dockerfile(
+        &self,
+        req: &dsec_wire::v1::DockerfileBuildRequest,
+        context: impl Into<UploadBody>,
+    ) -> Result<BoxStream<'static, Result<dsec_wire::v1::BuildEvent, ClientError>>, ClientError>
+    {
+        let answered = files::Answered::default();
+        let rb = self
+            .request(Method::POST, &["images", "build", "dockerfile"])
+            .query(&req.to_query())
+            .header(header::CONTENT_TYPE, "application/x-tar")
+            .body(context.into().into_reqwest(&answered));
+        let resp = Self::send(rb).await;
+        answered.set();
+        Ok(ndjson::events(resp?))
+    }
+
     /// `POST /v1/images/upload?name=`: imports the archive `body` (a rootfs tar, compressed
     /// or not, a `docker save` or OCI archive, or an EROFS image), streamed from here.
     pub async fn upload_image(

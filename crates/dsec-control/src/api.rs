@@ -15,12 +15,13 @@
 use std::collections::BTreeMap;
 
 use dsec_wire::v1::{
-    BuildRequest, BuildResult, ClusterNode, ClusterNodeList, CommitRequest, CreateSandboxRequest,
-    CreateSessionRequest, ExecRequest, ExecResult, FileInfo, FileList, GcRequest, GcResult, Health,
-    Image, ImageList, ImportEvent, ImportImageRequest, JobResult, LayerStatsList, MkdirRequest,
-    NetworkPolicy, PauseResult, ProcessInfo, ProcessList, PtySize, PullImageRequest, RenameRequest,
-    Sandbox, SandboxList, SessionInfo, SessionList, SessionResult, SessionRunRequest,
-    SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest, WriteResult,
+    BuildEvent, BuildRequest, BuildResult, ClusterNode, ClusterNodeList, CommitRequest,
+    CreateSandboxRequest, CreateSessionRequest, DockerfileBuildRequest, ExecRequest, ExecResult,
+    FileInfo, FileList, GcRequest, GcResult, Health, Image, ImageList, ImportEvent,
+    ImportImageRequest, JobResult, LayerStatsList, MkdirRequest, NetworkPolicy, PauseResult,
+    ProcessInfo, ProcessList, PtySize, PullImageRequest, RenameRequest, Sandbox, SandboxList,
+    SessionInfo, SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
+    StartProcessRequest, StdinRequest, WriteResult,
 };
 use dsec_wire::ApiError;
 use futures::stream::BoxStream;
@@ -34,6 +35,9 @@ pub use dsec_node_api::{ByteStream, EventStream};
 
 /// Progress of an image import; the last item is `Done` or `Error`.
 pub type ImportStream = BoxStream<'static, ImportEvent>;
+
+/// Progress of a Dockerfile build; the last item is `Done` or `Error`.
+pub type BuildStream = BoxStream<'static, BuildEvent>;
 
 /// Result type of the API.
 pub type ApiResult<T> = Result<T, ApiError>;
@@ -268,6 +272,22 @@ pub trait SandboxApi: Send + Sync + 'static {
         Err(ApiError::new(
             dsec_wire::ErrorCode::BadRequest,
             "this server does not take image uploads",
+        ))
+    }
+    /// `POST /v1/images/build/dockerfile`: builds the Dockerfile of the build context
+    /// `context` (a tar archive in a file the call owns), streaming its steps and output.
+    /// Bad requests fail before the stream starts; a failed build ends it with `Error`
+    /// and names nothing.
+    async fn build_dockerfile(
+        &self,
+        caller: &Principal,
+        req: DockerfileBuildRequest,
+        context: std::fs::File,
+    ) -> ApiResult<BuildStream> {
+        let _ = (caller, req, context);
+        Err(ApiError::new(
+            dsec_wire::ErrorCode::BadRequest,
+            "this server does not build Dockerfiles",
         ))
     }
     /// `DELETE /v1/images/{name}`.

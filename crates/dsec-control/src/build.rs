@@ -11,6 +11,8 @@ use sha2::{Digest, Sha256};
 
 use crate::api::{ApiResult, ByteStream, Principal, SandboxApi};
 
+pub mod dockerfile;
+
 /// Most steps one build may have.
 pub const MAX_STEPS: usize = 128;
 /// Default time limit of one `run` step.
@@ -163,5 +165,5 @@ async fn run_steps(
         parent_digest = img.digest;
         cached.push(false);
     }
-    node.tag_image(&parent_name, &req.name).await
+    node.tag_image(&parent_name, &req.name, None).await
 }

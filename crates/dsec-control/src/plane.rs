@@ -38,6 +38,7 @@ mod jobs;
 mod lifecycle;
 mod liveness;
 mod pull;
+pub(crate) use pull::ensure_image;
 mod reaper;
 mod records;
 use liveness::Limit;
@@ -1080,6 +1081,47 @@ impl SandboxApi for ControlPlane {
     ) -> ApiResult<ImportStream> {
         caller.require(dsec_iam::Scope::Images)?;
         pull::pull_stream(self.nodes.any()?, req).await
+    }
+
+    async fn build_dockerfile(
+        &self,
+        caller: &Principal,
+        req: DockerfileBuildRequest,
+        context: std::fs::File,
+    ) -> ApiResult<crate::api::BuildStream> {
+        caller.require(dsec_iam::Scope::Images)?;
+        let me = self
+            .me
+            .upgrade()
+            .ok_or_else(|| internal("the control plane is shutting down"))?;
+        let node = self.nodes.any()?;
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let caller = caller.clone();
+        // The build stops at its next step once the client is gone (the stream dropped),
+        // and deletes its sandboxes on every path.
+        tokio::spawn(async move {
+            let end = match crate::build::dockerfile::build(
+                &*me,
+                &caller,
+                node,
+                req,
+                context,
+                tx.clone(),
+            )
+            .await
+            {
+                Ok(b) => BuildEvent::Done {
+                    image: b.image,
+                    steps: b.steps,
+                    cached: b.cached,
+                },
+                Err(error) => BuildEvent::Error { error },
+            };
+            let _ = tx.send(end);
+        });
+        Ok(Box::pin(
+            tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
+        ))
     }
 
     async fn upload_image(

@@ -73,12 +73,14 @@ async fn out(c: &dsec_client::Client, id: &str, cmd: &str) -> String {
     r.stdout
 }
 
-async fn build_sandboxes_left(c: &dsec_client::Client) -> usize {
-    let all = c.list_sandboxes(Default::default()).await.expect("list");
-    all.sandboxes
-        .iter()
-        .filter(|s| s.labels.contains_key("dsec-build"))
-        .count()
+/// Build sandboxes of the build of `name` still there (the two tests build at once).
+async fn build_sandboxes_left(c: &dsec_client::Client, name: &str) -> usize {
+    let labels = [("dsec-build".to_string(), name.to_string())].into();
+    c.list_sandboxes(labels)
+        .await
+        .expect("list")
+        .sandboxes
+        .len()
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -91,7 +93,16 @@ async fn a_multi_stage_dockerfile_builds_runs_and_rebuilds_from_cache() {
     let ctx = dir.path();
     write(ctx, "Dockerfile", DOCKERFILE);
     write(ctx, ".dockerignore", "**/*.log\napp/ignored/\n");
-    write(ctx, "app/hello.txt", "world");
+    // Unique per run: the shared server keeps its build cache across runs.
+    let token = format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0)
+    );
+    write(ctx, "app/hello.txt", &format!("world-{token}"));
     write(ctx, "app/debug.log", "left out");
     write(ctx, "app/ignored/x", "left out");
     write(ctx, "data/secret.txt", "s3cret\n");
@@ -105,11 +116,20 @@ async fn a_multi_stage_dockerfile_builds_runs_and_rebuilds_from_cache() {
 
     let ctx_s = ctx.to_str().expect("utf-8");
     let (code, stdout, stderr) = dsec(&[
-        "image", "build", ctx_s, "e2e/df", "--build-arg", "GREETING=hello",
+        "image",
+        "build",
+        ctx_s,
+        "e2e/df",
+        "--build-arg",
+        "GREETING=hello",
+        "--no-cache",
     ]);
     assert_eq!(code, Some(0), "{stderr}");
     assert!(stdout.starts_with("built e2e/df sha256:"), "{stdout}");
-    assert!(stdout.contains("0 of 9 steps from cache"), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("0 of 9 steps from cache"),
+        "{stdout}\n{stderr}"
+    );
     assert!(stderr.contains("step 1/9"), "{stderr}");
 
     // The image carries the target stage's config.
@@ -121,23 +141,43 @@ async fn a_multi_stage_dockerfile_builds_runs_and_rebuilds_from_cache() {
         .into_iter()
         .find(|i| i.name == "e2e/df")
         .expect("built image listed");
-    assert_eq!(img.config.env.get("GREETING").map(String::as_str), Some("hello"));
-    assert_eq!(img.config.env.get("APP_HOME").map(String::as_str), Some("/opt/app"));
+    assert_eq!(
+        img.config.env.get("GREETING").map(String::as_str),
+        Some("hello")
+    );
+    assert_eq!(
+        img.config.env.get("APP_HOME").map(String::as_str),
+        Some("/opt/app")
+    );
     assert_eq!(img.config.workdir.as_deref(), Some("/opt/app"));
     assert_eq!(img.config.user.as_deref(), Some("agent"));
     assert_eq!(img.config.cmd, ["sh", "-c", "cat /home/agent/whoami"]);
     assert_eq!(
-        img.config.labels.get("org.example.task").map(String::as_str),
+        img.config
+            .labels
+            .get("org.example.task")
+            .map(String::as_str),
         Some("demo task")
     );
 
     // Its sandboxes run with what the Dockerfile built.
     let sb = sandbox_of(&c, "e2e/df").await;
-    assert_eq!(out(&c, &sb.id, "cat /opt/app/out.txt").await, "built world\n");
-    // .dockerignore kept the log and the ignored directory out of the context.
-    assert_eq!(out(&c, &sb.id, "cat /opt/app/listing").await, "hello.txt\nlisting\nout.txt\n");
     assert_eq!(
-        out(&c, &sb.id, "stat -c '%U:%G %a' /opt/app/secret.txt; cat /opt/app/secret.txt").await,
+        out(&c, &sb.id, "cat /opt/app/out.txt").await,
+        format!("built world-{token}\n")
+    );
+    // .dockerignore kept the log and the ignored directory out of the context.
+    assert_eq!(
+        out(&c, &sb.id, "cat /opt/app/listing").await,
+        "hello.txt\nlisting\nout.txt\n"
+    );
+    assert_eq!(
+        out(
+            &c,
+            &sb.id,
+            "stat -c '%U:%G %a' /opt/app/secret.txt; cat /opt/app/secret.txt"
+        )
+        .await,
         "agent:agent 640\ns3cret\n"
     );
     assert_eq!(
@@ -154,7 +194,12 @@ async fn a_multi_stage_dockerfile_builds_runs_and_rebuilds_from_cache() {
 
     // Same context: every step from the cache, the same layers.
     let (code, stdout, stderr) = dsec(&[
-        "image", "build", ctx_s, "e2e/df2", "--build-arg", "GREETING=hello",
+        "image",
+        "build",
+        ctx_s,
+        "e2e/df2",
+        "--build-arg",
+        "GREETING=hello",
     ]);
     assert_eq!(code, Some(0), "{stderr}");
     assert!(stdout.contains("9 of 9 steps from cache"), "{stdout}");
@@ -170,17 +215,27 @@ async fn a_multi_stage_dockerfile_builds_runs_and_rebuilds_from_cache() {
 
     // A changed context file: the builder stage's COPY and RUN rerun, and the target's
     // COPY --from of their result; the steps before stay cached.
-    write(ctx, "app/hello.txt", "again");
+    write(ctx, "app/hello.txt", &format!("again-{token}"));
     let (code, stdout, stderr) = dsec(&[
-        "image", "build", ctx_s, "e2e/df3", "--build-arg", "GREETING=hello",
+        "image",
+        "build",
+        ctx_s,
+        "e2e/df3",
+        "--build-arg",
+        "GREETING=hello",
     ]);
     assert_eq!(code, Some(0), "{stderr}");
     assert!(stdout.contains("of 9 steps from cache"), "{stdout}");
     assert!(!stdout.contains("9 of 9"), "{stdout}");
     let sb = sandbox_of(&c, "e2e/df3").await;
-    assert_eq!(out(&c, &sb.id, "cat /opt/app/out.txt").await, "built again\n");
+    assert_eq!(
+        out(&c, &sb.id, "cat /opt/app/out.txt").await,
+        format!("built again-{token}\n")
+    );
     c.delete_sandbox(&sb.id).await.expect("delete");
-    assert_eq!(build_sandboxes_left(&c).await, 0);
+    for name in ["e2e/df", "e2e/df2", "e2e/df3"] {
+        assert_eq!(build_sandboxes_left(&c, name).await, 0, "{name}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -211,7 +266,7 @@ async fn failing_and_unsupported_dockerfiles_name_their_line_and_leave_nothing()
         .map(|i| i.name)
         .collect();
     assert!(!names.contains(&"e2e/df-broken".to_string()), "{names:?}");
-    assert_eq!(build_sandboxes_left(&c).await, 0);
+    assert_eq!(build_sandboxes_left(&c, "e2e/df-broken").await, 0);
 
     // Refused before anything runs: the line and instruction are named.
     write(ctx, "Other.Dockerfile", "FROM base\n\nONBUILD RUN make\n");
@@ -233,5 +288,5 @@ async fn failing_and_unsupported_dockerfiles_name_their_line_and_leave_nothing()
     assert_eq!(code, Some(1), "{stderr}");
     assert!(stderr.contains("Dockerfile line 2"), "{stderr}");
     assert!(stderr.contains("missing.txt"), "{stderr}");
-    assert_eq!(build_sandboxes_left(&c).await, 0);
+    assert_eq!(build_sandboxes_left(&c, "e2e/df-missing").await, 0);
 }

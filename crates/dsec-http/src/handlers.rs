@@ -697,6 +697,56 @@ pub async fn build_image(
     Ok(created(api.build_image(req).await?))
 }
 
+/// Largest build context `POST /v1/images/build/dockerfile` takes, in bytes.
+pub const MAX_BUILD_CONTEXT: u64 = 8 << 30;
+
+/// `POST /v1/images/build/dockerfile?name=&dockerfile=&target=&build_arg=K=V...`: the
+/// body (the build context, a tar) is spooled to an unnamed temp file first, then the
+/// build streams NDJSON [`dsec_wire::v1::BuildEvent`]s (`done` or `error` last).
+pub async fn build_dockerfile(
+    api: Api,
+    Extension(opts): Extension<HttpOptions>,
+    uri: Uri,
+    body: Body,
+) -> HttpResult<Response> {
+    use tokio::io::AsyncWriteExt;
+    let pairs: Vec<(String, String)> =
+        url::form_urlencoded::parse(uri.query().unwrap_or("").as_bytes())
+            .into_owned()
+            .collect();
+    let req = dsec_wire::v1::DockerfileBuildRequest::from_query(pairs)
+        .map_err(|e| ApiError::new(ErrorCode::BadRequest, e))?;
+    let spool_err = |e: std::io::Error| {
+        ApiError::new(
+            ErrorCode::NoSpace,
+            format!("spooling the build context: {e}"),
+        )
+    };
+    let file = tempfile::tempfile().map_err(spool_err)?;
+    let mut out = tokio::fs::File::from_std(file);
+    let mut stream = body_stream(body, opts.upload_idle_timeout);
+    let mut size = 0u64;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk?;
+        size += chunk.len() as u64;
+        if size > MAX_BUILD_CONTEXT {
+            return Err(ApiError::new(
+                ErrorCode::PayloadTooLarge,
+                format!(
+                    "the build context is larger than {} GiB: leave out what the build does \
+                     not need (.dockerignore)",
+                    MAX_BUILD_CONTEXT >> 30
+                ),
+            )
+            .into());
+        }
+        out.write_all(&chunk).await.map_err(spool_err)?;
+    }
+    out.flush().await.map_err(spool_err)?;
+    let file = out.into_std().await;
+    Ok(ndjson(api.build_dockerfile(req, file).await?))
+}
+
 /// `DELETE /v1/images/{name}`.
 pub async fn delete_image(api: Api, Path(name): Path<String>) -> HttpResult<Response> {
     Ok(no_content(api.delete_image(&name).await?))

@@ -175,6 +175,7 @@ pub fn router_with(api: Arc<dyn SandboxApi>, opts: HttpOptions) -> Router {
         )
         .route("/images", get(h::list_images).post(h::import_image))
         .route("/images/build", post(h::build_image))
+        .route("/images/build/dockerfile", post(h::build_dockerfile))
         .route("/images/import/stream", post(h::import_image_stream))
         .route("/images/pull", post(h::pull_image))
         .route("/images/upload", post(h::upload_image).layer(unlimited()))

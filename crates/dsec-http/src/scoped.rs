@@ -13,11 +13,12 @@ use axum::http::request::Parts;
 use dsec_control::{ApiResult, ByteStream, EventStream, ImportStream, Principal, SandboxApi};
 use dsec_wire::v1::{
     BuildRequest, BuildResult, ClusterNode, ClusterNodeList, CommitRequest, CreateSandboxRequest,
-    CreateSessionRequest, ExecRequest, ExecResult, FileInfo, FileList, GcRequest, GcResult, Health,
-    Image, ImageList, ImportImageRequest, JobResult, LayerStatsList, MkdirRequest, NetworkPolicy,
-    PauseResult, ProcessInfo, ProcessList, PtySize, PullImageRequest, RenameRequest, Sandbox,
-    SandboxList, SessionInfo, SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest,
-    SignalRequest, StartProcessRequest, StdinRequest, WriteResult,
+    CreateSessionRequest, DockerfileBuildRequest, ExecRequest, ExecResult, FileInfo, FileList,
+    GcRequest, GcResult, Health, Image, ImageList, ImportImageRequest, JobResult, LayerStatsList,
+    MkdirRequest, NetworkPolicy, PauseResult, ProcessInfo, ProcessList, PtySize, PullImageRequest,
+    RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList, SessionResult,
+    SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest,
+    WriteResult,
 };
 use dsec_wire::{ApiError, ErrorCode};
 
@@ -125,6 +126,15 @@ impl Scoped {
     /// [`SandboxApi::build_image`] as this caller.
     pub async fn build_image(&self, req: BuildRequest) -> ApiResult<BuildResult> {
         self.api.build_image(&self.caller, req).await
+    }
+
+    /// [`SandboxApi::build_dockerfile`] as this caller.
+    pub async fn build_dockerfile(
+        &self,
+        req: DockerfileBuildRequest,
+        context: std::fs::File,
+    ) -> ApiResult<dsec_control::api::BuildStream> {
+        self.api.build_dockerfile(&self.caller, req, context).await
     }
 
     /// [`SandboxApi::commit_sandbox`] as this caller.

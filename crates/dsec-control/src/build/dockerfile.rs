@@ -235,9 +235,11 @@ impl Builder<'_> {
     /// a registry reference.
     async fn ensure(&self, r: &str) -> ApiResult<(Layered, ImageConfig)> {
         let name = crate::plane::ensure_image(&*self.node, r.to_string()).await?;
-        let img = self.node.image(&name).await.map_err(|e| {
-            ApiError::new(e.code, format!("base image {r}: {}", e.message))
-        })?;
+        let img = self
+            .node
+            .image(&name)
+            .await
+            .map_err(|e| ApiError::new(e.code, format!("base image {r}: {}", e.message)))?;
         Ok((
             Layered {
                 name,
@@ -475,13 +477,7 @@ impl Builder<'_> {
     }
 
     /// Uploads a prepared copy at `/` and applies `--chown`.
-    async fn put(
-        &mut self,
-        id: &str,
-        step: &Step,
-        c: &CopyStep,
-        p: PreparedCopy,
-    ) -> ApiResult<()> {
+    async fn put(&mut self, id: &str, step: &Step, c: &CopyStep, p: PreparedCopy) -> ApiResult<()> {
         if p.paths.is_empty() {
             return Ok(());
         }
@@ -501,7 +497,13 @@ impl Builder<'_> {
 
     /// `chown -h OWNER` of `paths`, with the image's own chown (names resolve in its
     /// `/etc/passwd`).
-    async fn chown(&mut self, id: &str, step: &Step, owner: &str, paths: &[String]) -> ApiResult<()> {
+    async fn chown(
+        &mut self,
+        id: &str,
+        step: &Step,
+        owner: &str,
+        paths: &[String],
+    ) -> ApiResult<()> {
         let mut stdin = String::new();
         for p in paths {
             stdin.push_str(p);
@@ -579,7 +581,9 @@ impl Builder<'_> {
                 .download_tar(self.caller, from, &path)
                 .await
                 .map_err(|e| at(step, e.code, e.message))?;
-            let tar = spool(stream).await.map_err(|e| at(step, e.code, e.message))?;
+            let tar = spool(stream)
+                .await
+                .map_err(|e| at(step, e.code, e.message))?;
             // A directory's tar holds its contents; a file's holds it under its name.
             let inner = match info.kind {
                 FileKind::Dir => ".".to_string(),
@@ -594,7 +598,8 @@ impl Builder<'_> {
                 extract_tars: false,
             };
             let p = tokio::task::spawn_blocking(move || {
-                let ctx = Context::open(tar, false, &Limits::default())?;
+                let ctx =
+                    Context::open(tar, false, &Limits::default()).map_err(|e| e.to_string())?;
                 copy_to_temp(&ctx, &sub, dest_is_dir)
             })
             .await
@@ -655,9 +660,7 @@ struct PreparedCopy {
 /// Whether where a copy lands depends on whether its destination is a directory: one
 /// plain source to a destination without a trailing `/`.
 fn needs_dest_kind(c: &CopyStep) -> bool {
-    c.sources.len() == 1
-        && !c.dest.ends_with('/')
-        && !c.sources[0].contains(['*', '?', '['])
+    c.sources.len() == 1 && !c.dest.ends_with('/') && !c.sources[0].contains(['*', '?', '['])
 }
 
 async fn prepare_context_copy(
@@ -771,11 +774,17 @@ fn normalize_abs(p: &str) -> String {
 }
 
 fn is_root(user: &str) -> bool {
-    matches!(user, "root" | "0" | "0:0" | "root:root" | "root:0" | "0:root")
+    matches!(
+        user,
+        "root" | "0" | "0:0" | "root:root" | "root:0" | "0:root"
+    )
 }
 
 fn last_chars(s: &str, n: usize) -> &str {
-    match s.char_indices().rev().nth(n) {
+    if n == 0 {
+        return "";
+    }
+    match s.char_indices().rev().nth(n - 1) {
         Some((i, _)) => &s[i..],
         None => s,
     }

@@ -22,7 +22,7 @@ const CREATE_PULL_TIMEOUT: Duration = Duration::from_secs(600);
 /// reference ([`registry_image_name`]) the catalog does not have yet. The node pulls
 /// once however many creates wait for the image (its single flight); a failed pull
 /// fails each of them with the registry's error and stores nothing.
-pub(super) async fn ensure_image(node: &dyn NodeApi, image: String) -> ApiResult<String> {
+pub(crate) async fn ensure_image(node: &dyn NodeApi, image: String) -> ApiResult<String> {
     let Some(name) = registry_image_name(&image) else {
         return Ok(image);
     };
