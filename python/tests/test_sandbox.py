@@ -327,6 +327,30 @@ def test_users_and_async_processes(client: dsec.Client) -> None:
     asyncio.run(go())
 
 
+def test_build_dockerfile_builds_an_image_sandboxes_run(client: dsec.Client, tmp_path) -> None:
+    token = uuid.uuid4().hex
+    (tmp_path / "Dockerfile").write_text(
+        "FROM base\nARG WHO=nobody\nENV WHO=$WHO\nWORKDIR /app\nCOPY . .\n"
+        'RUN echo "hi $WHO" > greeting\nLABEL suite=python\n'
+    )
+    (tmp_path / "token.txt").write_text(token)
+    (tmp_path / "skip.log").write_text("left out")
+    (tmp_path / ".dockerignore").write_text("*.log\n")
+    events: list = []
+    img = client.build_dockerfile("py/df", str(tmp_path), build_args={"WHO": "py"}, on_event=events.append)
+    assert img.name == "py/df" and img.config["labels"] == {"suite": "python"}
+    steps = [e for e in events if e["type"] == "step"]
+    assert [s["text"] for s in steps] == ["WORKDIR /app", "COPY . .", 'RUN echo "hi $WHO" > greeting']
+    with dsec.Sandbox.create(client, image="py/df") as sb:
+        assert sb.exec("cat greeting token.txt; ls").stdout == f"hi py\n{token}Dockerfile\ngreeting\ntoken.txt\n"
+    # A failing RUN raises with its line; nothing is named.
+    (tmp_path / "Dockerfile").write_text("FROM base\nRUN echo broken >&2 && false\n")
+    with pytest.raises(dsec.errors.DsecError) as e:
+        client.build_dockerfile("py/df-broken", str(tmp_path))
+    assert "Dockerfile line 2" in str(e.value) and "broken" in str(e.value)
+    assert "py/df-broken" not in [i.name for i in client.list_images()]
+
+
 def test_pull_image_errors_are_raised(client: dsec.Client) -> None:
     # A reference that does not parse is refused before the pull starts.
     with pytest.raises(dsec.errors.BadRequest):

@@ -8,7 +8,7 @@ import random
 import threading
 import time
 import uuid
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 from urllib.parse import quote
 
 from pydantic import TypeAdapter
@@ -224,6 +224,80 @@ class Client:
         except TransportError as e:
             raise ConnectionFailed(f"POST /images/pull: {e}") from e
         raise ConnectionFailed("POST /images/pull: the stream ended without a result")
+
+    def build_dockerfile(
+        self,
+        name: str,
+        context: str,
+        *,
+        dockerfile: Optional[str] = None,
+        target: Optional[str] = None,
+        build_args: Optional[Mapping[str, str]] = None,
+        network: Optional[str] = None,
+        no_cache: bool = False,
+        on_event: Optional[Any] = None,
+    ) -> Image:
+        """``POST /v1/images/build/dockerfile``: builds the Dockerfile of the directory
+        ``context`` (sent as a tar; the server applies its ``.dockerignore``) as ``name``.
+        ``dockerfile`` is its path inside the context (default ``Dockerfile``); ``network``
+        ``"open"`` gives ``RUN`` steps the internet. ``on_event(event)`` gets each event
+        (``{"type": "step"|"output"|"warning", ...}``). A failed build raises (the message
+        names the Dockerfile line) and names nothing."""
+        import tarfile
+        import tempfile
+
+        if not os.path.isdir(context):
+            raise ValueError(f"build context {context!r} is not a directory")
+        params: List[Tuple[str, str]] = [("name", name)]
+        if dockerfile is not None:
+            params.append(("dockerfile", dockerfile))
+        if target is not None:
+            params.append(("target", target))
+        if network is not None:
+            params.append(("network", network))
+        if no_cache:
+            params.append(("no_cache", "true"))
+        for k, v in (build_args or {}).items():
+            params.append(("build_arg", f"{k}={v}"))
+        with tempfile.TemporaryFile() as spool:
+            with tarfile.open(fileobj=spool, mode="w", format=tarfile.PAX_FORMAT) as tar:
+                for entry in sorted(os.listdir(context)):
+                    tar.add(os.path.join(context, entry), arcname=entry, recursive=True)
+            spool.seek(0)
+
+            def chunks() -> Iterator[bytes]:
+                while True:
+                    b = spool.read(1 << 20)
+                    if not b:
+                        return
+                    yield b
+
+            path = "/images/build/dockerfile"
+            try:
+                with self._http.open(
+                    "POST",
+                    path,
+                    params=params,
+                    body=chunks(),
+                    headers={"content-type": "application/x-tar"},
+                    timeout=None,
+                ) as resp:
+                    if not resp.is_success:
+                        self._raise_for(resp.read())
+                    for line in resp.iter_lines():
+                        if not line.strip():
+                            continue
+                        ev = json.loads(line)
+                        kind = ev.get("type")
+                        if kind == "done":
+                            return Image.model_validate(ev["image"])
+                        if kind == "error":
+                            raise error_from_body(ev["error"])
+                        if on_event is not None:
+                            on_event(ev)
+            except TransportError as e:
+                raise ConnectionFailed(f"POST {path}: {e}") from e
+        raise ConnectionFailed(f"POST {path}: the stream ended without a result")
 
     def delete_image(self, name: str) -> None:
         """``DELETE /v1/images/{name}``."""

@@ -301,6 +301,7 @@ class Image(_Response):
     created_at: int = 0
     source: str = ""
     layers: List[str] = Field(default_factory=list)
+    config: Dict[str, Any] = Field(default_factory=dict)
 
 
 class Health(_Response):
