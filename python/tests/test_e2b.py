@@ -125,3 +125,77 @@ def test_command_timeout(sbx: Sandbox) -> None:
     assert time.monotonic() - started < 10
     # The sandbox still answers.
     assert sbx.commands.run("echo ok").stdout == "ok\n"
+
+
+def test_template_builder_then_create_from_its_alias(e2b_env, tmp_path) -> None:
+    from e2b import Template, wait_for_file
+
+    token = f"{time.time_ns()}"
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "main.py").write_text(f"print('{token}')\n")
+    (tmp_path / "app" / "notes.txt").write_text("notes\n")
+    (tmp_path / "app" / "skip.log").write_text("left out\n")
+    t = (
+        Template(file_context_path=str(tmp_path))
+        .from_base_image()
+        .copy("app", "/opt/app/")
+        .copy("app/*.txt", "/opt/txt/", mode=0o600)
+        .set_envs({"GREETING": "hello", "TOKEN": token})
+        .run_cmd("echo $GREETING-$TOKEN > /tmp/built && whoami > /tmp/built-by")
+        .set_workdir("/opt/app")
+        .run_cmd("id -u agent || useradd -m agent", user="root")
+        .set_user("agent")
+        .set_start_cmd("echo up > /tmp/started-$(whoami)", wait_for_file("/tmp/started-agent"))
+    )
+    logs: list = []
+    info = Template.build(t, "dsec-tpl", cpu_count=1, memory_mb=512, on_build_logs=logs.append)
+    assert info.template_id == "dsec-tpl" and "default" in info.tags
+    assert any("RUN" in str(getattr(l, "message", l)) for l in logs), logs
+    assert Template.exists("dsec-tpl")
+    sb = Sandbox.create("dsec-tpl", timeout=120)
+    try:
+        r = sb.commands.run(
+            "cat /tmp/built /tmp/built-by /tmp/started-agent; ls /opt/app; ls /opt/txt; "
+            "stat -c '%U %a' /opt/txt/notes.txt /opt/app/main.py",
+            user="root",
+        )
+        # COPY is owned by the user current at the step (E2B's rule), `user` here.
+        assert r.stdout == (
+            f"hello-{token}\nuser\nup\nmain.py\nnotes.txt\nskip.log\nnotes.txt\n"
+            "user 600\nuser 644\n"
+        ), r.stdout
+    finally:
+        sb.kill()
+    # A rebuild of the same template is cached; a create by build id works too.
+    again = Template.build(t, "dsec-tpl")
+    sb = Sandbox.create(f"dsec-tpl:{again.build_id}", timeout=60)
+    try:
+        assert sb.commands.run("cat /tmp/built", user="root").stdout == f"hello-{token}\n"
+    finally:
+        sb.kill()
+    # A failing step fails the build, naming the step; the alias does not move.
+    broken = Template().from_template("dsec-tpl").run_cmd("echo broken >&2; exit 3")
+    with pytest.raises(e2b.BuildException) as e:
+        Template.build(broken, "dsec-tpl-broken")
+    assert "exit code 3" in str(e.value)
+    assert not Template.exists("dsec-tpl-broken")
+
+
+def test_template_from_dockerfile(e2b_env, tmp_path) -> None:
+    from e2b import Template
+
+    (tmp_path / "data.txt").write_text("from the context\n")
+    dockerfile = (
+        "FROM e2bdev/base\nENV MODE=test\nWORKDIR /srv\nCOPY data.txt ./\n"
+        "RUN echo \"$MODE $(cat data.txt)\" > result\n"
+    )
+    t = Template(file_context_path=str(tmp_path)).from_dockerfile(dockerfile)
+    Template.build(t, "dsec-tpl-df")
+    sb = Sandbox.create("dsec-tpl-df", timeout=60)
+    try:
+        assert sb.commands.run("cat /srv/result").stdout == "test from the context\n"
+    finally:
+        sb.kill()
+    with pytest.raises(Exception) as e:
+        Sandbox.create("dsec-tpl-df:nosuchtag", timeout=60)
+    assert "does not exist" in str(e.value)

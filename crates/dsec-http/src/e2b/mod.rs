@@ -17,6 +17,7 @@
 mod connect;
 mod envd;
 mod rest;
+mod template;
 
 use std::sync::Arc;
 
@@ -43,12 +44,25 @@ const TEMPLATE_LABEL: &str = "e2b.template";
 
 /// The routes, relative to the server root.
 pub fn routes(api: Arc<dyn SandboxApi>) -> Router<Arc<dyn SandboxApi>> {
-    let rest = rest::routes().route_layer(middleware::from_fn_with_state(
-        api.clone(),
-        crate::extract::require_api_key,
-    ));
+    let templates = Arc::new(template::Templates::default());
+    let rest = rest::routes()
+        .route_layer(middleware::from_fn_with_state(
+            api.clone(),
+            crate::extract::require_api_key,
+        ))
+        .layer(axum::Extension(templates.clone()));
     let envd = envd::routes().route_layer(middleware::from_fn_with_state(api, require_envd_token));
-    Router::new().nest("/e2b", rest).nest("/e2b/envd", envd)
+    // Template file uploads carry their own one-time token (the SDK sends no key there).
+    let uploads = Router::new()
+        .route(
+            "/e2b/template-files/{token}",
+            axum::routing::put(template::upload),
+        )
+        .layer(axum::Extension(templates));
+    Router::new()
+        .nest("/e2b", rest)
+        .nest("/e2b/envd", envd)
+        .merge(uploads)
 }
 
 /// envd's auth: `X-Access-Token` (or `X-API-Key`) must be the API key.

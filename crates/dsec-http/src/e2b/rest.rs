@@ -36,6 +36,21 @@ pub(super) fn routes() -> Router<Arc<dyn SandboxApi>> {
         .route("/v2/sandboxes/{id}/connect", post(connect))
         .route("/sandboxes/{id}/pause", post(pause))
         .route("/sandboxes/{id}/resume", post(resume))
+        .route("/v3/templates", post(super::template::request_build))
+        .route(
+            "/templates/{id}/files/{hash}",
+            get(super::template::file_link),
+        )
+        .route(
+            "/v2/templates/{id}/builds/{build}",
+            post(super::template::start_build),
+        )
+        .route(
+            "/templates/{id}/builds/{build}/status",
+            get(super::template::status),
+        )
+        .route("/templates/aliases/{alias}", get(super::template::alias))
+        .route("/templates/{id}/tags", get(super::template::tags))
 }
 
 /// An E2B error answer: the HTTP status and `{"code": status, "message"}`.
@@ -153,9 +168,16 @@ async fn create(api: Api, headers: HeaderMap, Json(req): Json<NewSandbox>) -> Re
                 .map(|(k, v)| (format!("{META_PREFIX}{k}"), v))
                 .collect();
             labels.insert(TEMPLATE_LABEL.into(), template.clone());
+            // A built template (`alias[:tag]`, `alias:BUILD_ID`) or a plain dsec image.
+            let built = super::template::resolve(&api, &template).await?;
+            let (image, resources) = match &built {
+                Some(img) => (img.name.clone(), super::template::resources(img)),
+                None => (template, Default::default()),
+            };
             let sb = api
                 .create_sandbox(CreateSandboxRequest {
-                    image: Some(template),
+                    image: Some(image),
+                    resources,
                     timeout_s: Some(req.timeout.unwrap_or(DEFAULT_TIMEOUT_S)),
                     env: req.env_vars.unwrap_or_default(),
                     labels,
@@ -199,6 +221,12 @@ async fn create(api: Api, headers: HeaderMap, Json(req): Json<NewSandbox>) -> Re
                             req.template_id
                         ),
                     ));
+                }
+            }
+            if let Some(img) = &built {
+                if let Err(e) = super::template::start(&api, &sb.id, img).await {
+                    let _ = api.delete_sandbox(&sb.id).await;
+                    return Err(e);
                 }
             }
             let token = api_key(&headers);
