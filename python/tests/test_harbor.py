@@ -76,7 +76,10 @@ def harbor() -> str:
         python = _python_312()
         if python is None:
             _missing("Harbor needs Python >= 3.12; none found (python3.12 on PATH or pyenv)")
-        shutil.rmtree(venv, ignore_errors=True)
+        if venv.exists():
+            if not (venv / "pyvenv.cfg").exists():
+                pytest.fail(f"{venv} exists and is not a venv; set DSEC_HARBOR_VENV", pytrace=False)
+            shutil.rmtree(venv)  # an older or broken one: start over
         subprocess.run([python, "-m", "venv", str(venv)], check=True, timeout=300)
         r = subprocess.run(
             [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
