@@ -2,7 +2,8 @@
 //!
 //! **Cold pull to first command.** A multi-layer image of about 500 MB (gzip): the Debian
 //! base rootfs ($DSEC_BASE_TAR) as its bottom layer and [`NOISE_LAYERS`] layers of
-//! incompressible data, pushed to a local docker-registry on loopback. Every sample
+//! incompressible data (`--quick`: one, ~190 MB), pushed to a local docker-registry on
+//! loopback. Every sample
 //! starts with nothing of the image on the machine and ends when `true`'s answer is back:
 //! - dsec: a fresh `dsec serve` state (empty image store; the server started and its
 //!   pools filled untimed), `POST /v1/images/pull`, a create of the image, `exec true`;
@@ -18,6 +19,10 @@
 //! the copied files. dsec: `dsec image build --no-cache -f Dockerfile CONTEXT NAME`
 //! against a fresh server (base imported untimed), then the same without `--no-cache`;
 //! podman: `podman build` on fresh storage (base `podman import`ed untimed), then again.
+//!
+//! After the tables, where the time went: a dsec pull by phase and by layer (from its
+//! progress events), a cold build by step (each tool's step announcements, timed as they
+//! arrive).
 //!
 //! Rows are interleaved (one sample of each per round). Everything the section starts is
 //! stopped by pid (servers, registry) and its directories, podman storage and mounts are
@@ -36,8 +41,9 @@ use futures::StreamExt;
 
 use crate::{argv_true, print_table, print_table_vs, time_cmd, HostCpu, Stats};
 
-/// Layers of incompressible data above the base layer.
+/// Layers of incompressible data above the base layer (`--quick`: one).
 const NOISE_LAYERS: usize = 4;
+const QUICK_NOISE_LAYERS: usize = 1;
 /// Files per noise layer, each [`FILE_BYTES`].
 const FILES_PER_LAYER: usize = 25;
 const FILE_BYTES: usize = 4 << 20;
@@ -147,9 +153,10 @@ struct RegistryImage {
     layers: usize,
 }
 
-/// Builds the image's layers in `dir`, pushes them (gzip) to a new registry and removes
-/// the local copies. `None` if docker-registry or skopeo is missing.
-fn seed_image(dir: &Path) -> anyhow::Result<Option<RegistryImage>> {
+/// Builds the image (the base and `noise_layers` layers of noise) in `dir`, pushes it
+/// (gzip) to a new registry and removes the local copies. `None` if docker-registry or
+/// skopeo is missing.
+fn seed_image(dir: &Path, noise_layers: usize) -> anyhow::Result<Option<RegistryImage>> {
     let base = dsec_e2e::base_tar();
     if !base.is_file() {
         bail!(
@@ -163,7 +170,7 @@ fn seed_image(dir: &Path) -> anyhow::Result<Option<RegistryImage>> {
     let work = dir.join("seed");
     std::fs::create_dir_all(&work)?;
     let mut tars = vec![base];
-    for n in 0..NOISE_LAYERS {
+    for n in 0..noise_layers {
         tars.push(noise_layer(&work, n)?);
     }
     let refs: Vec<&Path> = tars.iter().map(PathBuf::as_path).collect();
@@ -264,8 +271,46 @@ async fn first_command(c: &Client, image: &str) -> anyhow::Result<String> {
     }
 }
 
-/// `POST /v1/images/pull` of `reference` until its `Done`.
-async fn pull(c: &Client, reference: &str) -> anyhow::Result<()> {
+/// Where a pull's time went, from its progress events: each interval between two events
+/// counts for the phase the later one reports.
+#[derive(Debug, Default)]
+struct Phases {
+    /// Milliseconds per phase (`resolving`, `downloading`, `extracting`, `building`,
+    /// `hashing`, `storing`).
+    total: std::collections::BTreeMap<String, f64>,
+    /// Milliseconds extracting and building (mkfs.erofs) per converted layer, bottom
+    /// first (a layer starts where `extracting` follows another phase).
+    layers: Vec<(f64, f64)>,
+    /// The phase of the last event.
+    last: String,
+}
+
+impl Phases {
+    fn add(&mut self, phase: &str, ms: f64) {
+        *self.total.entry(phase.to_string()).or_default() += ms;
+        match phase {
+            "extracting" => {
+                if self.last != "extracting" {
+                    self.layers.push((0.0, 0.0));
+                }
+                if let Some(l) = self.layers.last_mut() {
+                    l.0 += ms;
+                }
+            }
+            "building" => {
+                if let Some(l) = self.layers.last_mut() {
+                    l.1 += ms;
+                }
+            }
+            _ => {}
+        }
+        self.last = phase.to_string();
+    }
+}
+
+/// `POST /v1/images/pull` of `reference` until its `Done`; where the time went.
+async fn pull(c: &Client, reference: &str) -> anyhow::Result<Phases> {
+    let t = Instant::now();
     let mut events = c
         .pull_image_stream(PullImageRequest {
             reference: reference.to_string(),
@@ -273,31 +318,50 @@ async fn pull(c: &Client, reference: &str) -> anyhow::Result<()> {
             insecure: true,
         })
         .await?;
+    let (mut phases, mut last) = (Phases::default(), 0.0);
     while let Some(ev) = events.next().await {
+        let now = ms_since(t);
         match ev? {
-            ImportEvent::Done { .. } => return Ok(()),
+            ImportEvent::Done { .. } => {
+                phases.add("done", now - last);
+                return Ok(phases);
+            }
             ImportEvent::Error { error } => {
                 bail!("pull of {reference}: {:?}: {}", error.code, error.message)
             }
-            ImportEvent::Progress { .. } => {}
+            ImportEvent::Progress { phase, .. } => phases.add(&phase, now - last),
         }
+        last = now;
     }
     bail!("the pull of {reference} ended without a result")
 }
 
-/// dsec, fresh state: pull + create + exec `true`. Total and pull ms.
-async fn dsec_pull_sample(image: &RegistryImage) -> anyhow::Result<(f64, f64)> {
+/// One dsec pull sample.
+struct PullSample {
+    /// Pull + create + exec `true`, ms.
+    total: f64,
+    /// The pull alone, ms.
+    pulled: f64,
+    phases: Phases,
+}
+
+/// dsec, fresh state: pull + create + exec `true`.
+async fn dsec_pull_sample(image: &RegistryImage) -> anyhow::Result<PullSample> {
     let addr = image.registry.addr();
     let s = fresh_node("pull", &node_args(&addr, &[])).await?;
     let c = s.client();
     with_node(s, async {
         let t = Instant::now();
-        pull(&c, &image.reference).await?;
+        let phases = pull(&c, &image.reference).await?;
         let pulled = ms_since(t);
         let id = first_command(&c, &image.reference).await?;
         let total = ms_since(t);
         c.delete_sandbox(&id).await?;
-        Ok::<_, anyhow::Error>((total, pulled))
+        Ok::<_, anyhow::Error>(PullSample {
+            total,
+            pulled,
+            phases,
+        })
     })
     .await
 }
@@ -514,9 +578,14 @@ async fn pull_table(scratch: &Path, image: &RegistryImage, rounds: usize) -> any
     if !have_podman() {
         podman.error = Some("podman not installed".into());
     }
+    let mut phases: Vec<Phases> = Vec::new();
     for _ in 0..rounds {
         if dsec.live() {
-            dsec.add_with_part(dsec_pull_sample(image).await);
+            let r = dsec_pull_sample(image).await.map(|s| {
+                phases.push(s.phases);
+                (s.total, s.pulled)
+            });
+            dsec.add_with_part(r);
         }
         if podman.live() {
             HostCpu::settle(SETTLE).await;
@@ -557,7 +626,82 @@ async fn pull_table(scratch: &Path, image: &RegistryImage, rounds: usize) -> any
         speedup("dsec --lazy-layers, layers in the shared store"),
         speedup("dsec, layers in the shared store (whole)"),
     );
+    print_phases(&phases);
     Ok(())
+}
+
+/// The median of `v` (NaN if empty).
+fn median(v: Vec<f64>) -> f64 {
+    Stats {
+        name: String::new(),
+        samples: v,
+        note: None,
+    }
+    .pct(50.0)
+}
+
+/// Where a dsec pull's time went, by phase and by layer (medians over the rounds).
+fn print_phases(rounds: &[Phases]) {
+    if rounds.is_empty() {
+        return;
+    }
+    let order = [
+        "resolving",
+        "downloading",
+        "extracting",
+        "building",
+        "hashing",
+        "storing",
+        "done",
+    ];
+    let mut names: Vec<&str> = order.to_vec();
+    for p in rounds.iter().flat_map(|r| r.total.keys()) {
+        if !names.contains(&p.as_str()) {
+            names.push(p);
+        }
+    }
+    let mut cells = Vec::new();
+    let mut json = serde_json::Map::new();
+    for name in names {
+        let v: Vec<f64> = rounds
+            .iter()
+            .filter_map(|r| r.total.get(name).copied())
+            .collect();
+        if v.is_empty() {
+            continue;
+        }
+        let ms = median(v);
+        cells.push(format!("{name} {:.1} s", ms / 1000.0));
+        json.insert(name.to_string(), ms.into());
+    }
+    let layers = rounds.iter().map(|r| r.layers.len()).max().unwrap_or(0);
+    let mut per_layer = Vec::new();
+    for i in 0..layers {
+        let part = |f: fn(&(f64, f64)) -> f64| {
+            median(
+                rounds
+                    .iter()
+                    .filter_map(|r| r.layers.get(i).map(f))
+                    .collect(),
+            )
+        };
+        let (x, b) = (part(|l| l.0), part(|l| l.1));
+        per_layer.push(format!("{:.1} + {:.1}", x / 1000.0, b / 1000.0));
+        json.insert(
+            format!("layer {} extracting+building", i + 1),
+            serde_json::json!([x, b]),
+        );
+    }
+    println!(
+        "\ndsec pull by phase (its progress events; p50 of {} round(s)): {}",
+        rounds.len(),
+        cells.join(", ")
+    );
+    println!(
+        "extracting + building (mkfs.erofs) per layer, bottom (the base rootfs) first, s: {}",
+        per_layer.join("; ")
+    );
+    crate::record("dsec pull by phase (ms)", serde_json::Value::Object(json));
 }
 
 /// The build context: [`CONTEXT_FILES`] small text files under `src/` and the Dockerfile.
@@ -591,7 +735,7 @@ fn check_count(out: &str, who: &str) -> anyhow::Result<()> {
 
 /// dsec: a fresh server with the base image (untimed), `dsec image build --no-cache`,
 /// then the same build again (cached). Cold and cached ms.
-async fn dsec_build_sample(main: &Server, ctx: &Path) -> anyhow::Result<(f64, f64)> {
+async fn dsec_build_sample(main: &Server, ctx: &Path) -> anyhow::Result<(StepTimes, f64)> {
     let s = Server::start_with(
         &format!("{SERVER_PREFIX}-build"),
         true,
@@ -624,9 +768,12 @@ async fn dsec_build_sample(main: &Server, ctx: &Path) -> anyhow::Result<(f64, f6
             cmd
         };
         HostCpu::settle(SETTLE).await;
-        let cold = time_cmd(&mut build(true)).context("dsec image build --no-cache")?;
+        let cold =
+            time_steps(&mut build(true), dsec_step).context("dsec image build --no-cache")?;
         HostCpu::settle(SETTLE).await;
-        let cached = time_cmd(&mut build(false)).context("dsec image build (cached)")?;
+        let cached = time_steps(&mut build(false), dsec_step)
+            .context("dsec image build (cached)")?
+            .total;
         let sb = c
             .create_sandbox(CreateSandboxRequest {
                 image: Some("bench-build".into()),
@@ -666,7 +813,7 @@ async fn import_base(main: &Server, c: &Client) -> anyhow::Result<()> {
 
 /// podman: fresh storage with the base rootfs imported as `base` (untimed), `podman
 /// build`, then the same build again (cached). Cold and cached ms.
-fn podman_build_sample(dir: &Path, ctx: &Path) -> anyhow::Result<(f64, f64)> {
+fn podman_build_sample(dir: &Path, ctx: &Path) -> anyhow::Result<(StepTimes, f64)> {
     let p = Podman::fresh(dir, "podman-build")?;
     time_cmd(
         p.cmd()
@@ -690,8 +837,10 @@ fn podman_build_sample(dir: &Path, ctx: &Path) -> anyhow::Result<(f64, f64)> {
         .arg(ctx);
         cmd
     };
-    let cold = time_cmd(&mut build()).context("podman build (cold)")?;
-    let cached = time_cmd(&mut build()).context("podman build (cached)")?;
+    let cold = time_steps(&mut build(), podman_step).context("podman build (cold)")?;
+    let cached = time_steps(&mut build(), podman_step)
+        .context("podman build (cached)")?
+        .total;
     check_count(
         &p.run("localhost/bench-build", &["cat", "/opt/src.count"])?,
         "podman",
@@ -722,6 +871,7 @@ async fn build_table(main: &Server, scratch: &Path, rounds: usize) -> anyhow::Re
         podman_cold.error = Some("podman not installed".into());
         podman_cached.error = Some("podman not installed".into());
     }
+    let (mut dsec_steps, mut podman_steps) = (Vec::new(), Vec::new());
     for _ in 0..rounds {
         if dsec_cold.live() && dsec_cached.live() {
             let r = dsec_build_sample(main, &ctx).await;
@@ -730,7 +880,10 @@ async fn build_table(main: &Server, scratch: &Path, rounds: usize) -> anyhow::Re
                     .map(|r| r.1)
                     .map_err(|e| anyhow::anyhow!("{e:#}")),
             );
-            dsec_cold.add(r.map(|r| r.0));
+            dsec_cold.add(r.map(|(cold, _)| {
+                dsec_steps.push(cold.steps);
+                cold.total
+            }));
         }
         if podman_cold.live() && podman_cached.live() {
             HostCpu::settle(SETTLE).await;
@@ -740,7 +893,10 @@ async fn build_table(main: &Server, scratch: &Path, rounds: usize) -> anyhow::Re
                     .map(|r| r.1)
                     .map_err(|e| anyhow::anyhow!("{e:#}")),
             );
-            podman_cold.add(r.map(|r| r.0));
+            podman_cold.add(r.map(|(cold, _)| {
+                podman_steps.push(cold.steps);
+                cold.total
+            }));
         }
     }
     let _ = std::fs::remove_dir_all(&ctx);
@@ -765,7 +921,154 @@ async fn build_table(main: &Server, scratch: &Path, rounds: usize) -> anyhow::Re
             }
         },
     );
+    print_steps(&podman_steps, &dsec_steps);
     Ok(())
+}
+
+/// A command's wall time and the build steps it announced, each timed from its
+/// announcement to the next one (the last to the command's exit).
+struct StepTimes {
+    total: f64,
+    /// Label (the instruction as the tool printed it) and ms.
+    steps: Vec<(String, f64)>,
+}
+
+/// Label given to the time before the first step (context upload, base lookup).
+const START: &str = "(before the first step: context, base)";
+/// Label given to what follows the last step's announcement line of a finished build.
+const FINISH: &str = "(commit of the result, tag)";
+
+/// The step a line of `dsec image build` announces (`[stage] step N/M: TEXT`, stderr),
+/// or its end (`built NAME ...`, stdout).
+fn dsec_step(line: &str) -> Option<String> {
+    if line.starts_with("built ") {
+        return Some(FINISH.into());
+    }
+    let (_, rest) = line.split_once("] step ")?;
+    let (_, text) = rest.split_once(": ")?;
+    Some(text.trim_end_matches(" (cached)").trim().to_string())
+}
+
+/// The step a line of `podman build` announces (`STEP N/M: TEXT`), or its end
+/// (`COMMIT NAME`).
+fn podman_step(line: &str) -> Option<String> {
+    if line.starts_with("COMMIT ") {
+        return Some(FINISH.into());
+    }
+    let rest = line.strip_prefix("STEP ")?;
+    let (_, text) = rest.split_once(": ")?;
+    Some(text.trim().to_string())
+}
+
+/// The lines `r` yields, each with the ms since `t` it arrived at.
+fn timed_lines(r: impl std::io::Read, t: Instant) -> Vec<(f64, String)> {
+    use std::io::BufRead;
+    std::io::BufReader::new(r)
+        .lines()
+        .map_while(Result::ok)
+        .map(|l| (ms_since(t), l))
+        .collect()
+}
+
+/// Runs `cmd` (stdout and stderr read as they come) and times the steps `step` finds in
+/// its lines.
+fn time_steps(cmd: &mut Command, step: fn(&str) -> Option<String>) -> anyhow::Result<StepTimes> {
+    use std::process::Stdio;
+    let t = Instant::now();
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting {cmd:?}"))?;
+    let stderr = child.stderr.take().context("no stderr pipe")?;
+    let errs = std::thread::spawn(move || timed_lines(stderr, t));
+    let outs = match child.stdout.take() {
+        Some(stdout) => timed_lines(stdout, t),
+        None => Vec::new(),
+    };
+    let errs = errs
+        .join()
+        .map_err(|_| anyhow::anyhow!("the stderr reader panicked"))?;
+    let status = child.wait()?;
+    let total = ms_since(t);
+    if !status.success() {
+        let tail: Vec<&str> = errs
+            .iter()
+            .rev()
+            .take(10)
+            .map(|(_, l)| l.as_str())
+            .collect();
+        bail!(
+            "{cmd:?} failed ({status}): {}",
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        );
+    }
+    let mut marks: Vec<(f64, String)> = vec![(0.0, START.to_string())];
+    let mut found: Vec<(f64, String)> = outs
+        .into_iter()
+        .chain(errs)
+        .filter_map(|(ms, l)| step(&l).map(|s| (ms, s)))
+        .collect();
+    found.sort_by(|a, b| a.0.total_cmp(&b.0));
+    marks.extend(found);
+    let steps = marks
+        .iter()
+        .enumerate()
+        .map(|(i, (ms, label))| {
+            let end = marks.get(i + 1).map_or(total, |next| next.0);
+            (label.clone(), end - ms)
+        })
+        .collect();
+    Ok(StepTimes { total, steps })
+}
+
+/// Where a cold build's time went, step by step (median over the rounds), podman and
+/// dsec side by side; steps one tool does not have (FROM, ENV: dsec folds them into the
+/// image config) show `-`.
+fn print_steps(podman: &[Vec<(String, f64)>], dsec: &[Vec<(String, f64)>]) {
+    if podman.is_empty() && dsec.is_empty() {
+        return;
+    }
+    let mut labels: Vec<String> = Vec::new();
+    for (label, _) in podman.iter().chain(dsec).flatten() {
+        if !labels.contains(label) {
+            labels.push(label.clone());
+        }
+    }
+    // The end last.
+    labels.retain(|l| l != FINISH);
+    labels.push(FINISH.into());
+    let p50 = |rounds: &[Vec<(String, f64)>], label: &str| {
+        let v: Vec<f64> = rounds
+            .iter()
+            .filter_map(|r| {
+                let ms: Vec<f64> = r
+                    .iter()
+                    .filter(|(l, _)| l == label)
+                    .map(|(_, ms)| *ms)
+                    .collect();
+                (!ms.is_empty()).then(|| ms.iter().sum())
+            })
+            .collect();
+        (!v.is_empty()).then(|| median(v))
+    };
+    let cell = |v: Option<f64>| v.map_or("-".to_string(), |ms| format!("{ms:.0}"));
+    println!("\n## cold Dockerfile build by step (p50 ms; each step from its announcement to the next)\n");
+    println!("| step | podman | dsec |");
+    println!("|---|---|---|");
+    let mut rows = Vec::new();
+    for label in &labels {
+        let (p, d) = (p50(podman, label), p50(dsec, label));
+        let shown: String = label.chars().take(70).collect();
+        let shown = shown.replace('|', "\\|");
+        println!("| `{shown}` | {} | {} |", cell(p), cell(d));
+        rows.push(serde_json::json!({"step": label, "podman_ms": p, "dsec_ms": d}));
+    }
+    crate::record(
+        "cold Dockerfile build by step",
+        serde_json::Value::Array(rows),
+    );
 }
 
 /// What the section's names left on the host: mounts, cgroup parents, processes.
@@ -820,7 +1123,12 @@ pub(crate) async fn section(main: &Server, quick: bool) -> anyhow::Result<()> {
     let scratch = Scratch::new()?;
     println!("\n# images (issue #26): {rounds} round(s), every row sampled once per round");
     let prep = Instant::now();
-    let image = match seed_image(scratch.path())? {
+    let noise = if quick {
+        QUICK_NOISE_LAYERS
+    } else {
+        NOISE_LAYERS
+    };
+    let image = match seed_image(scratch.path(), noise)? {
         Some(image) => image,
         None => {
             println!("\nn/a: docker-registry or skopeo missing (scripts/bench installs them)");
