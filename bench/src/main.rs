@@ -23,6 +23,7 @@ mod churn;
 mod cluster;
 mod control;
 mod files;
+mod images;
 mod lifecycle;
 mod network;
 mod peers;
@@ -51,7 +52,8 @@ struct Args {
     /// over etcd and 100 simulated nodes; needs etcd, not root), registry-pull (a
     /// multi-layer pull from a local docker-registry, serial vs parallel layer downloads;
     /// no server), cluster (a real 3-node cluster on this machine vs dsec serve; needs
-    /// etcd).
+    /// etcd), images (cold pull of a ~500 MB image to the first command and a Dockerfile
+    /// build, cold and cached, vs podman; needs podman, docker-registry and skopeo).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Containers in the burst section (default 256, quick 48).
@@ -1114,6 +1116,14 @@ fn stats_json(rows: &[Stats]) -> serde_json::Value {
 }
 
 fn print_table(title: &str, rows: &[Stats], baseline: &str) {
+    print_table_vs(title, rows, &format!("p50 vs {baseline}"), &|_| {
+        baseline.to_string()
+    });
+}
+
+/// [`print_table`] with a baseline of its own for each row (by name: `baseline(row)`),
+/// the ratio column headed `header`.
+fn print_table_vs(title: &str, rows: &[Stats], header: &str, baseline: &dyn Fn(&Stats) -> String) {
     record(title, stats_json(rows));
     PLOTS
         .lock()
@@ -1126,15 +1136,13 @@ fn print_table(title: &str, rows: &[Stats], baseline: &str) {
                 .collect(),
         });
     println!("\n## {title}\n");
-    println!(
-        "| measurement | n | p50 ms | p95 ms | p99 ms | min ms | max ms | p50 vs {baseline} | note |"
-    );
+    println!("| measurement | n | p50 ms | p95 ms | p99 ms | min ms | max ms | {header} | note |");
     println!("|---|---|---|---|---|---|---|---|---|");
-    let base = rows
-        .iter()
-        .find(|r| r.name == baseline)
-        .map(|r| r.pct(50.0));
     for r in rows {
+        let base = rows
+            .iter()
+            .find(|b| b.name == baseline(r) && !b.samples.is_empty())
+            .map(|b| b.pct(50.0));
         if r.samples.is_empty() {
             println!(
                 "| {} | 0 | n/a | n/a | n/a | n/a | n/a | n/a | {} |",
@@ -1548,6 +1556,10 @@ fn main() -> anyhow::Result<()> {
             };
             let images = args.burst_images.unwrap_or(if args.quick { 4 } else { 16 });
             burst_section(n, images, throttle, args.chunk_kib).await?;
+        }
+
+        if want("images") {
+            images::section(&server, args.quick).await?;
         }
 
         let left = server.client().list_sandboxes(Default::default()).await?.sandboxes.len();
