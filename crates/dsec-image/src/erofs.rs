@@ -51,7 +51,10 @@ fn find_mkfs() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-/// Run `mkfs.erofs -zlz4hc out dir`, reporting the growing output size.
+/// Run `mkfs.erofs -zlz4 out dir`, reporting the growing output size. lz4, not lz4hc:
+/// lz4hc packs ~10% smaller but builds 5x slower on text and ~30x slower on
+/// incompressible data (39.7 s vs 1.25 s for 100 MiB), which made pulls and build
+/// commits slow; both decompress alike.
 pub(crate) fn build_erofs(
     dir: &Path,
     out: &Path,
@@ -68,7 +71,7 @@ pub(crate) fn build_erofs(
     });
     let mut child = Command::new(&mkfs)
         .arg("--quiet")
-        .arg("-zlz4hc")
+        .arg("-zlz4")
         .arg(format!("-U{LAYER_UUID}"))
         .arg(out)
         .arg(dir)

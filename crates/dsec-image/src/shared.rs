@@ -214,7 +214,7 @@ impl ImageStore {
                     let manifest = LayerManifest {
                         digest: format!("sha256:{hex}"),
                         size: len,
-                        compression: "lz4hc".into(),
+                        compression: "lz4".into(),
                         source: source.to_string(),
                         created_at: now_ms(),
                         chunk_size: index.chunk_size,
