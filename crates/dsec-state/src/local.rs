@@ -801,6 +801,23 @@ mod tests {
         assert_eq!(s.get("ns", "k").await.expect("get").expect("k").value, b"1");
     }
 
+    /// Opens the store at `path` once the previous handle is really gone: a lease reaper
+    /// on another worker may hold the core for the instant of one check after the last
+    /// handle dropped, and redb refuses a second open of a file still open.
+    async fn reopen(path: &Path) -> RedbStore {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match RedbStore::open(path) {
+                Ok(s) => return s,
+                Err(e) if Instant::now() < deadline => {
+                    tracing::debug!(error = %e, "store still open; retrying");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(e) => panic!("reopen: {e}"),
+            }
+        }
+    }
+
     /// Revisions, values and key revisions survive a reopen; leased keys do not (their
     /// holder was this process); a watch from before the reopen is told to re-list.
     #[tokio::test(flavor = "multi_thread")]
@@ -826,7 +843,7 @@ mod tests {
             let (_, last) = s.list("sb").await.expect("list");
             (ra, rb, last)
         };
-        let s = RedbStore::open(&path).expect("reopen");
+        let s = reopen(&path).await;
         let (list, rev) = s.list("sb").await.expect("list");
         assert_eq!(
             list,
@@ -860,7 +877,7 @@ mod tests {
         // The next reopen goes on from there.
         drop(w);
         drop(s);
-        let s = RedbStore::open(&path).expect("reopen");
+        let s = reopen(&path).await;
         assert_eq!(s.list("sb").await.expect("list").1, r);
     }
 
@@ -891,7 +908,7 @@ mod tests {
         assert_eq!(s.list("tombstones").await.expect("list").0.len(), 1);
         drop(s);
         // Migrated once: a reopen changes nothing.
-        let s = RedbStore::open(&path).expect("reopen");
+        let s = reopen(&path).await;
         assert_eq!(s.list("sandboxes").await.expect("list").1, rev);
     }
 
@@ -922,7 +939,7 @@ mod tests {
                 t.await.expect("join");
             }
         }
-        let s = RedbStore::open(&path).expect("reopen");
+        let s = reopen(&path).await;
         let (list, rev) = s.list("sb").await.expect("list");
         assert_eq!(rev, 16 * 75, "one revision per write");
         assert_eq!(list.len(), 16 * 25);
