@@ -17,7 +17,8 @@
 //! a multi-layer image's is the sha256 of its layer list. A sandbox can stack several
 //! images: the node mounts each layer once and hands overlayfs the whole list.
 //!
-//! Layers are built with `mkfs.erofs -zlz4` (erofs-utils) reproducibly: fixed UUID and a
+//! Layers are built with `mkfs.erofs -zlz4` (erofs-utils; uncompressed when a sample of
+//! the tree shows lz4 would not pay, see `erofs::worth_compressing`) reproducibly: fixed UUID and a
 //! fixed `SOURCE_DATE_EPOCH` far in the future (which keeps per-file mtimes), so the same tree
 //! gives the same digest.
 //!

@@ -77,27 +77,30 @@ impl ImageStore {
         }
         let src = Source::dir(blobs);
         let work = self.tempdir("pull-")?;
-        // Per layer: the converted layer's digest, or the EROFS file built now.
+        // Per layer: the converted layer's digest, or the EROFS file built now (the
+        // layers to build are built side by side).
         let mut parts: Vec<Result<String, std::path::PathBuf>> = Vec::new();
+        let mut to_build = Vec::new();
         for (i, l) in layers.iter().enumerate() {
             if let Some(d) = self.converted_layer(&l.blob) {
                 parts.push(Ok(d));
                 continue;
             }
-            let plan = LayerPlan {
-                index: i + 1,
-                member: format!("blobs/sha256/{}", l.blob),
-                blob: Some(l.blob.clone()),
-                size: Some(l.size),
-                diff_id: l.diff_id.clone(),
-            };
-            parts.push(Err(oci::build_layer(
-                &src,
-                &plan,
-                work.path(),
+            parts.push(Err(std::path::PathBuf::new()));
+            to_build.push((
                 i,
-                progress,
-            )?));
+                LayerPlan {
+                    index: i + 1,
+                    member: format!("blobs/sha256/{}", l.blob),
+                    blob: Some(l.blob.clone()),
+                    size: Some(l.size),
+                    diff_id: l.diff_id.clone(),
+                },
+            ));
+        }
+        let built = oci::build_layers(&src, &to_build, work.path(), progress)?;
+        for ((i, _), file) in to_build.iter().zip(built) {
+            parts[*i] = Err(file);
         }
         let mut created = Vec::new();
         let mut converted = Vec::new();

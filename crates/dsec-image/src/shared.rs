@@ -59,7 +59,8 @@ pub struct LayerManifest {
     pub digest: String,
     /// Its size in bytes.
     pub size: u64,
-    /// How file data inside the EROFS image is compressed.
+    /// How file data inside the EROFS image may be compressed ("lz4": a tree lz4 would
+    /// not shrink is stored plain, which readers need not know).
     pub compression: String,
     /// Where it came from (the image source or the node that built it).
     pub source: String,
