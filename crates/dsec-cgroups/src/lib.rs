@@ -237,6 +237,8 @@ pub trait CgroupManager: fmt::Debug + Send + Sync {
     fn reclaim(&self) -> Result<()>;
     /// Freeze (`true`) or thaw (`false`), waiting until the state is reached.
     fn set_frozen(&self, frozen: bool, timeout: Duration) -> Result<()>;
+    /// Whether the cgroup is frozen (a freeze still under way is not).
+    fn is_frozen(&self) -> Result<bool>;
     /// The directory of this cgroup for `controller` (v2: the one unified directory).
     fn path_for(&self, controller: &str) -> Option<PathBuf>;
     /// All directories of this cgroup, one per hierarchy.
@@ -462,6 +464,12 @@ impl Cgroup {
     /// Thaw a frozen cgroup; returns once it is thawed.
     pub fn thaw(&self) -> Result<()> {
         self.manager.inner().set_frozen(false, DEFAULT_TIMEOUT)
+    }
+
+    /// Whether every process is frozen (v1 `freezer.state` FROZEN, v2 `frozen 1` in
+    /// `cgroup.events`).
+    pub fn is_frozen(&self) -> Result<bool> {
+        self.manager.inner().is_frozen()
     }
 
     /// Removes the parent cgroup `parent` (e.g. `dsec`) in every hierarchy where it is

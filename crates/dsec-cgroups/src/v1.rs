@@ -128,6 +128,19 @@ impl V1Manager {
     fn freezer_state_path(&self) -> Option<PathBuf> {
         self.dir_of("freezer").ok().map(|d| d.join("freezer.state"))
     }
+
+    /// `freezer.state`, or why there is none.
+    fn freezer_state(&self) -> Result<PathBuf> {
+        self.freezer_state_path()
+            .ok_or_else(|| CgroupError::MissingController {
+                controller: "freezer",
+                path: self
+                    .hiers
+                    .first()
+                    .map(|h| h.dir.clone())
+                    .unwrap_or_default(),
+            })
+    }
 }
 
 impl CgroupManager for V1Manager {
@@ -269,16 +282,7 @@ impl CgroupManager for V1Manager {
     }
 
     fn set_frozen(&self, frozen: bool, timeout: Duration) -> Result<()> {
-        let state = self
-            .freezer_state_path()
-            .ok_or_else(|| CgroupError::MissingController {
-                controller: "freezer",
-                path: self
-                    .hiers
-                    .first()
-                    .map(|h| h.dir.clone())
-                    .unwrap_or_default(),
-            })?;
+        let state = self.freezer_state()?;
         let want = if frozen { "FROZEN" } else { "THAWED" };
         write_file(&state, want)?;
         let mut asked = Instant::now();
@@ -296,6 +300,11 @@ impl CgroupManager for V1Manager {
             }
             Ok(false)
         })
+    }
+
+    fn is_frozen(&self) -> Result<bool> {
+        let state = self.freezer_state()?;
+        Ok(read_file(&state)?.trim() == "FROZEN")
     }
 
     fn path_for(&self, controller: &str) -> Option<PathBuf> {

@@ -174,6 +174,10 @@ impl CgroupManager for V2Manager {
         )
     }
 
+    fn is_frozen(&self) -> Result<bool> {
+        Ok(read_keyed(&self.dir.join("cgroup.events"), "frozen")? == 1)
+    }
+
     fn path_for(&self, _controller: &str) -> Option<PathBuf> {
         Some(self.dir.clone())
     }

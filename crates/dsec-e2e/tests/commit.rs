@@ -110,6 +110,49 @@ async fn empty_commits_add_no_layer_and_later_commits_still_work() {
     let e1 = c.commit_sandbox(&e.id, "e2e/empty-e1").await.expect("e1");
     no_duplicates(&e1);
     c.commit_sandbox(&e.id, "e2e/empty-e2").await.expect("e2");
+
+    // A commit stops a running sandbox's processes only for the copy: a counter runs on
+    // after it. A paused sandbox stays paused through a commit, and resumes as before.
+    c.start_process(
+        &e.id,
+        dsec_e2e::background(Command::Argv(vec![
+            "sh".into(),
+            "-c".into(),
+            "i=0; while :; do i=$((i+1)); echo $i > /tmp/n.t; mv /tmp/n.t /tmp/n; sleep 0.01; done"
+                .into(),
+        ])),
+    )
+    .await
+    .expect("counter");
+    let count = |c: &dsec_client::Client, id: String| {
+        let c = c.clone();
+        async move {
+            let out = run(&c, &id, "sleep 0.2; cat /tmp/n").await;
+            out.trim().parse::<u64>().expect("a count")
+        }
+    };
+    let before = count(&c, e.id.clone()).await;
+    c.commit_sandbox(&e.id, "e2e/empty-e3").await.expect("e3");
+    assert_eq!(
+        c.get_sandbox(&e.id).await.expect("get").state,
+        SandboxState::Ready
+    );
+    let after = count(&c, e.id.clone()).await;
+    assert!(after > before, "the counter stopped: {before} then {after}");
+    c.pause_sandbox(&e.id).await.expect("pause");
+    c.commit_sandbox(&e.id, "e2e/empty-e4")
+        .await
+        .expect("e4 of a paused sandbox");
+    assert_eq!(
+        c.get_sandbox(&e.id).await.expect("get").state,
+        SandboxState::Paused
+    );
+    c.resume_sandbox(&e.id).await.expect("resume");
+    let resumed = count(&c, e.id.clone()).await;
+    assert!(
+        resumed > after,
+        "the counter stopped: {after} then {resumed}"
+    );
     for id in [&a.id, &b.id, &d.id, &e.id] {
         c.delete_sandbox(id).await.expect("delete");
     }

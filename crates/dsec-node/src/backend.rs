@@ -76,7 +76,10 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     fn pause(&self, id: &str) -> Result<(u64, u64), NodeError>;
     /// Lets a paused sandbox run again.
     fn resume(&self, id: &str) -> Result<(), NodeError>;
-    /// Runs `f` with the host path of the sandbox's writable (overlayfs upper) directory.
+    /// Runs `f` with the host path of the sandbox's writable (overlayfs upper) directory,
+    /// the sandbox's processes stopped meanwhile (a running sandbox runs on afterwards; a
+    /// paused one stays paused). Stopped, not paused: its memory is not reclaimed, as the
+    /// copy reads the pages it has just written.
     fn with_upper(
         &self,
         id: &str,

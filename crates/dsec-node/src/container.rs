@@ -220,6 +220,29 @@ impl ContainerBackend {
         Ok(cg)
     }
 
+    /// The host path of a sandbox's upper directory (on its disk, mounted again if a
+    /// restart lost the mount).
+    fn upper_dir(&self, id: &str) -> Result<PathBuf, NodeError> {
+        let Some(disks) = &self.disks else {
+            return Ok(self.cfg.sandbox_dir(id).join("upper"));
+        };
+        let mut held = self.disks_held();
+        if !held.contains_key(id) {
+            // Lost with a restart: mount the sandbox's disk once more.
+            let disk = disks.reopen(&self.cfg.sandbox_dir(id).join("disk"))?;
+            held.insert(id.to_string(), disk);
+        }
+        let root = held
+            .get(id)
+            .map(|d| d.root())
+            .ok_or_else(|| NodeError::NotFound(id.to_string()))?;
+        // The caller's copy runs without the lock (it may take long). A concurrent delete
+        // closes the disk and fails the copy, which is what a commit of a deleted sandbox
+        // should do.
+        drop(held);
+        Ok(dsec_disk::upper_dir(&root))
+    }
+
     /// Kills a sandbox's processes (an OCI one's runtime container first) and removes its
     /// cgroup.
     fn kill_and_remove_cgroup(
@@ -1082,23 +1105,21 @@ impl Backend for ContainerBackend {
         id: &str,
         f: &mut dyn FnMut(&Path) -> Result<(), NodeError>,
     ) -> Result<(), NodeError> {
-        let Some(disks) = &self.disks else {
-            return f(&self.cfg.sandbox_dir(id).join("upper"));
-        };
-        let mut held = self.disks_held();
-        if !held.contains_key(id) {
-            // Lost with a restart: mount the sandbox's disk once more.
-            let disk = disks.reopen(&self.cfg.sandbox_dir(id).join("disk"))?;
-            held.insert(id.to_string(), disk);
+        let upper = self.upper_dir(id)?;
+        let cg = self.cgroup(id)?;
+        let froze_here = !cg.is_frozen()?;
+        if froze_here {
+            cg.freeze()?;
         }
-        let root = held
-            .get(id)
-            .map(|d| d.root())
-            .ok_or_else(|| NodeError::NotFound(id.to_string()))?;
-        // Not under the lock: a copy may take long. A concurrent delete closes the disk
-        // and fails the copy, which is what a commit of a deleted sandbox should do.
-        drop(held);
-        f(&dsec_disk::upper_dir(&root))
+        let res = f(&upper);
+        if froze_here {
+            if let Err(e) = cg.thaw() {
+                tracing::warn!(%id, error = %e, "thawing a sandbox after its commit");
+                res?;
+                return Err(e.into());
+            }
+        }
+        res
     }
 
     fn oom_kill_count(&self, id: &str) -> Result<u64, NodeError> {

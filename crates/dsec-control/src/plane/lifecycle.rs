@@ -598,11 +598,13 @@ impl ControlPlane {
         req: CommitRequest,
     ) -> ApiResult<Image> {
         let sb = self.record(id).await?;
-        // Still files while the copy runs: pause a running sandbox, resume it after.
-        let paused_here = match sb.state {
+        // No pause or resume races the copy: a running sandbox is marked paused meanwhile.
+        // The node stops its processes for the copy (without a pause's memory reclaim,
+        // which would write back and drop the very pages the copy reads).
+        let held_here = match sb.state {
             SandboxState::Ready => {
-                self.pause_sandbox_to_end(id).await?;
-                true
+                self.transition(id, SandboxState::Ready, SandboxState::Paused)
+                    .await?
             }
             SandboxState::Paused => false,
             _ => {
@@ -618,8 +620,9 @@ impl ControlPlane {
         let res = node
             .commit(id, &req.name, sb.committed_layers.clone(), config)
             .await;
-        if paused_here {
-            self.resume_sandbox_to_end(id).await?;
+        if held_here {
+            self.transition(id, SandboxState::Paused, SandboxState::Ready)
+                .await?;
         }
         let (img, diff) = res?;
         // An empty diff added no layer: nothing to remember.
