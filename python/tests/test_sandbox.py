@@ -349,6 +349,9 @@ def test_build_dockerfile_builds_an_image_sandboxes_run(client: dsec.Client, tmp
         client.build_dockerfile("py/df-broken", str(tmp_path))
     assert "Dockerfile line 2" in str(e.value) and "broken" in str(e.value)
     assert "py/df-broken" not in [i.name for i in client.list_images()]
+    assert client.get_image("py/df").digest == img.digest
+    with pytest.raises(dsec.errors.ImageNotFound):
+        client.get_image("py/df-broken")
 
 
 def test_pull_image_errors_are_raised(client: dsec.Client) -> None:

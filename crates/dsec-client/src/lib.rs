@@ -617,6 +617,11 @@ impl Client {
         Self::json(self.post(&["images", "build"], &req)).await
     }
 
+    /// `GET /v1/images/{name}`.
+    pub async fn get_image(&self, name: &str) -> Result<Image, ClientError> {
+        Self::json(self.get(&["images", name])).await
+    }
+
     /// `DELETE /v1/images/{name}`.
     pub async fn delete_image(&self, name: &str) -> Result<(), ClientError> {
         Self::unit(self.delete(&["images", name])).await

@@ -229,6 +229,21 @@ pub trait SandboxApi: Send + Sync + 'static {
 
     /// `GET /v1/images`.
     async fn list_images(&self, caller: &Principal) -> ApiResult<ImageList>;
+    /// `GET /v1/images/{name}`: one image, `image_not_found` if there is none of that
+    /// name. The default finds it in the list.
+    async fn get_image(&self, caller: &Principal, name: &str) -> ApiResult<Image> {
+        self.list_images(caller)
+            .await?
+            .images
+            .into_iter()
+            .find(|i| i.name == name)
+            .ok_or_else(|| {
+                ApiError::new(
+                    dsec_wire::ErrorCode::ImageNotFound,
+                    format!("image not found: {name}"),
+                )
+            })
+    }
     /// `POST /v1/images`.
     async fn import_image(&self, caller: &Principal, req: ImportImageRequest) -> ApiResult<Image>;
     /// `POST /v1/images/import/stream`: the import with its progress. Bad requests fail

@@ -1033,6 +1033,11 @@ impl SandboxApi for ControlPlane {
         Ok(ImageList { images })
     }
 
+    async fn get_image(&self, caller: &Principal, name: &str) -> ApiResult<Image> {
+        let _ = caller;
+        self.nodes.any()?.image(name).await
+    }
+
     async fn import_image(&self, caller: &Principal, req: ImportImageRequest) -> ApiResult<Image> {
         caller.require(dsec_iam::Scope::Images)?;
         self.to_end(move |me| async move { me.import_image_to_end(req).await })

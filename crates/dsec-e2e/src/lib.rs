@@ -56,6 +56,21 @@ pub fn dsec_bin() -> PathBuf {
         .unwrap_or_else(|| target_dir().join("debug/dsec"))
 }
 
+/// Runs the `dsec` CLI with `args` against the server at `url` with API key `key`:
+/// (exit code, stdout, stderr).
+pub fn run_cli(url: &str, key: &str, args: &[&str]) -> (Option<i32>, String, String) {
+    let out = std::process::Command::new(dsec_bin())
+        .args(["--url", url, "--api-key", key])
+        .args(args)
+        .output()
+        .expect("run dsec");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 /// The base image rootfs tarball (`DSEC_BASE_TAR` or the build script's default path).
 pub fn base_tar() -> PathBuf {
     std::env::var_os("DSEC_BASE_TAR")

@@ -17,16 +17,7 @@ fn server() -> &'static Server {
 /// Runs the CLI against the shared server: (exit code, stdout, stderr).
 fn dsec(args: &[&str]) -> (Option<i32>, String, String) {
     let s = server();
-    let out = std::process::Command::new(dsec_e2e::dsec_bin())
-        .args(["--url", &s.url, "--api-key", &s.key])
-        .args(args)
-        .output()
-        .expect("run dsec");
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    dsec_e2e::run_cli(&s.url, &s.key, args)
 }
 
 fn write(dir: &Path, rel: &str, content: &str) {

@@ -1027,18 +1027,7 @@ async fn cli_create_exec_cp_ls_rm() {
         return;
     }
     let s = server();
-    let dsec = |args: &[&str]| {
-        let out = std::process::Command::new(dsec_e2e::dsec_bin())
-            .args(["--url", &s.url, "--api-key", &s.key])
-            .args(args)
-            .output()
-            .expect("run dsec");
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
-    };
+    let dsec = |args: &[&str]| dsec_e2e::run_cli(&s.url, &s.key, args);
     let (code, out, err) = dsec(&[
         "sandbox",
         "create",

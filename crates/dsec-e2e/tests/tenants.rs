@@ -10,17 +10,9 @@ use dsec_wire::ErrorCode;
 
 /// Runs the CLI against `s` with the bootstrap key; its stdout, failing on an error.
 fn cli(s: &Server, args: &[&str]) -> String {
-    let out = std::process::Command::new(dsec_e2e::dsec_bin())
-        .args(["--url", &s.url, "--api-key", &s.key])
-        .args(args)
-        .output()
-        .expect("run dsec");
-    assert!(
-        out.status.success(),
-        "dsec {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    let (code, stdout, stderr) = dsec_e2e::run_cli(&s.url, &s.key, args);
+    assert_eq!(code, Some(0), "dsec {args:?}: {stderr}");
+    stdout
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -747,6 +747,11 @@ pub async fn build_dockerfile(
     Ok(ndjson(api.build_dockerfile(req, file).await?))
 }
 
+/// `GET /v1/images/{name}`.
+pub async fn get_image(api: Api, Path(name): Path<String>) -> HttpResult<Response> {
+    Ok(json(api.get_image(&name).await?))
+}
+
 /// `DELETE /v1/images/{name}`.
 pub async fn delete_image(api: Api, Path(name): Path<String>) -> HttpResult<Response> {
     Ok(no_content(api.delete_image(&name).await?))

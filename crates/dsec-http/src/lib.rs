@@ -181,7 +181,7 @@ pub fn router_with(api: Arc<dyn SandboxApi>, opts: HttpOptions) -> Router {
         .route("/images/upload", post(h::upload_image).layer(unlimited()))
         .route("/images/gc", post(h::gc_images))
         .route("/images/layers", get(h::layer_stats))
-        .route("/images/{name}", axum::routing::delete(h::delete_image))
+        .route("/images/{name}", get(h::get_image).delete(h::delete_image))
         .route_layer(middleware::from_fn_with_state(
             api.clone(),
             extract::require_api_key,

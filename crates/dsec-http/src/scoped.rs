@@ -314,6 +314,11 @@ impl Scoped {
         self.api.list_images(&self.caller).await
     }
 
+    /// [`SandboxApi::get_image`] as this caller.
+    pub async fn get_image(&self, name: &str) -> ApiResult<Image> {
+        self.api.get_image(&self.caller, name).await
+    }
+
     /// [`SandboxApi::import_image`] as this caller.
     pub async fn import_image(&self, req: ImportImageRequest) -> ApiResult<Image> {
         self.api.import_image(&self.caller, req).await

@@ -157,6 +157,10 @@ class Client:
         """``GET /v1/images``."""
         return [Image.model_validate(i) for i in self._json("GET", "/images")["images"]]
 
+    def get_image(self, name: str) -> Image:
+        """``GET /v1/images/{name}``: one image; raises ``ImageNotFound`` if there is none."""
+        return Image.model_validate(self._json("GET", f"/images/{_seg(name)}"))
+
     def import_image(self, name: str, source: str, *, flatten: bool = False) -> Image:
         """``POST /v1/images``: imports ``source`` (a path on the server's machine) as ``name``."""
         body = {"name": name, "source": source, "flatten": flatten}
@@ -206,24 +210,12 @@ class Client:
         if name is not None:
             body["name"] = name
         raw, headers = _body(body, None, None)
-        try:
-            with self._http.open("POST", "/images/pull", body=raw, headers=headers, timeout=None) as resp:
-                if not resp.is_success:
-                    self._raise_for(resp.read())
-                for line in resp.iter_lines():
-                    if not line.strip():
-                        continue
-                    ev = json.loads(line)
-                    kind = ev.get("type")
-                    if kind == "progress" and on_progress is not None:
-                        on_progress(ev.get("phase"), ev.get("bytes_done", 0), ev.get("bytes_total"))
-                    elif kind == "done":
-                        return Image.model_validate(ev["image"])
-                    elif kind == "error":
-                        raise error_from_body(ev["error"])
-        except TransportError as e:
-            raise ConnectionFailed(f"POST /images/pull: {e}") from e
-        raise ConnectionFailed("POST /images/pull: the stream ended without a result")
+
+        def on_event(ev: Dict[str, Any]) -> None:
+            if ev.get("type") == "progress" and on_progress is not None:
+                on_progress(ev.get("phase"), ev.get("bytes_done", 0), ev.get("bytes_total"))
+
+        return self._image_events("/images/pull", on_event, body=raw, headers=headers)
 
     def build_dockerfile(
         self,
@@ -272,31 +264,34 @@ class Client:
                         return
                     yield b
 
-            path = "/images/build/dockerfile"
-            try:
-                with self._http.open(
-                    "POST",
-                    path,
-                    params=params,
-                    body=chunks(),
-                    headers={"content-type": "application/x-tar"},
-                    timeout=None,
-                ) as resp:
-                    if not resp.is_success:
-                        self._raise_for(resp.read())
-                    for line in resp.iter_lines():
-                        if not line.strip():
-                            continue
-                        ev = json.loads(line)
-                        kind = ev.get("type")
-                        if kind == "done":
-                            return Image.model_validate(ev["image"])
-                        if kind == "error":
-                            raise error_from_body(ev["error"])
-                        if on_event is not None:
-                            on_event(ev)
-            except TransportError as e:
-                raise ConnectionFailed(f"POST {path}: {e}") from e
+            return self._image_events(
+                "/images/build/dockerfile",
+                on_event,
+                params=params,
+                body=chunks(),
+                headers={"content-type": "application/x-tar"},
+            )
+
+    def _image_events(self, path: str, on_event: Optional[Any], **request: Any) -> Image:
+        """POSTs to ``path``, whose answer is NDJSON events ending in ``done`` (the image)
+        or ``error`` (raised); every other event goes to ``on_event``."""
+        try:
+            with self._http.open("POST", path, timeout=None, **request) as resp:
+                if not resp.is_success:
+                    self._raise_for(resp.read())
+                for line in resp.iter_lines():
+                    if not line.strip():
+                        continue
+                    ev = json.loads(line)
+                    kind = ev.get("type")
+                    if kind == "done":
+                        return Image.model_validate(ev["image"])
+                    if kind == "error":
+                        raise error_from_body(ev["error"])
+                    if on_event is not None:
+                        on_event(ev)
+        except TransportError as e:
+            raise ConnectionFailed(f"POST {path}: {e}") from e
         raise ConnectionFailed(f"POST {path}: the stream ended without a result")
 
     def delete_image(self, name: str) -> None:

@@ -998,15 +998,28 @@ pub(super) async fn resolve(api: &Api, name: &str) -> Result<Option<Image>, ApiE
         return Ok(None);
     };
     let tag = tag.unwrap_or_else(|| DEFAULT_TAG.to_string());
-    let images = images_of(api, &alias).await?;
-    if images.is_empty() {
+    // Point lookups first (the template's build, then a plain image of that name); only
+    // a name that is neither lists the images, to tell a missing tag from no template.
+    if let Some(img) = found(api.get_image(&format!("{IMAGE_PREFIX}{alias}:{tag}")).await)? {
+        return Ok(Some(img));
+    }
+    if found(api.get_image(name).await)?.is_some() {
         return Ok(None);
     }
-    match images.into_iter().find(|(t, _)| *t == tag) {
-        Some((_, img)) => Ok(Some(img)),
-        None => Err(not_found(format!(
-            "tag '{tag}' does not exist for template '{alias}'"
-        ))),
+    if images_of(api, &alias).await?.is_empty() {
+        return Ok(None);
+    }
+    Err(not_found(format!(
+        "tag '{tag}' does not exist for template '{alias}'"
+    )))
+}
+
+/// An image lookup's answer with "no such image" as `None`.
+fn found(res: Result<Image, ApiError>) -> Result<Option<Image>, ApiError> {
+    match res {
+        Ok(img) => Ok(Some(img)),
+        Err(e) if e.code == dsec_wire::ErrorCode::ImageNotFound => Ok(None),
+        Err(e) => Err(e),
     }
 }
 
