@@ -8,6 +8,12 @@
 //! must not travel. Other device nodes are dropped, as on import. With a previous snapshot
 //! of the same sandbox, only what differs from it is copied (incremental packdiff).
 //! [`ImageStore::commit_upper`] builds the copy into a layer and names the new image.
+//!
+//! Telling an unchanged file costs a byte compare against the previous snapshot, unless
+//! the last commit left a [`CleanFiles`] index: a file whose inode, ctime and size are
+//! what they were then is unchanged without reading it (ctime moves on every write and
+//! metadata change, and no process can set it back), which keeps a commit of a sandbox
+//! holding gigabytes proportional to what changed, not to what it holds.
 
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -48,6 +54,116 @@ impl DiffStats {
     }
 }
 
+/// What identifies one state of an upper file: a write or a metadata change moves its
+/// ctime, which no process can set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stamp {
+    ino: u64,
+    ctime: i64,
+    ctime_nsec: i64,
+    size: u64,
+}
+
+impl Stamp {
+    fn of(meta: &fs::Metadata) -> Self {
+        Self {
+            ino: meta.ino(),
+            ctime: meta.ctime(),
+            ctime_nsec: meta.ctime_nsec(),
+            size: meta.len(),
+        }
+    }
+}
+
+/// The regular files of an upper directory known, at a commit, to be held as they are by
+/// the snapshot that commit made (by path under the upper, with the [`Stamp`] they had).
+/// Only files whose ctime was older than the commit's start (less a margin for coarse
+/// clocks) are recorded, so a later change always shows as a newer ctime.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct CleanFiles {
+    files: HashMap<Vec<u8>, Stamp>,
+}
+
+/// How far before a commit's start a ctime must be for its file to be recorded clean:
+/// well above the coarsest kernel clock tick (10 ms at HZ=100).
+const CLEAN_MARGIN: std::time::Duration = std::time::Duration::from_millis(100);
+/// First line of a saved [`CleanFiles`] index.
+const CLEAN_HEADER: &str = "dsec-clean-files 1";
+
+impl CleanFiles {
+    /// Reads the index at `path` if it was saved for exactly the snapshot `diffs` (the
+    /// layers earlier commits added); anything else (none, another snapshot, unreadable)
+    /// is an empty index, which only costs byte compares.
+    pub fn load(path: &Path, diffs: &[String]) -> Self {
+        let Ok(text) = fs::read_to_string(path) else {
+            return Self::default();
+        };
+        let mut lines = text.lines();
+        if lines.next() != Some(CLEAN_HEADER) || lines.next() != Some(&diffs.join(" ")) {
+            return Self::default();
+        }
+        let mut files = HashMap::new();
+        for line in lines {
+            let f: Vec<&str> = line.split(' ').collect();
+            let parsed = (|| {
+                let [ino, ctime, nsec, size, path] = f.as_slice() else {
+                    return None;
+                };
+                let stamp = Stamp {
+                    ino: ino.parse().ok()?,
+                    ctime: ctime.parse().ok()?,
+                    ctime_nsec: nsec.parse().ok()?,
+                    size: size.parse().ok()?,
+                };
+                Some((hex::decode(path).ok()?, stamp))
+            })();
+            match parsed {
+                Some((p, stamp)) => {
+                    files.insert(p, stamp);
+                }
+                None => return Self::default(),
+            }
+        }
+        Self { files }
+    }
+
+    /// Saves the index at `path` for the snapshot `diffs` (replacing any; a failure
+    /// removes it: a stale index must not survive).
+    pub fn save(&self, path: &Path, diffs: &[String]) {
+        use std::fmt::Write as _;
+        let mut text = format!("{CLEAN_HEADER}\n{}\n", diffs.join(" "));
+        for (p, s) in &self.files {
+            let _ = writeln!(
+                text,
+                "{} {} {} {} {}",
+                s.ino,
+                s.ctime,
+                s.ctime_nsec,
+                s.size,
+                hex::encode(p)
+            );
+        }
+        let tmp = path.with_extension("tmp");
+        if fs::write(&tmp, text)
+            .and_then(|()| fs::rename(&tmp, path))
+            .is_err()
+        {
+            let _ = fs::remove_file(&tmp);
+            let _ = fs::remove_file(path);
+        }
+    }
+
+    /// Files recorded.
+    pub fn len(&self) -> usize {
+        self.files.len()
+    }
+
+    /// Whether nothing is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.files.is_empty()
+    }
+}
+
 /// Copies the upper directory `upper` into the empty directory `dest`. With `previous`
 /// (the mounted tree of this sandbox's last snapshot), a regular file, symlink or whiteout
 /// that the previous snapshot holds identically is left out; directories are always kept
@@ -57,105 +173,169 @@ pub fn copy_upper(
     dest: &Path,
     previous: Option<&Path>,
 ) -> Result<DiffStats, ImageError> {
-    let mut stats = DiffStats::default();
-    let mut links: HashMap<(u64, u64), std::path::PathBuf> = HashMap::new();
-    let root_meta = fs::symlink_metadata(upper).map_err(|e| ImageError::io("stat", upper, e))?;
-    copy_meta(upper, dest, &root_meta)?;
-    copy_dir(upper, dest, previous, &mut links, &mut stats)?;
-    set_times(dest, &root_meta)?;
-    stats.copied += 1;
-    if previous.is_some_and(|p| same_dir(&root_meta, p)) {
-        stats.dirs_same += 1;
-    }
-    Ok(stats)
+    copy_upper_with(upper, dest, previous, &CleanFiles::default()).map(|(stats, _)| stats)
 }
 
-fn copy_dir(
-    src: &Path,
+/// [`copy_upper`], trusting `clean` (the index the commit that made `previous` left) for
+/// which files are unchanged; returns the index for the snapshot this copy makes. The
+/// caller keeps `upper` still from before this call until it returns.
+pub fn copy_upper_with(
+    upper: &Path,
     dest: &Path,
     previous: Option<&Path>,
-    links: &mut HashMap<(u64, u64), std::path::PathBuf>,
-    stats: &mut DiffStats,
-) -> Result<(), ImageError> {
-    let mut entries: Vec<_> = fs::read_dir(src)
-        .map_err(|e| ImageError::io("read_dir", src, e))?
-        .collect::<Result<_, _>>()
-        .map_err(|e| ImageError::io("read_dir", src, e))?;
-    entries.sort_by_key(|e| e.file_name());
-    for entry in entries {
-        let from = entry.path();
-        let to = dest.join(entry.file_name());
-        let prev = previous.map(|p| p.join(entry.file_name()));
-        let meta = fs::symlink_metadata(&from).map_err(|e| ImageError::io("stat", &from, e))?;
-        let ft = meta.file_type();
-        if ft.is_dir() {
-            fs::create_dir(&to).map_err(|e| ImageError::io("mkdir", &to, e))?;
+    clean: &CleanFiles,
+) -> Result<(DiffStats, CleanFiles), ImageError> {
+    let cutoff = std::time::SystemTime::now()
+        .checked_sub(CLEAN_MARGIN)
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| (d.as_secs() as i64, i64::from(d.subsec_nanos())))
+        .unwrap_or((0, 0));
+    let mut walk = Walk {
+        links: HashMap::new(),
+        stats: DiffStats::default(),
+        clean,
+        next: CleanFiles::default(),
+        cutoff,
+    };
+    let root_meta = fs::symlink_metadata(upper).map_err(|e| ImageError::io("stat", upper, e))?;
+    copy_meta(upper, dest, &root_meta)?;
+    walk.copy_dir(upper, dest, previous, &mut Vec::new())?;
+    set_times(dest, &root_meta)?;
+    walk.stats.copied += 1;
+    if previous.is_some_and(|p| same_dir(&root_meta, p)) {
+        walk.stats.dirs_same += 1;
+    }
+    Ok((walk.stats, walk.next))
+}
+
+/// One copy's state.
+struct Walk<'a> {
+    links: HashMap<(u64, u64), PathBuf>,
+    stats: DiffStats,
+    clean: &'a CleanFiles,
+    next: CleanFiles,
+    /// `(secs, nsecs)` a ctime must be older than to go into `next`.
+    cutoff: (i64, i64),
+}
+
+impl Walk<'_> {
+    /// Records the regular file at `rel` as held by the snapshot being made.
+    fn held(&mut self, rel: &[u8], meta: &fs::Metadata) {
+        if meta.file_type().is_file() && (meta.ctime(), meta.ctime_nsec()) < self.cutoff {
+            self.next.files.insert(rel.to_vec(), Stamp::of(meta));
+        }
+    }
+
+    fn copy_dir(
+        &mut self,
+        src: &Path,
+        dest: &Path,
+        previous: Option<&Path>,
+        rel: &mut Vec<u8>,
+    ) -> Result<(), ImageError> {
+        let mut entries: Vec<_> = fs::read_dir(src)
+            .map_err(|e| ImageError::io("read_dir", src, e))?
+            .collect::<Result<_, _>>()
+            .map_err(|e| ImageError::io("read_dir", src, e))?;
+        entries.sort_by_key(|e| e.file_name());
+        for entry in entries {
+            let rel_len = rel.len();
+            if !rel.is_empty() {
+                rel.push(b'/');
+            }
+            rel.extend_from_slice(entry.file_name().as_bytes());
+            let res = self.copy_entry(&entry, dest, previous, rel);
+            rel.truncate(rel_len);
+            res?;
+        }
+        // What the previous snapshot has here and the upper no longer has was deleted since
+        // (the upper only grows, and keeps a whiteout for what the base layers hold).
+        if let Some(prev) = previous {
+            let gone: Vec<_> = fs::read_dir(prev)
+                .map_err(|e| ImageError::io("read_dir", prev, e))?
+                .filter_map(Result::ok)
+                .map(|e| e.file_name())
+                .filter(|n| !src.join(n).exists() && fs::symlink_metadata(src.join(n)).is_err())
+                .collect();
+            for name in gone {
+                mknod(&dest.join(&name), libc::S_IFCHR, 0)?;
+                self.stats.whiteouts += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies one entry of a directory (`rel`: its path under the upper).
+    fn copy_entry(
+        &mut self,
+        entry: &fs::DirEntry,
+        dest: &Path,
+        previous: Option<&Path>,
+        rel: &mut Vec<u8>,
+    ) -> Result<(), ImageError> {
+        {
+            let from = entry.path();
+            let to = dest.join(entry.file_name());
+            let prev = previous.map(|p| p.join(entry.file_name()));
+            let meta = fs::symlink_metadata(&from).map_err(|e| ImageError::io("stat", &from, e))?;
+            let ft = meta.file_type();
+            if ft.is_dir() {
+                fs::create_dir(&to).map_err(|e| ImageError::io("mkdir", &to, e))?;
+                copy_meta(&from, &to, &meta)?;
+                let same = prev.as_deref().is_some_and(|p| same_dir(&meta, p));
+                // An opaque directory hides everything below it: compare nothing underneath.
+                let prev = if is_opaque(&from) { None } else { prev };
+                self.copy_dir(&from, &to, prev.as_deref().filter(|p| p.is_dir()), rel)?;
+                set_times(&to, &meta)?;
+                self.stats.copied += 1;
+                if same {
+                    self.stats.dirs_same += 1;
+                }
+                return Ok(());
+            }
+            let known_clean = self.clean.files.get(rel.as_slice()) == Some(&Stamp::of(&meta));
+            if prev
+                .as_deref()
+                .is_some_and(|p| same_entry(&from, &meta, p, known_clean))
+            {
+                self.held(rel, &meta);
+                self.stats.unchanged += 1;
+                return Ok(());
+            }
+            if meta.nlink() > 1 && !ft.is_dir() {
+                if let Some(first) = self.links.get(&(meta.dev(), meta.ino())) {
+                    fs::hard_link(first, &to).map_err(|e| ImageError::io("link", &to, e))?;
+                    self.held(rel, &meta);
+                    self.stats.copied += 1;
+                    return Ok(());
+                }
+            }
+            if ft.is_file() {
+                fs::copy(&from, &to).map_err(|e| ImageError::io("copy", &from, e))?;
+            } else if ft.is_symlink() {
+                let target =
+                    fs::read_link(&from).map_err(|e| ImageError::io("readlink", &from, e))?;
+                std::os::unix::fs::symlink(&target, &to)
+                    .map_err(|e| ImageError::io("symlink", &to, e))?;
+            } else if ft.is_char_device() && meta.rdev() == 0 {
+                mknod(&to, libc::S_IFCHR, 0)?;
+                self.stats.whiteouts += 1;
+            } else if ft.is_fifo() {
+                mknod(&to, libc::S_IFIFO, 0)?;
+            } else {
+                // Devices and sockets do not belong in an image layer.
+                return Ok(());
+            }
             copy_meta(&from, &to, &meta)?;
-            let same = prev.as_deref().is_some_and(|p| same_dir(&meta, p));
-            // An opaque directory hides everything below it: compare nothing underneath.
-            let prev = if is_opaque(&from) { None } else { prev };
-            copy_dir(
-                &from,
-                &to,
-                prev.as_deref().filter(|p| p.is_dir()),
-                links,
-                stats,
-            )?;
             set_times(&to, &meta)?;
-            stats.copied += 1;
-            if same {
-                stats.dirs_same += 1;
+            if meta.nlink() > 1 {
+                self.links.insert((meta.dev(), meta.ino()), to);
             }
-            continue;
+            self.held(rel, &meta);
+            self.stats.copied += 1;
         }
-        if prev.as_deref().is_some_and(|p| same_entry(&from, &meta, p)) {
-            stats.unchanged += 1;
-            continue;
-        }
-        if meta.nlink() > 1 && !ft.is_dir() {
-            if let Some(first) = links.get(&(meta.dev(), meta.ino())) {
-                fs::hard_link(first, &to).map_err(|e| ImageError::io("link", &to, e))?;
-                stats.copied += 1;
-                continue;
-            }
-        }
-        if ft.is_file() {
-            fs::copy(&from, &to).map_err(|e| ImageError::io("copy", &from, e))?;
-        } else if ft.is_symlink() {
-            let target = fs::read_link(&from).map_err(|e| ImageError::io("readlink", &from, e))?;
-            std::os::unix::fs::symlink(&target, &to)
-                .map_err(|e| ImageError::io("symlink", &to, e))?;
-        } else if ft.is_char_device() && meta.rdev() == 0 {
-            mknod(&to, libc::S_IFCHR, 0)?;
-            stats.whiteouts += 1;
-        } else if ft.is_fifo() {
-            mknod(&to, libc::S_IFIFO, 0)?;
-        } else {
-            // Devices and sockets do not belong in an image layer.
-            continue;
-        }
-        copy_meta(&from, &to, &meta)?;
-        set_times(&to, &meta)?;
-        if meta.nlink() > 1 {
-            links.insert((meta.dev(), meta.ino()), to);
-        }
-        stats.copied += 1;
+        Ok(())
     }
-    // What the previous snapshot has here and the upper no longer has was deleted since
-    // (the upper only grows, and keeps a whiteout for what the base layers hold).
-    if let Some(prev) = previous {
-        let gone: Vec<_> = fs::read_dir(prev)
-            .map_err(|e| ImageError::io("read_dir", prev, e))?
-            .filter_map(Result::ok)
-            .map(|e| e.file_name())
-            .filter(|n| !src.join(n).exists() && fs::symlink_metadata(src.join(n)).is_err())
-            .collect();
-        for name in gone {
-            mknod(&dest.join(&name), libc::S_IFCHR, 0)?;
-            stats.whiteouts += 1;
-        }
-    }
-    Ok(())
 }
 
 /// Whether `prev` (in the previous snapshot) is a directory with the mode, owner and
@@ -175,7 +355,7 @@ fn same_dir(meta: &fs::Metadata, prev: &Path) -> bool {
 /// Whether `prev` (in the previous snapshot) is the same entry as `src`: same type, mode,
 /// owner, mtime and link count (a hard link whose partner was deleted must be stored
 /// again), and the same size and bytes (files), target (symlinks) or whiteout.
-fn same_entry(src: &Path, meta: &fs::Metadata, prev: &Path) -> bool {
+fn same_entry(src: &Path, meta: &fs::Metadata, prev: &Path, known_clean: bool) -> bool {
     let Ok(pm) = fs::symlink_metadata(prev) else {
         return false;
     };
@@ -190,7 +370,7 @@ fn same_entry(src: &Path, meta: &fs::Metadata, prev: &Path) -> bool {
         return false;
     }
     if a.is_file() && b.is_file() {
-        meta.len() == pm.len() && same_bytes(src, prev)
+        meta.len() == pm.len() && (known_clean || same_bytes(src, prev))
     } else if a.is_symlink() && b.is_symlink() {
         fs::read_link(src).ok() == fs::read_link(prev).ok()
     } else {
@@ -342,6 +522,19 @@ fn set_times(dest: &Path, meta: &fs::Metadata) -> Result<(), ImageError> {
     .map_err(|e| ImageError::io("utimensat", dest, e.into()))
 }
 
+/// The sandbox side of a commit: its upper directory and what it stacks on.
+#[derive(Debug, Clone, Copy)]
+pub struct UpperCommit<'a> {
+    /// The overlayfs upper directory.
+    pub upper: &'a Path,
+    /// The sandbox's layers, bottom first.
+    pub stack: &'a [String],
+    /// The layers earlier commits of the sandbox added, bottom first.
+    pub previous_diffs: &'a [String],
+    /// Where the sandbox's [`CleanFiles`] index lives (outside the upper).
+    pub clean_index: Option<&'a Path>,
+}
+
 impl ImageStore {
     /// packdiff: stores a sandbox's overlayfs upper directory `upper` as a new layer and
     /// points `name` at `stack` (the sandbox's layers, bottom first) + `previous_diffs`
@@ -351,17 +544,27 @@ impl ImageStore {
     /// names the stack and earlier diffs as they are. A layer named twice stays only at
     /// its topmost place ([`dedup_layers`]).
     /// The caller keeps `upper` still (the sandbox paused) while this runs.
+    /// `clean_index` is where this sandbox's [`CleanFiles`] index lives (outside the
+    /// upper, out of the sandbox's reach): read if it describes `previous_diffs`, and
+    /// replaced by the one for the snapshot made.
     pub fn commit_upper(
         &self,
         name: &str,
-        upper: &Path,
-        stack: &[String],
-        previous_diffs: &[String],
+        sandbox: &UpperCommit<'_>,
         config: ImageConfig,
         source: &str,
     ) -> Result<(Image, DiffStats, Option<String>)> {
+        let UpperCommit {
+            upper,
+            stack,
+            previous_diffs,
+            clean_index,
+        } = *sandbox;
         validate_name(name)?;
         let previous_diffs = &dedup_layers(previous_diffs)[..];
+        let clean = clean_index
+            .map(|p| CleanFiles::load(p, previous_diffs))
+            .unwrap_or_default();
         let work = self.tempdir("commit-")?;
         let tree = work.path().join("tree");
         std::fs::create_dir(&tree).map_err(|e| ImageError::io("mkdir", &tree, e))?;
@@ -395,8 +598,8 @@ impl ImageStore {
             }
         })();
         let copied = match &view {
-            Ok(v) => copy_upper(upper, &tree, v.as_deref()),
-            Err(_) => Ok(DiffStats::default()),
+            Ok(v) => copy_upper_with(upper, &tree, v.as_deref(), &clean),
+            Err(_) => Ok((DiffStats::default(), CleanFiles::default())),
         };
         if held.len() > 1 {
             let _ =
@@ -406,7 +609,7 @@ impl ImageStore {
             let _ = self.release(d);
         }
         view?;
-        let stats = copied?;
+        let (stats, next_clean) = copied?;
         let mut layers = stack.to_vec();
         layers.extend(previous_diffs.iter().cloned());
         let diff = if !previous_diffs.is_empty() && stats.is_empty() {
@@ -420,6 +623,15 @@ impl ImageStore {
         };
         let img = self.set_ref(name, &dedup_layers(&layers), source, config)?;
         drop(work);
+        if let Some(path) = clean_index {
+            // The diffs the sandbox's next commit names: these, the new one moved on top.
+            let mut next: Vec<String> = previous_diffs.to_vec();
+            if let Some(d) = &diff {
+                next.retain(|x| x != d);
+                next.push(d.clone());
+            }
+            next_clean.save(path, &next);
+        }
         Ok((img, stats, diff))
     }
 }
@@ -459,5 +671,81 @@ mod tests {
         assert_eq!(meta.mode() & 0o777, 0o755);
         fs::write(upper.join("work/g"), b"two").expect("write");
         assert!(!again("fourth").is_empty(), "a new file");
+    }
+
+    /// With the index of the last copy, a file whose stamp is unchanged is not compared
+    /// (a snapshot copy altered behind the index's back is not noticed: proof the bytes
+    /// were not read), while a file rewritten to the same size with its old mtime put
+    /// back is copied: its ctime moved. The index survives a save and load only for the
+    /// snapshot it was saved for.
+    #[test]
+    fn the_clean_index_skips_byte_compares_and_misses_no_rewrite() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let upper = dir.path().join("upper");
+        fs::create_dir_all(&upper).expect("mkdir");
+        fs::write(upper.join("a"), b"aaaa").expect("write");
+        fs::write(upper.join("b"), b"bbbb").expect("write");
+        // Only files older than the copy's start less the margin are recorded.
+        std::thread::sleep(CLEAN_MARGIN + std::time::Duration::from_millis(50));
+        let first = dir.path().join("first");
+        fs::create_dir(&first).expect("mkdir");
+        let (_, clean) =
+            copy_upper_with(&upper, &first, None, &CleanFiles::default()).expect("copy");
+        assert_eq!(clean.len(), 2, "{clean:?}");
+
+        // Rewrite a: same size, the old mtime set back.
+        let meta = fs::metadata(upper.join("a")).expect("stat");
+        fs::write(upper.join("a"), b"AAAA").expect("write");
+        let t = nix::sys::time::TimeSpec::new(meta.mtime(), meta.mtime_nsec());
+        nix::sys::stat::utimensat(
+            None,
+            &upper.join("a"),
+            &t,
+            &t,
+            nix::sys::stat::UtimensatFlags::NoFollowSymlink,
+        )
+        .expect("utimensat");
+        // Alter the snapshot's b behind the index's back (same size and times).
+        let bm = fs::metadata(first.join("b")).expect("stat");
+        fs::write(first.join("b"), b"XXXX").expect("write");
+        let t = nix::sys::time::TimeSpec::new(bm.mtime(), bm.mtime_nsec());
+        nix::sys::stat::utimensat(
+            None,
+            &first.join("b"),
+            &t,
+            &t,
+            nix::sys::stat::UtimensatFlags::NoFollowSymlink,
+        )
+        .expect("utimensat");
+
+        let copy = |name: &str, clean: &CleanFiles| {
+            let dest = dir.path().join(name);
+            fs::create_dir(&dest).expect("mkdir");
+            let (stats, _) = copy_upper_with(&upper, &dest, Some(&first), clean).expect("copy");
+            (dest, stats)
+        };
+        let (second, stats) = copy("second", &clean);
+        assert_eq!(fs::read(second.join("a")).expect("a"), b"AAAA", "{stats:?}");
+        assert!(
+            !second.join("b").exists(),
+            "b trusted to the index: {stats:?}"
+        );
+        assert_eq!(stats.unchanged, 1);
+        let (third, _) = copy("third", &CleanFiles::default());
+        assert!(
+            third.join("b").exists(),
+            "without the index b's bytes are compared"
+        );
+
+        let diffs = vec!["sha256:1".to_string(), "sha256:2".to_string()];
+        let path = dir.path().join("index");
+        clean.save(&path, &diffs);
+        assert_eq!(CleanFiles::load(&path, &diffs), clean);
+        assert!(
+            CleanFiles::load(&path, &diffs[..1]).is_empty(),
+            "another snapshot"
+        );
+        fs::write(&path, "garbage").expect("write");
+        assert!(CleanFiles::load(&path, &diffs).is_empty());
     }
 }

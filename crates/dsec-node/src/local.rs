@@ -629,11 +629,16 @@ impl NodeApi for LocalNode {
             let stack = rec.layer_digests();
             let mut out = None;
             backend.with_upper(&id, &mut |upper| {
+                // Beside the upper: the node's, out of the sandbox's view.
+                let clean_index = upper.parent().map(|d| d.join("dsec-clean-files"));
                 let (img, stats, diff) = images.commit_upper(
                     &name,
-                    upper,
-                    &stack,
-                    &previous_diffs,
+                    &dsec_image::packdiff::UpperCommit {
+                        upper,
+                        stack: &stack,
+                        previous_diffs: &previous_diffs,
+                        clean_index: clean_index.as_deref(),
+                    },
                     config.clone(),
                     &format!("sandbox {id}"),
                 )?;
