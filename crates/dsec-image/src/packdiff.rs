@@ -173,16 +173,25 @@ pub fn copy_upper(
     dest: &Path,
     previous: Option<&Path>,
 ) -> Result<DiffStats, ImageError> {
-    copy_upper_with(upper, dest, previous, &CleanFiles::default()).map(|(stats, _)| stats)
+    copy_upper_with(upper, dest, previous, None, &CleanFiles::default()).map(|(stats, _)| stats)
 }
 
 /// [`copy_upper`], trusting `clean` (the index the commit that made `previous` left) for
 /// which files are unchanged; returns the index for the snapshot this copy makes. The
 /// caller keeps `upper` still from before this call until it returns.
+///
+/// `base`: the mounted layers the sandbox's image is made of (any order), when known.
+/// Overlayfs marks a directory made inside a merged one opaque (an optimization), so an
+/// upper is full of opaque directories that hide nothing. An opaque directory hides
+/// everything under it, so it must be copied whole, again at every commit, unless no
+/// base layer has anything at its path: then its opacity is dropped in the new layer and
+/// it is compared with the previous snapshot like any other directory (what that
+/// snapshot has and the upper no longer has gets a whiteout).
 pub fn copy_upper_with(
     upper: &Path,
     dest: &Path,
     previous: Option<&Path>,
+    base: Option<&[PathBuf]>,
     clean: &CleanFiles,
 ) -> Result<(DiffStats, CleanFiles), ImageError> {
     let cutoff = std::time::SystemTime::now()
@@ -193,12 +202,13 @@ pub fn copy_upper_with(
     let mut walk = Walk {
         links: HashMap::new(),
         stats: DiffStats::default(),
+        base,
         clean,
         next: CleanFiles::default(),
         cutoff,
     };
     let root_meta = fs::symlink_metadata(upper).map_err(|e| ImageError::io("stat", upper, e))?;
-    copy_meta(upper, dest, &root_meta)?;
+    copy_meta(upper, dest, &root_meta, true)?;
     walk.copy_dir(upper, dest, previous, &mut Vec::new())?;
     set_times(dest, &root_meta)?;
     walk.stats.copied += 1;
@@ -212,6 +222,8 @@ pub fn copy_upper_with(
 struct Walk<'a> {
     links: HashMap<(u64, u64), PathBuf>,
     stats: DiffStats,
+    /// The image's layer mounts, when known (see [`copy_upper_with`]).
+    base: Option<&'a [PathBuf]>,
     clean: &'a CleanFiles,
     next: CleanFiles,
     /// `(secs, nsecs)` a ctime must be older than to go into `next`.
@@ -219,6 +231,16 @@ struct Walk<'a> {
 }
 
 impl Walk<'_> {
+    /// Whether the image under the sandbox may have something at `rel` (unknown: yes).
+    fn base_has(&self, rel: &[u8]) -> bool {
+        let rel = Path::new(std::ffi::OsStr::from_bytes(rel));
+        self.base.is_none_or(|layers| {
+            layers
+                .iter()
+                .any(|l| fs::symlink_metadata(l.join(rel)).is_ok())
+        })
+    }
+
     /// Records the regular file at `rel` as held by the snapshot being made.
     fn held(&mut self, rel: &[u8], meta: &fs::Metadata) {
         if meta.file_type().is_file() && (meta.ctime(), meta.ctime_nsec()) < self.cutoff {
@@ -281,11 +303,16 @@ impl Walk<'_> {
             let ft = meta.file_type();
             if ft.is_dir() {
                 fs::create_dir(&to).map_err(|e| ImageError::io("mkdir", &to, e))?;
-                copy_meta(&from, &to, &meta)?;
+                let prev = prev.filter(|p| p.is_dir());
+                // An opaque directory hides everything below it: compared with the previous
+                // snapshot only where it hides nothing of the image (then it goes into the
+                // layer without its opacity, see `copy_upper_with`); else copied whole.
+                let opaque = is_opaque(&from);
+                let merge = !opaque || (prev.is_some() && !self.base_has(rel));
+                copy_meta(&from, &to, &meta, !merge)?;
                 let same = prev.as_deref().is_some_and(|p| same_dir(&meta, p));
-                // An opaque directory hides everything below it: compare nothing underneath.
-                let prev = if is_opaque(&from) { None } else { prev };
-                self.copy_dir(&from, &to, prev.as_deref().filter(|p| p.is_dir()), rel)?;
+                let prev = if merge { prev } else { None };
+                self.copy_dir(&from, &to, prev.as_deref(), rel)?;
                 set_times(&to, &meta)?;
                 self.stats.copied += 1;
                 if same {
@@ -326,7 +353,7 @@ impl Walk<'_> {
                 // Devices and sockets do not belong in an image layer.
                 return Ok(());
             }
-            copy_meta(&from, &to, &meta)?;
+            copy_meta(&from, &to, &meta, true)?;
             set_times(&to, &meta)?;
             if meta.nlink() > 1 {
                 self.links.insert((meta.dev(), meta.ino()), to);
@@ -465,8 +492,14 @@ fn is_opaque(dir: &Path) -> bool {
         .any(|(n, v)| (n == OPAQUE_XATTR || n == USER_OPAQUE_XATTR) && v.as_slice() == b"y")
 }
 
-/// Owner, mode and xattrs of `src` onto `dest` (times come last, see [`set_times`]).
-fn copy_meta(src: &Path, dest: &Path, meta: &fs::Metadata) -> Result<(), ImageError> {
+/// Owner, mode and xattrs of `src` onto `dest` (times come last, see [`set_times`]);
+/// without `keep_opaque`, not the opaque marker.
+fn copy_meta(
+    src: &Path,
+    dest: &Path,
+    meta: &fs::Metadata,
+    keep_opaque: bool,
+) -> Result<(), ImageError> {
     std::os::unix::fs::lchown(dest, Some(meta.uid()), Some(meta.gid()))
         .map_err(|e| ImageError::io("chown", dest, e))?;
     if !meta.file_type().is_symlink() {
@@ -475,6 +508,9 @@ fn copy_meta(src: &Path, dest: &Path, meta: &fs::Metadata) -> Result<(), ImageEr
     }
     let c = cpath(dest)?;
     let mut attrs = xattrs(src);
+    if !keep_opaque {
+        attrs.retain(|(n, _)| n != OPAQUE_XATTR && n != USER_OPAQUE_XATTR);
+    }
     // An opaque directory carries both markers, so the layer reads the same to overlayfs
     // mounted by the host (trusted.*) and in a user namespace (user.*).
     if attrs
@@ -597,15 +633,36 @@ impl ImageStore {
                 }
             }
         })();
+        // The image's own layers (mounted for the sandbox already), to tell which opaque
+        // directories hide nothing; unknown if one cannot be had.
+        let mut base: Vec<(String, PathBuf)> = Vec::new();
+        let base_known = !previous_diffs.is_empty()
+            && dedup_layers(stack).iter().all(|d| match self.acquire(d) {
+                Ok(p) => {
+                    base.push((d.clone(), p));
+                    true
+                }
+                Err(e) => {
+                    tracing::debug!(layer = %d, error = %e, "image layer not at hand for a commit");
+                    false
+                }
+            });
+        let base_paths: Vec<PathBuf> = base.iter().map(|(_, p)| p.clone()).collect();
         let copied = match &view {
-            Ok(v) => copy_upper_with(upper, &tree, v.as_deref(), &clean),
+            Ok(v) => copy_upper_with(
+                upper,
+                &tree,
+                v.as_deref(),
+                base_known.then_some(&base_paths[..]),
+                &clean,
+            ),
             Err(_) => Ok((DiffStats::default(), CleanFiles::default())),
         };
         if held.len() > 1 {
             let _ =
                 nix::mount::umount2(&work.path().join("view"), nix::mount::MntFlags::MNT_DETACH);
         }
-        for (d, _) in &held {
+        for (d, _) in held.iter().chain(&base) {
             let _ = self.release(d);
         }
         view?;
@@ -690,7 +747,7 @@ mod tests {
         let first = dir.path().join("first");
         fs::create_dir(&first).expect("mkdir");
         let (_, clean) =
-            copy_upper_with(&upper, &first, None, &CleanFiles::default()).expect("copy");
+            copy_upper_with(&upper, &first, None, None, &CleanFiles::default()).expect("copy");
         assert_eq!(clean.len(), 2, "{clean:?}");
 
         // Rewrite a: same size, the old mtime set back.
@@ -721,7 +778,8 @@ mod tests {
         let copy = |name: &str, clean: &CleanFiles| {
             let dest = dir.path().join(name);
             fs::create_dir(&dest).expect("mkdir");
-            let (stats, _) = copy_upper_with(&upper, &dest, Some(&first), clean).expect("copy");
+            let (stats, _) =
+                copy_upper_with(&upper, &dest, Some(&first), None, clean).expect("copy");
             (dest, stats)
         };
         let (second, stats) = copy("second", &clean);
@@ -747,5 +805,71 @@ mod tests {
         );
         fs::write(&path, "garbage").expect("write");
         assert!(CleanFiles::load(&path, &diffs).is_empty());
+    }
+
+    fn set_opaque(dir: &Path) {
+        let c = cpath(dir).expect("path");
+        let name = CString::new(USER_OPAQUE_XATTR).expect("name");
+        // SAFETY: setxattr with valid strings and a buffer of the given length.
+        let rc = unsafe { libc::setxattr(c.as_ptr(), name.as_ptr(), b"y".as_ptr().cast(), 1, 0) };
+        assert_eq!(rc, 0, "setxattr: {}", std::io::Error::last_os_error());
+    }
+
+    /// An opaque directory the image has nothing under (overlayfs marks new directories
+    /// in merged ones opaque) is compared with the previous snapshot and stored without
+    /// its opacity: unchanged files stay out, a deletion is a whiteout. One over a path
+    /// of the image (removed and made again) is copied whole and stays opaque.
+    #[test]
+    fn opaque_directories_that_hide_nothing_are_diffed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let base = dir.path().join("base");
+        fs::create_dir_all(base.join("keep")).expect("mkdir");
+        fs::write(base.join("keep/old"), b"image").expect("write");
+        let upper = dir.path().join("upper");
+        for d in ["new/sub", "keep"] {
+            fs::create_dir_all(upper.join(d)).expect("mkdir");
+        }
+        for f in ["new/a", "new/b", "new/sub/c", "keep/g"] {
+            fs::write(upper.join(f), f.as_bytes()).expect("write");
+        }
+        for d in ["new", "new/sub", "keep"] {
+            set_opaque(&upper.join(d));
+        }
+        let layers = [base];
+        let copy = |name: &str, prev: Option<&Path>| {
+            let dest = dir.path().join(name);
+            fs::create_dir(&dest).expect("mkdir");
+            let (stats, _) =
+                copy_upper_with(&upper, &dest, prev, Some(&layers), &CleanFiles::default())
+                    .expect("copy");
+            (dest, stats)
+        };
+        let (first, _) = copy("first", None);
+        assert!(
+            is_opaque(&first.join("new")),
+            "no previous snapshot: kept as is"
+        );
+
+        fs::remove_file(upper.join("new/b")).expect("rm");
+        let (second, stats) = copy("second", Some(&first));
+        assert!(!is_opaque(&second.join("new")) && !is_opaque(&second.join("new/sub")));
+        assert!(!second.join("new/a").exists() && !second.join("new/sub/c").exists());
+        let b = fs::symlink_metadata(second.join("new/b")).expect("whiteout");
+        assert!(
+            b.file_type().is_char_device() && b.rdev() == 0,
+            "b's deletion"
+        );
+        assert!(
+            is_opaque(&second.join("keep")),
+            "hides the image's keep/old"
+        );
+        assert_eq!(fs::read(second.join("keep/g")).expect("g"), b"keep/g");
+        assert_eq!((stats.unchanged, stats.whiteouts), (2, 1), "{stats:?}");
+
+        // Unknown image layers: every opaque directory is copied whole, as before.
+        let dest = dir.path().join("third");
+        fs::create_dir(&dest).expect("mkdir");
+        copy_upper_with(&upper, &dest, Some(&first), None, &CleanFiles::default()).expect("copy");
+        assert!(is_opaque(&dest.join("new")) && dest.join("new/a").exists());
     }
 }
