@@ -356,6 +356,18 @@ impl Traces {
             .any(|l| l.split(' ').nth(4) == s.run_dir.to_str());
         assert!(!mounted, "{when}: run directory still mounted");
         assert!(!s.run_dir.exists(), "{when}: run directory left");
+        let state = format!("{}/", s.state_dir.display());
+        let under_state: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .filter(|m| m.starts_with(&state))
+            .map(str::to_string)
+            .collect();
+        assert!(
+            under_state.is_empty(),
+            "{when}: mounts left under the state directory: {under_state:?}"
+        );
         assert_eq!(
             self.cgroup_parents(),
             Vec::<String>::new(),

@@ -387,6 +387,11 @@ impl LocalNode {
         self.backend.shutdown(empty);
         if empty {
             crate::rundir::remove(&self.cfg.run_dir);
+            // No sandbox uses a layer now: the idle mounts kept for the next sandbox go.
+            match self.images.unmount_idle() {
+                Ok(gone) => tracing::debug!(layers = gone.len(), "idle layer mounts removed"),
+                Err(e) => tracing::warn!(error = %e, "removing idle layer mounts"),
+            }
         }
         self.claims.remove_files();
         !empty
