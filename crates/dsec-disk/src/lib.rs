@@ -648,6 +648,16 @@ impl Disks {
                 let name = p.file_name().unwrap_or_default();
                 fs::rename(&p, trash.join(name)).map_err(io_err("rename", &p))?;
             }
+            // Whatever else the node kept beside them for the sandbox (a commit's index
+            // of clean files) goes too.
+            for entry in fs::read_dir(&root).map_err(io_err("read_dir", &root))? {
+                let entry = entry.map_err(io_err("read_dir", &root))?;
+                let name = entry.file_name();
+                if name != ".trash" && name != "lost+found" {
+                    let p = entry.path();
+                    fs::rename(&p, trash.join(&name)).map_err(io_err("rename", &p))?;
+                }
+            }
             fs::remove_dir_all(&trash).map_err(io_err("remove", &trash))?;
             for p in [upper_dir(&root), work_dir(&root)] {
                 fs::DirBuilder::new()

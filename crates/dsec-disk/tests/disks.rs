@@ -263,6 +263,8 @@ fn lightly_used_disks_are_recycled_empty_and_heavy_ones_released() {
         let light = disks.provision(128, &dir.join("light")).expect("provision");
         std::fs::write(upper_dir(&light.root()).join("secret"), b"tenant A").expect("write");
         std::fs::create_dir_all(work_dir(&light.root()).join("work")).expect("mkdir");
+        // What the node keeps beside upper and work (a commit's index) goes too.
+        std::fs::write(light.root().join("node-file"), b"tenant A's paths").expect("write");
         wait_pooled(&disks, 1); // refilled after the provision
         let loops = loops_under(&dir).len();
         assert!(
@@ -285,6 +287,10 @@ fn lightly_used_disks_are_recycled_empty_and_heavy_ones_released() {
                 "{d:?} not empty"
             );
         }
+        assert!(
+            !next.root().join("node-file").exists(),
+            "a file beside upper"
+        );
 
         // A sandbox that wrote a lot: released, not emptied file by file.
         let mut f = std::fs::File::create(upper_dir(&next.root()).join("big")).expect("create");
