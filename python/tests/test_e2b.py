@@ -164,6 +164,8 @@ def test_template_builder_then_create_from_its_alias(e2b_env, tmp_path) -> None:
             f"hello-{token}\nuser\nup\nmain.py\nnotes.txt\nskip.log\nnotes.txt\n"
             "user 600\nuser 644\n"
         ), r.stdout
+        # The template's final USER and WORKDIR are the sandbox's defaults (E2B's finalize).
+        assert sb.commands.run("whoami; pwd").stdout == "agent\n/opt/app\n"
     finally:
         sb.kill()
     # A rebuild of the same template is cached; a create by build id works too.
@@ -194,6 +196,8 @@ def test_template_from_dockerfile(e2b_env, tmp_path) -> None:
     sb = Sandbox.create("dsec-tpl-df", timeout=60)
     try:
         assert sb.commands.run("cat /srv/result").stdout == "test from the context\n"
+        # No USER in the Dockerfile: E2B's `user`, in the Dockerfile's WORKDIR.
+        assert sb.commands.run("whoami; pwd; cat result").stdout == "user\n/srv\ntest from the context\n"
     finally:
         sb.kill()
     with pytest.raises(Exception) as e:

@@ -57,7 +57,8 @@ fn bad(m: impl Into<String>) -> ApiError {
 }
 
 /// The user a request acts as: `Authorization: Basic base64("NAME:")`, else E2B's default.
-fn user(h: &HeaderMap) -> String {
+/// The user a call names (Basic auth's user name), if any.
+fn named_user(h: &HeaderMap) -> Option<String> {
     h.get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Basic "))
@@ -65,7 +66,59 @@ fn user(h: &HeaderMap) -> String {
         .and_then(|b| String::from_utf8(b).ok())
         .and_then(|s| s.split(':').next().map(str::to_string))
         .filter(|u| !u.is_empty())
-        .unwrap_or_else(|| DEFAULT_USER.to_string())
+}
+
+/// What envd applies when a call names no user or working directory: a template's final
+/// USER and WORKDIR (E2B's finalize makes them the sandbox's defaults), else E2B's `user`
+/// in its home.
+#[derive(Debug, Clone)]
+struct Defaults {
+    user: String,
+    workdir: Option<String>,
+}
+
+/// Sandbox id -> its [`Defaults`], which never change in a sandbox's life (bounded: the
+/// map is emptied when full; a miss costs a record and an image lookup).
+static DEFAULTS: std::sync::LazyLock<
+    std::sync::Mutex<std::collections::HashMap<String, Defaults>>,
+> = std::sync::LazyLock::new(Default::default);
+const DEFAULTS_MAX: usize = 65_536;
+
+async fn defaults(api: &Api, id: &str) -> Result<Defaults, ApiError> {
+    let cached = DEFAULTS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(id)
+        .cloned();
+    if let Some(d) = cached {
+        return Ok(d);
+    }
+    let sb = api.get_sandbox(id).await?;
+    let mut d = Defaults {
+        user: DEFAULT_USER.to_string(),
+        workdir: None,
+    };
+    if sb.image.starts_with(super::template::IMAGE_PREFIX) {
+        let img = api.get_image(&sb.image).await?;
+        if let Some(u) = img.config.user.clone().filter(|u| !u.is_empty()) {
+            d.user = u;
+        }
+        d.workdir = img.config.workdir.clone().filter(|w| !w.is_empty());
+    }
+    let mut map = DEFAULTS.lock().unwrap_or_else(|p| p.into_inner());
+    if map.len() >= DEFAULTS_MAX {
+        map.clear();
+    }
+    map.insert(id.to_string(), d.clone());
+    Ok(d)
+}
+
+/// The user of a call: the one it names, else the sandbox's default.
+async fn user_of(api: &Api, id: &str, named: Option<String>) -> Result<String, ApiError> {
+    match named {
+        Some(u) => Ok(u),
+        None => Ok(defaults(api, id).await?.user),
+    }
 }
 
 fn home(user: &str) -> String {
@@ -140,7 +193,12 @@ fn files_error(e: ApiError) -> Response {
 async fn download(api: Api, headers: HeaderMap, Query(q): Query<FileQuery>) -> Response {
     let r = async {
         let id = sandbox_id(&headers)?;
-        let user = q.username.clone().unwrap_or_else(|| user(&headers));
+        let user = user_of(
+            &api,
+            &id,
+            q.username.clone().or_else(|| named_user(&headers)),
+        )
+        .await?;
         let path = resolve(
             q.path.as_deref().ok_or_else(|| bad("path is required"))?,
             &user,
@@ -195,7 +253,12 @@ async fn upload(api: Api, Query(q): Query<FileQuery>, req: Request) -> Response 
     let r = async {
         let headers = req.headers().clone();
         let id = sandbox_id(&headers)?;
-        let user = q.username.clone().unwrap_or_else(|| user(&headers));
+        let user = user_of(
+            &api,
+            &id,
+            q.username.clone().or_else(|| named_user(&headers)),
+        )
+        .await?;
         let ctype = headers
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
@@ -349,10 +412,15 @@ async fn process(
         Ok(id) => id,
         Err(e) => return connect::unary(Err(e)),
     };
-    let user = user(&headers);
     if streaming {
         let r = match method.as_str() {
-            "Start" => start(api, id, &user, &msg).await,
+            "Start" => match defaults(&api, &id).await {
+                Ok(d) => {
+                    let user = named_user(&headers).unwrap_or_else(|| d.user.clone());
+                    start(api, id, &user, d.workdir, &msg).await
+                }
+                Err(e) => Err(e),
+            },
             "Connect" => reattach(api, id, &msg).await,
             other => Err(not_served("process.Process (streaming)", other)),
         };
@@ -449,6 +517,7 @@ async fn start(
     api: crate::Scoped,
     id: String,
     user: &str,
+    default_cwd: Option<String>,
     msg: &Value,
 ) -> Result<futures::stream::BoxStream<'static, Result<Value, ApiError>>, ApiError> {
     let p = &msg["process"];
@@ -490,7 +559,7 @@ async fn start(
             StartProcessRequest {
                 cmd: Command::Argv(argv),
                 env,
-                cwd: Some(cwd.unwrap_or_else(|| home(user))),
+                cwd: Some(cwd.or(default_cwd).unwrap_or_else(|| home(user))),
                 pty,
                 tag: msg["tag"].as_str().map(str::to_string),
                 timeout_s: None,
@@ -565,7 +634,7 @@ async fn filesystem(
     let r = async {
         let msg = connect::request(ctype, &body)?;
         let id = sandbox_id(&headers)?;
-        let user = user(&headers);
+        let user = user_of(&api, &id, named_user(&headers)).await?;
         let path = |key: &str| -> Result<String, ApiError> {
             msg[key]
                 .as_str()

@@ -184,7 +184,14 @@ async fn create(api: Api, headers: HeaderMap, Json(req): Json<NewSandbox>) -> Re
                     // E2B's `user` may not exist before ENSURE_USER makes it below, and
                     // a create validates its user; envd names its user on every call.
                     user: None,
-                    workdir: Some(format!("/home/{DEFAULT_USER}")),
+                    // A template's WORKDIR (E2B's finalize makes it the default).
+                    workdir: Some(
+                        built
+                            .as_ref()
+                            .and_then(|img| img.config.workdir.clone())
+                            .filter(|w| !w.is_empty())
+                            .unwrap_or_else(|| format!("/home/{DEFAULT_USER}")),
+                    ),
                     auto_resume: req.auto_resume.is_some_and(|v| v != Value::Bool(false)),
                     network: NetworkPolicy {
                         mode: if req.allow_internet_access == Some(true) {
