@@ -1105,19 +1105,27 @@ impl Backend for ContainerBackend {
         id: &str,
         f: &mut dyn FnMut(&Path) -> Result<(), NodeError>,
     ) -> Result<(), NodeError> {
+        /// Thaws what this commit froze on every way out, a panic in the copy included.
+        struct Thaw<'a>(Option<&'a Cgroup>, &'a str);
+        impl Drop for Thaw<'_> {
+            fn drop(&mut self) {
+                if let Some(cg) = self.0.take() {
+                    if let Err(e) = cg.thaw() {
+                        tracing::warn!(id = %self.1, error = %e, "thawing a sandbox after its commit");
+                    }
+                }
+            }
+        }
         let upper = self.upper_dir(id)?;
         let cg = self.cgroup(id)?;
         let froze_here = !cg.is_frozen()?;
         if froze_here {
             cg.freeze()?;
         }
+        let mut thaw = Thaw(froze_here.then_some(&*cg), id);
         let res = f(&upper);
-        if froze_here {
-            if let Err(e) = cg.thaw() {
-                tracing::warn!(%id, error = %e, "thawing a sandbox after its commit");
-                res?;
-                return Err(e.into());
-            }
+        if let Some(cg) = thaw.0.take() {
+            cg.thaw()?;
         }
         res
     }
