@@ -753,27 +753,11 @@ mod tests {
         // Rewrite a: same size, the old mtime set back.
         let meta = fs::metadata(upper.join("a")).expect("stat");
         fs::write(upper.join("a"), b"AAAA").expect("write");
-        let t = nix::sys::time::TimeSpec::new(meta.mtime(), meta.mtime_nsec());
-        nix::sys::stat::utimensat(
-            None,
-            &upper.join("a"),
-            &t,
-            &t,
-            nix::sys::stat::UtimensatFlags::NoFollowSymlink,
-        )
-        .expect("utimensat");
+        set_times(&upper.join("a"), &meta).expect("utimensat");
         // Alter the snapshot's b behind the index's back (same size and times).
         let bm = fs::metadata(first.join("b")).expect("stat");
         fs::write(first.join("b"), b"XXXX").expect("write");
-        let t = nix::sys::time::TimeSpec::new(bm.mtime(), bm.mtime_nsec());
-        nix::sys::stat::utimensat(
-            None,
-            &first.join("b"),
-            &t,
-            &t,
-            nix::sys::stat::UtimensatFlags::NoFollowSymlink,
-        )
-        .expect("utimensat");
+        set_times(&first.join("b"), &bm).expect("utimensat");
 
         let copy = |name: &str, clean: &CleanFiles| {
             let dest = dir.path().join(name);
