@@ -52,6 +52,7 @@ pub mod oci;
 pub mod packdiff;
 mod pulled;
 pub mod shared;
+mod tar_erofs;
 
 pub use blobs::{parse_digest, CacheTrim};
 pub use catalog::{dedup_layers, image_digest, validate_name, Removed, ResolvedImage};

@@ -33,6 +33,7 @@ use sha2::{Digest as _, Sha256};
 
 use crate::erofs::build_erofs;
 use crate::extract::{self, expansion_limit, Counting, Limited, Whiteouts};
+use crate::tar_erofs::TarErofs;
 use crate::{
     parse_digest, validate_name, Image, ImageConfig, ImageError, ImageStore, ImportPhase,
     ImportProgress, Result,
@@ -168,8 +169,8 @@ pub(crate) fn unpack_flat(source: &Path, dest: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Extracts `layer` of `src` into a fresh directory under `work` in overlayfs form and
-/// packs it as `work/layer-I.erofs` (the tree is removed once packed).
+/// Packs `layer` of `src` as the EROFS image `work/layer-I.erofs`, in overlayfs form,
+/// straight from its tar stream (see [`crate::tar_erofs`]).
 pub(crate) fn build_layer(
     src: &Source,
     layer: &LayerPlan,
@@ -177,15 +178,27 @@ pub(crate) fn build_layer(
     i: usize,
     progress: &dyn Fn(ImportProgress),
 ) -> Result<PathBuf> {
-    let dir = make_root(&work.join(format!("layer-{i}")))?;
-    if !src.unpack_layer(layer, &dir, Whiteouts::Overlay, progress)? {
-        extract::set_mtime(&dir, 0)?;
-    }
     let out = work.join(format!("layer-{i}.erofs"));
-    build_erofs(&dir, &out, work, progress)?;
-    // Only the built layers are needed from here on; free the space early.
-    let _ = std::fs::remove_dir_all(&dir);
-    Ok(out)
+    let origin = src.origin(&layer.member);
+    let res = (|| {
+        let mut writer = TarErofs::create(&out, &origin)?;
+        src.read_layer(layer, progress, &mut |r| writer.add_tar(r))?;
+        // The data went into the image while it was read; what is left is its metadata.
+        let size = writer.finish()?;
+        progress(ImportProgress {
+            phase: ImportPhase::Building,
+            bytes_done: size,
+            bytes_total: Some(size),
+        });
+        Ok(())
+    })();
+    match res {
+        Ok(_) => Ok(out),
+        Err(e) => {
+            let _ = std::fs::remove_file(&out);
+            Err(e)
+        }
+    }
 }
 
 /// Builds each of `layers` of `src` as [`build_layer`] does (`(i, plan)`: `i` names its
@@ -1006,6 +1019,21 @@ impl Source {
         whiteouts: Whiteouts,
         progress: &dyn Fn(ImportProgress),
     ) -> Result<bool> {
+        let origin = self.origin(&layer.member);
+        self.read_layer(layer, progress, &mut |r| {
+            extract::extract_from(r, &origin, dest, whiteouts).map(|(had_root, _)| had_root)
+        })
+    }
+
+    /// Feeds `layer`'s uncompressed tar stream to `consume`, then reads the rest of it
+    /// and checks the blob's size and digest and the tar's diff_id. Returns what
+    /// `consume` did.
+    fn read_layer(
+        &self,
+        layer: &LayerPlan,
+        progress: &dyn Fn(ImportProgress),
+        consume: &mut dyn FnMut(&mut dyn Read) -> Result<bool>,
+    ) -> Result<bool> {
         let (raw, size) = self.open_member(&layer.member)?;
         if let Some(want) = layer.size {
             if want != size {
@@ -1041,8 +1069,8 @@ impl Source {
                     message: format!("zstd: {e}"),
                 })?;
             let zst = Limited::new(zst, expansion_limit(size));
-            let (had_root, mut h) =
-                extract::extract_from(Hashing::new(zst), &origin, dest, whiteouts)?;
+            let mut h = Hashing::new(zst);
+            let had_root = consume(&mut h)?;
             drain(&mut h)?;
             let (zst, diff_hex, _) = h.finish();
             (had_root, diff_hex, zst.into_inner().finish())
@@ -1051,14 +1079,14 @@ impl Source {
                 flate2::read::MultiGzDecoder::new(buf),
                 expansion_limit(size),
             );
-            let (had_root, mut h) =
-                extract::extract_from(Hashing::new(gz), &origin, dest, whiteouts)?;
+            let mut h = Hashing::new(gz);
+            let had_root = consume(&mut h)?;
             drain(&mut h)?;
             let (gz, diff_hex, _) = h.finish();
             (had_root, diff_hex, gz.into_inner().into_inner())
         } else {
-            let (had_root, mut h) =
-                extract::extract_from(Hashing::new(buf), &origin, dest, whiteouts)?;
+            let mut h = Hashing::new(buf);
+            let had_root = consume(&mut h)?;
             drain(&mut h)?;
             let (buf, diff_hex, _) = h.finish();
             (had_root, diff_hex, buf)
