@@ -32,6 +32,7 @@ const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STA
 const LIST_DIR_MAX_ENTRIES: usize = 100_000;
 
 pub(super) fn routes() -> Router<Arc<dyn SandboxApi>> {
+    let cache = Arc::new(DefaultsCache::default());
     Router::new()
         .route("/health", get(health))
         .route(
@@ -42,6 +43,7 @@ pub(super) fn routes() -> Router<Arc<dyn SandboxApi>> {
         )
         .route("/process.Process/{method}", post(process))
         .route("/filesystem.Filesystem/{method}", post(filesystem))
+        .layer(axum::Extension(cache))
 }
 
 /// A method of an envd service that dsec does not serve.
@@ -77,20 +79,36 @@ struct Defaults {
     workdir: Option<String>,
 }
 
-/// Sandbox id -> its [`Defaults`], which never change in a sandbox's life (bounded: the
-/// map is emptied when full; a miss costs a record and an image lookup).
-static DEFAULTS: std::sync::LazyLock<
-    std::sync::Mutex<std::collections::HashMap<String, Defaults>>,
-> = std::sync::LazyLock::new(Default::default);
-const DEFAULTS_MAX: usize = 65_536;
+/// Sandbox id -> its [`Defaults`], which never change in a sandbox's life. One per router
+/// (an `Extension` of the envd routes), bounded: emptied when full; a miss costs a record
+/// and an image lookup.
+#[derive(Debug, Default)]
+pub(super) struct DefaultsCache(std::sync::Mutex<std::collections::HashMap<String, Defaults>>);
 
-async fn defaults(api: &Api, id: &str) -> Result<Defaults, ApiError> {
-    let cached = DEFAULTS
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .get(id)
-        .cloned();
-    if let Some(d) = cached {
+type Cache = axum::Extension<Arc<DefaultsCache>>;
+
+impl DefaultsCache {
+    const MAX: usize = 65_536;
+
+    fn get(&self, id: &str) -> Option<Defaults> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned()
+    }
+
+    fn put(&self, id: &str, d: Defaults) {
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if map.len() >= Self::MAX {
+            map.clear();
+        }
+        map.insert(id.to_string(), d);
+    }
+}
+
+async fn defaults(api: &Api, cache: &DefaultsCache, id: &str) -> Result<Defaults, ApiError> {
+    if let Some(d) = cache.get(id) {
         return Ok(d);
     }
     let sb = api.get_sandbox(id).await?;
@@ -105,19 +123,20 @@ async fn defaults(api: &Api, id: &str) -> Result<Defaults, ApiError> {
         }
         d.workdir = img.config.workdir.clone().filter(|w| !w.is_empty());
     }
-    let mut map = DEFAULTS.lock().unwrap_or_else(|p| p.into_inner());
-    if map.len() >= DEFAULTS_MAX {
-        map.clear();
-    }
-    map.insert(id.to_string(), d.clone());
+    cache.put(id, d.clone());
     Ok(d)
 }
 
 /// The user of a call: the one it names, else the sandbox's default.
-async fn user_of(api: &Api, id: &str, named: Option<String>) -> Result<String, ApiError> {
+async fn user_of(
+    api: &Api,
+    cache: &DefaultsCache,
+    id: &str,
+    named: Option<String>,
+) -> Result<String, ApiError> {
     match named {
         Some(u) => Ok(u),
-        None => Ok(defaults(api, id).await?.user),
+        None => Ok(defaults(api, cache, id).await?.user),
     }
 }
 
@@ -190,11 +209,17 @@ fn files_error(e: ApiError) -> Response {
     rest::error(e)
 }
 
-async fn download(api: Api, headers: HeaderMap, Query(q): Query<FileQuery>) -> Response {
+async fn download(
+    api: Api,
+    cache: Cache,
+    headers: HeaderMap,
+    Query(q): Query<FileQuery>,
+) -> Response {
     let r = async {
         let id = sandbox_id(&headers)?;
         let user = user_of(
             &api,
+            &cache,
             &id,
             q.username.clone().or_else(|| named_user(&headers)),
         )
@@ -249,12 +274,13 @@ async fn write_one(
     Ok(write_info(path))
 }
 
-async fn upload(api: Api, Query(q): Query<FileQuery>, req: Request) -> Response {
+async fn upload(api: Api, cache: Cache, Query(q): Query<FileQuery>, req: Request) -> Response {
     let r = async {
         let headers = req.headers().clone();
         let id = sandbox_id(&headers)?;
         let user = user_of(
             &api,
+            &cache,
             &id,
             q.username.clone().or_else(|| named_user(&headers)),
         )
@@ -396,6 +422,7 @@ async fn event_stream(
 
 async fn process(
     api: Api,
+    cache: Cache,
     Path(method): Path<String>,
     headers: HeaderMap,
     body: Bytes,
@@ -414,7 +441,7 @@ async fn process(
     };
     if streaming {
         let r = match method.as_str() {
-            "Start" => match defaults(&api, &id).await {
+            "Start" => match defaults(&api, &cache, &id).await {
                 Ok(d) => {
                     let user = named_user(&headers).unwrap_or_else(|| d.user.clone());
                     start(api, id, &user, d.workdir, &msg).await
@@ -624,6 +651,7 @@ fn entry(f: &FileInfo) -> Value {
 
 async fn filesystem(
     api: Api,
+    cache: Cache,
     Path(method): Path<String>,
     headers: HeaderMap,
     body: Bytes,
@@ -634,7 +662,7 @@ async fn filesystem(
     let r = async {
         let msg = connect::request(ctype, &body)?;
         let id = sandbox_id(&headers)?;
-        let user = user_of(&api, &id, named_user(&headers)).await?;
+        let user = user_of(&api, &cache, &id, named_user(&headers)).await?;
         let path = |key: &str| -> Result<String, ApiError> {
             msg[key]
                 .as_str()
