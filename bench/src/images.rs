@@ -278,8 +278,9 @@ struct Phases {
     /// Milliseconds per phase (`resolving`, `downloading`, `extracting`, `building`,
     /// `hashing`, `storing`).
     total: std::collections::BTreeMap<String, f64>,
-    /// Milliseconds extracting and building (mkfs.erofs) per converted layer, bottom
-    /// first (a layer starts where `extracting` follows another phase).
+    /// Milliseconds extracting (data into the EROFS image) and building (its metadata)
+    /// per converted layer, bottom first (a layer starts where `extracting` follows
+    /// another phase).
     layers: Vec<(f64, f64)>,
     /// The phase of the last event.
     last: String,
@@ -698,7 +699,7 @@ fn print_phases(rounds: &[Phases]) {
         cells.join(", ")
     );
     println!(
-        "extracting + building (mkfs.erofs) per layer, bottom (the base rootfs) first, s: {}",
+        "extracting + building (the EROFS metadata) per layer, bottom (the base rootfs) first, s: {}",
         per_layer.join("; ")
     );
     crate::record("dsec pull by phase (ms)", serde_json::Value::Object(json));

@@ -1415,7 +1415,14 @@ mod tests {
         let ar = std::fs::read(&base).unwrap_or_else(|e| panic!("{e}"));
         let w = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let img = w.path().join("base.erofs");
+        let t = std::time::Instant::now();
         pack(&ar, &img).unwrap_or_else(|e| panic!("{e}"));
+        let size = std::fs::metadata(&img).map(|m| m.len()).unwrap_or(0);
+        eprintln!(
+            "packed {} bytes of tar into {size} bytes of EROFS in {:?}",
+            ar.len(),
+            t.elapsed()
+        );
         let tree = w.path().join("tree");
         std::fs::create_dir(&tree).unwrap_or_else(|e| panic!("{e}"));
         extract_from(&ar[..], Path::new("base.tar"), &tree, Whiteouts::Overlay)
