@@ -43,6 +43,9 @@ const DIRENT_SIZE: usize = 12;
 const NAME_MAX: usize = 255;
 /// Longest symlink target Linux allows (PATH_MAX without the NUL).
 const SYMLINK_MAX: usize = 4095;
+/// Most files, directories and links one layer may hold: each takes a few hundred bytes
+/// of memory while the layer packs (real layers stay under a million).
+const MAX_NODES: usize = 2 << 20;
 
 /// `i_format` data layouts.
 const LAYOUT_FLAT_PLAIN: u16 = 0;
@@ -323,7 +326,7 @@ impl<'a> TarErofs<'a> {
                     mtime_nsec: meta.mtime_nsec,
                     xattrs: Vec::new(),
                     body: Body::Special,
-                });
+                })?;
                 self.link(dir, hidden, node);
                 return Ok(());
             }
@@ -346,7 +349,7 @@ impl<'a> TarErofs<'a> {
             match self.child(dir, name) {
                 Some(existing) if self.nodes[existing].is_dir() => self.set_meta(existing, meta),
                 _ => {
-                    let node = self.push(Node::implicit_dir());
+                    let node = self.push(Node::implicit_dir())?;
                     self.set_meta(node, meta);
                     self.link(dir, name, node);
                 }
@@ -386,7 +389,7 @@ impl<'a> TarErofs<'a> {
                 mtime_nsec: meta.mtime_nsec,
                 xattrs: Vec::new(),
                 body: Body::Symlink { target },
-            });
+            })?;
             self.link(dir, name, node);
         } else if et.is_fifo() {
             let node = self.push(Node {
@@ -397,7 +400,7 @@ impl<'a> TarErofs<'a> {
                 mtime_nsec: meta.mtime_nsec,
                 xattrs: meta.xattrs,
                 body: Body::Special,
-            });
+            })?;
             self.link(dir, name, node);
         } else if et.is_file() || et.is_contiguous() || et.is_gnu_sparse() {
             let size = entry.size();
@@ -411,7 +414,7 @@ impl<'a> TarErofs<'a> {
                 mtime_nsec: meta.mtime_nsec,
                 xattrs: meta.xattrs,
                 body: Body::File { size, start, tail },
-            });
+            })?;
             self.link(dir, name, node);
         } else {
             tracing::debug!(entry = %path.display(), kind = ?et, "tar entry kind skipped");
@@ -480,9 +483,16 @@ impl<'a> TarErofs<'a> {
         n.xattrs = meta.xattrs;
     }
 
-    fn push(&mut self, node: Node) -> usize {
+    /// Adds a node, refusing past [`MAX_NODES`] (a layer of millions of empty entries
+    /// would otherwise hold the server's memory).
+    fn push(&mut self, node: Node) -> Result<usize, ImageError> {
+        if self.nodes.len() >= MAX_NODES {
+            return Err(self.archive_err(format!(
+                "more than {MAX_NODES} files and directories in one layer"
+            )));
+        }
         self.nodes.push(node);
-        self.nodes.len() - 1
+        Ok(self.nodes.len() - 1)
     }
 
     fn child(&self, dir: usize, name: &[u8]) -> Option<usize> {
@@ -530,7 +540,7 @@ impl<'a> TarErofs<'a> {
                     )))
                 }
                 None => {
-                    let n = self.push(Node::implicit_dir());
+                    let n = self.push(Node::implicit_dir())?;
                     self.link(cur, p, n);
                     n
                 }
