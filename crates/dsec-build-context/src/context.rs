@@ -14,13 +14,16 @@ use std::os::unix::fs::FileExt;
 use dsec_dockerfile::Ignore;
 
 use crate::glob::{has_wildcards, Pattern};
-use crate::name::{self, clean_rooted, entry_name, key, link_target, END, SEP};
+use crate::name::{self, clean_rooted, entry_name, key, link_target, path_of, END, SEP};
 use crate::{ContextError, Limits};
 
 /// Name of the build context in error messages.
 pub(crate) const CONTEXT: &str = "build context";
 /// Largest `.dockerignore` read.
 const MAX_DOCKERIGNORE: u64 = 4 << 20;
+/// Symlinks followed to resolve one COPY source (as the kernel's ELOOP limit of 40, but
+/// Docker's context walk gives up sooner).
+const MAX_SOURCE_LINKS: usize = 16;
 /// Mode of directories the archive implies but does not hold.
 const IMPLICIT_DIR_MODE: u32 = 0o755;
 
@@ -267,6 +270,37 @@ impl Context {
             });
         }
         self.entries.get(key).cloned()
+    }
+
+    /// What a COPY source that is a symlink stands for: Docker's builders dereference
+    /// the sources themselves (not symlinks inside a copied directory). Follows `key`'s
+    /// links within the context, an absolute target rooted at the context and `..`
+    /// stopping at its root, at most [`MAX_SOURCE_LINKS`] of them; returns the key and
+    /// node reached.
+    pub(crate) fn follow(&self, key: &str, source: &str) -> Result<(String, Node), ContextError> {
+        let mut key = key.to_string();
+        let mut path = path_of(&key);
+        for _ in 0..=MAX_SOURCE_LINKS {
+            let node = self.node(&key).ok_or_else(|| ContextError::BadSymlink {
+                pattern: source.to_string(),
+                reason: format!("it is a symlink to /{path}, which is not in the build context"),
+            })?;
+            let Kind::Symlink(target) = &node.kind else {
+                return Ok((key, node));
+            };
+            let parent = path.rsplit_once('/').map_or("", |(p, _)| p);
+            let joined = if target.starts_with('/') {
+                target.clone()
+            } else {
+                format!("{parent}/{target}")
+            };
+            path = clean_rooted(&joined).join("/");
+            key = name::key(&path);
+        }
+        Err(ContextError::BadSymlink {
+            pattern: source.to_string(),
+            reason: format!("more than {MAX_SOURCE_LINKS} symlinks to follow"),
+        })
     }
 
     fn is_dir(&self, key: &str) -> bool {

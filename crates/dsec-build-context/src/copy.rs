@@ -54,6 +54,8 @@ impl Context {
                 pattern: String::new(),
             });
         }
+        // (source as written, matched key): a key names the copy, what it leads to (a
+        // symlink source is dereferenced) is copied.
         let mut sources = Vec::new();
         for source in &step.sources {
             let keys = self.expand(source)?;
@@ -62,14 +64,13 @@ impl Context {
                     pattern: source.clone(),
                 });
             }
-            sources.extend(keys);
+            sources.extend(keys.into_iter().map(|k| (source, k)));
         }
         let into_dir = dest_hint || dest_is_dir || sources.len() > 1 || dest.is_empty();
         let mut w = Writer::new(out, owner, step.chmod, self.limits.max_path_len);
-        for key in &sources {
-            let Some(node) = self.node(key) else {
-                continue;
-            };
+        for (source, name_key) in &sources {
+            let (key, node) = self.follow(name_key, source)?;
+            let key = &key;
             match node.kind {
                 Kind::Dir => {
                     // The directory's contents go into dest; dest takes its mode.
@@ -88,13 +89,13 @@ impl Context {
                             archive::extract(self, key, format, (offset, size), &dest, &mut w)?
                         }
                         None => {
-                            let target = file_target(&dest, key, into_dir);
+                            let target = file_target(&dest, name_key, into_dir);
                             self.write_node(&target, &node, &mut w)?;
                         }
                     }
                 }
                 Kind::File { .. } | Kind::Symlink(_) => {
-                    let target = file_target(&dest, key, into_dir);
+                    let target = file_target(&dest, name_key, into_dir);
                     self.write_node(&target, &node, &mut w)?;
                 }
             }

@@ -53,6 +53,14 @@ pub enum ContextError {
         /// The source as written in the step.
         pattern: String,
     },
+    /// A COPY/ADD source that is a symlink leading nowhere in the context.
+    #[error("source {pattern:?}: {reason}")]
+    BadSymlink {
+        /// The source as written in the step.
+        pattern: String,
+        /// Where the link leads and why that fails.
+        reason: String,
+    },
     /// A source wildcard that is not a valid pattern.
     #[error("invalid source pattern {pattern:?}: {reason}")]
     BadPattern {

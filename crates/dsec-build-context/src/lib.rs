@@ -16,8 +16,11 @@
 //!   directory takes the source directory's mode); a file goes at the destination, or
 //!   inside it when the destination is a directory: it ends with `/` or `/.`, the
 //!   builder found it is one in the image, or there are several sources;
-//! - symlinks are copied as symlinks, never followed (nor in the source path); hard
-//!   links of the context are regular files;
+//! - a source that is itself a symlink is dereferenced, as Docker's builders do: what it
+//!   leads to is copied under its name (followed within the context: an absolute target
+//!   is rooted there, `..` stops at its root; one leading out is an error); symlinks
+//!   inside a copied directory, or in the middle of a source path, are not followed and
+//!   are copied as symlinks; hard links of the context are regular files;
 //! - `--chmod` applies to every file and directory; owners are the step's; mtimes are the
 //!   archive's;
 //! - ADD extracts a source that is a local tar archive (plain, gzip, zstd; detected by

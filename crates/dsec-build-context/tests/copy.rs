@@ -443,19 +443,52 @@ fn chmod_and_owner() {
     );
 }
 
+/// A source that is a symlink is dereferenced, as Docker's builders do (`COPY link /x`
+/// copies what the link points to, under the link's name); symlinks inside a copied
+/// directory stay symlinks, and so does a symlink in the middle of a source path.
 #[test]
-fn symlinks_are_copied_not_followed() {
+fn source_symlinks_are_followed_inner_ones_copied() {
     let ctx = open(&[
         file("real/f.txt", b"f"),
         symlink("ln", "real"),
         symlink("abs", "/etc/passwd"),
         symlink("real/up", "../ln"),
+        symlink("file-ln", "real/f.txt"),
+        symlink("chain", "file-ln"),
+        symlink("rooted", "/real/f.txt"),
+        symlink("escape", "../../../real/f.txt"),
+        symlink("loop", "loop"),
     ]);
+    // A directory link: the directory's contents, the link's name.
     let (_, out) = copy(&ctx, &step(&["ln"], "/x"));
-    assert_eq!(listing(&out), [("x".into(), 'l')]);
-    assert_eq!(out[0].link, "real");
-    let (_, out) = copy(&ctx, &step(&["abs"], "/d/"));
-    assert_eq!(out[0].link, "/etc/passwd");
+    assert_eq!(
+        listing(&out),
+        [
+            ("x".into(), 'd'),
+            ("x/f.txt".into(), 'f'),
+            ("x/up".into(), 'l')
+        ]
+    );
+    // File links, through a chain, an absolute target (rooted at the context) and `..`
+    // past the root (stops there).
+    for src in ["file-ln", "chain", "rooted", "escape"] {
+        let (_, out) = copy(&ctx, &step(&[src], "/d/"));
+        assert_eq!(listing(&out), [(format!("d/{src}"), 'f')], "{src}");
+        assert_eq!(out[0].data, b"f", "{src}");
+    }
+    // Into a directory by wildcard: each matched link is followed too.
+    let (_, out) = copy(&ctx, &step(&["file-*"], "/w/"));
+    assert_eq!(listing(&out), [("w/file-ln".into(), 'f')]);
+    // Leading out of the context, or in a loop: a clear error naming the source.
+    let e = try_copy(&ctx, &step(&["abs"], "/d/"), false, (0, 0)).expect_err("outside");
+    assert!(
+        matches!(&e, ContextError::BadSymlink { pattern, .. } if pattern == "abs")
+            && e.to_string().contains("/etc/passwd"),
+        "{e}"
+    );
+    let e = try_copy(&ctx, &step(&["loop"], "/d/"), false, (0, 0)).expect_err("loop");
+    assert!(matches!(e, ContextError::BadSymlink { .. }), "{e}");
+    // Inside a copied directory, a link is copied as it is.
     let (outcome, out) = copy(&ctx, &step(&["real"], "/r"));
     assert_eq!(
         listing(&out),
