@@ -125,10 +125,18 @@ fn build_archive(
     };
     let mut builder = tar::Builder::new(sink);
     let fail = |e: io::Error| ApiError::new(crate::error::io_code(&e), format!("tar: {e}"));
+    // The file system the archive stays on (as `tar --one-file-system`).
+    let dev = sys::fstat(dir.as_fd()).map_err(fail)?.st_dev;
     match single {
-        Some(name) => append_entry(&mut builder, dir.as_fd(), name.as_bytes(), name.as_bytes())
-            .map_err(fail)?,
-        None => append_dir_contents(&mut builder, dir.as_fd(), b"").map_err(fail)?,
+        Some(name) => append_entry(
+            &mut builder,
+            dir.as_fd(),
+            name.as_bytes(),
+            name.as_bytes(),
+            dev,
+        )
+        .map_err(fail)?,
+        None => append_dir_contents(&mut builder, dir.as_fd(), b"", dev).map_err(fail)?,
     }
     let mut sink = builder.into_inner().map_err(fail)?;
     sink.flush().map_err(fail)
@@ -145,11 +153,15 @@ fn header_for(st: &libc::stat, kind: tar::EntryType) -> tar::Header {
     h
 }
 
-/// Appends every entry of `dir` (recursively) with names prefixed by `prefix`.
+/// Appends every entry of `dir` (recursively) with names prefixed by `prefix`. A
+/// directory on another file system than `dev` (a mount point: the sandbox's `/proc`,
+/// `/sys`, `/dev`, a tmpfs) is archived empty, as `tar --one-file-system` does, so an
+/// archive of `/` holds the sandbox's files and not the kernel's.
 fn append_dir_contents<W: Write>(
     b: &mut tar::Builder<W>,
     dir: BorrowedFd<'_>,
     prefix: &[u8],
+    dev: libc::dev_t,
 ) -> io::Result<()> {
     let dir_r = sys::openat(dir, c".", libc::O_RDONLY | libc::O_DIRECTORY, 0)?;
     let mut names = sys::read_dir_names(dir_r.as_fd())?;
@@ -157,7 +169,7 @@ fn append_dir_contents<W: Write>(
     for name in names {
         let mut rel = prefix.to_vec();
         rel.extend_from_slice(&name);
-        match append_entry(b, dir_r.as_fd(), &name, &rel) {
+        match append_entry(b, dir_r.as_fd(), &name, &rel, dev) {
             Ok(()) => {}
             // Vanished or unreadable entries are skipped; the sink failing is fatal.
             Err(e) if e.kind() == io::ErrorKind::BrokenPipe => return Err(e),
@@ -172,6 +184,7 @@ fn append_entry<W: Write>(
     dir: BorrowedFd<'_>,
     name: &[u8],
     rel: &[u8],
+    dev: libc::dev_t,
 ) -> io::Result<()> {
     let c = sys::cstr(name)?;
     let st = sys::fstatat(dir, &c, true)?;
@@ -182,16 +195,27 @@ fn append_entry<W: Write>(
             let mut dir_name = rel.to_vec();
             dir_name.push(b'/');
             b.append_data(&mut h, OsStr::from_bytes(&dir_name), io::empty())?;
+            if st.st_dev != dev {
+                return Ok(());
+            }
             let sub = open_beneath(dir, name, libc::O_RDONLY | libc::O_DIRECTORY)?;
-            append_dir_contents(b, sub.as_fd(), &dir_name)
+            append_dir_contents(b, sub.as_fd(), &dir_name, dev)
         }
         libc::S_IFREG => {
             let file = std::fs::File::from(open_beneath(dir, name, libc::O_RDONLY)?);
             let size = st.st_size as u64;
             let mut h = header_for(&st, tar::EntryType::Regular);
             h.set_size(size);
-            // Exactly `size` bytes even if the file changes while we read it.
-            let data = file.take(size).chain(io::repeat(0)).take(size);
+            // Exactly `size` bytes even if the file changes or fails while we read it:
+            // its header is out, so anything else would break the rest of the archive.
+            let data = ZeroOnError {
+                inner: file,
+                path: rel_path,
+                failed: false,
+            }
+            .take(size)
+            .chain(io::repeat(0))
+            .take(size);
             b.append_data(&mut h, rel_path, data)
         }
         libc::S_IFLNK => {
@@ -200,6 +224,33 @@ fn append_entry<W: Write>(
             b.append_link(&mut h, rel_path, OsStr::from_bytes(&target))
         }
         _ => Ok(()), // fifos, sockets, devices are not archived
+    }
+}
+
+/// A file being archived: a read error ends its data (logged), so the archive's entry
+/// is padded with zeros to the size its header announced instead of being cut short.
+struct ZeroOnError<'a> {
+    inner: std::fs::File,
+    path: &'a std::path::Path,
+    failed: bool,
+}
+
+impl Read for ZeroOnError<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.failed {
+            return Ok(0);
+        }
+        loop {
+            match self.inner.read(buf) {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::warn!(entry = %self.path.display(), %e, "tar: read failed; rest of the file archived as zeros");
+                    self.failed = true;
+                    return Ok(0);
+                }
+                Ok(n) => return Ok(n),
+            }
+        }
     }
 }
 
