@@ -20,11 +20,11 @@ enum Tok {
 
 /// A compiled pattern for one path component.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Pattern(Vec<Tok>);
+pub struct Pattern(Vec<Tok>);
 
 /// Whether a component has unescaped wildcard characters (`*`, `?`, `[`). One without
 /// is looked up as a literal name, backslashes included, as Docker does.
-pub(crate) fn has_wildcards(component: &str) -> bool {
+pub fn has_wildcards(component: &str) -> bool {
     let mut chars = component.chars();
     while let Some(c) = chars.next() {
         match c {
@@ -40,7 +40,7 @@ pub(crate) fn has_wildcards(component: &str) -> bool {
 
 impl Pattern {
     /// Compiles one component's pattern; the error says what is malformed.
-    pub(crate) fn compile(pattern: &str) -> Result<Pattern, &'static str> {
+    pub fn compile(pattern: &str) -> Result<Pattern, &'static str> {
         let cs: Vec<char> = pattern.chars().collect();
         let mut out = Vec::new();
         let mut i = 0;
@@ -67,7 +67,7 @@ impl Pattern {
     }
 
     /// Whether the pattern matches all of `name` (one component: no `/`).
-    pub(crate) fn matches(&self, name: &str) -> bool {
+    pub fn matches(&self, name: &str) -> bool {
         let s: Vec<char> = name.chars().collect();
         let t = &self.0;
         // Greedy matching with one backtrack point: every token but `*` consumes exactly

@@ -41,6 +41,7 @@ mod name;
 pub use archive::{MAX_EXPANSION_RATIO, MIN_EXPANSION_LIMIT};
 pub use context::Context;
 pub use error::ContextError;
+pub use glob::{has_wildcards, Pattern};
 
 /// Bounds on what an archive may make the server do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

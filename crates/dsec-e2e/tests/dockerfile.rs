@@ -3,7 +3,8 @@
 //! `.dockerignore`, `--chown`, `--chmod`), `COPY --from` a stage, `ADD` of a local
 //! tarball; the image runs with what the Dockerfile said; a rebuild takes every layer
 //! from the cache and a changed context file reruns only what depends on it; a failing
-//! `RUN` and an unsupported instruction are errors naming their line and leave nothing.
+//! `RUN` and an unsupported instruction are errors naming their line and leave nothing;
+//! `FROM scratch`, wildcards in `COPY --from` and symlinked context sources.
 
 use std::path::Path;
 
@@ -280,4 +281,64 @@ async fn failing_and_unsupported_dockerfiles_name_their_line_and_leave_nothing()
     assert!(stderr.contains("Dockerfile line 2"), "{stderr}");
     assert!(stderr.contains("missing.txt"), "{stderr}");
     assert_eq!(build_sandboxes_left(&c, "e2e/df-missing").await, 0);
+}
+
+/// `FROM scratch` with `COPY --from` by wildcard, and a context source that is a symlink
+/// (dereferenced, as Docker does). The scratch image runs nothing of its own, so the
+/// result is checked from a sandbox of the base image that copies it in (`COPY --from`
+/// of `/`: the source sandbox's `/proc` and `/sys` come along as empty directories).
+#[tokio::test(flavor = "multi_thread")]
+async fn scratch_stages_wildcard_copy_from_and_symlink_sources() {
+    if !require_root() {
+        return;
+    }
+    let c = server().client();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ctx = dir.path();
+    write(ctx, "conf/real-1.2.conf", "setting=1\n");
+    std::os::unix::fs::symlink("real-1.2.conf", ctx.join("conf/current.conf")).expect("symlink");
+    write(
+        ctx,
+        "Dockerfile",
+        "FROM base AS libs\n\
+         RUN mkdir -p /out/lib && for n in a b c; do echo $n > /out/lib/lib$n.so; done \
+         && echo x > /out/lib/notes.txt\n\
+         FROM scratch AS tiny\n\
+         COPY --from=libs /out/lib/*.so /lib/\n\
+         COPY --from=libs /out/*/liba.so /single.so\n\
+         COPY conf/current.conf /etc/app.conf\n\
+         WORKDIR /work\n\
+         FROM base\n\
+         COPY --from=tiny / /tiny/\n",
+    );
+    let ctx_s = ctx.to_str().expect("utf-8");
+    let (code, stdout, stderr) = dsec(&["image", "build", ctx_s, "e2e/df-scratch", "--no-cache"]);
+    assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+    let sb = sandbox_of(&c, "e2e/df-scratch").await;
+    assert_eq!(
+        out(&c, &sb.id, "cd /tiny && ls lib && cat single.so etc/app.conf && test -d work && test ! -e bin && test ! -L etc/app.conf && [ -z \"$(ls -A proc)\" ] && [ -z \"$(ls -A sys)\" ] && echo ok").await,
+        "liba.so\nlibb.so\nlibc.so\na\nsetting=1\nok\n"
+    );
+    c.delete_sandbox(&sb.id).await.expect("delete");
+
+    // RUN in a scratch stage has no shell: a clear error naming the line.
+    write(ctx, "Dockerfile", "FROM scratch\nRUN true\n");
+    let (code, _, stderr) = dsec(&["image", "build", ctx_s, "e2e/df-scratch-run"]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("Dockerfile line 2"), "{stderr}");
+    // A wildcard that matches nothing.
+    write(
+        ctx,
+        "Dockerfile",
+        "FROM base AS a\nFROM base\nCOPY --from=a /etc/*.nothing /x/\n",
+    );
+    let (code, _, stderr) = dsec(&["image", "build", ctx_s, "e2e/df-nomatch"]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("Dockerfile line 3") && stderr.contains("matches nothing"),
+        "{stderr}"
+    );
+    for name in ["e2e/df-scratch", "e2e/df-scratch-run", "e2e/df-nomatch"] {
+        assert_eq!(build_sandboxes_left(&c, name).await, 0, "{name}");
+    }
 }

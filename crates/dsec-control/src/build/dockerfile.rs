@@ -3,7 +3,8 @@
 //! The front end (`dsec-dockerfile`) turns the Dockerfile into a plan: stages, each a
 //! base and ordered steps. Here each stage runs in a build sandbox of its own tenant:
 //! `RUN` is an exec (argv, env, workdir and user of the step), `COPY`/`ADD` a tar
-//! (`dsec-build-context`) uploaded at `/`, `WORKDIR` a mkdir. Every step is committed
+//! (`dsec-build-context`) uploaded at `/`, `WORKDIR` a mkdir; `FROM scratch` stands on
+//! an empty image made on first use. Every step is committed
 //! as one layer and cached under a name derived from (parent image digest, the step's
 //! cache key, and what it copies: the content digest of context files, the digest of a
 //! source stage or image), so a rebuild redoes only what changed. The result is tagged
@@ -17,9 +18,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Seek, SeekFrom};
 use std::sync::Arc;
 
-use dsec_build_context::{Context, Limits};
+use dsec_build_context::{has_wildcards, Context, Limits, Pattern};
 use dsec_dockerfile::{Base, CopyFrom, CopyStep, PlanOptions, PlannedStage, Step, StepKind};
-use dsec_node_api::NodeApi;
+use dsec_node_api::{ImportSource, NodeApi};
 use dsec_wire::agent::FileKind;
 use dsec_wire::v1::*;
 use dsec_wire::{ApiError, ErrorCode};
@@ -39,6 +40,9 @@ const STEP_TIMEOUT_S: f64 = 1800.0;
 const OUTPUT_TAIL: usize = 2000;
 /// Symlinks followed when resolving a `COPY --from` source.
 const MAX_SYMLINKS: usize = 16;
+/// The empty image a `FROM scratch` stage stands on (made on first use, a build-cache
+/// ref like the steps').
+const SCRATCH_IMAGE: &str = "build-cache/scratch";
 
 /// What a finished build made.
 #[derive(Debug)]
@@ -164,13 +168,7 @@ impl Builder<'_> {
         let (mut number, mut cached) = (0usize, 0usize);
         for stage in &plan.stages {
             let base = match &stage.base {
-                Base::Image(r) if r == "scratch" => {
-                    return Err(bad(format!(
-                        "Dockerfile line {}: FROM scratch is not supported yet (a build \
-                         sandbox needs a base image with files)",
-                        stage.line
-                    )))
-                }
+                Base::Image(r) if r == "scratch" => self.scratch().await?,
                 Base::Image(r) => bases
                     .get(r)
                     .cloned()
@@ -247,6 +245,31 @@ impl Builder<'_> {
             },
             img.config,
         ))
+    }
+
+    /// The empty image of `FROM scratch`: one layer holding only `/` (0755, root). Its
+    /// build sandboxes have no shell, so `RUN` fails there as with Docker; COPY, ADD and
+    /// WORKDIR work (the agent does them), and the sandbox's mount points (`/dev`,
+    /// `/proc`, `/sys`, `/tmp`) end up in the image as empty directories.
+    async fn scratch(&self) -> ApiResult<Layered> {
+        if let Ok(img) = self.node.image(SCRATCH_IMAGE).await {
+            return Ok(Layered {
+                name: SCRATCH_IMAGE.into(),
+                digest: img.digest,
+            });
+        }
+        let tar = empty_root_tar()
+            .map_err(|e| ApiError::new(ErrorCode::Internal, format!("scratch image: {e}")))?;
+        let body: ByteStream =
+            futures::stream::once(async move { Ok(bytes::Bytes::from(tar)) }).boxed();
+        let img = self
+            .node
+            .import_image(SCRATCH_IMAGE, ImportSource::Archive(body), false, None)
+            .await?;
+        Ok(Layered {
+            name: SCRATCH_IMAGE.into(),
+            digest: img.digest,
+        })
     }
 
     async fn delete(&mut self, id: &str) {
@@ -391,7 +414,11 @@ impl Builder<'_> {
             output_limit: None,
             user: r.user.clone(),
         };
-        let mut events = self.api.exec_stream(self.caller, id, req).await?;
+        let mut events = self
+            .api
+            .exec_stream(self.caller, id, req)
+            .await
+            .map_err(|e| at(step, e.code, format!("RUN could not start: {}", e.message)))?;
         let mut tail = String::new();
         let keep = |tail: &mut String, data: &str| {
             tail.push_str(data);
@@ -437,7 +464,13 @@ impl Builder<'_> {
                         format!("RUN failed: {how}; output ends:\n{tail}"),
                     ));
                 }
-                ExecEvent::Error { error } => return Err(error),
+                ExecEvent::Error { error } => {
+                    return Err(at(
+                        step,
+                        error.code,
+                        format!("RUN failed: {}", error.message),
+                    ))
+                }
                 _ => {}
             }
         }
@@ -565,17 +598,15 @@ impl Builder<'_> {
         c: &CopyStep,
         from: &str,
     ) -> ApiResult<()> {
-        let many = c.sources.len() > 1;
-        let dest_is_dir = many || (needs_dest_kind(c) && self.is_dir(id, &c.dest).await);
+        let mut matched = Vec::new();
         for src in &c.sources {
-            if src.contains(['*', '?', '[']) {
-                return Err(at(
-                    step,
-                    ErrorCode::BadRequest,
-                    format!("wildcards in COPY --from sources are not supported yet ({src})"),
-                ));
-            }
-            let (path, info) = self.resolve_source(from, step, src).await?;
+            matched.extend(self.expand_source(from, step, src).await?);
+        }
+        let many = matched.len() > 1;
+        let dest_is_dir = many
+            || (c.sources.len() == 1 && !c.dest.ends_with('/') && self.is_dir(id, &c.dest).await);
+        for path in matched {
+            let (path, info) = self.resolve_source(from, step, &path).await?;
             let stream = self
                 .api
                 .download_tar(self.caller, from, &path)
@@ -608,6 +639,63 @@ impl Builder<'_> {
             self.put(id, step, c, p).await?;
         }
         Ok(())
+    }
+
+    /// The absolute paths a `COPY --from` source names in sandbox `from`: the source
+    /// itself, or, with wildcards in it (Go's `filepath.Match` per component, as Docker
+    /// matches), every existing match in name order. No match is an error.
+    async fn expand_source(&self, from: &str, step: &Step, src: &str) -> ApiResult<Vec<String>> {
+        let clean = normalize_abs(src);
+        let comps: Vec<&str> = clean.split('/').filter(|c| !c.is_empty()).collect();
+        if !comps.iter().any(|c| has_wildcards(c)) {
+            return Ok(vec![clean]);
+        }
+        let mut current = vec![String::new()];
+        for comp in comps {
+            let mut next = Vec::new();
+            if has_wildcards(comp) {
+                let pattern = Pattern::compile(comp).map_err(|reason| {
+                    at(
+                        step,
+                        ErrorCode::BadRequest,
+                        format!("invalid source pattern {src:?}: {reason}"),
+                    )
+                })?;
+                for dir in &current {
+                    let list_at = if dir.is_empty() { "/" } else { dir.as_str() };
+                    // Not a directory (or gone): nothing under it matches.
+                    let Ok(list) = self.api.list_files(self.caller, from, list_at).await else {
+                        continue;
+                    };
+                    next.extend(
+                        list.entries
+                            .iter()
+                            .filter(|e| pattern.matches(&e.name))
+                            .map(|e| format!("{dir}/{}", e.name)),
+                    );
+                }
+            } else {
+                for dir in &current {
+                    let path = format!("{dir}/{comp}");
+                    if self.api.stat_file(self.caller, from, &path).await.is_ok() {
+                        next.push(path);
+                    }
+                }
+            }
+            current = next;
+            if current.is_empty() {
+                break;
+            }
+        }
+        if current.is_empty() {
+            return Err(at(
+                step,
+                ErrorCode::BadRequest,
+                format!("no source files were specified: {src:?} matches nothing"),
+            ));
+        }
+        current.sort();
+        Ok(current)
     }
 
     /// The path `src` names in sandbox `from`, symlinks followed, and its metadata.
@@ -688,6 +776,26 @@ fn copy_to_temp(ctx: &Context, c: &CopyStep, dest_is_dir: bool) -> Result<Prepar
         digest: out.digest,
         paths: out.paths,
     })
+}
+
+/// A tar of one entry, the root directory (0755, root:root, mtime 0): the content of the
+/// scratch image.
+fn empty_root_tar() -> std::io::Result<Vec<u8>> {
+    let mut h = tar::Header::new_ustar();
+    h.set_entry_type(tar::EntryType::Directory);
+    h.set_mode(0o755);
+    h.set_mtime(0);
+    h.set_size(0);
+    h.set_uid(0);
+    h.set_gid(0);
+    // `./`: set_path refuses a name that cleans to nothing.
+    if let Some(u) = h.as_ustar_mut() {
+        u.name[..2].copy_from_slice(b"./");
+    }
+    h.set_cksum();
+    let mut b = tar::Builder::new(Vec::new());
+    b.append(&h, std::io::empty())?;
+    b.into_inner()
 }
 
 /// Writes a tar stream into an unnamed temp file.
