@@ -53,6 +53,36 @@ def test_lifecycle_list_timeout_connect_kill(e2b_env) -> None:
     assert sb.sandbox_id not in [s.sandbox_id for s in Sandbox.list().next_items()]
 
 
+def test_network_allowlist_at_create_and_update_network(e2b_env, client) -> None:
+    """E2B egress rules map onto dsec's network modes: deny-all plus allowOut is an
+    allowlist, no denyOut is open; update_network replaces them; what dsec cannot
+    express (a partial deny list) is a clear error."""
+    sb = Sandbox.create(
+        template="base",
+        timeout=120,
+        network={"allow_out": ["pypi.org", "10.0.0.0/8"], "deny_out": ["0.0.0.0/0"]},
+    )
+    try:
+        info = client.get_sandbox(sb.sandbox_id)
+        assert info.network.mode == "allowlist"
+        assert info.network.allow == ["pypi.org", "10.0.0.0/8"]
+        sb.update_network({"allow_out": ["example.com"], "deny_out": ["0.0.0.0/0"]})
+        assert client.get_sandbox(sb.sandbox_id).network.allow == ["example.com"]
+        sb.update_network({})
+        assert client.get_sandbox(sb.sandbox_id).network.mode == "open"
+        with pytest.raises(Exception, match="cannot deny some destinations"):
+            sb.update_network({"deny_out": ["8.8.8.8/32"]})
+    finally:
+        sb.kill()
+    with pytest.raises(Exception, match="cannot deny some destinations"):
+        Sandbox.create(template="base", timeout=60, network={"deny_out": ["1.1.1.1"]})
+    closed = Sandbox.create(template="base", timeout=60, allow_internet_access=False)
+    try:
+        assert client.get_sandbox(closed.sandbox_id).network.mode == "none"
+    finally:
+        closed.kill()
+
+
 def test_commands_foreground(sbx: Sandbox) -> None:
     r = sbx.commands.run("echo $GLOBAL $LOCAL; whoami; pwd", envs={"LOCAL": "l"})
     assert (r.stdout, r.stderr, r.exit_code) == ("g l\nuser\n/home/user\n", "", 0)

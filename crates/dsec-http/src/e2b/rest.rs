@@ -31,6 +31,10 @@ pub(super) fn routes() -> Router<Arc<dyn SandboxApi>> {
         .route("/v2/sandboxes", post(create).get(list))
         .route("/sandboxes/{id}", get(detail).delete(kill))
         .route("/sandboxes/{id}/timeout", post(set_timeout))
+        .route(
+            "/sandboxes/{id}/network",
+            axum::routing::put(update_network),
+        )
         .route("/sandboxes/{id}/refreshes", post(refresh))
         .route("/sandboxes/{id}/connect", post(connect))
         .route("/v2/sandboxes/{id}/connect", post(connect))
@@ -148,6 +152,83 @@ struct NewSandbox {
     auto_resume: Option<Value>,
     #[serde(default, rename = "allow_internet_access")]
     allow_internet_access: Option<bool>,
+    #[serde(default)]
+    network: Option<EgressRules>,
+}
+
+/// E2B's egress rules: the `network` of a create, and the body of
+/// `PUT /sandboxes/{id}/network` (which replaces them: what it omits is cleared). Its
+/// ingress and DNS settings (`allowPublicTraffic`, `maskRequestHost`, `httpsPorts`,
+/// `dnsServers`) have no dsec counterpart and are ignored.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct EgressRules {
+    #[serde(default)]
+    allow_out: Option<Vec<String>>,
+    #[serde(default)]
+    deny_out: Option<Vec<String>>,
+    #[serde(default)]
+    rules: Option<Value>,
+    #[serde(default)]
+    egress_proxy: Option<Value>,
+}
+
+/// What denies every destination in E2B's `denyOut`.
+const DENY_ALL: &[&str] = &["0.0.0.0/0", "::/0"];
+
+/// The dsec network of E2B egress settings. E2B allows everything unless `denyOut`
+/// says otherwise, and `allowOut` wins over `denyOut`; `allow_internet_access: false`
+/// denies everything. dsec has allow lists, not deny lists: `denyOut` must be empty
+/// (open) or deny everything (an allow list of `allowOut`, empty: no egress at all);
+/// no internet and no allowed destinations is mode `none`.
+fn egress_policy(
+    allow_internet: bool,
+    rules: Option<&EgressRules>,
+) -> Result<NetworkPolicy, ApiError> {
+    let empty = EgressRules::default();
+    let r = rules.unwrap_or(&empty);
+    let set = |v: &Option<Value>| {
+        v.as_ref()
+            .is_some_and(|v| !v.is_null() && *v != Value::Object(Default::default()))
+    };
+    if set(&r.rules) || set(&r.egress_proxy) {
+        return Err(ApiError::new(
+            ErrorCode::BadRequest,
+            "network: per-domain transform rules and egress proxies are not supported by dsec",
+        ));
+    }
+    let allow = r.allow_out.clone().unwrap_or_default();
+    let deny = r.deny_out.clone().unwrap_or_default();
+    let deny_all = deny.iter().any(|d| DENY_ALL.contains(&d.trim()));
+    if !deny.is_empty() && !deny_all {
+        return Err(ApiError::new(
+            ErrorCode::BadRequest,
+            format!(
+                "network: dsec cannot deny some destinations and allow the rest (denyOut \
+                 {deny:?}); deny all (\"0.0.0.0/0\") and list what is allowed in allowOut"
+            ),
+        ));
+    }
+    let (mode, allow) = match (allow_internet && !deny_all, allow.is_empty()) {
+        (true, _) => (NetworkMode::Open, Vec::new()),
+        (false, true) if !allow_internet => (NetworkMode::None, Vec::new()),
+        (false, _) => (NetworkMode::Allowlist, allow),
+    };
+    Ok(NetworkPolicy { mode, allow })
+}
+
+/// `PUT /sandboxes/{id}/network`: replaces the sandbox's egress rules. A sandbox made
+/// without network (`allow_internet_access: false` and nothing allowed) keeps none:
+/// dsec does not add a network to a running sandbox.
+async fn update_network(api: Api, Path(id): Path<String>, Json(b): Json<EgressRules>) -> Response {
+    answer(
+        async {
+            let policy = egress_policy(true, Some(&b))?;
+            api.set_network(&id, policy).await?;
+            Ok(StatusCode::NO_CONTENT.into_response())
+        }
+        .await,
+    )
 }
 
 /// The commands that give an image E2B's `user` (uid 1000, home /home/user) when it has
@@ -193,14 +274,10 @@ async fn create(api: Api, headers: HeaderMap, Json(req): Json<NewSandbox>) -> Re
                             .unwrap_or_else(|| format!("/home/{DEFAULT_USER}")),
                     ),
                     auto_resume: req.auto_resume.is_some_and(|v| v != Value::Bool(false)),
-                    network: NetworkPolicy {
-                        mode: if req.allow_internet_access == Some(true) {
-                            NetworkMode::Open
-                        } else {
-                            NetworkMode::None
-                        },
-                        allow: Vec::new(),
-                    },
+                    network: egress_policy(
+                        req.allow_internet_access == Some(true),
+                        req.network.as_ref(),
+                    )?,
                     ..Default::default()
                 })
                 .await?;
