@@ -88,6 +88,15 @@ pub mod fuzzing {
     pub fn unpack_oci(source: &Path, dest: &Path) -> Result<()> {
         crate::oci::unpack_flat(source, dest)
     }
+
+    /// Packs the uncompressed layer tar `data` into the new EROFS image `out`, as a
+    /// pull does; returns the image's size.
+    pub fn pack_layer(data: &[u8], out: &Path) -> Result<u64> {
+        let mut w = crate::tar_erofs::TarErofs::create(out, Path::new("layer.tar"))?;
+        let mut r: &[u8] = data;
+        w.add_tar(&mut r)?;
+        w.finish()
+    }
 }
 
 /// Default store root on a node.
