@@ -2,16 +2,46 @@
 //! (the control plane, placement, retries) without root, namespaces or an agent.
 //!
 //! Sandboxes cost nothing: each is an entry with a small in-memory file system. Commands
-//! understand a handful of words (`echo`, `cat FILE`, `exit N`, `true`, `false`, and
+//! understand a handful of words (`echo`, `cat [FILE]`, `exit N`, `true`, `false`, and
 //! `sleep SECS` in `exec`); anything else exits 127. Tests steer it: a capacity limit,
 //! a failure injected into the next create, a node that is down, slow pings, agents
 //! frozen while paused, and counters of what was called.
+//!
+//! Files: a sandbox's root is a tree of regular files (bytes), symlinks (a target as
+//! written) and directories; every parent of a path written is a directory, as `mkdir
+//! -p` would make it, and `/` always is. Modes, owners, mtimes and hard links are not
+//! kept (an upload holding a hard link is refused, so a test never passes on a link
+//! silently lost). Paths are taken lexically (`.`, `..`, doubled slashes resolved) and a
+//! symlink on the way is never followed (a path below one is refused). Stat (lstat:
+//! a symlink is reported with its target), list, mkdir (`-p`), remove, rename, read and
+//! write act on it; a tar upload extracts the files, symlinks and directories of the
+//! archive below its destination, all or nothing, refusing absolute names and `..` as
+//! the agent does; a tar download archives a directory's contents (names relative to
+//! it, directories with a trailing `/`) or one file or symlink under its name.
+//!
+//! Images carry files: each is a snapshot of a whole root. A sandbox starts with its
+//! image's files, each of its `layers`' snapshots laid over them in order (a deletion in
+//! an upper snapshot is not modeled); a commit stores the sandbox's files with the new
+//! image, a tag copies them, an archive import extracts its tar (a node path imports an
+//! image without files). Images added with [`FakeNode::add_image`] are empty;
+//! [`FakeNode::add_image_with_files`] gives one files. Digests are stable hashes of the
+//! name (of sandbox and name for a commit), never of content: two commits of the same
+//! files differ, as two packdiff commits do.
+//!
+//! Commands do not read the image's binaries: the words above work in every sandbox
+//! (even one from an image without `/bin/sh`). A command given as a shell line (a
+//! `Shell` command, or argv `sh`/`bash` ... `-c LINE`) may end with `> FILE` or
+//! `>> FILE`, which writes its stdout to FILE (relative to the working directory; the
+//! parent must be a directory, else the shell's exit 2); no other shell syntax is
+//! understood. `cat FILE` reads the sandbox's files, relative paths from the command's
+//! working directory (`/` by default), following a symlink in the last component.
 //!
 //! Lifetimes follow the local node's rules (see [`crate::lifetime`]) on a clock that
 //! stands still until the test moves it: [`FakeNode::advance`] moves it and ends what
 //! is due, [`FakeNode::reap_now`] ends what is due without moving it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io::Read;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
@@ -36,8 +66,8 @@ use crate::{
 struct FakeSandbox {
     spec: NodeCreateSpec,
     paused: bool,
-    /// Files by absolute path.
-    files: BTreeMap<String, Vec<u8>>,
+    /// Its root file system.
+    tree: Tree,
     /// Its lifetime.
     clocks: Clocks,
 }
@@ -48,7 +78,7 @@ impl FakeSandbox {
             clocks: Clocks::new(spec.lifetime, now),
             spec,
             paused: false,
-            files: BTreeMap::new(),
+            tree: Tree::default(),
         }
     }
 
@@ -76,6 +106,8 @@ struct State {
     /// The node's clock (ms); moves only with [`FakeNode::advance`].
     now_ms: u64,
     images: BTreeMap<String, Image>,
+    /// The files of each image, by image name (an image without an entry has none).
+    image_trees: HashMap<String, Tree>,
     /// An error the next create answers with.
     fail_next_create: Option<ApiError>,
     /// Every call fails with `agent_unavailable` (the node is unreachable).
@@ -104,6 +136,14 @@ pub struct FakeCounters {
     pub destroys: AtomicU64,
     /// Commands run (exec and exec_stream).
     pub execs: AtomicU64,
+    /// Commits (images made of a sandbox).
+    pub commits: AtomicU64,
+    /// Image imports.
+    pub imports: AtomicU64,
+    /// Tar uploads into a sandbox (counted as they arrive).
+    pub tar_uploads: AtomicU64,
+    /// Tar downloads from a sandbox (counted as they arrive).
+    pub tar_downloads: AtomicU64,
 }
 
 /// An in-memory node.
@@ -131,8 +171,48 @@ impl FakeNode {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Adds an image of one layer named `name`.
+    /// Adds an image of one layer named `name`, without files.
     pub fn add_image(&self, name: &str) -> Image {
+        self.add_image_tree(name, Tree::default())
+    }
+
+    /// Adds an image of one layer named `name` holding `files` (absolute path, content;
+    /// their parents are directories).
+    ///
+    /// # Panics
+    /// If a path is relative, or names a directory another path needs (a test's mistake).
+    pub fn add_image_with_files(&self, name: &str, files: &[(&str, &[u8])]) -> Image {
+        let mut tree = Tree::default();
+        for (path, data) in files {
+            assert!(path.starts_with('/'), "{path}: not an absolute path");
+            if let Err(e) = tree.put_file(&resolve("/", path), data.to_vec()) {
+                panic!("image {name}: {}", e.message);
+            }
+        }
+        self.add_image_tree(name, tree)
+    }
+
+    /// The regular files of image `name` (absolute path, content), if it exists.
+    pub fn image_files(&self, name: &str) -> Option<BTreeMap<String, Vec<u8>>> {
+        let st = self.state();
+        st.images.get(name)?;
+        Some(
+            st.image_trees
+                .get(name)
+                .map(|t| t.files.clone())
+                .unwrap_or_default(),
+        )
+    }
+
+    /// The regular files of sandbox `id` (absolute path, content), if it runs.
+    pub fn sandbox_files(&self, id: &str) -> Option<BTreeMap<String, Vec<u8>>> {
+        self.state()
+            .sandboxes
+            .get(id)
+            .map(|sb| sb.tree.files.clone())
+    }
+
+    fn add_image_tree(&self, name: &str, tree: Tree) -> Image {
         let image = Image {
             name: name.to_string(),
             digest: fake_digest(name),
@@ -142,7 +222,9 @@ impl FakeNode {
             layers: vec![fake_digest(name)],
             config: ImageConfig::default(),
         };
-        self.state().images.insert(name.to_string(), image.clone());
+        let mut st = self.state();
+        st.images.insert(name.to_string(), image.clone());
+        st.image_trees.insert(name.to_string(), tree);
         image
     }
 
@@ -293,17 +375,460 @@ impl FakeNode {
 
     fn run(&self, id: &str, spec: &ExecSpec, stdin: Option<Bytes>) -> NodeResult<ExecResult> {
         self.counters.execs.fetch_add(1, Ordering::Relaxed);
-        self.with_sandbox(id, |sb| Ok(run_command(sb, &spec.cmd, stdin)))
+        let cwd = spec.cwd.as_deref().unwrap_or("/");
+        self.with_sandbox(id, |sb| Ok(run_command(sb, &spec.cmd, cwd, stdin)))
     }
 }
 
 fn fake_digest(name: &str) -> String {
-    // Not a hash anyone verifies: a stable, valid-looking digest per name.
+    // Not a hash anyone verifies: a stable, valid-looking digest per name (FNV-1a, four
+    // times with a different start), so that long names sharing a prefix differ.
     let mut hex = String::new();
-    for b in name.bytes().cycle().take(32) {
-        hex.push_str(&format!("{b:02x}"));
+    for round in 0u64..4 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ round.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        for b in name.bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        hex.push_str(&format!("{h:016x}"));
     }
     format!("sha256:{hex}")
+}
+
+/// A file system in memory: regular files by absolute path, symlinks (their target, as
+/// written) and directories. Every parent of an entry held is a directory held (`/` is
+/// implied). Paths are taken as written: a symlink on the way is never followed (an
+/// entry below one is refused, as the agent's uploads refuse it).
+#[derive(Debug, Clone, Default)]
+struct Tree {
+    files: BTreeMap<String, Vec<u8>>,
+    links: BTreeMap<String, String>,
+    dirs: BTreeSet<String>,
+}
+
+/// The directories above absolute path `p`, outermost first, without `/` and `p`.
+fn ancestors(p: &str) -> impl Iterator<Item = &str> {
+    p.match_indices('/').skip(1).map(move |(i, _)| &p[..i])
+}
+
+/// `dir/name` of an absolute directory.
+fn join(dir: &str, name: &str) -> String {
+    if dir == "/" {
+        format!("/{name}")
+    } else {
+        format!("{dir}/{name}")
+    }
+}
+
+/// The directory holding absolute path `p`.
+fn parent(p: &str) -> &str {
+    match p.rsplit_once('/') {
+        Some(("", _)) | None => "/",
+        Some((dir, _)) => dir,
+    }
+}
+
+/// Path `p` from directory `cwd`, `.`, `..` and doubled slashes resolved lexically.
+fn resolve(cwd: &str, p: &str) -> String {
+    let joined = if p.starts_with('/') {
+        p.to_string()
+    } else {
+        format!("{cwd}/{p}")
+    };
+    let mut out: Vec<&str> = Vec::new();
+    for c in joined.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => {
+                out.pop();
+            }
+            c => out.push(c),
+        }
+    }
+    format!("/{}", out.join("/"))
+}
+
+fn no_such(path: &str) -> ApiError {
+    ApiError::new(
+        ErrorCode::NotFound,
+        format!("{path}: no such file or directory"),
+    )
+}
+
+impl Tree {
+    fn is_dir(&self, p: &str) -> bool {
+        p == "/" || self.dirs.contains(p)
+    }
+
+    fn kind(&self, p: &str) -> Option<FileKind> {
+        if self.files.contains_key(p) {
+            Some(FileKind::File)
+        } else if self.links.contains_key(p) {
+            Some(FileKind::Symlink)
+        } else if self.is_dir(p) {
+            Some(FileKind::Dir)
+        } else {
+            None
+        }
+    }
+
+    /// What stat (lstat: a symlink is reported, not followed) says of `p`.
+    fn info(&self, p: &str) -> NodeResult<FileInfo> {
+        if let Some(data) = self.files.get(p) {
+            return Ok(file_info(p, data.len() as u64, FileKind::File));
+        }
+        if let Some(target) = self.links.get(p) {
+            let mut info = file_info(p, target.len() as u64, FileKind::Symlink);
+            info.symlink_target = Some(target.clone());
+            return Ok(info);
+        }
+        if self.is_dir(p) {
+            return Ok(file_info(p, 0, FileKind::Dir));
+        }
+        Err(no_such(p))
+    }
+
+    /// `p`, or where the symlink at `p` leads (a chain of at most 16, in the last
+    /// component only): what a command reading `p` opens.
+    fn follow(&self, p: &str) -> String {
+        let mut at = p.to_string();
+        for _ in 0..16 {
+            match self.links.get(&at) {
+                Some(target) => at = resolve(parent(&at), target),
+                None => break,
+            }
+        }
+        at
+    }
+
+    /// Paths strictly below directory `dir`: files, symlinks, then directories.
+    fn below<'a>(&'a self, dir: &str) -> impl Iterator<Item = &'a String> {
+        let prefix = join(dir, "");
+        let under = move |k: &&String| k.starts_with(&prefix);
+        let start = join(dir, "");
+        let files = self.files.range(start.clone()..).map(|(k, _)| k);
+        let links = self.links.range(start.clone()..).map(|(k, _)| k);
+        let dirs = self.dirs.range(start..);
+        files
+            .take_while(under.clone())
+            .chain(links.take_while(under.clone()))
+            .chain(dirs.take_while(under))
+    }
+
+    /// The entries directly in directory `dir`, by name.
+    fn children(&self, dir: &str) -> BTreeMap<String, FileKind> {
+        let skip = join(dir, "").len();
+        self.below(dir)
+            .filter(|k| !k[skip..].contains('/'))
+            .map(|k| {
+                let kind = self.kind(k).unwrap_or(FileKind::Dir);
+                (k[skip..].to_string(), kind)
+            })
+            .collect()
+    }
+
+    /// Fails unless every parent of `p` is a directory or missing (then it is made).
+    fn parents_fit(&self, p: &str) -> NodeResult<()> {
+        for a in ancestors(p) {
+            if self.files.contains_key(a) {
+                return Err(ApiError::new(
+                    ErrorCode::BadRequest,
+                    format!("{p}: {a} is not a directory"),
+                ));
+            }
+            if self.links.contains_key(a) {
+                return Err(ApiError::new(
+                    ErrorCode::InvalidPath,
+                    format!("{p}: {a} is a symlink, which the fake node does not follow"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn add_parents(&mut self, p: &str) {
+        for a in ancestors(p) {
+            self.dirs.insert(a.to_string());
+        }
+    }
+
+    /// `mkdir -p p`.
+    fn mkdir_p(&mut self, p: &str) -> NodeResult<()> {
+        if p == "/" {
+            return Ok(());
+        }
+        self.parents_fit(p)?;
+        if self.files.contains_key(p) || self.links.contains_key(p) {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!("{p} exists and is not a directory"),
+            ));
+        }
+        self.add_parents(p);
+        self.dirs.insert(p.to_string());
+        Ok(())
+    }
+
+    /// Fails if `p` is a directory; else makes its parents and clears its slot.
+    fn make_slot(&mut self, p: &str) -> NodeResult<()> {
+        self.parents_fit(p)?;
+        if self.is_dir(p) {
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                format!("{p} is a directory"),
+            ));
+        }
+        self.add_parents(p);
+        self.files.remove(p);
+        self.links.remove(p);
+        Ok(())
+    }
+
+    /// Writes file `p` (replacing a file or symlink there), making its parents.
+    fn put_file(&mut self, p: &str, data: Vec<u8>) -> NodeResult<()> {
+        self.make_slot(p)?;
+        self.files.insert(p.to_string(), data);
+        Ok(())
+    }
+
+    /// Makes `p` a symlink to `target` (replacing a file or symlink there).
+    fn put_link(&mut self, p: &str, target: &str) -> NodeResult<()> {
+        self.make_slot(p)?;
+        self.links.insert(p.to_string(), target.to_string());
+        Ok(())
+    }
+
+    /// Drops `p` and everything below it, whatever it is.
+    fn clear(&mut self, p: &str) {
+        let prefix = join(p, "");
+        let keep = |k: &String| k != p && !k.starts_with(&prefix);
+        self.files.retain(|k, _| keep(k));
+        self.links.retain(|k, _| keep(k));
+        self.dirs.retain(keep);
+    }
+
+    /// Removes `p` (a directory only if empty, unless `recursive`).
+    fn remove(&mut self, p: &str, recursive: bool) -> NodeResult<()> {
+        if p == "/" {
+            return Err(ApiError::new(
+                ErrorCode::InvalidPath,
+                "refusing to remove /",
+            ));
+        }
+        if self.kind(p).is_none() {
+            return Err(no_such(p));
+        }
+        if !recursive && self.below(p).next().is_some() {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!("{p}: directory not empty"),
+            ));
+        }
+        self.clear(p);
+        Ok(())
+    }
+
+    /// Moves `from` (a file, a symlink, or a directory with what it holds) to `to`, as
+    /// rename(2) does (a directory replaces only an empty one), making `to`'s parents.
+    fn rename(&mut self, from: &str, to: &str) -> NodeResult<()> {
+        let kind = self.kind(from).ok_or_else(|| no_such(from))?;
+        if from == "/" || to == "/" || to.starts_with(&join(from, "")) {
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                format!("cannot move {from} to {to}"),
+            ));
+        }
+        if from == to {
+            return Ok(());
+        }
+        let mut next = self.clone();
+        match kind {
+            FileKind::Dir => {
+                if next.files.contains_key(to) || next.links.contains_key(to) {
+                    return Err(ApiError::new(
+                        ErrorCode::BadRequest,
+                        format!("{to} is not a directory"),
+                    ));
+                }
+                let prefix = join(from, "");
+                let moved = |k: &String| format!("{to}/{}", &k[prefix.len()..]);
+                next.clear(from);
+                if next.is_dir(to) {
+                    next.remove(to, false)?;
+                }
+                next.mkdir_p(to)?;
+                for d in self.dirs.iter().filter(|k| k.starts_with(&prefix)) {
+                    next.dirs.insert(moved(d));
+                }
+                for (f, data) in self.files.iter().filter(|(k, _)| k.starts_with(&prefix)) {
+                    next.files.insert(moved(f), data.clone());
+                }
+                for (l, target) in self.links.iter().filter(|(k, _)| k.starts_with(&prefix)) {
+                    next.links.insert(moved(l), target.clone());
+                }
+            }
+            FileKind::Symlink => {
+                let target = next.links.remove(from).unwrap_or_default();
+                next.put_link(to, &target)?;
+            }
+            _ => {
+                let data = next.files.remove(from).unwrap_or_default();
+                next.put_file(to, data)?;
+            }
+        }
+        *self = next;
+        Ok(())
+    }
+
+    /// Lays `upper` over this tree: its entries replace what is at their paths.
+    fn overlay(&mut self, upper: &Tree) {
+        for d in &upper.dirs {
+            self.files.remove(d);
+            self.links.remove(d);
+            self.dirs.insert(d.clone());
+        }
+        for (p, data) in &upper.files {
+            self.clear(p);
+            self.files.insert(p.clone(), data.clone());
+        }
+        for (p, target) in &upper.links {
+            self.clear(p);
+            self.links.insert(p.clone(), target.clone());
+        }
+    }
+
+    /// Extracts tar archive `data` below directory `at` (made if missing): all of it, or
+    /// nothing.
+    fn extract(&mut self, at: &str, data: &[u8]) -> NodeResult<()> {
+        let bad =
+            |e: std::io::Error| ApiError::new(ErrorCode::BadRequest, format!("reading tar: {e}"));
+        let mut next = self.clone();
+        next.mkdir_p(at)?;
+        let mut archive = tar::Archive::new(data);
+        for entry in archive.entries().map_err(bad)? {
+            let mut entry = entry.map_err(bad)?;
+            let raw = String::from_utf8_lossy(&entry.path_bytes()).into_owned();
+            if raw.starts_with('/') {
+                return Err(ApiError::new(
+                    ErrorCode::InvalidPath,
+                    format!("tar entry {raw} has an absolute path"),
+                ));
+            }
+            if raw.split('/').any(|c| c == "..") {
+                return Err(ApiError::new(
+                    ErrorCode::InvalidPath,
+                    format!("tar entry {raw} escapes the destination"),
+                ));
+            }
+            let path = resolve(at, &raw);
+            match entry.header().entry_type() {
+                tar::EntryType::Directory => next.mkdir_p(&path)?,
+                tar::EntryType::Regular | tar::EntryType::Continuous if raw.ends_with('/') => {
+                    next.mkdir_p(&path)?
+                }
+                tar::EntryType::Regular | tar::EntryType::Continuous => {
+                    let mut content = Vec::new();
+                    entry.read_to_end(&mut content).map_err(bad)?;
+                    next.put_file(&path, content)?;
+                }
+                tar::EntryType::Symlink => {
+                    let target = entry
+                        .link_name_bytes()
+                        .map(|t| String::from_utf8_lossy(&t).into_owned())
+                        .ok_or_else(|| {
+                            ApiError::new(
+                                ErrorCode::BadRequest,
+                                format!("tar entry {raw}: symlink without target"),
+                            )
+                        })?;
+                    next.put_link(&path, &target)?;
+                }
+                tar::EntryType::Link => {
+                    return Err(unsupported(&format!("hard links (tar entry {raw})")));
+                }
+                // As the agent: devices, FIFOs and the like are skipped.
+                _ => {}
+            }
+        }
+        *self = next;
+        Ok(())
+    }
+
+    /// A tar archive of `p`: a directory's contents, or one file or symlink under its
+    /// name.
+    fn archive(&self, p: &str) -> NodeResult<Vec<u8>> {
+        let fail = |e: std::io::Error| ApiError::new(ErrorCode::Internal, format!("tar: {e}"));
+        let mut b = tar::Builder::new(Vec::new());
+        match self.kind(p) {
+            None => return Err(no_such(p)),
+            Some(FileKind::Dir) => self.append_contents(&mut b, p, "").map_err(fail)?,
+            Some(_) => {
+                let name = p.rsplit('/').next().unwrap_or_default();
+                self.append_entry(&mut b, p, name).map_err(fail)?;
+            }
+        }
+        b.into_inner().map_err(fail)
+    }
+
+    fn append_contents(
+        &self,
+        b: &mut tar::Builder<Vec<u8>>,
+        dir: &str,
+        prefix: &str,
+    ) -> std::io::Result<()> {
+        for (name, kind) in self.children(dir) {
+            let path = join(dir, &name);
+            let rel = format!("{prefix}{name}");
+            if kind == FileKind::Dir {
+                let rel = format!("{rel}/");
+                append(b, &rel, tar::EntryType::Directory, &[])?;
+                self.append_contents(b, &path, &rel)?;
+            } else {
+                self.append_entry(b, &path, &rel)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Appends the file or symlink at `path` as `name`.
+    fn append_entry(
+        &self,
+        b: &mut tar::Builder<Vec<u8>>,
+        path: &str,
+        name: &str,
+    ) -> std::io::Result<()> {
+        if let Some(target) = self.links.get(path) {
+            let mut h = header(tar::EntryType::Symlink, 0o777, 0);
+            return b.append_link(&mut h, name, target);
+        }
+        let data = self.files.get(path).map(Vec::as_slice).unwrap_or_default();
+        append(b, name, tar::EntryType::Regular, data)
+    }
+}
+
+fn header(kind: tar::EntryType, mode: u32, size: u64) -> tar::Header {
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(kind);
+    h.set_mode(mode);
+    h.set_mtime(0);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_size(size);
+    h
+}
+
+fn append(
+    b: &mut tar::Builder<Vec<u8>>,
+    name: &str,
+    kind: tar::EntryType,
+    data: &[u8],
+) -> std::io::Result<()> {
+    let mode = if kind == tar::EntryType::Directory {
+        0o755
+    } else {
+        0o644
+    };
+    b.append_data(&mut header(kind, mode, data.len() as u64), name, data)
 }
 
 fn not_found(id: &str) -> ApiError {
@@ -338,38 +863,133 @@ fn unsupported(what: &str) -> ApiError {
     )
 }
 
-/// The words of a command.
-fn words(cmd: &Command) -> Vec<String> {
+/// The words of a command, and whether a shell reads them (a `Shell` line, or argv
+/// `sh`/`bash` with `-c LINE`): only then is `> FILE` a redirection.
+fn words(cmd: &Command) -> (Vec<String>, bool) {
+    let split = |line: &str| line.split_whitespace().map(str::to_string).collect();
     match cmd {
-        Command::Argv(argv) => argv.clone(),
-        Command::Shell(line) => line.split_whitespace().map(str::to_string).collect(),
+        Command::Shell(line) => (split(line), true),
+        Command::Argv(argv) => {
+            let shell = argv
+                .first()
+                .map(|a| a.rsplit('/').next().unwrap_or_default())
+                .is_some_and(|a| a == "sh" || a == "bash");
+            // `sh -c LINE`, `bash -l -c LINE`, `bash -lc LINE`.
+            let script = argv
+                .iter()
+                .enumerate()
+                .skip(1)
+                .take_while(|(_, a)| a.starts_with('-'))
+                .find(|(_, a)| a.len() > 1 && a.ends_with('c'))
+                .and_then(|(i, _)| argv.get(i + 1));
+            match script {
+                Some(line) if shell => (split(line), true),
+                _ => (argv.clone(), false),
+            }
+        }
     }
 }
 
-fn run_command(sb: &mut FakeSandbox, cmd: &Command, stdin: Option<Bytes>) -> ExecResult {
-    let words = words(cmd);
+/// Where a shell line's stdout goes: `> FILE` or `>> FILE` at its end (`>FILE` too).
+struct Redirect {
+    path: String,
+    append: bool,
+}
+
+/// Takes a trailing redirection off `words`.
+fn redirect(words: &mut Vec<String>, cwd: &str) -> Option<Redirect> {
+    let last = words.last()?.clone();
+    let (op, target) = match last.strip_prefix(">>").or_else(|| last.strip_prefix('>')) {
+        Some("") | None => {
+            let op = words.get(words.len().checked_sub(2)?)?.clone();
+            if op != ">" && op != ">>" {
+                return None;
+            }
+            words.truncate(words.len() - 2);
+            (op, last)
+        }
+        Some(target) => {
+            let op = last[..last.len() - target.len()].to_string();
+            words.pop();
+            (op, target.to_string())
+        }
+    };
+    Some(Redirect {
+        path: resolve(cwd, &target),
+        append: op == ">>",
+    })
+}
+
+fn run_command(sb: &mut FakeSandbox, cmd: &Command, cwd: &str, stdin: Option<Bytes>) -> ExecResult {
+    let (mut words, shell) = words(cmd);
+    let to = if shell {
+        redirect(&mut words, cwd)
+    } else {
+        None
+    };
     let (mut stdout, mut stderr, mut code) = (Vec::new(), Vec::new(), 0);
-    match words.first().map(String::as_str) {
-        Some("echo") => {
+    // The shell opens the file first: a parent that is no directory runs nothing.
+    let open = to.as_ref().map(|r| {
+        let parent = parent(&r.path);
+        if sb.tree.is_dir(&r.path) {
+            Err(format!("sh: 1: cannot create {}: Is a directory\n", r.path))
+        } else if !sb.tree.is_dir(parent) {
+            Err(format!(
+                "sh: 1: cannot create {}: Directory nonexistent\n",
+                r.path
+            ))
+        } else {
+            Ok(())
+        }
+    });
+    let opened = matches!(open, Some(Ok(())));
+    match (open, words.first().map(String::as_str)) {
+        (Some(Err(e)), _) => {
+            stderr = e.into_bytes();
+            code = 2;
+        }
+        (_, Some("echo")) => {
             stdout = words[1..].join(" ").into_bytes();
             stdout.push(b'\n');
         }
-        Some("cat") if words.len() == 1 => stdout = stdin.map(|b| b.to_vec()).unwrap_or_default(),
-        Some("cat") => match sb.files.get(&words[1]) {
-            Some(b) => stdout = b.clone(),
-            None => {
-                stderr = format!("cat: {}: No such file or directory\n", words[1]).into_bytes();
-                code = 1;
+        (_, Some("cat")) if words.len() == 1 => {
+            stdout = stdin.map(|b| b.to_vec()).unwrap_or_default()
+        }
+        (_, Some("cat")) => {
+            for w in &words[1..] {
+                let path = sb.tree.follow(&resolve(cwd, w));
+                match (sb.tree.files.get(&path), sb.tree.is_dir(&path)) {
+                    (Some(b), _) => stdout.extend_from_slice(b),
+                    (None, true) => {
+                        stderr.extend(format!("cat: {w}: Is a directory\n").into_bytes());
+                        code = 1;
+                    }
+                    (None, false) => {
+                        stderr
+                            .extend(format!("cat: {w}: No such file or directory\n").into_bytes());
+                        code = 1;
+                    }
+                }
             }
-        },
-        Some("exit") => code = words.get(1).and_then(|w| w.parse().ok()).unwrap_or(0),
-        Some("true" | "sleep") => {}
-        Some("false") => code = 1,
-        Some(other) => {
+        }
+        (_, Some("exit")) => code = words.get(1).and_then(|w| w.parse().ok()).unwrap_or(0),
+        (_, Some("true" | "sleep")) => {}
+        (_, Some("false")) => code = 1,
+        (_, Some(other)) => {
             stderr = format!("{other}: command not found\n").into_bytes();
             code = 127;
         }
-        None => {}
+        (_, None) => {}
+    }
+    if let (Some(r), true) = (&to, opened) {
+        let mut data = if r.append {
+            sb.tree.files.get(&r.path).cloned().unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        data.append(&mut stdout);
+        // Checked above: the parent is a directory and the path no directory.
+        let _ = sb.tree.put_file(&r.path, data);
     }
     ExecResult {
         exit: ExitInfo {
@@ -388,9 +1008,9 @@ fn file_info(path: &str, size: u64, kind: FileKind) -> FileInfo {
     FileInfo {
         name: path.rsplit('/').next().unwrap_or_default().to_string(),
         path: path.to_string(),
+        mode: if kind == FileKind::Dir { 0o755 } else { 0o644 },
         kind,
         size,
-        mode: 0o644,
         mtime: 0,
         uid: 0,
         gid: 0,
@@ -452,6 +1072,19 @@ impl NodeApi for FakeNode {
                 format!("image {} not found", spec.image),
             )
         })?;
+        // Its files: the image's, each layer's laid over them.
+        let mut tree = st.image_trees.get(&spec.image).cloned().unwrap_or_default();
+        for layer in &spec.layers {
+            if !st.images.contains_key(layer) {
+                return Err(ApiError::new(
+                    ErrorCode::ImageNotFound,
+                    format!("image {layer} not found"),
+                ));
+            }
+            if let Some(upper) = st.image_trees.get(layer) {
+                tree.overlay(upper);
+            }
+        }
         if st.sandboxes.contains_key(&spec.id) || st.ended.contains_key(&spec.id) {
             return Err(ApiError::new(
                 ErrorCode::Conflict,
@@ -459,7 +1092,8 @@ impl NodeApi for FakeNode {
             ));
         }
         let id = spec.id.clone();
-        let sb = FakeSandbox::new(spec, st.now_ms);
+        let mut sb = FakeSandbox::new(spec, st.now_ms);
+        sb.tree = tree;
         let mut created = sb.listed(st.now_ms);
         created.image_digest = image.digest;
         st.sandboxes.insert(id, sb);
@@ -531,7 +1165,9 @@ impl NodeApi for FakeNode {
         previous_diffs: Vec<String>,
         config: ImageConfig,
     ) -> NodeResult<(Image, Option<String>)> {
-        let base = self.with_sandbox(id, |sb| Ok(sb.spec.image.clone()))?;
+        let (base, tree) =
+            self.with_sandbox(id, |sb| Ok((sb.spec.image.clone(), sb.tree.clone())))?;
+        self.counters.commits.fetch_add(1, Ordering::Relaxed);
         let diff = fake_digest(&format!("{id}/{name}"));
         let mut layers = vec![fake_digest(&base)];
         layers.extend(previous_diffs);
@@ -545,7 +1181,9 @@ impl NodeApi for FakeNode {
             layers,
             config,
         };
-        self.state().images.insert(name.to_string(), image.clone());
+        let mut st = self.state();
+        st.images.insert(name.to_string(), image.clone());
+        st.image_trees.insert(name.to_string(), tree);
         Ok((image, Some(diff)))
     }
 
@@ -594,37 +1232,37 @@ impl NodeApi for FakeNode {
                 version: dsec_wire::agent::PROTOCOL_VERSION,
                 pid: 1,
             }),
-            Request::FileStat { path } => match sb.files.get(&path) {
-                Some(b) => Ok(Reply::File(file_info(
-                    &path,
-                    b.len() as u64,
-                    FileKind::File,
-                ))),
-                None => Err(ApiError::new(
-                    ErrorCode::NotFound,
-                    format!("{path}: no such file"),
-                )),
-            },
+            Request::FileStat { path } => sb.tree.info(&resolve("/", &path)).map(Reply::File),
             Request::FileList { path } => {
-                let dir = format!("{}/", path.trim_end_matches('/'));
+                let dir = resolve("/", &path);
+                match sb.tree.kind(&dir) {
+                    Some(FileKind::Dir) => {}
+                    Some(_) => {
+                        return Err(ApiError::new(
+                            ErrorCode::BadRequest,
+                            format!("list {dir}: not a directory"),
+                        ))
+                    }
+                    None => return Err(no_such(&dir)),
+                }
                 let entries = sb
-                    .files
-                    .iter()
-                    .filter(|(p, _)| p.starts_with(&dir) && !p[dir.len()..].contains('/'))
-                    .map(|(p, b)| file_info(p, b.len() as u64, FileKind::File))
-                    .collect();
+                    .tree
+                    .children(&dir)
+                    .into_keys()
+                    .map(|name| sb.tree.info(&join(&dir, &name)))
+                    .collect::<NodeResult<_>>()?;
                 Ok(Reply::Entries { entries })
             }
-            Request::FileMkdir { .. } => Ok(Reply::Ok),
-            Request::FileRemove { path, .. } => {
-                sb.files.remove(&path);
+            Request::FileMkdir { path } => {
+                sb.tree.mkdir_p(&resolve("/", &path))?;
+                Ok(Reply::Ok)
+            }
+            Request::FileRemove { path, recursive } => {
+                sb.tree.remove(&resolve("/", &path), recursive)?;
                 Ok(Reply::Ok)
             }
             Request::FileRename { from, to } => {
-                let data = sb.files.remove(&from).ok_or_else(|| {
-                    ApiError::new(ErrorCode::NotFound, format!("{from}: no such file"))
-                })?;
-                sb.files.insert(to, data);
+                sb.tree.rename(&resolve("/", &from), &resolve("/", &to))?;
                 Ok(Reply::Ok)
             }
             other => Err(unsupported(&format!("{other:?}"))),
@@ -632,7 +1270,7 @@ impl NodeApi for FakeNode {
     }
 
     async fn exec(&self, id: &str, spec: ExecSpec, stdin: Option<Bytes>) -> NodeResult<ExecResult> {
-        let words = words(&spec.cmd);
+        let (words, _) = words(&spec.cmd);
         if let (Some("sleep"), Some(secs)) = (
             words.first().map(String::as_str),
             words.get(1).and_then(|w| w.parse::<f64>().ok()),
@@ -692,11 +1330,14 @@ impl NodeApi for FakeNode {
         offset: u64,
         length: Option<u64>,
     ) -> NodeResult<(FileInfo, ByteStream)> {
-        let data = self.with_sandbox(id, |sb| {
-            sb.files
-                .get(path)
-                .cloned()
-                .ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("{path}: no such file")))
+        let path = &resolve("/", path);
+        let data = self.with_sandbox(id, |sb| match sb.tree.kind(path) {
+            Some(FileKind::File) => Ok(sb.tree.files.get(path).cloned().unwrap_or_default()),
+            Some(_) => Err(ApiError::new(
+                ErrorCode::BadRequest,
+                format!("{path} is a directory"),
+            )),
+            None => Err(no_such(path)),
         })?;
         let info = file_info(path, data.len() as u64, FileKind::File);
         let start = (offset as usize).min(data.len());
@@ -716,22 +1357,29 @@ impl NodeApi for FakeNode {
         let data = collect(body).await?;
         let bytes = data.len() as u64;
         self.with_sandbox(id, |sb| {
-            sb.files.insert(path.to_string(), data);
+            sb.tree.put_file(&resolve("/", path), data)?;
             Ok(WriteResult { bytes })
         })
     }
 
-    async fn download_tar(&self, _id: &str, _path: &str) -> NodeResult<ByteStream> {
-        Err(unsupported("tar"))
+    async fn download_tar(&self, id: &str, path: &str) -> NodeResult<ByteStream> {
+        self.counters.tar_downloads.fetch_add(1, Ordering::Relaxed);
+        let tar = self.with_sandbox(id, |sb| sb.tree.archive(&resolve("/", path)))?;
+        Ok(crate::once_bytes(tar))
     }
 
-    async fn upload_tar(
-        &self,
-        _id: &str,
-        _path: &str,
-        _body: ByteStream,
-    ) -> NodeResult<WriteResult> {
-        Err(unsupported("tar"))
+    async fn upload_tar(&self, id: &str, path: &str, body: ByteStream) -> NodeResult<WriteResult> {
+        self.counters.tar_uploads.fetch_add(1, Ordering::Relaxed);
+        self.with_sandbox(id, |_| Ok(()))?;
+        // All or nothing: a body that breaks off, or an archive with a bad entry,
+        // changes nothing.
+        let data = collect(body).await?;
+        self.with_sandbox(id, |sb| {
+            sb.tree.extract(&resolve("/", path), &data)?;
+            Ok(WriteResult {
+                bytes: data.len() as u64,
+            })
+        })
     }
 
     async fn list_images(&self) -> NodeResult<Vec<Image>> {
@@ -759,15 +1407,19 @@ impl NodeApi for FakeNode {
         _progress: Option<ImportProgressSink>,
     ) -> NodeResult<Image> {
         self.up()?;
+        self.counters.imports.fetch_add(1, Ordering::Relaxed);
+        let mut tree = Tree::default();
         if let ImportSource::Archive(body) = source {
-            collect(body).await?;
+            tree.extract("/", &collect(body).await?)?;
         }
-        Ok(self.add_image(name))
+        Ok(self.add_image_tree(name, tree))
     }
 
     async fn remove_image(&self, name: &str) -> NodeResult<()> {
         self.up()?;
-        match self.state().images.remove(name) {
+        let mut st = self.state();
+        st.image_trees.remove(name);
+        match st.images.remove(name) {
             Some(_) => Ok(()),
             None => Err(ApiError::new(
                 ErrorCode::ImageNotFound,
@@ -791,11 +1443,14 @@ impl NodeApi for FakeNode {
         config: Option<ImageConfig>,
     ) -> NodeResult<Image> {
         let mut image = self.image(source).await?;
+        let mut st = self.state();
+        let tree = st.image_trees.get(&image.name).cloned().unwrap_or_default();
         image.name = name.to_string();
         if let Some(config) = config {
             image.config = config;
         }
-        self.state().images.insert(name.to_string(), image.clone());
+        st.images.insert(name.to_string(), image.clone());
+        st.image_trees.insert(name.to_string(), tree);
         Ok(image)
     }
 }
@@ -1074,5 +1729,403 @@ mod tests {
                 .code,
             ErrorCode::NotFound
         );
+    }
+
+    fn argv(words: &[&str]) -> ExecSpec {
+        ExecSpec {
+            cmd: Command::Argv(words.iter().map(|w| w.to_string()).collect()),
+            ..shell("")
+        }
+    }
+
+    async fn stat(node: &FakeNode, id: &str, path: &str) -> NodeResult<FileInfo> {
+        match node
+            .call(id, Request::FileStat { path: path.into() })
+            .await?
+        {
+            Reply::File(info) => Ok(info),
+            other => panic!("stat {path}: {other:?}"),
+        }
+    }
+
+    async fn list(node: &FakeNode, id: &str, path: &str) -> NodeResult<Vec<(String, FileKind)>> {
+        match node
+            .call(id, Request::FileList { path: path.into() })
+            .await?
+        {
+            Reply::Entries { entries } => {
+                Ok(entries.into_iter().map(|e| (e.name, e.kind)).collect())
+            }
+            other => panic!("list {path}: {other:?}"),
+        }
+    }
+
+    async fn bytes_of(body: ByteStream) -> Vec<u8> {
+        collect(body).await.expect("whole body")
+    }
+
+    fn tar_of(entries: &[(&str, Option<&[u8]>)]) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        for (name, data) in entries {
+            let kind = match data {
+                Some(_) => tar::EntryType::Regular,
+                None => tar::EntryType::Directory,
+            };
+            append(&mut b, name, kind, data.unwrap_or_default()).expect("tar in memory");
+        }
+        b.into_inner().expect("tar in memory")
+    }
+
+    /// (name, content; `None` for a directory) of each entry of `tar`.
+    fn entries_of(tar: &[u8]) -> Vec<(String, Option<Vec<u8>>)> {
+        let mut archive = tar::Archive::new(tar);
+        let mut out = Vec::new();
+        for e in archive.entries().expect("a tar") {
+            let mut e = e.expect("an entry");
+            let name = String::from_utf8_lossy(&e.path_bytes()).into_owned();
+            let data = if e.header().entry_type() == tar::EntryType::Directory {
+                None
+            } else {
+                let mut d = Vec::new();
+                e.read_to_end(&mut d).expect("entry data");
+                Some(d)
+            };
+            out.push((name, data));
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn parents_of_files_are_directories_that_stat_list_and_remove_see() {
+        let node = FakeNode::new("n1");
+        node.create(sandbox_spec("a")).await.expect("fake call");
+        node.write_file("a", "/w/sub/f", None, crate::once_bytes("hi"))
+            .await
+            .expect("fake call");
+        assert_eq!(
+            stat(&node, "a", "/w").await.expect("a dir").kind,
+            FileKind::Dir
+        );
+        assert_eq!(
+            stat(&node, "a", "/w/sub/").await.expect("a dir").kind,
+            FileKind::Dir
+        );
+        let f = stat(&node, "a", "/w/sub/f").await.expect("a file");
+        assert_eq!((f.kind, f.size, f.name.as_str()), (FileKind::File, 2, "f"));
+        assert_eq!(
+            stat(&node, "a", "/").await.expect("root").kind,
+            FileKind::Dir
+        );
+        assert_eq!(
+            stat(&node, "a", "/nope").await.expect_err("missing").code,
+            ErrorCode::NotFound
+        );
+        node.call(
+            "a",
+            Request::FileMkdir {
+                path: "/w/e/e2".into(),
+            },
+        )
+        .await
+        .expect("mkdir -p");
+        assert_eq!(
+            list(&node, "a", "/w").await.expect("a dir"),
+            [
+                ("e".to_string(), FileKind::Dir),
+                ("sub".to_string(), FileKind::Dir)
+            ]
+        );
+        assert_eq!(
+            list(&node, "a", "/w/sub/f").await.expect_err("a file").code,
+            ErrorCode::BadRequest
+        );
+        let e = node
+            .call(
+                "a",
+                Request::FileMkdir {
+                    path: "/w/sub/f/x".into(),
+                },
+            )
+            .await
+            .expect_err("a file on the way");
+        assert_eq!(e.code, ErrorCode::BadRequest);
+        let e = node
+            .call(
+                "a",
+                Request::FileRemove {
+                    path: "/w".into(),
+                    recursive: false,
+                },
+            )
+            .await
+            .expect_err("not empty");
+        assert_eq!(e.code, ErrorCode::Conflict);
+        node.call(
+            "a",
+            Request::FileRename {
+                from: "/w/sub".into(),
+                to: "/v".into(),
+            },
+        )
+        .await
+        .expect("rename a directory");
+        let r = node
+            .exec("a", shell("cat /v/f"), None)
+            .await
+            .expect("fake call");
+        assert_eq!(r.stdout, "hi");
+        // Removing the last file leaves its directory.
+        node.call(
+            "a",
+            Request::FileRemove {
+                path: "/v/f".into(),
+                recursive: false,
+            },
+        )
+        .await
+        .expect("remove");
+        assert_eq!(list(&node, "a", "/v").await.expect("still a dir"), []);
+        node.call(
+            "a",
+            Request::FileRemove {
+                path: "/w".into(),
+                recursive: true,
+            },
+        )
+        .await
+        .expect("remove -r");
+        assert_eq!(
+            list(&node, "a", "/").await.expect("root"),
+            [("v".to_string(), FileKind::Dir)]
+        );
+    }
+
+    #[tokio::test]
+    async fn tars_go_in_whole_or_not_at_all_and_come_out_relative() {
+        let node = FakeNode::new("n1");
+        node.create(sandbox_spec("a")).await.expect("fake call");
+        let tar = tar_of(&[
+            ("./", None),
+            ("d/", None),
+            ("d/f", Some(b"one")),
+            ("g", Some(b"two")),
+        ]);
+        let w = node
+            .upload_tar("a", "/x", crate::once_bytes(tar.clone()))
+            .await
+            .expect("upload");
+        assert_eq!(w.bytes, tar.len() as u64);
+        let files = node.sandbox_files("a").expect("runs");
+        assert_eq!(files.get("/x/d/f").map(Vec::as_slice), Some(&b"one"[..]));
+        assert_eq!(files.get("/x/g").map(Vec::as_slice), Some(&b"two"[..]));
+        let down = bytes_of(node.download_tar("a", "/x").await.expect("download")).await;
+        assert_eq!(
+            entries_of(&down),
+            [
+                ("d/".to_string(), None),
+                ("d/f".to_string(), Some(b"one".to_vec())),
+                ("g".to_string(), Some(b"two".to_vec())),
+            ]
+        );
+        let one = bytes_of(node.download_tar("a", "/x/d/f").await.expect("download")).await;
+        assert_eq!(entries_of(&one), [("f".to_string(), Some(b"one".to_vec()))]);
+        assert_eq!(
+            node.download_tar("a", "/none").await.err().map(|e| e.code),
+            Some(ErrorCode::NotFound)
+        );
+        // A bad entry after a good one: nothing lands.
+        let mut bad = tar::Builder::new(Vec::new());
+        append(&mut bad, "ok", tar::EntryType::Regular, b"1").expect("tar");
+        bad.append_link(&mut header(tar::EntryType::Link, 0o644, 0), "hard", "ok")
+            .expect("tar");
+        let bad = bad.into_inner().expect("tar");
+        let e = node
+            .upload_tar("a", "/y", crate::once_bytes(bad))
+            .await
+            .expect_err("hard links are not kept");
+        assert_eq!(e.code, ErrorCode::BadRequest);
+        let mut escape = tar_of(&[("a", Some(b"1"))]);
+        // `../a` in place of `a` (the builder refuses to write it).
+        escape[..4].copy_from_slice(b"../a");
+        let mut h = tar::Header::from_byte_slice(&escape[..512]).clone();
+        h.set_cksum();
+        escape[..512].copy_from_slice(h.as_bytes());
+        let e = node
+            .upload_tar("a", "/y", crate::once_bytes(escape))
+            .await
+            .expect_err("escapes");
+        assert_eq!(e.code, ErrorCode::InvalidPath);
+        assert!(node
+            .sandbox_files("a")
+            .expect("runs")
+            .keys()
+            .all(|k| !k.starts_with("/y")));
+        assert_eq!(
+            stat(&node, "a", "/y")
+                .await
+                .expect_err("no partial upload")
+                .code,
+            ErrorCode::NotFound
+        );
+    }
+
+    #[tokio::test]
+    async fn images_carry_files_through_commits_tags_imports_and_layers() {
+        let node = FakeNode::new("n1");
+        node.add_image_with_files("etc", &[("/etc/os", b"fake"), ("/etc/keep", b"base")]);
+        node.create(NodeCreateSpec {
+            image: "etc".into(),
+            ..sandbox_spec("a")
+        })
+        .await
+        .expect("fake call");
+        node.exec("a", shell("echo made > /etc/made"), None)
+            .await
+            .expect("fake call");
+        let (img, _) = node
+            .commit("a", "snap", vec![], Default::default())
+            .await
+            .expect("fake call");
+        assert_eq!(node.counters.commits.load(Ordering::Relaxed), 1);
+        node.tag_image(&img.digest, "snap-2", None)
+            .await
+            .expect("tag by digest");
+        let files = node.image_files("snap-2").expect("tagged");
+        assert_eq!(
+            files.keys().collect::<Vec<_>>(),
+            ["/etc/keep", "/etc/made", "/etc/os"]
+        );
+        node.import_image(
+            "upper",
+            ImportSource::Archive(crate::once_bytes(tar_of(&[
+                ("./", None),
+                ("etc/keep", Some(b"upper")),
+            ]))),
+            false,
+            None,
+        )
+        .await
+        .expect("import");
+        assert_eq!(node.counters.imports.load(Ordering::Relaxed), 1);
+        node.create(NodeCreateSpec {
+            image: "snap-2".into(),
+            layers: vec!["upper".into()],
+            ..sandbox_spec("b")
+        })
+        .await
+        .expect("fake call");
+        let r = node
+            .exec("b", shell("cat /etc/made /etc/keep"), None)
+            .await
+            .expect("fake call");
+        assert_eq!(r.stdout, "made\nupper");
+        let e = node
+            .create(NodeCreateSpec {
+                layers: vec!["nope".into()],
+                ..sandbox_spec("c")
+            })
+            .await
+            .expect_err("unknown layer");
+        assert_eq!(e.code, ErrorCode::ImageNotFound);
+        node.remove_image("snap-2").await.expect("fake call");
+        assert!(node.image_files("snap-2").is_none());
+        assert_ne!(
+            fake_digest("build-cache/0123456789abcdef0123456789abcdef-x"),
+            fake_digest("build-cache/0123456789abcdef0123456789abcdef-y")
+        );
+    }
+
+    #[tokio::test]
+    async fn shell_lines_redirect_stdout_and_argv_does_not() {
+        let node = FakeNode::new("n1");
+        node.create(sandbox_spec("a")).await.expect("fake call");
+        let run = |spec: ExecSpec| node.exec("a", spec, None);
+        let r = run(argv(&["/bin/sh", "-c", "echo one two > /o"]))
+            .await
+            .expect("fake call");
+        assert_eq!((r.stdout.as_str(), r.exit.exit_code), ("", Some(0)));
+        let r = run(ExecSpec {
+            cwd: Some("/".into()),
+            ..argv(&["bash", "-lc", "echo three >>o"])
+        })
+        .await
+        .expect("fake call");
+        assert_eq!(r.exit.exit_code, Some(0));
+        let r = run(ExecSpec {
+            cwd: Some("/".into()),
+            ..argv(&["cat", "o"])
+        })
+        .await
+        .expect("fake call");
+        assert_eq!(r.stdout, "one two\nthree\n");
+        let r = run(argv(&["echo", ">", "/p"])).await.expect("fake call");
+        assert_eq!(r.stdout, "> /p\n", "no shell, no redirection");
+        let r = run(shell("echo x > /no/dir/f")).await.expect("fake call");
+        assert_eq!(r.exit.exit_code, Some(2));
+        assert!(r.stderr.contains("nonexistent"), "{}", r.stderr);
+        let r = run(argv(&["/bin/sh", "-c", "exit 3"]))
+            .await
+            .expect("fake call");
+        assert_eq!(r.exit.exit_code, Some(3));
+        let r = run(shell("cat /")).await.expect("fake call");
+        assert_eq!(r.exit.exit_code, Some(1));
+    }
+
+    #[tokio::test]
+    async fn symlinks_are_stated_archived_and_read_through_but_never_walked() {
+        let node = FakeNode::new("n1");
+        node.create(sandbox_spec("a")).await.expect("fake call");
+        let mut b = tar::Builder::new(Vec::new());
+        append(&mut b, "d/real", tar::EntryType::Regular, b"data").expect("tar");
+        b.append_link(
+            &mut header(tar::EntryType::Symlink, 0o777, 0),
+            "d/link",
+            "real",
+        )
+        .expect("tar");
+        let tar = b.into_inner().expect("tar");
+        node.upload_tar("a", "/", crate::once_bytes(tar))
+            .await
+            .expect("upload");
+        let info = stat(&node, "a", "/d/link").await.expect("lstat");
+        assert_eq!(
+            (info.kind, info.symlink_target.as_deref()),
+            (FileKind::Symlink, Some("real"))
+        );
+        assert_eq!(
+            list(&node, "a", "/d").await.expect("a dir"),
+            [
+                ("link".to_string(), FileKind::Symlink),
+                ("real".to_string(), FileKind::File)
+            ]
+        );
+        let r = node
+            .exec("a", shell("cat /d/link"), None)
+            .await
+            .expect("fake call");
+        assert_eq!(r.stdout, "data");
+        let down = bytes_of(node.download_tar("a", "/d").await.expect("download")).await;
+        let mut archive = tar::Archive::new(&down[..]);
+        let kinds: Vec<(String, tar::EntryType)> = archive
+            .entries()
+            .expect("a tar")
+            .map(|e| {
+                let e = e.expect("an entry");
+                let name = String::from_utf8_lossy(&e.path_bytes()).into_owned();
+                (name, e.header().entry_type())
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                ("link".to_string(), tar::EntryType::Symlink),
+                ("real".to_string(), tar::EntryType::Regular)
+            ]
+        );
+        let e = node
+            .write_file("a", "/d/link/x", None, crate::once_bytes("x"))
+            .await
+            .expect_err("below a symlink");
+        assert_eq!(e.code, ErrorCode::InvalidPath);
     }
 }

@@ -605,8 +605,8 @@ impl Builder<'_> {
         let many = matched.len() > 1;
         let dest_is_dir = many
             || (c.sources.len() == 1 && !c.dest.ends_with('/') && self.is_dir(id, &c.dest).await);
-        for path in matched {
-            let (path, info) = self.resolve_source(from, step, &path).await?;
+        for written in matched {
+            let (path, info) = self.resolve_source(from, step, &written).await?;
             let stream = self
                 .api
                 .download_tar(self.caller, from, &path)
@@ -620,10 +620,23 @@ impl Builder<'_> {
                 FileKind::Dir => ".".to_string(),
                 _ => info.name.clone(),
             };
+            // A file reached through a symlink keeps the name the source was written
+            // with, as Docker names it: `COPY --from=s /d/link /out/` makes `/out/link`.
+            let written_name = written.rsplit('/').next().unwrap_or_default();
+            let into_dir = dest_is_dir || c.dest.ends_with('/');
+            let (dest, dest_is_dir) =
+                if info.kind != FileKind::Dir && into_dir && written_name != info.name {
+                    (
+                        format!("{}/{written_name}", c.dest.trim_end_matches('/')),
+                        false,
+                    )
+                } else {
+                    (c.dest.clone(), dest_is_dir)
+                };
             let sub = CopyStep {
                 from: CopyFrom::Context,
                 sources: vec![inner],
-                dest: c.dest.clone(),
+                dest,
                 chown: c.chown.clone(),
                 chmod: c.chmod,
                 extract_tars: false,
