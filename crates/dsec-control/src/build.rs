@@ -18,6 +18,74 @@ pub const MAX_STEPS: usize = 128;
 /// Default time limit of one `run` step.
 const STEP_TIMEOUT_S: f64 = 1800.0;
 
+/// Idle timeout of a build sandbox. Its build touches it more often than this while the
+/// build lives ([`Held::keep_alive`]), so a build whose API server died (killed,
+/// crashed) leaves its sandboxes for its node to end this soon after, on any node and
+/// whichever replica ran it.
+pub(crate) const BUILD_SANDBOX_IDLE_S: u64 = 20;
+/// How often a build touches its sandboxes.
+const BUILD_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(4);
+
+/// The sandboxes a build holds, kept from idling out while the build runs.
+#[derive(Debug, Default)]
+pub(crate) struct Held(std::sync::Mutex<Vec<String>>);
+
+impl Held {
+    fn ids(&self) -> std::sync::MutexGuard<'_, Vec<String>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The build holds `id` from now.
+    pub(crate) fn add(&self, id: &str) {
+        self.ids().push(id.to_string());
+    }
+
+    /// The build no longer holds `id`.
+    pub(crate) fn remove(&self, id: &str) {
+        self.ids().retain(|s| s != id);
+    }
+
+    /// Every sandbox held, which the build no longer holds.
+    pub(crate) fn take_all(&self) -> Vec<String> {
+        std::mem::take(&mut *self.ids())
+    }
+
+    /// Runs `work`, touching the sandboxes held (a stat of `/`: activity on their node)
+    /// every [`BUILD_HEARTBEAT`] until it ends.
+    pub(crate) async fn keep_alive<T>(
+        &self,
+        api: &dyn SandboxApi,
+        caller: &Principal,
+        work: impl std::future::Future<Output = T>,
+    ) -> T {
+        let heartbeat = async {
+            loop {
+                tokio::time::sleep(BUILD_HEARTBEAT).await;
+                let ids = self.ids().clone();
+                for id in ids {
+                    let _ = api.stat_file(caller, &id, "/").await;
+                }
+            }
+        };
+        tokio::select! {
+            out = work => out,
+            never = heartbeat => never,
+        }
+    }
+}
+
+/// What a build sandbox of `image`, labelled for `build` (its result's name), is
+/// created with.
+pub(crate) fn build_sandbox_request(image: &str, build: &str) -> CreateSandboxRequest {
+    CreateSandboxRequest {
+        image: Some(image.to_string()),
+        labels: [("dsec-build".to_string(), build.to_string())].into(),
+        timeout_s: Some(24 * 3600),
+        idle_timeout_s: Some(BUILD_SANDBOX_IDLE_S),
+        ..Default::default()
+    }
+}
+
 /// The cache name of `step` on top of the image `parent_digest`.
 pub fn cache_name(parent_digest: &str, step: &BuildStep) -> String {
     let mut h = Sha256::new();
@@ -42,10 +110,16 @@ pub async fn build(
         ));
     }
     let base = node.image(&req.base).await?;
-    let mut sandbox: Option<String> = None;
+    let held = Held::default();
     let mut cached = Vec::with_capacity(req.steps.len());
-    let res = run_steps(api, caller, node, &req, base, &mut sandbox, &mut cached).await;
-    if let Some(id) = sandbox {
+    let res = held
+        .keep_alive(
+            api,
+            caller,
+            run_steps(api, caller, node, &req, base, &held, &mut cached),
+        )
+        .await;
+    for id in held.take_all() {
         let _ = api.delete_sandbox(caller, &id).await;
     }
     Ok(BuildResult {
@@ -60,15 +134,18 @@ async fn run_steps(
     node: &dyn NodeApi,
     req: &BuildRequest,
     base: Image,
-    sandbox: &mut Option<String>,
+    held: &Held,
     cached: &mut Vec<bool>,
 ) -> ApiResult<Image> {
+    // The one build sandbox, on the last image built (`held` holds it too).
+    let mut sandbox: Option<String> = None;
     let (mut parent_name, mut parent_digest) = (req.base.clone(), base.digest);
     for (i, step) in req.steps.iter().enumerate() {
         let name = cache_name(&parent_digest, step);
         if let Ok(img) = node.image(&name).await {
             // The build sandbox (if any) is behind the cached image now.
             if let Some(id) = sandbox.take() {
+                held.remove(&id);
                 let _ = api.delete_sandbox(caller, &id).await;
             }
             parent_name = name;
@@ -80,17 +157,10 @@ async fn run_steps(
             Some(id) => id,
             None => {
                 let sb = api
-                    .create_sandbox(
-                        caller,
-                        CreateSandboxRequest {
-                            image: Some(parent_name.clone()),
-                            labels: [("dsec-build".to_string(), req.name.clone())].into(),
-                            timeout_s: Some(24 * 3600),
-                            ..Default::default()
-                        },
-                    )
+                    .create_sandbox(caller, build_sandbox_request(&parent_name, &req.name))
                     .await?;
-                *sandbox = Some(sb.id.clone());
+                held.add(&sb.id);
+                sandbox = Some(sb.id.clone());
                 sb.id
             }
         };

@@ -283,6 +283,12 @@ impl Server {
     /// base image imported and no sandboxes. It lives on a thread that never exits, so it
     /// is killed exactly when the test process ends.
     pub fn shared(name: &'static str) -> &'static Server {
+        Self::shared_with(name, &[])
+    }
+
+    /// [`Server::shared`] with more `dsec serve` flags (one set per test binary: the
+    /// first call starts the server).
+    pub fn shared_with(name: &'static str, args: &'static [&'static str]) -> &'static Server {
         static SHARED: OnceLock<Server> = OnceLock::new();
         SHARED.get_or_init(|| {
             let (tx, rx) = std::sync::mpsc::channel();
@@ -298,7 +304,7 @@ impl Server {
                     }
                 };
                 let res = rt.block_on(async {
-                    let s = Server::start(name, false).await?;
+                    let s = Server::start_with(name, false, args).await?;
                     s.ensure_base(None).await?;
                     s.delete_all().await;
                     Ok::<_, anyhow::Error>(s)

@@ -707,9 +707,28 @@ pub async fn build_dockerfile(
     api: Api,
     Extension(opts): Extension<HttpOptions>,
     uri: Uri,
+    headers: HeaderMap,
     body: Body,
 ) -> HttpResult<Response> {
     use tokio::io::AsyncWriteExt;
+    let too_large = || {
+        ApiError::new(
+            ErrorCode::PayloadTooLarge,
+            format!(
+                "the build context is larger than {} GiB: leave out what the build does not \
+                 need (.dockerignore)",
+                MAX_BUILD_CONTEXT >> 30
+            ),
+        )
+    };
+    // A body that says it is over the cap is refused before a byte of it is spooled.
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BUILD_CONTEXT) {
+        return Err(too_large().into());
+    }
     let pairs: Vec<(String, String)> =
         url::form_urlencoded::parse(uri.query().unwrap_or("").as_bytes())
             .into_owned()
@@ -730,15 +749,7 @@ pub async fn build_dockerfile(
         let chunk = chunk?;
         size += chunk.len() as u64;
         if size > MAX_BUILD_CONTEXT {
-            return Err(ApiError::new(
-                ErrorCode::PayloadTooLarge,
-                format!(
-                    "the build context is larger than {} GiB: leave out what the build does \
-                     not need (.dockerignore)",
-                    MAX_BUILD_CONTEXT >> 30
-                ),
-            )
-            .into());
+            return Err(too_large().into());
         }
         out.write_all(&chunk).await.map_err(spool_err)?;
     }

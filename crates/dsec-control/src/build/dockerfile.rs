@@ -29,6 +29,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::api::{ApiResult, ByteStream, Principal, SandboxApi};
+use crate::build::{build_sandbox_request, Held};
 
 /// Largest Dockerfile read from the context.
 const MAX_DOCKERFILE: u64 = 1 << 20;
@@ -66,16 +67,17 @@ pub async fn build(
     events: UnboundedSender<BuildEvent>,
 ) -> ApiResult<Built> {
     check_name(&req.name)?;
+    let held = Held::default();
     let mut b = Builder {
         api,
         caller,
         node,
         events,
-        sandboxes: Vec::new(),
+        sandboxes: &held,
         req,
     };
-    let res = b.run(context).await;
-    for id in std::mem::take(&mut b.sandboxes) {
+    let res = held.keep_alive(api, caller, b.run(context)).await;
+    for id in held.take_all() {
         let _ = api.delete_sandbox(caller, &id).await;
     }
     res
@@ -109,7 +111,7 @@ struct Builder<'a> {
     node: Arc<dyn NodeApi>,
     events: UnboundedSender<BuildEvent>,
     /// Every sandbox this build created and has not deleted yet.
-    sandboxes: Vec<String>,
+    sandboxes: &'a Held,
     req: DockerfileBuildRequest,
 }
 
@@ -274,7 +276,7 @@ impl Builder<'_> {
 
     async fn delete(&mut self, id: &str) {
         let _ = self.api.delete_sandbox(self.caller, id).await;
-        self.sandboxes.retain(|s| s != id);
+        self.sandboxes.remove(id);
     }
 
     /// A new build sandbox of `image` (tracked for deletion).
@@ -284,18 +286,15 @@ impl Builder<'_> {
             .create_sandbox(
                 self.caller,
                 CreateSandboxRequest {
-                    image: Some(image.to_string()),
-                    labels: [("dsec-build".to_string(), self.req.name.clone())].into(),
-                    timeout_s: Some(24 * 3600),
                     network: NetworkPolicy {
                         mode: self.req.network,
                         allow: Vec::new(),
                     },
-                    ..Default::default()
+                    ..build_sandbox_request(image, &self.req.name)
                 },
             )
             .await?;
-        self.sandboxes.push(sb.id.clone());
+        self.sandboxes.add(&sb.id);
         Ok(sb.id)
     }
 
