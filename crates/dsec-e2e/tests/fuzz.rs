@@ -339,6 +339,35 @@ fn templates() -> Vec<Template> {
             json!({"name": "fuzz/c"}),
             1,
         ),
+        t(
+            "POST",
+            "/v1/pools",
+            &[],
+            Json,
+            json!({"name": "fzpool", "template": {"image": "base", "env": {"A": "b"}},
+                 "min": 0, "max": 2, "autoscale": {"window_s": 1.0, "cooldown_s": 0.5}}),
+            2,
+        ),
+        t("GET", "/v1/pools", &[], None, json!(null), 1),
+        t("GET", "/v1/pools/fzpool", &[], None, json!(null), 1),
+        t(
+            "PATCH",
+            "/v1/pools/fzpool",
+            &[],
+            Json,
+            json!({"min": 0, "max": 1, "autoscale": {"idle_ratio": 0.5}}),
+            1,
+        ),
+        t("DELETE", "/v1/pools/fzpool", &[], None, json!(null), 1),
+        t(
+            "POST",
+            "/v1/sandboxes",
+            &[],
+            Json,
+            json!({"pool": "fzpool", "labels": {"k": "v"}, "timeout_s": 60,
+                 "queue": {"priority": "high", "max_wait_s": 0.2}}),
+            1,
+        ),
         t("POST", "/v1/jobs/{job}/suspend", &[], None, json!(null), 1),
         t("POST", "/v1/jobs/{job}/resume", &[], None, json!(null), 1),
         t(
@@ -900,6 +929,17 @@ fn encode_query(rng: &mut Rng, query: &[(&str, &str)], mutate: bool) -> String {
     format!("?{}", enc.join("&"))
 }
 
+/// An error with its sources (`error sending request` alone does not say why).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    out
+}
+
 fn short(s: &str) -> String {
     s.chars().take(300).collect()
 }
@@ -1068,7 +1108,7 @@ async fn fuzzed_requests_get_4xx_never_5xx_or_a_cut() {
         let sent = Instant::now();
         let outcome = rb.send().await;
         match outcome {
-            Err(e) => failures.push(format!("{what}: no answer: {}", short(&e.to_string()))),
+            Err(e) => failures.push(format!("{what}: no answer: {}", short(&error_chain(&e)))),
             Ok(resp) => {
                 let status = resp.status().as_u16();
                 *statuses.entry(status).or_default() += 1;
