@@ -29,6 +29,7 @@ mod network;
 mod peers;
 mod placement;
 mod plot;
+mod pools;
 mod provision;
 mod pull;
 mod startup;
@@ -47,7 +48,7 @@ struct Args {
     #[arg(long)]
     json: Option<PathBuf>,
     /// Run only these sections (comma-separated): runtimes, exec (its exec table alone), network, concurrency,
-    /// sustained, backlog, teardown, cpu, job, idle, idle-cpu, density, files, provision, burst,
+    /// sustained, backlog, teardown, cpu, job, idle, idle-cpu, density, files, provision, burst, pools,
     /// placement (simulated, needs neither root nor a server), control-plane (2 API servers
     /// over etcd and 100 simulated nodes; needs etcd, not root), registry-pull (a
     /// multi-layer pull from a local docker-registry, serial vs parallel layer downloads;
@@ -1423,6 +1424,12 @@ fn main() -> anyhow::Result<()> {
             let sdk_aexec = python_sdk(&server, n * 5, SdkMode::AsyncExec);
             let crun_exec = crun_exec(&bundle, n * 5, n * 2);
             exec = print_exec_tables(&bundle, dsec_exec, crun_exec, [sdk_exec, sdk_aexec], n);
+        }
+        if want("pools") {
+            let rows = pools::claim_vs_cold(&server, n).await?;
+            print_table("warm pool claim vs cold create (time to interactive)", &rows, "dsec create + exec true");
+            let (claim, floor) = (rows[2].pct(50.0), rows[3].pct(50.0));
+            println!("\nserver time of a claim (claim p50 - health p50): {:.2} ms (target <= 1 ms)", claim - floor);
         }
         if want("network") {
             let net = network::tti_by_mode(&server, n).await?;

@@ -44,6 +44,9 @@ pub enum Command {
     /// Manage images.
     #[command(subcommand)]
     Image(ImageCommand),
+    /// Warm pools: sandboxes made ahead of demand, claimed by `sandbox create --pool`.
+    #[command(subcommand)]
+    Pool(PoolCommand),
     /// Suspend or resume every sandbox of a job (sandboxes labelled job=NAME).
     #[command(subcommand)]
     Job(JobCommand),
@@ -608,6 +611,65 @@ pub struct CreateArgs {
     /// image's user, else root).
     #[arg(long)]
     pub user: Option<String>,
+    /// Claim a warm sandbox of this pool (`dsec pool`) instead of making one; the
+    /// environment is the pool's.
+    #[arg(long)]
+    pub pool: Option<String>,
+    /// With --pool: wait at most this long for a warm sandbox (server default: 30s).
+    #[arg(long, value_parser = parse_duration, requires = "pool")]
+    pub max_wait: Option<Duration>,
+}
+
+/// `dsec pool ...`: warm pools.
+#[derive(Debug, Subcommand)]
+pub enum PoolCommand {
+    /// Create a warm pool: sandboxes of one environment made ahead of demand, which
+    /// `dsec sandbox create --pool NAME` claims at once. The environment flags are
+    /// `dsec sandbox create`'s.
+    Create {
+        /// Pool name ([a-z0-9][a-z0-9._-]*).
+        name: String,
+        /// Fewest sandboxes to keep (default 1).
+        #[arg(long)]
+        min: Option<u32>,
+        /// Most sandboxes to keep (default 32).
+        #[arg(long)]
+        max: Option<u32>,
+        /// The autoscale policy as JSON (fields of `autoscale` in `POST /v1/pools`).
+        #[arg(long, value_name = "JSON")]
+        autoscale: Option<String>,
+        /// The environment of its sandboxes.
+        #[command(flatten)]
+        template: Box<CreateArgs>,
+    },
+    /// List the pools.
+    #[command(visible_alias = "list")]
+    Ls,
+    /// Show one pool: sizes, queue, scale events.
+    Get {
+        /// Pool name.
+        name: String,
+    },
+    /// Change a pool's bounds or autoscale policy.
+    Set {
+        /// Pool name.
+        name: String,
+        /// New minimum.
+        #[arg(long)]
+        min: Option<u32>,
+        /// New maximum.
+        #[arg(long)]
+        max: Option<u32>,
+        /// New autoscale policy as JSON (replaces the whole policy).
+        #[arg(long, value_name = "JSON")]
+        autoscale: Option<String>,
+    },
+    /// Delete a pool and its warm sandboxes (claimed ones stay).
+    #[command(visible_alias = "delete")]
+    Rm {
+        /// Pool name.
+        name: String,
+    },
 }
 
 /// `dsec sandbox exec`.

@@ -11,6 +11,7 @@ mod iam;
 mod image;
 mod nodes;
 mod output;
+mod pool;
 mod sandbox;
 mod serve;
 
@@ -77,6 +78,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             .await
             .map(|()| ExitCode::SUCCESS),
         Command::Job(cmd) => sandbox::job(&client()?, cmd, cli.json).await,
+        Command::Pool(cmd) => pool::run(&client()?, cmd, cli.json)
+            .await
+            .map(|()| ExitCode::SUCCESS),
         Command::Tenant(cmd) => iam::tenant(&client()?, cmd, cli.json)
             .await
             .map(|()| ExitCode::SUCCESS),

@@ -126,6 +126,18 @@ fn ceil_secs(d: Duration) -> u64 {
 // ---------------------------------------------------------------- create, ls, get, rm
 
 async fn create(client: &Client, a: CreateArgs, json: bool) -> anyhow::Result<()> {
+    let req = create_request(a).await?;
+    let sb = client.create_sandbox(req).await?;
+    if json {
+        print_json(&sb)
+    } else {
+        println!("{}", sb.id);
+        Ok(())
+    }
+}
+
+/// The create request `dsec sandbox create`'s flags describe (local files read).
+pub(crate) async fn create_request(a: CreateArgs) -> anyhow::Result<CreateSandboxRequest> {
     let mut files = Vec::with_capacity(a.files.len());
     for (local, remote) in a.files {
         files.push(init_file(&local, remote).await?);
@@ -162,15 +174,14 @@ async fn create(client: &Client, a: CreateArgs, json: bool) -> anyhow::Result<()
         } else {
             dsec_wire::v1::Isolation::Container
         },
+        pool: a.pool,
+        queue: a.max_wait.map(|w| dsec_wire::v1::QueueOptions {
+            max_wait_s: Some(w.as_secs_f64()),
+            ..Default::default()
+        }),
         ..Default::default()
     };
-    let sb = client.create_sandbox(req).await?;
-    if json {
-        print_json(&sb)
-    } else {
-        println!("{}", sb.id);
-        Ok(())
-    }
+    Ok(req)
 }
 
 /// Reads a local file into an inline [`InitFile`] (UTF-8 as text, anything else base64).

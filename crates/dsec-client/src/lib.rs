@@ -43,9 +43,10 @@ use dsec_wire::v1::{
     BuildRequest, BuildResult, ClusterNode, ClusterNodeList, CommitRequest, CreateSandboxRequest,
     CreateSessionRequest, ExecRequest, ExecResult, FileInfo, FileList, GcRequest, GcResult, Health,
     Image, ImageList, ImportEvent, ImportImageRequest, JobResult, MkdirRequest, NetworkPolicy,
-    PauseResult, ProcessInfo, ProcessList, PtySize, RenameRequest, Sandbox, SandboxList,
-    SessionInfo, SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
-    StartProcessRequest, StdinRequest, WriteResult, API_KEY_HEADER,
+    PauseResult, Pool, PoolList, PoolSpec, PoolUpdate, ProcessInfo, ProcessList, PtySize,
+    RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList, SessionResult,
+    SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest,
+    WriteResult, API_KEY_HEADER,
 };
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
@@ -261,6 +262,33 @@ impl Client {
             name: name.to_string(),
         };
         Self::json(self.post(&["sandboxes", id, "commit"], &req)).await
+    }
+
+    // ------------------------------------------------------------ warm pools
+
+    /// `POST /v1/pools`: a warm pool of the key's tenant.
+    pub async fn create_pool(&self, spec: &PoolSpec) -> Result<Pool, ClientError> {
+        Self::json(self.post(&["pools"], spec)).await
+    }
+
+    /// `GET /v1/pools`.
+    pub async fn list_pools(&self) -> Result<PoolList, ClientError> {
+        Self::json(self.get(&["pools"])).await
+    }
+
+    /// `GET /v1/pools/{name}`.
+    pub async fn get_pool(&self, name: &str) -> Result<Pool, ClientError> {
+        Self::json(self.get(&["pools", name])).await
+    }
+
+    /// `PATCH /v1/pools/{name}`: new sizes or autoscale policy.
+    pub async fn update_pool(&self, name: &str, update: &PoolUpdate) -> Result<Pool, ClientError> {
+        Self::json(self.request(Method::PATCH, &["pools", name]).json(update)).await
+    }
+
+    /// `DELETE /v1/pools/{name}`: the pool and its warm sandboxes (claimed ones stay).
+    pub async fn delete_pool(&self, name: &str) -> Result<(), ClientError> {
+        Self::unit(self.delete(&["pools", name])).await
     }
 
     /// `POST /v1/jobs/{job}/suspend`: pauses every sandbox labelled `job=<job>`.

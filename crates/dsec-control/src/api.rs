@@ -18,12 +18,13 @@ use dsec_wire::v1::{
     BuildEvent, BuildRequest, BuildResult, ClusterNode, ClusterNodeList, CommitRequest,
     CreateSandboxRequest, CreateSessionRequest, DockerfileBuildRequest, ExecRequest, ExecResult,
     FileInfo, FileList, GcRequest, GcResult, Health, Image, ImageList, ImportEvent,
-    ImportImageRequest, JobResult, LayerStatsList, MkdirRequest, NetworkPolicy, PauseResult,
-    ProcessInfo, ProcessList, PtySize, PullImageRequest, RenameRequest, Sandbox, SandboxList,
-    SessionInfo, SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
-    StartProcessRequest, StdinRequest, WriteResult,
+    ImportImageRequest, JobResult, LayerStatsList, MkdirRequest, NetworkPolicy, PauseResult, Pool,
+    PoolList, PoolSpec, PoolUpdate, ProcessInfo, ProcessList, PtySize, PullImageRequest,
+    RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList, SessionResult,
+    SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest,
+    WriteResult,
 };
-use dsec_wire::ApiError;
+use dsec_wire::{ApiError, ErrorCode};
 use futures::stream::BoxStream;
 
 pub use dsec_iam::{Principal, Scope};
@@ -60,6 +61,36 @@ pub trait SandboxApi: Send + Sync + 'static {
     ) -> ApiResult<Sandbox>;
     /// `GET /v1/sandboxes/{id}`.
     async fn get_sandbox(&self, caller: &Principal, id: &str) -> ApiResult<Sandbox>;
+
+    /// Creates a warm pool of the caller's tenant.
+    async fn create_pool(&self, _caller: &Principal, _spec: PoolSpec) -> ApiResult<Pool> {
+        Err(no_pools())
+    }
+
+    /// The caller's tenant's pools.
+    async fn list_pools(&self, _caller: &Principal) -> ApiResult<PoolList> {
+        Err(no_pools())
+    }
+
+    /// One pool of the caller's tenant.
+    async fn get_pool(&self, _caller: &Principal, _name: &str) -> ApiResult<Pool> {
+        Err(no_pools())
+    }
+
+    /// Changes a pool's sizes or autoscale policy.
+    async fn update_pool(
+        &self,
+        _caller: &Principal,
+        _name: &str,
+        _update: PoolUpdate,
+    ) -> ApiResult<Pool> {
+        Err(no_pools())
+    }
+
+    /// Deletes a pool and its warm sandboxes.
+    async fn delete_pool(&self, _caller: &Principal, _name: &str) -> ApiResult<()> {
+        Err(no_pools())
+    }
     /// `GET /v1/sandboxes?label=k=v`: sandboxes whose labels include all of `labels`.
     async fn list_sandboxes(
         &self,
@@ -332,4 +363,9 @@ pub trait SandboxApi: Send + Sync + 'static {
             format!("node {name} not found"),
         ))
     }
+}
+
+/// What an API without warm pools answers.
+fn no_pools() -> ApiError {
+    ApiError::new(ErrorCode::BadRequest, "this server has no warm pools")
 }

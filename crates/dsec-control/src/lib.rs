@@ -9,6 +9,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod autoscale;
 pub mod build;
 pub mod nodes;
 pub mod plane;

@@ -37,6 +37,7 @@ mod images;
 mod jobs;
 mod lifecycle;
 mod liveness;
+mod pools;
 mod pull;
 pub(crate) use pull::ensure_image;
 mod reaper;
@@ -115,6 +116,10 @@ pub struct ControlPlane {
     /// Node sandboxes the reaper found without a record, and their age (on their node's
     /// clock) when it first did: destroyed once that lasted [`reaper::ORPHAN_GRACE_MS`].
     unrecorded: std::sync::Mutex<HashMap<String, u64>>,
+    /// The state store the records, IAM and pool specs live in.
+    store: Arc<dyn StateStore>,
+    /// Warm pools and their tasks.
+    pools: pools::Pools,
     /// This plane itself, for the tasks of [`ControlPlane::to_end`].
     me: Weak<ControlPlane>,
 }
@@ -189,7 +194,7 @@ impl ControlPlane {
                     .map_err(ApiError::from)?,
             ),
         };
-        let records = records::Records::open(store, !cfg.sole_owner, iam.clone()).await?;
+        let records = records::Records::open(store.clone(), !cfg.sole_owner, iam.clone()).await?;
         nodes.synced().await;
         let plane = Arc::new_cyclic(|me| Self {
             cfg,
@@ -199,6 +204,8 @@ impl ControlPlane {
             unhealthy_marks: Default::default(),
             tombstones_pruned_at: Default::default(),
             unrecorded: Default::default(),
+            store,
+            pools: Default::default(),
             me: me.clone(),
         });
         plane.records.adopt_missing_keys().await?;
@@ -209,6 +216,7 @@ impl ControlPlane {
         for sb in plane.records.filter(|s| s.state == SandboxState::Unhealthy) {
             plane.spawn_recovery(&sb.id);
         }
+        plane.load_pools().await?;
         plane.clone().spawn_reaper();
         Ok(plane)
     }
@@ -541,7 +549,59 @@ impl SandboxApi for ControlPlane {
         req: CreateSandboxRequest,
     ) -> ApiResult<Sandbox> {
         let tenant = caller.tenant.clone();
+        if let Some(k) = req
+            .labels
+            .keys()
+            .find(|k| *k == POOL_LABEL || *k == POOL_ORIGIN_LABEL)
+        {
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                format!("labels: {k:?} is set by warm pools only"),
+            ));
+        }
+        if req.pool.is_some() {
+            return self
+                .to_end(move |me| async move { me.claim_to_end(&tenant, req).await })
+                .await;
+        }
+        if req.queue.is_some() {
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                "queue: only a create from a pool waits for now",
+            ));
+        }
         self.to_end(move |me| async move { me.create_sandbox_to_end(&tenant, req).await })
+            .await
+    }
+
+    async fn create_pool(&self, caller: &Principal, spec: PoolSpec) -> ApiResult<Pool> {
+        let tenant = caller.tenant.clone();
+        self.to_end(move |me| async move { me.create_pool_to_end(&tenant, spec).await })
+            .await
+    }
+
+    async fn list_pools(&self, caller: &Principal) -> ApiResult<PoolList> {
+        Ok(self.list_pools_of(&caller.tenant))
+    }
+
+    async fn get_pool(&self, caller: &Principal, name: &str) -> ApiResult<Pool> {
+        self.pool_status(&caller.tenant, name)
+    }
+
+    async fn update_pool(
+        &self,
+        caller: &Principal,
+        name: &str,
+        update: PoolUpdate,
+    ) -> ApiResult<Pool> {
+        let (tenant, name) = (caller.tenant.clone(), name.to_string());
+        self.to_end(move |me| async move { me.update_pool_to_end(&tenant, &name, update).await })
+            .await
+    }
+
+    async fn delete_pool(&self, caller: &Principal, name: &str) -> ApiResult<()> {
+        let (tenant, name) = (caller.tenant.clone(), name.to_string());
+        self.to_end(move |me| async move { me.delete_pool_to_end(&tenant, &name).await })
             .await
     }
 

@@ -14,8 +14,9 @@ use bytes::Bytes;
 use dsec_control::{ByteStream, SandboxApi};
 use dsec_wire::v1::{
     CommitRequest, CreateSandboxRequest, CreateSessionRequest, ExecRequest, FileInfo,
-    ImportImageRequest, MkdirRequest, NetworkPolicy, PtySize, RenameRequest, SandboxState,
-    SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest,
+    ImportImageRequest, MkdirRequest, NetworkPolicy, PoolSpec, PoolUpdate, PtySize, RenameRequest,
+    SandboxState, SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest,
+    StdinRequest,
 };
 use dsec_wire::{ApiError, ErrorCode};
 use futures::StreamExt;
@@ -351,6 +352,35 @@ pub async fn commit_sandbox(
     Ok(created(api.commit_sandbox(&id, req).await?))
 }
 
+/// `POST /v1/pools`.
+pub async fn create_pool(api: Api, Json(spec): Json<PoolSpec>) -> HttpResult<Response> {
+    Ok(created(api.create_pool(spec).await?))
+}
+
+/// `GET /v1/pools`.
+pub async fn list_pools(api: Api) -> HttpResult<Response> {
+    Ok(json(api.list_pools().await?))
+}
+
+/// `GET /v1/pools/{name}`.
+pub async fn get_pool(api: Api, Path(name): Path<String>) -> HttpResult<Response> {
+    Ok(json(api.get_pool(&name).await?))
+}
+
+/// `PATCH /v1/pools/{name}`.
+pub async fn update_pool(
+    api: Api,
+    Path(name): Path<String>,
+    Json(update): Json<PoolUpdate>,
+) -> HttpResult<Response> {
+    Ok(json(api.update_pool(&name, update).await?))
+}
+
+/// `DELETE /v1/pools/{name}`.
+pub async fn delete_pool(api: Api, Path(name): Path<String>) -> HttpResult<Response> {
+    Ok(no_content(api.delete_pool(&name).await?))
+}
+
 /// `POST /v1/jobs/{job}/suspend`.
 pub async fn suspend_job(api: Api, Path(job): Path<String>) -> HttpResult<Response> {
     Ok(json(api.suspend_job(&job).await?))
@@ -671,12 +701,17 @@ pub async fn metrics(api: Api) -> HttpResult<Response> {
         Some(_) => None,
         None => api.list_nodes().await.ok(),
     };
+    let mut text = crate::metrics::render(&health, &layers, nodes.as_ref());
+    // The key's tenant's pools (an API without pools has none to show).
+    if let Ok(pools) = api.list_pools().await {
+        crate::metrics::render_pools(&mut text, &pools);
+    }
     Ok((
         [(
             axum::http::header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        crate::metrics::render(&health, &layers, nodes.as_ref()),
+        text,
     )
         .into_response())
 }

@@ -115,6 +115,13 @@ pub fn router_with(api: Arc<dyn SandboxApi>, opts: HttpOptions) -> Router {
         .route("/sandboxes/{id}/pause", post(h::pause_sandbox))
         .route("/sandboxes/{id}/resume", post(h::resume_sandbox))
         .route("/sandboxes/{id}/commit", post(h::commit_sandbox))
+        .route("/pools", post(h::create_pool).get(h::list_pools))
+        .route(
+            "/pools/{name}",
+            get(h::get_pool)
+                .patch(h::update_pool)
+                .delete(h::delete_pool),
+        )
         .route("/jobs/{job}/suspend", post(h::suspend_job))
         .route("/jobs/{job}/resume", post(h::resume_job))
         .route("/nodes", get(h::list_nodes))

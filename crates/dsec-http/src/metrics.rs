@@ -6,7 +6,7 @@
 
 use std::fmt::Write;
 
-use dsec_wire::v1::{ClusterNode, ClusterNodeList, Health, LayerStatsList};
+use dsec_wire::v1::{ClusterNode, ClusterNodeList, Health, LayerStatsList, Pool, PoolList};
 
 /// Prometheus text of `health`, `layers` and, when given, the cluster's `nodes`.
 pub fn render(health: &Health, layers: &LayerStatsList, nodes: Option<&ClusterNodeList>) -> String {
@@ -128,6 +128,79 @@ pub fn render(health: &Health, layers: &LayerStatsList, nodes: Option<&ClusterNo
         );
     }
     out
+}
+
+/// One family per warm-pool figure, a series per pool (`tenant` and `pool` labels).
+pub fn render_pools(out: &mut String, pools: &PoolList) {
+    type Field = fn(&Pool) -> f64;
+    let families: [(&str, &str, &str, Field); 9] = [
+        (
+            "dsec_pool_size",
+            "gauge",
+            "Sandboxes a warm pool holds (warm and in the making).",
+            |p| f64::from(p.size),
+        ),
+        (
+            "dsec_pool_target",
+            "gauge",
+            "The size the pool's autoscaler wants.",
+            |p| f64::from(p.target),
+        ),
+        (
+            "dsec_pool_ready",
+            "gauge",
+            "Warm sandboxes ready to be claimed.",
+            |p| f64::from(p.ready),
+        ),
+        (
+            "dsec_pool_claimed_total",
+            "counter",
+            "Claims served since the server started.",
+            |p| p.claimed as f64,
+        ),
+        (
+            "dsec_pool_queue_length",
+            "gauge",
+            "Claims waiting for a warm sandbox.",
+            |p| f64::from(p.queue_length),
+        ),
+        (
+            "dsec_pool_queue_wait_seconds",
+            "gauge",
+            "Average wait of claims over the autoscale window.",
+            |p| p.queue_wait_ms / 1000.0,
+        ),
+        (
+            "dsec_pool_scale_events",
+            "gauge",
+            "Scale events the pool keeps (its latest 32).",
+            |p| p.scale_events.len() as f64,
+        ),
+        (
+            "dsec_pool_autoscaler_inputs_age_seconds",
+            "gauge",
+            "Age of the autoscaler's inputs.",
+            |p| p.inputs_age_s,
+        ),
+        (
+            "dsec_pool_autoscaler_stale",
+            "gauge",
+            "1 when the autoscaler's inputs are older than its policy allows (an alarm).",
+            |p| f64::from(u8::from(p.stale)),
+        ),
+    ];
+    for (name, kind, help, field) in families {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for p in &pools.pools {
+            let _ = writeln!(
+                out,
+                "{name}{{tenant=\"{}\",pool=\"{}\"}} {}",
+                label(&p.tenant),
+                label(&p.spec.name),
+                field(p)
+            );
+        }
+    }
 }
 
 /// A label value in the exposition format's escaping.

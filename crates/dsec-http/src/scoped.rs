@@ -15,10 +15,10 @@ use dsec_wire::v1::{
     BuildRequest, BuildResult, ClusterNode, ClusterNodeList, CommitRequest, CreateSandboxRequest,
     CreateSessionRequest, DockerfileBuildRequest, ExecRequest, ExecResult, FileInfo, FileList,
     GcRequest, GcResult, Health, Image, ImageList, ImportImageRequest, JobResult, LayerStatsList,
-    MkdirRequest, NetworkPolicy, PauseResult, ProcessInfo, ProcessList, PtySize, PullImageRequest,
-    RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList, SessionResult,
-    SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest,
-    WriteResult,
+    MkdirRequest, NetworkPolicy, PauseResult, Pool, PoolList, PoolSpec, PoolUpdate, ProcessInfo,
+    ProcessList, PtySize, PullImageRequest, RenameRequest, Sandbox, SandboxList, SessionInfo,
+    SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
+    StartProcessRequest, StdinRequest, WriteResult,
 };
 use dsec_wire::{ApiError, ErrorCode};
 
@@ -140,6 +140,31 @@ impl Scoped {
     /// [`SandboxApi::commit_sandbox`] as this caller.
     pub async fn commit_sandbox(&self, id: &str, req: CommitRequest) -> ApiResult<Image> {
         self.api.commit_sandbox(&self.caller, id, req).await
+    }
+
+    /// [`SandboxApi::create_pool`] as this caller.
+    pub async fn create_pool(&self, spec: PoolSpec) -> ApiResult<Pool> {
+        self.api.create_pool(&self.caller, spec).await
+    }
+
+    /// [`SandboxApi::list_pools`] as this caller.
+    pub async fn list_pools(&self) -> ApiResult<PoolList> {
+        self.api.list_pools(&self.caller).await
+    }
+
+    /// [`SandboxApi::get_pool`] as this caller.
+    pub async fn get_pool(&self, name: &str) -> ApiResult<Pool> {
+        self.api.get_pool(&self.caller, name).await
+    }
+
+    /// [`SandboxApi::update_pool`] as this caller.
+    pub async fn update_pool(&self, name: &str, update: PoolUpdate) -> ApiResult<Pool> {
+        self.api.update_pool(&self.caller, name, update).await
+    }
+
+    /// [`SandboxApi::delete_pool`] as this caller.
+    pub async fn delete_pool(&self, name: &str) -> ApiResult<()> {
+        self.api.delete_pool(&self.caller, name).await
     }
 
     /// [`SandboxApi::suspend_job`] as this caller.

@@ -123,6 +123,8 @@ struct State {
     freeze: Option<std::time::Duration>,
     /// Creates wait while this is set (a node slow to build, for a test to act meanwhile).
     stall_creates: bool,
+    /// How long each create takes.
+    create_latency: std::time::Duration,
 }
 
 /// What a [`FakeNode`] was asked to do, for assertions.
@@ -254,6 +256,11 @@ impl FakeNode {
     /// nothing on the node).
     pub fn stall_creates(&self, stall: bool) {
         self.state().stall_creates = stall;
+    }
+
+    /// Every create takes `latency` (a node slow to make sandboxes).
+    pub fn set_create_latency(&self, latency: std::time::Duration) {
+        self.state().create_latency = latency;
     }
 
     /// Every ping takes `latency` (an agent slow to answer).
@@ -1041,6 +1048,10 @@ impl NodeApi for FakeNode {
         self.counters.create_calls.fetch_add(1, Ordering::Relaxed);
         while self.state().stall_creates {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let latency = self.state().create_latency;
+        if !latency.is_zero() {
+            tokio::time::sleep(latency).await;
         }
         let mut st = self.state();
         if st.down {

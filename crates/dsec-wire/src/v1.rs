@@ -12,6 +12,9 @@ pub use crate::agent::{
 };
 use crate::error::ApiError;
 
+mod pools;
+pub use pools::*;
+
 /// Header that carries the API key (`Authorization: Bearer KEY` is accepted too).
 pub const API_KEY_HEADER: &str = "x-api-key";
 
@@ -329,6 +332,43 @@ pub struct CreateSandboxRequest {
     /// left unset.
     #[serde(default)]
     pub environment: Option<Environment>,
+    /// Claim a warm sandbox of this pool of the caller's tenant (see [`PoolSpec`])
+    /// instead of making one: the environment is the pool's, so `image`, `layers`,
+    /// `environment`, `resources`, `network`, `filesystem`, `isolation`, `env`, `workdir`,
+    /// `user`, `files` and `qos` must be left unset. `labels`, `timeout_s`,
+    /// `idle_timeout_s` and `auto_resume` apply to the claimed sandbox.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
+    /// How long this create may wait for capacity (a warm sandbox of its pool) and at
+    /// which priority.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<QueueOptions>,
+}
+
+/// Priority of a create or call that waits for capacity.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Priority {
+    /// Served before every other level.
+    High,
+    /// The default.
+    #[default]
+    Medium,
+    /// Served only from spare capacity.
+    Low,
+}
+
+/// Waiting for capacity.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QueueOptions {
+    /// The priority level.
+    #[serde(default)]
+    pub priority: Priority,
+    /// The longest wait, seconds, after which the create fails with `capacity`.
+    /// Default: 30 for a pool claim.
+    #[serde(default)]
+    pub max_wait_s: Option<f64>,
 }
 
 /// A sandbox's environment: an OS base plus workspace and toolkit layers, and defaults.

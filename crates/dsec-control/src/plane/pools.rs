@@ -1,0 +1,743 @@
+//! Warm pools: a pool's spec lives in the store (`pools/<tenant>/<name>`); its members
+//! are ordinary sandbox records of its tenant labelled [`POOL_LABEL`]; a task per pool
+//! keeps it at the autoscaler's target ([`crate::autoscale`]); a create naming the pool
+//! claims a warm member, or waits in the pool's queue (first come, first served) until
+//! one is ready or its wait is over (`capacity`).
+//!
+//! A claim is one conditional record write (the label goes, the caller's lifetime and
+//! labels come), so two claims never get one sandbox, on this replica or another.
+//! Claimed sandboxes are ordinary sandboxes of the tenant: they never go back.
+//!
+//! Pools run on the API server that owns its node (`dsec serve`); replicas sharing
+//! nodes refuse them until pools are elected per replica.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use dsec_wire::v1::{Pool, PoolList, PoolSpec, PoolUpdate, POOL_LABEL, POOL_ORIGIN_LABEL};
+
+use super::*;
+use crate::autoscale::{Autoscaler, Inputs};
+
+/// Store namespace of pool specs: `<tenant>/<name>` -> [`StoredPool`].
+const NS_POOLS: &str = "pools";
+/// How often a pool's task looks at it when nothing wakes it.
+const TICK: Duration = Duration::from_millis(100);
+/// How often a pool's warm members are checked against their records.
+const RECONCILE_EVERY: Duration = Duration::from_secs(1);
+/// Members one pool makes at once.
+const MAX_PARALLEL_CREATES: u32 = 4;
+/// How long a claim waits for a warm sandbox unless it says.
+const DEFAULT_CLAIM_WAIT_S: f64 = 30.0;
+/// First and longest pause after a failed create of a member.
+const BACKOFF_MIN: Duration = Duration::from_millis(200);
+const BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// Longest pool name.
+const MAX_NAME: usize = 63;
+
+/// A pool as the store keeps it.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct StoredPool {
+    spec: PoolSpec,
+    tenant: String,
+    created_at: u64,
+}
+
+/// This API server's pools, by (tenant, name).
+#[derive(Debug, Default)]
+pub(super) struct Pools {
+    by_key: std::sync::Mutex<HashMap<(String, String), Arc<PoolRt>>>,
+}
+
+impl Pools {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Arc<PoolRt>>> {
+        self.by_key.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn get(&self, tenant: &str, name: &str) -> ApiResult<Arc<PoolRt>> {
+        self.lock()
+            .get(&(tenant.to_string(), name.to_string()))
+            .cloned()
+            .ok_or_else(|| no_pool(name))
+    }
+}
+
+impl Drop for Pools {
+    fn drop(&mut self) {
+        for pool in self.lock().values() {
+            pool.stop();
+        }
+    }
+}
+
+fn no_pool(name: &str) -> ApiError {
+    ApiError::new(ErrorCode::NotFound, format!("pool {name:?} not found"))
+}
+
+/// One pool at run time.
+#[derive(Debug)]
+struct PoolRt {
+    tenant: String,
+    created_at: u64,
+    state: std::sync::Mutex<PoolState>,
+    /// Wakes the pool's task (a claim, a member made, a change of spec).
+    changed: tokio::sync::Notify,
+    task: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+#[derive(Debug)]
+struct PoolState {
+    spec: PoolSpec,
+    scaler: Autoscaler,
+    /// Warm members, oldest first.
+    ready: VecDeque<String>,
+    /// Members being made.
+    creating: u32,
+    /// Claims waiting, first come first.
+    waiters: VecDeque<Waiter>,
+    next_waiter: u64,
+    claimed: u64,
+    last_error: Option<String>,
+    /// No member is made before this (after failures).
+    next_create_at: Instant,
+    backoff: Duration,
+    deleted: bool,
+}
+
+#[derive(Debug)]
+struct Waiter {
+    seq: u64,
+    since: Instant,
+    tx: tokio::sync::oneshot::Sender<String>,
+}
+
+impl PoolRt {
+    fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn name(&self) -> String {
+        self.lock().spec.name.clone()
+    }
+
+    fn stop(&self) {
+        if let Some(t) = self.task.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            t.abort();
+        }
+    }
+
+    /// A warm member for the first waiting claim, else for the warm list.
+    fn offer(&self, mut id: String) {
+        let mut st = self.lock();
+        while let Some(w) = st.waiters.pop_front() {
+            match w.tx.send(id) {
+                Ok(()) => return,
+                Err(back) => id = back,
+            }
+        }
+        st.ready.push_back(id);
+    }
+
+    fn status(&self) -> Pool {
+        let st = self.lock();
+        let now = now_ms();
+        let ready = st.ready.len() as u32;
+        Pool {
+            spec: st.spec.clone(),
+            tenant: self.tenant.clone(),
+            created_at: self.created_at,
+            target: st.scaler.target(),
+            size: ready + st.creating,
+            ready,
+            creating: st.creating,
+            claimed: st.claimed,
+            queue_length: st.waiters.len() as u32,
+            queue_wait_ms: st.scaler.queue_wait_ms(now),
+            scale_events: st.scaler.events().cloned().collect(),
+            inputs_age_s: st.scaler.inputs_age_ms(now) as f64 / 1000.0,
+            stale: st.scaler.stale(now),
+            last_error: st.last_error.clone(),
+        }
+    }
+}
+
+/// Refuses a pool spec that cannot work.
+fn check_spec(spec: &PoolSpec) -> ApiResult<()> {
+    let bad = |m: String| Err(ApiError::new(ErrorCode::BadRequest, m));
+    let name_ok = !spec.name.is_empty()
+        && spec.name.len() <= MAX_NAME
+        && spec
+            .name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b))
+        && spec
+            .name
+            .bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_alphanumeric());
+    if !name_ok {
+        return bad(format!(
+            "name: {:?} is not a pool name ([a-z0-9][a-z0-9._-]*, at most {MAX_NAME} bytes)",
+            spec.name
+        ));
+    }
+    check_bounds(spec.min, spec.max)?;
+    check_policy(&spec.autoscale)?;
+    let t = &spec.template;
+    if t.pool.is_some() || t.queue.is_some() {
+        return bad("template: a pool's sandboxes cannot name a pool or a queue".into());
+    }
+    if t.idempotency_key.is_some() {
+        return bad("template: idempotency_key is per create, not per pool".into());
+    }
+    if t.timeout_s.is_some() {
+        return bad(
+            "template: timeout_s is set by each claim (a warm sandbox lives as long as its pool)"
+                .into(),
+        );
+    }
+    let flat = validate::flatten_environment(t.clone())?;
+    validate::create(&flat)
+}
+
+fn check_bounds(min: u32, max: u32) -> ApiResult<()> {
+    if min > max {
+        return Err(ApiError::new(
+            ErrorCode::BadRequest,
+            format!("min ({min}) is larger than max ({max})"),
+        ));
+    }
+    if max > 10_000 {
+        return Err(ApiError::new(
+            ErrorCode::BadRequest,
+            format!("max: at most 10000 sandboxes per pool, got {max}"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_policy(p: &dsec_wire::v1::AutoscalePolicy) -> ApiResult<()> {
+    let positive = [
+        ("window_s", p.window_s),
+        ("idle_window_s", p.idle_window_s),
+        ("stale_after_s", p.stale_after_s),
+    ];
+    for (field, v) in positive {
+        if !v.is_finite() || v <= 0.0 || v > 86_400.0 {
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                format!("autoscale.{field} must be in (0, 86400], got {v}"),
+            ));
+        }
+    }
+    let checks = [
+        (
+            "cooldown_s",
+            p.cooldown_s.is_finite() && (0.0..=86_400.0).contains(&p.cooldown_s),
+            "[0, 86400]",
+        ),
+        (
+            "scale_up_factor",
+            p.scale_up_factor.is_finite() && p.scale_up_factor > 1.0 && p.scale_up_factor <= 16.0,
+            "(1, 16]",
+        ),
+        (
+            "idle_ratio",
+            p.idle_ratio.is_finite() && (0.0..1.0).contains(&p.idle_ratio),
+            "[0, 1)",
+        ),
+        (
+            "scale_down_fraction",
+            p.scale_down_fraction.is_finite()
+                && p.scale_down_fraction > 0.0
+                && p.scale_down_fraction <= 1.0,
+            "(0, 1]",
+        ),
+    ];
+    for (field, ok, range) in checks {
+        if !ok {
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                format!("autoscale.{field} must be in {range}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a claim that also describes an environment (the pool's is used).
+pub(super) fn check_claim(req: &CreateSandboxRequest) -> ApiResult<()> {
+    let set: [(&str, bool); 12] = [
+        ("image", req.image.is_some()),
+        ("layers", !req.layers.is_empty()),
+        ("environment", req.environment.is_some()),
+        ("resources", req.resources != Resources::default()),
+        ("network", req.network != NetworkPolicy::default()),
+        ("filesystem", req.filesystem != FilesystemPolicy::default()),
+        ("isolation", req.isolation != Isolation::default()),
+        ("env", !req.env.is_empty()),
+        ("workdir", req.workdir.is_some()),
+        ("user", req.user.is_some()),
+        ("files", !req.files.is_empty()),
+        ("qos", req.qos != Qos::default()),
+    ];
+    if let Some((field, _)) = set.iter().find(|(_, s)| *s) {
+        return Err(ApiError::new(
+            ErrorCode::BadRequest,
+            format!("{field}: a create from a pool takes the pool's environment; leave it unset"),
+        ));
+    }
+    if req.idempotency_key.is_some() {
+        return Err(ApiError::new(
+            ErrorCode::BadRequest,
+            "idempotency_key: not supported with pool yet",
+        ));
+    }
+    if let Some(t) = req.timeout_s {
+        if t == 0 || t > MAX_TIMEOUT_S {
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                format!("timeout_s must be in [1, {MAX_TIMEOUT_S}]"),
+            ));
+        }
+    }
+    if let Some(w) = req.queue.and_then(|q| q.max_wait_s) {
+        if !w.is_finite() || !(0.0..=3600.0).contains(&w) {
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                format!("queue.max_wait_s must be in [0, 3600], got {w}"),
+            ));
+        }
+    }
+    validate::create(req)
+}
+
+impl ControlPlane {
+    fn pools_supported(&self) -> ApiResult<()> {
+        if self.cfg.sole_owner {
+            Ok(())
+        } else {
+            Err(ApiError::new(
+                ErrorCode::BadRequest,
+                "warm pools run on a single API server per node (dsec serve) for now, not on \
+                 API server replicas sharing nodes",
+            ))
+        }
+    }
+
+    /// Loads the stored pools with their warm members and starts their tasks (at open).
+    pub(super) async fn load_pools(&self) -> ApiResult<()> {
+        if !self.cfg.sole_owner {
+            return Ok(());
+        }
+        let (entries, _) = self.store.list(NS_POOLS).await.map_err(store_err)?;
+        for e in entries {
+            let stored: StoredPool = match serde_json::from_slice(&e.value) {
+                Ok(p) => p,
+                Err(err) => {
+                    tracing::warn!(key = %e.key, error = %err, "skipping an unreadable pool");
+                    continue;
+                }
+            };
+            let name = stored.spec.name.clone();
+            let warm: Vec<String> = self
+                .records
+                .filter(|s| {
+                    s.tenant == stored.tenant
+                        && s.state == SandboxState::Ready
+                        && s.labels.get(POOL_LABEL) == Some(&name)
+                })
+                .into_iter()
+                .map(|s| s.id)
+                .collect();
+            tracing::info!(pool = %name, tenant = %stored.tenant, warm = warm.len(), "pool loaded");
+            self.start_pool(stored, warm.into());
+        }
+        Ok(())
+    }
+
+    fn start_pool(&self, stored: StoredPool, ready: VecDeque<String>) -> Arc<PoolRt> {
+        let spec = stored.spec;
+        let pool = Arc::new(PoolRt {
+            tenant: stored.tenant.clone(),
+            created_at: stored.created_at,
+            state: std::sync::Mutex::new(PoolState {
+                scaler: Autoscaler::new(spec.min, spec.max, spec.autoscale.clone(), now_ms()),
+                spec: spec.clone(),
+                ready,
+                creating: 0,
+                waiters: VecDeque::new(),
+                next_waiter: 0,
+                claimed: 0,
+                last_error: None,
+                next_create_at: Instant::now(),
+                backoff: BACKOFF_MIN,
+                deleted: false,
+            }),
+            changed: tokio::sync::Notify::new(),
+            task: Default::default(),
+        });
+        let task = tokio::spawn(run_pool(self.me.clone(), pool.clone()));
+        *pool.task.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
+        self.pools
+            .lock()
+            .insert((stored.tenant, spec.name), pool.clone());
+        pool
+    }
+
+    pub(super) async fn create_pool_to_end(&self, tenant: &str, spec: PoolSpec) -> ApiResult<Pool> {
+        self.pools_supported()?;
+        check_spec(&spec)?;
+        let stored = StoredPool {
+            spec,
+            tenant: tenant.to_string(),
+            created_at: now_ms(),
+        };
+        let key = format!("{tenant}/{}", stored.spec.name);
+        let value = serde_json::to_vec(&stored).map_err(internal)?;
+        match self
+            .store
+            .put(NS_POOLS, &key, &value, dsec_state::Expect::Absent)
+            .await
+        {
+            Ok(_) => {}
+            Err(dsec_state::StateError::Conflict { .. }) => {
+                return Err(ApiError::new(
+                    ErrorCode::Conflict,
+                    format!("pool {:?} already exists", stored.spec.name),
+                ))
+            }
+            Err(e) => return Err(store_err(e)),
+        }
+        Ok(self.start_pool(stored, VecDeque::new()).status())
+    }
+
+    pub(super) fn list_pools_of(&self, tenant: &str) -> PoolList {
+        let mut pools: Vec<Pool> = self
+            .pools
+            .lock()
+            .iter()
+            .filter(|((t, _), _)| t == tenant)
+            .map(|(_, p)| p.status())
+            .collect();
+        pools.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
+        PoolList { pools }
+    }
+
+    pub(super) fn pool_status(&self, tenant: &str, name: &str) -> ApiResult<Pool> {
+        Ok(self.pools.get(tenant, name)?.status())
+    }
+
+    pub(super) async fn update_pool_to_end(
+        &self,
+        tenant: &str,
+        name: &str,
+        update: PoolUpdate,
+    ) -> ApiResult<Pool> {
+        let pool = self.pools.get(tenant, name)?;
+        let mut spec = pool.lock().spec.clone();
+        spec.min = update.min.unwrap_or(spec.min);
+        spec.max = update.max.unwrap_or(spec.max);
+        if let Some(p) = update.autoscale {
+            spec.autoscale = p;
+        }
+        check_bounds(spec.min, spec.max)?;
+        check_policy(&spec.autoscale)?;
+        let stored = StoredPool {
+            spec: spec.clone(),
+            tenant: tenant.to_string(),
+            created_at: pool.created_at,
+        };
+        let value = serde_json::to_vec(&stored).map_err(internal)?;
+        self.store
+            .put(
+                NS_POOLS,
+                &format!("{tenant}/{name}"),
+                &value,
+                dsec_state::Expect::Any,
+            )
+            .await
+            .map_err(store_err)?;
+        {
+            let mut st = pool.lock();
+            st.scaler
+                .reconfigure(spec.min, spec.max, spec.autoscale.clone(), now_ms());
+            st.spec = spec;
+        }
+        pool.changed.notify_one();
+        Ok(pool.status())
+    }
+
+    /// Deletes a pool: its waiting claims fail, its warm members are deleted (claimed
+    /// ones are the tenant's and stay).
+    pub(super) async fn delete_pool_to_end(&self, tenant: &str, name: &str) -> ApiResult<()> {
+        let pool = self.pools.get(tenant, name)?;
+        self.store
+            .delete(
+                NS_POOLS,
+                &format!("{tenant}/{name}"),
+                dsec_state::Expect::Any,
+            )
+            .await
+            .map_err(store_err)?;
+        self.pools
+            .lock()
+            .remove(&(tenant.to_string(), name.to_string()));
+        pool.stop();
+        let warm: Vec<String> = {
+            let mut st = pool.lock();
+            st.deleted = true;
+            // Dropping the senders fails the waiting claims.
+            st.waiters.clear();
+            st.ready.drain(..).collect()
+        };
+        for id in warm {
+            if let Err(e) = self.remove(&id, None).await {
+                tracing::warn!(%id, error = %e.message, "deleting a warm sandbox of a deleted pool");
+            }
+        }
+        Ok(())
+    }
+
+    /// A create naming a pool: claims a warm member, waiting for one at most the
+    /// request's `queue.max_wait_s`.
+    pub(super) async fn claim_to_end(
+        &self,
+        tenant: &str,
+        req: CreateSandboxRequest,
+    ) -> ApiResult<Sandbox> {
+        check_claim(&req)?;
+        let name = req.pool.clone().unwrap_or_default();
+        let pool = self.pools.get(tenant, &name)?;
+        let max_wait = req
+            .queue
+            .and_then(|q| q.max_wait_s)
+            .unwrap_or(DEFAULT_CLAIM_WAIT_S);
+        let start = Instant::now();
+        let deadline = start + Duration::from_secs_f64(max_wait);
+        loop {
+            let (id, waiting) = {
+                let mut st = pool.lock();
+                if st.deleted {
+                    return Err(no_pool(&name));
+                }
+                match st.ready.pop_front() {
+                    Some(id) => (Some(id), None),
+                    None => {
+                        let (tx, rx) = tokio::sync::oneshot::channel();
+                        let seq = st.next_waiter;
+                        st.next_waiter += 1;
+                        st.waiters.push_back(Waiter {
+                            seq,
+                            since: start,
+                            tx,
+                        });
+                        (None, Some((seq, rx)))
+                    }
+                }
+            };
+            pool.changed.notify_one();
+            let id = match (id, waiting) {
+                (Some(id), _) => id,
+                (None, Some((seq, mut rx))) => {
+                    match tokio::time::timeout_at(deadline.into(), &mut rx).await {
+                        Ok(Ok(id)) => id,
+                        Ok(Err(_)) => return Err(no_pool(&name)),
+                        Err(_) => {
+                            pool.lock().waiters.retain(|w| w.seq != seq);
+                            // Handed one between the timeout and the removal.
+                            match rx.try_recv() {
+                                Ok(id) => id,
+                                Err(_) => {
+                                    return Err(ApiError::new(
+                                        ErrorCode::Capacity,
+                                        format!(
+                                            "pool {name:?} had no warm sandbox within {max_wait} s \
+                                             (queue.max_wait_s); it is growing"
+                                        ),
+                                    ))
+                                }
+                            }
+                        }
+                    }
+                }
+                (None, None) => unreachable!("a claim either takes a member or waits"),
+            };
+            match self.take_member(&name, &id, &req).await {
+                Ok(sb) => {
+                    let waited = start.elapsed().as_millis() as u64;
+                    let mut st = pool.lock();
+                    st.scaler.served(now_ms(), waited);
+                    st.claimed += 1;
+                    return Ok(sb);
+                }
+                // Gone meanwhile (deleted, expired, failed): the next one.
+                Err(e) => {
+                    tracing::info!(pool = %name, %id, error = %e.message, "a warm sandbox could not be claimed; taking another");
+                }
+            }
+        }
+    }
+
+    /// Makes warm member `id` of pool `name` the caller's sandbox: one conditional record
+    /// write, then its node's clock.
+    async fn take_member(
+        &self,
+        name: &str,
+        id: &str,
+        req: &CreateSandboxRequest,
+    ) -> ApiResult<Sandbox> {
+        let now = now_ms();
+        let timeout_s = req.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S);
+        let (sb, _) = self
+            .change(id, |sb| {
+                if sb.state != SandboxState::Ready
+                    || sb.labels.get(POOL_LABEL).map(String::as_str) != Some(name)
+                {
+                    return Err(ApiError::new(
+                        ErrorCode::Conflict,
+                        format!("sandbox {id} is no longer a warm member of pool {name:?}"),
+                    ));
+                }
+                sb.labels.remove(POOL_LABEL);
+                sb.labels.extend(req.labels.clone());
+                sb.labels
+                    .insert(POOL_ORIGIN_LABEL.to_string(), name.to_string());
+                sb.expires_at = now + timeout_s * 1000;
+                sb.idle_timeout_s = req.idle_timeout_s;
+                sb.auto_resume = req.auto_resume;
+                sb.last_active_at = now;
+                Ok(true)
+            })
+            .await?;
+        let node = self.node_of(&sb)?;
+        if let Err(e) = node
+            .set_lifetime(id, lifecycle::node_lifetime(&sb, now, false))
+            .await
+        {
+            // Claimed but its clock unknown: it must not stay.
+            let _ = self.remove(id, None).await;
+            return Err(e);
+        }
+        Ok(sb)
+    }
+
+    /// Makes one member of `pool` and offers it.
+    async fn make_member(&self, pool: &PoolRt) {
+        let (mut req, name) = {
+            let st = pool.lock();
+            (st.spec.template.clone(), st.spec.name.clone())
+        };
+        req.labels.insert(POOL_LABEL.to_string(), name.clone());
+        req.timeout_s = Some(MAX_TIMEOUT_S);
+        let made = self.create_sandbox_to_end(&pool.tenant, req).await;
+        let orphan = {
+            let mut st = pool.lock();
+            st.creating = st.creating.saturating_sub(1);
+            match &made {
+                Ok(_) => {
+                    st.last_error = None;
+                    st.backoff = BACKOFF_MIN;
+                }
+                Err(e) => {
+                    tracing::warn!(pool = %name, error = %e.message, "making a warm sandbox failed");
+                    st.last_error = Some(e.message.clone());
+                    st.next_create_at = Instant::now() + st.backoff;
+                    st.backoff = (st.backoff * 2).min(BACKOFF_MAX);
+                }
+            }
+            st.deleted
+        };
+        if let Ok(sb) = made {
+            if orphan {
+                let _ = self.remove(&sb.id, None).await;
+            } else {
+                pool.offer(sb.id);
+            }
+        }
+        pool.changed.notify_one();
+    }
+
+    /// Drops warm members whose record is gone or changed (deleted, expired, failed).
+    fn reconcile_pool(&self, pool: &PoolRt) {
+        let name = pool.name();
+        let live: std::collections::HashSet<String> = self
+            .records
+            .filter(|s| {
+                s.tenant == pool.tenant
+                    && s.state == SandboxState::Ready
+                    && s.labels.get(POOL_LABEL) == Some(&name)
+            })
+            .into_iter()
+            .map(|s| s.id)
+            .collect();
+        pool.lock().ready.retain(|id| live.contains(id));
+    }
+}
+
+/// A pool's task: observes it, lets the autoscaler set the target, and makes or deletes
+/// members to meet it.
+async fn run_pool(plane: Weak<ControlPlane>, pool: Arc<PoolRt>) {
+    let mut reconciled = Instant::now();
+    loop {
+        tokio::select! {
+            _ = pool.changed.notified() => {}
+            _ = tokio::time::sleep(TICK) => {}
+        }
+        let Some(plane) = plane.upgrade() else { return };
+        if reconciled.elapsed() >= RECONCILE_EVERY {
+            plane.reconcile_pool(&pool);
+            reconciled = Instant::now();
+        }
+        let (make, surplus) = {
+            let mut st = pool.lock();
+            if st.deleted {
+                return;
+            }
+            st.waiters.retain(|w| !w.tx.is_closed());
+            let now = Instant::now();
+            let ready = st.ready.len() as u32;
+            let inputs = Inputs {
+                size: ready + st.creating,
+                idle: ready,
+                waiting: st.waiters.len() as u32,
+                waiting_ms: st
+                    .waiters
+                    .iter()
+                    .map(|w| now.duration_since(w.since).as_millis() as u64)
+                    .sum(),
+            };
+            if st.scaler.stale(now_ms()) {
+                tracing::warn!(pool = %st.spec.name, age_ms = st.scaler.inputs_age_ms(now_ms()),
+                    "the pool's autoscaler inputs were stale (its task was held up)");
+            }
+            if let Some(e) = st.scaler.observe(now_ms(), inputs) {
+                tracing::info!(pool = %st.spec.name, from = e.from, to = e.to, reason = ?e.reason, "pool scaled");
+            }
+            let target = st.scaler.target();
+            let make = if now >= st.next_create_at {
+                target
+                    .saturating_sub(inputs.size)
+                    .min(MAX_PARALLEL_CREATES.saturating_sub(st.creating))
+            } else {
+                0
+            };
+            st.creating += make;
+            let excess = inputs.size.saturating_sub(target).min(ready) as usize;
+            let surplus: Vec<String> = (0..excess).filter_map(|_| st.ready.pop_back()).collect();
+            (make, surplus)
+        };
+        for _ in 0..make {
+            let (plane, pool) = (plane.clone(), pool.clone());
+            tokio::spawn(async move { plane.make_member(&pool).await });
+        }
+        for id in surplus {
+            let plane = plane.clone();
+            tokio::spawn(async move {
+                if let Err(e) = plane.remove(&id, None).await {
+                    tracing::warn!(%id, error = %e.message, "deleting a surplus warm sandbox");
+                }
+            });
+        }
+    }
+}

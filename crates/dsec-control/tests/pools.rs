@@ -1,0 +1,504 @@
+//! Warm pools over a `FakeNode` and a real redb store, without root: claims, refills,
+//! the autoscaler growing under a burst and shrinking when idle, tenant isolation, bad
+//! specs and claims, deletion, and a restart that adopts the warm sandboxes.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dsec_control::{ControlConfig, ControlPlane, Principal, SandboxApi, Scope};
+use dsec_node_api::fake::{shell_request, FakeNode};
+use dsec_state::RedbStore;
+use dsec_wire::v1::{
+    AutoscalePolicy, CreateSandboxRequest, Pool, PoolSpec, PoolUpdate, QueueOptions, ScaleReason,
+    POOL_LABEL, POOL_ORIGIN_LABEL,
+};
+use dsec_wire::ErrorCode;
+
+/// A principal of tenant `name`, which is created on `plane` first.
+async fn tenant_on(plane: &ControlPlane, name: &str) -> Principal {
+    if let Err(e) = plane
+        .iam()
+        .create_tenant(name, dsec_iam::Quotas::default())
+        .await
+    {
+        panic!("create tenant {name}: {e}");
+    }
+    tenant(name)
+}
+
+fn tenant(name: &str) -> Principal {
+    Principal {
+        tenant: name.into(),
+        key_id: format!("key-of-{name}"),
+        scopes: vec![Scope::Sandboxes],
+    }
+}
+
+struct Fixture {
+    node: Arc<FakeNode>,
+    store: Arc<RedbStore>,
+    plane: Arc<ControlPlane>,
+    _dir: tempfile::TempDir,
+}
+
+impl Fixture {
+    async fn new() -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store =
+            Arc::new(RedbStore::open(&dir.path().join("state.redb")).expect("open the store"));
+        let node = Arc::new(FakeNode::new("fake-1"));
+        let plane = open(&node, &store).await;
+        Self {
+            node,
+            store,
+            plane,
+            _dir: dir,
+        }
+    }
+}
+
+async fn open(node: &Arc<FakeNode>, store: &Arc<RedbStore>) -> Arc<ControlPlane> {
+    let mut cfg = ControlConfig::with_key("k".into());
+    cfg.reap_interval = Duration::from_millis(50);
+    ControlPlane::open(cfg, node.clone(), store.clone())
+        .await
+        .unwrap_or_else(|e| panic!("open the plane: {e:?}"))
+}
+
+fn spec(name: &str, min: u32, max: u32) -> PoolSpec {
+    PoolSpec {
+        name: name.into(),
+        template: CreateSandboxRequest {
+            env: [("FROM_POOL".to_string(), "1".to_string())].into(),
+            labels: [("team".to_string(), "rl".to_string())].into(),
+            ..Default::default()
+        },
+        min,
+        max,
+        autoscale: AutoscalePolicy::default(),
+    }
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn claim(pool: &str) -> CreateSandboxRequest {
+    CreateSandboxRequest {
+        pool: Some(pool.into()),
+        ..Default::default()
+    }
+}
+
+/// Waits up to `secs` for `pool` of `caller` to satisfy `cond`; its last state.
+async fn wait_pool(
+    plane: &ControlPlane,
+    caller: &Principal,
+    pool: &str,
+    secs: u64,
+    cond: impl Fn(&Pool) -> bool,
+) -> Pool {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        let p = plane
+            .get_pool(caller, pool)
+            .await
+            .unwrap_or_else(|e| panic!("get pool {pool}: {e:?}"));
+        if cond(&p) || Instant::now() > deadline {
+            return p;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_takes_a_warm_sandbox_and_the_pool_refills() {
+    let fx = Fixture::new().await;
+    let me = tenant_on(&fx.plane, "alice").await;
+    let p = fx
+        .plane
+        .create_pool(&me, spec("py", 2, 4))
+        .await
+        .expect("create pool");
+    assert_eq!((p.spec.min, p.target), (2, 2));
+    let p = wait_pool(&fx.plane, &me, "py", 10, |p| p.ready == 2).await;
+    assert_eq!((p.ready, p.size), (2, 2), "{p:?}");
+    let warm_before = fx.node.sandbox_ids();
+
+    let mut req = claim("py");
+    req.labels.insert("task".into(), "t-1".into());
+    req.timeout_s = Some(120);
+    let sb = fx.plane.create_sandbox(&me, req).await.expect("claim");
+    assert!(
+        warm_before.contains(&sb.id),
+        "a warm sandbox was handed out"
+    );
+    assert_eq!(sb.tenant, "alice");
+    assert_eq!(sb.labels.get(POOL_LABEL), None, "no longer a member");
+    assert_eq!(
+        sb.labels.get(POOL_ORIGIN_LABEL).map(String::as_str),
+        Some("py")
+    );
+    assert_eq!(sb.labels.get("task").map(String::as_str), Some("t-1"));
+    assert_eq!(sb.labels.get("team").map(String::as_str), Some("rl"));
+    assert!(
+        sb.expires_at <= sb.last_active_at + 120_000,
+        "the claim's timeout"
+    );
+    // It is an ordinary sandbox with the pool's environment.
+    let r = fx
+        .plane
+        .exec(&me, &sb.id, shell_request("echo $FROM_POOL"))
+        .await
+        .expect("exec");
+    assert_eq!(r.exit.exit_code, Some(0));
+
+    // The pool makes another behind it.
+    let p = wait_pool(&fx.plane, &me, "py", 10, |p| p.ready == 2).await;
+    assert_eq!((p.ready, p.claimed), (2, 1), "{p:?}");
+    assert_eq!(fx.node.sandbox_ids().len(), 3);
+    // Deleting the claimed sandbox leaves the pool alone.
+    fx.plane.delete_sandbox(&me, &sb.id).await.expect("delete");
+    let p = fx.plane.get_pool(&me, "py").await.expect("get");
+    assert_eq!(p.ready, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_grows_the_pool_within_one_window_and_idleness_shrinks_it() {
+    let fx = Fixture::new().await;
+    let me = tenant_on(&fx.plane, "burst").await;
+    let mut s = spec("burst", 10, 80);
+    s.autoscale = AutoscalePolicy {
+        window_s: 1.0,
+        target_queue_wait_ms: 200,
+        idle_window_s: 1.0,
+        cooldown_s: 0.5,
+        ..AutoscalePolicy::default()
+    };
+    fx.plane.create_pool(&me, s).await.expect("create pool");
+    wait_pool(&fx.plane, &me, "burst", 10, |p| p.ready == 10).await;
+    // Each new sandbox takes 300 ms: 100 claims against 10 warm ones queue.
+    fx.node.set_create_latency(Duration::from_millis(300));
+    let started_ms = unix_ms();
+    let claims: Vec<_> = (0..100)
+        .map(|_| {
+            let (plane, me) = (fx.plane.clone(), me.clone());
+            tokio::spawn(async move {
+                let mut req = claim("burst");
+                req.queue = Some(QueueOptions {
+                    max_wait_s: Some(60.0),
+                    ..Default::default()
+                });
+                plane.create_sandbox(&me, req).await
+            })
+        })
+        .collect();
+    let grown = wait_pool(&fx.plane, &me, "burst", 10, |p| p.target > 10).await;
+    let ids: Vec<String> = futures::future::join_all(claims)
+        .await
+        .into_iter()
+        .map(|r| {
+            r.expect("join")
+                .unwrap_or_else(|e| panic!("claim: {e:?}"))
+                .id
+        })
+        .collect();
+    let unique: std::collections::HashSet<&String> = ids.iter().collect();
+    assert_eq!(unique.len(), 100, "no sandbox was handed out twice");
+    let first_up = grown
+        .scale_events
+        .iter()
+        .find(|e| e.reason == ScaleReason::QueueWait)
+        .unwrap_or_else(|| panic!("no scale-up: {grown:?}"));
+    assert!(first_up.to >= 20, "x2: {first_up:?}");
+    assert!(
+        first_up.at.saturating_sub(started_ms) <= 1000 + 500,
+        "grew {} ms after the burst began: within one window (1 s) and a tick",
+        first_up.at.saturating_sub(started_ms)
+    );
+
+    // Nothing claims now: the idle share stays above 40%, so it shrinks to min.
+    fx.node.set_create_latency(Duration::ZERO);
+    let p = wait_pool(&fx.plane, &me, "burst", 30, |p| {
+        p.target == 10 && p.size == 10
+    })
+    .await;
+    assert_eq!((p.target, p.size), (10, 10), "{p:?}");
+    assert!(
+        p.scale_events.iter().any(|e| e.reason == ScaleReason::Idle),
+        "{p:?}"
+    );
+    assert!(p.scale_events.iter().all(|e| e.to <= 80 && e.to >= 10));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pools_are_per_tenant() {
+    let fx = Fixture::new().await;
+    let alice = tenant_on(&fx.plane, "alice").await;
+    let bob = tenant_on(&fx.plane, "bob").await;
+    fx.plane
+        .create_pool(&alice, spec("shared-name", 1, 2))
+        .await
+        .expect("alice's pool");
+    wait_pool(&fx.plane, &alice, "shared-name", 10, |p| p.ready == 1).await;
+    // Bob does not see alice's pool and cannot claim from it.
+    let e = fx
+        .plane
+        .get_pool(&bob, "shared-name")
+        .await
+        .expect_err("refused");
+    assert_eq!(e.code, ErrorCode::NotFound);
+    assert!(fx
+        .plane
+        .list_pools(&bob)
+        .await
+        .expect("list")
+        .pools
+        .is_empty());
+    let e = fx
+        .plane
+        .create_sandbox(&bob, claim("shared-name"))
+        .await
+        .expect_err("refused");
+    assert_eq!(e.code, ErrorCode::NotFound, "{e:?}");
+    // His own pool of the same name is his: its sandboxes are his.
+    fx.plane
+        .create_pool(&bob, spec("shared-name", 1, 2))
+        .await
+        .expect("bob's pool");
+    let sb = fx
+        .plane
+        .create_sandbox(&bob, claim("shared-name"))
+        .await
+        .expect("bob claims");
+    assert_eq!(sb.tenant, "bob");
+    let e = fx
+        .plane
+        .get_sandbox(&alice, &sb.id)
+        .await
+        .expect_err("refused");
+    assert_eq!(e.code, ErrorCode::NotFound);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_specs_and_claims_are_refused_with_what_is_wrong() {
+    let fx = Fixture::new().await;
+    let me = tenant_on(&fx.plane, "picky").await;
+    let cases: Vec<(PoolSpec, &str)> = vec![
+        (spec("x", 5, 2), "min (5) is larger than max (2)"),
+        (spec("Bad Name", 1, 2), "is not a pool name"),
+        (
+            PoolSpec {
+                template: CreateSandboxRequest {
+                    timeout_s: Some(60),
+                    ..Default::default()
+                },
+                ..spec("t", 1, 2)
+            },
+            "timeout_s is set by each claim",
+        ),
+        (
+            PoolSpec {
+                autoscale: AutoscalePolicy {
+                    scale_up_factor: 0.5,
+                    ..Default::default()
+                },
+                ..spec("f", 1, 2)
+            },
+            "autoscale.scale_up_factor",
+        ),
+        (
+            PoolSpec {
+                template: CreateSandboxRequest {
+                    image: Some("no-such-image".into()),
+                    ..Default::default()
+                },
+                ..spec("img", 0, 2)
+            },
+            "",
+        ),
+    ];
+    for (s, words) in cases {
+        let name = s.name.clone();
+        match fx.plane.create_pool(&me, s).await {
+            Err(e) => {
+                assert_eq!(e.code, ErrorCode::BadRequest, "{name}: {e:?}");
+                assert!(e.message.contains(words), "{name}: {}", e.message);
+            }
+            // An unknown image is found when the pool makes its first sandbox.
+            Ok(p) if name == "img" => assert_eq!(p.target, 0),
+            Ok(p) => panic!("{name}: accepted {p:?}"),
+        }
+    }
+    let e = fx
+        .plane
+        .create_pool(&me, spec("img", 0, 1))
+        .await
+        .expect_err("refused");
+    assert_eq!(e.code, ErrorCode::Conflict, "a second pool of one name");
+
+    // A pool whose image is unknown says so in its status once a claim makes it try.
+    let mut req = claim("img");
+    req.queue = Some(QueueOptions {
+        max_wait_s: Some(0.3),
+        ..Default::default()
+    });
+    let e = fx
+        .plane
+        .create_sandbox(&me, req)
+        .await
+        .expect_err("refused");
+    assert_eq!(e.code, ErrorCode::Capacity, "{e:?}");
+    let p = wait_pool(&fx.plane, &me, "img", 10, |p| p.last_error.is_some()).await;
+    assert!(
+        p.last_error
+            .as_deref()
+            .unwrap_or("")
+            .contains("no-such-image"),
+        "{p:?}"
+    );
+
+    // Claims that describe an environment, or forge pool labels.
+    fx.plane
+        .create_pool(&me, spec("ok", 0, 1))
+        .await
+        .expect("pool");
+    let mut with_image = claim("ok");
+    with_image.image = Some("base".into());
+    let e = fx
+        .plane
+        .create_sandbox(&me, with_image)
+        .await
+        .expect_err("refused");
+    assert!(e.message.contains("image: a create from a pool"), "{e:?}");
+    let forged = CreateSandboxRequest {
+        labels: [(POOL_LABEL.to_string(), "ok".to_string())].into(),
+        ..Default::default()
+    };
+    let e = fx
+        .plane
+        .create_sandbox(&me, forged)
+        .await
+        .expect_err("refused");
+    assert_eq!(e.code, ErrorCode::BadRequest, "{e:?}");
+    let e = fx
+        .plane
+        .create_sandbox(&me, claim("no-such-pool"))
+        .await
+        .expect_err("refused");
+    assert_eq!(e.code, ErrorCode::NotFound);
+    let e = fx
+        .plane
+        .update_pool(
+            &me,
+            "ok",
+            PoolUpdate {
+                min: Some(3),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect_err("refused");
+    assert!(
+        e.message.contains("min (3) is larger than max (1)"),
+        "{e:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_pool_deletes_its_warm_sandboxes_and_keeps_claimed_ones() {
+    let fx = Fixture::new().await;
+    let me = tenant_on(&fx.plane, "del").await;
+    fx.plane
+        .create_pool(&me, spec("gone", 3, 3))
+        .await
+        .expect("pool");
+    wait_pool(&fx.plane, &me, "gone", 10, |p| p.ready == 3).await;
+    let kept = fx
+        .plane
+        .create_sandbox(&me, claim("gone"))
+        .await
+        .expect("claim");
+    wait_pool(&fx.plane, &me, "gone", 10, |p| p.ready == 3).await;
+    fx.plane.delete_pool(&me, "gone").await.expect("delete");
+    assert_eq!(fx.node.sandbox_ids(), vec![kept.id.clone()]);
+    let e = fx.plane.get_pool(&me, "gone").await.expect_err("refused");
+    assert_eq!(e.code, ErrorCode::NotFound);
+    fx.plane
+        .get_sandbox(&me, &kept.id)
+        .await
+        .expect("the claimed one stays");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_adopts_the_warm_sandboxes() {
+    let fx = Fixture::new().await;
+    let me = tenant_on(&fx.plane, "restart").await;
+    fx.plane
+        .create_pool(&me, spec("keep", 2, 4))
+        .await
+        .expect("pool");
+    wait_pool(&fx.plane, &me, "keep", 10, |p| p.ready == 2).await;
+    let warm = fx.node.sandbox_ids();
+    drop(fx.plane);
+    let plane = open(&fx.node, &fx.store).await;
+    let p = plane.get_pool(&me, "keep").await.expect("the pool is back");
+    assert_eq!(p.ready, 2, "{p:?}");
+    // Nothing new was made: the same sandboxes serve claims.
+    let sb = plane
+        .create_sandbox(&me, claim("keep"))
+        .await
+        .expect("claim");
+    assert!(warm.contains(&sb.id));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_on_an_empty_pool_waits_for_the_next_sandbox_or_its_max_wait() {
+    let fx = Fixture::new().await;
+    let me = tenant_on(&fx.plane, "wait").await;
+    fx.plane
+        .create_pool(&me, spec("zero", 0, 1))
+        .await
+        .expect("pool");
+    // A pool at zero makes one as soon as a claim waits.
+    let sb = fx
+        .plane
+        .create_sandbox(&me, claim("zero"))
+        .await
+        .expect("claim from zero");
+    assert_eq!(
+        sb.labels.get(POOL_ORIGIN_LABEL).map(String::as_str),
+        Some("zero")
+    );
+    // Claimed sandboxes leave the pool: it makes another.
+    wait_pool(&fx.plane, &me, "zero", 10, |p| p.ready == 1).await;
+    // A node that makes nothing now: the warm one is claimed, the next claim waits its
+    // max_wait_s and gets `capacity`.
+    fx.node.stall_creates(true);
+    fx.plane
+        .create_sandbox(&me, claim("zero"))
+        .await
+        .expect("the warm one");
+    let mut req = claim("zero");
+    req.queue = Some(QueueOptions {
+        max_wait_s: Some(0.2),
+        ..Default::default()
+    });
+    let started = Instant::now();
+    let e = fx
+        .plane
+        .create_sandbox(&me, req)
+        .await
+        .expect_err("refused");
+    assert_eq!(e.code, ErrorCode::Capacity, "{e:?}");
+    assert!(started.elapsed() >= Duration::from_millis(200));
+    assert!(e.message.contains("max_wait_s"), "{e:?}");
+    fx.node.stall_creates(false);
+    let p = wait_pool(&fx.plane, &me, "zero", 10, |p| {
+        p.queue_length == 0 && p.ready == 1
+    })
+    .await;
+    assert_eq!(p.queue_length, 0, "the timed-out claim left the queue");
+}
