@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
 import pytest
@@ -371,3 +372,39 @@ def test_pull_image_errors_are_raised(client: dsec.Client) -> None:
     assert f"127.0.0.1:{port}" in str(e.value)
     assert phases == ["resolving"]
     assert all(i.name != f"127.0.0.1:{port}/none:v1" for i in client.list_images())
+
+
+def test_warm_pool_claims_with_the_sdk(client: dsec.Client) -> None:
+    name = f"py-{uuid.uuid4().hex[:8]}"
+    pool = client.create_pool(name, template={"env": {"FROM": "pool"}, "workdir": "/tmp"}, min=2, max=4)
+    try:
+        assert pool["spec"]["name"] == name and pool["target"] == 2
+        deadline = time.time() + 60
+        while client.get_pool(name)["ready"] < 2:
+            assert time.time() < deadline, client.get_pool(name)
+            time.sleep(0.05)
+        # The SDK's retry key rides along: a keyed claim takes one warm sandbox.
+        with dsec.Sandbox.create(client, pool=name, labels={"task": "1"}, timeout=300) as sb:
+            assert sb.info.labels["dsec-pool-origin"] == name
+            assert sb.exec("echo $FROM; pwd").stdout == "pool\n/tmp\n"
+        assert client.get_pool(name)["claimed"] == 1
+        assert name in [p["spec"]["name"] for p in client.list_pools()]
+        # A claim that describes an environment is refused with what is wrong.
+        with pytest.raises(dsec.DsecError) as ei:
+            dsec.Sandbox.create(client, pool=name, image="base")
+        assert "leave it unset" in str(ei.value)
+        client.update_pool(name, min=0, max=0)
+        deadline = time.time() + 30
+        while client.get_pool(name)["size"] > 0:
+            assert time.time() < deadline, client.get_pool(name)
+            time.sleep(0.05)
+        retries, client.create_retries = client.create_retries, 0
+        try:
+            with pytest.raises(dsec.Capacity):
+                dsec.Sandbox.create(client, pool=name, max_wait=0.2)
+        finally:
+            client.create_retries = retries
+    finally:
+        client.delete_pool(name)
+    with pytest.raises(dsec.NotFound):
+        client.get_pool(name)

@@ -502,3 +502,54 @@ async fn a_claim_on_an_empty_pool_waits_for_the_next_sandbox_or_its_max_wait() {
     .await;
     assert_eq!(p.queue_length, 0, "the timed-out claim left the queue");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_claim_retried_gets_the_same_sandbox() {
+    let fx = Fixture::new().await;
+    let me = tenant_on(&fx.plane, "keyed").await;
+    fx.plane
+        .create_pool(&me, spec("k", 2, 2))
+        .await
+        .expect("pool");
+    wait_pool(&fx.plane, &me, "k", 10, |p| p.ready == 2).await;
+    let mut req = claim("k");
+    req.idempotency_key = Some("retry-me".into());
+    let first = fx
+        .plane
+        .create_sandbox(&me, req.clone())
+        .await
+        .expect("claim");
+    assert_eq!(first.idempotency_key.as_deref(), Some("retry-me"));
+    let again = fx
+        .plane
+        .create_sandbox(&me, req.clone())
+        .await
+        .expect("retry");
+    assert_eq!(
+        again.id, first.id,
+        "the retry answers with the first claim's sandbox"
+    );
+    let p = fx.plane.get_pool(&me, "k").await.expect("get");
+    assert_eq!(p.claimed, 1, "{p:?}");
+    // The same key with another request is a conflict, and takes nothing.
+    let mut other = req.clone();
+    other.labels.insert("x".into(), "y".into());
+    let e = fx
+        .plane
+        .create_sandbox(&me, other)
+        .await
+        .expect_err("refused");
+    assert_eq!(e.code, ErrorCode::Conflict, "{e:?}");
+    // Deleting the claimed sandbox frees the key: a new claim with it takes another.
+    fx.plane
+        .delete_sandbox(&me, &first.id)
+        .await
+        .expect("delete");
+    wait_pool(&fx.plane, &me, "k", 10, |p| p.ready == 2).await;
+    let next = fx
+        .plane
+        .create_sandbox(&me, req)
+        .await
+        .expect("claim again");
+    assert_ne!(next.id, first.id);
+}

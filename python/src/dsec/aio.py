@@ -175,13 +175,15 @@ class AsyncSandbox:
         *,
         network: Any = None,
         user: Optional[str] = None,
+        pool: Optional[str] = None,
+        max_wait: Optional[float] = None,
     ) -> "AsyncSandbox":
         """Creates a sandbox; arguments as for :meth:`dsec.Sandbox.create`."""
         client = client or AsyncClient()
         body = create_body(
             image=image, layers=layers, resources=resources, timeout=timeout, idle_timeout=None,
             labels=labels, job=job, env=env, workdir=workdir, qos=qos, auto_resume=auto_resume,
-            network=network, user=user,
+            network=network, user=user, pool=pool, max_wait=max_wait,
         )
         return cls(client, await client.create_sandbox(body))
 

@@ -298,6 +298,53 @@ class Client:
         """``DELETE /v1/images/{name}``."""
         self.request("DELETE", f"/images/{_seg(name)}")
 
+    # ------------------------------------------------------------ warm pools
+
+    def create_pool(
+        self,
+        name: str,
+        template: Optional[Mapping[str, Any]] = None,
+        min: int = 1,
+        max: int = 32,
+        autoscale: Optional[Mapping[str, Any]] = None,
+    ) -> Dict[str, Any]:
+        """``POST /v1/pools``: a warm pool whose sandboxes are made as ``template`` (a
+        ``POST /v1/sandboxes`` body: image, resources, env, ...) asks;
+        ``Sandbox.create(pool=name)`` claims one. Returns the pool's status."""
+        body: Dict[str, Any] = {"name": name, "template": dict(template or {}), "min": min, "max": max}
+        if autoscale is not None:
+            body["autoscale"] = dict(autoscale)
+        return self._json("POST", "/pools", json_body=body)
+
+    def get_pool(self, name: str) -> Dict[str, Any]:
+        """``GET /v1/pools/{name}``: sizes, queue, scale events."""
+        return self._json("GET", f"/pools/{_seg(name)}")
+
+    def list_pools(self) -> List[Dict[str, Any]]:
+        """``GET /v1/pools``."""
+        return self._json("GET", "/pools")["pools"]
+
+    def update_pool(
+        self,
+        name: str,
+        min: Optional[int] = None,
+        max: Optional[int] = None,
+        autoscale: Optional[Mapping[str, Any]] = None,
+    ) -> Dict[str, Any]:
+        """``PATCH /v1/pools/{name}``: new bounds or autoscale policy."""
+        body: Dict[str, Any] = {}
+        if min is not None:
+            body["min"] = min
+        if max is not None:
+            body["max"] = max
+        if autoscale is not None:
+            body["autoscale"] = dict(autoscale)
+        return self._json("PATCH", f"/pools/{_seg(name)}", json_body=body)
+
+    def delete_pool(self, name: str) -> None:
+        """``DELETE /v1/pools/{name}``: the pool and its warm sandboxes (claimed ones stay)."""
+        self.request("DELETE", f"/pools/{_seg(name)}")
+
     # ------------------------------------------------------------ sandboxes
 
     def create_sandbox(self, body: Dict[str, Any]) -> SandboxInfo:

@@ -63,9 +63,15 @@ def create_body(
     tcp_bind: Optional[Sequence[int]] = None,
     tcp_connect: Optional[Sequence[int]] = None,
     user: Optional[str] = None,
+    pool: Optional[str] = None,
+    max_wait: Optional[float] = None,
 ) -> Dict[str, Any]:
     """The ``POST /v1/sandboxes`` body for :meth:`Sandbox.create` (and its async twin)."""
     body: Dict[str, Any] = {"auto_resume": auto_resume}
+    if pool is not None:
+        body["pool"] = pool
+    if max_wait is not None:
+        body["queue"] = {"max_wait_s": float(max_wait)}
     if image is not None:
         body["image"] = image
     if layers:
@@ -191,6 +197,8 @@ class Sandbox:
         tcp_bind: Optional[Sequence[int]] = None,
         tcp_connect: Optional[Sequence[int]] = None,
         user: Optional[str] = None,
+        pool: Optional[str] = None,
+        max_wait: Optional[float] = None,
     ) -> "Sandbox":
         """Creates a sandbox and returns when it is ready.
 
@@ -218,6 +226,11 @@ class Sandbox:
                 connect to (Landlock).
             user: Default user of commands (a name in the image, or ``"UID[:GID]"``);
                 default: the image's user, else root.
+            pool: Claim a warm sandbox of this pool (:meth:`dsec.Client.create_pool`)
+                instead of making one; the environment is the pool's, so leave
+                ``image``, ``resources``, ``env`` and the other environment arguments unset.
+            max_wait: With ``pool``: wait at most this many seconds for a warm sandbox
+                (server default 30), then raise :class:`dsec.Capacity`.
 
         Connection errors and ``capacity`` answers are retried with exponential backoff
         (``Client.create_retries`` times, default 5); other errors are raised at once.
@@ -227,7 +240,7 @@ class Sandbox:
             image=image, layers=layers, resources=resources, timeout=timeout,
             idle_timeout=idle_timeout, labels=labels, job=job, env=env, workdir=workdir,
             qos=qos, auto_resume=auto_resume, network=network, writable=writable,
-            tcp_bind=tcp_bind, tcp_connect=tcp_connect, user=user,
+            tcp_bind=tcp_bind, tcp_connect=tcp_connect, user=user, pool=pool, max_wait=max_wait,
         )
         return cls(client, client.create_sandbox(body))
 

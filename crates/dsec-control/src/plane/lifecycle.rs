@@ -474,7 +474,7 @@ impl ControlPlane {
     /// What a keyed create gets from the attempt that took its key first: that sandbox
     /// once it is made, or `None` when this attempt is to make it (the first failed and
     /// its record went, or its replica died mid-create and what it left is undone here).
-    async fn first_attempt(
+    pub(super) async fn first_attempt(
         &self,
         first: &records::IdemEntry,
         req: &CreateSandboxRequest,

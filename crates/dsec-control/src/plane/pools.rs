@@ -74,6 +74,14 @@ fn no_pool(name: &str) -> ApiError {
     ApiError::new(ErrorCode::NotFound, format!("pool {name:?} not found"))
 }
 
+/// Why a warm member could not be claimed.
+enum Take {
+    /// It is no longer a warm member (or the write failed): try another.
+    Gone(ApiError),
+    /// The create's idempotency key belongs to an earlier attempt.
+    KeyTaken(records::IdemEntry),
+}
+
 /// One pool at run time.
 #[derive(Debug)]
 struct PoolRt {
@@ -285,12 +293,6 @@ pub(super) fn check_claim(req: &CreateSandboxRequest) -> ApiResult<()> {
         return Err(ApiError::new(
             ErrorCode::BadRequest,
             format!("{field}: a create from a pool takes the pool's environment; leave it unset"),
-        ));
-    }
-    if req.idempotency_key.is_some() {
-        return Err(ApiError::new(
-            ErrorCode::BadRequest,
-            "idempotency_key: not supported with pool yet",
         ));
     }
     if let Some(t) = req.timeout_s {
@@ -509,6 +511,14 @@ impl ControlPlane {
         check_claim(&req)?;
         let name = req.pool.clone().unwrap_or_default();
         let pool = self.pools.get(tenant, &name)?;
+        // A retry of a keyed claim that was served answers with its sandbox.
+        if let Some(key) = &req.idempotency_key {
+            if let Some(first) = self.records.idempotency(tenant, key).await? {
+                if let Some(found) = self.first_attempt(&first, &req).await? {
+                    return Ok(found);
+                }
+            }
+        }
         let max_wait = req
             .queue
             .and_then(|q| q.max_wait_s)
@@ -563,7 +573,7 @@ impl ControlPlane {
                 }
                 (None, None) => unreachable!("a claim either takes a member or waits"),
             };
-            match self.take_member(&name, &id, &req).await {
+            match self.take_member(tenant, &name, &id, &req).await {
                 Ok(sb) => {
                     let waited = start.elapsed().as_millis() as u64;
                     let mut st = pool.lock();
@@ -572,52 +582,89 @@ impl ControlPlane {
                     return Ok(sb);
                 }
                 // Gone meanwhile (deleted, expired, failed): the next one.
-                Err(e) => {
+                Err(Take::Gone(e)) => {
                     tracing::info!(pool = %name, %id, error = %e.message, "a warm sandbox could not be claimed; taking another");
+                }
+                // An earlier attempt with the key holds it: the member stays warm.
+                Err(Take::KeyTaken(first)) => {
+                    pool.offer(id);
+                    return match self.first_attempt(&first, &req).await? {
+                        Some(found) => Ok(found),
+                        None => Err(ApiError::new(
+                            ErrorCode::Conflict,
+                            "idempotency_key: its first attempt is going away; retry",
+                        )),
+                    };
                 }
             }
         }
     }
 
     /// Makes warm member `id` of pool `name` the caller's sandbox: one conditional record
-    /// write, then its node's clock.
+    /// write (with the create's idempotency key, if any), then its node's clock.
     async fn take_member(
         &self,
+        tenant: &str,
         name: &str,
         id: &str,
         req: &CreateSandboxRequest,
-    ) -> ApiResult<Sandbox> {
+    ) -> Result<Sandbox, Take> {
         let now = now_ms();
         let timeout_s = req.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S);
-        let (sb, _) = self
-            .change(id, |sb| {
-                if sb.state != SandboxState::Ready
-                    || sb.labels.get(POOL_LABEL).map(String::as_str) != Some(name)
+        let change = |sb: &mut Sandbox| {
+            if sb.state != SandboxState::Ready
+                || sb.labels.get(POOL_LABEL).map(String::as_str) != Some(name)
+            {
+                return Err(ApiError::new(
+                    ErrorCode::Conflict,
+                    format!("sandbox {id} is no longer a warm member of pool {name:?}"),
+                ));
+            }
+            sb.labels.remove(POOL_LABEL);
+            sb.labels.extend(req.labels.clone());
+            sb.labels
+                .insert(POOL_ORIGIN_LABEL.to_string(), name.to_string());
+            sb.expires_at = now + timeout_s * 1000;
+            sb.idle_timeout_s = req.idle_timeout_s;
+            sb.auto_resume = req.auto_resume;
+            sb.last_active_at = now;
+            sb.idempotency_key = req.idempotency_key.clone();
+            Ok(true)
+        };
+        let written = match &req.idempotency_key {
+            None => self.records.update(id, change).await.map_err(Take::Gone)?,
+            Some(key) => {
+                let entry = records::IdemEntry {
+                    id: id.to_string(),
+                    digest: Some(hex::encode(idempotency::request_digest(req))),
+                };
+                match self
+                    .records
+                    .update_keyed(id, (tenant, key, entry), change)
+                    .await
                 {
-                    return Err(ApiError::new(
-                        ErrorCode::Conflict,
-                        format!("sandbox {id} is no longer a warm member of pool {name:?}"),
-                    ));
+                    Ok(w) => w,
+                    Err(records::InsertError::KeyTaken(first)) => {
+                        return Err(Take::KeyTaken(first))
+                    }
+                    Err(records::InsertError::Store(e)) => return Err(Take::Gone(e)),
                 }
-                sb.labels.remove(POOL_LABEL);
-                sb.labels.extend(req.labels.clone());
-                sb.labels
-                    .insert(POOL_ORIGIN_LABEL.to_string(), name.to_string());
-                sb.expires_at = now + timeout_s * 1000;
-                sb.idle_timeout_s = req.idle_timeout_s;
-                sb.auto_resume = req.auto_resume;
-                sb.last_active_at = now;
-                Ok(true)
-            })
-            .await?;
-        let node = self.node_of(&sb)?;
+            }
+        };
+        let Some((sb, _)) = written else {
+            return Err(Take::Gone(ApiError::new(
+                ErrorCode::NotFound,
+                format!("sandbox {id} is gone"),
+            )));
+        };
+        let node = self.node_of(&sb).map_err(Take::Gone)?;
         if let Err(e) = node
             .set_lifetime(id, lifecycle::node_lifetime(&sb, now, false))
             .await
         {
             // Claimed but its clock unknown: it must not stay.
             let _ = self.remove(id, None).await;
-            return Err(e);
+            return Err(Take::Gone(e));
         }
         Ok(sb)
     }

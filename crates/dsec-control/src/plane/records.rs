@@ -489,7 +489,23 @@ impl Records {
         id: &str,
         change: impl FnMut(&mut Sandbox) -> ApiResult<bool>,
     ) -> ApiResult<Option<(Sandbox, bool)>> {
-        self.write(id, change, false).await
+        self.write(id, change, false, None)
+            .await
+            .map_err(InsertError::into_api)
+    }
+
+    /// [`Records::update`] that also claims `tenant`'s idempotency `key` for the record
+    /// in the same transaction (a warm sandbox claimed by a keyed create):
+    /// [`InsertError::KeyTaken`] when an earlier create holds the key.
+    pub async fn update_keyed(
+        &self,
+        id: &str,
+        (tenant, key, entry): (&str, &str, IdemEntry),
+        change: impl FnMut(&mut Sandbox) -> ApiResult<bool>,
+    ) -> Result<Option<(Sandbox, bool)>, InsertError> {
+        let value = serde_json::to_vec(&entry).map_err(|e| InsertError::Store(internal(e)))?;
+        self.write(id, change, false, Some((tenant, key, value)))
+            .await
     }
 
     /// [`Records::update`] for the last write of a create: drops the create's claim in
@@ -499,7 +515,9 @@ impl Records {
         id: &str,
         change: impl FnMut(&mut Sandbox) -> ApiResult<bool>,
     ) -> ApiResult<Option<(Sandbox, bool)>> {
-        self.write(id, change, true).await
+        self.write(id, change, true, None)
+            .await
+            .map_err(InsertError::into_api)
     }
 
     async fn write(
@@ -507,12 +525,14 @@ impl Records {
         id: &str,
         mut change: impl FnMut(&mut Sandbox) -> ApiResult<bool>,
         end_claim: bool,
-    ) -> ApiResult<Option<(Sandbox, bool)>> {
+        key: Option<(&str, &str, Vec<u8>)>,
+    ) -> Result<Option<(Sandbox, bool)>, InsertError> {
+        let store = InsertError::Store;
         let mut current = self.lock().sandboxes.get(id).cloned();
         // Whether `current` was read from the store now (not this replica's cache).
         let mut fresh = current.is_none();
         if fresh {
-            current = self.fetch(id).await?;
+            current = self.fetch(id).await.map_err(store)?;
         }
         for _ in 0..CAS_ATTEMPTS {
             let Some(Cached { sb, rev, charged }) = current else {
@@ -523,11 +543,11 @@ impl Records {
             // A refusal or a no-op decided on the cache may be a moment behind another
             // replica's write (a create it just finished): decide again on the store's.
             if !fresh && self.lease.is_some() && !matches!(verdict, Ok(true)) {
-                current = self.fetch(id).await?;
+                current = self.fetch(id).await.map_err(store)?;
                 fresh = true;
                 continue;
             }
-            if !verdict? {
+            if !verdict.map_err(store)? {
                 return Ok(Some((next, false)));
             }
             let mut txn = Txn {
@@ -535,7 +555,7 @@ impl Records {
                 ops: vec![Op::Put {
                     ns: NS_SANDBOXES.into(),
                     key: id.to_string(),
-                    value: encode(&next, charged)?,
+                    value: encode(&next, charged).map_err(store)?,
                     lease: None,
                 }],
             };
@@ -545,23 +565,45 @@ impl Records {
                     key: id.to_string(),
                 });
             }
+            if let Some((tenant, key, value)) = &key {
+                let stored_key = idem_key(tenant, key);
+                txn.checks
+                    .push((NS_IDEMPOTENCY.into(), stored_key.clone(), Expect::Absent));
+                txn.ops.push(Op::Put {
+                    ns: NS_IDEMPOTENCY.into(),
+                    key: stored_key,
+                    value: value.clone(),
+                    lease: None,
+                });
+            }
             match self.store.txn(txn).await {
                 Ok(written) => {
                     self.lock().offer(next.clone(), written, charged);
                     self.changed.notify_waiters();
                     return Ok(Some((next, true)));
                 }
-                Err(e) if is_conflict(&e) => {
-                    current = self.fetch(id).await?;
+                Err(StateError::Conflict { ns, .. }) if ns == NS_IDEMPOTENCY => {
+                    let Some((tenant, key, _)) = &key else {
+                        break;
+                    };
+                    if let Some(first) = self.idempotency(tenant, key).await.map_err(store)? {
+                        return Err(InsertError::KeyTaken(first));
+                    }
+                    // Its sandbox went meanwhile: try again.
+                    current = self.fetch(id).await.map_err(store)?;
                     fresh = true;
                 }
-                Err(e) => return Err(store_err(e)),
+                Err(e) if is_conflict(&e) => {
+                    current = self.fetch(id).await.map_err(store)?;
+                    fresh = true;
+                }
+                Err(e) => return Err(store(store_err(e))),
             }
         }
-        Err(ApiError::new(
+        Err(store(ApiError::new(
             ErrorCode::Conflict,
             format!("sandbox {id} is being changed by other requests: retry"),
-        ))
+        )))
     }
 
     /// Cached records that charged nothing at their create (their tenant had no quotas
