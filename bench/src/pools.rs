@@ -20,6 +20,7 @@ pub async fn claim_vs_cold(server: &Server, n: usize) -> anyhow::Result<Vec<Stat
         min: n as u32 + 2,
         max: n as u32 + 2,
         autoscale: AutoscalePolicy::default(),
+        fncall: None,
     };
     let _ = c.delete_pool(&spec.name).await;
     c.create_pool(&spec).await?;

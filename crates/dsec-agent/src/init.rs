@@ -41,14 +41,40 @@ pub fn init() -> Result<(), Box<dyn std::error::Error>> {
 /// (the listener and `status` at their fixed numbers); returns only on failure.
 pub fn run(spec: &InitSpec, status: OwnedFd) -> Result<(), Box<dyn std::error::Error>> {
     unignore_signals();
-    match dsec_container::boot(spec, &status) {
-        // Every process start waits for it first (`spawn.rs`).
-        Ok(old_root) => old_root.defer(),
+    let old_root = match dsec_container::boot(spec, &status) {
+        Ok(old_root) => old_root,
         Err(e) => {
             report(&status, &format!("error {e}"));
             return Err(e.into());
         }
-    }
+    };
+    let call_helper = if spec.fncall {
+        // The helper is forked before init drops its privileges (it makes each call's
+        // namespaces) and while init is single-threaded: the old root's detach thread
+        // ends first.
+        let started = old_root
+            .wait()
+            .map_err(|e| e.to_string())
+            .and_then(|()| {
+                dsec_agent::fncall::helper::start().map_err(|e| format!("call helper: {e}"))
+            })
+            .and_then(|sock| {
+                dsec_container::harden::apply()
+                    .map(|()| sock)
+                    .map_err(|e| e.to_string())
+            });
+        match started {
+            Ok(sock) => Some(std::sync::Arc::new(dsec_agent::fncall::CallHelper(sock))),
+            Err(e) => {
+                report(&status, &format!("error {e}"));
+                return Err(e.into());
+            }
+        }
+    } else {
+        // Every process start waits for it first (`spawn.rs`).
+        old_root.defer();
+        None
+    };
     // Now PID 1 inside the sandbox. Nothing we start may inherit the listener or the pipe.
     for fd in [LISTEN_FD, STATUS_FD] {
         // SAFETY: fcntl on fds we own.
@@ -94,6 +120,7 @@ pub fn run(spec: &InitSpec, status: OwnedFd) -> Result<(), Box<dyn std::error::E
         is_init: true,
         landlock,
         default_user: spec.user.clone(),
+        call_helper,
     };
     report(&status, "ready");
     drop(status);

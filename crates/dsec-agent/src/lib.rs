@@ -20,6 +20,7 @@ pub mod error;
 pub mod exec;
 pub mod fdio;
 pub mod files;
+pub mod fncall;
 pub mod pathsafe;
 pub mod process;
 pub mod reaper;
@@ -65,6 +66,8 @@ pub struct AgentConfig {
     pub landlock: Option<std::sync::Arc<std::os::fd::OwnedFd>>,
     /// User commands run as when the request names none (`None`: root).
     pub default_user: Option<String>,
+    /// The call helper of a sandbox that serves function calls ([`fncall`]).
+    pub call_helper: Option<std::sync::Arc<fncall::CallHelper>>,
 }
 
 impl AgentConfig {
@@ -94,6 +97,7 @@ impl Default for AgentConfig {
             is_init: false,
             landlock: None,
             default_user: None,
+            call_helper: None,
         }
     }
 }

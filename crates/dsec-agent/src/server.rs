@@ -21,7 +21,7 @@ use crate::process::ProcessTable;
 use crate::reaper::{ChildSignals, Reaper};
 use crate::ring::Budget;
 use crate::session::Sessions;
-use crate::{exec, files, process, session, tar, AgentConfig};
+use crate::{exec, files, fncall, process, session, tar, AgentConfig};
 
 /// State shared by all connections of one agent.
 #[derive(Debug)]
@@ -228,6 +228,17 @@ async fn dispatch(agent: &Rc<Agent>, req: Request, rd: &mut FrameReader, wr: &mu
         Request::FileRename { from, to } => respond(wr, files::rename(agent, &from, &to)).await,
         Request::TarDownload { path } => tar::download(agent, &path, wr).await,
         Request::TarUpload { path } => tar::upload(agent, &path, rd, wr).await,
+        Request::Call(spec) => {
+            // A node that goes away takes the call with it (dropping it kills the call).
+            let reply = tokio::select! {
+                reply = fncall::call(agent, spec) => Some(reply),
+                () = rd.closed() => None,
+            };
+            match reply {
+                Some(reply) => wr.reply(&reply).await,
+                None => Ok(()),
+            }
+        }
     };
 }
 

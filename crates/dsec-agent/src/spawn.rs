@@ -73,7 +73,7 @@ pub struct SpawnSpec<'a> {
 
 /// `HOME`, `USER` and `LOGNAME` of a non-root identity: they replace the defaults (root's)
 /// unless the request sets them.
-fn identity_env(identity: Option<&Identity>) -> Vec<(&'static str, String)> {
+pub(crate) fn identity_env(identity: Option<&Identity>) -> Vec<(&'static str, String)> {
     match identity {
         Some(id) if !id.is_root() => vec![
             ("HOME", id.home.clone()),
@@ -85,7 +85,7 @@ fn identity_env(identity: Option<&Identity>) -> Vec<(&'static str, String)> {
 }
 
 /// The identity to switch to in the child, if any (root needs no switch).
-fn switch_to(identity: Option<&Identity>) -> Option<(u32, u32, Vec<u32>)> {
+pub(crate) fn switch_to(identity: Option<&Identity>) -> Option<(u32, u32, Vec<u32>)> {
     identity
         .filter(|id| !id.is_root())
         .map(|id| (id.uid, id.gid, id.groups.clone()))

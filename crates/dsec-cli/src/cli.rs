@@ -47,6 +47,9 @@ pub enum Command {
     /// Warm pools: sandboxes made ahead of demand, claimed by `sandbox create --pool`.
     #[command(subcommand)]
     Pool(PoolCommand),
+    /// Run one function call in a pool made with `pool create --fncall`: prints its
+    /// output and exits with its exit code.
+    Fncall(FnCallArgs),
     /// Suspend or resume every sandbox of a job (sandboxes labelled job=NAME).
     #[command(subcommand)]
     Job(JobCommand),
@@ -620,6 +623,29 @@ pub struct CreateArgs {
     pub max_wait: Option<Duration>,
 }
 
+/// `dsec fncall`.
+#[derive(Debug, clap::Args)]
+pub struct FnCallArgs {
+    /// The pool (created with --fncall).
+    #[arg(long)]
+    pub pool: String,
+    /// Run this file's code with --language instead of a command.
+    #[arg(long, value_name = "FILE", requires = "language")]
+    pub code_file: Option<std::path::PathBuf>,
+    /// Language of --code-file: python, bash or sh.
+    #[arg(long)]
+    pub language: Option<String>,
+    /// Kill the call after this long (default 10s).
+    #[arg(long, value_parser = parse_duration)]
+    pub timeout: Option<Duration>,
+    /// Pass this process's stdin to the call.
+    #[arg(long)]
+    pub stdin: bool,
+    /// The command to run (argv), after `--`.
+    #[arg(last = true)]
+    pub command: Vec<String>,
+}
+
 /// `dsec pool ...`: warm pools.
 #[derive(Debug, Subcommand)]
 pub enum PoolCommand {
@@ -638,6 +664,12 @@ pub enum PoolCommand {
         /// The autoscale policy as JSON (fields of `autoscale` in `POST /v1/pools`).
         #[arg(long, value_name = "JSON")]
         autoscale: Option<String>,
+        /// The pool serves function calls (`dsec fncall`) instead of claims.
+        #[arg(long)]
+        fncall: bool,
+        /// With --fncall: calls one sandbox serves before it is replaced (default 1000).
+        #[arg(long, requires = "fncall")]
+        max_calls: Option<u32>,
         /// The environment of its sandboxes.
         #[command(flatten)]
         template: Box<CreateArgs>,

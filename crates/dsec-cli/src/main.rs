@@ -77,6 +77,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Image(cmd) => image::run(&client()?, cmd, cli.json)
             .await
             .map(|()| ExitCode::SUCCESS),
+        Command::Fncall(args) => pool::fncall(&client()?, args, cli.json).await,
         Command::Job(cmd) => sandbox::job(&client()?, cmd, cli.json).await,
         Command::Pool(cmd) => pool::run(&client()?, cmd, cli.json)
             .await

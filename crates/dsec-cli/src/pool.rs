@@ -2,9 +2,9 @@
 
 use anyhow::Context;
 use dsec_client::Client;
-use dsec_wire::v1::{AutoscalePolicy, Pool, PoolSpec, PoolUpdate};
+use dsec_wire::v1::{AutoscalePolicy, FnCallPolicy, FnCallRequest, Pool, PoolSpec, PoolUpdate};
 
-use crate::cli::PoolCommand;
+use crate::cli::{FnCallArgs, PoolCommand};
 use crate::output::{self, print_json, Table};
 
 /// Runs a pool command.
@@ -15,6 +15,8 @@ pub async fn run(client: &Client, cmd: PoolCommand, json: bool) -> anyhow::Resul
             min,
             max,
             autoscale,
+            fncall,
+            max_calls,
             template,
         } => {
             let defaults: PoolSpec = serde_json::from_value(serde_json::json!({"name": name}))
@@ -24,6 +26,13 @@ pub async fn run(client: &Client, cmd: PoolCommand, json: bool) -> anyhow::Resul
                 min: min.unwrap_or(defaults.min),
                 max: max.unwrap_or(defaults.max),
                 autoscale: policy(autoscale.as_deref())?.unwrap_or_default(),
+                fncall: fncall.then(|| {
+                    let mut p = FnCallPolicy::default();
+                    if let Some(n) = max_calls {
+                        p.max_calls = n;
+                    }
+                    p
+                }),
                 ..defaults
             };
             client.create_pool(&spec).await?
@@ -138,4 +147,62 @@ fn describe(p: &Pool) -> String {
         ));
     }
     out
+}
+
+/// `dsec fncall`: runs one call, prints its output, exits with its exit code.
+pub async fn fncall(
+    client: &Client,
+    args: FnCallArgs,
+    json: bool,
+) -> anyhow::Result<std::process::ExitCode> {
+    use std::io::{Read, Write};
+    let code = match &args.code_file {
+        Some(path) => Some(
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?,
+        ),
+        None => None,
+    };
+    let stdin = if args.stdin {
+        let mut s = String::new();
+        std::io::stdin()
+            .read_to_string(&mut s)
+            .context("reading stdin")?;
+        Some(s)
+    } else {
+        None
+    };
+    let mut req: FnCallRequest =
+        serde_json::from_value(serde_json::json!({"pool": args.pool})).context("call defaults")?;
+    if !args.command.is_empty() {
+        req.command = Some(dsec_wire::agent::Command::Argv(args.command));
+    }
+    req.code = code;
+    req.language = args.language;
+    req.stdin = stdin;
+    if let Some(t) = args.timeout {
+        req.timeout_s = t.as_secs_f64();
+    }
+    let r = client.fncall(&req).await?;
+    if json {
+        print_json(&r)?;
+    } else {
+        print!("{}", r.stdout);
+        std::io::stdout().flush().ok();
+        eprint!("{}", r.stderr);
+        if let Some(e) = &r.error {
+            eprintln!("dsec: the call could not start: {e}");
+        }
+        if r.status == dsec_wire::v1::FnCallStatus::TimedOut {
+            eprintln!("dsec: the call timed out");
+        }
+    }
+    let code = match (r.status, r.exit_code) {
+        (dsec_wire::v1::FnCallStatus::Finished, Some(c)) => c,
+        (dsec_wire::v1::FnCallStatus::TimedOut, _) => 124,
+        (dsec_wire::v1::FnCallStatus::SetupError, _) => 127,
+        (_, None) => 128 + r.signal.unwrap_or(0),
+    };
+    Ok(std::process::ExitCode::from(
+        u8::try_from(code.clamp(0, 255)).unwrap_or(1),
+    ))
 }

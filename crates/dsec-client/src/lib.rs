@@ -291,6 +291,14 @@ impl Client {
         Self::unit(self.delete(&["pools", name])).await
     }
 
+    /// `POST /v1/fncall`: runs one function call in a member of a pool made for calls.
+    pub async fn fncall(
+        &self,
+        req: &dsec_wire::v1::FnCallRequest,
+    ) -> Result<dsec_wire::v1::FnCallResponse, ClientError> {
+        Self::json(self.post(&["fncall"], req)).await
+    }
+
     /// `POST /v1/jobs/{job}/suspend`: pauses every sandbox labelled `job=<job>`.
     pub async fn suspend_job(&self, job: &str) -> Result<JobResult, ClientError> {
         Self::json(self.request(Method::POST, &["jobs", job, "suspend"])).await

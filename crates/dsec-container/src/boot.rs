@@ -61,7 +61,8 @@ pub const NAMESPACES: CloneFlags = CloneFlags::CLONE_NEWNS
     .union(CloneFlags::CLONE_NEWCGROUP)
     .union(CloneFlags::CLONE_NEWPID);
 
-/// Turns the calling process into the sandbox's PID 1.
+/// Turns the calling process into the sandbox's PID 1, with its privileges dropped
+/// ([`harden::apply`]) unless `spec.fncall` (then the caller applies them).
 ///
 /// The old root may still be detaching when this returns: wait for it, or defer the
 /// wait to [`rootfs::old_root_gone`], before starting anything in the sandbox.
@@ -142,7 +143,9 @@ pub fn boot(spec: &InitSpec, status: &OwnedFd) -> Result<rootfs::OldRoot, BootEr
         // the kernel's RTNL lock, which creates should not queue on needlessly).
         net::loopback_up().map_err(BootError::Net)?;
     }
-    harden::apply()?;
+    if !spec.fncall {
+        harden::apply()?;
+    }
     Ok(old_root)
 }
 

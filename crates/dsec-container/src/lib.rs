@@ -12,6 +12,7 @@
 
 pub mod boot;
 pub mod bpf;
+pub mod callroot;
 pub mod harden;
 pub mod landlock;
 pub mod net;

@@ -454,7 +454,9 @@ fn block_all_signals() {
     }
 }
 
-fn mask_paths(userns: bool) -> Result<(), RootfsError> {
+/// Hides [`MASKED_PATHS`] of the `/proc` (and `/sys`) in view; `userns`: leaves alone
+/// the paths only the host's root could read anyway.
+pub fn mask_paths(userns: bool) -> Result<(), RootfsError> {
     let wanted = |p: &&&str| !(userns && HOST_ROOT_ONLY.contains(p));
     // Directories are hidden under one empty read-only tmpfs, bound over each of them: a
     // file system per directory would cost a superblock to set up and tear down each.

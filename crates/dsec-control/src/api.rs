@@ -17,12 +17,12 @@ use std::collections::BTreeMap;
 use dsec_wire::v1::{
     BuildEvent, BuildRequest, BuildResult, ClusterNode, ClusterNodeList, CommitRequest,
     CreateSandboxRequest, CreateSessionRequest, DockerfileBuildRequest, ExecRequest, ExecResult,
-    FileInfo, FileList, GcRequest, GcResult, Health, Image, ImageList, ImportEvent,
-    ImportImageRequest, JobResult, LayerStatsList, MkdirRequest, NetworkPolicy, PauseResult, Pool,
-    PoolList, PoolSpec, PoolUpdate, ProcessInfo, ProcessList, PtySize, PullImageRequest,
-    RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList, SessionResult,
-    SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest,
-    WriteResult,
+    FileInfo, FileList, FnCallRequest, FnCallResponse, GcRequest, GcResult, Health, Image,
+    ImageList, ImportEvent, ImportImageRequest, JobResult, LayerStatsList, MkdirRequest,
+    NetworkPolicy, PauseResult, Pool, PoolList, PoolSpec, PoolUpdate, ProcessInfo, ProcessList,
+    PtySize, PullImageRequest, RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList,
+    SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest,
+    StdinRequest, WriteResult,
 };
 use dsec_wire::{ApiError, ErrorCode};
 use futures::stream::BoxStream;
@@ -89,6 +89,11 @@ pub trait SandboxApi: Send + Sync + 'static {
 
     /// Deletes a pool and its warm sandboxes.
     async fn delete_pool(&self, _caller: &Principal, _name: &str) -> ApiResult<()> {
+        Err(no_pools())
+    }
+
+    /// `POST /v1/fncall`: runs one function call in a member of the caller's pool.
+    async fn fncall(&self, _caller: &Principal, _req: FnCallRequest) -> ApiResult<FnCallResponse> {
         Err(no_pools())
     }
     /// `GET /v1/sandboxes?label=k=v`: sandboxes whose labels include all of `labels`.

@@ -32,6 +32,7 @@ use crate::nodes::{NodeSet, Placement, SingleNode};
 use crate::validate;
 
 mod calls;
+mod fncall;
 mod idempotency;
 mod images;
 mod jobs;
@@ -552,7 +553,7 @@ impl SandboxApi for ControlPlane {
         if let Some(k) = req
             .labels
             .keys()
-            .find(|k| *k == POOL_LABEL || *k == POOL_ORIGIN_LABEL)
+            .find(|k| *k == POOL_LABEL || *k == POOL_ORIGIN_LABEL || *k == FNCALL_LABEL)
         {
             return Err(ApiError::new(
                 ErrorCode::BadRequest,
@@ -602,6 +603,12 @@ impl SandboxApi for ControlPlane {
     async fn delete_pool(&self, caller: &Principal, name: &str) -> ApiResult<()> {
         let (tenant, name) = (caller.tenant.clone(), name.to_string());
         self.to_end(move |me| async move { me.delete_pool_to_end(&tenant, &name).await })
+            .await
+    }
+
+    async fn fncall(&self, caller: &Principal, req: FnCallRequest) -> ApiResult<FnCallResponse> {
+        let tenant = caller.tenant.clone();
+        self.to_end(move |me| async move { me.fncall_to_end(&tenant, req).await })
             .await
     }
 

@@ -76,6 +76,7 @@ fn spec(name: &str, min: u32, max: u32) -> PoolSpec {
         min,
         max,
         autoscale: AutoscalePolicy::default(),
+        fncall: None,
     }
 }
 

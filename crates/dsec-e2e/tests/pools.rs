@@ -167,6 +167,7 @@ async fn bad_pools_and_claims_are_refused() {
         min: 1,
         max: 2,
         autoscale: AutoscalePolicy::default(),
+        fncall: None,
     };
     c.create_pool(&spec).await.expect("create");
     let e = c

@@ -14,9 +14,9 @@ use bytes::Bytes;
 use dsec_control::{ByteStream, SandboxApi};
 use dsec_wire::v1::{
     CommitRequest, CreateSandboxRequest, CreateSessionRequest, ExecRequest, FileInfo,
-    ImportImageRequest, MkdirRequest, NetworkPolicy, PoolSpec, PoolUpdate, PtySize, RenameRequest,
-    SandboxState, SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest,
-    StdinRequest,
+    FnCallRequest, ImportImageRequest, MkdirRequest, NetworkPolicy, PoolSpec, PoolUpdate, PtySize,
+    RenameRequest, SandboxState, SessionRunRequest, SetTimeoutRequest, SignalRequest,
+    StartProcessRequest, StdinRequest,
 };
 use dsec_wire::{ApiError, ErrorCode};
 use futures::StreamExt;
@@ -379,6 +379,11 @@ pub async fn update_pool(
 /// `DELETE /v1/pools/{name}`.
 pub async fn delete_pool(api: Api, Path(name): Path<String>) -> HttpResult<Response> {
     Ok(no_content(api.delete_pool(&name).await?))
+}
+
+/// `POST /v1/fncall`.
+pub async fn fncall(api: Api, Json(req): Json<FnCallRequest>) -> HttpResult<Response> {
+    Ok(json(api.fncall(req).await?))
 }
 
 /// `POST /v1/jobs/{job}/suspend`.

@@ -122,6 +122,7 @@ pub fn router_with(api: Arc<dyn SandboxApi>, opts: HttpOptions) -> Router {
                 .patch(h::update_pool)
                 .delete(h::delete_pool),
         )
+        .route("/fncall", post(h::fncall))
         .route("/jobs/{job}/suspend", post(h::suspend_job))
         .route("/jobs/{job}/resume", post(h::resume_job))
         .route("/nodes", get(h::list_nodes))

@@ -133,7 +133,7 @@ pub fn render(health: &Health, layers: &LayerStatsList, nodes: Option<&ClusterNo
 /// One family per warm-pool figure, a series per pool (`tenant` and `pool` labels).
 pub fn render_pools(out: &mut String, pools: &PoolList) {
     type Field = fn(&Pool) -> f64;
-    let families: [(&str, &str, &str, Field); 9] = [
+    let families: [(&str, &str, &str, Field); 11] = [
         (
             "dsec_pool_size",
             "gauge",
@@ -157,6 +157,18 @@ pub fn render_pools(out: &mut String, pools: &PoolList) {
             "counter",
             "Claims served since the server started.",
             |p| p.claimed as f64,
+        ),
+        (
+            "dsec_pool_calls_total",
+            "counter",
+            "Function calls served since the server started.",
+            |p| p.calls as f64,
+        ),
+        (
+            "dsec_pool_busy",
+            "gauge",
+            "Sandboxes of the pool running a function call.",
+            |p| f64::from(p.busy),
         ),
         (
             "dsec_pool_queue_length",

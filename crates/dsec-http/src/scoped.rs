@@ -14,11 +14,12 @@ use dsec_control::{ApiResult, ByteStream, EventStream, ImportStream, Principal, 
 use dsec_wire::v1::{
     BuildRequest, BuildResult, ClusterNode, ClusterNodeList, CommitRequest, CreateSandboxRequest,
     CreateSessionRequest, DockerfileBuildRequest, ExecRequest, ExecResult, FileInfo, FileList,
-    GcRequest, GcResult, Health, Image, ImageList, ImportImageRequest, JobResult, LayerStatsList,
-    MkdirRequest, NetworkPolicy, PauseResult, Pool, PoolList, PoolSpec, PoolUpdate, ProcessInfo,
-    ProcessList, PtySize, PullImageRequest, RenameRequest, Sandbox, SandboxList, SessionInfo,
-    SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
-    StartProcessRequest, StdinRequest, WriteResult,
+    FnCallRequest, FnCallResponse, GcRequest, GcResult, Health, Image, ImageList,
+    ImportImageRequest, JobResult, LayerStatsList, MkdirRequest, NetworkPolicy, PauseResult, Pool,
+    PoolList, PoolSpec, PoolUpdate, ProcessInfo, ProcessList, PtySize, PullImageRequest,
+    RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList, SessionResult,
+    SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest,
+    WriteResult,
 };
 use dsec_wire::{ApiError, ErrorCode};
 
@@ -165,6 +166,11 @@ impl Scoped {
     /// [`SandboxApi::delete_pool`] as this caller.
     pub async fn delete_pool(&self, name: &str) -> ApiResult<()> {
         self.api.delete_pool(&self.caller, name).await
+    }
+
+    /// [`SandboxApi::fncall`] as this caller.
+    pub async fn fncall(&self, req: FnCallRequest) -> ApiResult<FnCallResponse> {
+        self.api.fncall(&self.caller, req).await
     }
 
     /// [`SandboxApi::suspend_job`] as this caller.

@@ -484,6 +484,7 @@ impl ContainerBackend {
             env: spec.env.clone(),
             workdir: spec.workdir.clone(),
             user: spec.user.clone(),
+            fncall: spec.labels.contains_key(dsec_wire::v1::FNCALL_LABEL),
         };
         let prepared = Instant::now();
         let fds = InitFds {

@@ -234,6 +234,94 @@ pub struct FileInfo {
     pub symlink_target: Option<String>,
 }
 
+/// Most input one function call may carry: stdin and files together (they travel in one
+/// JSON frame, base64-encoded).
+pub const CALL_INPUT_LIMIT: usize = 2 * 1024 * 1024;
+
+/// Default and most output a function call keeps per stream (the last bytes).
+pub const CALL_OUTPUT_LIMIT: u64 = 1024 * 1024;
+
+/// Most bytes of files a function call may fetch back, together.
+pub const CALL_FETCH_LIMIT: u64 = 512 * 1024;
+
+/// One function call (FnCall): a command run in a private, throw-away view of the
+/// sandbox. The agent starts it in new mount, PID and IPC namespaces whose root is an
+/// overlay of the sandbox's root with an empty upper layer: the call's writes, processes
+/// and IPC objects vanish with it, and the next call starts from the same state. Needs a
+/// sandbox created for calls (its agent keeps a helper that can make namespaces).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CallSpec {
+    /// What to run.
+    pub cmd: Command,
+    /// Extra environment variables (added to the sandbox's defaults).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Working directory; default: the sandbox's.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// User to run as (name or `UID[:GID]`); default: the sandbox's user.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// The command's whole standard input; none: `/dev/null`.
+    #[serde(default)]
+    pub stdin: Option<crate::Base64Bytes>,
+    /// Files written before the command starts (parents created), by path; relative
+    /// paths are taken from the working directory.
+    #[serde(default)]
+    pub files: BTreeMap<String, crate::Base64Bytes>,
+    /// Regular files read back after the command ended (relative to the working
+    /// directory), at most [`CALL_FETCH_LIMIT`] bytes together.
+    #[serde(default)]
+    pub fetch: Vec<String>,
+    /// Kill the call (everything it started) after this many milliseconds.
+    pub timeout_ms: u64,
+    /// Address-space limit of every process of the call (`RLIMIT_AS`), bytes.
+    #[serde(default)]
+    pub memory_limit_bytes: Option<u64>,
+    /// Output kept per stream (the last bytes); default and most [`CALL_OUTPUT_LIMIT`].
+    #[serde(default)]
+    pub output_limit: Option<u64>,
+}
+
+/// A file a call asked for back.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FetchedFile {
+    /// Its bytes, when it could be read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<crate::Base64Bytes>,
+    /// Why it could not be read (missing, not a regular file, over the limit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// How a function call ended.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CallResult {
+    /// Exit of the command (its `timed_out` set when the timeout killed it).
+    pub exit: ExitInfo,
+    /// Its standard output (the last `output_limit` bytes).
+    pub stdout: crate::Base64Bytes,
+    /// Its standard error (the last `output_limit` bytes).
+    pub stderr: crate::Base64Bytes,
+    /// The files asked for, by the path as asked.
+    #[serde(default)]
+    pub files: BTreeMap<String, FetchedFile>,
+    /// Set when the command never started: a file that could not be written, a missing
+    /// working directory or program. The call's own mistake; the sandbox is fine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub setup_error: Option<String>,
+    /// Set when the sandbox should not serve another call: its helper is gone, the call's
+    /// namespaces could not be made, or something outlived the call's end.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub anomaly: Option<String>,
+    /// Microseconds from the request to the command's start (namespaces, overlay, mounts).
+    pub setup_us: u64,
+    /// Microseconds from the command's end to every process of the call gone and the
+    /// namespaces released: the reset between two calls.
+    pub teardown_us: u64,
+}
+
 /// A request from node to agent.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
@@ -386,6 +474,8 @@ pub enum Request {
         /// Destination directory.
         path: String,
     },
+    /// Run one function call (see [`CallSpec`]). Reply: `Called`.
+    Call(CallSpec),
 }
 
 impl Request {
@@ -475,6 +565,8 @@ pub enum Reply {
     },
     /// Success without data.
     Ok,
+    /// Result of `Call`.
+    Called(CallResult),
     /// The request failed.
     Error(ApiError),
 }

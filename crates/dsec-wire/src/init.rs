@@ -131,4 +131,9 @@ pub struct InitSpec {
     /// Default user of commands (name or `UID[:GID]`); `None`: root.
     #[serde(default)]
     pub user: Option<String>,
+    /// The sandbox serves function calls: `boot` returns before it drops privileges, so
+    /// that init can first start the call helper (which makes each call's namespaces),
+    /// and init drops them itself right after.
+    #[serde(default)]
+    pub fncall: bool,
 }

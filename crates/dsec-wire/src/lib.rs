@@ -8,9 +8,11 @@
 //! byte buffers. Transports (axum, unix sockets) live in other crates.
 
 pub mod agent;
+pub mod b64;
 pub mod error;
 pub mod frame;
 pub mod init;
 pub mod v1;
 
+pub use b64::Base64Bytes;
 pub use error::{ApiError, ErrorCode};

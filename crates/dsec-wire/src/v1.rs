@@ -12,7 +12,9 @@ pub use crate::agent::{
 };
 use crate::error::ApiError;
 
+mod fncall;
 mod pools;
+pub use fncall::*;
 pub use pools::*;
 
 /// Header that carries the API key (`Authorization: Bearer KEY` is accepted too).

@@ -54,7 +54,7 @@ impl Pools {
         self.by_key.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn get(&self, tenant: &str, name: &str) -> ApiResult<Arc<PoolRt>> {
+    pub(super) fn get(&self, tenant: &str, name: &str) -> ApiResult<Arc<PoolRt>> {
         self.lock()
             .get(&(tenant.to_string(), name.to_string()))
             .cloned()
@@ -84,7 +84,7 @@ enum Take {
 
 /// One pool at run time.
 #[derive(Debug)]
-struct PoolRt {
+pub(super) struct PoolRt {
     tenant: String,
     created_at: u64,
     state: std::sync::Mutex<PoolState>,
@@ -94,13 +94,19 @@ struct PoolRt {
 }
 
 #[derive(Debug)]
-struct PoolState {
+pub(super) struct PoolState {
     spec: PoolSpec,
     scaler: Autoscaler,
     /// Warm members, oldest first.
     ready: VecDeque<String>,
     /// Members being made.
     creating: u32,
+    /// Members running a function call (fncall pools; back to `ready` after it).
+    busy: u32,
+    /// Calls each member served so far (fncall pools).
+    calls: HashMap<String, u32>,
+    /// Calls served by the pool.
+    calls_served: u64,
     /// Claims waiting, first come first.
     waiters: VecDeque<Waiter>,
     next_waiter: u64,
@@ -120,7 +126,7 @@ struct Waiter {
 }
 
 impl PoolRt {
-    fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
+    pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -135,15 +141,51 @@ impl PoolRt {
     }
 
     /// A warm member for the first waiting claim, else for the warm list.
-    fn offer(&self, mut id: String) {
+    pub(super) fn offer(&self, mut id: String) {
         let mut st = self.lock();
         while let Some(w) = st.waiters.pop_front() {
             match w.tx.send(id) {
-                Ok(()) => return,
+                Ok(()) => {
+                    if st.spec.fncall.is_some() {
+                        st.busy += 1;
+                    }
+                    return;
+                }
                 Err(back) => id = back,
             }
         }
         st.ready.push_back(id);
+    }
+
+    /// The pool's call policy, if it serves function calls.
+    pub(super) fn fncall(&self) -> Option<dsec_wire::v1::FnCallPolicy> {
+        self.lock().spec.fncall.clone()
+    }
+
+    /// Takes back member `id` after a call that waited `waited_ms` for it: warm again
+    /// if it is `healthy` and has calls left, else forgotten (the caller deletes it and
+    /// the pool makes another). Returns whether it stays.
+    pub(super) fn give_back(&self, id: String, healthy: bool, waited_ms: u64) -> bool {
+        let keep = {
+            let mut st = self.lock();
+            st.busy = st.busy.saturating_sub(1);
+            st.calls_served += 1;
+            st.scaler.served(now_ms(), waited_ms);
+            let max = st.spec.fncall.as_ref().map_or(1, |f| f.max_calls);
+            let served = st.calls.get(&id).copied().unwrap_or(0) + 1;
+            if healthy && served < max && !st.deleted {
+                st.calls.insert(id.clone(), served);
+                true
+            } else {
+                st.calls.remove(&id);
+                false
+            }
+        };
+        if keep {
+            self.offer(id);
+        }
+        self.changed.notify_one();
+        keep
     }
 
     fn status(&self) -> Pool {
@@ -155,8 +197,10 @@ impl PoolRt {
             tenant: self.tenant.clone(),
             created_at: self.created_at,
             target: st.scaler.target(),
-            size: ready + st.creating,
+            size: ready + st.creating + st.busy,
             ready,
+            busy: st.busy,
+            calls: st.calls_served,
             creating: st.creating,
             claimed: st.claimed,
             queue_length: st.waiters.len() as u32,
@@ -203,6 +247,20 @@ fn check_spec(spec: &PoolSpec) -> ApiResult<()> {
             "template: timeout_s is set by each claim (a warm sandbox lives as long as its pool)"
                 .into(),
         );
+    }
+    if let Some(f) = &spec.fncall {
+        if f.max_calls == 0 {
+            return bad("fncall.max_calls must be at least 1".into());
+        }
+        if t.isolation != Isolation::default() {
+            return bad(
+                "fncall: a pool serving calls runs container sandboxes (leave isolation unset)"
+                    .into(),
+            );
+        }
+        if t.filesystem != FilesystemPolicy::default() {
+            return bad("fncall: filesystem rules are not supported for calls yet (each call may write anywhere in its own throw-away view)".into());
+        }
     }
     let flat = validate::flatten_environment(t.clone())?;
     validate::create(&flat)
@@ -368,6 +426,9 @@ impl ControlPlane {
                 spec: spec.clone(),
                 ready,
                 creating: 0,
+                busy: 0,
+                calls: HashMap::new(),
+                calls_served: 0,
                 waiters: VecDeque::new(),
                 next_waiter: 0,
                 claimed: 0,
@@ -491,6 +552,7 @@ impl ControlPlane {
             st.deleted = true;
             // Dropping the senders fails the waiting claims.
             st.waiters.clear();
+            st.calls.clear();
             st.ready.drain(..).collect()
         };
         for id in warm {
@@ -523,56 +585,15 @@ impl ControlPlane {
             .queue
             .and_then(|q| q.max_wait_s)
             .unwrap_or(DEFAULT_CLAIM_WAIT_S);
+        if pool.lock().spec.fncall.is_some() {
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                format!("pool {name:?} serves function calls (POST /v1/fncall); its sandboxes cannot be claimed"),
+            ));
+        }
         let start = Instant::now();
-        let deadline = start + Duration::from_secs_f64(max_wait);
         loop {
-            let (id, waiting) = {
-                let mut st = pool.lock();
-                if st.deleted {
-                    return Err(no_pool(&name));
-                }
-                match st.ready.pop_front() {
-                    Some(id) => (Some(id), None),
-                    None => {
-                        let (tx, rx) = tokio::sync::oneshot::channel();
-                        let seq = st.next_waiter;
-                        st.next_waiter += 1;
-                        st.waiters.push_back(Waiter {
-                            seq,
-                            since: start,
-                            tx,
-                        });
-                        (None, Some((seq, rx)))
-                    }
-                }
-            };
-            pool.changed.notify_one();
-            let id = match (id, waiting) {
-                (Some(id), _) => id,
-                (None, Some((seq, mut rx))) => {
-                    match tokio::time::timeout_at(deadline.into(), &mut rx).await {
-                        Ok(Ok(id)) => id,
-                        Ok(Err(_)) => return Err(no_pool(&name)),
-                        Err(_) => {
-                            pool.lock().waiters.retain(|w| w.seq != seq);
-                            // Handed one between the timeout and the removal.
-                            match rx.try_recv() {
-                                Ok(id) => id,
-                                Err(_) => {
-                                    return Err(ApiError::new(
-                                        ErrorCode::Capacity,
-                                        format!(
-                                            "pool {name:?} had no warm sandbox within {max_wait} s \
-                                             (queue.max_wait_s); it is growing"
-                                        ),
-                                    ))
-                                }
-                            }
-                        }
-                    }
-                }
-                (None, None) => unreachable!("a claim either takes a member or waits"),
-            };
+            let id = acquire(&pool, &name, start, max_wait).await?;
             match self.take_member(tenant, &name, &id, &req).await {
                 Ok(sb) => {
                     let waited = start.elapsed().as_millis() as u64;
@@ -671,11 +692,19 @@ impl ControlPlane {
 
     /// Makes one member of `pool` and offers it.
     async fn make_member(&self, pool: &PoolRt) {
-        let (mut req, name) = {
+        let (mut req, name, fncall) = {
             let st = pool.lock();
-            (st.spec.template.clone(), st.spec.name.clone())
+            (
+                st.spec.template.clone(),
+                st.spec.name.clone(),
+                st.spec.fncall.is_some(),
+            )
         };
         req.labels.insert(POOL_LABEL.to_string(), name.clone());
+        if fncall {
+            req.labels
+                .insert(dsec_wire::v1::FNCALL_LABEL.to_string(), name.clone());
+        }
         req.timeout_s = Some(MAX_TIMEOUT_S);
         let made = self.create_sandbox_to_end(&pool.tenant, req).await;
         let orphan = {
@@ -718,7 +747,66 @@ impl ControlPlane {
             .into_iter()
             .map(|s| s.id)
             .collect();
-        pool.lock().ready.retain(|id| live.contains(id));
+        let mut st = pool.lock();
+        st.ready.retain(|id| live.contains(id));
+        st.calls.retain(|id, _| live.contains(id));
+    }
+}
+
+/// Takes a warm member of `pool` off its list, waiting first come, first served until
+/// `max_wait` seconds after `start` (then `capacity`).
+pub(super) async fn acquire(
+    pool: &PoolRt,
+    name: &str,
+    start: Instant,
+    max_wait: f64,
+) -> ApiResult<String> {
+    let deadline = start + Duration::from_secs_f64(max_wait);
+    let (id, waiting) = {
+        let mut st = pool.lock();
+        if st.deleted {
+            return Err(no_pool(name));
+        }
+        match st.ready.pop_front() {
+            Some(id) => {
+                if st.spec.fncall.is_some() {
+                    st.busy += 1;
+                }
+                (Some(id), None)
+            }
+            None => {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                let seq = st.next_waiter;
+                st.next_waiter += 1;
+                st.waiters.push_back(Waiter {
+                    seq,
+                    since: start,
+                    tx,
+                });
+                (None, Some((seq, rx)))
+            }
+        }
+    };
+    pool.changed.notify_one();
+    let Some((seq, mut rx)) = waiting else {
+        return id.ok_or_else(|| no_pool(name));
+    };
+    match tokio::time::timeout_at(deadline.into(), &mut rx).await {
+        Ok(Ok(id)) => Ok(id),
+        Ok(Err(_)) => Err(no_pool(name)),
+        Err(_) => {
+            pool.lock().waiters.retain(|w| w.seq != seq);
+            // Handed one between the timeout and the removal.
+            rx.try_recv().map_err(|_| {
+                ApiError::new(
+                    ErrorCode::Capacity,
+                    format!(
+                        "pool {name:?} had no warm sandbox within {max_wait} s \
+                         (queue.max_wait_s); it is growing"
+                    ),
+                )
+            })
+        }
     }
 }
 
@@ -745,7 +833,7 @@ async fn run_pool(plane: Weak<ControlPlane>, pool: Arc<PoolRt>) {
             let now = Instant::now();
             let ready = st.ready.len() as u32;
             let inputs = Inputs {
-                size: ready + st.creating,
+                size: ready + st.creating + st.busy,
                 idle: ready,
                 waiting: st.waiters.len() as u32,
                 waiting_ms: st

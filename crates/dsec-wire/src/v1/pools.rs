@@ -74,6 +74,10 @@ pub struct PoolSpec {
     /// The autoscaler's policy.
     #[serde(default)]
     pub autoscale: AutoscalePolicy,
+    /// Set for a pool whose sandboxes serve function calls (`POST /v1/fncall`) instead
+    /// of being claimed by creates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fncall: Option<super::FnCallPolicy>,
 }
 
 fn default_min() -> u32 {
@@ -137,14 +141,20 @@ pub struct Pool {
     pub created_at: u64,
     /// The size the autoscaler wants now, within `[min, max]`.
     pub target: u32,
-    /// Sandboxes the pool holds: warm plus in the making.
+    /// Sandboxes the pool holds: warm, in the making and running calls.
     pub size: u32,
-    /// Warm sandboxes, ready to be claimed.
+    /// Warm sandboxes, ready to be claimed (or to run a call).
     pub ready: u32,
+    /// Sandboxes running a function call (pools with `fncall`).
+    #[serde(default)]
+    pub busy: u32,
     /// Sandboxes being made.
     pub creating: u32,
     /// Claims served since this API server started.
     pub claimed: u64,
+    /// Function calls served since this API server started.
+    #[serde(default)]
+    pub calls: u64,
     /// Claims waiting for a warm sandbox.
     pub queue_length: u32,
     /// Average wait of claims over the autoscale window (served ones and those still
