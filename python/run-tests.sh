@@ -14,8 +14,9 @@ if [[ ! -x "$venv/bin/python" ]]; then
   python3 -m venv "$venv"
 fi
 # swe-rex (+ aiohttp, which its RemoteRuntime imports but does not declare) and e2b
-# (pinned): the compatibility tests drive dsec with the unmodified SWE-ReX and E2B clients.
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$here" pytest swe-rex aiohttp "e2b==2.63.0"
+# (pinned) and sandbox-fusion: the compatibility tests drive dsec with the unmodified
+# SWE-ReX, E2B and SandboxFusion clients.
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$here" pytest swe-rex aiohttp "e2b==2.63.0" sandbox-fusion
 
 cd "$repo"
 exec "$venv/bin/python" -m pytest "$here/tests" -q "$@"

@@ -13,7 +13,7 @@
 set -euo pipefail
 
 SUITE="${SUITE:-bookworm}"
-PACKAGES="bash,coreutils,python3,git,ca-certificates,procps"
+PACKAGES="${PACKAGES:-bash,coreutils,python3,git,ca-certificates,procps}"
 
 log() { printf '[build-base-image] %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }

@@ -80,6 +80,15 @@ ensure_base_tar() {
   "$(repo_root)/scripts/build-base-image.sh" "$BASE_TAR"
 }
 
+# The base image plus C and C++ compilers: function-call tests and benchmarks compile
+# code in it (SandboxFusion's cpp).
+CPP_TAR="${DSEC_CPP_TAR:-/var/cache/dsec/cpp-bookworm.tar}"
+ensure_cpp_tar() {
+  mkdir -p "$(dirname "$CPP_TAR")"
+  PACKAGES="bash,coreutils,python3,git,ca-certificates,procps,g++,gcc,libc6-dev" \
+    "$(repo_root)/scripts/build-base-image.sh" "$CPP_TAR"
+}
+
 # Builds the in-sandbox agent as a static binary (glibc, no extra toolchain), and not
 # position-independent: a static-pie agent applied ~6700 relocations at every sandbox
 # start, which cost ~0.15 ms and left ~100 KiB of private dirty pages in each sandbox. The

@@ -192,6 +192,12 @@ pub async fn fncall(
         if let Some(e) = &r.error {
             eprintln!("dsec: the call could not start: {e}");
         }
+        if let Some(c) = &r.compile {
+            if r.status == dsec_wire::v1::FnCallStatus::CompileError {
+                eprint!("{}{}", c.stdout, c.stderr);
+                eprintln!("dsec: the code did not compile");
+            }
+        }
         if r.status == dsec_wire::v1::FnCallStatus::TimedOut {
             eprintln!("dsec: the call timed out");
         }
@@ -200,6 +206,7 @@ pub async fn fncall(
         (dsec_wire::v1::FnCallStatus::Finished, Some(c)) => c,
         (dsec_wire::v1::FnCallStatus::TimedOut, _) => 124,
         (dsec_wire::v1::FnCallStatus::SetupError, _) => 127,
+        (dsec_wire::v1::FnCallStatus::CompileError, _) => 1,
         (_, None) => 128 + r.signal.unwrap_or(0),
     };
     Ok(std::process::ExitCode::from(

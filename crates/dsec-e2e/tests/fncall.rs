@@ -160,6 +160,21 @@ async fn calls_report_output_exit_timeouts_and_files() {
             .contains("/no/such/program"),
         "{out:?}"
     );
+    // A compiled language on an image without its compiler: the call's setup error.
+    let out = c
+        .fncall(&FnCallRequest {
+            command: None,
+            code: Some("int main() {}".into()),
+            language: Some("cpp".into()),
+            ..request("io", "")
+        })
+        .await
+        .expect("call");
+    assert_eq!(out.status, FnCallStatus::SetupError, "{out:?}");
+    assert!(
+        out.error.as_deref().unwrap_or("").contains("g++"),
+        "{out:?}"
+    );
     // A memory limit holds.
     let mut r = request("io", "python3 -c 'x = bytearray(512 << 20); print(len(x))'");
     r.memory_limit_mb = Some(128);

@@ -80,6 +80,23 @@ pub struct Query<T>(pub T);
 #[from_request(via(axum::extract::Path), rejection(HttpError))]
 pub struct Path<T>(pub T);
 
+/// The password of `Authorization: Basic` (what an HTTP client sends for a URL of the
+/// form `http://user:KEY@host/...`; the user name is ignored).
+pub fn basic_password(headers: &HeaderMap) -> Option<String> {
+    use base64::Engine as _;
+    let auth = headers.get(header::AUTHORIZATION)?.to_str().ok()?.trim();
+    let (scheme, creds) = auth.split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("basic") {
+        return None;
+    }
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(creds.trim())
+        .ok()?;
+    let text = String::from_utf8(decoded).ok()?;
+    let (_, password) = text.split_once(':')?;
+    Some(password.to_string())
+}
+
 /// The API key of a request: header `x-api-key`, else `Authorization: Bearer KEY`.
 pub fn api_key(headers: &HeaderMap) -> Option<&str> {
     if let Some(v) = headers.get(API_KEY_HEADER) {
@@ -98,7 +115,10 @@ pub async fn require_api_key(
     mut req: Request,
     next: Next,
 ) -> Response {
-    match authorize(api.as_ref(), api_key(req.headers()), &req) {
+    // Clients that only take a URL (SandboxFusion's) carry the key as its password.
+    let basic = basic_password(req.headers());
+    let key = api_key(req.headers()).or(basic.as_deref());
+    match authorize(api.as_ref(), key, &req) {
         Ok(principal) => {
             req.extensions_mut().insert(principal);
             next.run(req).await

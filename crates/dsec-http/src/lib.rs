@@ -29,6 +29,7 @@ pub mod extract;
 pub mod handlers;
 pub mod json;
 pub mod metrics;
+mod sandboxfusion;
 pub mod scoped;
 mod swerex;
 
@@ -202,6 +203,13 @@ pub fn router_with(api: Arc<dyn SandboxApi>, opts: HttpOptions) -> Router {
         extract::require_api_key,
     ));
 
+    let sandboxfusion = sandboxfusion::routes()
+        .route_layer(middleware::from_fn_with_state(
+            api.clone(),
+            extract::require_api_key,
+        ))
+        .merge(sandboxfusion::public_routes());
+
     let metrics = Router::new()
         .route("/metrics", get(h::metrics))
         .route_layer(middleware::from_fn_with_state(
@@ -213,6 +221,7 @@ pub fn router_with(api: Arc<dyn SandboxApi>, opts: HttpOptions) -> Router {
         .nest("/v1", v1)
         .merge(metrics)
         .merge(swerex)
+        .merge(sandboxfusion)
         .merge(e2b::routes(api.clone()))
         .fallback(h::not_found)
         .method_not_allowed_fallback(h::method_not_allowed)
@@ -294,7 +303,7 @@ async fn json_errors(req: axum::extract::Request, next: middleware::Next) -> Res
     } else {
         text
     };
-    let body = if path.starts_with("/swerex/") {
+    let body = if path.starts_with("/swerex/") || path.starts_with("/sandboxfusion/") {
         serde_json::json!({"detail": message, "code": code})
     } else if path.starts_with("/e2b/") {
         serde_json::json!({"code": status.as_u16(), "message": message})

@@ -282,6 +282,31 @@ pub struct CallSpec {
     /// Output kept per stream (the last bytes); default and most [`CALL_OUTPUT_LIMIT`].
     #[serde(default)]
     pub output_limit: Option<u64>,
+    /// A step run first in the same view (a compiler): the command runs only if it
+    /// exits 0. Its own timeout; its output is kept apart.
+    #[serde(default)]
+    pub compile: Option<CompileSpec>,
+}
+
+/// The compile step of a call.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompileSpec {
+    /// What to run.
+    pub cmd: Command,
+    /// Kill it (and what it started) after this many milliseconds.
+    pub timeout_ms: u64,
+}
+
+/// How a call's compile step ended.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CompileResult {
+    /// Its exit (`timed_out` when its timeout killed it).
+    pub exit: ExitInfo,
+    /// Its standard output (the last [`CALL_OUTPUT_LIMIT`] / 4 bytes).
+    pub stdout: crate::Base64Bytes,
+    /// Its standard error (likewise).
+    pub stderr: crate::Base64Bytes,
 }
 
 /// A file a call asked for back.
@@ -298,6 +323,12 @@ pub struct FetchedFile {
 /// How a function call ended.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CallResult {
+    /// The compile step, if the call had one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compile: Option<CompileResult>,
+    /// Whether the command ran (not when its compile step failed or setup did).
+    #[serde(default)]
+    pub ran: bool,
     /// Exit of the command (its `timed_out` set when the timeout killed it).
     pub exit: ExitInfo,
     /// Its standard output (the last `output_limit` bytes).

@@ -307,14 +307,54 @@ class Client:
         min: int = 1,
         max: int = 32,
         autoscale: Optional[Mapping[str, Any]] = None,
+        fncall: Optional[Mapping[str, Any]] = None,
     ) -> Dict[str, Any]:
         """``POST /v1/pools``: a warm pool whose sandboxes are made as ``template`` (a
         ``POST /v1/sandboxes`` body: image, resources, env, ...) asks;
-        ``Sandbox.create(pool=name)`` claims one. Returns the pool's status."""
+        ``Sandbox.create(pool=name)`` claims one. With ``fncall`` (``{}`` or
+        ``{"max_calls": N}``) its sandboxes serve :meth:`fncall` instead. Returns the
+        pool's status."""
         body: Dict[str, Any] = {"name": name, "template": dict(template or {}), "min": min, "max": max}
         if autoscale is not None:
             body["autoscale"] = dict(autoscale)
+        if fncall is not None:
+            body["fncall"] = dict(fncall)
         return self._json("POST", "/pools", json_body=body)
+
+    def fncall(
+        self,
+        pool: str,
+        command: Optional[Any] = None,
+        *,
+        code: Optional[str] = None,
+        language: Optional[str] = None,
+        stdin: Optional[str] = None,
+        files: Optional[Mapping[str, bytes]] = None,
+        fetch_files: Optional[List[str]] = None,
+        timeout: float = 10.0,
+        **extra: Any,
+    ) -> Dict[str, Any]:
+        """``POST /v1/fncall``: runs ``command`` (argv list or shell string), or ``code``
+        in ``language``, in a throw-away view of a warm sandbox of ``pool``. Returns the
+        result (status, exit_code, stdout, stderr, files, ...); fetched files come back
+        base64-encoded under ``files[path]["data"]``."""
+        import base64
+
+        body: Dict[str, Any] = {"pool": pool, "timeout_s": timeout}
+        if command is not None:
+            body["command"] = command
+        if code is not None:
+            body["code"] = code
+        if language is not None:
+            body["language"] = language
+        if stdin is not None:
+            body["stdin"] = stdin
+        if files:
+            body["files"] = {p: base64.b64encode(b).decode() for p, b in files.items()}
+        if fetch_files:
+            body["fetch_files"] = list(fetch_files)
+        body.update(extra)
+        return self._json("POST", "/fncall", json_body=body, timeout=None)
 
     def get_pool(self, name: str) -> Dict[str, Any]:
         """``GET /v1/pools/{name}``: sizes, queue, scale events."""

@@ -51,15 +51,23 @@ pub struct CallSetup {
     pub fetch_limit: u64,
     /// `RLIMIT_AS` of the command, bytes.
     pub memory_limit: Option<u64>,
+    /// The command's timeout, ms.
+    pub timeout_ms: u64,
+    /// The compile step: argv and timeout (ms).
+    pub compile: Option<(Vec<String>, u64)>,
+    /// Output kept of the compile step, per stream.
+    pub compile_output_limit: usize,
 }
 
 /// What a call's PID 1 reports on the result pipe (JSON).
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub struct CallOutcome {
-    /// The command's exit code.
-    pub exit_code: Option<i32>,
-    /// The signal that killed it.
-    pub signal: Option<i32>,
+    /// The compile step, if any.
+    pub compile: Option<CompiledStep>,
+    /// Whether the command ran.
+    pub ran: bool,
+    /// How the command ended.
+    pub run: StepEnd,
     /// The command never started (see [`dsec_wire::agent::CallResult::setup_error`]).
     pub setup_error: Option<String>,
     /// The sandbox should be replaced.
@@ -278,32 +286,174 @@ fn run_call(
         outcome.setup_error = Some(e);
         return Ok(());
     }
+    outcome.setup_us = started.elapsed().as_micros() as u64;
+    if let Some((argv, timeout_ms)) = &setup.compile {
+        let out = memfd(c"compile-stdout")?;
+        let err = memfd(c"compile-stderr")?;
+        let stdio = [
+            Stdio::null(),
+            Stdio::from(out.try_clone().map_err(|e| e.to_string())?),
+            Stdio::from(err.try_clone().map_err(|e| e.to_string())?),
+        ];
+        let limits = Limits {
+            memory: setup.memory_limit,
+            file_size: Some(COMPILE_FILE_SIZE),
+        };
+        let end = match run_step(&setup, argv, stdio, *timeout_ms, limits)? {
+            Ok(end) => end,
+            Err(e) => {
+                outcome.setup_error = Some(e);
+                return Ok(());
+            }
+        };
+        let ok = end.exit_code == Some(0) && !end.timed_out;
+        outcome.compile = Some(CompiledStep {
+            end,
+            stdout: Base64Bytes(tail(out, setup.compile_output_limit)),
+            stderr: Base64Bytes(tail(err, setup.compile_output_limit)),
+        });
+        if !ok {
+            return Ok(());
+        }
+    }
     let [stdin, stdout, stderr] = stdio;
-    let Some(program) = setup.argv.first() else {
-        outcome.setup_error = Some("empty command".into());
-        return Ok(());
+    let stdio = [Stdio::from(stdin), Stdio::from(stdout), Stdio::from(stderr)];
+    let limits = Limits {
+        memory: setup.memory_limit,
+        file_size: None,
     };
+    match run_step(&setup, &setup.argv, stdio, setup.timeout_ms, limits)? {
+        Ok(end) => {
+            outcome.ran = true;
+            outcome.reap_us = end.reap_us;
+            outcome.run = end;
+        }
+        Err(e) => {
+            outcome.setup_error = Some(e);
+            return Ok(());
+        }
+    }
+    if !outcome.run.timed_out {
+        fetch_files(&setup, outcome);
+    }
+    Ok(())
+}
+
+/// Largest file a compile step may write (its output, the program it makes).
+const COMPILE_FILE_SIZE: u64 = 256 * 1024 * 1024;
+
+/// Resource limits of a step's processes.
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    /// `RLIMIT_AS`, bytes.
+    memory: Option<u64>,
+    /// `RLIMIT_FSIZE`, bytes.
+    file_size: Option<u64>,
+}
+
+/// How one step of a call ended.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct StepEnd {
+    /// Exit code, when it exited.
+    pub exit_code: Option<i32>,
+    /// The signal that ended it.
+    pub signal: Option<i32>,
+    /// Its timeout killed it.
+    pub timed_out: bool,
+    /// Wall time, ms.
+    pub duration_ms: u64,
+    /// From its end to every other process of the call reaped, microseconds.
+    pub reap_us: u64,
+}
+
+/// A compile step's end and output.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct CompiledStep {
+    /// How it ended.
+    pub end: StepEnd,
+    /// The last bytes of its stdout.
+    pub stdout: Base64Bytes,
+    /// The last bytes of its stderr.
+    pub stderr: Base64Bytes,
+}
+
+fn memfd(name: &std::ffi::CStr) -> Result<std::fs::File, String> {
+    // SAFETY: memfd_create with a valid C string; the new fd is ours alone.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(format!("memfd: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: as above.
+    Ok(std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// The last `limit` bytes of `f`.
+fn tail(mut f: std::fs::File, limit: usize) -> Vec<u8> {
+    use std::io::Seek;
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let from = len.saturating_sub(limit as u64);
+    let mut out = Vec::new();
+    if f.seek(std::io::SeekFrom::Start(from)).is_ok() {
+        let _ = f.take(limit as u64).read_to_end(&mut out);
+    }
+    out
+}
+
+/// Kills every other process of the call's PID namespace and reaps them all: as its
+/// PID 1, kill(-1) reaches exactly the call's processes, and orphans are re-parented
+/// here, so once no child is left none is.
+fn kill_all_and_reap() {
+    // SAFETY: plain system calls.
+    unsafe {
+        libc::kill(-1, libc::SIGKILL);
+        loop {
+            let pid = libc::waitpid(-1, std::ptr::null_mut(), 0);
+            if pid < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+                break;
+            }
+        }
+    }
+}
+
+/// Runs `argv` to its end or its timeout, then kills what is left of the call. The outer
+/// `Err` is an anomaly; the inner one, a step that could not start.
+fn run_step(
+    setup: &CallSetup,
+    argv: &[String],
+    stdio: [Stdio; 3],
+    timeout_ms: u64,
+    limits: Limits,
+) -> Result<Result<StepEnd, String>, String> {
+    let Some(program) = argv.first() else {
+        return Ok(Err("empty command".into()));
+    };
+    let started = Instant::now();
+    let [stdin, stdout, stderr] = stdio;
     let mut cmd = Command::new(program);
-    cmd.args(&setup.argv[1..])
+    cmd.args(&argv[1..])
         .env_clear()
         .envs(&setup.env)
         .current_dir(&setup.cwd)
-        .stdin(Stdio::from(stdin))
-        .stdout(Stdio::from(stdout))
-        .stderr(Stdio::from(stderr));
+        .stdin(stdin)
+        .stdout(stdout)
+        .stderr(stderr);
     let user = setup.user.clone();
-    let memory = setup.memory_limit;
     // SAFETY: the hook runs only async-signal-safe system calls on data allocated before
     // the fork.
     unsafe {
         cmd.pre_exec(move || {
-            if let Some(bytes) = memory {
-                let lim = libc::rlimit {
-                    rlim_cur: bytes,
-                    rlim_max: bytes,
-                };
-                if libc::setrlimit(libc::RLIMIT_AS, &lim) < 0 {
-                    return Err(std::io::Error::last_os_error());
+            for (resource, value) in [
+                (libc::RLIMIT_AS, limits.memory),
+                (libc::RLIMIT_FSIZE, limits.file_size),
+            ] {
+                if let Some(v) = value {
+                    let lim = libc::rlimit {
+                        rlim_cur: v,
+                        rlim_max: v,
+                    };
+                    if libc::setrlimit(resource, &lim) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
                 }
             }
             sys::try_write(
@@ -318,48 +468,61 @@ fn run_call(
     }
     let child = match cmd.spawn() {
         Ok(c) => c,
-        Err(e) => {
-            outcome.setup_error = Some(format!("starting {program} in {}: {e}", setup.cwd));
-            return Ok(());
-        }
+        Err(e) => return Ok(Err(format!("starting {program} in {}: {e}", setup.cwd))),
     };
-    // Only the command holds the call's pipes now.
+    // Only the step holds its pipes now.
     drop(cmd);
-    outcome.setup_us = started.elapsed().as_micros() as u64;
     let main = child.id() as i32;
-    loop {
-        let mut status = 0;
-        // SAFETY: waitpid with a valid status pointer.
-        let pid = unsafe { libc::waitpid(-1, &mut status, 0) };
-        if pid == main {
-            if libc::WIFEXITED(status) {
-                outcome.exit_code = Some(libc::WEXITSTATUS(status));
-            } else if libc::WIFSIGNALED(status) {
-                outcome.signal = Some(libc::WTERMSIG(status));
-            }
+    // SAFETY: pidfd_open with integer arguments; the child is not reaped yet.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, main, 0) } as i32;
+    if pidfd < 0 {
+        let e = std::io::Error::last_os_error();
+        kill_all_and_reap();
+        return Err(format!("pidfd of the call's command: {e}"));
+    }
+    // SAFETY: a new descriptor, ours alone.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
+    let deadline = started + std::time::Duration::from_millis(timeout_ms);
+    let mut end = StepEnd::default();
+    'wait: loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            end.timed_out = true;
+            end.signal = Some(libc::SIGKILL);
             break;
         }
-        if pid < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-            return Err("the call's command was not found among its children".into());
+        let mut pfd = libc::pollfd {
+            fd: pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // Wakes at the command's end, or every 100 ms to reap the call's other exited
+        // processes, which are re-parented here.
+        let ms = left.as_millis().clamp(1, 100) as i32;
+        // SAFETY: poll on one valid pollfd.
+        unsafe { libc::poll(&mut pfd, 1, ms) };
+        loop {
+            let mut status = 0;
+            // SAFETY: waitpid with a valid status pointer.
+            let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+            if pid <= 0 {
+                break;
+            }
+            if pid == main {
+                if libc::WIFEXITED(status) {
+                    end.exit_code = Some(libc::WEXITSTATUS(status));
+                } else if libc::WIFSIGNALED(status) {
+                    end.signal = Some(libc::WTERMSIG(status));
+                }
+                break 'wait;
+            }
         }
     }
     let ended = Instant::now();
-    // Everything else of the call: as PID 1 of its namespace, kill(-1) reaches exactly
-    // the call's other processes; orphans are re-parented here, so waiting until no
-    // child is left means none is.
-    // SAFETY: plain system calls.
-    unsafe {
-        libc::kill(-1, libc::SIGKILL);
-        loop {
-            let pid = libc::waitpid(-1, std::ptr::null_mut(), 0);
-            if pid < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-                break;
-            }
-        }
-    }
-    outcome.reap_us = ended.elapsed().as_micros() as u64;
-    fetch_files(&setup, outcome);
-    Ok(())
+    kill_all_and_reap();
+    end.reap_us = ended.elapsed().as_micros() as u64;
+    end.duration_ms = started.elapsed().as_millis() as u64;
+    Ok(Ok(end))
 }
 
 /// Writes the call's input files (parents created, owned by the call's user).

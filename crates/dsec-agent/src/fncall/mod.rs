@@ -17,7 +17,8 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use dsec_wire::agent::{
-    CallResult, CallSpec, Reply, CALL_FETCH_LIMIT, CALL_INPUT_LIMIT, CALL_OUTPUT_LIMIT,
+    CallResult, CallSpec, CompileResult, ExitInfo, Reply, CALL_FETCH_LIMIT, CALL_INPUT_LIMIT,
+    CALL_OUTPUT_LIMIT,
 };
 use dsec_wire::{ApiError, Base64Bytes};
 use tokio::io::unix::AsyncFd;
@@ -39,6 +40,9 @@ pub const MAX_CALL_TIMEOUT_MS: u64 = 24 * 3600 * 1000;
 /// How long a killed call's PID 1 may take to be gone before the sandbox is reported as
 /// misbehaving (something in its namespace would not die).
 const TEARDOWN_LIMIT: Duration = Duration::from_secs(5);
+
+/// How long past its timeouts a call's PID 1 may take before the agent kills it.
+const BACKSTOP_GRACE_MS: u64 = 2000;
 
 /// Most bytes of a call's report (its fetched files ride in it, base64).
 const RESULT_LIMIT: usize = 4 * 1024 * 1024;
@@ -72,10 +76,26 @@ async fn run(agent: &Rc<Agent>, spec: CallSpec) -> Result<CallResult, ApiError> 
     if argv.first().is_none_or(|p| p.is_empty()) {
         return Err(bad_request("empty command"));
     }
-    if spec.timeout_ms == 0 || spec.timeout_ms > MAX_CALL_TIMEOUT_MS {
-        return Err(bad_request(format!(
-            "timeout_ms must be within 1..={MAX_CALL_TIMEOUT_MS}"
-        )));
+    let compile_ms = spec.compile.as_ref().map_or(0, |c| c.timeout_ms);
+    for ms in [
+        Some(spec.timeout_ms),
+        spec.compile.as_ref().map(|c| c.timeout_ms),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        if ms == 0 || ms > MAX_CALL_TIMEOUT_MS {
+            return Err(bad_request(format!(
+                "timeouts must be within 1..={MAX_CALL_TIMEOUT_MS} ms"
+            )));
+        }
+    }
+    if spec
+        .compile
+        .as_ref()
+        .is_some_and(|c| c.cmd.to_argv().first().is_none_or(|p| p.is_empty()))
+    {
+        return Err(bad_request("empty compile command"));
     }
     let input: usize = spec.stdin.as_ref().map_or(0, Base64Bytes::len)
         + spec.files.values().map(Base64Bytes::len).sum::<usize>();
@@ -108,6 +128,12 @@ async fn run(agent: &Rc<Agent>, spec: CallSpec) -> Result<CallResult, ApiError> 
         fetch,
         fetch_limit: CALL_FETCH_LIMIT,
         memory_limit: spec.memory_limit_bytes,
+        timeout_ms: spec.timeout_ms,
+        compile: spec
+            .compile
+            .as_ref()
+            .map(|c| (c.cmd.to_argv(), c.timeout_ms)),
+        compile_output_limit: (CALL_OUTPUT_LIMIT / 4) as usize,
     };
     let setup = serde_json::to_vec(&setup).map_err(|e| crate::error::internal(e.to_string()))?;
     let limit = spec
@@ -204,7 +230,10 @@ async fn run(agent: &Rc<Agent>, spec: CallSpec) -> Result<CallResult, ApiError> 
     tokio::pin!(report);
     let ring = || Ring::with_budget(limit, agent.output.clone());
     let (mut out, mut err) = (ring(), ring());
-    let deadline = tokio::time::sleep(Duration::from_millis(spec.timeout_ms));
+    // The call's PID 1 enforces the timeouts; this is the backstop for one that hangs.
+    let deadline = tokio::time::sleep(Duration::from_millis(
+        spec.timeout_ms + compile_ms + BACKSTOP_GRACE_MS,
+    ));
     tokio::pin!(deadline);
     let mut timed_out = false;
     let mut readers_done = false;
@@ -259,7 +288,13 @@ async fn run(agent: &Rc<Agent>, spec: CallSpec) -> Result<CallResult, ApiError> 
             })
         }
         _ if timed_out => helper::CallOutcome {
-            signal: Some(libc::SIGKILL),
+            ran: true,
+            run: helper::StepEnd {
+                signal: Some(libc::SIGKILL),
+                timed_out: true,
+                duration_ms: started.elapsed().as_millis() as u64,
+                ..Default::default()
+            },
             ..Default::default()
         },
         _ => helper::CallOutcome {
@@ -271,15 +306,32 @@ async fn run(agent: &Rc<Agent>, spec: CallSpec) -> Result<CallResult, ApiError> 
     if !gone {
         anomaly.get_or_insert_with(|| "a process of the call outlived it".into());
     }
+    let run = outcome.run;
+    let timed_out = timed_out || run.timed_out;
+    let compile = outcome.compile.map(|c| CompileResult {
+        exit: ExitInfo {
+            exit_code: c.end.exit_code,
+            signal: c.end.signal,
+            duration_ms: c.end.duration_ms,
+            timed_out: c.end.timed_out,
+            stdout_bytes: c.stdout.len() as u64,
+            stderr_bytes: c.stderr.len() as u64,
+            ..ExitInfo::default()
+        },
+        stdout: c.stdout,
+        stderr: c.stderr,
+    });
     let mut result = CallResult {
-        exit: dsec_wire::agent::ExitInfo {
-            exit_code: if timed_out { None } else { outcome.exit_code },
+        compile,
+        ran: outcome.ran,
+        exit: ExitInfo {
+            exit_code: if timed_out { None } else { run.exit_code },
             signal: if timed_out {
                 Some(libc::SIGKILL)
             } else {
-                outcome.signal
+                run.signal
             },
-            duration_ms: started.elapsed().as_millis() as u64,
+            duration_ms: if outcome.ran { run.duration_ms } else { 0 },
             timed_out,
             stdout_bytes: out.total(),
             stderr_bytes: err.total(),

@@ -8,8 +8,10 @@
 
 use std::time::Instant;
 
-use dsec_wire::agent::{CallResult, CallSpec, Command};
-use dsec_wire::v1::{language_command, FnCallRequest, FnCallResponse, FnCallStatus, LANGUAGES};
+use dsec_wire::agent::{CallResult, CallSpec, Command, CompileSpec};
+use dsec_wire::v1::{
+    language_run, FnCallCompile, FnCallRequest, FnCallResponse, FnCallStatus, LANGUAGES,
+};
 
 use super::pools::acquire;
 use super::*;
@@ -27,11 +29,15 @@ fn bad(msg: impl Into<String>) -> ApiError {
 
 /// The agent request for `req`, or why it is invalid.
 pub(super) fn call_spec(req: &FnCallRequest) -> ApiResult<CallSpec> {
-    if !req.timeout_s.is_finite() || req.timeout_s <= 0.0 || req.timeout_s > MAX_CALL_TIMEOUT_S {
-        return Err(bad(format!(
-            "timeout_s must be in (0, {MAX_CALL_TIMEOUT_S}], got {}",
-            req.timeout_s
-        )));
+    for (field, t) in [
+        ("timeout_s", req.timeout_s),
+        ("compile_timeout_s", req.compile_timeout_s),
+    ] {
+        if !t.is_finite() || t <= 0.0 || t > MAX_CALL_TIMEOUT_S {
+            return Err(bad(format!(
+                "{field} must be in (0, {MAX_CALL_TIMEOUT_S}], got {t}"
+            )));
+        }
     }
     if let Some(w) = req.max_wait_s {
         if !w.is_finite() || !(0.0..=3600.0).contains(&w) {
@@ -46,6 +52,7 @@ pub(super) fn call_spec(req: &FnCallRequest) -> ApiResult<CallSpec> {
         }
     }
     let mut files = req.files.clone();
+    let mut compile = None;
     let cmd = match (&req.command, &req.code) {
         (Some(_), Some(_)) => return Err(bad("give either command or code, not both")),
         (None, None) => return Err(bad("give a command, or code and its language")),
@@ -65,14 +72,18 @@ pub(super) fn call_spec(req: &FnCallRequest) -> ApiResult<CallSpec> {
                     LANGUAGES.join(", ")
                 ))
             })?;
-            let (path, argv) = language_command(lang).ok_or_else(|| {
+            let how = language_run(lang).ok_or_else(|| {
                 bad(format!(
                     "language: {lang:?} is not supported (one of {})",
                     LANGUAGES.join(", ")
                 ))
             })?;
-            files.insert(path, code.as_str().into());
-            Command::Argv(argv)
+            files.insert(how.file, code.as_str().into());
+            compile = how.compile.map(|argv| CompileSpec {
+                cmd: Command::Argv(argv),
+                timeout_ms: (req.compile_timeout_s * 1000.0).ceil() as u64,
+            });
+            Command::Argv(how.run)
         }
     };
     for path in files.keys().chain(&req.fetch_files) {
@@ -99,12 +110,23 @@ pub(super) fn call_spec(req: &FnCallRequest) -> ApiResult<CallSpec> {
         timeout_ms: (req.timeout_s * 1000.0).ceil() as u64,
         memory_limit_bytes: req.memory_limit_mb.map(|mb| mb << 20),
         output_limit: None,
+        compile,
     })
 }
 
 fn response(r: CallResult, sandbox_id: String) -> FnCallResponse {
+    let compile = r.compile.map(|c| FnCallCompile {
+        exit_code: c.exit.exit_code,
+        signal: c.exit.signal,
+        timed_out: c.exit.timed_out,
+        stdout: c.stdout.to_text(),
+        stderr: c.stderr.to_text(),
+        duration_ms: c.exit.duration_ms,
+    });
     let status = if r.setup_error.is_some() {
         FnCallStatus::SetupError
+    } else if compile.is_some() && !r.ran {
+        FnCallStatus::CompileError
     } else if r.exit.timed_out {
         FnCallStatus::TimedOut
     } else {
@@ -112,6 +134,7 @@ fn response(r: CallResult, sandbox_id: String) -> FnCallResponse {
     };
     FnCallResponse {
         status,
+        compile,
         exit_code: r.exit.exit_code,
         signal: r.exit.signal,
         stdout: r.stdout.to_text(),

@@ -29,22 +29,53 @@ impl Default for FnCallPolicy {
 }
 
 /// Languages a call may give as `code`, and how each runs.
-pub const LANGUAGES: &[&str] = &["python", "bash", "sh"];
+pub const LANGUAGES: &[&str] = &["python", "bash", "sh", "cpp", "c"];
 
 /// Where a call's `code` is written (in the call's private view).
 pub const CODE_DIR: &str = "/tmp/fncall";
 
-/// The file a language's code is written to and the command that runs it, or `None` for
-/// a language not in [`LANGUAGES`].
-pub fn language_command(language: &str) -> Option<(String, Vec<String>)> {
-    let (file, interpreter) = match language {
-        "python" | "python3" => ("main.py", "python3"),
-        "bash" => ("main.sh", "bash"),
-        "sh" => ("main.sh", "sh"),
-        _ => return None,
+/// How a language's code runs: the file it is written to, the compile step (if any)
+/// and the command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LanguageRun {
+    /// Where the code is written.
+    pub file: String,
+    /// The compiler's argv, for compiled languages.
+    pub compile: Option<Vec<String>>,
+    /// The command that runs it.
+    pub run: Vec<String>,
+}
+
+/// How `language`'s code runs, or `None` for one not in [`LANGUAGES`]. C++ is
+/// `g++ -std=c++17 -O2`, C `gcc -std=c11 -O2` (the image must have them).
+pub fn language_run(language: &str) -> Option<LanguageRun> {
+    let dir = CODE_DIR;
+    let interpreted = |file: &str, interpreter: &str| LanguageRun {
+        file: format!("{dir}/{file}"),
+        compile: None,
+        run: vec![interpreter.to_string(), format!("{dir}/{file}")],
     };
-    let path = format!("{CODE_DIR}/{file}");
-    Some((path.clone(), vec![interpreter.to_string(), path]))
+    let compiled = |file: &str, compiler: &[&str]| {
+        let mut argv: Vec<String> = compiler.iter().map(|s| s.to_string()).collect();
+        argv.extend([
+            "-o".to_string(),
+            format!("{dir}/main"),
+            format!("{dir}/{file}"),
+        ]);
+        LanguageRun {
+            file: format!("{dir}/{file}"),
+            compile: Some(argv),
+            run: vec![format!("{dir}/main")],
+        }
+    };
+    Some(match language {
+        "python" | "python3" => interpreted("main.py", "python3"),
+        "bash" => interpreted("main.sh", "bash"),
+        "sh" => interpreted("main.sh", "sh"),
+        "cpp" | "c++" => compiled("main.cpp", &["g++", "-std=c++17", "-O2"]),
+        "c" => compiled("main.c", &["gcc", "-std=c11", "-O2"]),
+        _ => return None,
+    })
 }
 
 fn default_timeout_s() -> f64 {
@@ -85,6 +116,9 @@ pub struct FnCallRequest {
     /// Kill it (and all it started) after this many seconds. Default 10.
     #[serde(default = "default_timeout_s")]
     pub timeout_s: f64,
+    /// For a compiled language: the compiler's timeout, seconds. Default 10.
+    #[serde(default = "default_timeout_s")]
+    pub compile_timeout_s: f64,
     /// Address-space limit of each of its processes, MiB; default: only the pool's
     /// memory limit.
     #[serde(default)]
@@ -103,9 +137,28 @@ pub enum FnCallStatus {
     Finished,
     /// It ran out of time and was killed.
     TimedOut,
+    /// Its code did not compile (or the compiler ran out of time): see `compile`.
+    CompileError,
     /// It could not start: an input file could not be written, or its working directory
     /// or program is missing (`error` says which).
     SetupError,
+}
+
+/// The compile step of a call in a compiled language.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FnCallCompile {
+    /// Exit code of the compiler, when it exited.
+    pub exit_code: Option<i32>,
+    /// The signal that ended it.
+    pub signal: Option<i32>,
+    /// Its timeout killed it.
+    pub timed_out: bool,
+    /// Its standard output (the last 256 KiB).
+    pub stdout: String,
+    /// Its standard error (the last 256 KiB).
+    pub stderr: String,
+    /// Its wall time, ms.
+    pub duration_ms: u64,
 }
 
 /// Answer of `POST /v1/fncall`.
@@ -113,6 +166,9 @@ pub enum FnCallStatus {
 pub struct FnCallResponse {
     /// How it ended.
     pub status: FnCallStatus,
+    /// The compile step, for a compiled language.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compile: Option<FnCallCompile>,
     /// Its exit code, when it exited.
     pub exit_code: Option<i32>,
     /// The signal that ended it, if one did.
