@@ -23,6 +23,7 @@ mod churn;
 mod cluster;
 mod control;
 mod files;
+mod fncall;
 mod images;
 mod lifecycle;
 mod network;
@@ -48,7 +49,7 @@ struct Args {
     #[arg(long)]
     json: Option<PathBuf>,
     /// Run only these sections (comma-separated): runtimes, exec (its exec table alone), network, concurrency,
-    /// sustained, backlog, teardown, cpu, job, idle, idle-cpu, density, files, provision, burst, pools,
+    /// sustained, backlog, teardown, cpu, job, idle, idle-cpu, density, files, provision, burst, pools, fncall,
     /// placement (simulated, needs neither root nor a server), control-plane (2 API servers
     /// over etcd and 100 simulated nodes; needs etcd, not root), registry-pull (a
     /// multi-layer pull from a local docker-registry, serial vs parallel layer downloads;
@@ -1092,7 +1093,7 @@ static REPORT: std::sync::Mutex<Vec<serde_json::Value>> = std::sync::Mutex::new(
 /// Every printed table's samples, drawn into one SVG at the end.
 static PLOTS: std::sync::Mutex<Vec<plot::Panel>> = std::sync::Mutex::new(Vec::new());
 
-fn record(title: &str, rows: serde_json::Value) {
+pub(crate) fn record(title: &str, rows: serde_json::Value) {
     REPORT
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -1430,6 +1431,27 @@ fn main() -> anyhow::Result<()> {
             print_table("warm pool claim vs cold create (time to interactive)", &rows, "dsec create + exec true");
             let (claim, floor) = (rows[2].pct(50.0), rows[3].pct(50.0));
             println!("\nserver time of a claim (claim p50 - health p50): {:.2} ms (target <= 1 ms)", claim - floor);
+        }
+        if want("fncall") {
+            let mut runs = Vec::new();
+            let mut phases = fncall::Phases::default();
+            if fncall::programs().len() > 1 {
+                fncall::ensure_cpp(&server).await?;
+            }
+            for prog in fncall::programs() {
+                let quick = n < 20;
+                let per_level = move |c: usize| {
+                    if prog.language == "cpp" {
+                        if quick { c.max(4) } else { (2 * c).max(8) }
+                    } else {
+                        (4 * c).max(n)
+                    }
+                };
+                let (r, p) = fncall::measure(&server, &prog, &[1, 8, 32], per_level).await?;
+                runs.extend(r);
+                phases.rows.extend(p.rows);
+            }
+            fncall::print(&runs, &phases);
         }
         if want("network") {
             let net = network::tti_by_mode(&server, n).await?;

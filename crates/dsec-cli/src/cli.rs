@@ -50,6 +50,8 @@ pub enum Command {
     /// Run one function call in a pool made with `pool create --fncall`: prints its
     /// output and exits with its exit code.
     Fncall(FnCallArgs),
+    /// Show the creates waiting for capacity, by priority level.
+    Queue,
     /// Suspend or resume every sandbox of a job (sandboxes labelled job=NAME).
     #[command(subcommand)]
     Job(JobCommand),
@@ -618,9 +620,20 @@ pub struct CreateArgs {
     /// environment is the pool's.
     #[arg(long)]
     pub pool: Option<String>,
-    /// With --pool: wait at most this long for a warm sandbox (server default: 30s).
-    #[arg(long, value_parser = parse_duration, requires = "pool")]
+    /// Wait at most this long for a warm sandbox (with --pool), or for room on a full
+    /// node (without: the create waits in the capacity queue instead of failing).
+    /// Server default: 30s.
+    #[arg(long, value_parser = parse_duration)]
     pub max_wait: Option<Duration>,
+    /// Place among waiting creates: high, medium (default) or low (low takes only spare
+    /// warm sandboxes of a pool, and never grows it). Implies waiting.
+    #[arg(long, value_parser = parse_priority)]
+    pub priority: Option<dsec_wire::v1::Priority>,
+}
+
+fn parse_priority(s: &str) -> Result<dsec_wire::v1::Priority, String> {
+    serde_json::from_value(serde_json::Value::String(s.to_string()))
+        .map_err(|_| format!("{s:?}: one of high, medium, low"))
 }
 
 /// `dsec fncall`.

@@ -78,6 +78,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             .await
             .map(|()| ExitCode::SUCCESS),
         Command::Fncall(args) => pool::fncall(&client()?, args, cli.json).await,
+        Command::Queue => pool::queue(&client()?, cli.json)
+            .await
+            .map(|()| ExitCode::SUCCESS),
         Command::Job(cmd) => sandbox::job(&client()?, cmd, cli.json).await,
         Command::Pool(cmd) => pool::run(&client()?, cmd, cli.json)
             .await

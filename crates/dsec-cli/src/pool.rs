@@ -213,3 +213,28 @@ pub async fn fncall(
         u8::try_from(code.clamp(0, 255)).unwrap_or(1),
     ))
 }
+
+/// `dsec queue`: the capacity queue's levels.
+pub async fn queue(client: &Client, json: bool) -> anyhow::Result<()> {
+    let q = client.queue_status().await?;
+    if json {
+        return print_json(&q);
+    }
+    let mut t = Table::new(&["PRIORITY", "WAITING", "OLDEST (ms)", "SERVED", "TENANTS"]);
+    for l in &q.levels {
+        let tenants: Vec<String> = l
+            .tenants
+            .iter()
+            .map(|t| format!("{}:{}", t.tenant, t.waiting))
+            .collect();
+        t.row(vec![
+            format!("{:?}", l.priority).to_lowercase(),
+            l.waiting.to_string(),
+            l.oldest_wait_ms.to_string(),
+            l.served.to_string(),
+            tenants.join(" "),
+        ]);
+    }
+    print!("{}", t.render());
+    Ok(())
+}

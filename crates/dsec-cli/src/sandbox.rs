@@ -175,9 +175,11 @@ pub(crate) async fn create_request(a: CreateArgs) -> anyhow::Result<CreateSandbo
             dsec_wire::v1::Isolation::Container
         },
         pool: a.pool,
-        queue: a.max_wait.map(|w| dsec_wire::v1::QueueOptions {
-            max_wait_s: Some(w.as_secs_f64()),
-            ..Default::default()
+        queue: (a.max_wait.is_some() || a.priority.is_some()).then(|| {
+            dsec_wire::v1::QueueOptions {
+                max_wait_s: a.max_wait.map(|w| w.as_secs_f64()),
+                priority: a.priority.unwrap_or_default(),
+            }
         }),
         ..Default::default()
     };

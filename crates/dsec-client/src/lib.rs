@@ -291,6 +291,11 @@ impl Client {
         Self::unit(self.delete(&["pools", name])).await
     }
 
+    /// `GET /v1/queue`: creates waiting for capacity, by priority level.
+    pub async fn queue_status(&self) -> Result<dsec_wire::v1::QueueStatus, ClientError> {
+        Self::json(self.get(&["queue"])).await
+    }
+
     /// `POST /v1/fncall`: runs one function call in a member of a pool made for calls.
     pub async fn fncall(
         &self,

@@ -20,9 +20,9 @@ use dsec_wire::v1::{
     FileInfo, FileList, FnCallRequest, FnCallResponse, GcRequest, GcResult, Health, Image,
     ImageList, ImportEvent, ImportImageRequest, JobResult, LayerStatsList, MkdirRequest,
     NetworkPolicy, PauseResult, Pool, PoolList, PoolSpec, PoolUpdate, ProcessInfo, ProcessList,
-    PtySize, PullImageRequest, RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList,
-    SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest,
-    StdinRequest, WriteResult,
+    PtySize, PullImageRequest, QueueStatus, RenameRequest, Sandbox, SandboxList, SessionInfo,
+    SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
+    StartProcessRequest, StdinRequest, WriteResult,
 };
 use dsec_wire::{ApiError, ErrorCode};
 use futures::stream::BoxStream;
@@ -90,6 +90,12 @@ pub trait SandboxApi: Send + Sync + 'static {
     /// Deletes a pool and its warm sandboxes.
     async fn delete_pool(&self, _caller: &Principal, _name: &str) -> ApiResult<()> {
         Err(no_pools())
+    }
+
+    /// `GET /v1/queue`: creates waiting for capacity, by level (an admin's key sees
+    /// every tenant's waiters, another key its tenant's).
+    async fn queue_status(&self, _caller: &Principal) -> ApiResult<QueueStatus> {
+        Ok(QueueStatus::default())
     }
 
     /// `POST /v1/fncall`: runs one function call in a member of the caller's pool.

@@ -40,6 +40,7 @@ mod lifecycle;
 mod liveness;
 mod pools;
 mod pull;
+mod queue;
 pub(crate) use pull::ensure_image;
 mod reaper;
 mod records;
@@ -121,6 +122,8 @@ pub struct ControlPlane {
     store: Arc<dyn StateStore>,
     /// Warm pools and their tasks.
     pools: pools::Pools,
+    /// Creates waiting for capacity.
+    queue: queue::CapacityQueue,
     /// This plane itself, for the tasks of [`ControlPlane::to_end`].
     me: Weak<ControlPlane>,
 }
@@ -207,6 +210,7 @@ impl ControlPlane {
             unrecorded: Default::default(),
             store,
             pools: Default::default(),
+            queue: Default::default(),
             me: me.clone(),
         });
         plane.records.adopt_missing_keys().await?;
@@ -218,6 +222,7 @@ impl ControlPlane {
             plane.spawn_recovery(&sb.id);
         }
         plane.load_pools().await?;
+        tokio::spawn(queue::run_queue(plane.me.clone()));
         plane.clone().spawn_reaper();
         Ok(plane)
     }
@@ -566,10 +571,9 @@ impl SandboxApi for ControlPlane {
                 .await;
         }
         if req.queue.is_some() {
-            return Err(ApiError::new(
-                ErrorCode::BadRequest,
-                "queue: only a create from a pool waits for now",
-            ));
+            return self
+                .to_end(move |me| async move { me.create_queued_to_end(&tenant, req).await })
+                .await;
         }
         self.to_end(move |me| async move { me.create_sandbox_to_end(&tenant, req).await })
             .await
@@ -604,6 +608,12 @@ impl SandboxApi for ControlPlane {
         let (tenant, name) = (caller.tenant.clone(), name.to_string());
         self.to_end(move |me| async move { me.delete_pool_to_end(&tenant, &name).await })
             .await
+    }
+
+    async fn queue_status(&self, caller: &Principal) -> ApiResult<QueueStatus> {
+        Ok(self
+            .queue
+            .status(&caller.tenant, caller.allows(crate::api::Scope::Admin)))
     }
 
     async fn fncall(&self, caller: &Principal, req: FnCallRequest) -> ApiResult<FnCallResponse> {

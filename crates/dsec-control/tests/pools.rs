@@ -2,68 +2,18 @@
 //! the autoscaler growing under a burst and shrinking when idle, tenant isolation, bad
 //! specs and claims, deletion, and a restart that adopts the warm sandboxes.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dsec_control::{ControlConfig, ControlPlane, Principal, SandboxApi, Scope};
-use dsec_node_api::fake::{shell_request, FakeNode};
-use dsec_state::RedbStore;
+use dsec_control::{ControlPlane, Principal, SandboxApi};
+use dsec_node_api::fake::shell_request;
 use dsec_wire::v1::{
     AutoscalePolicy, CreateSandboxRequest, Pool, PoolSpec, PoolUpdate, QueueOptions, ScaleReason,
     POOL_LABEL, POOL_ORIGIN_LABEL,
 };
 use dsec_wire::ErrorCode;
 
-/// A principal of tenant `name`, which is created on `plane` first.
-async fn tenant_on(plane: &ControlPlane, name: &str) -> Principal {
-    if let Err(e) = plane
-        .iam()
-        .create_tenant(name, dsec_iam::Quotas::default())
-        .await
-    {
-        panic!("create tenant {name}: {e}");
-    }
-    tenant(name)
-}
-
-fn tenant(name: &str) -> Principal {
-    Principal {
-        tenant: name.into(),
-        key_id: format!("key-of-{name}"),
-        scopes: vec![Scope::Sandboxes],
-    }
-}
-
-struct Fixture {
-    node: Arc<FakeNode>,
-    store: Arc<RedbStore>,
-    plane: Arc<ControlPlane>,
-    _dir: tempfile::TempDir,
-}
-
-impl Fixture {
-    async fn new() -> Self {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let store =
-            Arc::new(RedbStore::open(&dir.path().join("state.redb")).expect("open the store"));
-        let node = Arc::new(FakeNode::new("fake-1"));
-        let plane = open(&node, &store).await;
-        Self {
-            node,
-            store,
-            plane,
-            _dir: dir,
-        }
-    }
-}
-
-async fn open(node: &Arc<FakeNode>, store: &Arc<RedbStore>) -> Arc<ControlPlane> {
-    let mut cfg = ControlConfig::with_key("k".into());
-    cfg.reap_interval = Duration::from_millis(50);
-    ControlPlane::open(cfg, node.clone(), store.clone())
-        .await
-        .unwrap_or_else(|e| panic!("open the plane: {e:?}"))
-}
+mod common;
+use common::{open, tenant_on, Fixture};
 
 fn spec(name: &str, min: u32, max: u32) -> PoolSpec {
     PoolSpec {

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dsec_control::{ControlConfig, ControlPlane, Principal, SandboxApi, Scope};
+use dsec_control::{ControlConfig, ControlPlane, SandboxApi};
 use dsec_iam::{Iam, IamConfig, Quotas, Usage};
 use dsec_node_api::fake::{shell_request, FakeNode};
 use dsec_node_api::NodeApi;
@@ -20,13 +20,8 @@ use dsec_wire::ErrorCode;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
-fn tenant(name: &str) -> Principal {
-    Principal {
-        tenant: name.into(),
-        key_id: format!("key-of-{name}"),
-        scopes: vec![Scope::Sandboxes],
-    }
-}
+mod common;
+use common::tenant;
 
 struct Pair {
     a: Arc<ControlPlane>,

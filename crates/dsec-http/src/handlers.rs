@@ -381,6 +381,11 @@ pub async fn delete_pool(api: Api, Path(name): Path<String>) -> HttpResult<Respo
     Ok(no_content(api.delete_pool(&name).await?))
 }
 
+/// `GET /v1/queue`.
+pub async fn queue_status(api: Api) -> HttpResult<Response> {
+    Ok(json(api.queue_status().await?))
+}
+
 /// `POST /v1/fncall`.
 pub async fn fncall(api: Api, Json(req): Json<FnCallRequest>) -> HttpResult<Response> {
     Ok(json(api.fncall(req).await?))

@@ -124,6 +124,7 @@ pub fn router_with(api: Arc<dyn SandboxApi>, opts: HttpOptions) -> Router {
                 .delete(h::delete_pool),
         )
         .route("/fncall", post(h::fncall))
+        .route("/queue", get(h::queue_status))
         .route("/jobs/{job}/suspend", post(h::suspend_job))
         .route("/jobs/{job}/resume", post(h::resume_job))
         .route("/nodes", get(h::list_nodes))

@@ -117,6 +117,7 @@ async fn run_code(api: Api, Path(pool): Path<String>, body: axum::body::Bytes) -
         compile_timeout_s: req.compile_timeout,
         memory_limit_mb: req.memory_limit_mb.filter(|mb| *mb > 0).map(|mb| mb as u64),
         max_wait_s: None,
+        priority: Default::default(),
     };
     match api.fncall(call).await {
         Ok(r) => Json(answer(r)).into_response(),

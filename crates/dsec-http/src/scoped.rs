@@ -168,6 +168,11 @@ impl Scoped {
         self.api.delete_pool(&self.caller, name).await
     }
 
+    /// [`SandboxApi::queue_status`] as this caller.
+    pub async fn queue_status(&self) -> ApiResult<dsec_wire::v1::QueueStatus> {
+        self.api.queue_status(&self.caller).await
+    }
+
     /// [`SandboxApi::fncall`] as this caller.
     pub async fn fncall(&self, req: FnCallRequest) -> ApiResult<FnCallResponse> {
         self.api.fncall(&self.caller, req).await

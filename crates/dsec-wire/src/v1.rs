@@ -360,6 +360,39 @@ pub enum Priority {
     Low,
 }
 
+/// `GET /v1/queue`: creates waiting for capacity, by priority level.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueStatus {
+    /// High, medium, low.
+    pub levels: Vec<QueueLevel>,
+}
+
+/// One priority level of the capacity queue.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueLevel {
+    /// The level.
+    pub priority: Priority,
+    /// Creates waiting at this level (all tenants').
+    pub waiting: u32,
+    /// The longest wait at this level now, ms.
+    pub oldest_wait_ms: u64,
+    /// Creates served after waiting, since the server started.
+    pub served: u64,
+    /// Waiters by tenant (only the caller's, unless the key is an admin's).
+    pub tenants: Vec<QueueTenant>,
+}
+
+/// A tenant's waiters at one level.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueTenant {
+    /// The tenant.
+    pub tenant: String,
+    /// Its creates waiting.
+    pub waiting: u32,
+    /// Its longest wait now, ms.
+    pub oldest_wait_ms: u64,
+}
+
 /// Waiting for capacity.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -169,8 +169,9 @@ impl ControlPlane {
         let start = Instant::now();
         let mut last_err = None;
         for _ in 0..ATTEMPTS {
-            let id = acquire(&pool, &name, start, max_wait).await?;
-            let waited = start.elapsed().as_millis() as u64;
+            let id = acquire(&pool, &name, start, max_wait, req.priority).await?;
+            let waited =
+                (req.priority != Priority::Low).then(|| start.elapsed().as_millis() as u64);
             let ran = match self.records.get(&id) {
                 Some(sb) => match self.node_of(&sb) {
                     Ok(node) => node.call(&id, Request::Call(spec.clone())).await,

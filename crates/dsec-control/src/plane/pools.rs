@@ -122,6 +122,8 @@ pub(super) struct PoolState {
 struct Waiter {
     seq: u64,
     since: Instant,
+    /// Served before lower levels; `low` never grows the pool.
+    priority: Priority,
     tx: tokio::sync::oneshot::Sender<String>,
 }
 
@@ -143,7 +145,17 @@ impl PoolRt {
     /// A warm member for the first waiting claim, else for the warm list.
     pub(super) fn offer(&self, mut id: String) {
         let mut st = self.lock();
-        while let Some(w) = st.waiters.pop_front() {
+        // The highest level first, then the oldest.
+        while let Some(at) = st
+            .waiters
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, w)| (w.priority, w.seq))
+            .map(|(i, _)| i)
+        {
+            let Some(w) = st.waiters.remove(at) else {
+                break;
+            };
             match w.tx.send(id) {
                 Ok(()) => {
                     if st.spec.fncall.is_some() {
@@ -165,12 +177,14 @@ impl PoolRt {
     /// Takes back member `id` after a call that waited `waited_ms` for it: warm again
     /// if it is `healthy` and has calls left, else forgotten (the caller deletes it and
     /// the pool makes another). Returns whether it stays.
-    pub(super) fn give_back(&self, id: String, healthy: bool, waited_ms: u64) -> bool {
+    pub(super) fn give_back(&self, id: String, healthy: bool, waited_ms: Option<u64>) -> bool {
         let keep = {
             let mut st = self.lock();
             st.busy = st.busy.saturating_sub(1);
             st.calls_served += 1;
-            st.scaler.served(now_ms(), waited_ms);
+            if let Some(ms) = waited_ms {
+                st.scaler.served(now_ms(), ms);
+            }
             let max = st.spec.fncall.as_ref().map_or(1, |f| f.max_calls);
             let served = st.calls.get(&id).copied().unwrap_or(0) + 1;
             if healthy && served < max && !st.deleted {
@@ -593,12 +607,16 @@ impl ControlPlane {
         }
         let start = Instant::now();
         loop {
-            let id = acquire(&pool, &name, start, max_wait).await?;
+            let priority = req.queue.unwrap_or_default().priority;
+            let id = acquire(&pool, &name, start, max_wait, priority).await?;
             match self.take_member(tenant, &name, &id, &req).await {
                 Ok(sb) => {
                     let waited = start.elapsed().as_millis() as u64;
                     let mut st = pool.lock();
-                    st.scaler.served(now_ms(), waited);
+                    // A low claim takes spare capacity only: its wait never grows the pool.
+                    if priority != Priority::Low {
+                        st.scaler.served(now_ms(), waited);
+                    }
                     st.claimed += 1;
                     return Ok(sb);
                 }
@@ -760,6 +778,7 @@ pub(super) async fn acquire(
     name: &str,
     start: Instant,
     max_wait: f64,
+    priority: Priority,
 ) -> ApiResult<String> {
     let deadline = start + Duration::from_secs_f64(max_wait);
     let (id, waiting) = {
@@ -781,6 +800,7 @@ pub(super) async fn acquire(
                 st.waiters.push_back(Waiter {
                     seq,
                     since: start,
+                    priority,
                     tx,
                 });
                 (None, Some((seq, rx)))
@@ -832,13 +852,13 @@ async fn run_pool(plane: Weak<ControlPlane>, pool: Arc<PoolRt>) {
             st.waiters.retain(|w| !w.tx.is_closed());
             let now = Instant::now();
             let ready = st.ready.len() as u32;
+            // Low claims and calls take spare capacity only: they do not grow the pool.
+            let growing = || st.waiters.iter().filter(|w| w.priority != Priority::Low);
             let inputs = Inputs {
                 size: ready + st.creating + st.busy,
                 idle: ready,
-                waiting: st.waiters.len() as u32,
-                waiting_ms: st
-                    .waiters
-                    .iter()
+                waiting: growing().count() as u32,
+                waiting_ms: growing()
                     .map(|w| now.duration_since(w.since).as_millis() as u64)
                     .sum(),
             };

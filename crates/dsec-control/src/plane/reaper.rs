@@ -349,6 +349,9 @@ impl ControlPlane {
             at: now_ms(),
             tenant: sb.tenant.clone(),
         });
-        self.records.remove(&sb, tombstone).await
+        self.records.remove(&sb, tombstone).await?;
+        // Room for a create waiting for capacity.
+        self.queue.grant_next();
+        Ok(())
     }
 }

@@ -127,6 +127,10 @@ pub struct FnCallRequest {
     /// call fails with `capacity`.
     #[serde(default)]
     pub max_wait_s: Option<f64>,
+    /// Its place among waiting calls: `high` before `medium` (the default) before `low`;
+    /// a `low` call never grows the pool (it runs only on spare warm sandboxes).
+    #[serde(default)]
+    pub priority: super::Priority,
 }
 
 /// How a call ended.
