@@ -277,3 +277,92 @@ async fn a_sandbox_is_replaced_after_max_calls_and_bad_input_is_refused() {
     c.delete_pool("claims").await.expect("delete");
     c.delete_pool("recycle").await.expect("delete");
 }
+
+/// Processes of sandbox `id` (seen from the host) whose command line mentions `needle`.
+fn running(id: &str, needle: &str) -> Vec<i32> {
+    dsec_e2e::host::processes(id)
+        .into_iter()
+        .filter(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            String::from_utf8_lossy(&cmd).contains(needle)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kill_9_of_the_server_mid_call_ends_the_call_and_the_pool_serves_again() {
+    if !require_root() {
+        return;
+    }
+    let mut s = Server::start_with(
+        "fncall-kill",
+        true,
+        &["--cgroup-parent", "dsec-fncall-kill"],
+    )
+    .await
+    .unwrap_or_else(|e| panic!("server: {e:#}"));
+    s.ensure_base(Some(server()))
+        .await
+        .unwrap_or_else(|e| panic!("base image: {e:#}"));
+    let c = s.client();
+    pool(&c, "k", 2, 1000).await;
+    let in_flight = {
+        let c = c.clone();
+        tokio::spawn(async move {
+            let mut r = request("k", "echo mid > /tmp/mid; sleep 313");
+            r.timeout_s = 600.0;
+            c.fncall(&r).await
+        })
+    };
+    let members: Vec<String> = c
+        .list_sandboxes(BTreeMap::from([(
+            FNCALL_LABEL.to_string(),
+            "k".to_string(),
+        )]))
+        .await
+        .expect("list")
+        .sandboxes
+        .into_iter()
+        .map(|sb| sb.id)
+        .collect();
+    assert_eq!(members.len(), 2, "{members:?}");
+    let busy = wait_until(Duration::from_secs(30), || async {
+        members
+            .iter()
+            .find(|id| !running(id, "sleep 313").is_empty())
+            .cloned()
+    })
+    .await
+    .expect("the call never started");
+
+    s.kill();
+    assert!(
+        in_flight.await.expect("task").is_err(),
+        "the call's client sees the server go"
+    );
+    s.spawn()
+        .await
+        .unwrap_or_else(|e| panic!("restart after kill -9: {e:#}"));
+    // The agent ends a call whose node went away: nothing of it runs on.
+    let ended = wait_until(Duration::from_secs(30), || async {
+        running(&busy, "sleep 313").is_empty().then_some(())
+    })
+    .await;
+    assert!(
+        ended.is_some(),
+        "the call still runs in {busy} after the restart"
+    );
+    // The restarted server finds its pool and serves calls in clean views.
+    let c = s.client();
+    wait_until(Duration::from_secs(60), || async {
+        let p = c.get_pool("k").await.ok()?;
+        (p.ready == 2).then_some(())
+    })
+    .await
+    .expect("the pool is not warm again after the restart");
+    for _ in 0..4 {
+        let out = call(&c, "k", "cat /tmp/mid 2>/dev/null; echo clean").await;
+        assert_eq!(out.stdout, "clean\n", "{out:?}");
+    }
+    c.delete_pool("k").await.expect("delete");
+}
