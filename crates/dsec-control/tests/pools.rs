@@ -504,3 +504,121 @@ async fn a_keyed_claim_retried_gets_the_same_sandbox() {
         .expect("claim again");
     assert_ne!(next.id, first.id);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_two_replicas_a_pool_is_sized_once_and_serves_claims_on_both() {
+    use dsec_node_api::NodeApi;
+    let store: std::sync::Arc<dyn dsec_state::StateStore> =
+        std::sync::Arc::new(dsec_state::MemStore::new());
+    let node = std::sync::Arc::new(dsec_node_api::fake::FakeNode::new("fake-1"));
+    let mut planes = Vec::new();
+    for _ in 0..2 {
+        let cfg = dsec_control::ControlConfig {
+            sole_owner: false,
+            reap_interval: Duration::from_millis(200),
+            ..dsec_control::ControlConfig::with_key("k".into())
+        };
+        planes.push(
+            ControlPlane::open(cfg, node.clone(), store.clone())
+                .await
+                .unwrap_or_else(|e| panic!("open a replica: {e:?}")),
+        );
+    }
+    let (a, b) = (planes[0].clone(), planes[1].clone());
+    let me = common::op();
+    a.create_pool(me, spec("rep", 3, 3)).await.expect("create");
+    // Both replicas serve it; one sizes it: the node holds 3 warm sandboxes, not 6.
+    for plane in [&a, &b] {
+        let p = wait_pool(plane, me, "rep", 15, |p| p.ready == 3).await;
+        assert_eq!(p.ready, 3, "{p:?}");
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        node.list().await.expect("list").len(),
+        3,
+        "the pool was filled twice"
+    );
+    // Claims on both replicas get distinct sandboxes, and the owner refills.
+    let mut ids = std::collections::HashSet::new();
+    for i in 0..4 {
+        let p = if i % 2 == 0 { &a } else { &b };
+        let sb = p.create_sandbox(me, claim("rep")).await.expect("claim");
+        assert!(ids.insert(sb.id.clone()), "{} handed out twice", sb.id);
+    }
+    let p = wait_pool(&b, me, "rep", 15, |p| p.ready == 3).await;
+    assert_eq!(p.ready, 3, "{p:?}");
+    assert_eq!(node.list().await.expect("list").len(), 7);
+    // A pool deleted on one replica goes on the other.
+    b.delete_pool(me, "rep").await.expect("delete");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while a.get_pool(me, "rep").await.is_ok() {
+        assert!(
+            Instant::now() < deadline,
+            "the other replica still has the pool"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The replica that sizes a pool dies (its runtime, tasks and lease keep-alive gone):
+/// the other takes the pool over once the dead one's lease expires, and refills it.
+#[test]
+fn a_pool_whose_owner_replica_dies_is_taken_over() {
+    let store: std::sync::Arc<dyn dsec_state::StateStore> =
+        std::sync::Arc::new(dsec_state::MemStore::new());
+    // The in-memory store expires leases from a task on the runtime that granted its
+    // first one: a runtime of its own, which outlives both replicas.
+    let rt_store = tokio::runtime::Runtime::new().expect("runtime");
+    rt_store
+        .block_on(store.grant_lease(Duration::from_secs(3600)))
+        .expect("lease");
+    let node = std::sync::Arc::new(dsec_node_api::fake::FakeNode::new("fake-1"));
+    let cfg = dsec_control::ControlConfig {
+        sole_owner: false,
+        reap_interval: Duration::from_millis(200),
+        ..dsec_control::ControlConfig::with_key("k".into())
+    };
+    let me = common::op();
+    let (rt_a, rt_b) = (
+        tokio::runtime::Runtime::new().expect("runtime"),
+        tokio::runtime::Runtime::new().expect("runtime"),
+    );
+    let a = rt_a
+        .block_on(ControlPlane::open(cfg.clone(), node.clone(), store.clone()))
+        .expect("open a");
+    let b = rt_b
+        .block_on(ControlPlane::open(cfg, node.clone(), store))
+        .expect("open b");
+    rt_a.block_on(a.create_pool(me, spec("takeover", 2, 2)))
+        .expect("create");
+    let owner_of = |p: &ControlPlane, rt: &tokio::runtime::Runtime| {
+        rt.block_on(p.get_pool(me, "takeover"))
+            .map(|p| p.owner)
+            .unwrap_or(false)
+    };
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !(owner_of(&a, &rt_a) || owner_of(&b, &rt_b)) {
+        assert!(Instant::now() < deadline, "nobody owns the pool");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (survivor, rt_s, dead, rt_dead) = if owner_of(&a, &rt_a) {
+        (b, rt_b, a, rt_a)
+    } else {
+        (a, rt_a, b, rt_b)
+    };
+    let p = rt_s.block_on(wait_pool(&survivor, me, "takeover", 15, |p| p.ready == 2));
+    assert_eq!(p.ready, 2, "{p:?}");
+    drop(dead);
+    rt_dead.shutdown_background();
+    for _ in 0..2 {
+        rt_s.block_on(survivor.create_sandbox(me, claim("takeover")))
+            .expect("claim on the survivor");
+    }
+    let p = rt_s.block_on(wait_pool(&survivor, me, "takeover", 20, |p| {
+        p.owner && p.ready == 2
+    }));
+    assert!(
+        p.owner && p.ready == 2,
+        "the pool was not taken over: {p:?}"
+    );
+}

@@ -366,3 +366,49 @@ async fn kill_9_of_the_server_mid_call_ends_the_call_and_the_pool_serves_again()
     }
     c.delete_pool("k").await.expect("delete");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pool_of_another_user_runs_calls_as_that_user_and_owns_their_files() {
+    if !require_root() {
+        return;
+    }
+    let c = server().client();
+    let spec = PoolSpec {
+        name: "nobody".into(),
+        template: CreateSandboxRequest {
+            user: Some("nobody".into()),
+            ..Default::default()
+        },
+        min: 1,
+        max: 1,
+        autoscale: AutoscalePolicy::default(),
+        fncall: Some(FnCallPolicy::default()),
+    };
+    c.create_pool(&spec).await.expect("create pool");
+    wait_until(Duration::from_secs(60), || async {
+        let p = c.get_pool("nobody").await.ok()?;
+        (p.ready == 1).then_some(())
+    })
+    .await
+    .expect("the pool never got warm");
+    // The code's directory and files are the call's user's: it may write beside them.
+    let mut r = request("nobody", "");
+    r.command = None;
+    r.code = Some(
+        "import os\nprint(os.getuid())\nopen('/tmp/fncall/out.txt', 'w').write('x')\n\
+         open('/work/sub/new.txt', 'w').write('y')\n"
+            .into(),
+    );
+    r.language = Some("python".into());
+    r.files.insert("/work/sub/input.txt".into(), "in".into());
+    r.fetch_files = vec!["/tmp/fncall/out.txt".into()];
+    let out = c.fncall(&r).await.expect("call");
+    assert_eq!(
+        (out.status, out.exit_code),
+        (FnCallStatus::Finished, Some(0)),
+        "{out:?}"
+    );
+    assert_eq!(out.stdout, "65534\n", "{out:?}");
+    assert!(out.files["/tmp/fncall/out.txt"].data.is_some(), "{out:?}");
+    c.delete_pool("nobody").await.expect("delete");
+}

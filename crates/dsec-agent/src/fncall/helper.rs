@@ -80,15 +80,23 @@ pub struct CallOutcome {
     pub reap_us: u64,
 }
 
+/// How long the agent waits on the helper (sending a request, or for its answer): a
+/// helper stopped or stuck must not hang the agent's one thread.
+const HELPER_TIMEOUT_S: i64 = 5;
+
 /// Forks the call helper. Call it while the process is single-threaded (the child runs
 /// arbitrary code) and still privileged. Returns the agent's end of its socket.
 pub fn start() -> std::io::Result<OwnedFd> {
+    use nix::sys::socket::{setsockopt, sockopt};
     let (agent_end, helper_end) = nix::sys::socket::socketpair(
         nix::sys::socket::AddressFamily::Unix,
         nix::sys::socket::SockType::SeqPacket,
         None,
         nix::sys::socket::SockFlag::SOCK_CLOEXEC,
     )?;
+    let limit = nix::sys::time::TimeVal::new(HELPER_TIMEOUT_S, 0);
+    setsockopt(&agent_end, sockopt::ReceiveTimeout, &limit)?;
+    setsockopt(&agent_end, sockopt::SendTimeout, &limit)?;
     // SAFETY: the caller guarantees a single thread, so the child may run anything.
     match unsafe { nix::unistd::fork() }? {
         nix::unistd::ForkResult::Parent { .. } => Ok(agent_end),
@@ -525,14 +533,35 @@ fn run_step(
     Ok(Ok(end))
 }
 
+/// Creates the missing directories of `dir`, each owned by the call's user (so that
+/// a call that is not root may write where its files were put).
+fn create_parents(dir: &std::path::Path, user: Option<(u32, u32)>) -> Result<(), String> {
+    if dir.as_os_str().is_empty() || dir.exists() {
+        return Ok(());
+    }
+    if let Some(parent) = dir.parent() {
+        create_parents(parent, user)?;
+    }
+    match std::fs::create_dir(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(()),
+        Err(e) => return Err(format!("creating {}: {e}", dir.display())),
+    }
+    if let Some((uid, gid)) = user {
+        std::os::unix::fs::chown(dir, Some(uid), Some(gid))
+            .map_err(|e| format!("chown {}: {e}", dir.display()))?;
+    }
+    Ok(())
+}
+
 /// Writes the call's input files (parents created, owned by the call's user).
 fn write_files(setup: &CallSetup) -> Result<(), String> {
     use std::os::unix::fs::chown;
+    let owner = setup.user.as_ref().map(|(uid, gid, _)| (*uid, *gid));
     for (path, data) in &setup.files {
         let p = std::path::Path::new(path);
         if let Some(parent) = p.parent() {
-            std::fs::create_dir_all(parent)
-                .map_err(|e| format!("creating {}: {e}", parent.display()))?;
+            create_parents(parent, owner)?;
         }
         std::fs::write(p, &data.0).map_err(|e| format!("writing {path}: {e}"))?;
         if let Some((uid, gid, _)) = &setup.user {

@@ -72,6 +72,12 @@ async fn run(agent: &Rc<Agent>, spec: CallSpec) -> Result<CallResult, ApiError> 
             "this sandbox does not serve function calls (create it in a pool with fncall)",
         ));
     };
+    if agent.cfg.landlock.is_some() {
+        // Calls do not apply the sandbox's Landlock rules: refuse rather than bypass them.
+        return Err(bad_request(
+            "this sandbox has filesystem rules, which function calls do not support",
+        ));
+    }
     let argv = spec.cmd.to_argv();
     if argv.first().is_none_or(|p| p.is_empty()) {
         return Err(bad_request("empty command"));

@@ -8,8 +8,14 @@
 //! labels come), so two claims never get one sandbox, on this replica or another.
 //! Claimed sandboxes are ordinary sandboxes of the tenant: they never go back.
 //!
-//! Pools run on the API server that owns its node (`dsec serve`); replicas sharing
-//! nodes refuse them until pools are elected per replica.
+//! On API server replicas sharing nodes, every replica knows every pool (it lists the
+//! specs every [`SYNC_EVERY`]) and serves claims and calls from the warm members its
+//! records cache shows; one replica per pool, the *owner*, sizes it (autoscaler, makes
+//! and deletes members). The owner is elected with a key bound to its replica lease
+//! (`pool-owners/<tenant>/<name>`): when the replica dies, the key goes with its lease
+//! and another takes the pool over. Claims stay conditional record writes, so two
+//! replicas never hand out one sandbox; a warm member lent to a call on two replicas at
+//! once runs both calls, each in its own view.
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -34,6 +40,11 @@ const BACKOFF_MIN: Duration = Duration::from_millis(200);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// Longest pool name.
 const MAX_NAME: usize = 63;
+/// Store namespace of pool owners on replicas: `<tenant>/<name>` -> the owner's lease
+/// id, bound to that lease.
+const NS_POOL_OWNERS: &str = "pool-owners";
+/// How often replicas look for pools made, changed or deleted on others.
+const SYNC_EVERY: Duration = Duration::from_secs(1);
 
 /// A pool as the store keeps it.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -91,6 +102,8 @@ pub(super) struct PoolRt {
     /// Wakes the pool's task (a claim, a member made, a change of spec).
     changed: tokio::sync::Notify,
     task: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// This replica sizes the pool (always for a sole owner).
+    owner: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug)]
@@ -107,6 +120,8 @@ pub(super) struct PoolState {
     calls: HashMap<String, u32>,
     /// Calls served by the pool.
     calls_served: u64,
+    /// Members lent to calls here (fncall pools), which the records still show warm.
+    lent: std::collections::HashSet<String>,
     /// Claims waiting, first come first.
     waiters: VecDeque<Waiter>,
     next_waiter: u64,
@@ -156,10 +171,11 @@ impl PoolRt {
             let Some(w) = st.waiters.remove(at) else {
                 break;
             };
-            match w.tx.send(id) {
+            match w.tx.send(id.clone()) {
                 Ok(()) => {
                     if st.spec.fncall.is_some() {
                         st.busy += 1;
+                        st.lent.insert(id);
                     }
                     return;
                 }
@@ -181,6 +197,7 @@ impl PoolRt {
         let keep = {
             let mut st = self.lock();
             st.busy = st.busy.saturating_sub(1);
+            st.lent.remove(&id);
             st.calls_served += 1;
             if let Some(ms) = waited_ms {
                 st.scaler.served(now_ms(), ms);
@@ -221,7 +238,9 @@ impl PoolRt {
             queue_wait_ms: st.scaler.queue_wait_ms(now),
             scale_events: st.scaler.events().cloned().collect(),
             inputs_age_s: st.scaler.inputs_age_ms(now) as f64 / 1000.0,
-            stale: st.scaler.stale(now),
+            // Only the owner's autoscaler runs (replicas): its inputs are the owner's.
+            stale: self.owner.load(std::sync::atomic::Ordering::Relaxed) && st.scaler.stale(now),
+            owner: self.owner.load(std::sync::atomic::Ordering::Relaxed),
             last_error: st.last_error.clone(),
         }
     }
@@ -387,23 +406,8 @@ pub(super) fn check_claim(req: &CreateSandboxRequest) -> ApiResult<()> {
 }
 
 impl ControlPlane {
-    fn pools_supported(&self) -> ApiResult<()> {
-        if self.cfg.sole_owner {
-            Ok(())
-        } else {
-            Err(ApiError::new(
-                ErrorCode::BadRequest,
-                "warm pools run on a single API server per node (dsec serve) for now, not on \
-                 API server replicas sharing nodes",
-            ))
-        }
-    }
-
     /// Loads the stored pools with their warm members and starts their tasks (at open).
     pub(super) async fn load_pools(&self) -> ApiResult<()> {
-        if !self.cfg.sole_owner {
-            return Ok(());
-        }
         let (entries, _) = self.store.list(NS_POOLS).await.map_err(store_err)?;
         for e in entries {
             let stored: StoredPool = match serde_json::from_slice(&e.value) {
@@ -427,7 +431,133 @@ impl ControlPlane {
             tracing::info!(pool = %name, tenant = %stored.tenant, warm = warm.len(), "pool loaded");
             self.start_pool(stored, warm.into());
         }
+        if !self.cfg.sole_owner {
+            tokio::spawn(sync_pools(self.me.clone()));
+        }
         Ok(())
+    }
+
+    /// Replicas: starts the pools made on others, takes changes of their specs, and ends
+    /// the pools deleted there.
+    async fn sync_pools_once(&self) -> ApiResult<()> {
+        let (entries, _) = self.store.list(NS_POOLS).await.map_err(store_err)?;
+        let mut stored_keys = std::collections::HashSet::new();
+        for e in entries {
+            let Ok(stored) = serde_json::from_slice::<StoredPool>(&e.value) else {
+                continue;
+            };
+            let key = (stored.tenant.clone(), stored.spec.name.clone());
+            stored_keys.insert(key.clone());
+            let known = self.pools.lock().get(&key).cloned();
+            match known {
+                None => {
+                    tracing::info!(pool = %stored.spec.name, tenant = %stored.tenant, "pool made on another replica");
+                    self.start_pool(stored, VecDeque::new());
+                }
+                Some(pool) => {
+                    let changed = {
+                        let mut st = pool.lock();
+                        let changed = st.spec != stored.spec;
+                        if changed {
+                            st.scaler.reconfigure(
+                                stored.spec.min,
+                                stored.spec.max,
+                                stored.spec.autoscale.clone(),
+                                now_ms(),
+                            );
+                            st.spec = stored.spec;
+                        }
+                        changed
+                    };
+                    if changed {
+                        pool.changed.notify_one();
+                    }
+                }
+            }
+        }
+        let gone: Vec<Arc<PoolRt>> = {
+            let mut pools = self.pools.lock();
+            let keys: Vec<(String, String)> = pools
+                .keys()
+                .filter(|k| !stored_keys.contains(*k))
+                .cloned()
+                .collect();
+            keys.iter().filter_map(|k| pools.remove(k)).collect()
+        };
+        for pool in gone {
+            tracing::info!(pool = %pool.name(), tenant = %pool.tenant, "pool deleted on another replica");
+            pool.stop();
+            let mut st = pool.lock();
+            st.deleted = true;
+            st.waiters.clear();
+            st.ready.clear();
+        }
+        Ok(())
+    }
+
+    /// Whether this replica sizes `pool`: a sole owner always; a replica when the pool's
+    /// owner key is (or now becomes) bound to its lease.
+    async fn elect(&self, pool: &PoolRt) -> bool {
+        if self.cfg.sole_owner {
+            return true;
+        }
+        let Some(lease) = self.records.replica_lease() else {
+            return false;
+        };
+        let key = format!("{}/{}", pool.tenant, pool.name());
+        let me = lease.0.to_string();
+        let txn = dsec_state::Txn {
+            checks: vec![(
+                NS_POOL_OWNERS.into(),
+                key.clone(),
+                dsec_state::Expect::Absent,
+            )],
+            ops: vec![dsec_state::Op::Put {
+                ns: NS_POOL_OWNERS.into(),
+                key: key.clone(),
+                value: me.clone().into_bytes(),
+                lease: Some(lease),
+            }],
+        };
+        match self.store.txn(txn).await {
+            Ok(_) => true,
+            Err(dsec_state::StateError::Conflict { .. }) => matches!(
+                self.store.get(NS_POOL_OWNERS, &key).await,
+                Ok(Some(e)) if e.value == me.as_bytes()
+            ),
+            Err(e) => {
+                tracing::warn!(pool = %pool.name(), error = %e, "electing the pool's owner");
+                false
+            }
+        }
+    }
+
+    /// A replica that does not own `pool`: takes the warm members its records show
+    /// (made by the owner) into the pool's list, handing them to waiting claims first.
+    fn follow_pool(&self, pool: &PoolRt) {
+        let name = pool.name();
+        let live: Vec<String> = self
+            .records
+            .filter(|s| {
+                s.tenant == pool.tenant
+                    && s.state == SandboxState::Ready
+                    && s.labels.get(POOL_LABEL) == Some(&name)
+            })
+            .into_iter()
+            .map(|s| s.id)
+            .collect();
+        let fresh: Vec<String> = {
+            let mut st = pool.lock();
+            let set: std::collections::HashSet<&String> = live.iter().collect();
+            st.ready.retain(|id| set.contains(id));
+            live.iter()
+                .filter(|id| !st.ready.contains(id) && !st.lent.contains(*id))
+                .cloned()
+                .collect()
+        };
+        for id in fresh {
+            pool.offer(id);
+        }
     }
 
     fn start_pool(&self, stored: StoredPool, ready: VecDeque<String>) -> Arc<PoolRt> {
@@ -443,6 +573,7 @@ impl ControlPlane {
                 busy: 0,
                 calls: HashMap::new(),
                 calls_served: 0,
+                lent: Default::default(),
                 waiters: VecDeque::new(),
                 next_waiter: 0,
                 claimed: 0,
@@ -453,6 +584,7 @@ impl ControlPlane {
             }),
             changed: tokio::sync::Notify::new(),
             task: Default::default(),
+            owner: std::sync::atomic::AtomicBool::new(self.cfg.sole_owner),
         });
         let task = tokio::spawn(run_pool(self.me.clone(), pool.clone()));
         *pool.task.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
@@ -463,7 +595,6 @@ impl ControlPlane {
     }
 
     pub(super) async fn create_pool_to_end(&self, tenant: &str, spec: PoolSpec) -> ApiResult<Pool> {
-        self.pools_supported()?;
         check_spec(&spec)?;
         let stored = StoredPool {
             spec,
@@ -561,6 +692,16 @@ impl ControlPlane {
             .lock()
             .remove(&(tenant.to_string(), name.to_string()));
         pool.stop();
+        if !self.cfg.sole_owner {
+            let _ = self
+                .store
+                .delete(
+                    NS_POOL_OWNERS,
+                    &format!("{tenant}/{name}"),
+                    dsec_state::Expect::Any,
+                )
+                .await;
+        }
         let warm: Vec<String> = {
             let mut st = pool.lock();
             st.deleted = true;
@@ -790,6 +931,7 @@ pub(super) async fn acquire(
             Some(id) => {
                 if st.spec.fncall.is_some() {
                     st.busy += 1;
+                    st.lent.insert(id.clone());
                 }
                 (Some(id), None)
             }
@@ -842,7 +984,16 @@ async fn run_pool(plane: Weak<ControlPlane>, pool: Arc<PoolRt>) {
         let Some(plane) = plane.upgrade() else { return };
         if reconciled.elapsed() >= RECONCILE_EVERY {
             plane.reconcile_pool(&pool);
+            let owner = plane.elect(&pool).await;
+            if owner != pool.owner.swap(owner, std::sync::atomic::Ordering::Relaxed) {
+                tracing::info!(pool = %pool.name(), owner, "pool ownership changed on this replica");
+            }
             reconciled = Instant::now();
+        }
+        if !pool.owner.load(std::sync::atomic::Ordering::Relaxed) {
+            // Another replica sizes it: serve what it made.
+            plane.follow_pool(&pool);
+            continue;
         }
         let (make, surplus) = {
             let mut st = pool.lock();
@@ -893,6 +1044,17 @@ async fn run_pool(plane: Weak<ControlPlane>, pool: Arc<PoolRt>) {
                     tracing::warn!(%id, error = %e.message, "deleting a surplus warm sandbox");
                 }
             });
+        }
+    }
+}
+
+/// Replicas: [`ControlPlane::sync_pools_once`] every [`SYNC_EVERY`].
+async fn sync_pools(plane: Weak<ControlPlane>) {
+    loop {
+        tokio::time::sleep(SYNC_EVERY).await;
+        let Some(plane) = plane.upgrade() else { return };
+        if let Err(e) = plane.sync_pools_once().await {
+            tracing::warn!(error = %e.message, "listing pools made on other replicas");
         }
     }
 }

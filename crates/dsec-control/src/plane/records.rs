@@ -354,6 +354,12 @@ async fn backoff(attempt: usize) {
 }
 
 impl Records {
+    /// This replica's lease (replicas sharing nodes; `None` for a sole owner): keys put
+    /// with it go when the replica does.
+    pub fn replica_lease(&self) -> Option<dsec_state::LeaseId> {
+        self.lease.as_ref().map(|l| l.get())
+    }
+
     /// Loads every record and starts the watch that keeps them fresh. With
     /// `claim_creates` (replicas share the store), creates in flight are claimed on a
     /// lease of this replica, so another can tell a create whose replica died.

@@ -166,6 +166,10 @@ pub struct Pool {
     pub inputs_age_s: f64,
     /// Whether the inputs are older than the policy's `stale_after_s` (an alarm).
     pub stale: bool,
+    /// Whether this API server sizes the pool (always on `dsec serve`; on replicas
+    /// sharing nodes, the one elected for it).
+    #[serde(default)]
+    pub owner: bool,
     /// The last failure to make a sandbox for the pool, if the latest attempt failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
