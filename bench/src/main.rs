@@ -18,6 +18,7 @@ use clap::Parser;
 use dsec_e2e::{sh, Server};
 use dsec_wire::v1::{CreateSandboxRequest, ExecRequest};
 
+mod autoscale_trace;
 mod burst;
 mod churn;
 mod cluster;
@@ -49,7 +50,7 @@ struct Args {
     #[arg(long)]
     json: Option<PathBuf>,
     /// Run only these sections (comma-separated): runtimes, exec (its exec table alone), network, concurrency,
-    /// sustained, backlog, teardown, cpu, job, idle, idle-cpu, density, files, provision, burst, pools, fncall,
+    /// sustained, backlog, teardown, cpu, job, idle, idle-cpu, density, files, provision, burst, pools, fncall, autoscale,
     /// placement (simulated, needs neither root nor a server), control-plane (2 API servers
     /// over etcd and 100 simulated nodes; needs etcd, not root), registry-pull (a
     /// multi-layer pull from a local docker-registry, serial vs parallel layer downloads;
@@ -1431,6 +1432,17 @@ fn main() -> anyhow::Result<()> {
             print_table("warm pool claim vs cold create (time to interactive)", &rows, "dsec create + exec true");
             let (claim, floor) = (rows[2].pct(50.0), rows[3].pct(50.0));
             println!("\nserver time of a claim (claim p50 - health p50): {:.2} ms (target <= 1 ms)", claim - floor);
+        }
+        if want("autoscale") {
+            let dir = dsec_e2e::target_dir().join("dsec-bench");
+            std::fs::create_dir_all(&dir)?;
+            // The default-like target (refills keep up on this node: the pool stays
+            // small), then one below a create's time here (the pool has to grow).
+            for target_ms in [200, 5] {
+                let samples = autoscale_trace::trace(&server, target_ms).await?;
+                let svg = dir.join(format!("autoscale-trace-{target_ms}ms.svg"));
+                autoscale_trace::report(&samples, target_ms, &svg)?;
+            }
         }
         if want("fncall") {
             let mut runs = Vec::new();

@@ -217,3 +217,97 @@ mod tests {
         assert!(lines[1][3].0 > lines[0][3].0);
     }
 }
+
+/// One panel of a time series plot: lines over a shared time axis (seconds).
+#[derive(Debug, Clone)]
+pub(crate) struct TimePanel {
+    pub(crate) title: String,
+    pub(crate) unit: String,
+    pub(crate) series: Vec<(String, Vec<f64>)>,
+}
+
+/// The SVG document of time series `panels` sampled at times `t` (seconds), linear axes.
+pub(crate) fn timeseries_svg(t: &[f64], panels: &[TimePanel]) -> String {
+    let height = PANEL_H * panels.len().max(1) as f64;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(out, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let t_max = t.iter().copied().fold(1.0f64, f64::max);
+    for (p, panel) in panels.iter().enumerate() {
+        let y0 = PANEL_H * p as f64;
+        let (x0, x1) = (LEFT, WIDTH - RIGHT);
+        let (top, bottom) = (y0 + TOP, y0 + PANEL_H - BOTTOM);
+        let v_max = panel
+            .series
+            .iter()
+            .flat_map(|(_, s)| s.iter().copied())
+            .fold(1.0f64, f64::max)
+            * 1.1;
+        let x = |s: f64| x0 + s / t_max * (x1 - x0);
+        let y = |v: f64| bottom - v / v_max * (bottom - top);
+        let _ = writeln!(
+            out,
+            r#"<text x="{x0}" y="{}" font-weight="bold">{}</text>"#,
+            y0 + 20.0,
+            escape(&panel.title)
+        );
+        let _ = writeln!(
+            out,
+            r##"<rect x="{x0}" y="{top}" width="{}" height="{}" fill="none" stroke="#444"/>"##,
+            x1 - x0,
+            bottom - top
+        );
+        for k in 0..=5 {
+            let v = v_max * k as f64 / 5.0;
+            let py = y(v);
+            let _ = writeln!(
+                out,
+                r##"<line x1="{x0}" y1="{py:.1}" x2="{x1}" y2="{py:.1}" stroke="#eee"/><text x="{}" y="{:.1}" text-anchor="end">{v:.0}</text>"##,
+                x0 - 6.0,
+                py + 4.0
+            );
+            let s = t_max * k as f64 / 5.0;
+            let px = x(s);
+            let _ = writeln!(
+                out,
+                r##"<line x1="{px:.1}" y1="{top}" x2="{px:.1}" y2="{bottom}" stroke="#eee"/><text x="{px:.1}" y="{}" text-anchor="middle">{s:.0}</text>"##,
+                bottom + 16.0
+            );
+        }
+        let _ = writeln!(
+            out,
+            r#"<text x="{}" y="{}" text-anchor="middle">seconds; y: {}</text>"#,
+            (x0 + x1) / 2.0,
+            bottom + 34.0,
+            escape(&panel.unit)
+        );
+        for (i, (name, values)) in panel.series.iter().enumerate() {
+            let color = COLORS[i % COLORS.len()];
+            let points: Vec<String> = t
+                .iter()
+                .zip(values)
+                .map(|(s, v)| format!("{:.1},{:.1}", x(*s), y(*v)))
+                .collect();
+            let _ = writeln!(
+                out,
+                r#"<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{}"/>"#,
+                points.join(" ")
+            );
+            let ly = top + 16.0 * (i as f64 + 1.0);
+            let _ = writeln!(
+                out,
+                r#"<line x1="{}" y1="{ly:.1}" x2="{}" y2="{ly:.1}" stroke="{color}" stroke-width="3"/><text x="{}" y="{:.1}">{}</text>"#,
+                x1 + 12.0,
+                x1 + 32.0,
+                x1 + 38.0,
+                ly + 4.0,
+                escape(name)
+            );
+        }
+    }
+    out.push_str("</svg>\n");
+    out
+}
