@@ -29,15 +29,21 @@ fn escape(s: &str) -> String {
         .replace('"', "&quot;")
 }
 
-/// The SVG document of `panels` (series without samples are left out).
-pub(crate) fn svg(panels: &[Panel]) -> String {
-    let height = PANEL_H * panels.len().max(1) as f64;
+/// An SVG document's opening: the root element and a white background.
+fn svg_open(height: f64) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
         r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" font-family="sans-serif" font-size="12">"#
     );
     let _ = writeln!(out, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    out
+}
+
+/// The SVG document of `panels` (series without samples are left out).
+pub(crate) fn svg(panels: &[Panel]) -> String {
+    let height = PANEL_H * panels.len().max(1) as f64;
+    let mut out = svg_open(height);
     for (p, panel) in panels.iter().enumerate() {
         draw_panel(&mut out, panel, PANEL_H * p as f64);
     }
@@ -229,12 +235,7 @@ pub(crate) struct TimePanel {
 /// The SVG document of time series `panels` sampled at times `t` (seconds), linear axes.
 pub(crate) fn timeseries_svg(t: &[f64], panels: &[TimePanel]) -> String {
     let height = PANEL_H * panels.len().max(1) as f64;
-    let mut out = String::new();
-    let _ = writeln!(
-        out,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(out, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let mut out = svg_open(height);
     let t_max = t.iter().copied().fold(1.0f64, f64::max);
     for (p, panel) in panels.iter().enumerate() {
         let y0 = PANEL_H * p as f64;

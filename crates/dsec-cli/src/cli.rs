@@ -645,7 +645,7 @@ pub struct FnCallArgs {
     /// Run this file's code with --language instead of a command.
     #[arg(long, value_name = "FILE", requires = "language")]
     pub code_file: Option<std::path::PathBuf>,
-    /// Language of --code-file: python, bash or sh.
+    /// Language of --code-file: python, bash, sh, cpp or c.
     #[arg(long)]
     pub language: Option<String>,
     /// Kill the call after this long (default 10s).

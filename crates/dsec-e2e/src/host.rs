@@ -108,3 +108,14 @@ pub fn loop_devices(id: &str) -> Vec<String> {
         })
         .collect()
 }
+
+/// Processes of sandbox `id` (seen from the host) whose command line mentions `needle`.
+pub fn processes_running(id: &str, needle: &str) -> Vec<i32> {
+    processes(id)
+        .into_iter()
+        .filter(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            String::from_utf8_lossy(&cmd).contains(needle)
+        })
+        .collect()
+}

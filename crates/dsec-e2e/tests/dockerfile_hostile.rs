@@ -554,17 +554,6 @@ async fn killed_mid_build(name: &str, parent: &str) -> (Server, Vec<String>) {
     (s, before)
 }
 
-/// Processes of sandbox `id` whose command line mentions `needle` (seen from the host).
-fn sandbox_processes_running(id: &str, needle: &str) -> Vec<i32> {
-    host::processes(id)
-        .into_iter()
-        .filter(|pid| {
-            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            String::from_utf8_lossy(&cmd).contains(needle)
-        })
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn kill_9_in_the_middle_of_a_build_then_the_same_build_succeeds() {
     if !require_root() {
@@ -581,7 +570,7 @@ async fn kill_9_in_the_middle_of_a_build_then_the_same_build_succeeds() {
     // Its RUN does not outlive the server that ran it.
     for id in &before {
         let stopped = wait_until(Duration::from_secs(15), || async {
-            sandbox_processes_running(id, "dsec-go")
+            host::processes_running(id, "dsec-go")
                 .is_empty()
                 .then_some(())
         })
@@ -589,7 +578,7 @@ async fn kill_9_in_the_middle_of_a_build_then_the_same_build_succeeds() {
         assert!(
             stopped.is_some(),
             "the killed build's RUN still runs in {id}: {:?}",
-            sandbox_processes_running(id, "dsec-go")
+            host::processes_running(id, "dsec-go")
         );
     }
     // The killed build's sandbox idles out on its own (see

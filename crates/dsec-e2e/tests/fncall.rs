@@ -278,17 +278,6 @@ async fn a_sandbox_is_replaced_after_max_calls_and_bad_input_is_refused() {
     c.delete_pool("recycle").await.expect("delete");
 }
 
-/// Processes of sandbox `id` (seen from the host) whose command line mentions `needle`.
-fn running(id: &str, needle: &str) -> Vec<i32> {
-    dsec_e2e::host::processes(id)
-        .into_iter()
-        .filter(|pid| {
-            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            String::from_utf8_lossy(&cmd).contains(needle)
-        })
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn kill_9_of_the_server_mid_call_ends_the_call_and_the_pool_serves_again() {
     if !require_root() {
@@ -329,7 +318,7 @@ async fn kill_9_of_the_server_mid_call_ends_the_call_and_the_pool_serves_again()
     let busy = wait_until(Duration::from_secs(30), || async {
         members
             .iter()
-            .find(|id| !running(id, "sleep 313").is_empty())
+            .find(|id| !dsec_e2e::host::processes_running(id, "sleep 313").is_empty())
             .cloned()
     })
     .await
@@ -345,7 +334,9 @@ async fn kill_9_of_the_server_mid_call_ends_the_call_and_the_pool_serves_again()
         .unwrap_or_else(|e| panic!("restart after kill -9: {e:#}"));
     // The agent ends a call whose node went away: nothing of it runs on.
     let ended = wait_until(Duration::from_secs(30), || async {
-        running(&busy, "sleep 313").is_empty().then_some(())
+        dsec_e2e::host::processes_running(&busy, "sleep 313")
+            .is_empty()
+            .then_some(())
     })
     .await;
     assert!(

@@ -406,6 +406,19 @@ pub(super) fn check_claim(req: &CreateSandboxRequest) -> ApiResult<()> {
 }
 
 impl ControlPlane {
+    /// Ids of the warm members of `tenant`'s pool `name` in the records cache.
+    fn warm_members(&self, tenant: &str, name: &str) -> Vec<String> {
+        self.records
+            .filter(|s| {
+                s.tenant == tenant
+                    && s.state == SandboxState::Ready
+                    && s.labels.get(POOL_LABEL).map(String::as_str) == Some(name)
+            })
+            .into_iter()
+            .map(|s| s.id)
+            .collect()
+    }
+
     /// Loads the stored pools with their warm members and starts their tasks (at open).
     pub(super) async fn load_pools(&self) -> ApiResult<()> {
         let (entries, _) = self.store.list(NS_POOLS).await.map_err(store_err)?;
@@ -418,16 +431,7 @@ impl ControlPlane {
                 }
             };
             let name = stored.spec.name.clone();
-            let warm: Vec<String> = self
-                .records
-                .filter(|s| {
-                    s.tenant == stored.tenant
-                        && s.state == SandboxState::Ready
-                        && s.labels.get(POOL_LABEL) == Some(&name)
-                })
-                .into_iter()
-                .map(|s| s.id)
-                .collect();
+            let warm = self.warm_members(&stored.tenant, &name);
             tracing::info!(pool = %name, tenant = %stored.tenant, warm = warm.len(), "pool loaded");
             self.start_pool(stored, warm.into());
         }
@@ -535,17 +539,7 @@ impl ControlPlane {
     /// A replica that does not own `pool`: takes the warm members its records show
     /// (made by the owner) into the pool's list, handing them to waiting claims first.
     fn follow_pool(&self, pool: &PoolRt) {
-        let name = pool.name();
-        let live: Vec<String> = self
-            .records
-            .filter(|s| {
-                s.tenant == pool.tenant
-                    && s.state == SandboxState::Ready
-                    && s.labels.get(POOL_LABEL) == Some(&name)
-            })
-            .into_iter()
-            .map(|s| s.id)
-            .collect();
+        let live = self.warm_members(&pool.tenant, &pool.name());
         let fresh: Vec<String> = {
             let mut st = pool.lock();
             let set: std::collections::HashSet<&String> = live.iter().collect();
@@ -895,16 +889,9 @@ impl ControlPlane {
 
     /// Drops warm members whose record is gone or changed (deleted, expired, failed).
     fn reconcile_pool(&self, pool: &PoolRt) {
-        let name = pool.name();
         let live: std::collections::HashSet<String> = self
-            .records
-            .filter(|s| {
-                s.tenant == pool.tenant
-                    && s.state == SandboxState::Ready
-                    && s.labels.get(POOL_LABEL) == Some(&name)
-            })
+            .warm_members(&pool.tenant, &pool.name())
             .into_iter()
-            .map(|s| s.id)
             .collect();
         let mut st = pool.lock();
         st.ready.retain(|id| live.contains(id));
