@@ -266,6 +266,46 @@ pub fn stat(agent: &Agent, path: &str) -> ApiResult<Reply> {
     lstat_at(dir.as_fd(), &name, &p).map(Reply::File)
 }
 
+/// Handles `FileHash`: the sha256 of a regular file, read on a blocking thread so a
+/// large file does not stall the agent's other requests.
+pub async fn hash(agent: &Agent, path: &str) -> ApiResult<Reply> {
+    use sha2::Digest;
+    let p = agent.root.path(path)?;
+    let fd = agent
+        .root
+        .open(&p, libc::O_RDONLY)
+        .map_err(|e| io_err(&e, "open", p.as_str()))?;
+    let st = sys::fstat(fd.as_fd()).map_err(|e| io_err(&e, "stat", p.as_str()))?;
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return Err(bad_request(format!("{p} is not a regular file")));
+    }
+    let shown = p.as_str().to_string();
+    let hashed = tokio::task::spawn_blocking(move || {
+        let file = File::from(fd);
+        let mut hasher = sha2::Sha256::new();
+        let mut buf = vec![0u8; DATA_CHUNK];
+        let mut pos = 0u64;
+        loop {
+            match file.read_at(&mut buf, pos) {
+                Ok(0) => break,
+                Ok(n) => {
+                    hasher.update(&buf[..n]);
+                    pos += n as u64;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(io_err(&e, "read", &shown)),
+            }
+        }
+        Ok((format!("{:x}", hasher.finalize()), pos))
+    })
+    .await
+    .map_err(|e| ApiError::new(ErrorCode::Internal, format!("hashing {p}: {e}")))??;
+    Ok(Reply::Hashed {
+        sha256: hashed.0,
+        size: hashed.1,
+    })
+}
+
 /// Handles `FileMkdir` (`mkdir -p`).
 pub fn mkdir(agent: &Agent, path: &str) -> ApiResult<Reply> {
     let p = agent.root.path(path)?;

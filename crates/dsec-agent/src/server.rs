@@ -221,6 +221,7 @@ async fn dispatch(agent: &Rc<Agent>, req: Request, rd: &mut FrameReader, wr: &mu
         } => files::write(agent, &path, mode, create_parents, rd, wr).await,
         Request::FileList { path } => respond(wr, files::list(agent, &path)).await,
         Request::FileStat { path } => respond(wr, files::stat(agent, &path)).await,
+        Request::FileHash { path } => respond(wr, files::hash(agent, &path).await).await,
         Request::FileMkdir { path } => respond(wr, files::mkdir(agent, &path)).await,
         Request::FileRemove { path, recursive } => {
             respond(wr, files::remove(agent, &path, recursive)).await

@@ -52,6 +52,12 @@ pub enum Command {
     Fncall(FnCallArgs),
     /// Show the creates waiting for capacity, by priority level.
     Queue,
+    /// Submit a batch job (YAML or JSON; see docs/batches.md): prints its id, or with
+    /// --wait follows it and exits 1 if a task failed.
+    Submit(SubmitArgs),
+    /// Inspect, follow and cancel batch jobs, and fetch their outputs.
+    #[command(subcommand)]
+    Batch(BatchCommand),
     /// Suspend or resume every sandbox of a job (sandboxes labelled job=NAME).
     #[command(subcommand)]
     Job(JobCommand),
@@ -167,6 +173,10 @@ pub struct ApiserverArgs {
     /// Job suspend leaves the sandboxes' lifetimes running.
     #[arg(long)]
     pub job_suspend_keeps_lifetime: bool,
+    /// Where batches keep inputs, outputs and error snapshots: a directory, file://,
+    /// s3:// or http(s)://. Replicas must share one. Default: a directory in --state-dir.
+    #[arg(long)]
+    pub batch_store: Option<String>,
 }
 
 /// `dsec job ...`.
@@ -280,6 +290,11 @@ pub struct ServeArgs {
     /// their lifetimes until the job resumes).
     #[arg(long)]
     pub job_suspend_keeps_lifetime: bool,
+    /// Where batches keep inputs, outputs and error snapshots: a directory, file://,
+    /// s3:// or http(s)://. Default: the --blob-store if given, else a directory in
+    /// --state-dir.
+    #[arg(long)]
+    pub batch_store: Option<String>,
     /// Most sandboxes on this node (0: no count limit).
     #[arg(long, default_value_t = 0)]
     pub max_sandboxes: usize,
@@ -657,6 +672,72 @@ pub struct FnCallArgs {
     /// The command to run (argv), after `--`.
     #[arg(last = true)]
     pub command: Vec<String>,
+}
+
+/// `dsec submit`.
+#[derive(Debug, Args)]
+pub struct SubmitArgs {
+    /// The job file. Inputs given as `{file: PATH}` (relative to it) are uploaded first.
+    pub file: PathBuf,
+    /// Follow the batch to its end.
+    #[arg(long)]
+    pub wait: bool,
+}
+
+/// `dsec batch ...`: batch jobs.
+#[derive(Debug, Subcommand)]
+pub enum BatchCommand {
+    /// List the tenant's batches.
+    Ls,
+    /// A batch's state and counts per task state.
+    Get {
+        /// Batch id.
+        id: String,
+    },
+    /// Follow a batch to its end.
+    Wait {
+        /// Batch id.
+        id: String,
+    },
+    /// A batch's tasks.
+    Tasks {
+        /// Batch id.
+        id: String,
+        /// Only tasks in this state (pending, creating, initialized, running,
+        /// collecting, finalized, failed).
+        #[arg(long)]
+        state: Option<String>,
+    },
+    /// The batch's manifest (JSON): images, layers, commands, input digests, nodes.
+    Manifest {
+        /// Batch id.
+        id: String,
+    },
+    /// A task's collected output (--path), or its error snapshot.
+    Output {
+        /// Batch id.
+        id: String,
+        /// Task id.
+        task: String,
+        /// The output's path in the sandbox; without it, the error snapshot.
+        #[arg(long)]
+        path: Option<String>,
+        /// Write to this file instead of stdout.
+        #[arg(short, long)]
+        out: Option<PathBuf>,
+    },
+    /// Cancel a running batch.
+    Cancel {
+        /// Batch id.
+        id: String,
+    },
+    /// Upload a file as input KEY (tasks name it `{blob: KEY}`).
+    PutInput {
+        /// Key, a relative path (`sets/a.txt`).
+        key: String,
+        /// The file.
+        file: PathBuf,
+    },
 }
 
 /// `dsec pool ...`: warm pools.

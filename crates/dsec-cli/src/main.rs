@@ -5,6 +5,7 @@
 //! JSON with `--json`. Failures print `error: ...` with a hint and exit with code 1;
 //! `dsec sandbox exec` exits with the command's own exit code.
 
+mod batch;
 mod cli;
 mod dockerfile;
 mod iam;
@@ -82,6 +83,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             .await
             .map(|()| ExitCode::SUCCESS),
         Command::Job(cmd) => sandbox::job(&client()?, cmd, cli.json).await,
+        Command::Submit(args) => batch::submit(&client()?, args, cli.json).await,
+        Command::Batch(cmd) => batch::run(&client()?, cmd, cli.json)
+            .await
+            .map(|()| ExitCode::SUCCESS),
         Command::Pool(cmd) => pool::run(&client()?, cmd, cli.json)
             .await
             .map(|()| ExitCode::SUCCESS),

@@ -225,6 +225,17 @@ fn key_file(path: &Path, what: &str) -> anyhow::Result<String> {
     Ok(key)
 }
 
+/// The blob store of batches: `spec`, or `batch-blobs` in the state directory.
+fn open_batch_store(
+    spec: Option<String>,
+    state_dir: &std::path::Path,
+) -> anyhow::Result<Arc<dyn dsec_blob::BlobStore>> {
+    let spec = spec.unwrap_or_else(|| state_dir.join("batch-blobs").display().to_string());
+    let store =
+        dsec_blob::open(&spec).with_context(|| format!("opening the batch store {spec}"))?;
+    Ok(Arc::from(store))
+}
+
 /// Runs the server until SIGINT or SIGTERM.
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     init_tracing();
@@ -246,8 +257,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         RedbStore::open(&args.state_dir.join("state.redb")).context("opening the state store")?,
     );
     let node_api: Arc<dyn NodeApi> = node;
+    let batch_store = args.batch_store.clone().or_else(|| args.blob_store.clone());
     let control = ControlConfig {
         job_suspend_stops_lifetime: !args.job_suspend_keeps_lifetime,
+        batch_store: Some(open_batch_store(batch_store, &args.state_dir)?),
         ..ControlConfig::with_key(key)
     };
     let plane = ControlPlane::open(control, node_api, store)
@@ -429,6 +442,7 @@ pub async fn run_apiserver(args: ApiserverArgs) -> anyhow::Result<()> {
     };
     let control = ControlConfig {
         job_suspend_stops_lifetime: !args.job_suspend_keeps_lifetime,
+        batch_store: Some(open_batch_store(args.batch_store.clone(), &args.state_dir)?),
         sole_owner,
         ..ControlConfig::with_key(key)
     };

@@ -304,6 +304,95 @@ impl Client {
         Self::json(self.post(&["fncall"], req)).await
     }
 
+    /// `PUT /v1/inputs/{key}`: stores an input (bytes, a stream or a file, streamed) that
+    /// tasks of later batches name as `{"blob": key}`.
+    pub async fn put_input(
+        &self,
+        key: &str,
+        body: impl Into<UploadBody>,
+    ) -> Result<dsec_wire::v1::InputObject, ClientError> {
+        let mut segments = vec!["inputs"];
+        segments.extend(key.split('/'));
+        let answered = files::Answered::default();
+        let rb = self
+            .request(Method::PUT, &segments)
+            .header(header::CONTENT_TYPE, "application/octet-stream")
+            .body(body.into().into_reqwest(&answered));
+        let answer = Self::json(rb).await;
+        answered.set();
+        answer
+    }
+
+    /// `POST /v1/batches`: submits a batch; it runs in the server.
+    pub async fn submit_batch(
+        &self,
+        spec: &dsec_wire::v1::BatchSpec,
+    ) -> Result<dsec_wire::v1::Batch, ClientError> {
+        Self::json(self.post(&["batches"], spec)).await
+    }
+
+    /// `GET /v1/batches`.
+    pub async fn list_batches(&self) -> Result<dsec_wire::v1::BatchList, ClientError> {
+        Self::json(self.get(&["batches"])).await
+    }
+
+    /// `GET /v1/batches/{id}`.
+    pub async fn get_batch(&self, id: &str) -> Result<dsec_wire::v1::Batch, ClientError> {
+        Self::json(self.get(&["batches", id])).await
+    }
+
+    /// `DELETE /v1/batches/{id}`: cancels a running batch.
+    pub async fn cancel_batch(&self, id: &str) -> Result<dsec_wire::v1::Batch, ClientError> {
+        Self::json(self.request(Method::DELETE, &["batches", id])).await
+    }
+
+    /// `GET /v1/batches/{id}/tasks`: one page of tasks.
+    pub async fn batch_tasks(
+        &self,
+        id: &str,
+        query: &dsec_wire::v1::TaskListQuery,
+    ) -> Result<dsec_wire::v1::TaskList, ClientError> {
+        Self::json(self.get(&["batches", id, "tasks"]).query(query)).await
+    }
+
+    /// Every task of batch `id` (all pages).
+    pub async fn all_batch_tasks(
+        &self,
+        id: &str,
+    ) -> Result<Vec<dsec_wire::v1::TaskStatus>, ClientError> {
+        let mut out = Vec::new();
+        let mut query = dsec_wire::v1::TaskListQuery::default();
+        loop {
+            let page = self.batch_tasks(id, &query).await?;
+            out.extend(page.tasks);
+            match page.next {
+                Some(next) => query.after = Some(next),
+                None => return Ok(out),
+            }
+        }
+    }
+
+    /// `GET /v1/batches/{id}/manifest`.
+    pub async fn batch_manifest(&self, id: &str) -> Result<dsec_wire::v1::Manifest, ClientError> {
+        Self::json(self.get(&["batches", id, "manifest"])).await
+    }
+
+    /// `GET /v1/batches/{id}/tasks/{task}/output?path=`: a collected output's bytes, or
+    /// (`path` `None`) the task's error snapshot as JSON.
+    pub async fn batch_output(
+        &self,
+        id: &str,
+        task: &str,
+        path: Option<&str>,
+    ) -> Result<Bytes, ClientError> {
+        let mut rb = self.get(&["batches", id, "tasks", task, "output"]);
+        if let Some(p) = path {
+            rb = rb.query(&[("path", p)]);
+        }
+        let resp = Self::send(rb).await?;
+        resp.bytes().await.map_err(ClientError::from)
+    }
+
     /// `POST /v1/jobs/{job}/suspend`: pauses every sandbox labelled `job=<job>`.
     pub async fn suspend_job(&self, job: &str) -> Result<JobResult, ClientError> {
         Self::json(self.request(Method::POST, &["jobs", job, "suspend"])).await

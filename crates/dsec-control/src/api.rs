@@ -15,14 +15,15 @@
 use std::collections::BTreeMap;
 
 use dsec_wire::v1::{
-    BuildEvent, BuildRequest, BuildResult, ClusterNode, ClusterNodeList, CommitRequest,
-    CreateSandboxRequest, CreateSessionRequest, DockerfileBuildRequest, ExecRequest, ExecResult,
-    FileInfo, FileList, FnCallRequest, FnCallResponse, GcRequest, GcResult, Health, Image,
-    ImageList, ImportEvent, ImportImageRequest, JobResult, LayerStatsList, MkdirRequest,
-    NetworkPolicy, PauseResult, Pool, PoolList, PoolSpec, PoolUpdate, ProcessInfo, ProcessList,
-    PtySize, PullImageRequest, QueueStatus, RenameRequest, Sandbox, SandboxList, SessionInfo,
-    SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
-    StartProcessRequest, StdinRequest, WriteResult,
+    Batch, BatchList, BatchSpec, BuildEvent, BuildRequest, BuildResult, ClusterNode,
+    ClusterNodeList, CommitRequest, CreateSandboxRequest, CreateSessionRequest,
+    DockerfileBuildRequest, ExecRequest, ExecResult, FileInfo, FileList, FnCallRequest,
+    FnCallResponse, GcRequest, GcResult, Health, Image, ImageList, ImportEvent, ImportImageRequest,
+    InputObject, JobResult, LayerStatsList, Manifest, MkdirRequest, NetworkPolicy, PauseResult,
+    Pool, PoolList, PoolSpec, PoolUpdate, ProcessInfo, ProcessList, PtySize, PullImageRequest,
+    QueueStatus, RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList, SessionResult,
+    SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest,
+    TaskList, TaskListQuery, WriteResult,
 };
 use dsec_wire::{ApiError, ErrorCode};
 use futures::stream::BoxStream;
@@ -101,6 +102,56 @@ pub trait SandboxApi: Send + Sync + 'static {
     /// `POST /v1/fncall`: runs one function call in a member of the caller's pool.
     async fn fncall(&self, _caller: &Principal, _req: FnCallRequest) -> ApiResult<FnCallResponse> {
         Err(no_pools())
+    }
+
+    /// `PUT /v1/inputs/{key}`: stores an input for the caller's batches.
+    async fn put_input(
+        &self,
+        _caller: &Principal,
+        _key: &str,
+        _body: ByteStream,
+    ) -> ApiResult<InputObject> {
+        Err(no_batches())
+    }
+    /// `POST /v1/batches`: submits a batch and starts it.
+    async fn submit_batch(&self, _caller: &Principal, _spec: BatchSpec) -> ApiResult<Batch> {
+        Err(no_batches())
+    }
+    /// `GET /v1/batches`: the caller's batches, newest first.
+    async fn list_batches(&self, _caller: &Principal) -> ApiResult<BatchList> {
+        Err(no_batches())
+    }
+    /// `GET /v1/batches/{id}`: a batch and its tasks' counts.
+    async fn get_batch(&self, _caller: &Principal, _id: &str) -> ApiResult<Batch> {
+        Err(no_batches())
+    }
+    /// `GET /v1/batches/{id}/tasks`: its tasks, paged.
+    async fn batch_tasks(
+        &self,
+        _caller: &Principal,
+        _id: &str,
+        _query: TaskListQuery,
+    ) -> ApiResult<TaskList> {
+        Err(no_batches())
+    }
+    /// `GET /v1/batches/{id}/manifest`: what ran, on what, where.
+    async fn batch_manifest(&self, _caller: &Principal, _id: &str) -> ApiResult<Manifest> {
+        Err(no_batches())
+    }
+    /// `GET /v1/batches/{id}/tasks/{task}/output?path=`: a collected output's bytes;
+    /// without `path`, the task's error snapshot.
+    async fn batch_output(
+        &self,
+        _caller: &Principal,
+        _id: &str,
+        _task: &str,
+        _path: Option<&str>,
+    ) -> ApiResult<(u64, ByteStream)> {
+        Err(no_batches())
+    }
+    /// `DELETE /v1/batches/{id}`: cancels a running batch.
+    async fn cancel_batch(&self, _caller: &Principal, _id: &str) -> ApiResult<Batch> {
+        Err(no_batches())
     }
     /// `GET /v1/sandboxes?label=k=v`: sandboxes whose labels include all of `labels`.
     async fn list_sandboxes(
@@ -374,6 +425,11 @@ pub trait SandboxApi: Send + Sync + 'static {
             format!("node {name} not found"),
         ))
     }
+}
+
+/// What an API without batches answers.
+fn no_batches() -> ApiError {
+    ApiError::new(ErrorCode::BadRequest, "this server runs no batches")
 }
 
 /// What an API without warm pools answers.

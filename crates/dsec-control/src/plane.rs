@@ -31,6 +31,7 @@ use crate::api::{ApiResult, ByteStream, EventStream, ImportStream, Principal, Sa
 use crate::nodes::{NodeSet, Placement, SingleNode};
 use crate::validate;
 
+mod batches;
 mod calls;
 mod fncall;
 mod idempotency;
@@ -81,6 +82,9 @@ pub struct ControlConfig {
     /// Whether a job suspend stops its sandboxes' lifetimes (so a preempted trainer finds
     /// them when it is back). When false, lifetimes run on and expire as usual.
     pub job_suspend_stops_lifetime: bool,
+    /// Where batches keep their inputs, outputs and error snapshots; without one,
+    /// batches are refused. Replicas must share it.
+    pub batch_store: Option<Arc<dyn dsec_blob::BlobStore>>,
 }
 
 impl ControlConfig {
@@ -96,6 +100,7 @@ impl ControlConfig {
             default_image: "base".into(),
             reap_interval: Duration::from_secs(1),
             job_suspend_stops_lifetime: true,
+            batch_store: None,
         }
     }
 }
@@ -124,6 +129,8 @@ pub struct ControlPlane {
     pools: pools::Pools,
     /// Creates waiting for capacity.
     queue: queue::CapacityQueue,
+    /// Batches run by this plane.
+    batches: batches::Batches,
     /// This plane itself, for the tasks of [`ControlPlane::to_end`].
     me: Weak<ControlPlane>,
 }
@@ -211,6 +218,7 @@ impl ControlPlane {
             store,
             pools: Default::default(),
             queue: Default::default(),
+            batches: Default::default(),
             me: me.clone(),
         });
         plane.records.adopt_missing_keys().await?;
@@ -224,6 +232,7 @@ impl ControlPlane {
         plane.load_pools().await?;
         tokio::spawn(queue::run_queue(plane.me.clone()));
         plane.clone().spawn_reaper();
+        plane.spawn_batch_sync();
         Ok(plane)
     }
 
@@ -554,7 +563,6 @@ impl SandboxApi for ControlPlane {
         caller: &Principal,
         req: CreateSandboxRequest,
     ) -> ApiResult<Sandbox> {
-        let tenant = caller.tenant.clone();
         if let Some(k) = req
             .labels
             .keys()
@@ -565,18 +573,17 @@ impl SandboxApi for ControlPlane {
                 format!("labels: {k:?} is set by warm pools only"),
             ));
         }
-        if req.pool.is_some() {
-            return self
-                .to_end(move |me| async move { me.claim_to_end(&tenant, req).await })
-                .await;
+        if let Some(k) = req
+            .labels
+            .keys()
+            .find(|k| *k == BATCH_LABEL || *k == BATCH_TASK_LABEL)
+        {
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                format!("labels: {k:?} is set by batches only"),
+            ));
         }
-        if req.queue.is_some() {
-            return self
-                .to_end(move |me| async move { me.create_queued_to_end(&tenant, req).await })
-                .await;
-        }
-        self.to_end(move |me| async move { me.create_sandbox_to_end(&tenant, req).await })
-            .await
+        self.create_unchecked(&caller.tenant, req).await
     }
 
     async fn create_pool(&self, caller: &Principal, spec: PoolSpec) -> ApiResult<Pool> {
@@ -620,6 +627,54 @@ impl SandboxApi for ControlPlane {
         let tenant = caller.tenant.clone();
         self.to_end(move |me| async move { me.fncall_to_end(&tenant, req).await })
             .await
+    }
+
+    async fn put_input(
+        &self,
+        caller: &Principal,
+        key: &str,
+        body: ByteStream,
+    ) -> ApiResult<InputObject> {
+        self.put_input_of(&caller.tenant, key, body).await
+    }
+
+    async fn submit_batch(&self, caller: &Principal, spec: BatchSpec) -> ApiResult<Batch> {
+        self.submit_batch_of(caller, spec).await
+    }
+
+    async fn list_batches(&self, caller: &Principal) -> ApiResult<BatchList> {
+        self.batches_of(&caller.tenant).await
+    }
+
+    async fn get_batch(&self, caller: &Principal, id: &str) -> ApiResult<Batch> {
+        self.batch_of(&caller.tenant, id).await
+    }
+
+    async fn batch_tasks(
+        &self,
+        caller: &Principal,
+        id: &str,
+        query: TaskListQuery,
+    ) -> ApiResult<TaskList> {
+        self.batch_tasks_of(&caller.tenant, id, query).await
+    }
+
+    async fn batch_manifest(&self, caller: &Principal, id: &str) -> ApiResult<Manifest> {
+        self.batch_manifest_of(&caller.tenant, id).await
+    }
+
+    async fn batch_output(
+        &self,
+        caller: &Principal,
+        id: &str,
+        task: &str,
+        path: Option<&str>,
+    ) -> ApiResult<(u64, ByteStream)> {
+        self.batch_output_of(&caller.tenant, id, task, path).await
+    }
+
+    async fn cancel_batch(&self, caller: &Principal, id: &str) -> ApiResult<Batch> {
+        self.cancel_batch_of(&caller.tenant, id).await
     }
 
     async fn get_sandbox(&self, caller: &Principal, id: &str) -> ApiResult<Sandbox> {

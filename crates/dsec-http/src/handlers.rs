@@ -391,6 +391,81 @@ pub async fn fncall(api: Api, Json(req): Json<FnCallRequest>) -> HttpResult<Resp
     Ok(json(api.fncall(req).await?))
 }
 
+/// `PUT /v1/inputs/{key}`: the body (streamed) is the input's bytes.
+pub async fn put_input(
+    api: Api,
+    Extension(opts): Extension<HttpOptions>,
+    Path(key): Path<String>,
+    body: Body,
+) -> HttpResult<Response> {
+    let body = body_stream(body, opts.upload_idle_timeout);
+    Ok(created(api.put_input(&key, body).await?))
+}
+
+/// `POST /v1/batches`.
+pub async fn submit_batch(
+    api: Api,
+    Json(spec): Json<dsec_wire::v1::BatchSpec>,
+) -> HttpResult<Response> {
+    Ok(created(api.submit_batch(spec).await?))
+}
+
+/// `GET /v1/batches`.
+pub async fn list_batches(api: Api) -> HttpResult<Response> {
+    Ok(json(api.list_batches().await?))
+}
+
+/// `GET /v1/batches/{id}`.
+pub async fn get_batch(api: Api, Path(id): Path<String>) -> HttpResult<Response> {
+    Ok(json(api.get_batch(&id).await?))
+}
+
+/// `DELETE /v1/batches/{id}`: cancels it.
+pub async fn cancel_batch(api: Api, Path(id): Path<String>) -> HttpResult<Response> {
+    Ok(json(api.cancel_batch(&id).await?))
+}
+
+/// `GET /v1/batches/{id}/tasks?state=&after=&limit=`.
+pub async fn batch_tasks(
+    api: Api,
+    Path(id): Path<String>,
+    Query(q): Query<dsec_wire::v1::TaskListQuery>,
+) -> HttpResult<Response> {
+    Ok(json(api.batch_tasks(&id, q).await?))
+}
+
+/// `GET /v1/batches/{id}/manifest`.
+pub async fn batch_manifest(api: Api, Path(id): Path<String>) -> HttpResult<Response> {
+    Ok(json(api.batch_manifest(&id).await?))
+}
+
+/// `?path=` of a batch output.
+#[derive(Debug, Deserialize)]
+pub struct BatchOutputQuery {
+    /// The output's path in the sandbox; absent: the error snapshot.
+    #[serde(default)]
+    path: Option<String>,
+}
+
+/// `GET /v1/batches/{id}/tasks/{task}/output?path=`.
+pub async fn batch_output(
+    api: Api,
+    Path((id, task)): Path<(String, String)>,
+    Query(q): Query<BatchOutputQuery>,
+) -> HttpResult<Response> {
+    let (size, stream) = api.batch_output(&id, &task, q.path.as_deref()).await?;
+    let kind = if q.path.is_some() {
+        "application/octet-stream"
+    } else {
+        "application/json"
+    };
+    let headers = [
+        (header::CONTENT_TYPE, HeaderValue::from_static(kind)),
+        (header::CONTENT_LENGTH, HeaderValue::from(size)),
+    ];
+    Ok((headers, Body::from_stream(stream)).into_response())
+}
+
 /// `POST /v1/jobs/{job}/suspend`.
 pub async fn suspend_job(api: Api, Path(job): Path<String>) -> HttpResult<Response> {
     Ok(json(api.suspend_job(&job).await?))

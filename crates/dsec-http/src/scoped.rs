@@ -11,6 +11,7 @@ use std::sync::Arc;
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
 use dsec_control::{ApiResult, ByteStream, EventStream, ImportStream, Principal, SandboxApi};
+use dsec_wire::v1::{Batch, BatchList, BatchSpec, InputObject, Manifest, TaskList, TaskListQuery};
 use dsec_wire::v1::{
     BuildRequest, BuildResult, ClusterNode, ClusterNodeList, CommitRequest, CreateSandboxRequest,
     CreateSessionRequest, DockerfileBuildRequest, ExecRequest, ExecResult, FileInfo, FileList,
@@ -176,6 +177,51 @@ impl Scoped {
     /// [`SandboxApi::fncall`] as this caller.
     pub async fn fncall(&self, req: FnCallRequest) -> ApiResult<FnCallResponse> {
         self.api.fncall(&self.caller, req).await
+    }
+
+    /// [`SandboxApi::put_input`] as this caller.
+    pub async fn put_input(&self, key: &str, body: ByteStream) -> ApiResult<InputObject> {
+        self.api.put_input(&self.caller, key, body).await
+    }
+
+    /// [`SandboxApi::submit_batch`] as this caller.
+    pub async fn submit_batch(&self, spec: BatchSpec) -> ApiResult<Batch> {
+        self.api.submit_batch(&self.caller, spec).await
+    }
+
+    /// [`SandboxApi::list_batches`] as this caller.
+    pub async fn list_batches(&self) -> ApiResult<BatchList> {
+        self.api.list_batches(&self.caller).await
+    }
+
+    /// [`SandboxApi::get_batch`] as this caller.
+    pub async fn get_batch(&self, id: &str) -> ApiResult<Batch> {
+        self.api.get_batch(&self.caller, id).await
+    }
+
+    /// [`SandboxApi::batch_tasks`] as this caller.
+    pub async fn batch_tasks(&self, id: &str, query: TaskListQuery) -> ApiResult<TaskList> {
+        self.api.batch_tasks(&self.caller, id, query).await
+    }
+
+    /// [`SandboxApi::batch_manifest`] as this caller.
+    pub async fn batch_manifest(&self, id: &str) -> ApiResult<Manifest> {
+        self.api.batch_manifest(&self.caller, id).await
+    }
+
+    /// [`SandboxApi::batch_output`] as this caller.
+    pub async fn batch_output(
+        &self,
+        id: &str,
+        task: &str,
+        path: Option<&str>,
+    ) -> ApiResult<(u64, ByteStream)> {
+        self.api.batch_output(&self.caller, id, task, path).await
+    }
+
+    /// [`SandboxApi::cancel_batch`] as this caller.
+    pub async fn cancel_batch(&self, id: &str) -> ApiResult<Batch> {
+        self.api.cancel_batch(&self.caller, id).await
     }
 
     /// [`SandboxApi::suspend_job`] as this caller.

@@ -1244,6 +1244,21 @@ impl NodeApi for FakeNode {
                 pid: 1,
             }),
             Request::FileStat { path } => sb.tree.info(&resolve("/", &path)).map(Reply::File),
+            Request::FileHash { path } => {
+                use sha2::Digest;
+                let p = sb.tree.follow(&resolve("/", &path));
+                match (sb.tree.files.get(&p), sb.tree.kind(&p)) {
+                    (Some(data), _) => Ok(Reply::Hashed {
+                        sha256: format!("{:x}", sha2::Sha256::digest(data)),
+                        size: data.len() as u64,
+                    }),
+                    (None, Some(_)) => Err(ApiError::new(
+                        ErrorCode::BadRequest,
+                        format!("{p} is not a regular file"),
+                    )),
+                    (None, None) => Err(no_such(&p)),
+                }
+            }
             Request::FileList { path } => {
                 let dir = resolve("/", &path);
                 match sb.tree.kind(&dir) {

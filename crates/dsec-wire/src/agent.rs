@@ -474,6 +474,11 @@ pub enum Request {
         /// Path.
         path: String,
     },
+    /// sha256 of a regular file, not following a final symlink. Reply: `Hashed`.
+    FileHash {
+        /// Path.
+        path: String,
+    },
     /// Create a directory and its parents (`mkdir -p`). Reply: `Ok`.
     FileMkdir {
         /// Path.
@@ -593,6 +598,13 @@ pub enum Reply {
     Written {
         /// Count of bytes.
         bytes: u64,
+    },
+    /// Result of `FileHash`.
+    Hashed {
+        /// sha256 of the file's bytes, hex.
+        sha256: String,
+        /// Bytes hashed.
+        size: u64,
     },
     /// Success without data.
     Ok,

@@ -12,8 +12,10 @@ pub use crate::agent::{
 };
 use crate::error::ApiError;
 
+mod batches;
 mod fncall;
 mod pools;
+pub use batches::*;
 pub use fncall::*;
 pub use pools::*;
 

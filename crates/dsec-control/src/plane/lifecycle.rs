@@ -20,6 +20,28 @@ fn key_contended(req: &CreateSandboxRequest) -> ApiError {
 }
 
 impl ControlPlane {
+    /// A create of `tenant` whose labels were checked (or set by the server): a pool
+    /// claim, a queued create, or a plain one.
+    pub(super) async fn create_unchecked(
+        &self,
+        tenant: &str,
+        req: CreateSandboxRequest,
+    ) -> ApiResult<Sandbox> {
+        let tenant = tenant.to_string();
+        if req.pool.is_some() {
+            return self
+                .to_end(move |me| async move { me.claim_to_end(&tenant, req).await })
+                .await;
+        }
+        if req.queue.is_some() {
+            return self
+                .to_end(move |me| async move { me.create_queued_to_end(&tenant, req).await })
+                .await;
+        }
+        self.to_end(move |me| async move { me.create_sandbox_to_end(&tenant, req).await })
+            .await
+    }
+
     /// The sandbox `id` once it is past `creating` (its first create may still be running).
     pub(super) async fn await_created(&self, id: &str) -> ApiResult<Sandbox> {
         let deadline = std::time::Instant::now() + Duration::from_secs(60);

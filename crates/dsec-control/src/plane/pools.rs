@@ -502,23 +502,26 @@ impl ControlPlane {
     /// Whether this replica sizes `pool`: a sole owner always; a replica when the pool's
     /// owner key is (or now becomes) bound to its lease.
     async fn elect(&self, pool: &PoolRt) -> bool {
+        let key = format!("{}/{}", pool.tenant, pool.name());
+        self.elect_owner(NS_POOL_OWNERS, &key).await
+    }
+
+    /// Whether this plane owns `ns/key` (a pool, a batch): a sole owner always; a
+    /// replica when the key is (or now becomes) bound to its lease, so it goes when the
+    /// replica dies and a survivor takes it.
+    pub(super) async fn elect_owner(&self, ns: &str, key: &str) -> bool {
         if self.cfg.sole_owner {
             return true;
         }
         let Some(lease) = self.records.replica_lease() else {
             return false;
         };
-        let key = format!("{}/{}", pool.tenant, pool.name());
         let me = lease.0.to_string();
         let txn = dsec_state::Txn {
-            checks: vec![(
-                NS_POOL_OWNERS.into(),
-                key.clone(),
-                dsec_state::Expect::Absent,
-            )],
+            checks: vec![(ns.into(), key.into(), dsec_state::Expect::Absent)],
             ops: vec![dsec_state::Op::Put {
-                ns: NS_POOL_OWNERS.into(),
-                key: key.clone(),
+                ns: ns.into(),
+                key: key.into(),
                 value: me.clone().into_bytes(),
                 lease: Some(lease),
             }],
@@ -526,11 +529,11 @@ impl ControlPlane {
         match self.store.txn(txn).await {
             Ok(_) => true,
             Err(dsec_state::StateError::Conflict { .. }) => matches!(
-                self.store.get(NS_POOL_OWNERS, &key).await,
+                self.store.get(ns, key).await,
                 Ok(Some(e)) if e.value == me.as_bytes()
             ),
             Err(e) => {
-                tracing::warn!(pool = %pool.name(), error = %e, "electing the pool's owner");
+                tracing::warn!(ns, key, error = %e, "electing an owner");
                 false
             }
         }
