@@ -11,7 +11,9 @@ use dsec_wire::v1::{AutoscalePolicy, CreateSandboxRequest, PoolSpec};
 
 use crate::{argv_true, on_one_thread, Stats};
 
-/// The rows: claim + exec, cold create + exec, claim alone, health alone.
+/// The rows: claim + exec, cold create + exec, claim alone, health alone (claims back to
+/// back, the pool refilling meanwhile), then claim alone and health alone on a node at
+/// rest.
 pub async fn claim_vs_cold(server: &Server, n: usize) -> anyhow::Result<Vec<Stats>> {
     let c = server.client();
     let spec = PoolSpec {
@@ -79,6 +81,37 @@ pub async fn claim_vs_cold(server: &Server, n: usize) -> anyhow::Result<Vec<Stat
         }
         Ok((claim_exec, claim_only, health, cold))
     })?;
+    // Claims one at a time on a node at rest: each waits for the pool's refill of the
+    // last to be done, so the claim's own server time shows, not a refill's create
+    // sharing the cores.
+    warm(n as u32 + 2).await?;
+    let (spaced, spaced_health) = on_one_thread(c.clone(), move |c| async move {
+        let (mut spaced, mut health) = (Vec::new(), Vec::new());
+        let mut claimed = Vec::new();
+        for _ in 0..n {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while c.get_pool("bench-pool").await?.creating > 0 && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let t = Instant::now();
+            c.health().await?;
+            health.push(t.elapsed().as_secs_f64() * 1000.0);
+            let t = Instant::now();
+            let sb = c
+                .create_sandbox(CreateSandboxRequest {
+                    pool: Some("bench-pool".into()),
+                    ..Default::default()
+                })
+                .await?;
+            spaced.push(t.elapsed().as_secs_f64() * 1000.0);
+            claimed.push(sb.id);
+        }
+        for id in claimed {
+            c.delete_sandbox(&id).await?;
+        }
+        Ok((spaced, health))
+    })?;
     c.delete_pool("bench-pool").await?;
     Ok(vec![
         Stats {
@@ -100,6 +133,16 @@ pub async fn claim_vs_cold(server: &Server, n: usize) -> anyhow::Result<Vec<Stat
             name: "GET /v1/health".into(),
             samples: health,
             note: Some("the HTTP round trip floor".into()),
+        },
+        Stats {
+            name: "pool claim alone, node at rest".into(),
+            samples: spaced,
+            note: Some("one claim at a time, after the last refill".into()),
+        },
+        Stats {
+            name: "GET /v1/health, node at rest".into(),
+            samples: spaced_health,
+            note: Some("the floor, measured beside those claims".into()),
         },
     ])
 }

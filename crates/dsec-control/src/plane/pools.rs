@@ -29,6 +29,11 @@ use crate::autoscale::{Autoscaler, Inputs};
 const NS_POOLS: &str = "pools";
 /// How often a pool's task looks at it when nothing wakes it.
 const TICK: Duration = Duration::from_millis(100);
+/// A claim wakes its pool's refill at once when fewer than 1/this of the pool's target
+/// stay warm; above that the refill waits for the next [`TICK`].
+const REFILL_AT_ONCE_BELOW: u32 = 4;
+/// Least time between two refills of a pool with warm sandboxes to spare.
+const GENTLE_REFILL_GAP: Duration = Duration::from_millis(50);
 /// How often a pool's warm members are checked against their records.
 const RECONCILE_EVERY: Duration = Duration::from_secs(1);
 /// Members one pool makes at once.
@@ -912,7 +917,7 @@ pub(super) async fn acquire(
     priority: Priority,
 ) -> ApiResult<String> {
     let deadline = start + Duration::from_secs_f64(max_wait);
-    let (id, waiting) = {
+    let (id, waiting, low) = {
         let mut st = pool.lock();
         if st.deleted {
             return Err(no_pool(name));
@@ -923,7 +928,8 @@ pub(super) async fn acquire(
                     st.busy += 1;
                     st.lent.insert(id.clone());
                 }
-                (Some(id), None)
+                let low = (st.ready.len() as u32) * REFILL_AT_ONCE_BELOW < st.scaler.target();
+                (Some(id), None, low)
             }
             None => {
                 let (tx, rx) = tokio::sync::oneshot::channel();
@@ -935,11 +941,16 @@ pub(super) async fn acquire(
                     priority,
                     tx,
                 });
-                (None, Some((seq, rx)))
+                (None, Some((seq, rx)), true)
             }
         }
     };
-    pool.changed.notify_one();
+    // A pool with warm sandboxes to spare refills on its next tick, not in the middle of
+    // the claim that took one (a refill is a create on the same cores as the claim's
+    // record write); one running low, or a claim left waiting, wakes it now.
+    if low {
+        pool.changed.notify_one();
+    }
     let Some((seq, mut rx)) = waiting else {
         return id.ok_or_else(|| no_pool(name));
     };
@@ -1011,14 +1022,22 @@ async fn run_pool(plane: Weak<ControlPlane>, pool: Arc<PoolRt>) {
                 tracing::info!(pool = %st.spec.name, from = e.from, to = e.to, reason = ?e.reason, "pool scaled");
             }
             let target = st.scaler.target();
+            // With warm sandboxes to spare and nobody waiting, refill one at a time: a
+            // refill is a whole create on the cores the claimed sandboxes work on. A
+            // pool running low (or growing) makes all it lacks at once.
+            let gentle = inputs.waiting == 0 && ready * REFILL_AT_ONCE_BELOW >= target;
+            let parallel = if gentle { 1 } else { MAX_PARALLEL_CREATES };
             let make = if now >= st.next_create_at {
                 target
                     .saturating_sub(inputs.size)
-                    .min(MAX_PARALLEL_CREATES.saturating_sub(st.creating))
+                    .min(parallel.saturating_sub(st.creating))
             } else {
                 0
             };
             st.creating += make;
+            if gentle && make > 0 {
+                st.next_create_at = st.next_create_at.max(now + GENTLE_REFILL_GAP);
+            }
             let excess = inputs.size.saturating_sub(target).min(ready) as usize;
             let surplus: Vec<String> = (0..excess).filter_map(|_| st.ready.pop_back()).collect();
             (make, surplus)
