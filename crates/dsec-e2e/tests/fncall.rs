@@ -403,3 +403,60 @@ async fn a_pool_of_another_user_runs_calls_as_that_user_and_owns_their_files() {
     assert!(out.files["/tmp/fncall/out.txt"].data.is_some(), "{out:?}");
     c.delete_pool("nobody").await.expect("delete");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fork_bomb_or_yes_in_a_call_is_contained_and_the_pool_serves_on() {
+    if !require_root() {
+        return;
+    }
+    let c = server().client();
+    pool(&c, "hostile", 1, 1000).await;
+    // A fork bomb runs into the sandbox's pids limit; the timeout ends it, and the
+    // call's PID 1 kills and reaps all it made.
+    let mut r = request("hostile", "bomb() { bomb | bomb & }; bomb; sleep 30");
+    r.timeout_s = 2.0;
+    let t = std::time::Instant::now();
+    let out = c.fncall(&r).await.expect("fork bomb call");
+    assert_eq!(out.status, FnCallStatus::TimedOut, "{out:?}");
+    assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+    // `yes` into stdout: the answer keeps the last MiB, flagged truncated.
+    let mut r = request("hostile", "yes");
+    r.timeout_s = 1.0;
+    let out = c.fncall(&r).await.expect("yes call");
+    assert_eq!(out.status, FnCallStatus::TimedOut, "{out:?}");
+    assert!(out.stdout_truncated, "stdout was not capped");
+    assert!(
+        out.stdout.len() <= 1024 * 1024 && out.stdout.starts_with("y\n"),
+        "{} bytes",
+        out.stdout.len()
+    );
+    // Nothing of either runs on, and the pool answers the next call normally.
+    let members = c
+        .list_sandboxes(BTreeMap::from([(
+            FNCALL_LABEL.to_string(),
+            "hostile".to_string(),
+        )]))
+        .await
+        .expect("list")
+        .sandboxes;
+    for sb in &members {
+        let left = wait_until(Duration::from_secs(20), || async {
+            let bombs = dsec_e2e::host::processes_running(&sb.id, "bomb");
+            let yes = dsec_e2e::host::processes_running(&sb.id, "yes");
+            (bombs.is_empty() && yes.is_empty()).then_some(())
+        })
+        .await;
+        assert!(
+            left.is_some(),
+            "processes of the calls outlived them in {}",
+            sb.id
+        );
+    }
+    let out = call(&c, "hostile", "echo fine").await;
+    assert_eq!(
+        (out.status, out.stdout.as_str()),
+        (FnCallStatus::Finished, "fine\n"),
+        "{out:?}"
+    );
+    c.delete_pool("hostile").await.expect("delete");
+}

@@ -7,6 +7,12 @@
 //! a failure injected into the next create, a node that is down, slow pings, agents
 //! frozen while paused, and counters of what was called.
 //!
+//! Function calls (`Request::Call`) run on a copy of the sandbox's files that is dropped
+//! after the call, as the agent's throw-away view is: input files are written to the
+//! copy, the command runs, `fetch` reads from it. The command `fake-anomaly` reports an
+//! anomaly (what a process outliving its call makes the agent report), so tests can
+//! drive the control plane's replacement of a sandbox.
+//!
 //! Files: a sandbox's root is a tree of regular files (bytes), symlinks (a target as
 //! written) and directories; every parent of a path written is a directory, as `mkdir
 //! -p` would make it, and `/` always is. Modes, owners, mtimes and hard links are not
@@ -48,7 +54,10 @@ use std::sync::Mutex;
 use bytes::Bytes;
 use futures::StreamExt;
 
-use dsec_wire::agent::{Command, ExecSpec, ExitInfo, FileInfo, FileKind, Reply, Request};
+use dsec_wire::agent::{
+    CallResult, CallSpec, Command, ExecSpec, ExitInfo, FetchedFile, FileInfo, FileKind, Reply,
+    Request,
+};
 use dsec_wire::v1::{
     ExecEvent, ExecResult, GcRequest, GcResult, Image, ImageConfig, LayerStatsList, NetworkPolicy,
     NodeCapacity, WriteResult,
@@ -927,6 +936,60 @@ fn redirect(words: &mut Vec<String>, cwd: &str) -> Option<Redirect> {
     })
 }
 
+/// One function call on `sb`'s files (the caller restores them after).
+fn fake_call(sb: &mut FakeSandbox, spec: &CallSpec) -> CallResult {
+    for (path, data) in &spec.files {
+        let p = resolve("/", path);
+        if let Err(e) = sb.tree.put_file(&p, data.0.clone()) {
+            return CallResult {
+                setup_error: Some(format!("writing {p}: {}", e.message)),
+                ..Default::default()
+            };
+        }
+    }
+    let (words, _) = words(&spec.cmd);
+    if words.first().map(String::as_str) == Some("fake-anomaly") {
+        return CallResult {
+            ran: true,
+            exit: ExitInfo {
+                exit_code: Some(0),
+                ..Default::default()
+            },
+            anomaly: Some("a process of the call outlived it (fake)".into()),
+            ..Default::default()
+        };
+    }
+    let cwd = spec.cwd.as_deref().unwrap_or("/");
+    let stdin = spec.stdin.as_ref().map(|b| Bytes::from(b.0.clone()));
+    let r = run_command(sb, &spec.cmd, cwd, stdin);
+    let files = spec
+        .fetch
+        .iter()
+        .map(|path| {
+            let p = resolve("/", path);
+            let fetched = match sb.tree.files.get(&p) {
+                Some(data) => FetchedFile {
+                    data: Some(data.clone().into()),
+                    error: None,
+                },
+                None => FetchedFile {
+                    data: None,
+                    error: Some(format!("{p}: no such file")),
+                },
+            };
+            (path.clone(), fetched)
+        })
+        .collect();
+    CallResult {
+        ran: true,
+        exit: r.exit,
+        stdout: r.stdout.into_bytes().into(),
+        stderr: r.stderr.into_bytes().into(),
+        files,
+        ..Default::default()
+    }
+}
+
 fn run_command(sb: &mut FakeSandbox, cmd: &Command, cwd: &str, stdin: Option<Bytes>) -> ExecResult {
     let (mut words, shell) = words(cmd);
     let to = if shell {
@@ -1244,6 +1307,12 @@ impl NodeApi for FakeNode {
                 pid: 1,
             }),
             Request::FileStat { path } => sb.tree.info(&resolve("/", &path)).map(Reply::File),
+            Request::Call(spec) => {
+                let view = sb.tree.clone();
+                let ran = fake_call(sb, &spec);
+                sb.tree = view;
+                Ok(Reply::Called(ran))
+            }
             Request::FileHash { path } => {
                 use sha2::Digest;
                 let p = sb.tree.follow(&resolve("/", &path));

@@ -356,6 +356,70 @@ class Client:
         body.update(extra)
         return self._json("POST", "/fncall", json_body=body, timeout=None)
 
+    # ------------------------------------------------------------ batches
+
+    def put_input(self, key: str, data: bytes) -> Dict[str, Any]:
+        """``PUT /v1/inputs/{key}``: stores ``data`` as an input that batch tasks name as
+        ``{"blob": key}``. Returns ``{key, sha256, bytes}``."""
+        path = "/inputs/" + "/".join(_seg(part) for part in key.split("/"))
+        return self._json(
+            "PUT", path, content=bytes(data), headers={"content-type": "application/octet-stream"}, timeout=None
+        )
+
+    def submit_batch(self, spec: Mapping[str, Any]) -> Dict[str, Any]:
+        """``POST /v1/batches``: submits a batch (the shape of ``dsec submit``'s job file:
+        ``template``, ``defaults``, ``tasks``, ``parallelism``, ``priority``) and returns it
+        (``id``, ``state``, ``counts`` per task state)."""
+        return self._json("POST", "/batches", json_body=dict(spec), timeout=None)
+
+    def get_batch(self, batch_id: str) -> Dict[str, Any]:
+        """``GET /v1/batches/{id}``."""
+        return self._json("GET", f"/batches/{_seg(batch_id)}")
+
+    def wait_batch(self, batch_id: str, timeout: Optional[float] = None, poll: float = 1.0) -> Dict[str, Any]:
+        """Polls a batch until it has ended (finished or cancelled) and returns it; raises
+        ``TimeoutError`` after ``timeout`` seconds."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            batch = self.get_batch(batch_id)
+            if batch.get("ended_at_ms") is not None:
+                return batch
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"batch {batch_id} still running after {timeout} s")
+            time.sleep(poll)
+
+    def batch_tasks(self, batch_id: str, state: Optional[str] = None) -> List[Dict[str, Any]]:
+        """Every task of a batch (all pages of ``GET /v1/batches/{id}/tasks``), optionally
+        only those in ``state``."""
+        tasks: List[Dict[str, Any]] = []
+        params: Dict[str, str] = {}
+        if state is not None:
+            params["state"] = state
+        while True:
+            page = self._json("GET", f"/batches/{_seg(batch_id)}/tasks", params=dict(params))
+            tasks.extend(page["tasks"])
+            if not page.get("next"):
+                return tasks
+            params["after"] = page["next"]
+
+    def batch_output(self, batch_id: str, task: str, path: Optional[str] = None) -> bytes:
+        """A finalized task's collected output at ``path`` (verified by sha256), or with no
+        ``path`` the JSON error snapshot of a failed one."""
+        params = {"path": path} if path is not None else None
+        resp = self.request("GET", f"/batches/{_seg(batch_id)}/tasks/{_seg(task)}/output", params=params)
+        return resp.content
+
+    def batch_manifest(self, batch_id: str) -> Dict[str, Any]:
+        """``GET /v1/batches/{id}/manifest``: image digest, layers, resolved commands,
+        input digests, nodes and times of every task."""
+        return self._json("GET", f"/batches/{_seg(batch_id)}/manifest")
+
+    def cancel_batch(self, batch_id: str) -> Dict[str, Any]:
+        """``DELETE /v1/batches/{id}``: cancels a running batch."""
+        return self._json("DELETE", f"/batches/{_seg(batch_id)}")
+
     def get_pool(self, name: str) -> Dict[str, Any]:
         """``GET /v1/pools/{name}``: sizes, queue, scale events."""
         return self._json("GET", f"/pools/{_seg(name)}")
