@@ -134,16 +134,21 @@ async fn calls_report_output_exit_timeouts_and_files() {
     let out = call(&c, "io", "echo oops >&2; kill -9 $$").await;
     assert_eq!((out.exit_code, out.signal), (None, Some(9)), "{out:?}");
     assert_eq!(out.stderr, "oops\n");
-    // A timeout kills the call and what it started, and the sandbox keeps serving.
+    // A timeout kills the call and what it started, and its sandbox is replaced (as one
+    // a SIGKILL ended: the OOM killer's signal).
     let mut r = request("io", "echo started; sleep 100 & sleep 100");
     r.timeout_s = 0.5;
     let t = std::time::Instant::now();
-    let out = c.fncall(&r).await.expect("call");
-    assert_eq!(out.status, FnCallStatus::TimedOut, "{out:?}");
-    assert_eq!(out.stdout, "started\n");
+    let timed_out = c.fncall(&r).await.expect("call");
+    assert_eq!(timed_out.status, FnCallStatus::TimedOut, "{timed_out:?}");
+    assert_eq!(timed_out.stdout, "started\n");
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     let out = call(&c, "io", "ps -eo comm= | grep -c '^sleep$'").await;
     assert_eq!(out.stdout, "0\n", "{out:?}");
+    assert_ne!(
+        out.sandbox_id, timed_out.sandbox_id,
+        "a timed-out sandbox served again"
+    );
     // A missing program is the call's mistake, not the sandbox's.
     let out = c
         .fncall(&FnCallRequest {

@@ -2,8 +2,8 @@
 //! calls (no record write: the member stays the pool's), runs in it through the agent's
 //! `Call` (a throw-away view of the sandbox, see `dsec_agent::fncall`) and gives it back.
 //! A member that served its `max_calls`, or whose call reported an anomaly (a process
-//! that would not die, a helper gone) or failed at the node, is deleted instead and the
-//! pool makes another. Waiting for a free member is the pool's queue, which its
+//! that would not die, a helper gone), timed out, was SIGKILLed (the OOM killer's
+//! signal) or failed at the node, is deleted instead and the pool makes another. Waiting for a free member is the pool's queue, which its
 //! autoscaler watches like claims.
 
 use std::time::Instant;
@@ -190,7 +190,7 @@ impl ControlPlane {
                     format!("unexpected agent reply to a call: {other:?}"),
                 )),
             };
-            let healthy = matches!(&outcome, Ok(r) if r.anomaly.is_none());
+            let healthy = matches!(&outcome, Ok(r) if r.anomaly.is_none() && !suspect(r));
             if !pool.give_back(id.clone(), healthy, waited) {
                 if let Ok(r) = &outcome {
                     if let Some(why) = &r.anomaly {
@@ -232,4 +232,14 @@ impl ControlPlane {
             ),
         ))
     }
+}
+
+/// Whether a call that ended without an anomaly still leaves its sandbox suspect, so it
+/// is replaced: a timeout (of the command or its compile step), or a SIGKILL, which is
+/// what the memory limit's OOM killer sends. The reset would clean up after either, but
+/// a sandbox that hit its limits is not worth the risk.
+fn suspect(r: &CallResult) -> bool {
+    const SIGKILL: i32 = 9;
+    let compile_timed_out = r.compile.as_ref().is_some_and(|c| c.exit.timed_out);
+    r.exit.timed_out || compile_timed_out || r.exit.signal == Some(SIGKILL)
 }
