@@ -560,6 +560,90 @@ async fn on_two_replicas_a_pool_is_sized_once_and_serves_claims_on_both() {
     }
 }
 
+/// Claims waiting on a replica that does not size the pool reach the owner's
+/// autoscaler (through the waits that replica publishes), so the pool grows for them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_waiting_on_another_replica_grow_the_pool() {
+    let store: std::sync::Arc<dyn dsec_state::StateStore> =
+        std::sync::Arc::new(dsec_state::MemStore::new());
+    let node = std::sync::Arc::new(dsec_node_api::fake::FakeNode::new("fake-1"));
+    let mut planes = Vec::new();
+    for _ in 0..2 {
+        let cfg = dsec_control::ControlConfig {
+            sole_owner: false,
+            reap_interval: Duration::from_millis(200),
+            ..dsec_control::ControlConfig::with_key("k".into())
+        };
+        planes.push(
+            ControlPlane::open(cfg, node.clone(), store.clone())
+                .await
+                .unwrap_or_else(|e| panic!("open a replica: {e:?}")),
+        );
+    }
+    let me = common::op();
+    let mut s = spec("remote", 2, 40);
+    s.autoscale = AutoscalePolicy {
+        window_s: 1.0,
+        target_queue_wait_ms: 200,
+        cooldown_s: 0.5,
+        ..AutoscalePolicy::default()
+    };
+    planes[0].create_pool(me, s).await.expect("create");
+    for plane in &planes {
+        wait_pool(plane, me, "remote", 15, |p| p.ready == 2).await;
+    }
+    // Which replica sizes it (elected within a second).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let owner = loop {
+        let owners: Vec<bool> = futures::future::join_all(
+            planes
+                .iter()
+                .map(|p| async { p.get_pool(me, "remote").await.map(|p| p.owner) }),
+        )
+        .await
+        .into_iter()
+        .map(|r| r.expect("get pool"))
+        .collect();
+        if owners.iter().filter(|o| **o).count() == 1 {
+            break owners.iter().position(|o| *o).expect("owner");
+        }
+        assert!(Instant::now() < deadline, "no single owner: {owners:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let (sizer, other) = (planes[owner].clone(), planes[1 - owner].clone());
+    // Every new sandbox takes 300 ms: 30 claims on the other replica wait.
+    node.set_create_latency(Duration::from_millis(300));
+    let claims: Vec<_> = (0..30)
+        .map(|_| {
+            let other = other.clone();
+            tokio::spawn(async move {
+                let mut req = claim("remote");
+                req.queue = Some(QueueOptions {
+                    max_wait_s: Some(60.0),
+                    ..Default::default()
+                });
+                other.create_sandbox(me, req).await
+            })
+        })
+        .collect();
+    let grown = wait_pool(&sizer, me, "remote", 15, |p| p.target > 2).await;
+    assert!(
+        grown.target > 2,
+        "the owner never saw the other replica's waits: {grown:?}"
+    );
+    let ids: Vec<String> = futures::future::join_all(claims)
+        .await
+        .into_iter()
+        .map(|r| {
+            r.expect("join")
+                .unwrap_or_else(|e| panic!("claim: {e:?}"))
+                .id
+        })
+        .collect();
+    let unique: std::collections::HashSet<&String> = ids.iter().collect();
+    assert_eq!(unique.len(), 30, "no sandbox was handed out twice");
+}
+
 /// The replica that sizes a pool dies (its runtime, tasks and lease keep-alive gone):
 /// the other takes the pool over once the dead one's lease expires, and refills it.
 #[test]

@@ -48,6 +48,10 @@ const MAX_NAME: usize = 63;
 /// Store namespace of pool owners on replicas: `<tenant>/<name>` -> the owner's lease
 /// id, bound to that lease.
 const NS_POOL_OWNERS: &str = "pool-owners";
+/// Waits of the replicas that do not size a pool (see [`ReplicaWaits`]).
+const NS_POOL_WAITS: &str = "pool-waits";
+/// Published waits older than this are not counted (their replica stopped publishing).
+const REMOTE_WAITS_FRESH_MS: u64 = 5000;
 /// How often replicas look for pools made, changed or deleted on others.
 const SYNC_EVERY: Duration = Duration::from_secs(1);
 
@@ -136,6 +140,28 @@ pub(super) struct PoolState {
     next_create_at: Instant,
     backoff: Duration,
     deleted: bool,
+    /// Waits of the claims and calls this replica served (count, sum ms), all time: what
+    /// a replica that does not size the pool tells the one that does.
+    served_waits: (u64, u64),
+    /// What this replica last published of its waits (not the owner).
+    published: Option<ReplicaWaits>,
+    /// On the owner: each other replica's last published waits, by its key.
+    remote: HashMap<String, ReplicaWaits>,
+}
+
+/// A replica's waits on one pool it does not size, published to the store (key
+/// `pool-waits/<tenant>/<pool>/<lease>`, bound to the replica's lease) for the owner's
+/// autoscaler, which otherwise sees only the claims it serves itself.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct ReplicaWaits {
+    /// Claims and calls served (all time) and the sum of their waits, ms.
+    served: u64,
+    served_ms: u64,
+    /// Claims waiting when published, and the sum of their waits so far, ms.
+    waiting: u32,
+    waiting_ms: u64,
+    /// When published, ms since the epoch.
+    at_ms: u64,
 }
 
 #[derive(Debug)]
@@ -206,6 +232,8 @@ impl PoolRt {
             st.calls_served += 1;
             if let Some(ms) = waited_ms {
                 st.scaler.served(now_ms(), ms);
+                st.served_waits.0 += 1;
+                st.served_waits.1 += ms;
             }
             let max = st.spec.fncall.as_ref().map_or(1, |f| f.max_calls);
             let served = st.calls.get(&id).copied().unwrap_or(0) + 1;
@@ -496,6 +524,7 @@ impl ControlPlane {
         for pool in gone {
             tracing::info!(pool = %pool.name(), tenant = %pool.tenant, "pool deleted on another replica");
             pool.stop();
+            self.forget_waits(&pool.tenant, &pool.name()).await;
             let mut st = pool.lock();
             st.deleted = true;
             st.waiters.clear();
@@ -544,6 +573,104 @@ impl ControlPlane {
         }
     }
 
+    /// Drops this replica's published waits of a deleted pool.
+    async fn forget_waits(&self, tenant: &str, name: &str) {
+        if let Some(lease) = self.records.replica_lease() {
+            let key = format!("{tenant}/{name}/{lease}");
+            let _ = self
+                .store
+                .delete(NS_POOL_WAITS, &key, dsec_state::Expect::Any)
+                .await;
+        }
+    }
+
+    /// Replicas: one that does not size `pool` publishes its waits (when they changed);
+    /// the owner reads the others' and feeds their served waits to its autoscaler and
+    /// keeps their waiting claims for its next inputs.
+    async fn exchange_waits(&self, pool: &PoolRt, owner: bool) {
+        let Some(lease) = self.records.replica_lease() else {
+            return;
+        };
+        let prefix = format!("{}/{}/", pool.tenant, pool.name());
+        if !owner {
+            let waits = {
+                let st = pool.lock();
+                let now = Instant::now();
+                let growing = st.waiters.iter().filter(|w| w.priority != Priority::Low);
+                let (waiting, waiting_ms) = growing.fold((0u32, 0u64), |(n, ms), w| {
+                    (n + 1, ms + now.duration_since(w.since).as_millis() as u64)
+                });
+                ReplicaWaits {
+                    served: st.served_waits.0,
+                    served_ms: st.served_waits.1,
+                    waiting,
+                    waiting_ms,
+                    at_ms: now_ms(),
+                }
+            };
+            let unchanged = pool.lock().published.is_some_and(|p| {
+                (p.served, p.waiting) == (waits.served, waits.waiting)
+                    && waits.waiting == 0
+                    && now_ms().saturating_sub(p.at_ms) < REMOTE_WAITS_FRESH_MS / 2
+            });
+            if unchanged {
+                return;
+            }
+            let Ok(value) = serde_json::to_vec(&waits) else {
+                return;
+            };
+            let txn = dsec_state::Txn {
+                checks: Vec::new(),
+                ops: vec![dsec_state::Op::Put {
+                    ns: NS_POOL_WAITS.into(),
+                    key: format!("{prefix}{lease}"),
+                    value,
+                    lease: Some(lease),
+                }],
+            };
+            match self.store.txn(txn).await {
+                Ok(_) => pool.lock().published = Some(waits),
+                Err(e) => {
+                    tracing::debug!(pool = %pool.name(), error = %e, "publishing the pool's waits")
+                }
+            }
+            return;
+        }
+        let Ok((entries, _)) = self.store.list(NS_POOL_WAITS).await else {
+            return;
+        };
+        let mine = format!("{prefix}{lease}");
+        let now = now_ms();
+        let mut st = pool.lock();
+        let mut seen = std::collections::HashSet::new();
+        for e in entries {
+            if !e.key.starts_with(&prefix) || e.key == mine {
+                continue;
+            }
+            let Ok(waits) = serde_json::from_slice::<ReplicaWaits>(&e.value) else {
+                continue;
+            };
+            let last = st.remote.get(&e.key).copied().unwrap_or_default();
+            // Counters only grow; a smaller one is a replica that started again.
+            let (new, new_ms) = if waits.served >= last.served {
+                (
+                    waits.served - last.served,
+                    waits.served_ms.saturating_sub(last.served_ms),
+                )
+            } else {
+                (waits.served, waits.served_ms)
+            };
+            if let Some(avg) = new_ms.checked_div(new) {
+                for _ in 0..new.min(1000) {
+                    st.scaler.served(now, avg);
+                }
+            }
+            seen.insert(e.key.clone());
+            st.remote.insert(e.key, waits);
+        }
+        st.remote.retain(|k, _| seen.contains(k));
+    }
+
     /// A replica that does not own `pool`: takes the warm members its records show
     /// (made by the owner) into the pool's list, handing them to waiting claims first.
     fn follow_pool(&self, pool: &PoolRt) {
@@ -583,6 +710,9 @@ impl ControlPlane {
                 next_create_at: Instant::now(),
                 backoff: BACKOFF_MIN,
                 deleted: false,
+                served_waits: (0, 0),
+                published: None,
+                remote: HashMap::new(),
             }),
             changed: tokio::sync::Notify::new(),
             task: Default::default(),
@@ -703,6 +833,7 @@ impl ControlPlane {
                     dsec_state::Expect::Any,
                 )
                 .await;
+            self.forget_waits(tenant, name).await;
         }
         let warm: Vec<String> = {
             let mut st = pool.lock();
@@ -759,6 +890,8 @@ impl ControlPlane {
                     // A low claim takes spare capacity only: its wait never grows the pool.
                     if priority != Priority::Low {
                         st.scaler.served(now_ms(), waited);
+                        st.served_waits.0 += 1;
+                        st.served_waits.1 += waited;
                     }
                     st.claimed += 1;
                     return Ok(sb);
@@ -989,6 +1122,9 @@ async fn run_pool(plane: Weak<ControlPlane>, pool: Arc<PoolRt>) {
             if owner != pool.owner.swap(owner, std::sync::atomic::Ordering::Relaxed) {
                 tracing::info!(pool = %pool.name(), owner, "pool ownership changed on this replica");
             }
+            if !plane.cfg.sole_owner {
+                plane.exchange_waits(&pool, owner).await;
+            }
             reconciled = Instant::now();
         }
         if !pool.owner.load(std::sync::atomic::Ordering::Relaxed) {
@@ -1006,13 +1142,20 @@ async fn run_pool(plane: Weak<ControlPlane>, pool: Arc<PoolRt>) {
             let ready = st.ready.len() as u32;
             // Low claims and calls take spare capacity only: they do not grow the pool.
             let growing = || st.waiters.iter().filter(|w| w.priority != Priority::Low);
+            let fresh_from = now_ms().saturating_sub(REMOTE_WAITS_FRESH_MS);
+            let (remote_waiting, remote_waiting_ms) = st
+                .remote
+                .values()
+                .filter(|w| w.at_ms >= fresh_from)
+                .fold((0, 0), |(n, ms), w| (n + w.waiting, ms + w.waiting_ms));
             let inputs = Inputs {
                 size: ready + st.creating + st.busy,
                 idle: ready,
-                waiting: growing().count() as u32,
+                waiting: growing().count() as u32 + remote_waiting,
                 waiting_ms: growing()
                     .map(|w| now.duration_since(w.since).as_millis() as u64)
-                    .sum(),
+                    .sum::<u64>()
+                    + remote_waiting_ms,
             };
             if st.scaler.stale(now_ms()) {
                 tracing::warn!(pool = %st.spec.name, age_ms = st.scaler.inputs_age_ms(now_ms()),
