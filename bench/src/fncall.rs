@@ -2,7 +2,8 @@
 //! 1, 8 and 32, three ways in one run on one server: `POST /v1/fncall` on a pool made for
 //! calls (a throw-away view of a warm sandbox per call), a fresh sandbox per call
 //! (create, exec, delete), and exec in already-running sandboxes (no isolation between
-//! calls: the floor). Programs: `python3 -c 'print(1)'`, and a small C++ program
+//! calls: the floor). Programs: `true` (the platform's own cost per call),
+//! `python3 -c 'print(1)'`, and a small C++ program
 //! compiled and run (on the cpp image, when `DSEC_CPP_TAR` is there). Also the reset
 //! between two calls (the teardown of a call's namespaces) and the set-up of a call's
 //! view, as the agent measures them.
@@ -31,15 +32,23 @@ pub struct Program {
     pub language: &'static str,
 }
 
-/// The programs: python always, C++ when the cpp image is there.
+/// The programs: `true` (what a call costs the platform itself), python always, C++
+/// when the cpp image is there.
 pub fn programs() -> Vec<Program> {
     let mut v = vec![Program {
+        name: "sh: true",
+        image: "base",
+        shell: "true".into(),
+        code: "true".into(),
+        language: "sh",
+    }];
+    v.push(Program {
         name: "python3 -c 'print(1)'",
         image: "base",
         shell: "python3 -c 'print(1)'".into(),
         code: "print(1)".into(),
         language: "python",
-    }];
+    });
     if cpp_tar().exists() {
         let src = r#"#include <cstdio>
 int main() { long s = 0; for (int i = 0; i < 1000; i++) s += i; std::printf("%ld\n", s); }"#;

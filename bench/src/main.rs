@@ -1448,7 +1448,7 @@ fn main() -> anyhow::Result<()> {
         if want("fncall") {
             let mut runs = Vec::new();
             let mut phases = fncall::Phases::default();
-            if fncall::programs().len() > 1 {
+            if fncall::programs().iter().any(|p| p.image == "cpp") {
                 fncall::ensure_cpp(&server).await?;
             }
             for prog in fncall::programs() {

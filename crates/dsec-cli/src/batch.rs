@@ -219,6 +219,13 @@ pub async fn run(client: &Client, cmd: BatchCommand, json: bool) -> anyhow::Resu
             println!("{}", summary(&b));
             Ok(())
         }
+        BatchCommand::Rm { id } => {
+            client.purge_batch(&id).await?;
+            if !json {
+                println!("{id} purged");
+            }
+            Ok(())
+        }
         BatchCommand::PutInput { key, file } => {
             let f = tokio::fs::File::open(&file)
                 .await

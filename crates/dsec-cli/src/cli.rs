@@ -731,6 +731,11 @@ pub enum BatchCommand {
         /// Batch id.
         id: String,
     },
+    /// Forget an ended batch: its tasks, outputs and snapshots.
+    Rm {
+        /// Batch id.
+        id: String,
+    },
     /// Upload a file as input KEY (tasks name it `{blob: KEY}`).
     PutInput {
         /// Key, a relative path (`sets/a.txt`).

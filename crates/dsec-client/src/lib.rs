@@ -346,6 +346,16 @@ impl Client {
         Self::json(self.request(Method::DELETE, &["batches", id])).await
     }
 
+    /// `DELETE /v1/batches/{id}?purge=true`: forgets an ended batch, its tasks and what
+    /// it wrote to the blob store.
+    pub async fn purge_batch(&self, id: &str) -> Result<(), ClientError> {
+        Self::unit(
+            self.request(Method::DELETE, &["batches", id])
+                .query(&[("purge", "true")]),
+        )
+        .await
+    }
+
     /// `GET /v1/batches/{id}/tasks`: one page of tasks.
     pub async fn batch_tasks(
         &self,

@@ -153,6 +153,10 @@ pub trait SandboxApi: Send + Sync + 'static {
     async fn cancel_batch(&self, _caller: &Principal, _id: &str) -> ApiResult<Batch> {
         Err(no_batches())
     }
+    /// `DELETE /v1/batches/{id}?purge=true`: forgets an ended batch and its data.
+    async fn purge_batch(&self, _caller: &Principal, _id: &str) -> ApiResult<()> {
+        Err(no_batches())
+    }
     /// `GET /v1/sandboxes?label=k=v`: sandboxes whose labels include all of `labels`.
     async fn list_sandboxes(
         &self,

@@ -677,6 +677,10 @@ impl SandboxApi for ControlPlane {
         self.cancel_batch_of(&caller.tenant, id).await
     }
 
+    async fn purge_batch(&self, caller: &Principal, id: &str) -> ApiResult<()> {
+        self.purge_batch_of(&caller.tenant, id).await
+    }
+
     async fn get_sandbox(&self, caller: &Principal, id: &str) -> ApiResult<Sandbox> {
         self.owned(caller, id).await?;
         self.record(id).await

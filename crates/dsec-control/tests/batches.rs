@@ -163,6 +163,7 @@ async fn tasks_end_finalized_with_verified_outputs_or_failed_with_a_snapshot() {
     assert!(left.sandboxes.is_empty(), "{left:?}");
 
     let manifest = f.plane.batch_manifest(op(), &b.id).await.expect("manifest");
+    let manifest_tasks = manifest.tasks.len();
     assert_eq!(manifest.tasks.len(), 14);
     let m = manifest
         .tasks
@@ -177,10 +178,47 @@ async fn tasks_end_finalized_with_verified_outputs_or_failed_with_a_snapshot() {
     let st = &m.status;
     assert!(st.node.is_some() && st.started_at_ms.is_some() && st.ended_at_ms.is_some());
 
-    // Another tenant sees none of it.
+    // Another tenant sees none of it, and cannot purge it.
     let other = common::tenant("other");
     let e = f.plane.get_batch(&other, &b.id).await.expect_err("hidden");
     assert_eq!(e.code, ErrorCode::NotFound);
+    let e = f
+        .plane
+        .purge_batch(&other, &b.id)
+        .await
+        .expect_err("hidden");
+    assert_eq!(e.code, ErrorCode::NotFound);
+
+    // Purged: the batch, its tasks and everything it wrote to the blob store go.
+    assert_eq!(manifest_tasks, 14);
+    let written = f
+        ._dir
+        .path()
+        .join("blobs/tenants/default/batches")
+        .join(&b.id);
+    assert!(written.exists(), "{}", written.display());
+    f.plane.purge_batch(op(), &b.id).await.expect("purge");
+    let e = f.plane.get_batch(op(), &b.id).await.expect_err("purged");
+    assert_eq!(e.code, ErrorCode::NotFound);
+    let left: Vec<_> = walk(&written);
+    assert!(left.is_empty(), "{left:?}");
+}
+
+/// Regular files under `dir` (none if it is gone).
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -304,6 +342,8 @@ async fn uploaded_inputs_are_placed_and_a_cancel_ends_the_batch() {
         ..Default::default()
     };
     let b = f.plane.submit_batch(op(), slow).await.expect("submit slow");
+    let e = f.plane.purge_batch(op(), &b.id).await.expect_err("running");
+    assert_eq!(e.code, ErrorCode::Conflict, "{e:?}");
     f.plane.cancel_batch(op(), &b.id).await.expect("cancel");
     let done = wait_done(&f.plane, op(), &b.id).await;
     assert_eq!(done.state, BatchState::Cancelled);
@@ -311,4 +351,51 @@ async fn uploaded_inputs_are_placed_and_a_cancel_ends_the_batch() {
     for t in tasks(&f.plane, op(), &b.id).await {
         assert_eq!(t.error.as_deref(), Some("cancelled"), "{t:?}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_can_run_its_tasks_in_claims_of_a_warm_pool() {
+    let f = fixture().await;
+    let pool = dsec_wire::v1::PoolSpec {
+        name: "warm".into(),
+        template: CreateSandboxRequest::default(),
+        min: 2,
+        max: 4,
+        autoscale: Default::default(),
+        fncall: None,
+    };
+    f.plane.create_pool(op(), pool).await.expect("pool");
+    let spec = BatchSpec {
+        template: CreateSandboxRequest {
+            pool: Some("warm".into()),
+            ..Default::default()
+        },
+        tasks: (0..6)
+            .map(|i| {
+                let mut t = task(&format!("p{i}"), "cat /in/x > /in/y");
+                t.inputs
+                    .insert("/in/x".into(), InputRef::Text(format!("{i}")));
+                t.outputs = Some(vec!["/in/y".into()]);
+                t
+            })
+            .collect(),
+        parallelism: Some(3),
+        ..Default::default()
+    };
+    let b = f.plane.submit_batch(op(), spec).await.expect("submit");
+    let done = wait_done(&f.plane, op(), &b.id).await;
+    assert_eq!(done.counts[&TaskState::Finalized], 6, "{done:?}");
+    for i in 0..6 {
+        let got = output(&f.plane, op(), &b.id, &format!("p{i}"), Some("/in/y")).await;
+        assert_eq!(got, format!("{i}").into_bytes());
+    }
+    // Claimed sandboxes were the tasks' own: all deleted, the pool refilled.
+    let left = f
+        .plane
+        .list_sandboxes(op(), [(BATCH_LABEL.to_string(), b.id.clone())].into())
+        .await
+        .expect("list");
+    assert!(left.sandboxes.is_empty(), "{left:?}");
+    let p = f.plane.get_pool(op(), "warm").await.expect("pool");
+    assert!(p.claimed >= 6, "{p:?}");
 }

@@ -420,8 +420,23 @@ pub async fn get_batch(api: Api, Path(id): Path<String>) -> HttpResult<Response>
     Ok(json(api.get_batch(&id).await?))
 }
 
-/// `DELETE /v1/batches/{id}`: cancels it.
-pub async fn cancel_batch(api: Api, Path(id): Path<String>) -> HttpResult<Response> {
+/// `?purge=` of a batch delete.
+#[derive(Debug, Deserialize)]
+pub struct PurgeQuery {
+    /// Forget the (ended) batch and its data instead of cancelling it.
+    #[serde(default)]
+    purge: bool,
+}
+
+/// `DELETE /v1/batches/{id}`: cancels it; with `?purge=true`, forgets an ended one.
+pub async fn cancel_batch(
+    api: Api,
+    Path(id): Path<String>,
+    Query(q): Query<PurgeQuery>,
+) -> HttpResult<Response> {
+    if q.purge {
+        return Ok(no_content(api.purge_batch(&id).await?));
+    }
     Ok(json(api.cancel_batch(&id).await?))
 }
 

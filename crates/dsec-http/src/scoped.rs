@@ -224,6 +224,11 @@ impl Scoped {
         self.api.cancel_batch(&self.caller, id).await
     }
 
+    /// [`SandboxApi::purge_batch`] as this caller.
+    pub async fn purge_batch(&self, id: &str) -> ApiResult<()> {
+        self.api.purge_batch(&self.caller, id).await
+    }
+
     /// [`SandboxApi::suspend_job`] as this caller.
     pub async fn suspend_job(&self, job: &str) -> ApiResult<JobResult> {
         self.api.suspend_job(&self.caller, job).await

@@ -634,6 +634,55 @@ impl ControlPlane {
         Ok((size, blob_chunks(store, key, size)))
     }
 
+    /// `DELETE /v1/batches/{id}?purge=true`: forgets an ended batch: its tasks, its
+    /// record, and everything it wrote to the blob store (inputs given inline, outputs,
+    /// snapshots; uploaded inputs stay). A running batch must be cancelled first.
+    pub(super) async fn purge_batch_of(&self, tenant: &str, id: &str) -> ApiResult<()> {
+        let batch = self.stored_batch(tenant, id).await?;
+        if batch.ended_at_ms.is_none() {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!(
+                    "batch {id} is still running: cancel it (DELETE without purge) and purge \
+                     it once it has ended"
+                ),
+            ));
+        }
+        let store = self.batch_store()?;
+        let prefix = format!("{}/", batch_prefix(&batch));
+        blocking(move || {
+            for obj in store.list(&prefix)? {
+                store.delete(&obj.key)?;
+            }
+            Ok(())
+        })
+        .await?;
+        let ns = tasks_ns(id);
+        let (entries, _) = self.store.list(&ns).await.map_err(store_err)?;
+        for chunk in entries.chunks(dsec_state::MAX_TXN_OPS) {
+            let ops = chunk
+                .iter()
+                .map(|e| dsec_state::Op::Delete {
+                    ns: ns.clone(),
+                    key: e.key.clone(),
+                })
+                .collect();
+            self.store
+                .txn(dsec_state::Txn {
+                    checks: Vec::new(),
+                    ops,
+                })
+                .await
+                .map_err(store_err)?;
+        }
+        self.store
+            .delete(NS_BATCHES, id, dsec_state::Expect::Any)
+            .await
+            .map_err(store_err)?;
+        tracing::info!(batch = %id, tenant, "batch purged");
+        Ok(())
+    }
+
     /// `DELETE /v1/batches/{id}`: cancels a running batch (its running tasks' sandboxes
     /// are deleted, and tasks not finished fail with `cancelled`).
     pub(super) async fn cancel_batch_of(&self, tenant: &str, id: &str) -> ApiResult<Batch> {
