@@ -399,3 +399,39 @@ async fn a_batch_can_run_its_tasks_in_claims_of_a_warm_pool() {
     let p = f.plane.get_pool(op(), "warm").await.expect("pool");
     assert!(p.claimed >= 6, "{p:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_sandbox_lives_past_its_command_timeout() {
+    let f = fixture().await;
+    let mut t = task("long", "sleep 2");
+    t.timeout_s = Some(5000);
+    let spec = BatchSpec {
+        tasks: vec![t],
+        ..Default::default()
+    };
+    let b = f.plane.submit_batch(op(), spec).await.expect("submit");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let sb = loop {
+        let list = f
+            .plane
+            .list_sandboxes(op(), [(BATCH_LABEL.to_string(), b.id.clone())].into())
+            .await
+            .expect("list");
+        if let Some(sb) = list.sandboxes.into_iter().next() {
+            break sb;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the task's sandbox never appeared"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    // The default lifetime (an hour) would end a 5000 s command.
+    assert!(
+        sb.expires_at - sb.created_at >= 5000 * 1000,
+        "lifetime {} ms",
+        sb.expires_at - sb.created_at
+    );
+    let done = wait_done(&f.plane, op(), &b.id).await;
+    assert_eq!(done.counts[&TaskState::Finalized], 1, "{done:?}");
+}

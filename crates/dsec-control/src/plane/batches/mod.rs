@@ -35,7 +35,9 @@ pub(super) const NS_BATCHES: &str = "batches";
 const NS_BATCH_OWNERS: &str = "batch-owners";
 /// Tasks running at once when the spec does not say.
 const DEFAULT_PARALLELISM: u32 = 8;
-const DEFAULT_TIMEOUT_S: u64 = 600;
+const DEFAULT_TASK_TIMEOUT_S: u64 = 600;
+/// Lifetime a task's sandbox gets beyond its command's timeout, for the collection.
+const COLLECT_MARGIN_S: u64 = 600;
 const DEFAULT_RETRIES: u32 = 2;
 /// How long a task's create waits for capacity before it is tried again.
 const CREATE_MAX_WAIT_S: f64 = 120.0;
@@ -341,7 +343,10 @@ impl ControlPlane {
                     return Err(at(format!("output {p} named twice")));
                 }
             }
-            let timeout_s = t.timeout_s.or(d.timeout_s).unwrap_or(DEFAULT_TIMEOUT_S);
+            let timeout_s = t
+                .timeout_s
+                .or(d.timeout_s)
+                .unwrap_or(DEFAULT_TASK_TIMEOUT_S);
             if timeout_s == 0 || timeout_s > MAX_TIMEOUT_S {
                 return Err(at(format!("timeout_s must be in [1, {MAX_TIMEOUT_S}]")));
             }

@@ -195,6 +195,11 @@ impl ControlPlane {
             priority: b.batch.priority,
             max_wait_s: Some(CREATE_MAX_WAIT_S),
         });
+        // The sandbox outlives the command's timeout and the collection after it (a
+        // running command is activity: no idle timeout reaps it meanwhile).
+        let needed = t.task.spec.timeout_s + COLLECT_MARGIN_S;
+        let lifetime = req.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S).max(needed);
+        req.timeout_s = Some(lifetime.min(MAX_TIMEOUT_S));
         // Not raced against a cancel: a create dropped half-way could leave a sandbox the
         // cancel's sweep does not yet see.
         let created = self.create_unchecked(&p.tenant, req).await;
