@@ -318,9 +318,16 @@ async fn a_create_answered_unavailable_but_stored_is_found_whole_or_leaves_nothi
     })
     .await;
     assert!(cleared.is_some(), "{:?}", p.node.sandbox_ids());
+    // Each replica's cache follows the store through its watch, a moment later.
     for c in [&p.a, &p.b] {
+        let gone = within(Duration::from_secs(5), async || {
+            c.list_sandboxes(op(), Default::default())
+                .await
+                .is_ok_and(|l| l.sandboxes.is_empty())
+        })
+        .await;
         let listed = c.list_sandboxes(op(), Default::default()).await?;
-        assert!(listed.sandboxes.is_empty(), "{:?}", listed.sandboxes);
+        assert!(gone.is_some(), "{:?}", listed.sandboxes);
     }
     Ok(())
 }

@@ -248,8 +248,21 @@ pub fn parse_labels(pairs: Vec<(String, String)>) -> Result<BTreeMap<String, Str
 
 // ---------------------------------------------------------------- fallbacks
 
+/// Most of a refused request's body read before the answer (see [`drain`]).
+const DRAIN_LIMIT: usize = 1 << 20;
+/// Longest wait for that body.
+const DRAIN_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Reads (and drops) a small body of a request answered without it, so the client has
+/// sent it all when the answer comes: a server that answers and closes while the client
+/// still writes makes the client fail on a broken pipe instead of reading the answer.
+async fn drain(body: Body) {
+    let _ = tokio::time::timeout(DRAIN_WAIT, axum::body::to_bytes(body, DRAIN_LIMIT)).await;
+}
+
 /// Unknown route.
-pub async fn not_found(method: Method, uri: Uri) -> HttpError {
+pub async fn not_found(method: Method, uri: Uri, body: Body) -> HttpError {
+    drain(body).await;
     HttpError::new(
         ErrorCode::NotFound,
         format!("no route for {method} {}", uri.path()),
@@ -257,7 +270,8 @@ pub async fn not_found(method: Method, uri: Uri) -> HttpError {
 }
 
 /// Known path, wrong method.
-pub async fn method_not_allowed(method: Method, uri: Uri) -> HttpError {
+pub async fn method_not_allowed(method: Method, uri: Uri, body: Body) -> HttpError {
+    drain(body).await;
     HttpError::new(
         ErrorCode::MethodNotAllowed,
         format!("method {method} is not supported on {}", uri.path()),
