@@ -563,25 +563,21 @@ impl SandboxApi for ControlPlane {
         caller: &Principal,
         req: CreateSandboxRequest,
     ) -> ApiResult<Sandbox> {
-        if let Some(k) = req
-            .labels
-            .keys()
-            .find(|k| *k == POOL_LABEL || *k == POOL_ORIGIN_LABEL || *k == FNCALL_LABEL)
-        {
-            return Err(ApiError::new(
-                ErrorCode::BadRequest,
-                format!("labels: {k:?} is set by warm pools only"),
-            ));
-        }
-        if let Some(k) = req
-            .labels
-            .keys()
-            .find(|k| *k == BATCH_LABEL || *k == BATCH_TASK_LABEL)
-        {
-            return Err(ApiError::new(
-                ErrorCode::BadRequest,
-                format!("labels: {k:?} is set by batches only"),
-            ));
+        // Labels the server sets, and what sets them.
+        const RESERVED: [(&str, &str); 5] = [
+            (POOL_LABEL, "warm pools"),
+            (POOL_ORIGIN_LABEL, "warm pools"),
+            (FNCALL_LABEL, "warm pools"),
+            (BATCH_LABEL, "batches"),
+            (BATCH_TASK_LABEL, "batches"),
+        ];
+        for k in req.labels.keys() {
+            if let Some((_, owner)) = RESERVED.iter().find(|(label, _)| label == k) {
+                return Err(ApiError::new(
+                    ErrorCode::BadRequest,
+                    format!("labels: {k:?} is set by {owner} only"),
+                ));
+            }
         }
         self.create_unchecked(&caller.tenant, req).await
     }

@@ -505,9 +505,11 @@ async fn a_keyed_claim_retried_gets_the_same_sandbox() {
     assert_ne!(next.id, first.id);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn on_two_replicas_a_pool_is_sized_once_and_serves_claims_on_both() {
-    use dsec_node_api::NodeApi;
+/// Two API server replicas (not sole owners) over one in-memory store and one fake node.
+async fn two_replicas() -> (
+    std::sync::Arc<dsec_node_api::fake::FakeNode>,
+    Vec<std::sync::Arc<ControlPlane>>,
+) {
     let store: std::sync::Arc<dyn dsec_state::StateStore> =
         std::sync::Arc::new(dsec_state::MemStore::new());
     let node = std::sync::Arc::new(dsec_node_api::fake::FakeNode::new("fake-1"));
@@ -524,6 +526,13 @@ async fn on_two_replicas_a_pool_is_sized_once_and_serves_claims_on_both() {
                 .unwrap_or_else(|e| panic!("open a replica: {e:?}")),
         );
     }
+    (node, planes)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_two_replicas_a_pool_is_sized_once_and_serves_claims_on_both() {
+    use dsec_node_api::NodeApi;
+    let (node, planes) = two_replicas().await;
     let (a, b) = (planes[0].clone(), planes[1].clone());
     let me = common::op();
     a.create_pool(me, spec("rep", 3, 3)).await.expect("create");
@@ -564,22 +573,7 @@ async fn on_two_replicas_a_pool_is_sized_once_and_serves_claims_on_both() {
 /// autoscaler (through the waits that replica publishes), so the pool grows for them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_waiting_on_another_replica_grow_the_pool() {
-    let store: std::sync::Arc<dyn dsec_state::StateStore> =
-        std::sync::Arc::new(dsec_state::MemStore::new());
-    let node = std::sync::Arc::new(dsec_node_api::fake::FakeNode::new("fake-1"));
-    let mut planes = Vec::new();
-    for _ in 0..2 {
-        let cfg = dsec_control::ControlConfig {
-            sole_owner: false,
-            reap_interval: Duration::from_millis(200),
-            ..dsec_control::ControlConfig::with_key("k".into())
-        };
-        planes.push(
-            ControlPlane::open(cfg, node.clone(), store.clone())
-                .await
-                .unwrap_or_else(|e| panic!("open a replica: {e:?}")),
-        );
-    }
+    let (node, planes) = two_replicas().await;
     let me = common::op();
     let mut s = spec("remote", 2, 40);
     s.autoscale = AutoscalePolicy {

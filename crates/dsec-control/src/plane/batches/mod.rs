@@ -254,13 +254,7 @@ impl ControlPlane {
                     lease: None,
                 });
             }
-            self.store
-                .txn(dsec_state::Txn {
-                    checks: Vec::new(),
-                    ops,
-                })
-                .await
-                .map_err(store_err)?;
+            self.apply(ops).await?;
         }
         let value = serde_json::to_vec(&batch).map_err(internal)?;
         self.store
@@ -459,6 +453,18 @@ impl ControlPlane {
         })
     }
 
+    /// Applies `ops` (at most [`dsec_state::MAX_TXN_OPS`]) in one transaction.
+    async fn apply(&self, ops: Vec<dsec_state::Op>) -> ApiResult<()> {
+        self.store
+            .txn(dsec_state::Txn {
+                checks: Vec::new(),
+                ops,
+            })
+            .await
+            .map(|_| ())
+            .map_err(store_err)
+    }
+
     /// Batch `id` as stored, and the revision it was read at.
     async fn read_batch(&self, id: &str) -> ApiResult<(StoredBatch, dsec_state::Revision)> {
         let entry = self
@@ -513,7 +519,11 @@ impl ControlPlane {
                 continue;
             };
             if b.principal.tenant == tenant {
-                batches.push(self.batch_of(tenant, &b.id).await?);
+                let tasks = self.stored_tasks(&b.id).await?;
+                batches.push(batch_view(
+                    &b,
+                    counts_of(tasks.iter().map(|t| t.task.status.state)),
+                ));
             }
         }
         batches.sort_by_key(|b| std::cmp::Reverse(b.created_at_ms));
@@ -672,13 +682,7 @@ impl ControlPlane {
                     key: e.key.clone(),
                 })
                 .collect();
-            self.store
-                .txn(dsec_state::Txn {
-                    checks: Vec::new(),
-                    ops,
-                })
-                .await
-                .map_err(store_err)?;
+            self.apply(ops).await?;
         }
         self.store
             .delete(NS_BATCHES, id, dsec_state::Expect::Any)
