@@ -4,6 +4,10 @@
 //! of its PTY) are drained continuously into per-stream [`Ring`]s that know the absolute
 //! offset of every byte, so a client that disconnected can re-attach from the offset it
 //! got to. Exited processes stay listed; beyond [`MAX_EXITED`] the oldest are forgotten.
+//!
+//! Kept execs ([`exec_kept`]) are processes of this table too, found by the node's key
+//! rather than listed: a command that must outlive its connection (a call with a request
+//! id) and be attached to again, from its first kept byte, by whoever asks next.
 
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
@@ -12,7 +16,9 @@ use std::process::Stdio;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use dsec_wire::agent::{ExitInfo, ProcessInfo, ProcessSpec, PtySize, Reply, DEFAULT_OUTPUT_LIMIT};
+use dsec_wire::agent::{
+    ExecSpec, ExitInfo, ProcessInfo, ProcessSpec, PtySize, Reply, DEFAULT_OUTPUT_LIMIT,
+};
 use dsec_wire::frame::{Frame, DATA_CHUNK};
 use tokio::sync::{mpsc, Notify};
 
@@ -28,6 +34,10 @@ use crate::sys;
 
 /// Exited processes kept in the table.
 pub const MAX_EXITED: usize = 256;
+
+/// Exited kept execs remembered (their node records each outcome as it ends: these only
+/// bridge a node that restarted meanwhile).
+pub const MAX_EXITED_KEPT: usize = 64;
 
 #[derive(Debug)]
 struct ProcState {
@@ -48,6 +58,8 @@ pub struct Proc {
     stdin: tokio::sync::Mutex<Option<FdWriter>>,
     master: Option<OwnedFd>,
     timed_out: Cell<bool>,
+    /// The node's key of a kept exec: unlisted, and its group dies with it.
+    kept: Option<String>,
 }
 
 impl Proc {
@@ -70,13 +82,22 @@ impl Proc {
 pub struct ProcessTable {
     map: RefCell<HashMap<u32, Rc<Proc>>>,
     exited: RefCell<VecDeque<u32>>,
+    /// Kept execs by key, running or exited.
+    kept: RefCell<HashMap<String, u32>>,
+    exited_kept: RefCell<VecDeque<u32>>,
     seq: Cell<u64>,
 }
 
 impl ProcessTable {
-    /// All known processes, oldest first.
+    /// All known processes, oldest first (kept execs are not listed).
     pub fn list(&self) -> Vec<ProcessInfo> {
-        let mut v: Vec<Rc<Proc>> = self.map.borrow().values().cloned().collect();
+        let mut v: Vec<Rc<Proc>> = self
+            .map
+            .borrow()
+            .values()
+            .filter(|p| p.kept.is_none())
+            .cloned()
+            .collect();
         v.sort_by_key(|p| p.seq);
         v.iter().map(|p| p.info()).collect()
     }
@@ -91,17 +112,41 @@ impl ProcessTable {
 
     fn insert(&self, p: Rc<Proc>) {
         let pid = p.pid;
-        if self.map.borrow_mut().insert(pid, p).is_some() {
+        let key = p.kept.clone();
+        let old = self.map.borrow_mut().insert(pid, p);
+        if let Some(old) = old {
+            // The pid came round again: the old process is long gone.
             self.exited.borrow_mut().retain(|x| *x != pid);
+            self.exited_kept.borrow_mut().retain(|x| *x != pid);
+            if let Some(old_key) = &old.kept {
+                self.kept.borrow_mut().remove(old_key);
+            }
+        }
+        if let Some(key) = key {
+            self.kept.borrow_mut().insert(key, pid);
         }
     }
 
-    fn mark_exited(&self, pid: u32) {
-        let mut exited = self.exited.borrow_mut();
-        exited.push_back(pid);
-        while exited.len() > MAX_EXITED {
+    /// The kept exec of `key`, running or exited.
+    fn kept(&self, key: &str) -> Option<Rc<Proc>> {
+        let pid = *self.kept.borrow().get(key)?;
+        self.map.borrow().get(&pid).cloned()
+    }
+
+    fn mark_exited(&self, p: &Proc) {
+        let (queue, cap) = match p.kept {
+            Some(_) => (&self.exited_kept, MAX_EXITED_KEPT),
+            None => (&self.exited, MAX_EXITED),
+        };
+        let mut exited = queue.borrow_mut();
+        exited.push_back(p.pid);
+        while exited.len() > cap {
             if let Some(old) = exited.pop_front() {
-                self.map.borrow_mut().remove(&old);
+                if let Some(gone) = self.map.borrow_mut().remove(&old) {
+                    if let Some(key) = &gone.kept {
+                        self.kept.borrow_mut().remove(key);
+                    }
+                }
             }
         }
     }
@@ -111,7 +156,10 @@ impl ProcessTable {
     /// more, marked truncated.
     pub fn release_exited_output(&self, budget: &crate::ring::Budget, need: usize) {
         let map = self.map.borrow();
-        for pid in self.exited.borrow().iter() {
+        // Kept execs last: their output is what a node that restarted still has to record.
+        let exited = self.exited.borrow();
+        let exited_kept = self.exited_kept.borrow();
+        for pid in exited.iter().chain(exited_kept.iter()) {
             if budget.available() >= need {
                 return;
             }
@@ -132,6 +180,11 @@ impl ProcessTable {
 
 /// Handles `ProcessStart`.
 pub fn start(agent: &Rc<Agent>, spec: ProcessSpec) -> ApiResult<ProcessInfo> {
+    Ok(start_proc(agent, spec, None)?.info())
+}
+
+/// Starts a process; a kept one (`kept`: its key) is unlisted and its group dies with it.
+fn start_proc(agent: &Rc<Agent>, spec: ProcessSpec, kept: Option<String>) -> ApiResult<Rc<Proc>> {
     let argv = spec.cmd.to_argv();
     let limit =
         usize::try_from(spec.output_limit.unwrap_or(DEFAULT_OUTPUT_LIMIT)).unwrap_or(usize::MAX);
@@ -202,6 +255,7 @@ pub fn start(agent: &Rc<Agent>, spec: ProcessSpec) -> ApiResult<ProcessInfo> {
         stdin: tokio::sync::Mutex::new(stdin),
         master,
         timed_out: Cell::new(false),
+        kept,
     });
 
     let (tx, mut rx) = mpsc::channel::<(DataKind, Vec<u8>)>(8);
@@ -227,7 +281,7 @@ pub fn start(agent: &Rc<Agent>, spec: ProcessSpec) -> ApiResult<ProcessInfo> {
         }));
     }
     agent.procs.insert(proc_.clone());
-    let info = proc_.info();
+    let started_proc = proc_.clone();
     let agent2 = agent.clone();
     tokio::task::spawn_local(async move {
         let p = proc_;
@@ -268,6 +322,10 @@ pub fn start(agent: &Rc<Agent>, spec: ProcessSpec) -> ApiResult<ProcessInfo> {
             }
         }
         drop(tasks);
+        if p.kept.is_some() {
+            // As for an exec: nothing of it outlives it.
+            let _ = sys::killpg(p.pid as i32, libc::SIGKILL);
+        }
         let mut info = exit_info(exit.flatten(), started, p.timed_out.get());
         {
             let mut st = p.state.borrow_mut();
@@ -279,9 +337,9 @@ pub fn start(agent: &Rc<Agent>, spec: ProcessSpec) -> ApiResult<ProcessInfo> {
         }
         *p.stdin.lock().await = None;
         p.changed.notify_waiters();
-        agent2.procs.mark_exited(p.pid);
+        agent2.procs.mark_exited(&p);
     });
-    Ok(info)
+    Ok(started_proc)
 }
 
 /// Handles `ProcessOutput`.
@@ -442,4 +500,144 @@ pub fn resize(agent: &Agent, pid: u32, size: PtySize) -> ApiResult<()> {
     };
     sys::set_winsize(master.as_fd(), size.rows, size.cols)
         .map_err(|e| internal(format!("resize pty of {pid}: {e}")))
+}
+
+/// Handles `ExecKept`: starts the command kept under `key`, or attaches to it, and sends
+/// its output from the first kept byte (live with `stream`, else once it exited). The
+/// node going away ends only this attachment, never the command.
+pub async fn exec_kept(
+    agent: &Rc<Agent>,
+    key: String,
+    spec: Option<ExecSpec>,
+    stream: bool,
+    rd: &mut FrameReader,
+    wr: &mut FrameWriter,
+) -> std::io::Result<()> {
+    let has_input = spec.as_ref().is_some_and(|s| s.stdin);
+    let (p, feed) = match (agent.procs.kept(&key), spec) {
+        (Some(p), _) => (p, false),
+        (None, None) => {
+            if has_input {
+                rd.drain_input().await;
+            }
+            return wr
+                .error(not_found(format!("no command is kept under key {key:?}")))
+                .await;
+        }
+        (None, Some(spec)) => {
+            let stdin = spec.stdin;
+            let pspec = ProcessSpec {
+                cmd: spec.cmd,
+                env: spec.env,
+                cwd: spec.cwd,
+                pty: None,
+                tag: None,
+                output_limit: spec.output_limit,
+                timeout_ms: spec.timeout_ms,
+                user: spec.user,
+            };
+            match start_proc(agent, pspec, Some(key)) {
+                Ok(p) => {
+                    if !stdin {
+                        // No input: it reads end-of-file, as from /dev/null.
+                        *p.stdin.lock().await = None;
+                    }
+                    (p, stdin)
+                }
+                Err(e) => {
+                    if has_input {
+                        rd.drain_input().await;
+                    }
+                    return wr.error(e).await;
+                }
+            }
+        }
+    };
+    wr.reply(&Reply::Started { pid: p.pid }).await?;
+
+    // Input side: the first request's stdin goes to the command (and is closed after, or
+    // when the node goes away mid-input); an attachment's is discarded. Then watch for the
+    // node going away.
+    let fed = p.clone();
+    let input = async move {
+        if feed {
+            let mut stdin = fed.stdin.lock().await;
+            loop {
+                match rd.next().await {
+                    Ok(Some(Frame::Data(d))) => {
+                        if let Some(w) = stdin.as_ref() {
+                            if w.write_all(&d).await.is_err() {
+                                *stdin = None; // EPIPE: the command stopped reading.
+                            }
+                        }
+                    }
+                    Ok(Some(Frame::Eof)) => break,
+                    Ok(Some(_)) => continue,
+                    Ok(None) | Err(_) => {
+                        *stdin = None;
+                        return;
+                    }
+                }
+            }
+            *stdin = None;
+        } else if has_input && !rd.drain_input().await {
+            return;
+        }
+        rd.closed().await;
+    };
+    tokio::pin!(input);
+
+    let (mut out_at, mut err_at) = (0u64, 0u64);
+    loop {
+        // Register for wake-ups before looking, so no change is missed.
+        let changed = p.changed.notified();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
+        if stream {
+            loop {
+                let (o, e) = {
+                    let st = p.state.borrow();
+                    (
+                        st.out.read_from(out_at, DATA_CHUNK),
+                        st.err.read_from(err_at, DATA_CHUNK),
+                    )
+                };
+                if o.1.is_empty() && e.1.is_empty() {
+                    break;
+                }
+                out_at = o.0 + o.1.len() as u64;
+                err_at = e.0 + e.1.len() as u64;
+                if !o.1.is_empty() {
+                    wr.data(DataKind::Stdout, &o.1).await?;
+                }
+                if !e.1.is_empty() {
+                    wr.data(DataKind::Stderr, &e.1).await?;
+                }
+            }
+        }
+        let exit = p.state.borrow().exit.clone();
+        if let Some(info) = exit {
+            if stream {
+                return wr.reply(&Reply::Exited(info)).await;
+            }
+            // The kept output and the exit in one go, as an exec sends them.
+            let kept: [Vec<u8>; 4] = {
+                let st = p.state.borrow();
+                let (_, oa, ob) = st.out.slices_from(0);
+                let (_, ea, eb) = st.err.slices_from(0);
+                [oa.to_vec(), ob.to_vec(), ea.to_vec(), eb.to_vec()]
+            };
+            let parts = [
+                (DataKind::Stdout, kept[0].as_slice()),
+                (DataKind::Stdout, kept[1].as_slice()),
+                (DataKind::Stderr, kept[2].as_slice()),
+                (DataKind::Stderr, kept[3].as_slice()),
+            ];
+            return wr.data_then(&parts, Some(&Reply::Exited(info))).await;
+        }
+        tokio::select! {
+            () = &mut changed => {}
+            () = &mut input => return Ok(()),
+        }
+    }
 }

@@ -158,6 +158,9 @@ async fn dispatch(agent: &Rc<Agent>, req: Request, rd: &mut FrameReader, wr: &mu
             .await
         }
         Request::Exec(spec) => exec::exec(agent, spec, rd, wr).await,
+        Request::ExecKept { key, spec, stream } => {
+            process::exec_kept(agent, key, spec, stream, rd, wr).await
+        }
         Request::SessionCreate {
             session,
             env,

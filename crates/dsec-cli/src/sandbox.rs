@@ -393,6 +393,7 @@ async fn exec(client: &Client, a: ExecArgs, json: bool) -> anyhow::Result<ExitCo
         timeout_s: a.timeout.map(|d| d.as_secs_f64()),
         output_limit: None,
         user: a.user,
+        request_id: None,
     };
     let events = client.exec_stream(&a.id, req).await?;
     match print_events(events, json).await? {

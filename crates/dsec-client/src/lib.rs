@@ -441,6 +441,15 @@ impl Client {
         Ok(ndjson::events(resp))
     }
 
+    /// `GET /v1/sandboxes/{id}/log`: a page of the calls that carried a request id.
+    pub async fn call_log(
+        &self,
+        id: &str,
+        query: &dsec_wire::v1::CallLogQuery,
+    ) -> Result<dsec_wire::v1::CallLog, ClientError> {
+        Self::json(self.get(&["sandboxes", id, "log"]).query(query)).await
+    }
+
     /// `POST /v1/sandboxes/{id}/sessions`.
     pub async fn create_session(
         &self,

@@ -438,6 +438,7 @@ async fn exec_stream_events() {
         timeout_s: None,
         output_limit: None,
         user: None,
+        request_id: None,
     };
     let events: Vec<ExecEvent> = c
         .exec_stream("sb", req)

@@ -15,8 +15,8 @@
 use std::collections::BTreeMap;
 
 use dsec_wire::v1::{
-    Batch, BatchList, BatchSpec, BuildEvent, BuildRequest, BuildResult, ClusterNode,
-    ClusterNodeList, CommitRequest, CreateSandboxRequest, CreateSessionRequest,
+    Batch, BatchList, BatchSpec, BuildEvent, BuildRequest, BuildResult, CallLog, CallLogQuery,
+    ClusterNode, ClusterNodeList, CommitRequest, CreateSandboxRequest, CreateSessionRequest,
     DockerfileBuildRequest, ExecRequest, ExecResult, FileInfo, FileList, FnCallRequest,
     FnCallResponse, GcRequest, GcResult, Health, Image, ImageList, ImportEvent, ImportImageRequest,
     InputObject, JobResult, LayerStatsList, Manifest, MkdirRequest, NetworkPolicy, PauseResult,
@@ -210,6 +210,19 @@ pub trait SandboxApi: Send + Sync + 'static {
         id: &str,
         req: ExecRequest,
     ) -> ApiResult<EventStream>;
+
+    /// `GET /v1/sandboxes/{id}/log`: the calls that carried a request id, oldest first.
+    async fn call_log(
+        &self,
+        _caller: &Principal,
+        _id: &str,
+        _query: CallLogQuery,
+    ) -> ApiResult<CallLog> {
+        Err(ApiError::new(
+            ErrorCode::BadRequest,
+            "this server keeps no call logs",
+        ))
+    }
 
     /// `POST /v1/sandboxes/{id}/sessions`.
     async fn create_session(

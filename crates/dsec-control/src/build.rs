@@ -178,6 +178,7 @@ async fn run_steps(
                             timeout_s: Some(req.step_timeout_s.unwrap_or(STEP_TIMEOUT_S)),
                             output_limit: None,
                             user: None,
+                            request_id: None,
                         },
                     )
                     .await?;

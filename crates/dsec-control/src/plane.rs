@@ -787,7 +787,10 @@ impl SandboxApi for ControlPlane {
         let stdin = req.stdin.map(Bytes::from);
         self.guarded(id, limit, async {
             let node = self.usable(id).await?;
-            node.exec(id, spec, stdin).await
+            match &req.request_id {
+                Some(rid) => node.exec_recorded(id, rid, spec, stdin).await,
+                None => node.exec(id, spec, stdin).await,
+            }
         })
         .await
     }
@@ -805,10 +808,30 @@ impl SandboxApi for ControlPlane {
         let events = self
             .guarded(id, limit.clone(), async {
                 let node = self.usable(id).await?;
-                node.exec_stream(id, spec, stdin).await
+                match &req.request_id {
+                    Some(rid) => node.exec_stream_recorded(id, rid, spec, stdin).await,
+                    None => node.exec_stream(id, spec, stdin).await,
+                }
             })
             .await?;
         Ok(self.watched(id, events, limit, |error| ExecEvent::Error { error }))
+    }
+
+    async fn call_log(
+        &self,
+        caller: &Principal,
+        id: &str,
+        query: CallLogQuery,
+    ) -> ApiResult<CallLog> {
+        self.owned(caller, id).await?;
+        let node = self.node_of(&self.ready(id).await.or_else(|e| {
+            // A paused sandbox's log is readable: it is the node's, not the agent's.
+            match self.records.get(id) {
+                Some(sb) if e.code == ErrorCode::Paused => Ok(sb),
+                _ => Err(e),
+            }
+        })?)?;
+        node.call_log(id, &query).await
     }
 
     async fn create_session(
@@ -928,6 +951,7 @@ impl SandboxApi for ControlPlane {
             timeout_s: req.timeout_s,
             output_limit: None,
             user: req.user.clone(),
+            request_id: None,
         };
         validate::exec(&as_exec)?;
         let spec = ProcessSpec {

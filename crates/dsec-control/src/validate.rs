@@ -355,6 +355,9 @@ pub fn exec(req: &ExecRequest) -> Result<(), ApiError> {
         _ => {}
     }
     env(&req.env)?;
+    if let Some(rid) = &req.request_id {
+        dsec_wire::v1::check_request_id(rid).map_err(bad)?;
+    }
     let args: Vec<&str> = match &req.cmd {
         dsec_wire::v1::Command::Argv(v) => v.iter().map(String::as_str).collect(),
         // Run as `/bin/sh -c CMD`.
@@ -473,6 +476,7 @@ mod tests {
             timeout_s: None,
             output_limit: None,
             user: None,
+            request_id: None,
         };
         assert!(exec(&argv(vec!["echo".into(), "a".repeat(MAX_ARG_BYTES)])).is_ok());
         let e =

@@ -93,6 +93,7 @@ pub fn sh(cmd: &str) -> dsec_wire::v1::ExecRequest {
         timeout_s: None,
         output_limit: None,
         user: None,
+        request_id: None,
     }
 }
 

@@ -522,12 +522,35 @@ pub async fn undrain_node(api: Api, Path(name): Path<String>) -> HttpResult<Resp
 
 // ---------------------------------------------------------------- exec, sessions
 
+/// A call's request id: the body's `request_id` or the `Idempotency-Key` header (both,
+/// and different, is `bad_request`).
+fn request_id(headers: &HeaderMap, body: &mut Option<String>) -> Result<(), HttpError> {
+    let Some(value) = headers.get(dsec_wire::v1::IDEMPOTENCY_KEY_HEADER) else {
+        return Ok(());
+    };
+    let bad = |msg: String| HttpError(ApiError::new(ErrorCode::BadRequest, msg));
+    let key = value
+        .to_str()
+        .map_err(|_| bad("Idempotency-Key must be visible ASCII".into()))?;
+    match body {
+        Some(rid) if rid != key => Err(bad(format!(
+            "request_id {rid:?} and Idempotency-Key {key:?} differ: give one, or the same"
+        ))),
+        _ => {
+            *body = Some(key.to_string());
+            Ok(())
+        }
+    }
+}
+
 /// `POST /v1/sandboxes/{id}/exec`.
 pub async fn exec(
     api: Api,
     Path(id): Path<String>,
-    Json(req): Json<ExecRequest>,
+    headers: HeaderMap,
+    Json(mut req): Json<ExecRequest>,
 ) -> HttpResult<Response> {
+    request_id(&headers, &mut req.request_id)?;
     let result = api.exec(&id, req).await?;
     Ok((
         [(
@@ -543,9 +566,20 @@ pub async fn exec(
 pub async fn exec_stream(
     api: Api,
     Path(id): Path<String>,
-    Json(req): Json<ExecRequest>,
+    headers: HeaderMap,
+    Json(mut req): Json<ExecRequest>,
 ) -> HttpResult<Response> {
+    request_id(&headers, &mut req.request_id)?;
     Ok(ndjson(api.exec_stream(&id, req).await?))
+}
+
+/// `GET /v1/sandboxes/{id}/log?after=&limit=&output=&request_id=`.
+pub async fn call_log(
+    api: Api,
+    Path(id): Path<String>,
+    Query(q): Query<dsec_wire::v1::CallLogQuery>,
+) -> HttpResult<Response> {
+    Ok(json(api.call_log(&id, q).await?))
 }
 
 /// `POST /v1/sandboxes/{id}/sessions`.

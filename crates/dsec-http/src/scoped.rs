@@ -249,6 +249,15 @@ impl Scoped {
         self.api.exec_stream(&self.caller, id, req).await
     }
 
+    /// [`SandboxApi::call_log`] as this caller.
+    pub async fn call_log(
+        &self,
+        id: &str,
+        query: dsec_wire::v1::CallLogQuery,
+    ) -> ApiResult<dsec_wire::v1::CallLog> {
+        self.api.call_log(&self.caller, id, query).await
+    }
+
     /// [`SandboxApi::create_session`] as this caller.
     pub async fn create_session(
         &self,

@@ -393,6 +393,7 @@ async fn execute(api: Api, Path(id): Path<String>, headers: HeaderMap, body: Byt
             timeout_s: req.timeout,
             output_limit: None,
             user: None,
+            request_id: None,
         };
         let r = api.exec(&id, exec).await?;
         if r.exit.timed_out {
@@ -538,6 +539,7 @@ async fn upload(
             timeout_s: Some(600.0),
             output_limit: None,
             user: None,
+            request_id: None,
         };
         let r = api.exec(&id, exec).await;
         let _ = api.remove_file(&id, &tmp, false).await;

@@ -1585,6 +1585,7 @@ pub fn shell_request(cmd: &str) -> dsec_wire::v1::ExecRequest {
         timeout_s: None,
         output_limit: None,
         user: None,
+        request_id: None,
     }
 }
 

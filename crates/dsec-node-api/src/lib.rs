@@ -23,8 +23,9 @@ use futures::stream::BoxStream;
 
 use dsec_wire::agent::{ExecSpec, Reply, Request};
 use dsec_wire::v1::{
-    ExecEvent, ExecResult, FileInfo, GcRequest, GcResult, Image, ImageConfig, ImportEvent,
-    Isolation, LayerStatsList, NetworkPolicy, NodeCapacity, Qos, WriteResult,
+    CallLog, CallLogQuery, ExecEvent, ExecResult, FileInfo, GcRequest, GcResult, Image,
+    ImageConfig, ImportEvent, Isolation, LayerStatsList, NetworkPolicy, NodeCapacity, Qos,
+    WriteResult,
 };
 use dsec_wire::ApiError;
 
@@ -210,6 +211,39 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
         spec: ExecSpec,
         stdin: Option<Bytes>,
     ) -> NodeResult<EventStream>;
+    /// [`NodeApi::exec`] as a call recorded under `request_id` (see
+    /// [`dsec_wire::v1::CallRecord`]): it runs once; a retry gets its recorded result, or
+    /// waits for it while it runs; a retry asking for something else, or from another
+    /// sandbox, is `conflict`. The command outlives its caller. The default refuses: a
+    /// node that keeps no records.
+    async fn exec_recorded(
+        &self,
+        id: &str,
+        request_id: &str,
+        spec: ExecSpec,
+        stdin: Option<Bytes>,
+    ) -> NodeResult<ExecResult> {
+        let _ = (id, request_id, spec, stdin);
+        Err(no_call_records())
+    }
+    /// [`NodeApi::exec_recorded`] streamed: a retry of a running call attaches to it and
+    /// gets its output from the first byte; of an ended one, its recorded output.
+    /// Dropping the stream leaves the command running.
+    async fn exec_stream_recorded(
+        &self,
+        id: &str,
+        request_id: &str,
+        spec: ExecSpec,
+        stdin: Option<Bytes>,
+    ) -> NodeResult<EventStream> {
+        let _ = (id, request_id, spec, stdin);
+        Err(no_call_records())
+    }
+    /// A page of the sandbox's log of recorded calls.
+    async fn call_log(&self, id: &str, query: &CallLogQuery) -> NodeResult<CallLog> {
+        let _ = (id, query);
+        Err(no_call_records())
+    }
     /// A background process's output from the given offsets; with `follow`, until it
     /// exits (the last event is its exit).
     async fn process_output(
@@ -291,11 +325,20 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
     ) -> NodeResult<Image>;
 }
 
+/// What a node that keeps no call records answers to a call with a request id.
+pub fn no_call_records() -> ApiError {
+    ApiError::new(
+        dsec_wire::ErrorCode::BadRequest,
+        "this node keeps no call records: send the call without a request id",
+    )
+}
+
 /// Whether `req` is a plain request/reply exchange ([`NodeApi::call`] takes it).
 pub fn is_unary(req: &Request) -> bool {
     !matches!(
         req,
         Request::Exec(_)
+            | Request::ExecKept { .. }
             | Request::FileRead { .. }
             | Request::FileWrite { .. }
             | Request::TarDownload { .. }

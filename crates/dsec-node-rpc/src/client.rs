@@ -205,10 +205,11 @@ impl RemoteNode {
         .boxed()
     }
 
-    fn exec_call(spec: ExecSpec, stdin: Option<Bytes>) -> ExecCall {
+    fn exec_call(spec: ExecSpec, stdin: Option<Bytes>, request_id: Option<&str>) -> ExecCall {
         ExecCall {
             spec,
             stdin_b64: stdin.map(|b| base64::engine::general_purpose::STANDARD.encode(b)),
+            request_id: request_id.map(str::to_string),
         }
     }
 }
@@ -322,7 +323,7 @@ impl NodeApi for RemoteNode {
     }
 
     async fn exec(&self, id: &str, spec: ExecSpec, stdin: Option<Bytes>) -> NodeResult<ExecResult> {
-        let call = Self::exec_call(spec, stdin);
+        let call = Self::exec_call(spec, stdin, None);
         self.json(self.sandbox(Method::POST, id, "/exec").json(&call))
             .await
     }
@@ -333,11 +334,46 @@ impl NodeApi for RemoteNode {
         spec: ExecSpec,
         stdin: Option<Bytes>,
     ) -> NodeResult<EventStream> {
-        let call = Self::exec_call(spec, stdin);
+        let call = Self::exec_call(spec, stdin, None);
         let resp = self
             .send(self.sandbox(Method::POST, id, "/exec-stream").json(&call))
             .await?;
         Ok(self.events_of(resp, |error| ExecEvent::Error { error }))
+    }
+
+    async fn exec_recorded(
+        &self,
+        id: &str,
+        request_id: &str,
+        spec: ExecSpec,
+        stdin: Option<Bytes>,
+    ) -> NodeResult<ExecResult> {
+        let call = Self::exec_call(spec, stdin, Some(request_id));
+        self.json(self.sandbox(Method::POST, id, "/exec").json(&call))
+            .await
+    }
+
+    async fn exec_stream_recorded(
+        &self,
+        id: &str,
+        request_id: &str,
+        spec: ExecSpec,
+        stdin: Option<Bytes>,
+    ) -> NodeResult<EventStream> {
+        let call = Self::exec_call(spec, stdin, Some(request_id));
+        let resp = self
+            .send(self.sandbox(Method::POST, id, "/exec-stream").json(&call))
+            .await?;
+        Ok(self.events_of(resp, |error| ExecEvent::Error { error }))
+    }
+
+    async fn call_log(
+        &self,
+        id: &str,
+        query: &dsec_wire::v1::CallLogQuery,
+    ) -> NodeResult<dsec_wire::v1::CallLog> {
+        self.json(self.sandbox(Method::POST, id, "/log").json(query))
+            .await
     }
 
     async fn process_output(

@@ -60,6 +60,9 @@ pub struct ExecCall {
     /// Its whole stdin, base64.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stdin_b64: Option<String>,
+    /// Record it under this request id ([`dsec_node_api::NodeApi::exec_recorded`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
 }
 
 /// `POST /sandboxes/{id}/commit`.

@@ -74,6 +74,7 @@ pub fn router(node: Arc<dyn NodeApi>, token: String) -> Router {
         .route("/sandboxes/{id}/call", post(call))
         .route("/sandboxes/{id}/exec", post(exec))
         .route("/sandboxes/{id}/exec-stream", post(exec_stream))
+        .route("/sandboxes/{id}/log", post(call_log))
         .route(
             "/sandboxes/{id}/processes/{pid}/output",
             get(process_output),
@@ -262,7 +263,19 @@ async fn exec(
     Json(c): Json<ExecCall>,
 ) -> RpcResult<impl IntoResponse> {
     let stdin = decode_stdin(c.stdin_b64)?;
-    Ok(Json(rpc.node.exec(&id, c.spec, stdin).await?))
+    let result = match &c.request_id {
+        Some(rid) => rpc.node.exec_recorded(&id, rid, c.spec, stdin).await?,
+        None => rpc.node.exec(&id, c.spec, stdin).await?,
+    };
+    Ok(Json(result))
+}
+
+async fn call_log(
+    State(rpc): State<Arc<Rpc>>,
+    Path(id): Path<String>,
+    Json(q): Json<dsec_wire::v1::CallLogQuery>,
+) -> RpcResult<impl IntoResponse> {
+    Ok(Json(rpc.node.call_log(&id, &q).await?))
 }
 
 async fn exec_stream(
@@ -271,7 +284,14 @@ async fn exec_stream(
     Json(c): Json<ExecCall>,
 ) -> RpcResult<Response> {
     let stdin = decode_stdin(c.stdin_b64)?;
-    let events = rpc.node.exec_stream(&id, c.spec, stdin).await?;
+    let events = match &c.request_id {
+        Some(rid) => {
+            rpc.node
+                .exec_stream_recorded(&id, rid, c.spec, stdin)
+                .await?
+        }
+        None => rpc.node.exec_stream(&id, c.spec, stdin).await?,
+    };
     Ok(ndjson_response(events))
 }
 

@@ -37,11 +37,11 @@ enum PumpError {
     Agent(ApiError),
 }
 
-fn internal(e: impl std::fmt::Display) -> ApiError {
+pub(crate) fn internal(e: impl std::fmt::Display) -> ApiError {
     ApiError::new(ErrorCode::Internal, e.to_string())
 }
 
-fn unexpected(reply: Reply) -> ApiError {
+pub(crate) fn unexpected(reply: Reply) -> ApiError {
     match reply {
         Reply::Error(e) => e,
         other => internal(format!("unexpected agent reply: {other:?}")),
@@ -54,10 +54,10 @@ fn closed_early() -> ApiError {
 
 /// Counts OOM kills of one sandbox, for an exec's verdict.
 #[derive(Clone)]
-struct OomWitness {
-    backend: Arc<dyn Backend>,
-    id: String,
-    before: u64,
+pub(crate) struct OomWitness {
+    pub(crate) backend: Arc<dyn Backend>,
+    pub(crate) id: String,
+    pub(crate) before: u64,
 }
 
 impl OomWitness {
@@ -106,7 +106,7 @@ impl LocalNode {
         drop(closed);
     }
 
-    fn oom_witness(&self, id: &str) -> OomWitness {
+    pub(crate) fn oom_witness(&self, id: &str) -> OomWitness {
         let backend = self.backend();
         let before = backend.oom_kill_count(id).unwrap_or(u64::MAX);
         OomWitness {
@@ -156,33 +156,13 @@ impl LocalNode {
         spec.stream = false;
         spec.stdin = stdin.is_some();
         let oom = self.oom_witness(id);
-        let (mut conn, keeps) = self.start_exec(id, spec, stdin).await?;
-        let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
-        loop {
-            match conn.recv_some().await? {
-                Frame::Stdout(b) => stdout.extend_from_slice(&b),
-                Frame::Stderr(b) => stderr.extend_from_slice(&b),
-                Frame::Json(bytes) => {
-                    match serde_json::from_slice::<Reply>(&bytes).map_err(internal)? {
-                        Reply::Started { .. } => {}
-                        Reply::Exited(exit) => {
-                            // The exchange is complete: the connection can carry the next.
-                            if keeps {
-                                self.reuse(id, conn);
-                            }
-                            return Ok(ExecResult {
-                                stdout: lossy_text(stdout),
-                                stderr: lossy_text(stderr),
-                                exit,
-                                oom_killed: oom.killed(),
-                            });
-                        }
-                        other => return Err(unexpected(other)),
-                    }
-                }
-                Frame::Data(_) | Frame::Eof => {}
-            }
+        let (conn, keeps) = self.start_exec(id, spec, stdin).await?;
+        let (result, conn) = read_exec_result(conn, &oom).await?;
+        // The exchange is complete: the connection can carry the next.
+        if keeps {
+            self.reuse(id, conn);
         }
+        Ok(result)
     }
 
     /// Starts an exec whose output streams.
@@ -325,6 +305,37 @@ impl LocalNode {
     }
 }
 
+/// Reads an exec's output and exit from `conn` (its request sent): its result, and the
+/// connection, free for the next request if the request keeps it.
+pub(crate) async fn read_exec_result(
+    mut conn: AgentConn,
+    oom: &OomWitness,
+) -> Result<(ExecResult, AgentConn), ApiError> {
+    let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+    loop {
+        match conn.recv_some().await? {
+            Frame::Stdout(b) => stdout.extend_from_slice(&b),
+            Frame::Stderr(b) => stderr.extend_from_slice(&b),
+            Frame::Json(bytes) => {
+                match serde_json::from_slice::<Reply>(&bytes).map_err(internal)? {
+                    Reply::Started { .. } => {}
+                    Reply::Exited(exit) => {
+                        let result = ExecResult {
+                            stdout: lossy_text(stdout),
+                            stderr: lossy_text(stderr),
+                            exit,
+                            oom_killed: oom.killed(),
+                        };
+                        return Ok((result, conn));
+                    }
+                    other => return Err(unexpected(other)),
+                }
+            }
+            Frame::Data(_) | Frame::Eof => {}
+        }
+    }
+}
+
 /// Sends `body` as Data frames then Eof on `conn`.
 async fn pump(conn: &mut AgentConn, mut body: ByteStream) -> Result<(), PumpError> {
     while let Some(chunk) = body.next().await {
@@ -379,7 +390,7 @@ fn data_stream(mut conn: AgentConn) -> ByteStream {
 
 /// Converts the frames of an exec or output stream into events; `oom` (an exec's) gives
 /// the exit its OOM verdict.
-fn event_stream(mut conn: AgentConn, oom: Option<OomWitness>) -> EventStream {
+pub(crate) fn event_stream(mut conn: AgentConn, oom: Option<OomWitness>) -> EventStream {
     let (tx, rx) = mpsc::channel(16);
     tokio::spawn(async move {
         let mut conv = EventConverter::default();

@@ -39,9 +39,13 @@ pub struct LocalNode {
     /// The host-wide names this node owns while it runs.
     claims: crate::claims::HostClaims,
     /// Lifetimes of the sandboxes, and stubs of those whose lifetime ended.
-    lifetimes: Arc<Lifetimes>,
+    pub(crate) lifetimes: Arc<Lifetimes>,
     /// Registry pulls, one at a time per reference.
     puller: dsec_registry::Puller,
+    /// Calls with request ids, their outcomes and the sandboxes' call logs.
+    pub(crate) journal: Arc<crate::calls::CallJournal>,
+    /// This node, for the tasks it spawns (a recorded call's driver).
+    pub(crate) me: std::sync::Weak<LocalNode>,
 }
 
 /// Sandboxes whose lifetime ended torn down at once by the reaper (deletes take turns
@@ -160,7 +164,12 @@ impl LocalNode {
         }
         images.cleanup_unused(&refs.keys().cloned().collect::<HashSet<_>>())?;
         let lifetimes = Arc::new(Lifetimes::open(&cfg, table.keys())?);
-        let node = Arc::new(Self {
+        let mut kept: HashSet<String> = table.keys().cloned().collect();
+        kept.extend(lifetimes.stubs().into_iter().map(|s| s.id));
+        let (journal, pending) = crate::calls::CallJournal::open(&cfg.state_dir, &kept)?;
+        let node = Arc::new_cyclic(|me| Self {
+            journal: Arc::new(journal),
+            me: me.clone(),
             puller: dsec_registry::Puller::new(images.clone(), cfg.registry.clone()),
             lifetimes,
             admission: Admission::new(cfg.admission),
@@ -176,6 +185,11 @@ impl LocalNode {
         });
         node.clone().spawn_reaper();
         node.clone().spawn_lifetime_reaper();
+        // Calls that were running when the node stopped: their commands ran on in the
+        // sandboxes; learn how they ended.
+        for p in pending {
+            node.redrive(p);
+        }
         if let Some(guard) = run_dir_mount {
             guard.disarm();
         }
@@ -558,7 +572,9 @@ impl NodeApi for LocalNode {
 
     async fn destroy(&self, id: &str) -> NodeResult<()> {
         self.lifetimes.forget(id);
-        self.teardown(id).await
+        self.teardown(id).await?;
+        self.journal.forget(id);
+        Ok(())
     }
 
     async fn set_lifetime(&self, id: &str, lifetime: dsec_node_api::Lifetime) -> NodeResult<()> {
@@ -702,6 +718,45 @@ impl NodeApi for LocalNode {
         let active = self.lifetimes.agent_activity(id)?;
         let events = self.exec_events(id, spec, stdin).await?;
         Ok(while_active(events, active))
+    }
+
+    async fn exec_recorded(
+        &self,
+        id: &str,
+        request_id: &str,
+        spec: ExecSpec,
+        stdin: Option<Bytes>,
+    ) -> NodeResult<ExecResult> {
+        let _active = self.lifetimes.agent_activity(id)?;
+        self.recorded_exec(id, request_id, spec, stdin).await
+    }
+
+    async fn exec_stream_recorded(
+        &self,
+        id: &str,
+        request_id: &str,
+        spec: ExecSpec,
+        stdin: Option<Bytes>,
+    ) -> NodeResult<EventStream> {
+        let active = self.lifetimes.agent_activity(id)?;
+        let events = self
+            .recorded_exec_events(id, request_id, spec, stdin)
+            .await?;
+        Ok(while_active(events, active))
+    }
+
+    async fn call_log(
+        &self,
+        id: &str,
+        query: &dsec_wire::v1::CallLogQuery,
+    ) -> NodeResult<dsec_wire::v1::CallLog> {
+        self.lifetimes.check(id)?;
+        self.record(id)?;
+        let journal = self.journal.clone();
+        let (id, query) = (id.to_string(), query.clone());
+        tokio::task::spawn_blocking(move || journal.log(&id, &query))
+            .await
+            .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?
     }
 
     async fn process_output(

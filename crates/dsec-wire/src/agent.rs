@@ -21,7 +21,8 @@ use crate::error::ApiError;
 /// Version the agent reports in `Pong`; bumped when the protocol changes.
 /// 2: a connection carries further requests after one that
 /// [`keeps_connection`](Request::keeps_connection).
-pub const PROTOCOL_VERSION: u32 = 2;
+/// 3: [`Request::ExecKept`], commands that outlive their connection.
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The first [`PROTOCOL_VERSION`] whose agents serve more than one request per
 /// connection; the node keeps connections only to these (an older agent closes each
@@ -361,6 +362,25 @@ pub enum Request {
     Ping,
     /// Run a command. Reply: `Started` (with `stream`), output frames, `Exited`.
     Exec(ExecSpec),
+    /// Run a command kept under `key` (a node's request id): unlike [`Request::Exec`] it
+    /// outlives the connection, and a later `ExecKept` with the same key attaches to it
+    /// instead of starting another. The first request with a key starts `spec` (its
+    /// stdin, if any, follows as `Data` frames then `Eof`, as for `Exec`); an attach
+    /// sends `spec: None` (or any spec, and its input is discarded), and a key the agent
+    /// does not know answers `not_found` instead of running anything. Reply: `Started`,
+    /// then with `stream` the output from its first kept byte and live until the exit,
+    /// without it the kept output once it exited; then `Exited`. Like an exec, what is
+    /// left of its process group dies when it exits.
+    ExecKept {
+        /// The caller's key; one command per key for the agent's lifetime.
+        key: String,
+        /// What to run, if not running yet.
+        #[serde(default)]
+        spec: Option<ExecSpec>,
+        /// Forward output live (from the first kept byte) instead of after the exit.
+        #[serde(default)]
+        stream: bool,
+    },
     /// Start a persistent bash session. Reply: `SessionCreated`.
     SessionCreate {
         /// Session id chosen by the caller.
@@ -521,6 +541,7 @@ impl Request {
     pub fn keeps_connection(&self) -> bool {
         match self {
             Request::Exec(spec) => !spec.stdin,
+            Request::ExecKept { spec, .. } => spec.as_ref().is_none_or(|s| !s.stdin),
             Request::ProcessStdin { .. }
             | Request::FileWrite { .. }
             | Request::TarUpload { .. } => false,

@@ -13,9 +13,11 @@ pub use crate::agent::{
 use crate::error::ApiError;
 
 mod batches;
+mod calls;
 mod fncall;
 mod pools;
 pub use batches::*;
+pub use calls::*;
 pub use fncall::*;
 pub use pools::*;
 
@@ -948,6 +950,11 @@ pub struct ExecRequest {
     /// the sandbox's user.
     #[serde(default)]
     pub user: Option<String>,
+    /// Makes the call safe to retry (see [`CallRecord`]): a retry with the same id gets
+    /// the first call's outcome, or attaches to it while it runs, and never runs the
+    /// command again. The `Idempotency-Key` header says the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
 }
 
 /// Result of a non-streaming exec.

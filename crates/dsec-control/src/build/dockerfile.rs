@@ -412,6 +412,7 @@ impl Builder<'_> {
             timeout_s: Some(self.req.step_timeout_s.unwrap_or(STEP_TIMEOUT_S)),
             output_limit: None,
             user: r.user.clone(),
+            request_id: None,
         };
         let mut events = self
             .api
@@ -560,6 +561,7 @@ impl Builder<'_> {
                     timeout_s: Some(600.0),
                     output_limit: None,
                     user: Some("0:0".into()),
+                    request_id: None,
                 },
             )
             .await?;

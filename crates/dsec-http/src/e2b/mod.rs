@@ -116,6 +116,7 @@ async fn run_as_root(
             output_limit: None,
             // By id: an image without /etc/passwd has no name `root` yet.
             user: Some("0:0".into()),
+            request_id: None,
         },
     )
     .await

@@ -1089,6 +1089,7 @@ pub(super) async fn start(api: &Api, id: &str, img: &Image) -> Result<(), ApiErr
                     timeout_s: Some(READY_TIMEOUT.as_secs_f64()),
                     output_limit: Some(64 << 10),
                     user: user.clone(),
+                    request_id: None,
                 },
             )
             .await?;

@@ -250,6 +250,7 @@ impl ControlPlane {
             timeout_s: Some(spec.timeout_s as f64),
             output_limit: None,
             user: None,
+            request_id: None,
         };
         let ran = tokio::select! {
             r = self.exec(p, &sb.id, exec) => r,

@@ -1,0 +1,283 @@
+//! RL rollouts on preemptible trainers (#32): calls with request ids run once, a retry
+//! gets the first call's outcome (or attaches to it while it runs, from its first byte),
+//! also across a `kill -9` of the server; the call log lists every such call in order.
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+
+use dsec_client::Client;
+use dsec_e2e::{require_root, sh, Server};
+use dsec_wire::v1::*;
+use dsec_wire::ErrorCode;
+
+fn with_id(cmd: &str, rid: &str) -> ExecRequest {
+    ExecRequest {
+        request_id: Some(rid.into()),
+        ..sh(cmd)
+    }
+}
+
+/// The command a trainer must not run twice: it appends to a file, slowly.
+const APPEND: &str = "sleep 3; echo done >> /root/f; echo done";
+
+/// Sends `req` and hangs up after `after`, as a trainer that died mid-call.
+async fn call_and_die(c: &Client, id: &str, req: ExecRequest, after: Duration) {
+    let (c, id) = (c.clone(), id.to_string());
+    let call = tokio::spawn(async move { c.exec(&id, req).await });
+    tokio::time::sleep(after).await;
+    call.abort();
+    assert!(call.await.is_err(), "the call was cut off, not finished");
+}
+
+async fn lines_of_f(c: &Client, id: &str) -> String {
+    c.exec(id, sh("cat /root/f 2>/dev/null"))
+        .await
+        .expect("cat")
+        .stdout
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_retry_after_the_client_died_gets_the_first_outcome_and_runs_nothing() {
+    if !require_root() {
+        return;
+    }
+    let s = Server::shared("rollouts");
+    let c = s.client();
+    let sb = c
+        .create_sandbox(CreateSandboxRequest::default())
+        .await
+        .expect("create");
+    call_and_die(
+        &c,
+        &sb.id,
+        with_id(APPEND, "step-1"),
+        Duration::from_millis(700),
+    )
+    .await;
+
+    // The retry attaches to the running command and gets its result.
+    let r = c
+        .exec(&sb.id, with_id(APPEND, "step-1"))
+        .await
+        .expect("retry");
+    assert_eq!((r.stdout.as_str(), r.exit.exit_code), ("done\n", Some(0)));
+    assert_eq!(lines_of_f(&c, &sb.id).await, "done\n", "ran once");
+    // A third try answers from the record at once, running nothing.
+    let t = Instant::now();
+    let again = c
+        .exec(&sb.id, with_id(APPEND, "step-1"))
+        .await
+        .expect("third");
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    assert_eq!(again.stdout, "done\n");
+    assert_eq!(again.exit, r.exit);
+    assert_eq!(lines_of_f(&c, &sb.id).await, "done\n", "still once");
+    // So does a stream, replaying the output.
+    let events: Vec<ExecEvent> = c
+        .exec_stream(&sb.id, with_id(APPEND, "step-1"))
+        .await
+        .expect("stream retry")
+        .map(|e| e.expect("event"))
+        .collect()
+        .await;
+    assert!(
+        events.contains(&ExecEvent::Stdout {
+            data: "done\n".into()
+        }),
+        "{events:?}"
+    );
+    assert!(
+        matches!(events.last(), Some(ExecEvent::Exit { exit, .. }) if exit.exit_code == Some(0)),
+        "{events:?}"
+    );
+
+    // The same id with another body is a conflict; so is the id on another sandbox.
+    let e = c
+        .exec(&sb.id, with_id("echo other", "step-1"))
+        .await
+        .expect_err("conflict");
+    assert_eq!(e.code(), Some(ErrorCode::Conflict), "{e}");
+    let other = c
+        .create_sandbox(CreateSandboxRequest::default())
+        .await
+        .expect("create");
+    let e = c
+        .exec(&other.id, with_id(APPEND, "step-1"))
+        .await
+        .expect_err("another sandbox's id");
+    assert_eq!(e.code(), Some(ErrorCode::Conflict), "{e}");
+    assert_eq!(lines_of_f(&c, &other.id).await, "", "nothing ran there");
+    // Ids over 256 bytes are refused before anything runs.
+    let e = c
+        .exec(&sb.id, with_id("true", &"x".repeat(257)))
+        .await
+        .expect_err("long id");
+    assert_eq!(e.code(), Some(ErrorCode::BadRequest), "{e}");
+
+    // More calls, one failing; the log lists them all in order with their outcomes.
+    c.exec(&sb.id, with_id("echo two", "step-2"))
+        .await
+        .expect("step 2");
+    let r = c
+        .exec(&sb.id, with_id("echo oops >&2; exit 3", "step-3"))
+        .await
+        .expect("step 3");
+    assert_eq!(r.exit.exit_code, Some(3));
+    let log = c
+        .call_log(
+            &sb.id,
+            &CallLogQuery {
+                output: true,
+                ..CallLogQuery::default()
+            },
+        )
+        .await
+        .expect("log");
+    let seen: Vec<(&str, CallState, Option<i32>)> = log
+        .calls
+        .iter()
+        .map(|c| {
+            (
+                c.request_id.as_str(),
+                c.state,
+                c.exit.as_ref().and_then(|e| e.exit_code),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            ("step-1", CallState::Done, Some(0)),
+            ("step-2", CallState::Done, Some(0)),
+            ("step-3", CallState::Done, Some(3)),
+        ]
+    );
+    assert_eq!(log.calls[2].stderr.as_deref(), Some("oops\n"));
+    assert_eq!(log.calls[0].args["cmd"], APPEND);
+    assert!(log
+        .calls
+        .iter()
+        .all(|c| c.ended_at_ms >= Some(c.started_at_ms)));
+    let page = c
+        .call_log(
+            &sb.id,
+            &CallLogQuery {
+                after: Some(1),
+                limit: Some(1),
+                ..CallLogQuery::default()
+            },
+        )
+        .await
+        .expect("page");
+    assert_eq!(page.calls.len(), 1);
+    assert_eq!(page.calls[0].request_id, "step-2");
+    assert_eq!(page.next_after, Some(2));
+    for id in [sb.id, other.id] {
+        c.delete_sandbox(&id).await.expect("delete");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_retry_attaches_from_the_first_byte() {
+    if !require_root() {
+        return;
+    }
+    let s = Server::shared("rollouts");
+    let c = s.client();
+    let sb = c
+        .create_sandbox(CreateSandboxRequest::default())
+        .await
+        .expect("create");
+    let req = with_id(
+        "for i in 1 2 3 4; do echo $i; sleep 0.4; done; echo x >> /root/f",
+        "stream-1",
+    );
+    let mut first = c.exec_stream(&sb.id, req.clone()).await.expect("stream");
+    // Read until the first line, then hang up.
+    loop {
+        match first.next().await.expect("event").expect("ok") {
+            ExecEvent::Stdout { data } if data.contains('1') => break,
+            _ => {}
+        }
+    }
+    drop(first);
+    let events: Vec<ExecEvent> = c
+        .exec_stream(&sb.id, req)
+        .await
+        .expect("attach")
+        .map(|e| e.expect("event"))
+        .collect()
+        .await;
+    let out: String = events
+        .iter()
+        .filter_map(|e| match e {
+            ExecEvent::Stdout { data } => Some(data.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(out, "1\n2\n3\n4\n", "{events:?}");
+    assert!(matches!(events.first(), Some(ExecEvent::Started { .. })));
+    assert!(matches!(events.last(), Some(ExecEvent::Exit { .. })));
+    assert_eq!(lines_of_f(&c, &sb.id).await, "x\n");
+    c.delete_sandbox(&sb.id).await.expect("delete");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_call_survives_a_kill_9_of_the_server_and_its_retry_runs_nothing() {
+    if !require_root() {
+        return;
+    }
+    let seed = Server::shared("rollouts");
+    let mut s = Server::start_with(
+        "rollouts-restart",
+        true,
+        &["--cgroup-parent", "dsec-rollouts-restart"],
+    )
+    .await
+    .expect("server");
+    s.ensure_base(Some(seed)).await.expect("base image");
+    let c = s.client();
+    let sb = c
+        .create_sandbox(CreateSandboxRequest::default())
+        .await
+        .expect("create");
+    // One call ended before the crash, one is in flight when it comes.
+    c.exec(&sb.id, with_id("echo before", "pre"))
+        .await
+        .expect("pre");
+    call_and_die(
+        &c,
+        &sb.id,
+        with_id(APPEND, "in-flight"),
+        Duration::from_millis(700),
+    )
+    .await;
+    s.kill();
+    s.spawn().await.expect("restart");
+    let c = s.client();
+    let r = c
+        .exec(&sb.id, with_id(APPEND, "in-flight"))
+        .await
+        .expect("retry after the restart");
+    assert_eq!((r.stdout.as_str(), r.exit.exit_code), ("done\n", Some(0)));
+    assert_eq!(lines_of_f(&c, &sb.id).await, "done\n", "ran once");
+    let r = c
+        .exec(&sb.id, with_id("echo before", "pre"))
+        .await
+        .expect("pre again");
+    assert_eq!(r.stdout, "before\n");
+    let log = c
+        .call_log(&sb.id, &CallLogQuery::default())
+        .await
+        .expect("log");
+    let ids: Vec<_> = log.calls.iter().map(|c| c.request_id.as_str()).collect();
+    assert_eq!(ids, ["pre", "in-flight"]);
+    assert!(log.calls.iter().all(|c| c.state == CallState::Done));
+    c.delete_sandbox(&sb.id).await.expect("delete");
+    let e = c
+        .call_log(&sb.id, &CallLogQuery::default())
+        .await
+        .expect_err("gone");
+    assert_eq!(e.code(), Some(ErrorCode::NotFound), "{e}");
+}

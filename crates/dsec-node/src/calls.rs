@@ -1,0 +1,743 @@
+//! The record of calls that carried a request id: what a node keeps of each, so that a
+//! retry (a trainer replaying its trajectory after a preemption) gets the first call's
+//! outcome instead of running it again, and each sandbox's call log.
+//!
+//! A sandbox's record is `STATE_DIR/calls/ID/`:
+//! - `log.jsonl`: a line when a call starts, one when it ends (appended, not synced:
+//!   it outlives the node's process, as the sandbox does, not the machine);
+//! - `SEQ.stdout` and `SEQ.stderr`: the kept output of each ended call.
+//!
+//! The node loads every record when it opens and drives each call still running to its
+//! end again (the agent kept the command under its request id:
+//! [`Request::ExecKept`](dsec_wire::agent::Request::ExecKept)). A record goes with its
+//! sandbox. Bounds: [`MAX_CALLS_PER_SANDBOX`] calls (more are refused) and
+//! [`MAX_CALL_OUTPUT_BYTES`] of output (the oldest calls' is dropped first, and says so).
+//!
+//! Request ids are the node's to check across sandboxes too: an id one sandbox used is
+//! refused on another (a trajectory replayed into the wrong sandbox).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use dsec_wire::agent::ExitInfo;
+use dsec_wire::v1::{
+    CallLog, CallLogQuery, CallRecord, CallState, ExecResult, CALL_LOG_MAX_PAGE, CALL_LOG_PAGE,
+    MAX_CALLS_PER_SANDBOX, MAX_CALL_OUTPUT_BYTES,
+};
+use dsec_wire::{ApiError, ErrorCode};
+
+use crate::events::lossy_text;
+use crate::NodeError;
+
+/// Directory of the records, in the state directory.
+const CALLS_DIR: &str = "calls";
+/// A sandbox's log, in its record's directory.
+const LOG_FILE: &str = "log.jsonl";
+
+/// One line of `log.jsonl`.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "line", rename_all = "snake_case")]
+enum Line {
+    Start(StartLine),
+    End(EndLine),
+    /// The call failed before its command started: forgotten, a retry runs it.
+    Abandon {
+        seq: u64,
+    },
+    /// Its kept output was dropped for newer calls'.
+    Dropped {
+        seq: u64,
+    },
+}
+
+/// A call as it started.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct StartLine {
+    pub seq: u64,
+    pub request_id: String,
+    pub kind: String,
+    /// SHA-256 of what it asks for: a retry must ask for the same.
+    pub digest: String,
+    pub args: serde_json::Value,
+    pub started_at_ms: u64,
+    /// The sandbox's OOM-kill count when it started, for its verdict.
+    pub oom_before: u64,
+}
+
+/// How a call ended.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct EndLine {
+    pub seq: u64,
+    pub ended_at_ms: u64,
+    pub state: CallState,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit: Option<ExitInfo>,
+    #[serde(default)]
+    pub oom_killed: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ApiError>,
+}
+
+/// What a waiter sees of a call: `None` while it runs.
+pub(crate) type Ended = Option<Arc<EndLine>>;
+
+#[derive(Debug)]
+struct Slot {
+    seq: u64,
+    digest: String,
+    oom_before: u64,
+    ended: watch::Sender<Ended>,
+    output_dropped: bool,
+}
+
+#[derive(Debug)]
+struct SandboxCalls {
+    dir: PathBuf,
+    file: File,
+    slots: HashMap<String, Slot>,
+    next_seq: u64,
+    /// (seq, bytes) of the calls whose output is on disk, oldest first.
+    kept_output: VecDeque<(u64, u64)>,
+    output_bytes: u64,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    sandboxes: HashMap<String, SandboxCalls>,
+    /// Request id -> the sandbox it belongs to.
+    owners: HashMap<String, String>,
+}
+
+/// The records of one node's sandboxes.
+#[derive(Debug)]
+pub(crate) struct CallJournal {
+    root: PathBuf,
+    inner: Mutex<Inner>,
+}
+
+/// A call that was running when the node stopped: to be driven to its end again.
+#[derive(Debug)]
+pub(crate) struct Pending {
+    pub sandbox: String,
+    pub start: StartLine,
+}
+
+/// A new call: run it, then [`CallJournal::end`] or [`CallJournal::abandon`] it.
+#[derive(Debug, Clone)]
+pub(crate) struct Ticket {
+    pub sandbox: String,
+    pub seq: u64,
+    pub request_id: String,
+    pub oom_before: u64,
+}
+
+/// What [`CallJournal::begin`] found.
+#[derive(Debug)]
+pub(crate) enum Begin {
+    /// A call not seen before.
+    New(Ticket),
+    /// A retry: wait for `ended`, then read [`CallJournal::result`].
+    Known {
+        oom_before: u64,
+        ended: watch::Receiver<Ended>,
+    },
+}
+
+fn conflict(msg: String) -> ApiError {
+    ApiError::new(ErrorCode::Conflict, msg)
+}
+
+fn io_error(what: &str, path: &Path, e: std::io::Error) -> ApiError {
+    ApiError::new(
+        ErrorCode::Internal,
+        format!("call record: {what} {}: {e}", path.display()),
+    )
+}
+
+/// Unix time in milliseconds.
+pub(crate) fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn append(file: &mut File, line: &Line) -> std::io::Result<()> {
+    let mut bytes = serde_json::to_vec(line).map_err(std::io::Error::other)?;
+    bytes.push(b'\n');
+    // One write: a line is never interleaved with another, and a crash cuts at most
+    // the last line (dropped when the log is read).
+    file.write_all(&bytes)
+}
+
+/// The lines of a log; a line cut off by a crash (the last) is skipped.
+fn read_lines(path: &Path) -> std::io::Result<Vec<Line>> {
+    let text = std::fs::read(path)?;
+    Ok(text
+        .split(|b| *b == b'\n')
+        .filter(|l| !l.is_empty())
+        .filter_map(|l| serde_json::from_slice(l).ok())
+        .collect())
+}
+
+fn output_path(dir: &Path, seq: u64, stream: &str) -> PathBuf {
+    dir.join(format!("{seq}.{stream}"))
+}
+
+impl CallJournal {
+    /// Loads the records of the sandboxes `keep` names, removes the others', and returns
+    /// the calls that were running.
+    pub(crate) fn open(
+        state_dir: &Path,
+        keep: &HashSet<String>,
+    ) -> Result<(Self, Vec<Pending>), NodeError> {
+        let root = state_dir.join(CALLS_DIR);
+        std::fs::create_dir_all(&root).map_err(NodeError::io("mkdir", &root))?;
+        let mut inner = Inner::default();
+        let mut pending = Vec::new();
+        for entry in std::fs::read_dir(&root).map_err(NodeError::io("read_dir", &root))? {
+            let dir = entry.map_err(NodeError::io("read_dir", &root))?.path();
+            let Some(id) = dir.file_name().and_then(|n| n.to_str()).map(str::to_string) else {
+                continue;
+            };
+            if !keep.contains(&id) {
+                let _ = std::fs::remove_dir_all(&dir);
+                continue;
+            }
+            match Self::load(&dir) {
+                Ok((calls, running)) => {
+                    for start in running {
+                        pending.push(Pending {
+                            sandbox: id.clone(),
+                            start,
+                        });
+                    }
+                    for rid in calls.slots.keys() {
+                        inner.owners.insert(rid.clone(), id.clone());
+                    }
+                    inner.sandboxes.insert(id, calls);
+                }
+                Err(e) => {
+                    tracing::warn!(sandbox = %id, error = %e, "unreadable call record; removed");
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
+            }
+        }
+        Ok((
+            Self {
+                root,
+                inner: Mutex::new(inner),
+            },
+            pending,
+        ))
+    }
+
+    /// One sandbox's record, and its calls still running.
+    fn load(dir: &Path) -> std::io::Result<(SandboxCalls, Vec<StartLine>)> {
+        let log = dir.join(LOG_FILE);
+        // A last line cut off by a crash would glue onto the next one: cut it first.
+        let bytes = std::fs::read(&log)?;
+        let whole = bytes.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+        if whole < bytes.len() {
+            let f = OpenOptions::new().write(true).open(&log)?;
+            f.set_len(whole as u64)?;
+        }
+        let mut starts: Vec<StartLine> = Vec::new();
+        let mut ends: HashMap<u64, EndLine> = HashMap::new();
+        let mut gone: HashSet<u64> = HashSet::new();
+        let mut dropped: HashSet<u64> = HashSet::new();
+        for line in read_lines(&log)? {
+            match line {
+                Line::Start(s) => starts.push(s),
+                Line::End(e) => {
+                    ends.insert(e.seq, e);
+                }
+                Line::Abandon { seq } => {
+                    gone.insert(seq);
+                }
+                Line::Dropped { seq } => {
+                    dropped.insert(seq);
+                }
+            }
+        }
+        let mut calls = SandboxCalls {
+            dir: dir.to_path_buf(),
+            file: OpenOptions::new().append(true).open(&log)?,
+            slots: HashMap::new(),
+            next_seq: starts.iter().map(|s| s.seq).max().unwrap_or(0) + 1,
+            kept_output: VecDeque::new(),
+            output_bytes: 0,
+        };
+        let mut running = Vec::new();
+        for start in starts {
+            if gone.contains(&start.seq) {
+                continue;
+            }
+            let end = ends.remove(&start.seq).map(Arc::new);
+            let output_dropped = dropped.contains(&start.seq);
+            if end.is_some() && !output_dropped {
+                let bytes: u64 = ["stdout", "stderr"]
+                    .iter()
+                    .filter_map(|s| std::fs::metadata(output_path(dir, start.seq, s)).ok())
+                    .map(|m| m.len())
+                    .sum();
+                calls.kept_output.push_back((start.seq, bytes));
+                calls.output_bytes += bytes;
+            }
+            if end.is_none() {
+                running.push(start.clone());
+            }
+            calls.slots.insert(
+                start.request_id,
+                Slot {
+                    seq: start.seq,
+                    digest: start.digest,
+                    oom_before: start.oom_before,
+                    ended: watch::channel(end).0,
+                    output_dropped,
+                },
+            );
+        }
+        Ok((calls, running))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records the start of call `request_id` on `sandbox`, or finds it: a retry with a
+    /// different `digest`, or an id another sandbox used, is a `conflict`.
+    pub(crate) fn begin(
+        &self,
+        sandbox: &str,
+        request_id: &str,
+        kind: &str,
+        digest: String,
+        args: serde_json::Value,
+        oom_before: u64,
+    ) -> Result<Begin, ApiError> {
+        let mut inner = self.lock();
+        if let Some(owner) = inner.owners.get(request_id) {
+            if owner != sandbox {
+                return Err(conflict(format!(
+                    "request_id {request_id:?} belongs to a call on sandbox {owner}, not \
+                     {sandbox}: request ids name one call on one sandbox"
+                )));
+            }
+        }
+        if !inner.sandboxes.contains_key(sandbox) {
+            let dir = self.root.join(sandbox);
+            std::fs::create_dir_all(&dir).map_err(|e| io_error("mkdir", &dir, e))?;
+            let log = dir.join(LOG_FILE);
+            let file = OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&log)
+                .map_err(|e| io_error("open", &log, e))?;
+            inner.sandboxes.insert(
+                sandbox.to_string(),
+                SandboxCalls {
+                    dir,
+                    file,
+                    slots: HashMap::new(),
+                    next_seq: 1,
+                    kept_output: VecDeque::new(),
+                    output_bytes: 0,
+                },
+            );
+        }
+        let Inner { sandboxes, owners } = &mut *inner;
+        let Some(calls) = sandboxes.get_mut(sandbox) else {
+            return Err(ApiError::new(ErrorCode::Internal, "call record vanished"));
+        };
+        if let Some(slot) = calls.slots.get(request_id) {
+            if slot.digest != digest {
+                return Err(conflict(format!(
+                    "request_id {request_id:?} was used for a different call on sandbox \
+                     {sandbox}: retry with the same body, or use a new id for a new call"
+                )));
+            }
+            return Ok(Begin::Known {
+                oom_before: slot.oom_before,
+                ended: slot.ended.subscribe(),
+            });
+        }
+        if calls.slots.len() >= MAX_CALLS_PER_SANDBOX {
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                format!(
+                    "sandbox {sandbox} has recorded {MAX_CALLS_PER_SANDBOX} calls, its limit: \
+                     send further calls without a request id"
+                ),
+            ));
+        }
+        let seq = calls.next_seq;
+        let start = StartLine {
+            seq,
+            request_id: request_id.to_string(),
+            kind: kind.to_string(),
+            digest: digest.clone(),
+            args,
+            started_at_ms: unix_ms(),
+            oom_before,
+        };
+        let log = calls.dir.join(LOG_FILE);
+        append(&mut calls.file, &Line::Start(start)).map_err(|e| io_error("append", &log, e))?;
+        calls.next_seq += 1;
+        calls.slots.insert(
+            request_id.to_string(),
+            Slot {
+                seq,
+                digest,
+                oom_before,
+                ended: watch::channel(None).0,
+                output_dropped: false,
+            },
+        );
+        owners.insert(request_id.to_string(), sandbox.to_string());
+        Ok(Begin::New(Ticket {
+            sandbox: sandbox.to_string(),
+            seq,
+            request_id: request_id.to_string(),
+            oom_before,
+        }))
+    }
+
+    /// The end of call `request_id` on `sandbox`, to wait for.
+    pub(crate) fn watch(&self, sandbox: &str, request_id: &str) -> Option<watch::Receiver<Ended>> {
+        let inner = self.lock();
+        let slot = inner.sandboxes.get(sandbox)?.slots.get(request_id)?;
+        Some(slot.ended.subscribe())
+    }
+
+    /// Forgets a call that failed before its command started: a retry runs it. Whoever
+    /// waits on it sees it end with `error`.
+    pub(crate) fn abandon(&self, ticket: &Ticket, error: &ApiError) {
+        let mut inner = self.lock();
+        let Inner { sandboxes, owners } = &mut *inner;
+        let Some(calls) = sandboxes.get_mut(&ticket.sandbox) else {
+            return;
+        };
+        if let Err(e) = append(&mut calls.file, &Line::Abandon { seq: ticket.seq }) {
+            tracing::warn!(sandbox = %ticket.sandbox, error = %e, "call record: append");
+        }
+        if let Some(slot) = calls.slots.remove(&ticket.request_id) {
+            slot.ended.send_replace(Some(Arc::new(EndLine {
+                seq: ticket.seq,
+                ended_at_ms: unix_ms(),
+                state: CallState::Lost,
+                exit: None,
+                oom_killed: false,
+                error: Some(ApiError::new(
+                    error.code,
+                    format!(
+                        "the first call with this request id failed before it started \
+                         (retry it): {}",
+                        error.message
+                    ),
+                )),
+            })));
+        }
+        owners.remove(&ticket.request_id);
+    }
+
+    /// Records how a call ended (its kept output first). A sandbox forgotten meanwhile
+    /// keeps nothing.
+    pub(crate) fn end(&self, ticket: &Ticket, outcome: &Result<ExecResult, ApiError>) {
+        let dir = self.root.join(&ticket.sandbox);
+        let mut bytes = 0u64;
+        if let Ok(r) = outcome {
+            for (stream, text) in [("stdout", &r.stdout), ("stderr", &r.stderr)] {
+                if text.is_empty() {
+                    continue;
+                }
+                let path = output_path(&dir, ticket.seq, stream);
+                match std::fs::write(&path, text.as_bytes()) {
+                    Ok(()) => bytes += text.len() as u64,
+                    // The sandbox was destroyed meanwhile (its directory went with it).
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+                    Err(e) => {
+                        tracing::warn!(path = %path.display(), error = %e, "call record: output")
+                    }
+                }
+            }
+        }
+        let end = EndLine {
+            seq: ticket.seq,
+            ended_at_ms: unix_ms(),
+            state: match outcome {
+                Ok(_) => CallState::Done,
+                Err(_) => CallState::Lost,
+            },
+            exit: outcome.as_ref().ok().map(|r| r.exit.clone()),
+            oom_killed: outcome.as_ref().is_ok_and(|r| r.oom_killed),
+            error: outcome.as_ref().err().cloned(),
+        };
+        let mut inner = self.lock();
+        let Some(calls) = inner.sandboxes.get_mut(&ticket.sandbox) else {
+            return;
+        };
+        if let Err(e) = append(&mut calls.file, &Line::End(end.clone())) {
+            tracing::warn!(sandbox = %ticket.sandbox, error = %e, "call record: append");
+        }
+        if bytes > 0 {
+            calls.kept_output.push_back((ticket.seq, bytes));
+            calls.output_bytes += bytes;
+        }
+        let mut dropped = Vec::new();
+        while calls.output_bytes > MAX_CALL_OUTPUT_BYTES {
+            let Some((seq, n)) = calls.kept_output.pop_front() else {
+                break;
+            };
+            calls.output_bytes -= n;
+            for stream in ["stdout", "stderr"] {
+                let _ = std::fs::remove_file(output_path(&calls.dir, seq, stream));
+            }
+            let _ = append(&mut calls.file, &Line::Dropped { seq });
+            dropped.push(seq);
+        }
+        for slot in calls.slots.values_mut() {
+            if dropped.contains(&slot.seq) {
+                slot.output_dropped = true;
+            }
+        }
+        if let Some(slot) = calls.slots.get(&ticket.request_id) {
+            slot.ended.send_replace(Some(Arc::new(end)));
+        }
+    }
+
+    /// The recorded result of ended call `seq`: its exit and kept output, or its error.
+    pub(crate) fn result(&self, sandbox: &str, end: &EndLine) -> Result<ExecResult, ApiError> {
+        if let Some(e) = &end.error {
+            return Err(e.clone());
+        }
+        let Some(exit) = end.exit.clone() else {
+            return Err(ApiError::new(
+                ErrorCode::Internal,
+                "call record: an ended call without its exit",
+            ));
+        };
+        let dir = self.root.join(sandbox);
+        Ok(ExecResult {
+            stdout: read_output(&dir, end.seq, "stdout"),
+            stderr: read_output(&dir, end.seq, "stderr"),
+            exit,
+            oom_killed: end.oom_killed,
+        })
+    }
+
+    /// A page of `sandbox`'s call log.
+    pub(crate) fn log(&self, sandbox: &str, q: &CallLogQuery) -> Result<CallLog, ApiError> {
+        let dir = self.root.join(sandbox);
+        let path = dir.join(LOG_FILE);
+        let lines = match read_lines(&path) {
+            Ok(lines) => lines,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(io_error("read", &path, e)),
+        };
+        let mut records: Vec<CallRecord> = Vec::new();
+        let mut at: HashMap<u64, usize> = HashMap::new();
+        let after = q.after.unwrap_or(0);
+        for line in lines {
+            match line {
+                Line::Start(s) => {
+                    if s.seq <= after || q.request_id.as_ref().is_some_and(|r| *r != s.request_id) {
+                        continue;
+                    }
+                    at.insert(s.seq, records.len());
+                    records.push(CallRecord {
+                        seq: s.seq,
+                        request_id: s.request_id,
+                        kind: s.kind,
+                        args: s.args,
+                        started_at_ms: s.started_at_ms,
+                        ended_at_ms: None,
+                        state: CallState::Running,
+                        exit: None,
+                        oom_killed: false,
+                        error: None,
+                        output_dropped: false,
+                        stdout: None,
+                        stderr: None,
+                    });
+                }
+                Line::End(e) => {
+                    if let Some(r) = at.get(&e.seq).map(|i| &mut records[*i]) {
+                        r.ended_at_ms = Some(e.ended_at_ms);
+                        r.state = e.state;
+                        r.exit = e.exit;
+                        r.oom_killed = e.oom_killed;
+                        r.error = e.error;
+                    }
+                }
+                Line::Abandon { seq } => {
+                    if let Some(i) = at.remove(&seq) {
+                        records[i].seq = 0;
+                    }
+                }
+                Line::Dropped { seq } => {
+                    if let Some(r) = at.get(&seq).map(|i| &mut records[*i]) {
+                        r.output_dropped = true;
+                    }
+                }
+            }
+        }
+        records.retain(|r| r.seq != 0);
+        let limit = q.limit.unwrap_or(CALL_LOG_PAGE).clamp(1, CALL_LOG_MAX_PAGE) as usize;
+        let more = records.len() > limit;
+        records.truncate(limit);
+        if q.output {
+            for r in &mut records {
+                if r.state == CallState::Done && !r.output_dropped {
+                    r.stdout = Some(read_output(&dir, r.seq, "stdout"));
+                    r.stderr = Some(read_output(&dir, r.seq, "stderr"));
+                }
+            }
+        }
+        Ok(CallLog {
+            next_after: if more {
+                records.last().map(|r| r.seq)
+            } else {
+                None
+            },
+            calls: records,
+        })
+    }
+
+    /// Forgets `sandbox`'s record (it was destroyed).
+    pub(crate) fn forget(&self, sandbox: &str) {
+        let removed = {
+            let mut inner = self.lock();
+            let removed = inner.sandboxes.remove(sandbox);
+            if let Some(calls) = &removed {
+                for rid in calls.slots.keys() {
+                    inner.owners.remove(rid);
+                }
+            }
+            removed
+        };
+        // Waiters see their call's sender go: the sandbox is gone.
+        drop(removed);
+        let dir = self.root.join(sandbox);
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(path = %dir.display(), error = %e, "removing a call record");
+            }
+        }
+    }
+}
+
+fn read_output(dir: &Path, seq: u64, stream: &str) -> String {
+    std::fs::read(output_path(dir, seq, stream))
+        .map(lossy_text)
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exec_result(out: &str, code: i32) -> ExecResult {
+        ExecResult {
+            stdout: out.into(),
+            stderr: String::new(),
+            exit: ExitInfo {
+                exit_code: Some(code),
+                stdout_bytes: out.len() as u64,
+                ..ExitInfo::default()
+            },
+            oom_killed: false,
+        }
+    }
+
+    fn begin(j: &CallJournal, sb: &str, rid: &str, digest: &str) -> Result<Begin, ApiError> {
+        j.begin(sb, rid, "exec", digest.into(), serde_json::json!({}), 0)
+    }
+
+    #[test]
+    fn a_retry_finds_the_call_and_a_reopened_journal_keeps_it() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let keep: HashSet<String> = ["sb-1".to_string()].into();
+        let (j, pending) = CallJournal::open(tmp.path(), &keep).expect("open");
+        assert!(pending.is_empty());
+        let Begin::New(t) = begin(&j, "sb-1", "r1", "d1").expect("begin") else {
+            panic!("a new call");
+        };
+        let Begin::New(t2) = begin(&j, "sb-1", "r2", "d2").expect("begin") else {
+            panic!("a new call");
+        };
+        // Same id, other body: conflict; same id on another sandbox: conflict.
+        let e = begin(&j, "sb-1", "r1", "other").expect_err("conflict");
+        assert_eq!(e.code, ErrorCode::Conflict);
+        let e = begin(&j, "sb-2", "r1", "d1").expect_err("conflict");
+        assert_eq!(e.code, ErrorCode::Conflict);
+        j.end(&t, &Ok(exec_result("done\n", 0)));
+        let Begin::Known { ended, .. } = begin(&j, "sb-1", "r1", "d1").expect("retry") else {
+            panic!("a known call");
+        };
+        let end = ended.borrow().clone().expect("ended");
+        let r = j.result("sb-1", &end).expect("result");
+        assert_eq!(r.stdout, "done\n");
+        drop(j);
+
+        // A cut-off last line (a crash mid-append) is dropped; r2 is still running.
+        let log = tmp.path().join(CALLS_DIR).join("sb-1").join(LOG_FILE);
+        let mut f = OpenOptions::new().append(true).open(&log).expect("log");
+        f.write_all(b"{\"line\":\"end\",\"se").expect("write");
+        drop(f);
+        let (j, pending) = CallJournal::open(tmp.path(), &keep).expect("reopen");
+        assert_eq!(pending.len(), 1);
+        assert_eq!(pending[0].start.request_id, "r2");
+        let Begin::Known { ended, .. } = begin(&j, "sb-1", "r1", "d1").expect("retry") else {
+            panic!("a known call");
+        };
+        let end = ended.borrow().clone().expect("ended");
+        assert_eq!(j.result("sb-1", &end).expect("result").stdout, "done\n");
+        j.end(&t2, &Ok(exec_result("", 3)));
+        let log = j.log("sb-1", &CallLogQuery::default()).expect("log");
+        let ids: Vec<_> = log.calls.iter().map(|c| c.request_id.as_str()).collect();
+        assert_eq!(ids, ["r1", "r2"]);
+        assert_eq!(
+            log.calls[1].exit.as_ref().and_then(|e| e.exit_code),
+            Some(3)
+        );
+        let page = j
+            .log(
+                "sb-1",
+                &CallLogQuery {
+                    limit: Some(1),
+                    output: true,
+                    ..CallLogQuery::default()
+                },
+            )
+            .expect("page");
+        assert_eq!(page.calls.len(), 1);
+        assert_eq!(page.next_after, Some(1));
+        assert_eq!(page.calls[0].stdout.as_deref(), Some("done\n"));
+
+        // A sandbox not kept loses its record; a forgotten one frees its ids.
+        j.forget("sb-1");
+        assert!(matches!(begin(&j, "sb-2", "r1", "d1"), Ok(Begin::New(_))));
+        drop(j);
+        let (_j, pending) = CallJournal::open(tmp.path(), &HashSet::new()).expect("reopen");
+        assert!(pending.is_empty());
+        assert!(!tmp.path().join(CALLS_DIR).join("sb-2").exists());
+    }
+
+    #[test]
+    fn an_abandoned_call_runs_again_on_retry() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let (j, _) = CallJournal::open(tmp.path(), &HashSet::new()).expect("open");
+        let Begin::New(t) = begin(&j, "sb", "r", "d").expect("begin") else {
+            panic!("new");
+        };
+        j.abandon(&t, &ApiError::new(ErrorCode::AgentUnavailable, "down"));
+        assert!(matches!(begin(&j, "sb", "r", "d"), Ok(Begin::New(_))));
+    }
+}
