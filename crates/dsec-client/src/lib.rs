@@ -441,6 +441,15 @@ impl Client {
         Ok(ndjson::events(resp))
     }
 
+    /// `POST /v1/sandboxes/{id}/fork`: `req.count` sandboxes with its files.
+    pub async fn fork_sandbox(
+        &self,
+        id: &str,
+        req: &dsec_wire::v1::ForkRequest,
+    ) -> Result<dsec_wire::v1::ForkResult, ClientError> {
+        Self::json(self.post(&["sandboxes", id, "fork"], req)).await
+    }
+
     /// `GET /v1/sandboxes/{id}/log`: a page of the calls that carried a request id.
     pub async fn call_log(
         &self,

@@ -18,12 +18,12 @@ use dsec_wire::v1::{
     Batch, BatchList, BatchSpec, BuildEvent, BuildRequest, BuildResult, CallLog, CallLogQuery,
     ClusterNode, ClusterNodeList, CommitRequest, CreateSandboxRequest, CreateSessionRequest,
     DockerfileBuildRequest, ExecRequest, ExecResult, FileInfo, FileList, FnCallRequest,
-    FnCallResponse, GcRequest, GcResult, Health, Image, ImageList, ImportEvent, ImportImageRequest,
-    InputObject, JobResult, LayerStatsList, Manifest, MkdirRequest, NetworkPolicy, PauseResult,
-    Pool, PoolList, PoolSpec, PoolUpdate, ProcessInfo, ProcessList, PtySize, PullImageRequest,
-    QueueStatus, RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList, SessionResult,
-    SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest,
-    TaskList, TaskListQuery, WriteResult,
+    FnCallResponse, ForkRequest, ForkResult, GcRequest, GcResult, Health, Image, ImageList,
+    ImportEvent, ImportImageRequest, InputObject, JobResult, LayerStatsList, Manifest,
+    MkdirRequest, NetworkPolicy, PauseResult, Pool, PoolList, PoolSpec, PoolUpdate, ProcessInfo,
+    ProcessList, PtySize, PullImageRequest, QueueStatus, RenameRequest, Sandbox, SandboxList,
+    SessionInfo, SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
+    StartProcessRequest, StdinRequest, TaskList, TaskListQuery, WriteResult,
 };
 use dsec_wire::{ApiError, ErrorCode};
 use futures::stream::BoxStream;
@@ -195,6 +195,19 @@ pub trait SandboxApi: Send + Sync + 'static {
         id: &str,
         req: CommitRequest,
     ) -> ApiResult<Image>;
+    /// `POST /v1/sandboxes/{id}/fork`: `count` sandboxes with its files (see
+    /// [`ForkRequest`]).
+    async fn fork_sandbox(
+        &self,
+        _caller: &Principal,
+        _id: &str,
+        _req: ForkRequest,
+    ) -> ApiResult<ForkResult> {
+        Err(ApiError::new(
+            ErrorCode::BadRequest,
+            "this server cannot fork sandboxes",
+        ))
+    }
     /// `POST /v1/jobs/{job}/suspend`: pauses every sandbox labelled `job=<job>` and stops
     /// their lifetimes. Idempotent; reports each sandbox's outcome.
     async fn suspend_job(&self, caller: &Principal, job: &str) -> ApiResult<JobResult>;

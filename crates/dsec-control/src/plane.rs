@@ -34,6 +34,7 @@ use crate::validate;
 mod batches;
 mod calls;
 mod fncall;
+mod fork;
 mod idempotency;
 mod images;
 mod jobs;
@@ -564,7 +565,8 @@ impl SandboxApi for ControlPlane {
         req: CreateSandboxRequest,
     ) -> ApiResult<Sandbox> {
         // Labels the server sets, and what sets them.
-        const RESERVED: [(&str, &str); 5] = [
+        const RESERVED: [(&str, &str); 6] = [
+            (FORK_OF_LABEL, "forks"),
             (POOL_LABEL, "warm pools"),
             (POOL_ORIGIN_LABEL, "warm pools"),
             (FNCALL_LABEL, "warm pools"),
@@ -698,6 +700,20 @@ impl SandboxApi for ControlPlane {
         self.owned(caller, id).await?;
         let id = id.to_string();
         self.to_end(move |me| async move { me.delete_sandbox_to_end(&id).await })
+            .await
+    }
+
+    async fn fork_sandbox(
+        &self,
+        caller: &Principal,
+        id: &str,
+        req: ForkRequest,
+    ) -> ApiResult<ForkResult> {
+        self.owned(caller, id).await?;
+        // The capture is an image, as a commit's.
+        caller.require(dsec_iam::Scope::Images)?;
+        let (id, tenant) = (id.to_string(), caller.tenant.clone());
+        self.to_end(move |me| async move { me.fork_sandbox_to_end(&tenant, &id, req).await })
             .await
     }
 

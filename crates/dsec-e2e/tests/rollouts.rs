@@ -281,3 +281,126 @@ async fn a_call_survives_a_kill_9_of_the_server_and_its_retry_runs_nothing() {
         .expect_err("gone");
     assert_eq!(e.code(), Some(ErrorCode::NotFound), "{e}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fork_into_8_shares_one_captured_layer_and_keeps_writes_apart() {
+    if !require_root() {
+        return;
+    }
+    let s = Server::shared("rollouts");
+    let c = s.client();
+    let src = c
+        .create_sandbox(CreateSandboxRequest {
+            env: [("ROLLOUT".to_string(), "base".to_string())].into(),
+            workdir: Some("/tmp".into()),
+            labels: [("task".to_string(), "t1".to_string())].into(),
+            ..CreateSandboxRequest::default()
+        })
+        .await
+        .expect("create");
+    // The prepared state: a repository and 8 MiB of dependencies.
+    let r = c
+        .exec(
+            &src.id,
+            sh("mkdir -p /work/repo && echo hello > /work/repo/a \
+                && dd if=/dev/urandom of=/work/repo/blob bs=1M count=8 status=none \
+                && sha256sum /work/repo/blob > /work/sum && echo ok"),
+        )
+        .await
+        .expect("setup");
+    assert_eq!(r.stdout, "ok\n", "{}", r.stderr);
+
+    let e = c
+        .fork_sandbox(&src.id, &ForkRequest::default())
+        .await
+        .expect_err("count 0");
+    assert_eq!(e.code(), Some(ErrorCode::BadRequest), "{e}");
+    let e = c
+        .fork_sandbox(
+            &src.id,
+            &ForkRequest {
+                count: MAX_FORKS + 1,
+                ..ForkRequest::default()
+            },
+        )
+        .await
+        .expect_err("too many");
+    assert_eq!(e.code(), Some(ErrorCode::BadRequest), "{e}");
+
+    // The layer store: what a capture adds to the node.
+    let layers = s.state_dir.join("images");
+    let before = dsec_e2e::dir_bytes(&layers);
+    let forked = c
+        .fork_sandbox(
+            &src.id,
+            &ForkRequest {
+                count: 8,
+                ..ForkRequest::default()
+            },
+        )
+        .await
+        .expect("fork");
+    let grown = dsec_e2e::dir_bytes(&layers).saturating_sub(before);
+    assert_eq!(forked.sandboxes.len(), 8);
+    // Captured once: 8 copies would be 64 MiB.
+    assert!(grown < 24 << 20, "the layer store grew {grown} bytes");
+    assert!(forked.captured_layer.is_some());
+    for f in &forked.sandboxes {
+        assert_eq!(f.image, forked.image);
+        assert_eq!(f.labels.get("task").map(String::as_str), Some("t1"));
+        assert_eq!(
+            f.labels.get(FORK_OF_LABEL).map(String::as_str),
+            Some(src.id.as_str())
+        );
+        let r = c
+            .exec(
+                &f.id,
+                sh("cat /work/repo/a; sha256sum -c /work/sum >/dev/null && echo ok; echo $ROLLOUT; pwd"),
+            )
+            .await
+            .expect("exec in a fork");
+        assert_eq!(r.stdout, "hello\nok\nbase\n/tmp\n", "{}", r.stderr);
+    }
+    let ids: Vec<String> = forked.sandboxes.iter().map(|f| f.id.clone()).collect();
+    // A write in one fork is the fork's alone.
+    c.exec(&ids[0], sh("echo mine > /work/repo/a"))
+        .await
+        .expect("write");
+    for id in [&ids[1], &src.id] {
+        let r = c.exec(id, sh("cat /work/repo/a")).await.expect("read");
+        assert_eq!(r.stdout, "hello\n", "{id}");
+    }
+    // The source goes; its forks keep working.
+    c.delete_sandbox(&src.id).await.expect("delete the source");
+    let r = c
+        .exec(&ids[2], sh("cat /work/repo/a"))
+        .await
+        .expect("fork after the source went");
+    assert_eq!(r.stdout, "hello\n");
+    // Forks of forks carry both captures.
+    c.exec(&ids[3], sh("echo three > /work/f3"))
+        .await
+        .expect("write");
+    let grand = c
+        .fork_sandbox(
+            &ids[3],
+            &ForkRequest {
+                count: 2,
+                env: [("ROLLOUT".to_string(), "grand".to_string())].into(),
+                ..ForkRequest::default()
+            },
+        )
+        .await
+        .expect("fork of a fork");
+    for g in &grand.sandboxes {
+        let r = c
+            .exec(&g.id, sh("cat /work/repo/a /work/f3; echo $ROLLOUT"))
+            .await
+            .expect("exec");
+        assert_eq!(r.stdout, "hello\nthree\ngrand\n");
+        c.delete_sandbox(&g.id).await.expect("delete");
+    }
+    for id in &ids {
+        c.delete_sandbox(id).await.expect("delete");
+    }
+}

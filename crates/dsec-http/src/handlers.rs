@@ -573,6 +573,15 @@ pub async fn exec_stream(
     Ok(ndjson(api.exec_stream(&id, req).await?))
 }
 
+/// `POST /v1/sandboxes/{id}/fork`.
+pub async fn fork_sandbox(
+    api: Api,
+    Path(id): Path<String>,
+    Json(req): Json<dsec_wire::v1::ForkRequest>,
+) -> HttpResult<Response> {
+    Ok(created(api.fork_sandbox(&id, req).await?))
+}
+
 /// `GET /v1/sandboxes/{id}/log?after=&limit=&output=&request_id=`.
 pub async fn call_log(
     api: Api,

@@ -139,6 +139,7 @@ pub fn router_with(api: Arc<dyn SandboxApi>, opts: HttpOptions) -> Router {
         .route("/sandboxes/{id}/exec", post(h::exec))
         .route("/sandboxes/{id}/exec/stream", post(h::exec_stream))
         .route("/sandboxes/{id}/log", get(h::call_log))
+        .route("/sandboxes/{id}/fork", post(h::fork_sandbox))
         .route(
             "/sandboxes/{id}/sessions",
             post(h::create_session).get(h::list_sessions),

@@ -249,6 +249,15 @@ impl Scoped {
         self.api.exec_stream(&self.caller, id, req).await
     }
 
+    /// [`SandboxApi::fork_sandbox`] as this caller.
+    pub async fn fork_sandbox(
+        &self,
+        id: &str,
+        req: dsec_wire::v1::ForkRequest,
+    ) -> ApiResult<dsec_wire::v1::ForkResult> {
+        self.api.fork_sandbox(&self.caller, id, req).await
+    }
+
     /// [`SandboxApi::call_log`] as this caller.
     pub async fn call_log(
         &self,

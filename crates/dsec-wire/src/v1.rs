@@ -879,6 +879,56 @@ pub struct CommitRequest {
     pub name: String,
 }
 
+/// `POST /v1/sandboxes/{id}/fork`: `count` new sandboxes whose files equal the source's
+/// at the moment of the call. The source's changes are captured once, as a layer all
+/// forks share read-only (the source is frozen meanwhile and then runs on); its env,
+/// workdir, user, resources, network and file policy, isolation and QoS carry over
+/// unless overridden here. Processes do not carry over: a container fork starts with
+/// none (no checkpoint/restore here).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForkRequest {
+    /// How many, 1 to [`MAX_FORKS`] (and within the tenant's quota).
+    pub count: u32,
+    /// Labels of the forks; default: the source's (without the server's own).
+    #[serde(default)]
+    pub labels: Option<BTreeMap<String, String>>,
+    /// Environment variables added to (or replacing) the source's.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Working directory; default: the source's.
+    #[serde(default)]
+    pub workdir: Option<String>,
+    /// Default user of commands; default: the source's.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Lifetime of each fork in seconds; default [`DEFAULT_TIMEOUT_S`].
+    #[serde(default)]
+    pub timeout_s: Option<u64>,
+    /// Resource limits; unset fields take the source's.
+    #[serde(default)]
+    pub resources: Resources,
+}
+
+/// Most forks one call makes.
+pub const MAX_FORKS: u32 = 256;
+
+/// Label the server sets on a fork: the id of the sandbox it was forked from.
+pub const FORK_OF_LABEL: &str = "dsec-fork-of";
+
+/// Answer to [`ForkRequest`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ForkResult {
+    /// The forks, ready.
+    pub sandboxes: Vec<Sandbox>,
+    /// The image the forks were made from: the source's layers and the captured one.
+    pub image: String,
+    /// The captured layer (the source's changes since its create or last commit);
+    /// `None` when nothing had changed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub captured_layer: Option<String>,
+}
+
 /// Label that names a sandbox's job.
 pub const JOB_LABEL: &str = "job";
 

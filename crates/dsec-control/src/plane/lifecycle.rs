@@ -332,7 +332,7 @@ impl ControlPlane {
             }
             (None, false) => self
                 .records
-                .insert(&sb, None, charge)
+                .insert(&sb, None, charge, &launch_of(&req))
                 .await
                 .map_err(records::InsertError::into_api)?,
             (None, true) => {}
@@ -436,7 +436,11 @@ impl ControlPlane {
         req: &CreateSandboxRequest,
     ) -> ApiResult<Option<Sandbox>> {
         for _ in 0..=MAX_TAKEOVERS {
-            match self.records.insert(sb, claim.clone(), charge).await {
+            match self
+                .records
+                .insert(sb, claim.clone(), charge, &launch_of(req))
+                .await
+            {
                 Ok(()) => return Ok(None),
                 Err(records::InsertError::KeyTaken(first)) => {
                     if let Some(found) = self.first_attempt(&first, req).await? {
@@ -463,7 +467,11 @@ impl ControlPlane {
     ) -> ApiResult<Sandbox> {
         let mut answer = Err(key_contended(req));
         for _ in 0..=MAX_TAKEOVERS {
-            match self.records.insert(&sb, claim.clone(), charge).await {
+            match self
+                .records
+                .insert(&sb, claim.clone(), charge, &launch_of(req))
+                .await
+            {
                 Ok(()) => {
                     placed.linger(&sb.id);
                     return Ok(sb);
@@ -715,5 +723,14 @@ pub(super) fn node_lifetime(sb: &Sandbox, now: u64, held: bool) -> dsec_node_api
         ttl_ms: Some(sb.expires_at.saturating_sub(now)),
         idle_timeout_ms: sb.idle_timeout_s.map(|s| s.saturating_mul(1000)),
         held,
+    }
+}
+
+/// What a create asks for that its record does not show, kept for its forks.
+fn launch_of(req: &CreateSandboxRequest) -> records::Launch {
+    records::Launch {
+        env: req.env.clone(),
+        workdir: req.workdir.clone(),
+        user: req.user.clone(),
     }
 }

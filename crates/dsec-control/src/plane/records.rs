@@ -19,7 +19,7 @@
 //! Activity (`last_active_at`) is kept here only (a write per call would cost too much):
 //! the cache keeps the newest it saw, and writes carry it when something else changes.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -34,6 +34,10 @@ use super::{internal, store_err, NS_SANDBOXES, NS_TOMBSTONES};
 
 /// Namespace of idempotency keys: hash of the key -> [`IdemEntry`].
 pub(super) const NS_IDEMPOTENCY: &str = "idempotency";
+/// Namespace of what a create asked for beyond its record (the request's env, workdir
+/// and user, for forks): sandbox id -> [`Launch`]. Written with the record (only when
+/// there is something to keep), deleted with it; never shown to clients.
+const NS_LAUNCH: &str = "launch";
 /// Namespace of creates in flight: sandbox id -> the replica making it, on that
 /// replica's lease (gone when the replica is).
 const NS_CREATING: &str = "creating";
@@ -55,6 +59,25 @@ struct Record {
     /// absent in records written before quotas existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     charged: Option<Usage>,
+}
+
+/// What a sandbox's create asked for that its record does not show: a fork of it asks
+/// for the same.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(super) struct Launch {
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+}
+
+impl Launch {
+    /// Whether there is nothing to keep.
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 /// Why a removed sandbox is gone (`expired` answers name it).
@@ -702,6 +725,7 @@ impl Records {
         sb: &Sandbox,
         key: Option<(&str, IdemEntry)>,
         charge: Usage,
+        launch: &Launch,
     ) -> Result<(), InsertError> {
         // A tenant without quotas (as this replica's cache has it: a quota set elsewhere
         // a moment ago may be missed for that moment) is not charged: its creates neither
@@ -721,6 +745,14 @@ impl Records {
                 lease: None,
             }],
         };
+        if !launch.is_empty() {
+            base.ops.push(Op::Put {
+                ns: NS_LAUNCH.into(),
+                key: sb.id.clone(),
+                value: serde_json::to_vec(launch).map_err(|e| InsertError::Store(internal(e)))?,
+                lease: None,
+            });
+        }
         // A record stored `creating` is claimed while its create runs (one stored `ready`
         // is made already).
         if let Some(lease) = self
@@ -961,7 +993,10 @@ impl Records {
     /// tenant's quotas; with a tombstone, remembers why. Removing a record that is gone
     /// already changes nothing (and gives nothing back twice).
     pub async fn remove(&self, sb: &Sandbox, tombstone: Option<Tombstone>) -> ApiResult<()> {
-        let mut leftovers = Vec::new();
+        let mut leftovers = vec![Op::Delete {
+            ns: NS_LAUNCH.into(),
+            key: sb.id.clone(),
+        }];
         if self.lease.is_some() {
             leftovers.push(Op::Delete {
                 ns: NS_CREATING.into(),
@@ -1077,6 +1112,14 @@ impl Records {
     async fn stored(&self, id: &str) -> ApiResult<Option<(Revision, Option<Usage>)>> {
         let entry = self.store.get(NS_SANDBOXES, id).await.map_err(store_err)?;
         Ok(entry.map(|e| (e.rev, decode(&e).and_then(|(_, c)| c))))
+    }
+
+    /// What sandbox `id`'s create asked for beyond its record (empty when nothing).
+    pub async fn launch(&self, id: &str) -> ApiResult<Launch> {
+        match self.store.get(NS_LAUNCH, id).await.map_err(store_err)? {
+            Some(e) => serde_json::from_slice(&e.value).map_err(internal),
+            None => Ok(Launch::default()),
+        }
     }
 
     /// Why `id` was removed, if a tombstone says.
