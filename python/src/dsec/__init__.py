@@ -39,6 +39,8 @@ from .errors import (
     Unauthorized,
 )
 from .models import (
+    CallLog,
+    CallRecord,
     Network,
     EndEvent,
     ErrorEvent,
@@ -113,6 +115,8 @@ __all__ = [
     "JobResult",
     "JobSandboxOutcome",
     "ExecResult",
+    "CallRecord",
+    "CallLog",
     "ExecEvent",
     "StartedEvent",
     "StdoutEvent",

@@ -70,6 +70,12 @@ class Client:
         create_retries: How many times :meth:`create_sandbox` retries after a connection
             error, a ``capacity`` or an ``unavailable`` answer (exponential backoff from 0.5 s, at most 8 s
             between attempts, with jitter). 0 disables retries.
+        record_calls: Give every exec a request id unless it has one (``True``, the
+            default): the server then runs it once, whatever the retries, and lists it in
+            the sandbox's call log (:meth:`Sandbox.log`).
+        call_retries: How many times an exec with a request id is sent again after a
+            connection error (the same id: the retry attaches to the first, or gets its
+            result; nothing runs twice). 0 disables retries.
 
     The client is thread-safe (a pool of keep-alive connections, see
     :mod:`dsec.transport`) and a context manager.
@@ -82,12 +88,16 @@ class Client:
         *,
         timeout: float = 120.0,
         create_retries: int = 5,
+        record_calls: bool = True,
+        call_retries: int = 5,
     ) -> None:
         self.urls = split_urls(url or os.environ.get("DSEC_URL") or DEFAULT_URL)
         self.url = self.urls[0]
         self.api_key = api_key if api_key is not None else _api_key_from_env()
         self.timeout = timeout
         self.create_retries = create_retries
+        self.record_calls = record_calls
+        self.call_retries = call_retries
         headers = {API_KEY_HEADER: self.api_key} if self.api_key else {}
         self._http = FailoverTransport([u + "/v1" for u in self.urls], headers, timeout)
 
@@ -495,6 +505,11 @@ class Client:
     def resume_job(self, job: str) -> JobResult:
         """``POST /v1/jobs/{job}/resume``."""
         return JobResult.model_validate(self._json("POST", f"/jobs/{_seg(job)}/resume", timeout=None))
+
+    def retry_delay(self, attempt: int) -> None:
+        """Sleeps before retry ``attempt`` (0-based): exponential from 0.5 s, at most 8 s,
+        with jitter."""
+        time.sleep(min(8.0, 0.5 * (2**attempt)) * (0.5 + random.random() / 2))
 
     # ------------------------------------------------------------ streams
 

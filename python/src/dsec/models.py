@@ -167,6 +167,38 @@ class ExecResult(_Response):
         return self.exit_code == 0
 
 
+class CallRecord(_Response):
+    """One call of a sandbox's call log: a call that carried a request id."""
+
+    seq: int
+    """Its place in the log, from 1."""
+    request_id: str
+    kind: str
+    """What it was: ``exec``."""
+    args: Dict[str, Any] = Field(default_factory=dict)
+    """Its arguments as the node ran them (stdin as ``stdin_bytes``, its length)."""
+    started_at_ms: int
+    ended_at_ms: Optional[int] = None
+    state: str
+    """``running``, ``done`` or ``lost`` (its outcome could not be learnt)."""
+    exit: Optional[Dict[str, Any]] = None
+    """How its command ended: ``exit_code``, ``signal``, ``duration_ms``, byte counts."""
+    oom_killed: bool = False
+    error: Optional[Dict[str, Any]] = None
+    output_dropped: bool = False
+    stdout: Optional[str] = None
+    """Its kept stdout, when the log was read with ``output=True``."""
+    stderr: Optional[str] = None
+
+
+class CallLog(_Response):
+    """A page of a sandbox's call log, oldest first."""
+
+    calls: List[CallRecord] = Field(default_factory=list)
+    next_after: Optional[int] = None
+    """Pass as ``after`` for the next page; ``None`` on the last."""
+
+
 class StartedEvent(_Response):
     """The process started."""
 

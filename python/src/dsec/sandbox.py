@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import IO, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .client import Client, _seg, default_client
-from .errors import Expired, NotFound
+from .errors import ConnectionFailed, Expired, NotFound
 from .models import (
+    CallLog,
+    CallRecord,
     ExecResult,
     ExitEvent,
     FileInfo,
@@ -337,6 +340,12 @@ class Sandbox:
             body["output_limit"] = int(output_limit)
         return body
 
+    def _request_id(self, request_id: Optional[str]) -> Optional[str]:
+        if request_id is None and self.client.record_calls:
+            # Unique, and never another sandbox's: ids name one call on one sandbox.
+            return f"{self.id}.{uuid.uuid4().hex}"
+        return request_id
+
     def exec(
         self,
         cmd: Command,
@@ -347,6 +356,7 @@ class Sandbox:
         *,
         output_limit: Optional[int] = None,
         user: Optional[str] = None,
+        request_id: Optional[str] = None,
     ) -> ExecResult:
         """Runs a command to completion.
 
@@ -358,12 +368,30 @@ class Sandbox:
             timeout: Kill the process tree after this many seconds (``timed_out`` is set).
             output_limit: Cap on recorded output per stream, bytes.
             user: Run as this user (a name in the sandbox, or ``"UID[:GID]"``).
+            request_id: The call's id (at most 256 bytes): the server runs it once, a
+                retry with the same id gets its result (or waits for it), and a different
+                call with the id is refused (:class:`Conflict`). Default: a fresh one,
+                unless the client's ``record_calls`` is off. A connection lost meanwhile
+                is retried with it (``call_retries``), safely.
 
         A non-zero exit is not an exception: check ``result.exit_code`` / ``result.ok``.
         """
         body = self._exec_body(cmd, env, cwd, stdin, timeout, output_limit, user)
-        data = self.client._json("POST", f"{self._base}/exec", json_body=body, timeout=Client._exec_timeout(timeout))
-        return ExecResult.model_validate(data)
+        rid = self._request_id(request_id)
+        if rid is not None:
+            body["request_id"] = rid
+        attempt = 0
+        while True:
+            try:
+                data = self.client._json(
+                    "POST", f"{self._base}/exec", json_body=body, timeout=Client._exec_timeout(timeout)
+                )
+                return ExecResult.model_validate(data)
+            except ConnectionFailed:
+                if rid is None or attempt >= self.client.call_retries:
+                    raise
+                self.client.retry_delay(attempt)
+                attempt += 1
 
     def exec_stream(
         self,
@@ -375,12 +403,128 @@ class Sandbox:
         *,
         output_limit: Optional[int] = None,
         user: Optional[str] = None,
+        request_id: Optional[str] = None,
     ) -> Iterator[Any]:
         """Runs a command and yields its events as they happen: :class:`StartedEvent`,
         :class:`StdoutEvent` / :class:`StderrEvent` chunks, and a final :class:`ExitEvent`.
-        Arguments as for :meth:`exec`. An ``error`` event is raised as a :class:`DsecError`."""
+        Arguments as for :meth:`exec`. An ``error`` event is raised as a :class:`DsecError`.
+
+        With a request id (the default), a connection lost mid-stream is retried: the retry
+        attaches to the same command and the output already yielded is not repeated."""
         body = self._exec_body(cmd, env, cwd, stdin, timeout, output_limit, user)
-        return self.client.stream_events(f"{self._base}/exec/stream", body, timeout)
+        rid = self._request_id(request_id)
+        if rid is None:
+            return self.client.stream_events(f"{self._base}/exec/stream", body, timeout)
+        body["request_id"] = rid
+        return self._attached_stream(body, timeout)
+
+    def _attached_stream(self, body: Dict[str, Any], timeout: Optional[float]) -> Iterator[Any]:
+        """Events of a recorded exec, attaching again after a lost connection and skipping
+        what was yielded before (a retry streams from the command's first byte)."""
+        seen = {"stdout": 0, "stderr": 0}
+        started = False
+        attempt = 0
+        while True:
+            # What this attempt still has to skip, per stream.
+            skip = dict(seen)
+            try:
+                for ev in self.client.stream_events(f"{self._base}/exec/stream", body, timeout):
+                    if isinstance(ev, (StdoutEvent, StderrEvent)):
+                        kind = "stdout" if isinstance(ev, StdoutEvent) else "stderr"
+                        if skip[kind] >= len(ev.data):
+                            skip[kind] -= len(ev.data)
+                            continue
+                        if skip[kind]:
+                            ev = ev.model_copy(update={"data": ev.data[skip[kind]:]})
+                            skip[kind] = 0
+                        seen[kind] += len(ev.data)
+                    elif not isinstance(ev, ExitEvent):
+                        if started:
+                            continue
+                        started = True
+                    yield ev
+                return
+            except ConnectionFailed:
+                if attempt >= self.client.call_retries:
+                    raise
+                self.client.retry_delay(attempt)
+                attempt += 1
+
+    def replay(self, steps: Iterable[Mapping[str, Any]]) -> List[ExecResult]:
+        """Re-issues a trajectory's execs, in order, each with its ``request_id``: a call
+        that ran already answers its recorded result without running again, one still
+        running is waited for, one that never reached the server runs now. Each step is
+        the keyword arguments of :meth:`exec` (``cmd`` and ``request_id`` required)."""
+        results = []
+        for step in steps:
+            step = dict(step)
+            if not step.get("request_id"):
+                raise ValueError(f"replay step without a request_id: {step!r}")
+            cmd = step.pop("cmd")
+            results.append(self.exec(cmd, **step))
+        return results
+
+    def log(
+        self,
+        after: Optional[int] = None,
+        limit: Optional[int] = None,
+        output: bool = False,
+        request_id: Optional[str] = None,
+    ) -> CallLog:
+        """``GET /v1/sandboxes/{id}/log``: a page of the calls that carried a request id,
+        oldest first, with their arguments, times and exits (and kept output with
+        ``output=True``)."""
+        params: List[Tuple[str, str]] = []
+        if after is not None:
+            params.append(("after", str(after)))
+        if limit is not None:
+            params.append(("limit", str(limit)))
+        if output:
+            params.append(("output", "true"))
+        if request_id is not None:
+            params.append(("request_id", request_id))
+        return CallLog.model_validate(self.client._json("GET", f"{self._base}/log", params=params))
+
+    def calls(self, output: bool = False) -> List[CallRecord]:
+        """Every recorded call, all pages (what a trainer needs to rebuild its trajectory)."""
+        out: List[CallRecord] = []
+        after: Optional[int] = None
+        while True:
+            page = self.log(after=after, limit=1000, output=output)
+            out.extend(page.calls)
+            if page.next_after is None:
+                return out
+            after = page.next_after
+
+    def fork(
+        self,
+        count: int,
+        *,
+        labels: Optional[Mapping[str, str]] = None,
+        env: Optional[Mapping[str, str]] = None,
+        workdir: Optional[str] = None,
+        user: Optional[str] = None,
+        timeout: Optional[int] = None,
+        resources: Optional[Mapping[str, Any]] = None,
+    ) -> List["Sandbox"]:
+        """``POST /v1/sandboxes/{id}/fork``: ``count`` new sandboxes whose files equal this
+        one's now (captured once, shared by all; this one keeps running). Env, workdir,
+        user, resources and policies carry over unless given here; processes do not."""
+        body: Dict[str, Any] = {"count": int(count)}
+        if labels is not None:
+            body["labels"] = dict(labels)
+        if env:
+            body["env"] = dict(env)
+        if workdir is not None:
+            body["workdir"] = workdir
+        if user is not None:
+            body["user"] = user
+        if timeout is not None:
+            body["timeout_s"] = int(timeout)
+        if resources:
+            body["resources"] = dict(resources)
+        data = self.client._json("POST", f"{self._base}/fork", json_body=body, timeout=None)
+        return [Sandbox(self.client, SandboxInfo.model_validate(sb)) for sb in data["sandboxes"]]
 
     # ------------------------------------------------------------ sessions
 

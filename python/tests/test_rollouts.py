@@ -1,0 +1,74 @@
+"""RL rollouts through the SDK against a real server: a trainer process killed mid-exec
+and a retry that runs nothing twice, default request ids and the call log, replay of a
+trajectory, and fork of a prepared sandbox."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+import dsec
+
+APPEND = "sleep 2; echo done >> /root/f; echo done"
+
+
+def test_a_killed_trainer_retries_and_nothing_runs_twice(server, client: dsec.Client, sandbox: dsec.Sandbox) -> None:
+    # A real client process, killed mid-call: what a preempted trainer is.
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import dsec, sys; c = dsec.Client(sys.argv[1], sys.argv[2]);"
+            "dsec.Sandbox.connect(sys.argv[3], c).exec(sys.argv[4], request_id='step-1')",
+            server.url,
+            server.key,
+            sandbox.id,
+            APPEND,
+        ]
+    )
+    time.sleep(1.0)
+    trainer.kill()
+    trainer.wait()
+    r = sandbox.exec(APPEND, request_id="step-1")
+    assert (r.stdout, r.exit_code) == ("done\n", 0)
+    again = sandbox.exec(APPEND, request_id="step-1")
+    assert again.stdout == "done\n" and again.duration_ms == r.duration_ms
+    assert sandbox.exec("cat /root/f", request_id=None).stdout == "done\n"
+    with pytest.raises(dsec.Conflict):
+        sandbox.exec("echo something else", request_id="step-1")
+    with pytest.raises(dsec.BadRequest):
+        sandbox.exec("true", request_id="x" * 257)
+
+    # Every exec gets an id by default; the log lists them in order with their exits.
+    sandbox.exec("echo a")
+    sandbox.exec("exit 5")
+    calls = sandbox.calls(output=True)
+    assert [c.request_id for c in calls[:1]] == ["step-1"]
+    assert [c.exit["exit_code"] for c in calls] == [0, 0, 0, 5]
+    assert all(c.request_id.startswith(sandbox.id) for c in calls[1:])
+    assert calls[2].stdout == "a\n"
+    # Streams take ids too, and a trajectory replays without running again.
+    out = "".join(ev.data for ev in sandbox.exec_stream("echo s >> /root/f; echo s", request_id="s-1")
+                  if isinstance(ev, dsec.StdoutEvent))
+    assert out == "s\n"
+    steps = [{"cmd": APPEND, "request_id": "step-1"}, {"cmd": "echo s >> /root/f; echo s", "request_id": "s-1"}]
+    assert [r.stdout for r in sandbox.replay(steps)] == ["done\n", "s\n"]
+    assert sandbox.exec("cat /root/f").stdout == "done\ns\n"
+
+
+def test_fork_makes_sandboxes_with_the_prepared_files(sandbox: dsec.Sandbox) -> None:
+    sandbox.exec("mkdir -p /work && echo prepared > /work/state")
+    forks = sandbox.fork(3, env={"ROLLOUT": "g"})
+    try:
+        assert len(forks) == 3
+        for i, f in enumerate(forks):
+            assert f.exec("cat /work/state; echo $ROLLOUT").stdout == "prepared\ng\n"
+            f.exec(f"echo {i} > /work/state")
+        assert [f.exec("cat /work/state").stdout for f in forks] == ["0\n", "1\n", "2\n"]
+        assert sandbox.exec("cat /work/state").stdout == "prepared\n"
+    finally:
+        for f in forks:
+            f.kill()
