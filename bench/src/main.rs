@@ -34,6 +34,7 @@ mod plot;
 mod pools;
 mod provision;
 mod pull;
+mod rollouts;
 mod startup;
 
 /// Command line.
@@ -51,6 +52,7 @@ struct Args {
     json: Option<PathBuf>,
     /// Run only these sections (comma-separated): runtimes, exec (its exec table alone), network, concurrency,
     /// sustained, backlog, teardown, cpu, job, idle, idle-cpu, density, files, provision, burst, pools, fncall, autoscale,
+    /// rollouts (recording a call's outcome on exec; fork into 16 vs commit + creates),
     /// placement (simulated, needs neither root nor a server), control-plane (2 API servers
     /// over etcd and 100 simulated nodes; needs etcd, not root), registry-pull (a
     /// multi-layer pull from a local docker-registry, serial vs parallel layer downloads;
@@ -1433,6 +1435,16 @@ fn main() -> anyhow::Result<()> {
             let (claim, floor) = (rows[2].pct(50.0), rows[3].pct(50.0));
             let (rest, rest_floor) = (rows[4].pct(50.0), rows[5].pct(50.0));
             println!("\nserver time of a claim (claim p50 - health p50): {:.2} ms back to back while the pool refills, {:.2} ms on a node at rest (target <= 1 ms)", claim - floor, rest - rest_floor);
+        }
+        if want("rollouts") {
+            let rows = rollouts::record_overhead(&server, n).await?;
+            print_table("exec round trip with and without a recorded outcome", &rows, "exec true");
+            println!(
+                "\ntarget: recording costs <= 3% of exec p50: {:+.1}%",
+                (rows[1].pct(50.0) / rows[0].pct(50.0) - 1.0) * 100.0
+            );
+            let groups = rollouts::fork_vs_creates(&server, if args.quick { 1 } else { 3 }).await?;
+            rollouts::print_groups(&groups);
         }
         if want("autoscale") {
             let dir = dsec_e2e::target_dir().join("dsec-bench");

@@ -98,3 +98,24 @@ def test_remote_runtime_drives_a_dsec_sandbox(server, sandbox: dsec.Sandbox, tmp
 def test_swerex_front_needs_the_api_key(server, sandbox: dsec.Sandbox) -> None:
     rt = swerex_remote.RemoteRuntime(host=f"{server.url}/swerex/{sandbox.id}", port=None, auth_token="wrong")
     assert not asyncio.run(rt.is_alive()).is_alive
+
+
+def test_a_retried_swerex_execute_runs_once(server, sandbox: dsec.Sandbox) -> None:
+    # swe-rex sends one X-Request-ID with a call and all its retries (RemoteRuntime._request).
+    import json
+    import urllib.request
+
+    def execute() -> dict:
+        req = urllib.request.Request(
+            f"{server.url}/swerex/{sandbox.id}/execute",
+            data=json.dumps({"command": "echo x >> /root/swerex-f; wc -l < /root/swerex-f", "shell": True}).encode(),
+            headers={"Content-Type": "application/json", "X-API-Key": server.key, "X-Request-ID": "retry-1"},
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return json.loads(resp.read())
+
+    first, retry = execute(), execute()
+    assert first["stdout"].strip() == "1" and retry == first
+    assert sandbox.exec("wc -l < /root/swerex-f").stdout.strip() == "1"
+    assert [c.request_id for c in sandbox.calls()][:1] == ["swerex.retry-1"]

@@ -400,6 +400,45 @@ async fn a_fork_into_8_shares_one_captured_layer_and_keeps_writes_apart() {
         assert_eq!(r.stdout, "hello\nthree\ngrand\n");
         c.delete_sandbox(&g.id).await.expect("delete");
     }
+    // A capture whose image was deleted (and its layer collected) does not stop the next
+    // fork: that one captures everything since the create.
+    let once = c
+        .fork_sandbox(
+            &ids[4],
+            &ForkRequest {
+                count: 1,
+                ..ForkRequest::default()
+            },
+        )
+        .await
+        .expect("fork");
+    c.delete_sandbox(&once.sandboxes[0].id)
+        .await
+        .expect("delete");
+    c.delete_image(&once.image)
+        .await
+        .expect("delete the capture");
+    c.exec(&ids[4], sh("echo later > /work/later"))
+        .await
+        .expect("write");
+    let again = c
+        .fork_sandbox(
+            &ids[4],
+            &ForkRequest {
+                count: 1,
+                ..ForkRequest::default()
+            },
+        )
+        .await
+        .expect("fork after the capture went");
+    let r = c
+        .exec(&again.sandboxes[0].id, sh("cat /work/repo/a /work/later"))
+        .await
+        .expect("exec");
+    assert_eq!(r.stdout, "hello\nlater\n");
+    c.delete_sandbox(&again.sandboxes[0].id)
+        .await
+        .expect("delete");
     for id in &ids {
         c.delete_sandbox(id).await.expect("delete");
     }

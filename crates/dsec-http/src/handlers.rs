@@ -325,8 +325,24 @@ pub async fn get_sandbox(api: Api, Path(id): Path<String>) -> HttpResult<Respons
 }
 
 /// `DELETE /v1/sandboxes/{id}`.
-pub async fn delete_sandbox(api: Api, Path(id): Path<String>) -> HttpResult<Response> {
-    Ok(no_content(api.delete_sandbox(&id).await?))
+///
+/// With an `Idempotency-Key` (a retried delete), a sandbox that is gone already answers
+/// as the first delete did: the record of a delete goes with its sandbox.
+pub async fn delete_sandbox(
+    api: Api,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> HttpResult<Response> {
+    match api.delete_sandbox(&id).await {
+        Ok(()) => Ok(no_content(())),
+        Err(e)
+            if headers.contains_key(dsec_wire::v1::IDEMPOTENCY_KEY_HEADER)
+                && matches!(e.code, ErrorCode::NotFound | ErrorCode::Expired) =>
+        {
+            Ok(no_content(()))
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// `POST /v1/sandboxes/{id}/timeout`.

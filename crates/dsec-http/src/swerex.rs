@@ -378,6 +378,14 @@ fn to_command(c: CommandLine, shell: bool, merge: bool) -> Command {
     }
 }
 
+/// The `X-Request-ID` a SWE-ReX client sends with a call (and its retries), when it is
+/// a usable request id.
+fn swerex_request_id(headers: &HeaderMap) -> Option<String> {
+    let id = format!("swerex.{}", headers.get("x-request-id")?.to_str().ok()?);
+    dsec_wire::v1::check_request_id(&id).ok()?;
+    Some(id)
+}
+
 fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }
@@ -393,7 +401,9 @@ async fn execute(api: Api, Path(id): Path<String>, headers: HeaderMap, body: Byt
             timeout_s: req.timeout,
             output_limit: None,
             user: None,
-            request_id: None,
+            // SWE-ReX's client sends one `X-Request-ID` for a call and all its retries:
+            // the call runs once.
+            request_id: swerex_request_id(&headers),
         };
         let r = api.exec(&id, exec).await?;
         if r.exit.timed_out {

@@ -495,8 +495,20 @@ class Client:
         return [SandboxInfo.model_validate(s) for s in data["sandboxes"]]
 
     def delete_sandbox(self, sandbox_id: str) -> None:
-        """``DELETE /v1/sandboxes/{id}``."""
-        self.request("DELETE", f"/sandboxes/{_seg(sandbox_id)}")
+        """``DELETE /v1/sandboxes/{id}``, retried after a lost connection (``call_retries``):
+        it carries an ``Idempotency-Key``, so a retry of a delete that went through answers
+        as it did."""
+        headers = {"Idempotency-Key": uuid.uuid4().hex}
+        attempt = 0
+        while True:
+            try:
+                self.request("DELETE", f"/sandboxes/{_seg(sandbox_id)}", headers=headers)
+                return
+            except ConnectionFailed:
+                if attempt >= self.call_retries:
+                    raise
+                self.retry_delay(attempt)
+                attempt += 1
 
     def suspend_job(self, job: str) -> JobResult:
         """``POST /v1/jobs/{job}/suspend``: pauses every sandbox labelled ``job=JOB``."""

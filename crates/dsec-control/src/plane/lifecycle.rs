@@ -647,19 +647,32 @@ impl ControlPlane {
         let config = self
             .stack_config(&*node, &sb.image, &sb.layers, false)
             .await?;
-        let res = node
-            .commit(id, &req.name, sb.committed_layers.clone(), config)
+        let mut res = node
+            .commit(id, &req.name, sb.committed_layers.clone(), config.clone())
             .await;
+        // An earlier commit's layer is gone (its image was deleted and collected): the
+        // writable layer still holds every change since the create, so capture all of it
+        // on the sandbox's own layers instead.
+        let restart = matches!(&res, Err(e) if e.code == ErrorCode::ImageNotFound)
+            && !sb.committed_layers.is_empty();
+        if restart {
+            res = node.commit(id, &req.name, Vec::new(), config).await;
+        }
         if held_here {
             self.transition(id, SandboxState::Paused, SandboxState::Ready)
                 .await?;
         }
         let (img, diff) = res?;
         // An empty diff added no layer: nothing to remember.
-        if let Some(diff) = diff {
+        if diff.is_some() || restart {
             self.change(id, |rec| {
-                rec.committed_layers.retain(|d| *d != diff);
-                rec.committed_layers.push(diff.clone());
+                if restart {
+                    rec.committed_layers.clear();
+                }
+                if let Some(diff) = &diff {
+                    rec.committed_layers.retain(|d| d != diff);
+                    rec.committed_layers.push(diff.clone());
+                }
                 Ok(true)
             })
             .await?;
