@@ -180,17 +180,22 @@ impl ProcessTable {
 
 /// Handles `ProcessStart`.
 pub fn start(agent: &Rc<Agent>, spec: ProcessSpec) -> ApiResult<ProcessInfo> {
-    Ok(start_proc(agent, spec, None)?.info())
+    Ok(start_proc(agent, spec, None, true)?.info())
 }
 
 /// Starts a process; a kept one (`kept`: its key) is unlisted and its group dies with it.
-fn start_proc(agent: &Rc<Agent>, spec: ProcessSpec, kept: Option<String>) -> ApiResult<Rc<Proc>> {
+fn start_proc(
+    agent: &Rc<Agent>,
+    spec: ProcessSpec,
+    kept: Option<String>,
+    stdin_piped: bool,
+) -> ApiResult<Rc<Proc>> {
     let argv = spec.cmd.to_argv();
     let limit =
         usize::try_from(spec.output_limit.unwrap_or(DEFAULT_OUTPUT_LIMIT)).unwrap_or(usize::MAX);
     let ierr = |what: &str, e: std::io::Error| internal(format!("{what}: {e}"));
     let identity = agent.cfg.identity(spec.user.as_deref())?;
-    let (child, master, out_fd, err_fd, stdin_fd) = if let Some(size) = spec.pty {
+    let (pid, master, out_fd, err_fd, stdin_fd) = if let Some(size) = spec.pty {
         let (master, slave) = sys::openpty(size.rows, size.cols).map_err(|e| ierr("openpty", e))?;
         let s1 = slave.try_clone().map_err(|e| ierr("dup pty", e))?;
         let s2 = slave.try_clone().map_err(|e| ierr("dup pty", e))?;
@@ -211,31 +216,28 @@ fn start_proc(agent: &Rc<Agent>, spec: ProcessSpec, kept: Option<String>) -> Api
         )?;
         let rd = master.try_clone().map_err(|e| ierr("dup pty", e))?;
         let wr = master.try_clone().map_err(|e| ierr("dup pty", e))?;
-        (child, Some(master), Some(rd), None, Some(wr))
+        let pid = child.id();
+        drop(child);
+        (pid, Some(master), Some(rd), None, Some(wr))
     } else {
-        let mut child = spawn(
+        // The exec path's spawn (vfork semantics: std's would fork the whole agent).
+        let piped = crate::spawn::spawn_piped(
             &agent.cfg,
-            SpawnSpec {
-                argv: &argv,
-                env: &spec.env,
-                cwd: spec.cwd.as_deref(),
-                stdin: Stdio::piped(),
-                stdout: Stdio::piped(),
-                stderr: Stdio::piped(),
-                ctty: false,
-                fd3: None,
-                fallback_env: &[],
-                identity: identity.as_ref(),
-            },
+            &argv,
+            &spec.env,
+            spec.cwd.as_deref(),
+            stdin_piped,
+            identity.as_ref(),
         )?;
-        let o = child.stdout.take().map(OwnedFd::from);
-        let e = child.stderr.take().map(OwnedFd::from);
-        let i = child.stdin.take().map(OwnedFd::from);
-        (child, None, o, e, i)
+        (
+            piped.pid,
+            None,
+            Some(piped.stdout),
+            Some(piped.stderr),
+            piped.stdin,
+        )
     };
-    let pid = child.id();
     let exit_rx = agent.reaper.watch(pid as i32);
-    drop(child);
     let started = Instant::now();
 
     let stdin = stdin_fd
@@ -536,14 +538,9 @@ pub async fn exec_kept(
                 timeout_ms: spec.timeout_ms,
                 user: spec.user,
             };
-            match start_proc(agent, pspec, Some(key)) {
-                Ok(p) => {
-                    if !stdin {
-                        // No input: it reads end-of-file, as from /dev/null.
-                        *p.stdin.lock().await = None;
-                    }
-                    (p, stdin)
-                }
+            // No input: /dev/null, as for an exec.
+            match start_proc(agent, pspec, Some(key), stdin) {
+                Ok(p) => (p, stdin),
                 Err(e) => {
                     if has_input {
                         rd.drain_input().await;
@@ -553,7 +550,10 @@ pub async fn exec_kept(
             }
         }
     };
-    wr.reply(&Reply::Started { pid: p.pid }).await?;
+    // Only a stream reports the start (a whole result is one send, as an exec's).
+    if stream {
+        wr.reply(&Reply::Started { pid: p.pid }).await?;
+    }
 
     // Input side: the first request's stdin goes to the command (and is closed after, or
     // when the node goes away mid-input); an attachment's is discarded. Then watch for the

@@ -64,7 +64,7 @@ impl OomWitness {
     /// Whether the memory limit killed a process since the witness was made. A shell
     /// reports its OOM-killed child as exit 137, not as a signal: the cgroup's counter is
     /// the reliable witness.
-    fn killed(&self) -> bool {
+    pub(crate) fn killed(&self) -> bool {
         self.backend
             .oom_kill_count(&self.id)
             .map(|n| n > self.before)

@@ -409,13 +409,6 @@ impl CallJournal {
         }))
     }
 
-    /// The end of call `request_id` on `sandbox`, to wait for.
-    pub(crate) fn watch(&self, sandbox: &str, request_id: &str) -> Option<watch::Receiver<Ended>> {
-        let inner = self.lock();
-        let slot = inner.sandboxes.get(sandbox)?.slots.get(request_id)?;
-        Some(slot.ended.subscribe())
-    }
-
     /// Forgets a call that failed before its command started: a retry runs it. Whoever
     /// waits on it sees it end with `error`.
     pub(crate) fn abandon(&self, ticket: &Ticket, error: &ApiError) {

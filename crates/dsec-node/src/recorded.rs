@@ -9,12 +9,14 @@
 //! caller. After a restart the node drives the calls that were running again: the agent
 //! kept their commands, so it attaches and records how they ended.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
 use sha2::{Digest, Sha256};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::watch;
 
 use dsec_node_api::EventStream;
 use dsec_wire::agent::{ExecSpec, Reply, Request};
@@ -22,15 +24,94 @@ use dsec_wire::frame::{Frame, DATA_CHUNK};
 use dsec_wire::v1::{ExecEvent, ExecResult};
 use dsec_wire::{ApiError, ErrorCode};
 
-use crate::agent_ops::{event_stream, read_exec_result, unexpected, OomWitness};
+use crate::agent_ops::{event_stream, internal, unexpected, OomWitness};
 use crate::calls::{Begin, Ended, Pending, Ticket};
+use crate::events::lossy_text;
 use crate::LocalNode;
 
 /// How often a driver whose connection broke attaches to its command again.
 const REATTACH_TRIES: u32 = 3;
 
-/// A recorded call's outcome, for its first caller.
+/// A recorded call's outcome.
 type Outcome = Result<ExecResult, ApiError>;
+
+/// A future run to its end even if its caller goes away: polled in place while the
+/// caller waits (no task, no hand-off), given a task of its own if the caller's future is
+/// dropped first.
+struct FinishOnDrop<T: Send + 'static>(Option<Pin<Box<dyn Future<Output = T> + Send>>>);
+
+impl<T: Send + 'static> FinishOnDrop<T> {
+    fn new(f: impl Future<Output = T> + Send + 'static) -> Self {
+        Self(Some(Box::pin(f)))
+    }
+
+    async fn run(mut self) -> Option<T> {
+        let out = self.0.as_mut()?.await;
+        self.0 = None;
+        Some(out)
+    }
+}
+
+impl<T: Send + 'static> Drop for FinishOnDrop<T> {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            tokio::spawn(f);
+        }
+    }
+}
+
+/// How reading a kept exec's result failed.
+enum KeptError {
+    /// The agent answered an error before anything of the command: it started nothing
+    /// (or, attaching, does not know the key).
+    Refused(ApiError),
+    /// The connection failed: the command may still run in the agent.
+    Broken(ApiError),
+}
+
+/// Reads a kept exec's output and exit from `conn` (its request sent).
+async fn read_kept(
+    mut conn: crate::AgentConn,
+    oom: &OomWitness,
+) -> Result<(ExecResult, crate::AgentConn), KeptError> {
+    let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+    let mut began = false;
+    loop {
+        match conn.recv_some().await.map_err(KeptError::Broken)? {
+            Frame::Stdout(b) => {
+                began = true;
+                stdout.extend_from_slice(&b);
+            }
+            Frame::Stderr(b) => {
+                began = true;
+                stderr.extend_from_slice(&b);
+            }
+            Frame::Json(bytes) => match serde_json::from_slice::<Reply>(&bytes) {
+                Ok(Reply::Started { .. }) => began = true,
+                Ok(Reply::Exited(exit)) => {
+                    let result = ExecResult {
+                        stdout: lossy_text(stdout),
+                        stderr: lossy_text(stderr),
+                        exit,
+                        oom_killed: oom.killed(),
+                    };
+                    return Ok((result, conn));
+                }
+                Ok(Reply::Error(e)) if !began => return Err(KeptError::Refused(e)),
+                Ok(other) => return Err(KeptError::Broken(unexpected(other))),
+                Err(e) => return Err(KeptError::Broken(internal(e))),
+            },
+            Frame::Data(_) | Frame::Eof => {}
+        }
+    }
+}
+
+fn lost(e: ApiError) -> ApiError {
+    ApiError::new(
+        e.code,
+        format!("the call's outcome was lost: {}", e.message),
+    )
+}
 
 /// The digest (what a retry must repeat) and the logged arguments of an exec.
 fn exec_call(spec: &ExecSpec, stdin: Option<&[u8]>) -> (String, serde_json::Value) {
@@ -92,8 +173,14 @@ impl LocalNode {
         match self.begin_exec(id, request_id, &spec, stdin.as_deref())? {
             Begin::Known { ended, .. } => self.wait_recorded(id, ended).await,
             Begin::New(ticket) => {
-                let first = self.start_recorded(id, ticket, spec, stdin).await?;
-                first.await.map_err(|_| sandbox_gone(id))?
+                let keeps = stdin.is_none();
+                let conn = self.send_kept(id, &ticket, spec, stdin, false).await?;
+                // The call ends here, recorded, whether or not this caller stays.
+                let drive = self.drive(ticket, Some(conn), keeps);
+                FinishOnDrop::new(drive)
+                    .run()
+                    .await
+                    .unwrap_or_else(|| Err(sandbox_gone(id)))
             }
         }
     }
@@ -120,11 +207,33 @@ impl LocalNode {
                 }
             }
             Begin::New(ticket) => {
-                let oom_before = ticket.oom_before;
-                let ended = self.journal.watch(id, request_id);
-                // The driver records the outcome; this caller follows the command.
-                let _first = self.start_recorded(id, ticket, spec, stdin).await?;
-                self.attach_events(id, request_id, oom_before, ended).await
+                // This caller's connection starts the command and follows it; a driver
+                // attaches once it runs and records the outcome.
+                let oom = OomWitness {
+                    backend: self.backend(),
+                    id: id.to_string(),
+                    before: ticket.oom_before,
+                };
+                let mut conn = self.send_kept(id, &ticket, spec, stdin, true).await?;
+                let pid = match conn.recv_reply().await {
+                    Ok(Reply::Started { pid }) => pid,
+                    Ok(other) => {
+                        let e = unexpected(other);
+                        self.journal.abandon(&ticket, &e);
+                        return Err(e);
+                    }
+                    Err(e) => {
+                        // It may run: the driver finds out.
+                        tokio::spawn(self.drive(ticket, None, true));
+                        return Err(e);
+                    }
+                };
+                tokio::spawn(self.drive(ticket, None, true));
+                Ok(
+                    futures::stream::once(async move { ExecEvent::Started { pid } })
+                        .chain(event_stream(conn, Some(oom)))
+                        .boxed(),
+                )
             }
         }
     }
@@ -154,24 +263,25 @@ impl LocalNode {
         }
     }
 
-    /// Starts a new call's command in the agent and its driver; the receiver gets the
-    /// outcome. A call whose command did not start is forgotten (a retry runs it).
-    async fn start_recorded(
+    /// Sends a new call's command to the agent as a kept exec (its stdin too). A call
+    /// whose request could not be sent is forgotten (a retry runs it; the agent keeps one
+    /// command per key, so a request that did arrive is attached to, not run again).
+    async fn send_kept(
         &self,
         id: &str,
-        ticket: Ticket,
+        ticket: &Ticket,
         mut spec: ExecSpec,
         stdin: Option<Bytes>,
-    ) -> Result<oneshot::Receiver<Outcome>, ApiError> {
+        stream: bool,
+    ) -> Result<crate::AgentConn, ApiError> {
         spec.stream = false;
         spec.stdin = stdin.is_some();
         let req = Request::ExecKept {
             key: ticket.request_id.clone(),
             spec: Some(spec),
-            stream: false,
+            stream,
         };
-        let keeps = req.keeps_connection();
-        let started = async {
+        let sent = async {
             let mut conn = self.agent(id)?;
             conn.send(&Frame::json(&req)).await?;
             if let Some(stdin) = &stdin {
@@ -181,22 +291,10 @@ impl LocalNode {
                 conn.send(&Frame::Eof).await?;
             }
             conn.flush().await?;
-            match conn.recv_reply().await? {
-                Reply::Started { .. } => Ok(conn),
-                other => Err(unexpected(other)),
-            }
+            Ok::<_, ApiError>(conn)
         }
         .await;
-        let conn = match started {
-            Ok(conn) => conn,
-            Err(e) => {
-                self.journal.abandon(&ticket, &e);
-                return Err(e);
-            }
-        };
-        let (tx, rx) = oneshot::channel();
-        self.spawn_driver(ticket, Some(conn), Some(tx), keeps);
-        Ok(rx)
+        sent.inspect_err(|e| self.journal.abandon(ticket, e))
     }
 
     /// Drives a call that was running when the node stopped to its end.
@@ -207,18 +305,17 @@ impl LocalNode {
             request_id: p.start.request_id,
             oom_before: p.start.oom_before,
         };
-        self.spawn_driver(ticket, None, None, true);
+        tokio::spawn(self.drive(ticket, None, true));
     }
 
-    /// Follows a call's command to its exit (attaching to it in the agent when `conn` is
-    /// `None` or breaks) and records how it ended.
-    fn spawn_driver(
+    /// Follows a call's command to its exit (on `conn`, whose request this driver sent,
+    /// or attached to it in the agent, also after `conn` breaks) and records how it ended.
+    fn drive(
         &self,
         ticket: Ticket,
         conn: Option<crate::AgentConn>,
-        first: Option<oneshot::Sender<Outcome>>,
         keeps: bool,
-    ) {
+    ) -> impl Future<Output = Outcome> + Send + 'static {
         let me = self.me.clone();
         let oom = OomWitness {
             backend: self.backend(),
@@ -228,25 +325,23 @@ impl LocalNode {
         // The sandbox is busy while its command runs: not idle, whoever waits.
         let activity = self.lifetimes.activity(&ticket.sandbox).ok();
         let journal = self.journal.clone();
-        tokio::spawn(async move {
+        async move {
             let _activity = activity;
             let id = ticket.sandbox.clone();
+            let sent_here = conn.is_some();
             let mut conn = conn;
             let mut tries = 0;
             let outcome = loop {
                 let attached = match conn.take() {
                     Some(c) => Ok(c),
                     None => match me.upgrade() {
-                        Some(node) => node
-                            .attach_kept(&id, &ticket.request_id, false)
-                            .await
-                            .map(|(c, _)| c),
-                        None => return,
+                        Some(node) => node.send_attach(&id, &ticket.request_id, false).await,
+                        None => return Err(sandbox_gone(&id)),
                     },
                 };
                 let read = match attached {
-                    Ok(c) => read_exec_result(c, &oom).await,
-                    Err(e) => Err(e),
+                    Ok(c) => read_kept(c, &oom).await,
+                    Err(e) => Err(KeptError::Broken(e)),
                 };
                 match read {
                     Ok((result, c)) => {
@@ -257,14 +352,16 @@ impl LocalNode {
                         }
                         break Ok(result);
                     }
-                    Err(e) => {
-                        let sandbox_here = me.upgrade().is_some_and(|n| n.record(&id).is_ok());
-                        if e.code == ErrorCode::NotFound || !sandbox_here || tries >= REATTACH_TRIES
-                        {
-                            break Err(ApiError::new(
-                                e.code,
-                                format!("the call's outcome was lost: {}", e.message),
-                            ));
+                    // Its own request refused: nothing ran, a retry may run it.
+                    Err(KeptError::Refused(e)) if sent_here && tries == 0 => {
+                        journal.abandon(&ticket, &e);
+                        return Err(e);
+                    }
+                    Err(KeptError::Refused(e)) => break Err(lost(e)),
+                    Err(KeptError::Broken(e)) => {
+                        let here = me.upgrade().is_some_and(|n| n.record(&id).is_ok());
+                        if !here || tries >= REATTACH_TRIES {
+                            break Err(lost(e));
                         }
                         tries += 1;
                         tokio::time::sleep(Duration::from_millis(200 * u64::from(tries))).await;
@@ -272,20 +369,17 @@ impl LocalNode {
                 }
             };
             journal.end(&ticket, &outcome);
-            if let Some(first) = first {
-                let _ = first.send(outcome);
-            }
-        });
+            outcome
+        }
     }
 
-    /// Attaches to the command kept under `key`: a connection whose next frames are its
-    /// output (live with `stream`) and exit.
-    async fn attach_kept(
+    /// Sends an attachment to the command kept under `key`.
+    async fn send_attach(
         &self,
         id: &str,
         key: &str,
         stream: bool,
-    ) -> Result<(crate::AgentConn, u32), ApiError> {
+    ) -> Result<crate::AgentConn, ApiError> {
         let mut conn = self.agent(id)?;
         conn.send_request(&Request::ExecKept {
             key: key.to_string(),
@@ -293,10 +387,7 @@ impl LocalNode {
             stream,
         })
         .await?;
-        match conn.recv_reply().await? {
-            Reply::Started { pid } => Ok((conn, pid)),
-            other => Err(unexpected(other)),
-        }
+        Ok(conn)
     }
 
     /// A stream of a running call's command from its first byte. If the agent no longer
@@ -313,16 +404,20 @@ impl LocalNode {
             id: id.to_string(),
             before: oom_before,
         };
-        match self.attach_kept(id, request_id, true).await {
-            Ok((conn, pid)) => Ok(
-                futures::stream::once(async move { ExecEvent::Started { pid } })
-                    .chain(event_stream(conn, Some(oom)))
-                    .boxed(),
-            ),
-            Err(e) if e.code == ErrorCode::NotFound => match ended {
+        let mut conn = self.send_attach(id, request_id, true).await?;
+        match conn.recv_reply().await {
+            Ok(Reply::Started { pid }) => {
+                Ok(
+                    futures::stream::once(async move { ExecEvent::Started { pid } })
+                        .chain(event_stream(conn, Some(oom)))
+                        .boxed(),
+                )
+            }
+            Ok(Reply::Error(e)) if e.code == ErrorCode::NotFound => match ended {
                 Some(ended) => Ok(replay(self.wait_recorded(id, ended).await?)),
                 None => Err(e),
             },
+            Ok(other) => Err(unexpected(other)),
             Err(e) => Err(e),
         }
     }

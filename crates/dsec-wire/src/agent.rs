@@ -367,9 +367,10 @@ pub enum Request {
     /// instead of starting another. The first request with a key starts `spec` (its
     /// stdin, if any, follows as `Data` frames then `Eof`, as for `Exec`); an attach
     /// sends `spec: None` (or any spec, and its input is discarded), and a key the agent
-    /// does not know answers `not_found` instead of running anything. Reply: `Started`,
-    /// then with `stream` the output from its first kept byte and live until the exit,
-    /// without it the kept output once it exited; then `Exited`. Like an exec, what is
+    /// does not know answers `not_found` instead of running anything. Reply: with
+    /// `stream`, `Started` then the output from its first kept byte and live until the
+    /// exit; without it, the kept output once it exited; then `Exited`. An `Error` first
+    /// means nothing started. Like an exec, what is
     /// left of its process group dies when it exits.
     ExecKept {
         /// The caller's key; one command per key for the agent's lifetime.
