@@ -564,7 +564,10 @@ async fn on_two_replicas_a_pool_is_sized_once_and_serves_claims_on_both() {
         if n == 7 {
             break;
         }
-        assert!(Instant::now() < deadline, "{n} sandboxes, not 4 claimed + 3 warm");
+        assert!(
+            Instant::now() < deadline,
+            "{n} sandboxes, not 4 claimed + 3 warm"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // A pool deleted on one replica goes on the other.
