@@ -72,3 +72,18 @@ def test_fork_makes_sandboxes_with_the_prepared_files(sandbox: dsec.Sandbox) -> 
     finally:
         for f in forks:
             f.kill()
+
+
+def test_session_commands_and_process_starts_take_request_ids(sandbox: dsec.Sandbox) -> None:
+    with sandbox.session() as s:
+        line = "echo x >> /root/sr; wc -l < /root/sr"
+        first = s.run(line, request_id="sr-1")
+        assert first.output.strip() == "1"
+        assert s.run(line, request_id="sr-1") == first
+        assert s.run(line).output.strip() == "2"  # a fresh id: runs
+    p1 = sandbox.start("sleep 100", tag="one", request_id="p-1")
+    p2 = sandbox.start("sleep 100", tag="one", request_id="p-1")
+    assert p1.pid == p2.pid
+    assert [p.tag for p in sandbox.processes()].count("one") == 1
+    kinds = [c.kind for c in sandbox.calls()]
+    assert kinds.count("session_run") == 2 and kinds.count("process_start") == 1

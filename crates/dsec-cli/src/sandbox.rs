@@ -478,6 +478,7 @@ async fn shell_loop(
         let req = SessionRunRequest {
             command: command.to_owned(),
             timeout_s: timeout.map(|d| d.as_secs_f64()),
+            request_id: None,
         };
         let run = client.run_in_session(id, session, req);
         tokio::pin!(run);

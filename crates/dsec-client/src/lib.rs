@@ -22,6 +22,7 @@
 //!     timeout_s: None,
 //!     output_limit: None,
 //!     user: None,
+//!     request_id: None,
 //! };
 //! let out = client.exec(&sb.id, req).await?;
 //! assert_eq!(out.stdout, "hi\n");

@@ -916,10 +916,18 @@ impl SandboxApi for ControlPlane {
             timeout_ms,
         };
         // Without a timeout the command may run as long as it likes: the watchdog only.
-        match self
-            .call_within(id, r, timeout_ms.map(Limit::session))
-            .await?
-        {
+        let reply = match &req.request_id {
+            Some(rid) => {
+                validate::request_id(rid)?;
+                self.call_recorded(id, rid, r, timeout_ms.map(Limit::session))
+                    .await?
+            }
+            None => {
+                self.call_within(id, r, timeout_ms.map(Limit::session))
+                    .await?
+            }
+        };
+        match reply {
             Reply::SessionResult(res) => Ok(res),
             other => Err(unexpected(other)),
         }
@@ -980,7 +988,16 @@ impl SandboxApi for ControlPlane {
             timeout_ms: ms_from_s("timeout_s", req.timeout_s)?,
             user: req.user,
         };
-        match self.call(id, Request::ProcessStart(spec)).await? {
+        let start = Request::ProcessStart(spec);
+        let reply = match &req.request_id {
+            Some(rid) => {
+                validate::request_id(rid)?;
+                self.call_recorded(id, rid, start, Some(Limit::call()))
+                    .await?
+            }
+            None => self.call(id, start).await?,
+        };
+        match reply {
             Reply::ProcessStarted(info) => Ok(info),
             other => Err(unexpected(other)),
         }

@@ -339,6 +339,11 @@ fn args_fit(
     Ok(())
 }
 
+/// A call's request id (see [`dsec_wire::v1::CallRecord`]).
+pub fn request_id(id: &str) -> Result<(), ApiError> {
+    dsec_wire::v1::check_request_id(id).map_err(bad)
+}
+
 pub fn exec(req: &ExecRequest) -> Result<(), ApiError> {
     match &req.cmd {
         dsec_wire::v1::Command::Argv(v) if v.is_empty() => {
@@ -356,7 +361,7 @@ pub fn exec(req: &ExecRequest) -> Result<(), ApiError> {
     }
     env(&req.env)?;
     if let Some(rid) = &req.request_id {
-        dsec_wire::v1::check_request_id(rid).map_err(bad)?;
+        request_id(rid)?;
     }
     let args: Vec<&str> = match &req.cmd {
         dsec_wire::v1::Command::Argv(v) => v.iter().map(String::as_str).collect(),

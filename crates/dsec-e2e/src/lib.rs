@@ -107,6 +107,7 @@ pub fn background(cmd: dsec_wire::v1::Command) -> dsec_wire::v1::StartProcessReq
         tag: None,
         timeout_s: None,
         user: None,
+        request_id: None,
     }
 }
 

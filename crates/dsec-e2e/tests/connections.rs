@@ -177,6 +177,7 @@ async fn sigchld_is_blocked_in_the_agent_only() {
             SessionRunRequest {
                 command: "cat /proc/self/status".into(),
                 timeout_s: None,
+                request_id: None,
             },
         )
         .await

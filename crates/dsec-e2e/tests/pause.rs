@@ -39,6 +39,7 @@ async fn pause_freezes_reclaims_and_resume_continues_where_it_stopped() {
     let run = |cmd: &str| SessionRunRequest {
         command: cmd.into(),
         timeout_s: Some(30.0),
+        request_id: None,
     };
     c.run_in_session(&sb.id, &session.session, run("cd /tmp && export X=42"))
         .await

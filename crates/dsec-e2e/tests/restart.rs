@@ -48,6 +48,7 @@ async fn restart_readopts_20_live_sandboxes() {
         SessionRunRequest {
             command: "export KEEP=yes; cd /tmp".into(),
             timeout_s: None,
+            request_id: None,
         },
     )
     .await
@@ -98,6 +99,7 @@ async fn restart_readopts_20_live_sandboxes() {
             SessionRunRequest {
                 command: "echo $KEEP $(pwd)".into(),
                 timeout_s: None,
+                request_id: None,
             },
         )
         .await

@@ -30,11 +30,16 @@ async fn call_and_die(c: &Client, id: &str, req: ExecRequest, after: Duration) {
     assert!(call.await.is_err(), "the call was cut off, not finished");
 }
 
-async fn lines_of_f(c: &Client, id: &str) -> String {
-    c.exec(id, sh("cat /root/f 2>/dev/null"))
+/// The contents of `path` in sandbox `id` ("" if it is missing).
+async fn contents(c: &Client, id: &str, path: &str) -> String {
+    c.exec(id, sh(&format!("cat {path} 2>/dev/null")))
         .await
         .expect("cat")
         .stdout
+}
+
+async fn lines_of_f(c: &Client, id: &str) -> String {
+    contents(c, id, "/root/f").await
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -442,4 +447,98 @@ async fn a_fork_into_8_shares_one_captured_layer_and_keeps_writes_apart() {
     for id in &ids {
         c.delete_sandbox(id).await.expect("delete");
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn session_commands_and_process_starts_run_once_per_request_id() {
+    if !require_root() {
+        return;
+    }
+    let s = Server::shared("rollouts");
+    let c = s.client();
+    let sb = c
+        .create_sandbox(CreateSandboxRequest::default())
+        .await
+        .expect("create");
+    let session = c
+        .create_session(&sb.id, CreateSessionRequest::default())
+        .await
+        .expect("session");
+    let run = |command: &str, rid: &str| SessionRunRequest {
+        command: command.into(),
+        timeout_s: Some(30.0),
+        request_id: Some(rid.into()),
+    };
+    let slow = "sleep 2; echo s >> /root/s; echo ok";
+    // The caller goes away mid-command: the command runs on (a session command whose
+    // caller leaves is otherwise interrupted) and its result is recorded.
+    {
+        let (c, id, sess) = (c.clone(), sb.id.clone(), session.session.clone());
+        let req = run(slow, "sess-1");
+        let call = tokio::spawn(async move { c.run_in_session(&id, &sess, req).await });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        call.abort();
+        let _ = call.await;
+    }
+    let r = c
+        .run_in_session(&sb.id, &session.session, run(slow, "sess-1"))
+        .await
+        .expect("retry");
+    assert_eq!((r.output.as_str(), r.exit_code), ("ok\n", 0));
+    let again = c
+        .run_in_session(&sb.id, &session.session, run(slow, "sess-1"))
+        .await
+        .expect("third");
+    assert_eq!(again, r);
+    assert_eq!(contents(&c, &sb.id, "/root/s").await, "s\n", "ran once");
+    let e = c
+        .run_in_session(&sb.id, &session.session, run("true", "sess-1"))
+        .await
+        .expect_err("conflict");
+    assert_eq!(e.code(), Some(ErrorCode::Conflict), "{e}");
+
+    // A retried process start starts one process.
+    let start = StartProcessRequest {
+        tag: Some("once".into()),
+        request_id: Some("proc-1".into()),
+        ..dsec_e2e::background(Command::Shell("sleep 300".into()))
+    };
+    let p1 = c.start_process(&sb.id, start.clone()).await.expect("start");
+    let p2 = c.start_process(&sb.id, start).await.expect("retry");
+    assert_eq!(p1.pid, p2.pid);
+    let listed = c.list_processes(&sb.id).await.expect("list");
+    let tagged = listed
+        .processes
+        .iter()
+        .filter(|p| p.tag.as_deref() == Some("once"))
+        .count();
+    assert_eq!(tagged, 1);
+
+    let log = c
+        .call_log(
+            &sb.id,
+            &CallLogQuery {
+                output: true,
+                ..CallLogQuery::default()
+            },
+        )
+        .await
+        .expect("log");
+    let kinds: Vec<(&str, &str)> = log
+        .calls
+        .iter()
+        .map(|c| (c.request_id.as_str(), c.kind.as_str()))
+        .collect();
+    assert_eq!(
+        kinds,
+        [("sess-1", "session_run"), ("proc-1", "process_start")]
+    );
+    assert!(log.calls.iter().all(|c| c.state == CallState::Done));
+    assert_eq!(
+        log.calls[1].reply.as_ref().and_then(|r| r["pid"].as_u64()),
+        Some(u64::from(p1.pid)),
+        "{:?}",
+        log.calls[1].reply
+    );
+    c.delete_sandbox(&sb.id).await.expect("delete");
 }

@@ -287,6 +287,7 @@ async fn session_state_persists_across_50_commands_and_survives_timeouts() {
                 SessionRunRequest {
                     command: cmd,
                     timeout_s: t,
+                    request_id: None,
                 },
             )
             .await
@@ -1703,6 +1704,7 @@ async fn commands_write_only_beneath_the_writable_paths_while_the_api_writes_any
             SessionRunRequest {
                 command: "(echo c > /etc/c) 2>/dev/null || echo session-denied".into(),
                 timeout_s: None,
+                request_id: None,
             },
         )
         .await
@@ -1950,6 +1952,7 @@ async fn commands_run_as_the_sandbox_user_or_the_one_they_name() {
             SessionRunRequest {
                 command: "whoami".into(),
                 timeout_s: None,
+                request_id: None,
             },
         )
         .await
@@ -1966,6 +1969,7 @@ async fn commands_run_as_the_sandbox_user_or_the_one_they_name() {
                 tag: None,
                 timeout_s: None,
                 user: Some("alice".into()),
+                request_id: None,
             },
         )
         .await
@@ -2428,6 +2432,7 @@ async fn session_output_too_big_for_one_reply_comes_back_truncated() {
                 SessionRunRequest {
                     command: command.clone(),
                     timeout_s: Some(60.0),
+                    request_id: None,
                 },
             )
             .await
@@ -2485,6 +2490,7 @@ async fn a_session_command_whose_caller_goes_away_is_stopped() {
     let req = |command: &str| SessionRunRequest {
         command: command.into(),
         timeout_s: None,
+        request_id: None,
     };
     c.run_in_session(&sb.id, &s.session, req("export KEEP=kept; cd /tmp"))
         .await
@@ -2609,6 +2615,7 @@ async fn sessions_and_execs_keep_output_within_the_sandbox_budget() {
                          while [ ! -e /tmp/release ]; do sleep 0.1; done"
                     ),
                     timeout_s: Some(120.0),
+                    request_id: None,
                 },
             )
             .await

@@ -192,6 +192,7 @@ async fn the_public_api_works_through_an_apiserver_over_a_separate_node() -> any
             dsec_wire::v1::SessionRunRequest {
                 command: "cd /tmp && export X=kept".into(),
                 timeout_s: None,
+                request_id: None,
             },
         )
         .await?;
@@ -202,6 +203,7 @@ async fn the_public_api_works_through_an_apiserver_over_a_separate_node() -> any
             dsec_wire::v1::SessionRunRequest {
                 command: "echo $PWD $X".into(),
                 timeout_s: None,
+                request_id: None,
             },
         )
         .await?;

@@ -625,8 +625,10 @@ pub async fn list_sessions(api: Api, Path(id): Path<String>) -> HttpResult<Respo
 pub async fn run_in_session(
     api: Api,
     Path((id, session)): Path<(String, String)>,
-    Json(req): Json<SessionRunRequest>,
+    headers: HeaderMap,
+    Json(mut req): Json<SessionRunRequest>,
 ) -> HttpResult<Response> {
+    request_id(&headers, &mut req.request_id)?;
     Ok(json(api.run_in_session(&id, &session, req).await?))
 }
 
@@ -652,8 +654,10 @@ pub async fn close_session(
 pub async fn start_process(
     api: Api,
     Path(id): Path<String>,
-    Json(req): Json<StartProcessRequest>,
+    headers: HeaderMap,
+    Json(mut req): Json<StartProcessRequest>,
 ) -> HttpResult<Response> {
+    request_id(&headers, &mut req.request_id)?;
     Ok(created(api.start_process(&id, req).await?))
 }
 

@@ -185,6 +185,7 @@ async fn create_session(
             let run = SessionRunRequest {
                 command: format!("source {}", shell_quote(file)),
                 timeout_s: Some(60.0),
+                request_id: None,
             };
             output.push_str(&api.run_in_session(&id, &req.session, run).await?.output);
         }
@@ -273,6 +274,7 @@ async fn run_in_session(
         let run = SessionRunRequest {
             command: a.command.clone(),
             timeout_s: a.timeout,
+            request_id: swerex_request_id(&headers),
         };
         let r = api
             .run_in_session(&id, &a.session, run)

@@ -239,6 +239,13 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
         let _ = (id, request_id, spec, stdin);
         Err(no_call_records())
     }
+    /// [`NodeApi::call`] recorded under `request_id`, for a session command or a process
+    /// start: it runs once; a retry gets the recorded reply (or waits for it); it runs to
+    /// its end if its caller goes away.
+    async fn call_recorded(&self, id: &str, request_id: &str, req: Request) -> NodeResult<Reply> {
+        let _ = (id, request_id, req);
+        Err(no_call_records())
+    }
     /// A page of the sandbox's log of recorded calls.
     async fn call_log(&self, id: &str, query: &CallLogQuery) -> NodeResult<CallLog> {
         let _ = (id, query);

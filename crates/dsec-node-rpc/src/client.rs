@@ -322,6 +322,15 @@ impl NodeApi for RemoteNode {
             .await
     }
 
+    async fn call_recorded(&self, id: &str, request_id: &str, req: Request) -> NodeResult<Reply> {
+        self.json(
+            self.sandbox(Method::POST, id, "/call")
+                .query(&[("request_id", request_id)])
+                .json(&req),
+        )
+        .await
+    }
+
     async fn exec(&self, id: &str, spec: ExecSpec, stdin: Option<Bytes>) -> NodeResult<ExecResult> {
         let call = Self::exec_call(spec, stdin, None);
         self.json(self.sandbox(Method::POST, id, "/exec").json(&call))

@@ -246,15 +246,26 @@ async fn set_lifetime(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[derive(Deserialize)]
+struct CallQuery {
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
 async fn call(
     State(rpc): State<Arc<Rpc>>,
     Path(id): Path<String>,
+    Query(q): Query<CallQuery>,
     Json(req): Json<dsec_wire::agent::Request>,
 ) -> RpcResult<impl IntoResponse> {
     if !dsec_node_api::is_unary(&req) {
         return Err(bad_request("this request streams: use its own route"));
     }
-    Ok(Json(rpc.node.call(&id, req).await?))
+    let reply = match &q.request_id {
+        Some(rid) => rpc.node.call_recorded(&id, rid, req).await?,
+        None => rpc.node.call(&id, req).await?,
+    };
+    Ok(Json(reply))
 }
 
 async fn exec(

@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use dsec_wire::agent::ExitInfo;
+use dsec_wire::agent::{ExitInfo, Reply};
 use dsec_wire::v1::{
     CallLog, CallLogQuery, CallRecord, CallState, ExecResult, CALL_LOG_MAX_PAGE, CALL_LOG_PAGE,
     MAX_CALLS_PER_SANDBOX, MAX_CALL_OUTPUT_BYTES,
@@ -82,6 +82,10 @@ pub(crate) struct EndLine {
     pub oom_killed: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<ApiError>,
+    /// A call answered by one agent reply (a session command, a process start) kept it
+    /// as `SEQ.reply`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub reply: bool,
 }
 
 /// What a waiter sees of a call: `None` while it runs.
@@ -282,7 +286,7 @@ impl CallJournal {
             let end = ends.remove(&start.seq).map(Arc::new);
             let output_dropped = dropped.contains(&start.seq);
             if end.is_some() && !output_dropped {
-                let bytes: u64 = ["stdout", "stderr"]
+                let bytes: u64 = ["stdout", "stderr", "reply"]
                     .iter()
                     .filter_map(|s| std::fs::metadata(output_path(dir, start.seq, s)).ok())
                     .map(|m| m.len())
@@ -435,6 +439,7 @@ impl CallJournal {
                         error.message
                     ),
                 )),
+                reply: false,
             })));
         }
         owners.remove(&ticket.request_id);
@@ -471,7 +476,45 @@ impl CallJournal {
             exit: outcome.as_ref().ok().map(|r| r.exit.clone()),
             oom_killed: outcome.as_ref().is_ok_and(|r| r.oom_killed),
             error: outcome.as_ref().err().cloned(),
+            reply: false,
         };
+        self.finish(ticket, end, bytes);
+    }
+
+    /// Records how a call answered by one agent reply ended: the reply (kept as
+    /// `SEQ.reply`), or the error the agent answered (`Done`), or why its outcome is
+    /// unknown (`lost`: the connection failed after the request went out).
+    pub(crate) fn end_reply(&self, ticket: &Ticket, outcome: &Result<Reply, ApiError>, lost: bool) {
+        let dir = self.root.join(&ticket.sandbox);
+        let mut bytes = 0;
+        if let Ok(reply) = outcome {
+            let path = output_path(&dir, ticket.seq, "reply");
+            let json = serde_json::to_vec(reply).unwrap_or_default();
+            match std::fs::write(&path, &json) {
+                Ok(()) => bytes = json.len() as u64,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+                Err(e) => tracing::warn!(path = %path.display(), error = %e, "call record: reply"),
+            }
+        }
+        let end = EndLine {
+            seq: ticket.seq,
+            ended_at_ms: unix_ms(),
+            state: if lost {
+                CallState::Lost
+            } else {
+                CallState::Done
+            },
+            exit: None,
+            oom_killed: false,
+            error: outcome.as_ref().err().cloned(),
+            reply: outcome.is_ok(),
+        };
+        self.finish(ticket, end, bytes);
+    }
+
+    /// Appends `end` (its kept output `bytes` long), drops the oldest output beyond the
+    /// bound, and tells whoever waits.
+    fn finish(&self, ticket: &Ticket, end: EndLine, bytes: u64) {
         let mut inner = self.lock();
         let Some(calls) = inner.sandboxes.get_mut(&ticket.sandbox) else {
             return;
@@ -489,7 +532,7 @@ impl CallJournal {
                 break;
             };
             calls.output_bytes -= n;
-            for stream in ["stdout", "stderr"] {
+            for stream in ["stdout", "stderr", "reply"] {
                 let _ = std::fs::remove_file(output_path(&calls.dir, seq, stream));
             }
             let _ = append(&mut calls.file, &Line::Dropped { seq });
@@ -525,6 +568,22 @@ impl CallJournal {
         })
     }
 
+    /// The recorded reply of ended call `end` (answered by one agent reply), or its error.
+    pub(crate) fn reply(&self, sandbox: &str, end: &EndLine) -> Result<Reply, ApiError> {
+        if let Some(e) = &end.error {
+            return Err(e.clone());
+        }
+        let path = output_path(&self.root.join(sandbox), end.seq, "reply");
+        let bytes = std::fs::read(&path).map_err(|e| {
+            ApiError::new(
+                ErrorCode::Expired,
+                format!("this call's recorded answer was dropped for newer calls' ({e})"),
+            )
+        })?;
+        serde_json::from_slice(&bytes)
+            .map_err(|e| io_error("parse", &path, std::io::Error::other(e)))
+    }
+
     /// A page of `sandbox`'s call log.
     pub(crate) fn log(&self, sandbox: &str, q: &CallLogQuery) -> Result<CallLog, ApiError> {
         let dir = self.root.join(sandbox);
@@ -536,6 +595,7 @@ impl CallJournal {
         };
         let mut records: Vec<CallRecord> = Vec::new();
         let mut at: HashMap<u64, usize> = HashMap::new();
+        let mut replied: HashSet<u64> = HashSet::new();
         let after = q.after.unwrap_or(0);
         for line in lines {
             match line {
@@ -558,9 +618,13 @@ impl CallJournal {
                         output_dropped: false,
                         stdout: None,
                         stderr: None,
+                        reply: None,
                     });
                 }
                 Line::End(e) => {
+                    if e.reply {
+                        replied.insert(e.seq);
+                    }
                     if let Some(r) = at.get(&e.seq).map(|i| &mut records[*i]) {
                         r.ended_at_ms = Some(e.ended_at_ms);
                         r.state = e.state;
@@ -587,7 +651,14 @@ impl CallJournal {
         records.truncate(limit);
         if q.output {
             for r in &mut records {
-                if r.state == CallState::Done && !r.output_dropped {
+                if r.state != CallState::Done || r.output_dropped {
+                    continue;
+                }
+                if replied.contains(&r.seq) {
+                    r.reply = std::fs::read(output_path(&dir, r.seq, "reply"))
+                        .ok()
+                        .and_then(|b| serde_json::from_slice(&b).ok());
+                } else {
                     r.stdout = Some(read_output(&dir, r.seq, "stdout"));
                     r.stderr = Some(read_output(&dir, r.seq, "stderr"));
                 }

@@ -745,6 +745,11 @@ impl NodeApi for LocalNode {
         Ok(while_active(events, active))
     }
 
+    async fn call_recorded(&self, id: &str, request_id: &str, req: Request) -> NodeResult<Reply> {
+        let _active = self.lifetimes.agent_activity(id)?;
+        self.recorded_call(id, request_id, req).await
+    }
+
     async fn call_log(
         &self,
         id: &str,

@@ -238,6 +238,82 @@ impl LocalNode {
         }
     }
 
+    /// Runs (once) or finds the call recorded under `request_id` that one agent reply
+    /// answers: a session command or a process start. It runs to its end (its connection
+    /// kept open, so a session command is not interrupted) whether or not its caller
+    /// stays.
+    pub(crate) async fn recorded_call(
+        &self,
+        id: &str,
+        request_id: &str,
+        req: Request,
+    ) -> Result<Reply, ApiError> {
+        let kind = match &req {
+            Request::SessionRun { .. } => "session_run",
+            Request::ProcessStart(_) => "process_start",
+            _ => {
+                return Err(ApiError::new(
+                    ErrorCode::BadRequest,
+                    "only execs, session commands and process starts take a request id",
+                ))
+            }
+        };
+        self.record(id)?;
+        let json = serde_json::to_vec(&req).map_err(internal)?;
+        let digest = format!("{:x}", Sha256::digest(&json));
+        let args = serde_json::to_value(&req).unwrap_or_default();
+        let ticket = match self.journal.begin(id, request_id, kind, digest, args, 0)? {
+            Begin::Known { mut ended, .. } => {
+                let end = match ended.wait_for(Option::is_some).await {
+                    Ok(end) => end.clone(),
+                    Err(_) => return Err(sandbox_gone(id)),
+                };
+                return match end {
+                    Some(end) => self.journal.reply(id, &end),
+                    None => Err(sandbox_gone(id)),
+                };
+            }
+            Begin::New(ticket) => ticket,
+        };
+        // A connection that cannot be had sent nothing: a retry may run it.
+        let mut conn = match self.agent(id) {
+            Ok(conn) => conn,
+            Err(e) => {
+                let e = ApiError::from(e);
+                self.journal.abandon(&ticket, &e);
+                return Err(e);
+            }
+        };
+        let me = self.me.clone();
+        let journal = self.journal.clone();
+        let activity = self.lifetimes.activity(id).ok();
+        let call = async move {
+            let _activity = activity;
+            let sent = conn.send_request(&req).await;
+            let outcome = match sent {
+                Ok(()) => conn.recv_reply().await,
+                Err(e) => Err(e),
+            };
+            // An answer of the agent (even an error) is the call's outcome; a connection
+            // that failed once the request went out leaves it unknown.
+            let lost = match &outcome {
+                Ok(_) => false,
+                Err(e) => matches!(e.code, ErrorCode::AgentUnavailable | ErrorCode::Internal),
+            };
+            journal.end_reply(&ticket, &outcome, lost);
+            if outcome.is_ok() && req.keeps_connection() {
+                if let Some(node) = me.upgrade() {
+                    node.reuse(&ticket.sandbox, conn);
+                }
+            }
+            outcome
+        };
+        FinishOnDrop::new(call)
+            .run()
+            .await
+            .unwrap_or_else(|| Err(sandbox_gone(id)))
+    }
+
     fn begin_exec(
         &self,
         id: &str,
@@ -299,12 +375,23 @@ impl LocalNode {
 
     /// Drives a call that was running when the node stopped to its end.
     pub(crate) fn redrive(&self, p: Pending) {
+        let kind = p.start.kind;
         let ticket = Ticket {
             sandbox: p.sandbox,
             seq: p.start.seq,
             request_id: p.start.request_id,
             oom_before: p.start.oom_before,
         };
+        if kind != "exec" {
+            // A session command or process start whose reply the stopped node never
+            // read: the agent keeps no such answer.
+            let e = ApiError::new(
+                ErrorCode::AgentUnavailable,
+                format!("the call's outcome was lost: the node stopped before its {kind} answered"),
+            );
+            self.journal.end_reply(&ticket, &Err(e), true);
+            return;
+        }
         tokio::spawn(self.drive(ticket, None, true));
     }
 

@@ -1090,6 +1090,10 @@ pub struct SessionRunRequest {
     /// Interrupt after this many seconds; the session stays usable.
     #[serde(default)]
     pub timeout_s: Option<f64>,
+    /// Makes the call safe to retry, as an exec's (see [`CallRecord`]); the
+    /// `Idempotency-Key` header says the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
 }
 
 /// `GET /v1/sandboxes/{id}/sessions`.
@@ -1124,6 +1128,9 @@ pub struct StartProcessRequest {
     /// the sandbox's user.
     #[serde(default)]
     pub user: Option<String>,
+    /// Makes the start safe to retry: one process per request id (see [`CallRecord`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
 }
 
 /// `GET /v1/sandboxes/{id}/processes`.

@@ -8,7 +8,7 @@ import random
 import threading
 import time
 import uuid
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 from urllib.parse import quote
 
 from pydantic import TypeAdapter
@@ -23,6 +23,8 @@ from .models import (
     JobResult,
     SandboxInfo,
 )
+
+T = TypeVar("T")
 
 __all__ = ["Client", "default_client", "DEFAULT_URL", "DEFAULT_API_KEY_FILE", "API_KEY_HEADER"]
 
@@ -499,16 +501,7 @@ class Client:
         it carries an ``Idempotency-Key``, so a retry of a delete that went through answers
         as it did."""
         headers = {"Idempotency-Key": uuid.uuid4().hex}
-        attempt = 0
-        while True:
-            try:
-                self.request("DELETE", f"/sandboxes/{_seg(sandbox_id)}", headers=headers)
-                return
-            except ConnectionFailed:
-                if attempt >= self.call_retries:
-                    raise
-                self.retry_delay(attempt)
-                attempt += 1
+        self.retried(lambda: self.request("DELETE", f"/sandboxes/{_seg(sandbox_id)}", headers=headers), True)
 
     def suspend_job(self, job: str) -> JobResult:
         """``POST /v1/jobs/{job}/suspend``: pauses every sandbox labelled ``job=JOB``."""
@@ -522,6 +515,19 @@ class Client:
         """Sleeps before retry ``attempt`` (0-based): exponential from 0.5 s, at most 8 s,
         with jitter."""
         time.sleep(min(8.0, 0.5 * (2**attempt)) * (0.5 + random.random() / 2))
+
+    def retried(self, call: Callable[[], T], safe: bool) -> T:
+        """``call()``, sent again after a lost connection (``call_retries`` times) when it
+        is ``safe`` to (it carries a request id or an idempotency key)."""
+        attempt = 0
+        while True:
+            try:
+                return call()
+            except ConnectionFailed:
+                if not safe or attempt >= self.call_retries:
+                    raise
+                self.retry_delay(attempt)
+                attempt += 1
 
     # ------------------------------------------------------------ streams
 

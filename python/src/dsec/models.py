@@ -189,6 +189,8 @@ class CallRecord(_Response):
     stdout: Optional[str] = None
     """Its kept stdout, when the log was read with ``output=True``."""
     stderr: Optional[str] = None
+    reply: Optional[Dict[str, Any]] = None
+    """The answer of a session command or a process start, with ``output=True``."""
 
 
 class CallLog(_Response):

@@ -380,18 +380,13 @@ class Sandbox:
         rid = self._request_id(request_id)
         if rid is not None:
             body["request_id"] = rid
-        attempt = 0
-        while True:
-            try:
-                data = self.client._json(
-                    "POST", f"{self._base}/exec", json_body=body, timeout=Client._exec_timeout(timeout)
-                )
-                return ExecResult.model_validate(data)
-            except ConnectionFailed:
-                if rid is None or attempt >= self.client.call_retries:
-                    raise
-                self.client.retry_delay(attempt)
-                attempt += 1
+        data = self.client.retried(
+            lambda: self.client._json(
+                "POST", f"{self._base}/exec", json_body=body, timeout=Client._exec_timeout(timeout)
+            ),
+            rid is not None,
+        )
+        return ExecResult.model_validate(data)
 
     def exec_stream(
         self,
@@ -561,6 +556,7 @@ class Sandbox:
         tag: Optional[str] = None,
         timeout: Optional[float] = None,
         user: Optional[str] = None,
+        request_id: Optional[str] = None,
     ) -> "Process":
         """Starts a background process and returns at once.
 
@@ -569,13 +565,20 @@ class Sandbox:
             pty: ``(cols, rows)`` to run under a terminal (stdout and stderr merge).
             tag: A label to find the process again in :meth:`processes`.
             timeout: Kill the process tree after this many seconds.
+            request_id: As for :meth:`exec` (a fresh one by default): a retried start
+                starts one process.
 
         Its output is kept by the sandbox, so any client can re-attach later with
         :meth:`process` and read from any offset.
         """
         body = process_body(cmd, env, cwd, pty, tag, timeout, user)
-        info = ProcessInfo.model_validate(self.client._json("POST", f"{self._base}/processes", json_body=body))
-        return Process(self, info)
+        rid = self._request_id(request_id)
+        if rid is not None:
+            body["request_id"] = rid
+        data = self.client.retried(
+            lambda: self.client._json("POST", f"{self._base}/processes", json_body=body), rid is not None
+        )
+        return Process(self, ProcessInfo.model_validate(data))
 
     def processes(self) -> List[ProcessInfo]:
         """The sandbox's background processes (running and recently ended)."""
@@ -710,13 +713,22 @@ class Session:
     def _base(self) -> str:
         return f"{self.sandbox._base}/sessions/{_seg(self.id)}"
 
-    def run(self, command: str, timeout: Optional[float] = None) -> SessionResult:
+    def run(self, command: str, timeout: Optional[float] = None, *, request_id: Optional[str] = None) -> SessionResult:
         """Runs a command line in the session's shell; ``output`` is stdout and stderr
-        combined. On ``timeout`` the command is interrupted and the session stays usable."""
+        combined. On ``timeout`` the command is interrupted and the session stays usable.
+        ``request_id`` as for :meth:`Sandbox.exec` (a fresh one by default): a lost
+        connection is retried, and the command runs once."""
         body: Dict[str, Any] = {"command": command}
         if timeout is not None:
             body["timeout_s"] = float(timeout)
-        data = self.sandbox.client._json("POST", f"{self._base}/run", json_body=body, timeout=Client._exec_timeout(timeout))
+        rid = self.sandbox._request_id(request_id)
+        if rid is not None:
+            body["request_id"] = rid
+        client = self.sandbox.client
+        data = client.retried(
+            lambda: client._json("POST", f"{self._base}/run", json_body=body, timeout=Client._exec_timeout(timeout)),
+            rid is not None,
+        )
         return SessionResult.model_validate(data)
 
     def interrupt(self) -> None:

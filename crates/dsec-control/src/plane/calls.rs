@@ -40,6 +40,21 @@ impl ControlPlane {
         .await
     }
 
+    /// [`ControlPlane::call_within`] recorded under `request_id` on the node.
+    pub(super) async fn call_recorded(
+        &self,
+        id: &str,
+        request_id: &str,
+        req: Request,
+        limit: Option<Limit>,
+    ) -> ApiResult<Reply> {
+        self.guarded(id, limit, async {
+            let node = self.usable(id).await?;
+            node.call_recorded(id, request_id, req).await
+        })
+        .await
+    }
+
     pub(super) async fn call_ok(&self, id: &str, req: Request) -> ApiResult<()> {
         match self.call(id, req).await? {
             Reply::Ok => Ok(()),

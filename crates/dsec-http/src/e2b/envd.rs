@@ -591,6 +591,7 @@ async fn start(
                 tag: msg["tag"].as_str().map(str::to_string),
                 timeout_s: None,
                 user: Some(user.to_string()),
+                request_id: None,
             },
         )
         .await?;

@@ -1069,6 +1069,7 @@ pub(super) async fn start(api: &Api, id: &str, img: &Image) -> Result<(), ApiErr
                 tag: Some("e2b-start-cmd".into()),
                 timeout_s: None,
                 user: user.clone(),
+                request_id: None,
             },
         )
         .await?;

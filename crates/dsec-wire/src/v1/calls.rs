@@ -62,7 +62,7 @@ pub struct CallRecord {
     pub seq: u64,
     /// The caller's request id.
     pub request_id: String,
-    /// What it was: `exec`.
+    /// What it was: `exec`, `session_run` or `process_start`.
     pub kind: String,
     /// Its arguments as the node ran them (stdin as `stdin_bytes`, its length).
     pub args: serde_json::Value,
@@ -92,6 +92,10 @@ pub struct CallRecord {
     /// Its kept stderr, when asked for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stderr: Option<String>,
+    /// The answer of a call that is not a command's run (a session command's result, a
+    /// started process), when output is asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reply: Option<serde_json::Value>,
 }
 
 /// A page of a sandbox's call log, oldest first.
