@@ -87,3 +87,40 @@ def test_session_commands_and_process_starts_take_request_ids(sandbox: dsec.Sand
     assert [p.tag for p in sandbox.processes()].count("one") == 1
     kinds = [c.kind for c in sandbox.calls()]
     assert kinds.count("session_run") == 2 and kinds.count("process_start") == 1
+
+
+def test_file_writes_and_directory_uploads_take_request_ids(sandbox: dsec.Sandbox, tmp_path) -> None:
+    assert sandbox.write("/root/w", "first", request_id="w-1") == 5
+    sandbox.exec("echo changed > /root/w")
+    assert sandbox.write("/root/w", "first", request_id="w-1") == 5  # recorded: not written again
+    assert sandbox.read("/root/w") == b"changed\n"
+    with pytest.raises(dsec.Conflict):
+        sandbox.write("/root/w", "other bytes", request_id="w-1")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x.txt").write_text("x")
+    sandbox.upload_dir(str(tmp_path / "d"), "/root/d", request_id="d-1")
+    sandbox.exec("rm /root/d/x.txt")
+    sandbox.upload_dir(str(tmp_path / "d"), "/root/d", request_id="d-1")
+    assert not sandbox.exists("/root/d/x.txt")
+    sandbox.write("/root/fresh", b"y")  # a fresh id by default
+    kinds = [(c.kind, c.body_sha256 is not None) for c in sandbox.calls() if c.kind != "exec"]
+    assert kinds == [("file_write", True), ("tar_upload", True), ("file_write", True)]
+
+
+def test_the_async_sdk_passes_request_ids(client: dsec.Client) -> None:
+    import asyncio
+
+    async def go() -> None:
+        async with dsec.AsyncClient(client.url, client.api_key) as ac:
+            async with await dsec.AsyncSandbox.create(ac, job="async-ids") as sb:
+                cmd = "echo x >> /root/n; wc -l < /root/n"
+                assert (await sb.exec(cmd, request_id="a-1")).stdout == "1\n"
+                assert (await sb.exec(cmd, request_id="a-1")).stdout == "1\n"
+                await sb.write("/root/w", "w", request_id="a-2")
+                with pytest.raises(dsec.Conflict):
+                    await sb.write("/root/w", "v", request_id="a-2")
+                async with await sb.session() as s:
+                    assert (await s.run(cmd, request_id="a-3")).output == "2\n"
+                    assert (await s.run(cmd, request_id="a-3")).output == "2\n"
+
+    asyncio.run(go())

@@ -602,9 +602,25 @@ impl Client {
         mode: Option<u32>,
         body: impl Into<UploadBody>,
     ) -> Result<WriteResult, ClientError> {
+        self.write_file_recorded(id, path, mode, body, None).await
+    }
+
+    /// [`Client::write_file`] recorded under `request_id`: a retry with the same id and
+    /// bytes gets the first write's answer without writing again.
+    pub async fn write_file_recorded(
+        &self,
+        id: &str,
+        path: &str,
+        mode: Option<u32>,
+        body: impl Into<UploadBody>,
+        request_id: Option<&str>,
+    ) -> Result<WriteResult, ClientError> {
         let mut query = vec![("path", path.to_owned())];
         if let Some(m) = mode {
             query.push(("mode", format!("0{m:o}")));
+        }
+        if let Some(rid) = request_id {
+            query.push(("request_id", rid.to_owned()));
         }
         let answered = files::Answered::default();
         let rb = self
@@ -676,10 +692,26 @@ impl Client {
         path: &str,
         body: impl Into<UploadBody>,
     ) -> Result<WriteResult, ClientError> {
+        self.upload_tar_recorded(id, path, body, None).await
+    }
+
+    /// [`Client::upload_tar`] recorded under `request_id`, as
+    /// [`Client::write_file_recorded`] is.
+    pub async fn upload_tar_recorded(
+        &self,
+        id: &str,
+        path: &str,
+        body: impl Into<UploadBody>,
+        request_id: Option<&str>,
+    ) -> Result<WriteResult, ClientError> {
+        let mut query = vec![("path", path)];
+        if let Some(rid) = request_id {
+            query.push(("request_id", rid));
+        }
         let answered = files::Answered::default();
         let rb = self
             .request(Method::PUT, &["sandboxes", id, "files", "tar"])
-            .query(&[("path", path)])
+            .query(&query)
             .header(header::CONTENT_TYPE, "application/x-tar")
             .body(body.into().into_reqwest(&answered));
         let answer = Self::json(rb).await;

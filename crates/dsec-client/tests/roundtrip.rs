@@ -271,6 +271,7 @@ impl SandboxApi for Fake {
         path: &str,
         mode: Option<u32>,
         body: ByteStream,
+        _: Option<&str>,
     ) -> ApiResult<WriteResult> {
         let data = collect(body).await?;
         let bytes = data.len() as u64;
@@ -333,6 +334,7 @@ impl SandboxApi for Fake {
         _: &str,
         path: &str,
         body: ByteStream,
+        _: Option<&str>,
     ) -> ApiResult<WriteResult> {
         let data = collect(body).await?;
         let mut archive = tar::Archive::new(&data[..]);

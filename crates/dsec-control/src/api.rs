@@ -313,7 +313,9 @@ pub trait SandboxApi: Send + Sync + 'static {
         offset: u64,
         length: Option<u64>,
     ) -> ApiResult<(FileInfo, ByteStream)>;
-    /// `PUT /v1/sandboxes/{id}/files?path=&mode=`: the body is the file's bytes.
+    /// `PUT /v1/sandboxes/{id}/files?path=&mode=`: the body is the file's bytes. With a
+    /// `request_id` the write is recorded: a retry with the same bytes gets its answer
+    /// without writing again.
     async fn write_file(
         &self,
         caller: &Principal,
@@ -321,6 +323,7 @@ pub trait SandboxApi: Send + Sync + 'static {
         path: &str,
         mode: Option<u32>,
         body: ByteStream,
+        request_id: Option<&str>,
     ) -> ApiResult<WriteResult>;
     /// `GET /v1/sandboxes/{id}/files/list?path=`.
     async fn list_files(&self, caller: &Principal, id: &str, path: &str) -> ApiResult<FileList>;
@@ -341,13 +344,15 @@ pub trait SandboxApi: Send + Sync + 'static {
     /// `GET /v1/sandboxes/{id}/files/tar?path=`: a tar stream of the directory.
     async fn download_tar(&self, caller: &Principal, id: &str, path: &str)
         -> ApiResult<ByteStream>;
-    /// `PUT /v1/sandboxes/{id}/files/tar?path=`: extract the tar body into the directory.
+    /// `PUT /v1/sandboxes/{id}/files/tar?path=`: extract the tar body into the directory,
+    /// recorded under `request_id` as [`SandboxApi::write_file`] is.
     async fn upload_tar(
         &self,
         caller: &Principal,
         id: &str,
         path: &str,
         body: ByteStream,
+        request_id: Option<&str>,
     ) -> ApiResult<WriteResult>;
 
     /// `GET /v1/images`.

@@ -207,7 +207,7 @@ async fn run_steps(
             BuildStep::File { path, content } => {
                 let body: ByteStream =
                     futures::stream::iter([Ok(bytes::Bytes::from(content.clone()))]).boxed();
-                api.write_file(caller, &id, path, None, body).await?;
+                api.write_file(caller, &id, path, None, body, None).await?;
             }
             BuildStep::Copy { dest, tar } => {
                 use base64::Engine;
@@ -226,7 +226,7 @@ async fn run_steps(
                     .await?;
                 let body: ByteStream =
                     futures::stream::iter([Ok(bytes::Bytes::from(data))]).boxed();
-                api.upload_tar(caller, &id, dest, body).await?;
+                api.upload_tar(caller, &id, dest, body, None).await?;
             }
         }
         let img = api

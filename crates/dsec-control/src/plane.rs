@@ -1096,13 +1096,27 @@ impl SandboxApi for ControlPlane {
         path: &str,
         mode: Option<u32>,
         body: ByteStream,
+        request_id: Option<&str>,
     ) -> ApiResult<WriteResult> {
         self.owned(caller, id).await?;
         validate::sandbox_path("path", path)?;
+        if let Some(rid) = request_id {
+            validate::request_id(rid)?;
+        }
         // As long as the client sends: the watchdog only.
         self.guarded(id, None, async {
             let node = self.usable(id).await?;
-            node.write_file(id, path, mode, body).await
+            match request_id {
+                Some(rid) => {
+                    let req = Request::FileWrite {
+                        path: path.to_string(),
+                        mode,
+                        create_parents: true,
+                    };
+                    node.upload_recorded(id, rid, req, body).await
+                }
+                None => node.write_file(id, path, mode, body).await,
+            }
         })
         .await
     }
@@ -1204,12 +1218,24 @@ impl SandboxApi for ControlPlane {
         id: &str,
         path: &str,
         body: ByteStream,
+        request_id: Option<&str>,
     ) -> ApiResult<WriteResult> {
         self.owned(caller, id).await?;
         validate::sandbox_path("path", path)?;
+        if let Some(rid) = request_id {
+            validate::request_id(rid)?;
+        }
         self.guarded(id, None, async {
             let node = self.usable(id).await?;
-            node.upload_tar(id, path, body).await
+            match request_id {
+                Some(rid) => {
+                    let req = Request::TarUpload {
+                        path: path.to_string(),
+                    };
+                    node.upload_recorded(id, rid, req, body).await
+                }
+                None => node.upload_tar(id, path, body).await,
+            }
         })
         .await
     }

@@ -59,7 +59,7 @@ async fn a_sandbox_lives_on_its_node_from_create_to_delete() -> TestResult {
     assert_eq!(fx.node.sandbox_ids(), std::slice::from_ref(&sb.id));
 
     plane
-        .write_file(op(), &sb.id, "/w/f", None, bytes("data"))
+        .write_file(op(), &sb.id, "/w/f", None, bytes("data"), None)
         .await?;
     let r = plane.exec(op(), &sb.id, shell("cat /w/f")).await?;
     assert_eq!((r.stdout.as_str(), r.exit.exit_code), ("data", Some(0)));

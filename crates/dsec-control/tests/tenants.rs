@@ -278,6 +278,7 @@ async fn another_tenants_sandbox_is_not_found_and_untouched() -> TestResult {
                             "/x",
                             None,
                             dsec_node_api::once_bytes(b"x".to_vec()),
+                            None,
                         )
                         .await
                         .map(drop),

@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use sha2::Digest as _;
 
 use dsec_client::Client;
 use dsec_e2e::{require_root, sh, Server};
@@ -539,6 +540,97 @@ async fn session_commands_and_process_starts_run_once_per_request_id() {
         Some(u64::from(p1.pid)),
         "{:?}",
         log.calls[1].reply
+    );
+    c.delete_sandbox(&sb.id).await.expect("delete");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn file_writes_and_tar_uploads_are_written_once_per_request_id() {
+    if !require_root() {
+        return;
+    }
+    let s = Server::shared("rollouts");
+    let c = s.client();
+    let sb = c
+        .create_sandbox(CreateSandboxRequest::default())
+        .await
+        .expect("create");
+    let write = |body: &'static str| {
+        c.write_file_recorded(&sb.id, "/root/w", Some(0o600), body, Some("write-1"))
+    };
+    let first = write("first").await.expect("write");
+    assert_eq!(first.bytes, 5);
+    // The sandbox changes the file; a retry of the write must not put it back.
+    c.exec(&sb.id, sh("echo changed > /root/w"))
+        .await
+        .expect("change");
+    assert_eq!(write("first").await.expect("retry"), first);
+    assert_eq!(contents(&c, &sb.id, "/root/w").await, "changed\n");
+    let e = write("other").await.expect_err("other bytes, same id");
+    assert_eq!(e.code(), Some(ErrorCode::Conflict), "{e}");
+
+    // An upload that breaks off wrote nothing, so its retry writes.
+    let broken = futures::stream::iter([
+        Ok::<_, std::io::Error>(bytes::Bytes::from_static(b"half")),
+        Err(std::io::Error::other("the trainer died")),
+    ]);
+    c.write_file_recorded(
+        &sb.id,
+        "/root/b",
+        None,
+        dsec_client::UploadBody::from_stream(broken),
+        Some("write-2"),
+    )
+    .await
+    .expect_err("broken upload");
+    let done = c
+        .write_file_recorded(&sb.id, "/root/b", None, "whole", Some("write-2"))
+        .await
+        .expect("retry of a broken upload");
+    assert_eq!(done.bytes, 5);
+    assert_eq!(contents(&c, &sb.id, "/root/b").await, "whole");
+
+    // A tar upload, the same.
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_gnu();
+    h.set_size(3);
+    h.set_mode(0o644);
+    h.set_entry_type(tar::EntryType::Regular);
+    b.append_data(&mut h, "t.txt", &b"tar"[..]).expect("entry");
+    let archive = b.into_inner().expect("tar");
+    let up = c
+        .upload_tar_recorded(&sb.id, "/root/t", archive.clone(), Some("tar-1"))
+        .await
+        .expect("upload");
+    c.exec(&sb.id, sh("rm /root/t/t.txt")).await.expect("rm");
+    let again = c
+        .upload_tar_recorded(&sb.id, "/root/t", archive, Some("tar-1"))
+        .await
+        .expect("retry");
+    assert_eq!(again, up);
+    assert_eq!(contents(&c, &sb.id, "/root/t/t.txt").await, "", "not again");
+
+    let log = c
+        .call_log(&sb.id, &CallLogQuery::default())
+        .await
+        .expect("log");
+    let kinds: Vec<(&str, &str)> = log
+        .calls
+        .iter()
+        .map(|c| (c.request_id.as_str(), c.kind.as_str()))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            ("write-1", "file_write"),
+            ("write-2", "file_write"),
+            ("tar-1", "tar_upload")
+        ]
+    );
+    let sha_of_first = format!("{:x}", sha2::Sha256::digest(b"first"));
+    assert_eq!(
+        log.calls[0].body_sha256.as_deref(),
+        Some(sha_of_first.as_str())
     );
     c.delete_sandbox(&sb.id).await.expect("delete");
 }

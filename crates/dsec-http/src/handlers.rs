@@ -180,6 +180,20 @@ pub struct WriteQuery {
     /// Permission bits; see [`parse_mode`].
     #[serde(default)]
     pub mode: Option<String>,
+    /// Record the write under this id (or send the `Idempotency-Key` header).
+    #[serde(default)]
+    pub request_id: Option<String>,
+}
+
+/// `PUT /files/tar?path=&request_id=`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TarUploadQuery {
+    /// Directory inside the sandbox.
+    pub path: String,
+    /// Record the upload under this id (or send the `Idempotency-Key` header).
+    #[serde(default)]
+    pub request_id: Option<String>,
 }
 
 /// `DELETE /files?path=&recursive=`.
@@ -209,7 +223,8 @@ pub struct OutputQuery {
 }
 
 /// Parses a file mode: octal when written with a leading `0` or `0o` (`0644`, `0o755`),
-/// decimal otherwise (`420`). At most `0o7777`.
+/// decimal otherwise (`420`). Permission bits only (at most `0o777`, as for a create's
+/// init files): setuid, setgid and sticky are refused.
 pub fn parse_mode(s: &str) -> Result<u32, HttpError> {
     let parsed = if let Some(oct) = s.strip_prefix("0o").or_else(|| s.strip_prefix("0O")) {
         u32::from_str_radix(oct, 8)
@@ -219,9 +234,13 @@ pub fn parse_mode(s: &str) -> Result<u32, HttpError> {
         s.parse::<u32>()
     };
     match parsed {
-        Ok(m) if m <= 0o7777 => Ok(m),
+        Ok(m) if m <= 0o777 => Ok(m),
+        Ok(m) if m <= 0o7777 => Err(HttpError::bad_request(format!(
+            "mode {m:#o} has bits beyond the permissions 0o777 (setuid, setgid, sticky): \
+             give permission bits only"
+        ))),
         _ => Err(HttpError::bad_request(format!(
-            "invalid mode {s:?}: expected octal like 0644 or a decimal number up to 4095"
+            "invalid mode {s:?}: expected octal like 0644 or a decimal number up to 511"
         ))),
     }
 }
@@ -729,17 +748,23 @@ pub async fn read_file(
     Ok((headers, Body::from_stream(stream)).into_response())
 }
 
-/// `PUT /v1/sandboxes/{id}/files?path=&mode=`: the body (streamed) is the file's bytes.
+/// `PUT /v1/sandboxes/{id}/files?path=&mode=&request_id=`: the body (streamed) is the
+/// file's bytes.
 pub async fn write_file(
     api: Api,
     Extension(opts): Extension<HttpOptions>,
     Path(id): Path<String>,
-    Query(q): Query<WriteQuery>,
+    headers: HeaderMap,
+    Query(mut q): Query<WriteQuery>,
     body: Body,
 ) -> HttpResult<Response> {
     let mode = q.mode.as_deref().map(parse_mode).transpose()?;
+    request_id(&headers, &mut q.request_id)?;
     let body = body_stream(body, opts.upload_idle_timeout);
-    Ok(json(api.write_file(&id, &q.path, mode, body).await?))
+    let written = api
+        .write_file(&id, &q.path, mode, body, q.request_id.as_deref())
+        .await?;
+    Ok(json(written))
 }
 
 /// `DELETE /v1/sandboxes/{id}/files?path=&recursive=`.
@@ -801,16 +826,22 @@ pub async fn download_tar(
     ))
 }
 
-/// `PUT /v1/sandboxes/{id}/files/tar?path=`: the (streamed) tar body is extracted there.
+/// `PUT /v1/sandboxes/{id}/files/tar?path=&request_id=`: the (streamed) tar body is
+/// extracted there.
 pub async fn upload_tar(
     api: Api,
     Extension(opts): Extension<HttpOptions>,
     Path(id): Path<String>,
-    Query(q): Query<PathQuery>,
+    headers: HeaderMap,
+    Query(mut q): Query<TarUploadQuery>,
     body: Body,
 ) -> HttpResult<Response> {
+    request_id(&headers, &mut q.request_id)?;
     let body = body_stream(body, opts.upload_idle_timeout);
-    Ok(json(api.upload_tar(&id, &q.path, body).await?))
+    let written = api
+        .upload_tar(&id, &q.path, body, q.request_id.as_deref())
+        .await?;
+    Ok(json(written))
 }
 
 // ---------------------------------------------------------------- images
@@ -991,6 +1022,9 @@ mod tests {
         assert_eq!(parse_mode("420").ok(), Some(0o644));
         assert_eq!(parse_mode("0").ok(), Some(0));
         assert!(parse_mode("0999").is_err());
+        assert!(parse_mode("04755").is_err(), "setuid");
+        assert!(parse_mode("0o1777").is_err(), "sticky");
+        assert_eq!(parse_mode("0777").ok(), Some(0o777));
         assert!(parse_mode("99999").is_err());
         assert!(parse_mode("rw").is_err());
     }

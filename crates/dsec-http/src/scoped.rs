@@ -366,9 +366,10 @@ impl Scoped {
         path: &str,
         mode: Option<u32>,
         body: ByteStream,
+        request_id: Option<&str>,
     ) -> ApiResult<WriteResult> {
         self.api
-            .write_file(&self.caller, id, path, mode, body)
+            .write_file(&self.caller, id, path, mode, body, request_id)
             .await
     }
 
@@ -410,8 +411,11 @@ impl Scoped {
         id: &str,
         path: &str,
         body: ByteStream,
+        request_id: Option<&str>,
     ) -> ApiResult<WriteResult> {
-        self.api.upload_tar(&self.caller, id, path, body).await
+        self.api
+            .upload_tar(&self.caller, id, path, body, request_id)
+            .await
     }
 
     /// [`SandboxApi::list_images`] as this caller.

@@ -472,20 +472,33 @@ struct WriteFile {
     path: String,
 }
 
+/// Writes `data` to `path`, recorded under `request_id` when given.
 async fn write_bytes(
     api: &crate::Scoped,
     id: &str,
     path: &str,
     data: Bytes,
+    request_id: Option<&str>,
 ) -> Result<(), ApiError> {
     let body = futures::stream::iter([Ok::<_, ApiError>(data)]).boxed();
-    api.write_file(id, path, None, body).await.map(|_| ())
+    api.write_file(id, path, None, body, request_id)
+        .await
+        .map(|_| ())
 }
 
 async fn write_file(api: Api, Path(id): Path<String>, headers: HeaderMap, body: Bytes) -> Response {
     answer(&id, &headers, async {
         let req: WriteFile = parse(&body)?;
-        write_bytes(&api, &id, &req.path, Bytes::from(req.content)).await?;
+        // A retried write (one X-Request-ID) is written once.
+        let rid = swerex_request_id(&headers);
+        write_bytes(
+            &api,
+            &id,
+            &req.path,
+            Bytes::from(req.content),
+            rid.as_deref(),
+        )
+        .await?;
         Ok(json!({}))
     })
     .await
@@ -531,11 +544,12 @@ async fn upload(
             )));
         };
         if !unzip {
-            write_bytes(&api, &id, &target, file).await?;
+            let rid = swerex_request_id(&headers);
+            write_bytes(&api, &id, &target, file, rid.as_deref()).await?;
             return Ok(json!({}));
         }
         let tmp = format!("/tmp/.dsec-swerex-{:016x}.zip", rand_suffix());
-        write_bytes(&api, &id, &tmp, file).await?;
+        write_bytes(&api, &id, &tmp, file, None).await?;
         let script = "import sys, zipfile\nzipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])";
         let exec = ExecRequest {
             cmd: Command::Argv(vec![

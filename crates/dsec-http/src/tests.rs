@@ -261,6 +261,7 @@ impl SandboxApi for Stub {
         path: &str,
         mode: Option<u32>,
         mut body: ByteStream,
+        _: Option<&str>,
     ) -> ApiResult<WriteResult> {
         let mut n = 0u64;
         while let Some(chunk) = body.next().await {
@@ -292,6 +293,7 @@ impl SandboxApi for Stub {
         _: &str,
         _: &str,
         _: ByteStream,
+        _: Option<&str>,
     ) -> ApiResult<WriteResult> {
         stub_err("upload_tar")
     }

@@ -246,6 +246,20 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
         let _ = (id, request_id, req);
         Err(no_call_records())
     }
+    /// An upload ([`Request::FileWrite`] or [`Request::TarUpload`] with `body`) recorded
+    /// under `request_id`: written once; a retry with the same bytes gets the recorded
+    /// answer, one with other bytes is a `conflict`; one that broke off wrote nothing and
+    /// is forgotten.
+    async fn upload_recorded(
+        &self,
+        id: &str,
+        request_id: &str,
+        req: Request,
+        body: ByteStream,
+    ) -> NodeResult<WriteResult> {
+        let _ = (id, request_id, req, body);
+        Err(no_call_records())
+    }
     /// A page of the sandbox's log of recorded calls.
     async fn call_log(&self, id: &str, query: &CallLogQuery) -> NodeResult<CallLog> {
         let _ = (id, query);

@@ -331,6 +331,37 @@ impl NodeApi for RemoteNode {
         .await
     }
 
+    async fn upload_recorded(
+        &self,
+        id: &str,
+        request_id: &str,
+        req: Request,
+        body: ByteStream,
+    ) -> NodeResult<WriteResult> {
+        let (route, mut query) = match req {
+            Request::FileWrite { path, mode, .. } => {
+                let mut query = vec![("path", path)];
+                if let Some(m) = mode {
+                    query.push(("mode", m.to_string()));
+                }
+                ("/file", query)
+            }
+            Request::TarUpload { path } => ("/tar", vec![("path", path)]),
+            _ => {
+                return Err(ApiError::new(
+                    ErrorCode::BadRequest,
+                    "only file writes and tar uploads are recorded uploads",
+                ))
+            }
+        };
+        query.push(("request_id", request_id.to_string()));
+        let req = self
+            .sandbox(Method::PUT, id, route)
+            .query(&query)
+            .body(upload_body(body));
+        self.json(req).await
+    }
+
     async fn exec(&self, id: &str, spec: ExecSpec, stdin: Option<Bytes>) -> NodeResult<ExecResult> {
         let call = Self::exec_call(spec, stdin, None);
         self.json(self.sandbox(Method::POST, id, "/exec").json(&call))

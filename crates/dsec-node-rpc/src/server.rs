@@ -351,6 +351,8 @@ struct FileQuery {
     offset: u64,
     length: Option<u64>,
     mode: Option<u32>,
+    /// A recorded upload's request id.
+    request_id: Option<String>,
 }
 
 async fn read_file(
@@ -375,16 +377,36 @@ async fn write_file(
     Query(q): Query<FileQuery>,
     body: Body,
 ) -> RpcResult<impl IntoResponse> {
-    let written = rpc
-        .node
-        .write_file(&id, &q.path, q.mode, body_stream(body))
-        .await?;
+    let written = match q.request_id {
+        Some(rid) => {
+            let req = dsec_wire::agent::Request::FileWrite {
+                path: q.path,
+                mode: q.mode,
+                create_parents: true,
+            };
+            rpc.node
+                .upload_recorded(&id, &rid, req, body_stream(body))
+                .await?
+        }
+        None => {
+            rpc.node
+                .write_file(&id, &q.path, q.mode, body_stream(body))
+                .await?
+        }
+    };
     Ok(Json(written))
 }
 
 #[derive(Deserialize)]
 struct PathQuery {
     path: String,
+}
+
+#[derive(Deserialize)]
+struct TarUploadQuery {
+    path: String,
+    /// A recorded upload's request id.
+    request_id: Option<String>,
 }
 
 async fn download_tar(
@@ -398,10 +420,17 @@ async fn download_tar(
 async fn upload_tar(
     State(rpc): State<Arc<Rpc>>,
     Path(id): Path<String>,
-    Query(q): Query<PathQuery>,
+    Query(q): Query<TarUploadQuery>,
     body: Body,
 ) -> RpcResult<impl IntoResponse> {
-    let written = rpc.node.upload_tar(&id, &q.path, body_stream(body)).await?;
+    let body = body_stream(body);
+    let written = match q.request_id {
+        Some(rid) => {
+            let req = dsec_wire::agent::Request::TarUpload { path: q.path };
+            rpc.node.upload_recorded(&id, &rid, req, body).await?
+        }
+        None => rpc.node.upload_tar(&id, &q.path, body).await?,
+    };
     Ok(Json(written))
 }
 

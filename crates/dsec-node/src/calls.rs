@@ -86,6 +86,10 @@ pub(crate) struct EndLine {
     /// as `SEQ.reply`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub reply: bool,
+    /// SHA-256 of an upload's body (a file write, a tar upload): a retry must send the
+    /// same bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body_digest: Option<String>,
 }
 
 /// What a waiter sees of a call: `None` while it runs.
@@ -440,6 +444,7 @@ impl CallJournal {
                     ),
                 )),
                 reply: false,
+                body_digest: None,
             })));
         }
         owners.remove(&ticket.request_id);
@@ -477,6 +482,7 @@ impl CallJournal {
             oom_killed: outcome.as_ref().is_ok_and(|r| r.oom_killed),
             error: outcome.as_ref().err().cloned(),
             reply: false,
+            body_digest: None,
         };
         self.finish(ticket, end, bytes);
     }
@@ -485,6 +491,22 @@ impl CallJournal {
     /// `SEQ.reply`), or the error the agent answered (`Done`), or why its outcome is
     /// unknown (`lost`: the connection failed after the request went out).
     pub(crate) fn end_reply(&self, ticket: &Ticket, outcome: &Result<Reply, ApiError>, lost: bool) {
+        self.end_answered(ticket, outcome, lost, None);
+    }
+
+    /// Records an upload that was written: the agent's answer and the SHA-256 of the body
+    /// it wrote, which a retry's body must match.
+    pub(crate) fn end_upload(&self, ticket: &Ticket, written: &Reply, body_digest: String) {
+        self.end_answered(ticket, &Ok(written.clone()), false, Some(body_digest));
+    }
+
+    fn end_answered(
+        &self,
+        ticket: &Ticket,
+        outcome: &Result<Reply, ApiError>,
+        lost: bool,
+        body_digest: Option<String>,
+    ) {
         let dir = self.root.join(&ticket.sandbox);
         let mut bytes = 0;
         if let Ok(reply) = outcome {
@@ -508,6 +530,7 @@ impl CallJournal {
             oom_killed: false,
             error: outcome.as_ref().err().cloned(),
             reply: outcome.is_ok(),
+            body_digest,
         };
         self.finish(ticket, end, bytes);
     }
@@ -619,6 +642,7 @@ impl CallJournal {
                         stdout: None,
                         stderr: None,
                         reply: None,
+                        body_sha256: None,
                     });
                 }
                 Line::End(e) => {
@@ -631,6 +655,7 @@ impl CallJournal {
                         r.exit = e.exit;
                         r.oom_killed = e.oom_killed;
                         r.error = e.error;
+                        r.body_sha256 = e.body_digest;
                     }
                 }
                 Line::Abandon { seq } => {
@@ -803,5 +828,50 @@ mod tests {
         };
         j.abandon(&t, &ApiError::new(ErrorCode::AgentUnavailable, "down"));
         assert!(matches!(begin(&j, "sb", "r", "d"), Ok(Begin::New(_))));
+    }
+
+    #[test]
+    fn an_upload_keeps_its_answer_and_body_digest_across_a_reopen() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let keep: HashSet<String> = ["sb".to_string()].into();
+        let (j, _) = CallJournal::open(tmp.path(), &keep).expect("open");
+        let Begin::New(t) = j
+            .begin(
+                "sb",
+                "w",
+                "file_write",
+                "d".into(),
+                serde_json::json!({}),
+                0,
+            )
+            .expect("begin")
+        else {
+            panic!("new");
+        };
+        j.end_upload(&t, &Reply::Written { bytes: 5 }, "abc".into());
+        drop(j);
+        let (j, pending) = CallJournal::open(tmp.path(), &keep).expect("reopen");
+        assert!(pending.is_empty());
+        let Begin::Known { ended, .. } = j
+            .begin(
+                "sb",
+                "w",
+                "file_write",
+                "d".into(),
+                serde_json::json!({}),
+                0,
+            )
+            .expect("retry")
+        else {
+            panic!("known");
+        };
+        let end = ended.borrow().clone().expect("ended");
+        assert_eq!(end.body_digest.as_deref(), Some("abc"));
+        assert!(matches!(
+            j.reply("sb", &end),
+            Ok(Reply::Written { bytes: 5 })
+        ));
+        let log = j.log("sb", &CallLogQuery::default()).expect("log");
+        assert_eq!(log.calls[0].body_sha256.as_deref(), Some("abc"));
     }
 }

@@ -750,6 +750,17 @@ impl NodeApi for LocalNode {
         self.recorded_call(id, request_id, req).await
     }
 
+    async fn upload_recorded(
+        &self,
+        id: &str,
+        request_id: &str,
+        req: Request,
+        body: ByteStream,
+    ) -> NodeResult<WriteResult> {
+        let _active = self.lifetimes.agent_activity(id)?;
+        self.recorded_upload(id, request_id, req, body).await
+    }
+
     async fn call_log(
         &self,
         id: &str,

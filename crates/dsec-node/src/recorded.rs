@@ -18,10 +18,10 @@ use futures::StreamExt;
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 
-use dsec_node_api::EventStream;
+use dsec_node_api::{ByteStream, EventStream};
 use dsec_wire::agent::{ExecSpec, Reply, Request};
 use dsec_wire::frame::{Frame, DATA_CHUNK};
-use dsec_wire::v1::{ExecEvent, ExecResult};
+use dsec_wire::v1::{ExecEvent, ExecResult, WriteResult};
 use dsec_wire::{ApiError, ErrorCode};
 
 use crate::agent_ops::{event_stream, internal, unexpected, OomWitness};
@@ -136,6 +136,40 @@ fn exec_call(spec: &ExecSpec, stdin: Option<&[u8]>) -> (String, serde_json::Valu
         );
     }
     (digest, args)
+}
+
+/// A recorded upload whose caller went away before it ended: forgotten (the agent
+/// drops an upload that breaks off, so nothing was written), and a retry runs it.
+struct ForgetOnDrop {
+    journal: std::sync::Arc<crate::calls::CallJournal>,
+    ticket: Option<Ticket>,
+}
+
+impl ForgetOnDrop {
+    fn disarm(mut self) -> Option<Ticket> {
+        self.ticket.take()
+    }
+}
+
+impl Drop for ForgetOnDrop {
+    fn drop(&mut self) {
+        if let Some(ticket) = self.ticket.take() {
+            let e = ApiError::new(
+                ErrorCode::AgentUnavailable,
+                "the upload's caller went away before it was written",
+            );
+            self.journal.abandon(&ticket, &e);
+        }
+    }
+}
+
+/// SHA-256 (hex) of everything `body` sends.
+async fn hash_stream(mut body: ByteStream) -> Result<String, ApiError> {
+    let mut hasher = Sha256::new();
+    while let Some(chunk) = body.next().await {
+        hasher.update(chunk?);
+    }
+    Ok(format!("{:x}", hasher.finalize()))
 }
 
 fn sandbox_gone(id: &str) -> ApiError {
@@ -314,6 +348,104 @@ impl LocalNode {
             .unwrap_or_else(|| Err(sandbox_gone(id)))
     }
 
+    /// Runs (once) or finds the upload recorded under `request_id`: a file write or a
+    /// tar upload ([`Request::FileWrite`], [`Request::TarUpload`]). Uploads are all or
+    /// nothing, so only a written one is recorded; one that failed or broke off wrote
+    /// nothing and is forgotten, and a retry runs it. A retry of a written one must send
+    /// the same bytes (compared by SHA-256 as they arrive) and gets the first answer
+    /// without writing again; other bytes under the same id are a `conflict`.
+    pub(crate) async fn recorded_upload(
+        &self,
+        id: &str,
+        request_id: &str,
+        req: Request,
+        body: ByteStream,
+    ) -> Result<WriteResult, ApiError> {
+        let kind = match &req {
+            Request::FileWrite { .. } => "file_write",
+            Request::TarUpload { .. } => "tar_upload",
+            _ => {
+                return Err(ApiError::new(
+                    ErrorCode::BadRequest,
+                    "only file writes and tar uploads are recorded uploads",
+                ))
+            }
+        };
+        self.record(id)?;
+        let json = serde_json::to_vec(&req).map_err(internal)?;
+        let digest = format!("{:x}", Sha256::digest(&json));
+        let args = serde_json::to_value(&req).unwrap_or_default();
+        let ticket = loop {
+            let ended =
+                match self
+                    .journal
+                    .begin(id, request_id, kind, digest.clone(), args.clone(), 0)?
+                {
+                    Begin::New(ticket) => break ticket,
+                    Begin::Known { ended, .. } => ended,
+                };
+            // A first upload that is still arriving (its caller may be gone) either
+            // ends written or is forgotten; then this one runs.
+            let end = self.wait_ended(id, ended).await?;
+            if !end.reply {
+                continue;
+            }
+            let sent = hash_stream(body).await?;
+            if end.body_digest.as_deref() != Some(sent.as_str()) {
+                return Err(ApiError::new(
+                    ErrorCode::Conflict,
+                    format!(
+                        "request_id {request_id:?} was used for an upload of other bytes on \
+                         sandbox {id}: retry with the same body, or use a new id"
+                    ),
+                ));
+            }
+            return match self.journal.reply(id, &end)? {
+                Reply::Written { bytes } => Ok(WriteResult { bytes }),
+                other => Err(unexpected(other)),
+            };
+        };
+        let hasher = std::sync::Arc::new(std::sync::Mutex::new(Sha256::new()));
+        let fed = hasher.clone();
+        let body = body
+            .inspect(move |chunk| {
+                if let Ok(bytes) = chunk {
+                    fed.lock().unwrap_or_else(|e| e.into_inner()).update(bytes);
+                }
+            })
+            .boxed();
+        let pending = ForgetOnDrop {
+            journal: self.journal.clone(),
+            ticket: Some(ticket),
+        };
+        let outcome = self.upload(id, req, body).await;
+        let Some(ticket) = pending.disarm() else {
+            return outcome;
+        };
+        match &outcome {
+            Ok(w) => {
+                let digest = std::mem::take(&mut *hasher.lock().unwrap_or_else(|e| e.into_inner()));
+                let body_digest = format!("{:x}", digest.finalize());
+                self.journal
+                    .end_upload(&ticket, &Reply::Written { bytes: w.bytes }, body_digest);
+            }
+            Err(e) => self.journal.abandon(&ticket, e),
+        }
+        outcome
+    }
+
+    /// The end of a recorded call, once it has one.
+    async fn wait_ended(
+        &self,
+        id: &str,
+        mut ended: watch::Receiver<Ended>,
+    ) -> Result<std::sync::Arc<crate::calls::EndLine>, ApiError> {
+        match ended.wait_for(Option::is_some).await {
+            Ok(end) => end.clone().ok_or_else(|| sandbox_gone(id)),
+            Err(_) => Err(sandbox_gone(id)),
+        }
+    }
+
     fn begin_exec(
         &self,
         id: &str,
@@ -382,6 +514,16 @@ impl LocalNode {
             request_id: p.start.request_id,
             oom_before: p.start.oom_before,
         };
+        if kind == "file_write" || kind == "tar_upload" {
+            // The agent dropped the upload with the node's connection: nothing was
+            // written, and a retry runs it.
+            let e = ApiError::new(
+                ErrorCode::AgentUnavailable,
+                "the node stopped before the upload ended",
+            );
+            self.journal.abandon(&ticket, &e);
+            return;
+        }
         if kind != "exec" {
             // A session command or process start whose reply the stopped node never
             // read: the agent keeps no such answer.

@@ -233,17 +233,22 @@ class AsyncSandbox:
 
     async def exec(self, cmd: Command, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
                    stdin: Union[str, bytes, None] = None, timeout: Optional[float] = None,
-                   *, user: Optional[str] = None) -> ExecResult:
-        """Runs a command to completion (see :meth:`dsec.Sandbox.exec`)."""
+                   *, user: Optional[str] = None, request_id: Optional[str] = None) -> ExecResult:
+        """Runs a command to completion (see :meth:`dsec.Sandbox.exec`; ``request_id`` is
+        sent as given, none by default)."""
         body = Sandbox._exec_body(cmd, env, cwd, stdin, timeout, None, user)
+        if request_id is not None:
+            body["request_id"] = request_id
         t = None if timeout is None else timeout + 60.0
         return ExecResult.model_validate(await self.client._json("POST", f"{self._base}/exec", json=body, timeout=t))
 
     def exec_stream(self, cmd: Command, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
                     stdin: Union[str, bytes, None] = None, timeout: Optional[float] = None,
-                    *, user: Optional[str] = None) -> AsyncIterator[Any]:
+                    *, user: Optional[str] = None, request_id: Optional[str] = None) -> AsyncIterator[Any]:
         """Yields the command's events (see :meth:`dsec.Sandbox.exec_stream`)."""
         body = Sandbox._exec_body(cmd, env, cwd, stdin, timeout, None, user)
+        if request_id is not None:
+            body["request_id"] = request_id
         return self.client.stream_events(f"{self._base}/exec/stream", body, timeout)
 
     async def session(self, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
@@ -261,9 +266,12 @@ class AsyncSandbox:
 
     async def start(self, cmd: Command, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
                     *, pty: Optional[Tuple[int, int]] = None, tag: Optional[str] = None,
-                    timeout: Optional[float] = None, user: Optional[str] = None) -> "AsyncProcess":
+                    timeout: Optional[float] = None, user: Optional[str] = None,
+                    request_id: Optional[str] = None) -> "AsyncProcess":
         """Starts a background process (see :meth:`dsec.Sandbox.start`)."""
         body = process_body(cmd, env, cwd, pty, tag, timeout, user)
+        if request_id is not None:
+            body["request_id"] = request_id
         info = ProcessInfo.model_validate(await self.client._json("POST", f"{self._base}/processes", json=body))
         return AsyncProcess(self, info)
 
@@ -279,11 +287,14 @@ class AsyncSandbox:
                 return AsyncProcess(self, p)
         raise NotFound(f"no process {pid} in sandbox {self.id}")
 
-    async def upload_dir(self, local_dir: str, remote_dir: str) -> int:
+    async def upload_dir(self, local_dir: str, remote_dir: str, *, request_id: Optional[str] = None) -> int:
         """Copies a local directory's contents into ``remote_dir`` (see :meth:`dsec.Sandbox.upload_dir`)."""
         data = tar_directory(local_dir)
         await self.mkdir(remote_dir)
-        await self.client.request("PUT", f"{self._base}/files/tar", params={"path": remote_dir}, content=data,
+        params = {"path": remote_dir}
+        if request_id is not None:
+            params["request_id"] = request_id
+        await self.client.request("PUT", f"{self._base}/files/tar", params=params, content=data,
                                   headers={"content-type": "application/x-tar"}, timeout=None)
         return len(data)
 
@@ -292,11 +303,15 @@ class AsyncSandbox:
         resp = await self.client.request("GET", f"{self._base}/files/tar", params={"path": remote_dir}, timeout=None)
         extract_tar(resp.content, local_dir)
 
-    async def write(self, path: str, data: Union[bytes, str], mode: Optional[int] = None) -> int:
-        """Writes a file from bytes or str; returns the bytes written."""
+    async def write(self, path: str, data: Union[bytes, str], mode: Optional[int] = None,
+                    *, request_id: Optional[str] = None) -> int:
+        """Writes a file from bytes or str; returns the bytes written (``request_id`` as
+        for :meth:`dsec.Sandbox.write`, none by default)."""
         params: Dict[str, str] = {"path": path}
         if mode is not None:
             params["mode"] = f"0o{mode:o}"
+        if request_id is not None:
+            params["request_id"] = request_id
         content = data.encode("utf-8") if isinstance(data, str) else bytes(data)
         res = await self.client._json("PUT", f"{self._base}/files", params=params, content=content,
                                       headers={"content-type": "application/octet-stream"}, timeout=None)
@@ -334,8 +349,11 @@ class AsyncSession:
     def _base(self) -> str:
         return f"{self.sandbox._base}/sessions/{_seg(self.info.session)}"
 
-    async def run(self, command: str, timeout: Optional[float] = None) -> SessionResult:
+    async def run(self, command: str, timeout: Optional[float] = None, *,
+                  request_id: Optional[str] = None) -> SessionResult:
         body: Dict[str, Any] = {"command": command}
+        if request_id is not None:
+            body["request_id"] = request_id
         if timeout is not None:
             body["timeout_s"] = float(timeout)
         t = None if timeout is None else timeout + 60.0

@@ -174,7 +174,8 @@ class CallRecord(_Response):
     """Its place in the log, from 1."""
     request_id: str
     kind: str
-    """What it was: ``exec``."""
+    """What it was: ``exec``, ``session_run``, ``process_start``, ``file_write`` or
+    ``tar_upload``."""
     args: Dict[str, Any] = Field(default_factory=dict)
     """Its arguments as the node ran them (stdin as ``stdin_bytes``, its length)."""
     started_at_ms: int
@@ -190,7 +191,9 @@ class CallRecord(_Response):
     """Its kept stdout, when the log was read with ``output=True``."""
     stderr: Optional[str] = None
     reply: Optional[Dict[str, Any]] = None
-    """The answer of a session command or a process start, with ``output=True``."""
+    """The answer of a session command, a process start or an upload, with ``output=True``."""
+    body_sha256: Optional[str] = None
+    """SHA-256 (hex) of the bytes an upload wrote."""
 
 
 class CallLog(_Response):

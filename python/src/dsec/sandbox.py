@@ -594,14 +594,24 @@ class Sandbox:
 
     # ------------------------------------------------------------ directories
 
-    def upload_dir(self, local_dir: str, remote_dir: str) -> int:
+    def upload_dir(self, local_dir: str, remote_dir: str, *, request_id: Optional[str] = None) -> int:
         """Copies the contents of local directory ``local_dir`` into ``remote_dir``
-        (created with its parents); returns the bytes of the archive sent."""
+        (created with its parents); returns the bytes of the archive sent.
+
+        ``request_id`` is as for :meth:`write` (a fresh one by default): a retry after a
+        lost connection extracts the archive once."""
         data = tar_directory(local_dir)
         self.mkdir(remote_dir)
-        self.client.request(
-            "PUT", f"{self._base}/files/tar", params={"path": remote_dir}, content=data,
-            headers={"content-type": "application/x-tar"}, timeout=None,
+        params = {"path": remote_dir}
+        rid = self._request_id(request_id)
+        if rid is not None:
+            params["request_id"] = rid
+        self.client.retried(
+            lambda: self.client.request(
+                "PUT", f"{self._base}/files/tar", params=params, content=data,
+                headers={"content-type": "application/x-tar"}, timeout=None,
+            ),
+            rid is not None,
         )
         return len(data)
 
@@ -619,11 +629,18 @@ class Sandbox:
         path: str,
         data: Union[bytes, bytearray, memoryview, str, IO[bytes], Iterable[bytes]],
         mode: Optional[int] = None,
+        *,
+        request_id: Optional[str] = None,
     ) -> int:
-        """Writes a file (parents must exist); returns the bytes written.
+        """Writes a file (parents are created); returns the bytes written.
 
         ``data`` may be bytes, a str (written as UTF-8), a binary file object or an
         iterable of byte chunks (both streamed). ``mode`` is the permission bits (e.g. 0o755).
+
+        ``request_id`` records the write under that id (a fresh one by default, unless
+        the client's ``record_calls`` is off): a retry with the same id and bytes gets
+        the first answer without writing again, other bytes are a ``Conflict``. Bytes
+        and str bodies are sent again after a lost connection; streamed ones cannot be.
         """
         content: Any
         if isinstance(data, str):
@@ -646,13 +663,19 @@ class Sandbox:
         params: Dict[str, str] = {"path": path}
         if mode is not None:
             params["mode"] = f"0o{mode:o}"
-        data_json = self.client._json(
-            "PUT",
-            f"{self._base}/files",
-            params=params,
-            content=content,
-            headers={"content-type": "application/octet-stream"},
-            timeout=None,
+        rid = self._request_id(request_id)
+        if rid is not None:
+            params["request_id"] = rid
+        data_json = self.client.retried(
+            lambda: self.client._json(
+                "PUT",
+                f"{self._base}/files",
+                params=params,
+                content=content,
+                headers={"content-type": "application/octet-stream"},
+                timeout=None,
+            ),
+            rid is not None and isinstance(content, bytes),
         )
         return WriteResult.model_validate(data_json).bytes
 

@@ -519,7 +519,7 @@ impl Builder<'_> {
             .map(|r| r.map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string())))
             .boxed();
         self.api
-            .upload_tar(self.caller, id, "/", body)
+            .upload_tar(self.caller, id, "/", body, None)
             .await
             .map_err(|e| at(step, e.code, e.message))?;
         if let Some(owner) = c.chown.as_deref().filter(|o| !is_root(o)) {

@@ -269,7 +269,7 @@ async fn write_one(
             .await?;
         }
     }
-    api.write_file(id, path, None, data).await?;
+    api.write_file(id, path, None, data, None).await?;
     chown(api, id, path, user).await?;
     Ok(write_info(path))
 }

@@ -62,7 +62,7 @@ pub struct CallRecord {
     pub seq: u64,
     /// The caller's request id.
     pub request_id: String,
-    /// What it was: `exec`, `session_run` or `process_start`.
+    /// What it was: `exec`, `session_run`, `process_start`, `file_write` or `tar_upload`.
     pub kind: String,
     /// Its arguments as the node ran them (stdin as `stdin_bytes`, its length).
     pub args: serde_json::Value,
@@ -96,6 +96,9 @@ pub struct CallRecord {
     /// started process), when output is asked for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reply: Option<serde_json::Value>,
+    /// SHA-256 (hex) of the body an upload (a file write, a tar upload) wrote.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body_sha256: Option<String>,
 }
 
 /// A page of a sandbox's call log, oldest first.

@@ -315,7 +315,7 @@ impl ControlPlane {
                 }
             }
             let body = blob_stream(b.store.clone(), input.clone());
-            self.write_file(&b.batch.principal, id, path, None, body)
+            self.write_file(&b.batch.principal, id, path, None, body, None)
                 .await?;
         }
         Ok(())
