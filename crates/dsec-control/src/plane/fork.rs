@@ -28,6 +28,14 @@ impl ControlPlane {
         }
         let sb = self.record(id).await?;
         let launch = self.records.launch(id).await?;
+        let r = &req.resources;
+        self.forks_fit_quota(
+            tenant,
+            req.count,
+            r.cpu.unwrap_or(sb.resources.cpu),
+            r.memory_mb.unwrap_or(sb.resources.memory_mb),
+        )
+        .await?;
         let image = self
             .commit_sandbox_to_end(
                 id,
@@ -49,7 +57,6 @@ impl ControlPlane {
         labels.insert(FORK_OF_LABEL.into(), id.to_string());
         let mut env = launch.env;
         env.extend(req.env.clone());
-        let r = &req.resources;
         let create = CreateSandboxRequest {
             image: Some(image.name.clone()),
             backend: sb.backend,
@@ -109,5 +116,41 @@ impl ControlPlane {
             captured_layer: image.layers.last().cloned(),
             image: image.name,
         })
+    }
+
+    /// Refuses a fork into `count` that the tenant's quotas cannot hold before anything
+    /// is captured. Each fork is still admitted on its own when it is created; this only
+    /// spares a capture and creates that would all be undone.
+    async fn forks_fit_quota(
+        &self,
+        tenant: &str,
+        count: u32,
+        cpu: f64,
+        memory_mb: u64,
+    ) -> ApiResult<()> {
+        let unlimited = self
+            .iam
+            .cached_tenant(tenant)
+            .is_some_and(|t| !t.disabled && t.quotas == dsec_iam::Quotas::default());
+        if unlimited {
+            return Ok(());
+        }
+        let n = u64::from(count);
+        let cpu_millis = (cpu.max(0.0) * 1000.0).round() as u64;
+        let all = dsec_iam::Usage {
+            sandboxes: n,
+            cpu_millis: cpu_millis.saturating_mul(n),
+            memory_mb: memory_mb.saturating_mul(n),
+        };
+        match self.iam.reserve(tenant, all).await {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                let e = ApiError::from(e);
+                Err(ApiError::new(
+                    e.code,
+                    format!("a fork into {count} does not fit: {}", e.message),
+                ))
+            }
+        }
     }
 }
