@@ -2,7 +2,6 @@
 //! prepared sandbox into 16 against its two hand-made alternatives (a commit and 16
 //! creates of its image; 16 creates that each repeat the setup), on one server in one run.
 
-use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::time::Instant;
 
@@ -64,23 +63,11 @@ pub async fn record_overhead(server: &Server, n: usize) -> anyhow::Result<Vec<St
     ])
 }
 
-/// Bytes allocated under `dir` (blocks, not lengths: sandbox disks are sparse files).
-fn allocated(dir: &Path) -> u64 {
-    let mut total = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            let Ok(m) = e.path().symlink_metadata() else {
-                continue;
-            };
-            if m.is_dir() {
-                stack.push(e.path());
-            } else if m.is_file() {
-                total += m.blocks() * 512;
-            }
-        }
-    }
-    total
+/// Bytes allocated under `state` once written back (`sync` first: a sandbox's disk is a
+/// sparse file behind a loop device, which allocates only as the kernel writes back).
+fn stored_bytes(state: &Path) -> u64 {
+    let _ = std::process::Command::new("sync").status();
+    dsec_e2e::dir_allocated_bytes(state)
 }
 
 /// One way of making a group of rollouts, with what it cost.
@@ -142,7 +129,7 @@ pub async fn fork_vs_creates(server: &Server, reps: usize) -> anyhow::Result<Vec
     for rep in 0..reps {
         // Fork.
         let src = prepared().await?;
-        let before = allocated(&state);
+        let before = stored_bytes(&state);
         let t = Instant::now();
         let forked = c
             .fork_sandbox(
@@ -154,13 +141,13 @@ pub async fn fork_vs_creates(server: &Server, reps: usize) -> anyhow::Result<Vec
             )
             .await?;
         rows[0].ms.push(t.elapsed().as_secs_f64() * 1000.0);
-        rows[0].bytes = allocated(&state).saturating_sub(before);
+        rows[0].bytes = stored_bytes(&state).saturating_sub(before);
         for f in &forked.sandboxes {
             c.delete_sandbox(&f.id).await?;
         }
         c.delete_image(&forked.image).await.ok();
         // Commit, then creates of the image.
-        let before = allocated(&state);
+        let before = stored_bytes(&state);
         let t = Instant::now();
         let name = format!("bench-rollout-{rep}");
         let img = c.commit_sandbox(&src, &name).await?;
@@ -173,18 +160,18 @@ pub async fn fork_vs_creates(server: &Server, reps: usize) -> anyhow::Result<Vec
         )
         .await?;
         rows[1].ms.push(t.elapsed().as_secs_f64() * 1000.0);
-        rows[1].bytes = allocated(&state).saturating_sub(before);
+        rows[1].bytes = stored_bytes(&state).saturating_sub(before);
         for id in ids.iter().chain([&src]) {
             c.delete_sandbox(id).await?;
         }
         c.delete_image(&name).await.ok();
         // Setup repeated in each (once: it writes 3.2 GB).
         if rep == 0 {
-            let before = allocated(&state);
+            let before = stored_bytes(&state);
             let t = Instant::now();
             let ids = creates(CreateSandboxRequest::default(), true).await?;
             rows[2].ms.push(t.elapsed().as_secs_f64() * 1000.0);
-            rows[2].bytes = allocated(&state).saturating_sub(before);
+            rows[2].bytes = stored_bytes(&state).saturating_sub(before);
             for id in ids {
                 c.delete_sandbox(&id).await?;
             }

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use dsec_uds::{QuietStream, ReadHalf, WriteHalf};
 use dsec_wire::agent::Reply;
-use dsec_wire::frame::{data_header, Frame, DATA_CHUNK};
-use dsec_wire::ApiError;
+use dsec_wire::frame::{data_header, Frame, DATA_CHUNK, MAX_FRAME};
+use dsec_wire::{ApiError, ErrorCode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 
 use crate::sys;
@@ -110,7 +110,7 @@ impl FrameWriter {
 
     /// Sends a JSON reply.
     pub async fn reply(&mut self, reply: &Reply) -> io::Result<()> {
-        self.send(&Frame::json(reply)).await
+        self.send(&reply_frame(reply)).await
     }
 
     /// Sends an error reply.
@@ -137,7 +137,7 @@ impl FrameWriter {
             .flat_map(|&(kind, data)| data.chunks(DATA_CHUNK).map(move |c| (kind, c)))
             .map(|(kind, chunk)| (data_header(kind, chunk.len()), chunk))
             .collect();
-        let reply = reply.map(|r| Frame::json(r).to_bytes());
+        let reply = reply.map(|r| reply_frame(r).to_bytes());
         let mut slices: Vec<IoSlice<'_>> = frames
             .iter()
             .flat_map(|(header, chunk)| [IoSlice::new(header), IoSlice::new(chunk)])
@@ -164,6 +164,25 @@ impl FrameWriter {
         let _ = self.inner.flush().await;
         let _ = self.inner.shutdown().await;
     }
+}
+
+/// The frame of `reply`, or of an error saying it is too large for one: the node refuses
+/// frames over [`MAX_FRAME`] (a directory of tens of thousands of entries would answer
+/// so), and an answer it cannot read must not look like a broken agent.
+fn reply_frame(reply: &Reply) -> Frame {
+    let frame = Frame::json(reply);
+    let len = frame.encoded_len() - 5;
+    if len <= MAX_FRAME {
+        return frame;
+    }
+    Frame::json(&Reply::Error(ApiError::new(
+        ErrorCode::PayloadTooLarge,
+        format!(
+            "the answer is {len} bytes, over the {} MiB an agent reply may carry: ask for \
+             less (a subdirectory, fewer entries)",
+            MAX_FRAME >> 20
+        ),
+    )))
 }
 
 #[cfg(test)]
@@ -234,5 +253,52 @@ mod tests {
         want.push(Frame::json(&reply));
         want.push(Frame::json(&reply));
         assert_eq!(frames, want);
+    }
+
+    #[tokio::test]
+    async fn a_reply_over_the_frame_limit_goes_out_as_an_error() {
+        let (a, b) = UnixStream::pair().expect("pair");
+        let (_ra, mut wa) = split(a).expect("split");
+        let (mut rb, _wb) = split(b).expect("split");
+        let entry = |i: usize| dsec_wire::agent::FileInfo {
+            name: format!("{i:0>200}"),
+            path: format!("/many/{i:0>200}"),
+            kind: dsec_wire::agent::FileKind::File,
+            size: 0,
+            mode: 0o644,
+            mtime: 0,
+            uid: 0,
+            gid: 0,
+            symlink_target: None,
+        };
+        let huge = Reply::Entries {
+            entries: (0..12_000).map(entry).collect(),
+        };
+        let writer = async {
+            wa.reply(&huge).await.expect("reply");
+            wa.data_then(&[], Some(&huge))
+                .await
+                .expect("reply after data");
+        };
+        let reader = async {
+            let mut frames = Vec::new();
+            for _ in 0..2 {
+                frames.push(rb.next().await.expect("a frame the node can read"));
+            }
+            frames
+        };
+        let ((), frames) = tokio::join!(writer, reader);
+        for frame in frames {
+            let Some(Frame::Json(json)) = frame else {
+                panic!("a JSON frame");
+            };
+            match serde_json::from_slice::<Reply>(&json).expect("a reply") {
+                Reply::Error(e) => {
+                    assert_eq!(e.code, ErrorCode::PayloadTooLarge);
+                    assert!(e.message.contains("fewer entries"), "{}", e.message);
+                }
+                other => panic!("an error, not {other:?}"),
+            }
+        }
     }
 }

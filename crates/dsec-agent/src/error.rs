@@ -73,3 +73,21 @@ pub fn conflict(msg: impl Into<String>) -> ApiError {
 pub fn internal(msg: impl Into<String>) -> ApiError {
     ApiError::new(ErrorCode::Internal, msg)
 }
+
+/// The sandbox's own process limit was reached starting `what` (a process, or a thread
+/// of the agent's): the caller's to fix, so a `conflict` saying how.
+pub fn pids_exhausted(what: &str) -> ApiError {
+    conflict(format!(
+        "{what}: the sandbox's process limit is reached (EAGAIN: resources.pids counts \
+         every process and thread in it); wait for or kill processes, or create the \
+         sandbox with a higher resources.pids"
+    ))
+}
+
+/// The error of a thread the agent could not start for `what`.
+pub fn thread_error(err: &io::Error, what: &str) -> ApiError {
+    if err.raw_os_error() == Some(libc::EAGAIN) {
+        return pids_exhausted(what);
+    }
+    internal(format!("{what}: starting a thread: {err}"))
+}

@@ -17,7 +17,7 @@ use dsec_wire::frame::{Frame, DATA_CHUNK};
 use dsec_wire::{ApiError, ErrorCode};
 
 use crate::conn::{DataKind, FrameReader, FrameWriter};
-use crate::error::{bad_request, io_err, ApiResult};
+use crate::error::{bad_request, io_err, thread_error, ApiResult};
 use crate::pathsafe::{open_beneath, SandboxPath};
 use crate::server::Agent;
 use crate::sys;
@@ -280,7 +280,10 @@ pub async fn hash(agent: &Agent, path: &str) -> ApiResult<Reply> {
         return Err(bad_request(format!("{p} is not a regular file")));
     }
     let shown = p.as_str().to_string();
-    let hashed = tokio::task::spawn_blocking(move || {
+    // A thread of its own (not tokio's blocking pool, which panics when it cannot start
+    // one): under an exhausted process limit this is the caller's `conflict`.
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    let hashing = move || {
         let file = File::from(fd);
         let mut hasher = sha2::Sha256::new();
         let mut buf = vec![0u8; DATA_CHUNK];
@@ -297,9 +300,16 @@ pub async fn hash(agent: &Agent, path: &str) -> ApiResult<Reply> {
             }
         }
         Ok((format!("{:x}", hasher.finalize()), pos))
-    })
-    .await
-    .map_err(|e| ApiError::new(ErrorCode::Internal, format!("hashing {p}: {e}")))??;
+    };
+    std::thread::Builder::new()
+        .name("dsec-hash".into())
+        .spawn(move || {
+            let _ = done_tx.send(hashing());
+        })
+        .map_err(|e| thread_error(&e, &format!("hashing {p}")))?;
+    let hashed = done_rx.await.map_err(|_| {
+        ApiError::new(ErrorCode::Internal, format!("hashing {p}: the thread died"))
+    })??;
     Ok(Reply::Hashed {
         sha256: hashed.0,
         size: hashed.1,

@@ -383,27 +383,7 @@ pub async fn output(
         let changed = p.changed.notified();
         tokio::pin!(changed);
         changed.as_mut().enable();
-        loop {
-            let (o, e) = {
-                let st = p.state.borrow();
-                (
-                    st.out.read_from(out_at, DATA_CHUNK),
-                    st.err.read_from(err_at, DATA_CHUNK),
-                )
-            };
-            if o.1.is_empty() && e.1.is_empty() {
-                break;
-            }
-            // If the ring overran a slow reader, continue from where data exists.
-            out_at = o.0 + o.1.len() as u64;
-            err_at = e.0 + e.1.len() as u64;
-            if !o.1.is_empty() {
-                wr.data(DataKind::Stdout, &o.1).await?;
-            }
-            if !e.1.is_empty() {
-                wr.data(DataKind::Stderr, &e.1).await?;
-            }
-        }
+        send_new_output(&p, &mut out_at, &mut err_at, wr).await?;
         let exit = p.state.borrow().exit.clone();
         if let Some(info) = exit {
             // Everything up to the end has been sent (the rings no longer change).
@@ -420,6 +400,37 @@ pub async fn output(
         tokio::select! {
             () = &mut changed => {}
             () = &mut closed => return Ok(()),
+        }
+    }
+}
+
+/// Sends `p`'s output kept from offsets `out_at`/`err_at` up to now, and moves them on
+/// (past what a ring overran, if a slow reader fell behind: it goes on from where data
+/// exists).
+async fn send_new_output(
+    p: &Proc,
+    out_at: &mut u64,
+    err_at: &mut u64,
+    wr: &mut FrameWriter,
+) -> std::io::Result<()> {
+    loop {
+        let (o, e) = {
+            let st = p.state.borrow();
+            (
+                st.out.read_from(*out_at, DATA_CHUNK),
+                st.err.read_from(*err_at, DATA_CHUNK),
+            )
+        };
+        if o.1.is_empty() && e.1.is_empty() {
+            return Ok(());
+        }
+        *out_at = o.0 + o.1.len() as u64;
+        *err_at = e.0 + e.1.len() as u64;
+        if !o.1.is_empty() {
+            wr.data(DataKind::Stdout, &o.1).await?;
+        }
+        if !e.1.is_empty() {
+            wr.data(DataKind::Stderr, &e.1).await?;
         }
     }
 }
@@ -594,26 +605,7 @@ pub async fn exec_kept(
         tokio::pin!(changed);
         changed.as_mut().enable();
         if stream {
-            loop {
-                let (o, e) = {
-                    let st = p.state.borrow();
-                    (
-                        st.out.read_from(out_at, DATA_CHUNK),
-                        st.err.read_from(err_at, DATA_CHUNK),
-                    )
-                };
-                if o.1.is_empty() && e.1.is_empty() {
-                    break;
-                }
-                out_at = o.0 + o.1.len() as u64;
-                err_at = e.0 + e.1.len() as u64;
-                if !o.1.is_empty() {
-                    wr.data(DataKind::Stdout, &o.1).await?;
-                }
-                if !e.1.is_empty() {
-                    wr.data(DataKind::Stderr, &e.1).await?;
-                }
-            }
+            send_new_output(&p, &mut out_at, &mut err_at, wr).await?;
         }
         let exit = p.state.borrow().exit.clone();
         if let Some(info) = exit {

@@ -27,7 +27,7 @@ use std::process::{Child, Command, Stdio};
 use dsec_container::spawnattr::{FileActions, SpawnAttr};
 use dsec_wire::ApiError;
 
-use crate::error::{bad_request, io_err};
+use crate::error::{bad_request, io_err, pids_exhausted};
 use crate::users::Identity;
 use crate::{sys, AgentConfig};
 
@@ -188,14 +188,7 @@ fn spawn_error(err: &io::Error, program: &str, cwd: &std::path::Path) -> ApiErro
              through stdin or a file"
         ));
     } else if err.raw_os_error() == Some(libc::EAGAIN) {
-        return ApiError::new(
-            dsec_wire::ErrorCode::Conflict,
-            format!(
-                "spawning {program}: the sandbox's process limit is reached (EAGAIN: \
-                 resources.pids counts every process and thread in it); wait for or kill \
-                 processes, or create the sandbox with a higher resources.pids"
-            ),
-        );
+        return pids_exhausted(&format!("spawning {program}"));
     } else {
         format!("spawning {program} in {}: {err}", cwd.display())
     };

@@ -21,7 +21,7 @@ use dsec_wire::{ApiError, ErrorCode};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::conn::{DataKind, FrameReader, FrameWriter};
-use crate::error::{bad_request, internal, io_err};
+use crate::error::{bad_request, internal, io_err, thread_error};
 use crate::files::show;
 use crate::pathsafe::{open_beneath, SandboxPath};
 use crate::server::Agent;
@@ -99,9 +99,7 @@ pub async fn download(agent: &Agent, path: &str, wr: &mut FrameWriter) -> io::Re
             let _ = done_tx.blocking_send(Msg::Done(res));
         });
     if let Err(e) = thread {
-        return wr
-            .error(internal(format!("starting tar thread: {e}")))
-            .await;
+        return wr.error(thread_error(&e, "archiving")).await;
     }
     while let Some(msg) = rx.recv().await {
         match msg {
@@ -321,9 +319,7 @@ pub async fn upload(
             let _ = done_tx.send(res);
         });
     if let Err(e) = thread {
-        return wr
-            .error(internal(format!("starting tar thread: {e}")))
-            .await;
+        return wr.error(thread_error(&e, "extracting")).await;
     }
     let mut bytes = 0u64;
     // Whether the sender finished (`Eof`) or went away; a stop of the extractor on an

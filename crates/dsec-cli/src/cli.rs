@@ -331,7 +331,8 @@ pub struct ServeArgs {
     #[arg(long)]
     pub keep_cgroup_mount: bool,
     /// Remove every trace of this node from the host and exit instead of serving: deletes
-    /// every sandbox (and its record), then its run directory, cgroup parent, nftables
+    /// every sandbox (with `dsec serve`, its record too; with `dsec node`, the API
+    /// servers' records of them turn `lost`), then its run directory, cgroup parent, nftables
     /// table and links, and claim file. Images, the API key and the state database stay
     /// in --state-dir. Fails while a node runs on these names.
     #[arg(long)]

@@ -290,6 +290,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
 pub async fn run_node(args: NodeArgs) -> anyhow::Result<()> {
     init_tracing();
     let node = open_node(&args.serve, "node").await?;
+    if args.serve.cleanup {
+        return cleanup_node(node).await;
+    }
     let token_path = args
         .node_token_file
         .clone()
@@ -518,6 +521,25 @@ async fn stop(node: Arc<LocalNode>) -> anyhow::Result<()> {
     } else {
         tracing::info!("stopped; no sandbox was left, so nothing of the node stays on the host");
     }
+    Ok(())
+}
+
+/// `dsec node --cleanup`: destroys every sandbox of the node, then stops as a node with
+/// none left. A node keeps no records (the cluster's API servers do): theirs for these
+/// sandboxes turn `lost` and are removed by their reapers, or by a delete.
+async fn cleanup_node(node: Arc<LocalNode>) -> anyhow::Result<()> {
+    let sandboxes = node
+        .list()
+        .await
+        .map_err(|e| anyhow::anyhow!("listing sandboxes: {}", e.message))?;
+    for sb in sandboxes {
+        node.destroy(&sb.id)
+            .await
+            .map_err(|e| anyhow::anyhow!("destroying sandbox {}: {}", sb.id, e.message))?;
+        println!("destroyed sandbox {}", sb.id);
+    }
+    stop(node).await?;
+    println!("removed this node's traces from the host");
     Ok(())
 }
 

@@ -150,3 +150,34 @@ async fn an_anomaly_replaces_the_sandbox_and_files_go_in_and_out() {
     let e = f.plane.fncall(op(), lang).await.expect_err("language");
     assert!(e.message.contains("cobol"), "{e:?}");
 }
+
+/// A member whose agent never answers a call (stopped mid-call) holds the caller only
+/// until the call's timeout and a grace: the call then runs on another member, and the
+/// stuck one is not lent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_member_costs_its_timeout_and_the_call_runs_elsewhere() {
+    let f = Fixture::new().await;
+    call_pool(&f, "stuck", 2, 100).await;
+    f.node.stall_next_call();
+    let mut req = request("stuck", "echo fine");
+    req.timeout_s = 1.0;
+    let t = Instant::now();
+    let r = f.plane.fncall(op(), req).await.expect("call");
+    let took = t.elapsed();
+    assert_eq!(r.status, FnCallStatus::Finished, "{r:?}");
+    assert_eq!(r.stdout, "fine\n");
+    assert!(
+        took >= Duration::from_secs(1) && took < Duration::from_secs(15),
+        "{took:?}"
+    );
+    // The stuck member is replaced: the pool is whole again, none left busy.
+    wait_pool(&f, "stuck", |p| p.ready == 2 && p.busy == 0).await;
+    for _ in 0..4 {
+        let r = f
+            .plane
+            .fncall(op(), request("stuck", "echo again"))
+            .await
+            .expect("later call");
+        assert_eq!(r.stdout, "again\n", "{r:?}");
+    }
+}

@@ -358,15 +358,21 @@ impl Server {
     /// Runs `dsec serve --cleanup` with this server's directories and flags (the server
     /// must not be running); returns its exit status and output.
     pub fn cleanup(&self) -> anyhow::Result<std::process::Output> {
+        self.cleanup_as("serve")
+    }
+
+    /// [`Server::cleanup`] run as `dsec COMMAND --cleanup` (`serve` or `node`) on this
+    /// server's directories and names.
+    pub fn cleanup_as(&self, command: &str) -> anyhow::Result<std::process::Output> {
         Command::new(dsec_bin())
-            .args(["serve", "--cleanup", "--listen", "127.0.0.1:0"])
+            .args([command, "--cleanup", "--listen", "127.0.0.1:0"])
             .arg("--state-dir")
             .arg(&self.state_dir)
             .arg("--run-dir")
             .arg(&self.run_dir)
             .args(&self.extra_args)
             .output()
-            .with_context(|| format!("running {} serve --cleanup", dsec_bin().display()))
+            .with_context(|| format!("running {} {command} --cleanup", dsec_bin().display()))
     }
 
     /// The server process's pid, while it runs.
@@ -473,13 +479,25 @@ pub fn unmount_under(root: &Path) {
 /// Bytes of the regular files under `dir` (recursively, symlinks not followed); 0 if
 /// it does not exist.
 pub fn dir_bytes(dir: &Path) -> u64 {
+    sum_regular_files(dir, |m| m.len())
+}
+
+/// Bytes of disk the regular files under `dir` take (allocated blocks: holes and
+/// sparse files count for what they hold), recursively.
+pub fn dir_allocated_bytes(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    sum_regular_files(dir, |m| m.blocks() * 512)
+}
+
+/// `size` of every regular file under `dir`, summed (symlinks are not followed).
+fn sum_regular_files(dir: &Path, size: impl Fn(&std::fs::Metadata) -> u64) -> u64 {
     let mut total = 0;
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
         for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
             match e.file_type() {
                 Ok(t) if t.is_dir() => stack.push(e.path()),
-                Ok(t) if t.is_file() => total += e.metadata().map(|m| m.len()).unwrap_or(0),
+                Ok(t) if t.is_file() => total += e.metadata().map(|m| size(&m)).unwrap_or(0),
                 _ => {}
             }
         }

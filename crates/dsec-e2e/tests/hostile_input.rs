@@ -390,6 +390,20 @@ async fn user_mistakes_are_4xx_that_say_what_to_fix() {
     let e = refused.expect("the pid limit never refused a spawn");
     assert!(e.to_string().contains("resources.pids"), "{e}");
     assert_eq!(code(e), ErrorCode::Conflict);
+    // The agent's own threads for a transfer meet the same limit: the same answer.
+    let up = c
+        .upload_tar(&sb.id, "/tmp", tar_of(&[("x", b"x")]))
+        .await
+        .expect_err("no thread for the upload");
+    let down = c
+        .download_tar(&sb.id, "/etc")
+        .await
+        .err()
+        .expect("no thread for the download");
+    for (what, e) in [("upload", up), ("download", down)] {
+        assert!(e.to_string().contains("resources.pids"), "{what}: {e}");
+        assert_eq!(code(e), ErrorCode::Conflict, "{what}");
+    }
     c.delete_sandbox(&sb.id).await.expect("delete");
 }
 
@@ -646,4 +660,40 @@ async fn loose_inputs_are_refused() {
         assert_eq!(code(e), ErrorCode::Conflict);
     }
     c.delete_sandbox(&a.id).await.expect("delete");
+}
+
+/// A directory too large to list in one agent reply (the sandbox made it: a listing is
+/// the harness's own call) answers `payload_too_large` saying what to do, never a 5xx,
+/// and the sandbox goes on answering.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_listing_too_large_for_one_reply_is_a_4xx() {
+    if !require_root() {
+        return;
+    }
+    let c = server().client();
+    let sb = create(&c, CreateSandboxRequest::default()).await;
+    let long = "n".repeat(90);
+    let made = run(
+        &c,
+        &sb.id,
+        &format!("mkdir -p /work/many && cd /work/many && for i in $(seq 20000); do : > {long}-$i; done; ls | wc -l"),
+    )
+    .await;
+    assert_eq!(made.stdout.trim(), "20000", "{made:?}");
+    let e = c
+        .list_files(&sb.id, "/work/many")
+        .await
+        .expect_err("too large for one reply");
+    let message = e.to_string();
+    assert_eq!(code(e), ErrorCode::PayloadTooLarge, "{message}");
+    assert!(message.contains("fewer entries"), "{message}");
+    assert_eq!(run(&c, &sb.id, "echo ok").await.stdout, "ok\n");
+    let small = c
+        .list_files(&sb.id, "/work")
+        .await
+        .expect("a small listing");
+    assert_eq!(small.entries.len(), 1);
+    let sb_now = c.get_sandbox(&sb.id).await.expect("get");
+    assert_eq!(sb_now.state, SandboxState::Ready);
+    c.delete_sandbox(&sb.id).await.expect("delete");
 }

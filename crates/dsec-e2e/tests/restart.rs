@@ -459,4 +459,23 @@ async fn a_graceful_stop_leaves_nothing_once_no_sandbox_is_left() {
     );
     assert!(host::processes(&b.id).is_empty(), "the sandbox was deleted");
     STOP.assert_none(&s, "dsec serve --cleanup");
+
+    // The same as a cluster node (`dsec node`, which keeps no records).
+    s.spawn().await.expect("restart");
+    let d = s.client().create_sandbox(open()).await.expect("create");
+    s.kill();
+    let out = s.cleanup_as("node").expect("node cleanup");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{:?}: {stdout}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains(&d.id), "{stdout}");
+    assert!(
+        host::processes(&d.id).is_empty(),
+        "the sandbox was destroyed"
+    );
+    STOP.assert_none(&s, "dsec node --cleanup");
 }

@@ -134,6 +134,8 @@ struct State {
     stall_creates: bool,
     /// How long each create takes.
     create_latency: std::time::Duration,
+    /// The next function call never answers (its sandbox's agent is stuck).
+    stall_next_call: bool,
 }
 
 /// What a [`FakeNode`] was asked to do, for assertions.
@@ -265,6 +267,12 @@ impl FakeNode {
     /// nothing on the node).
     pub fn stall_creates(&self, stall: bool) {
         self.state().stall_creates = stall;
+    }
+
+    /// The next function call ([`Request::Call`]) never answers, as an agent that was
+    /// stopped mid-call; later ones answer.
+    pub fn stall_next_call(&self) {
+        self.state().stall_next_call = true;
     }
 
     /// Every create takes `latency` (a node slow to make sandboxes).
@@ -1300,6 +1308,9 @@ impl NodeApi for FakeNode {
                 ErrorCode::BadRequest,
                 "this request streams: use its own NodeApi method",
             ));
+        }
+        if matches!(req, Request::Call(_)) && std::mem::take(&mut self.state().stall_next_call) {
+            return std::future::pending().await;
         }
         self.with_sandbox(id, |sb| match req {
             Request::Ping => Ok(Reply::Pong {

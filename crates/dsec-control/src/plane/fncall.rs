@@ -172,9 +172,16 @@ impl ControlPlane {
             let id = acquire(&pool, &name, start, max_wait, req.priority).await?;
             let waited =
                 (req.priority != Priority::Low).then(|| start.elapsed().as_millis() as u64);
+            // The agent ends the command at its timeouts; past them (and a grace) the
+            // agent itself is stuck: the call fails here and goes to another member.
+            let limit =
+                Limit::exec(spec.timeout_ms + spec.compile.as_ref().map_or(0, |c| c.timeout_ms));
             let ran = match self.records.get(&id) {
                 Some(sb) => match self.node_of(&sb) {
-                    Ok(node) => node.call(&id, Request::Call(spec.clone())).await,
+                    Ok(node) => {
+                        let call = node.call(&id, Request::Call(spec.clone()));
+                        self.guarded(&id, Some(limit), call).await
+                    }
                     Err(e) => Err(e),
                 },
                 None => Err(ApiError::new(
