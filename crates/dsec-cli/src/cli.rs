@@ -67,12 +67,27 @@ pub enum Command {
     /// Manage API keys: create, list, revoke, rotate (admin keys).
     #[command(subcommand)]
     Key(crate::iam::KeyCommand),
+    /// Run the model gateway: an OpenAI-compatible proxy (chat completions, completions,
+    /// embeddings, models) in front of the inference upstreams of its configuration,
+    /// whose keys stay with it. See docs/gateway.md.
+    Gateway(GatewayArgs),
     /// The lazy layer server `dsec serve --lazy-layers` starts (internal).
     #[command(hide = true)]
     LazyServe {
         /// Its configuration (`dsec_lazy::ServeConfig` as JSON).
         config: String,
     },
+}
+
+/// `dsec gateway`.
+#[derive(Debug, Args)]
+pub struct GatewayArgs {
+    /// Its configuration (YAML: api_keys, and per model its upstreams).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Address to serve on.
+    #[arg(long, default_value = "127.0.0.1:8090")]
+    pub listen: std::net::SocketAddr,
 }
 
 /// `dsec node`.

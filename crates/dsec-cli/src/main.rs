@@ -96,6 +96,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Key(cmd) => iam::key(&client()?, cmd, cli.json)
             .await
             .map(|()| ExitCode::SUCCESS),
+        Command::Gateway(args) => serve::run_gateway(args).await.map(|()| ExitCode::SUCCESS),
         Command::LazyServe { config } => {
             tokio::task::block_in_place(|| serve::lazy_serve(&config)).map(|()| ExitCode::SUCCESS)
         }

@@ -286,6 +286,24 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     stop(local).await
 }
 
+/// `dsec gateway`: the model gateway, until SIGINT or SIGTERM.
+pub async fn run_gateway(args: crate::cli::GatewayArgs) -> anyhow::Result<()> {
+    init_tracing();
+    let config = dsec_gateway::GatewayConfig::load(&args.config)?;
+    let models = config.models.len();
+    let gateway = Arc::new(dsec_gateway::Gateway::new(config)?);
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    println!(
+        "dsec gateway serving {models} model(s) on http://{}/v1",
+        listener.local_addr()?
+    );
+    dsec_http::gateway::serve_gateway(listener, gateway, shutdown_signal())
+        .await
+        .context("serving the gateway")
+}
+
 /// `dsec node`: the node runtime and its internal API, until SIGINT or SIGTERM.
 pub async fn run_node(args: NodeArgs) -> anyhow::Result<()> {
     init_tracing();

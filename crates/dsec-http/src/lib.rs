@@ -26,6 +26,7 @@ pub mod admin;
 pub mod e2b;
 pub mod error;
 pub mod extract;
+pub mod gateway;
 pub mod handlers;
 pub mod json;
 pub mod metrics;

@@ -8,9 +8,11 @@
 //!
 //! It also starts real services tests need: [`Etcd`] (one member or a cluster) and
 //! [`Registry`] (an OCI registry, with [`oci_layout`] to seed it, [`CutProxy`] to
-//! break its transfers off and [`TokenServer`] for its bearer-token auth).
+//! break its transfers off and [`TokenServer`] for its bearer-token auth), and fakes of
+//! outside services: [`openai::FakeOpenAi`], an OpenAI-compatible model upstream.
 
 mod etcd;
+pub mod openai;
 pub mod registry;
 pub mod token;
 pub use etcd::{etcd_binary, Etcd, ETCD_BIN_VAR};

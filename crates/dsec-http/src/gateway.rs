@@ -1,0 +1,163 @@
+//! HTTP front of the model gateway ([`dsec_gateway::Gateway`]): OpenAI's routes under
+//! `/v1`, each mapped onto one call of the gateway, and its answers (streams chunk by
+//! chunk) written back. Errors of the transport itself (a body over the limit, an
+//! unknown route, a panic) are answered in OpenAI's error shape too, so the `openai`
+//! SDKs raise their typed exceptions for them. Accepted sockets send small writes at
+//! once (`TCP_NODELAY`): an SSE chunk must not wait for the next.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use dsec_gateway::openai::{self, ErrorKind};
+use dsec_gateway::{Gateway, Reply, ReplyBody, Route};
+use tower_http::catch_panic::CatchPanicLayer;
+use tower_http::trace::TraceLayer;
+
+type Gw = State<Arc<Gateway>>;
+
+/// The gateway's routes.
+pub fn gateway_router(gateway: Arc<Gateway>) -> Router {
+    let limit = gateway.config().max_body_bytes;
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/embeddings", post(embeddings))
+        .route("/v1/models", get(list_models))
+        .route("/v1/models/{*id}", get(get_model))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn(openai_errors))
+        .layer(TraceLayer::new_for_http())
+        .layer(CatchPanicLayer::custom(panic_reply))
+        .with_state(gateway)
+}
+
+/// A handler's panic as a 500 in OpenAI's shape (the gateway goes on serving).
+fn panic_reply(_panic: Box<dyn std::any::Any + Send + 'static>) -> Response {
+    tracing::error!("a gateway handler panicked");
+    reply(openai::error(
+        500,
+        "internal error: the gateway's handler panicked",
+        ErrorKind::Api,
+        None,
+    ))
+}
+
+/// Serves [`gateway_router`] on `listener` until `shutdown` completes.
+pub async fn serve_gateway(
+    listener: tokio::net::TcpListener,
+    gateway: Arc<Gateway>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "dsec model gateway listening");
+    }
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY not set");
+        }
+    });
+    axum::serve(listener, gateway_router(gateway))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// The caller's key: `Authorization: Bearer KEY` (what the `openai` SDKs send).
+fn bearer(headers: &HeaderMap) -> Option<String> {
+    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, key) = value.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| key.trim().to_string())
+        .filter(|k| !k.is_empty())
+}
+
+async fn chat_completions(State(gw): Gw, headers: HeaderMap, body: Bytes) -> Response {
+    forward(&gw, &headers, Route::ChatCompletions, body).await
+}
+
+async fn completions(State(gw): Gw, headers: HeaderMap, body: Bytes) -> Response {
+    forward(&gw, &headers, Route::Completions, body).await
+}
+
+async fn embeddings(State(gw): Gw, headers: HeaderMap, body: Bytes) -> Response {
+    forward(&gw, &headers, Route::Embeddings, body).await
+}
+
+async fn forward(gw: &Gateway, headers: &HeaderMap, route: Route, body: Bytes) -> Response {
+    reply(gw.handle(bearer(headers).as_deref(), route, body).await)
+}
+
+async fn list_models(State(gw): Gw, headers: HeaderMap) -> Response {
+    reply(gw.list_models(bearer(&headers).as_deref()))
+}
+
+async fn get_model(State(gw): Gw, headers: HeaderMap, Path(id): Path<String>) -> Response {
+    reply(gw.get_model(bearer(&headers).as_deref(), &id))
+}
+
+async fn not_found() -> Response {
+    reply(openai::error(
+        404,
+        "no such route: the gateway serves /v1/chat/completions, /v1/completions, \
+         /v1/embeddings and /v1/models",
+        ErrorKind::InvalidRequest,
+        Some("unknown_url"),
+    ))
+}
+
+/// A gateway [`Reply`] as an HTTP response.
+fn reply(r: Reply) -> Response {
+    let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let mut builder = Response::builder().status(status);
+    for (name, value) in &r.headers {
+        builder = builder.header(name.as_str(), value.as_str());
+    }
+    let body = match r.body {
+        ReplyBody::Full(b) => Body::from(b),
+        ReplyBody::Stream(s) => Body::from_stream(s),
+    };
+    builder
+        .body(body)
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+/// Gives axum's own error answers (a body over the limit, a wrong method) OpenAI's
+/// JSON error shape.
+async fn openai_errors(req: axum::extract::Request, next: middleware::Next) -> Response {
+    let resp = next.run(req).await;
+    let status = resp.status();
+    let is_json = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return resp;
+    }
+    let text = match axum::body::to_bytes(resp.into_body(), 64 * 1024).await {
+        Ok(b) => String::from_utf8_lossy(&b).trim().to_owned(),
+        Err(_) => String::new(),
+    };
+    let message = match (status.as_u16(), text.is_empty()) {
+        (413, _) => "the request body is over the gateway's limit".to_owned(),
+        (_, true) => status.canonical_reason().unwrap_or("error").to_owned(),
+        (_, false) => text,
+    };
+    let kind = if status.is_server_error() {
+        ErrorKind::Api
+    } else {
+        ErrorKind::InvalidRequest
+    };
+    let mut r = reply(openai::error(status.as_u16(), message, kind, None));
+    *r.status_mut() = status;
+    r
+}
