@@ -39,6 +39,16 @@ async fn contents(c: &Client, id: &str, path: &str) -> String {
         .stdout
 }
 
+/// A client of the shared server and a new default sandbox on it.
+async fn fresh_sandbox() -> (Client, Sandbox) {
+    let c = Server::shared("rollouts").client();
+    let sb = c
+        .create_sandbox(CreateSandboxRequest::default())
+        .await
+        .expect("create");
+    (c, sb)
+}
+
 async fn lines_of_f(c: &Client, id: &str) -> String {
     contents(c, id, "/root/f").await
 }
@@ -48,12 +58,7 @@ async fn a_retry_after_the_client_died_gets_the_first_outcome_and_runs_nothing()
     if !require_root() {
         return;
     }
-    let s = Server::shared("rollouts");
-    let c = s.client();
-    let sb = c
-        .create_sandbox(CreateSandboxRequest::default())
-        .await
-        .expect("create");
+    let (c, sb) = fresh_sandbox().await;
     call_and_die(
         &c,
         &sb.id,
@@ -189,12 +194,7 @@ async fn a_stream_retry_attaches_from_the_first_byte() {
     if !require_root() {
         return;
     }
-    let s = Server::shared("rollouts");
-    let c = s.client();
-    let sb = c
-        .create_sandbox(CreateSandboxRequest::default())
-        .await
-        .expect("create");
+    let (c, sb) = fresh_sandbox().await;
     let req = with_id(
         "for i in 1 2 3 4; do echo $i; sleep 0.4; done; echo x >> /root/f",
         "stream-1",
@@ -455,12 +455,7 @@ async fn session_commands_and_process_starts_run_once_per_request_id() {
     if !require_root() {
         return;
     }
-    let s = Server::shared("rollouts");
-    let c = s.client();
-    let sb = c
-        .create_sandbox(CreateSandboxRequest::default())
-        .await
-        .expect("create");
+    let (c, sb) = fresh_sandbox().await;
     let session = c
         .create_session(&sb.id, CreateSessionRequest::default())
         .await
@@ -549,12 +544,7 @@ async fn file_writes_and_tar_uploads_are_written_once_per_request_id() {
     if !require_root() {
         return;
     }
-    let s = Server::shared("rollouts");
-    let c = s.client();
-    let sb = c
-        .create_sandbox(CreateSandboxRequest::default())
-        .await
-        .expect("create");
+    let (c, sb) = fresh_sandbox().await;
     let write = |body: &'static str| {
         c.write_file_recorded(&sb.id, "/root/w", Some(0o600), body, Some("write-1"))
     };
