@@ -97,11 +97,9 @@ pub(crate) type Ended = Option<Arc<EndLine>>;
 
 #[derive(Debug)]
 struct Slot {
-    seq: u64,
     digest: String,
     oom_before: u64,
     ended: watch::Sender<Ended>,
-    output_dropped: bool,
 }
 
 #[derive(Debug)]
@@ -304,11 +302,9 @@ impl CallJournal {
             calls.slots.insert(
                 start.request_id,
                 Slot {
-                    seq: start.seq,
                     digest: start.digest,
                     oom_before: start.oom_before,
                     ended: watch::channel(end).0,
-                    output_dropped,
                 },
             );
         }
@@ -401,11 +397,9 @@ impl CallJournal {
         calls.slots.insert(
             request_id.to_string(),
             Slot {
-                seq,
                 digest,
                 oom_before,
                 ended: watch::channel(None).0,
-                output_dropped: false,
             },
         );
         owners.insert(request_id.to_string(), sandbox.to_string());
@@ -549,7 +543,8 @@ impl CallJournal {
             calls.kept_output.push_back((ticket.seq, bytes));
             calls.output_bytes += bytes;
         }
-        let mut dropped = Vec::new();
+        // Only the oldest kept output is touched here: this runs at the end of every
+        // call, so nothing in it may grow with the number of calls recorded.
         while calls.output_bytes > MAX_CALL_OUTPUT_BYTES {
             let Some((seq, n)) = calls.kept_output.pop_front() else {
                 break;
@@ -559,12 +554,6 @@ impl CallJournal {
                 let _ = std::fs::remove_file(output_path(&calls.dir, seq, stream));
             }
             let _ = append(&mut calls.file, &Line::Dropped { seq });
-            dropped.push(seq);
-        }
-        for slot in calls.slots.values_mut() {
-            if dropped.contains(&slot.seq) {
-                slot.output_dropped = true;
-            }
         }
         if let Some(slot) = calls.slots.get(&ticket.request_id) {
             slot.ended.send_replace(Some(Arc::new(end)));
