@@ -138,6 +138,15 @@ fn exec_call(spec: &ExecSpec, stdin: Option<&[u8]>) -> (String, serde_json::Valu
     (digest, args)
 }
 
+/// The digest (what a retry must ask for again) and the logged arguments of a call that
+/// is one agent request.
+fn request_call(req: &Request) -> Result<(String, serde_json::Value), ApiError> {
+    let json = serde_json::to_vec(req).map_err(internal)?;
+    let digest = format!("{:x}", Sha256::digest(&json));
+    let args = serde_json::to_value(req).unwrap_or_default();
+    Ok((digest, args))
+}
+
 /// A recorded upload whose caller went away before it ended: forgotten (the agent
 /// drops an upload that breaks off, so nothing was written), and a retry runs it.
 struct ForgetOnDrop {
@@ -293,19 +302,11 @@ impl LocalNode {
             }
         };
         self.record(id)?;
-        let json = serde_json::to_vec(&req).map_err(internal)?;
-        let digest = format!("{:x}", Sha256::digest(&json));
-        let args = serde_json::to_value(&req).unwrap_or_default();
+        let (digest, args) = request_call(&req)?;
         let ticket = match self.journal.begin(id, request_id, kind, digest, args, 0)? {
-            Begin::Known { mut ended, .. } => {
-                let end = match ended.wait_for(Option::is_some).await {
-                    Ok(end) => end.clone(),
-                    Err(_) => return Err(sandbox_gone(id)),
-                };
-                return match end {
-                    Some(end) => self.journal.reply(id, &end),
-                    None => Err(sandbox_gone(id)),
-                };
+            Begin::Known { ended, .. } => {
+                let end = self.wait_ended(id, ended).await?;
+                return self.journal.reply(id, &end);
             }
             Begin::New(ticket) => ticket,
         };
@@ -372,9 +373,7 @@ impl LocalNode {
             }
         };
         self.record(id)?;
-        let json = serde_json::to_vec(&req).map_err(internal)?;
-        let digest = format!("{:x}", Sha256::digest(&json));
-        let args = serde_json::to_value(&req).unwrap_or_default();
+        let (digest, args) = request_call(&req)?;
         let ticket = loop {
             let ended =
                 match self
@@ -460,15 +459,9 @@ impl LocalNode {
             .begin(id, request_id, "exec", digest, args, oom_before)
     }
 
-    async fn wait_recorded(&self, id: &str, mut ended: watch::Receiver<Ended>) -> Outcome {
-        let end = match ended.wait_for(Option::is_some).await {
-            Ok(end) => end.clone(),
-            Err(_) => return Err(sandbox_gone(id)),
-        };
-        match end {
-            Some(end) => self.journal.result(id, &end),
-            None => Err(sandbox_gone(id)),
-        }
+    async fn wait_recorded(&self, id: &str, ended: watch::Receiver<Ended>) -> Outcome {
+        let end = self.wait_ended(id, ended).await?;
+        self.journal.result(id, &end)
     }
 
     /// Sends a new call's command to the agent as a kept exec (its stdin too). A call
