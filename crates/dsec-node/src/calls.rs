@@ -4,7 +4,10 @@
 //!
 //! A sandbox's record is `STATE_DIR/calls/ID/`:
 //! - `log.jsonl`: a line when a call starts, one when it ends (appended, not synced:
-//!   it outlives the node's process, as the sandbox does, not the machine);
+//!   it outlives the node's process, as the sandbox does, not the machine). An exec's
+//!   start is written once its request went out, while the agent starts it (a node
+//!   killed in that moment leaves the command kept in the agent under its request id,
+//!   and a retry attaches to it); another call's before its request goes out;
 //! - `SEQ.stdout` and `SEQ.stderr`: the kept output of each ended call.
 //!
 //! The node loads every record when it opens and drives each call still running to its
@@ -120,6 +123,16 @@ struct Inner {
     owners: HashMap<String, String>,
 }
 
+impl SandboxCalls {
+    /// Appends `line` to the log, in one write: lines are never interleaved, and a
+    /// crash cuts at most the last one (dropped when the log is read).
+    fn append(&mut self, line: &Line) -> std::io::Result<()> {
+        let mut bytes = serde_json::to_vec(line).map_err(std::io::Error::other)?;
+        bytes.push(b'\n');
+        self.file.write_all(&bytes)
+    }
+}
+
 /// The records of one node's sandboxes.
 #[derive(Debug)]
 pub(crate) struct CallJournal {
@@ -134,13 +147,32 @@ pub(crate) struct Pending {
     pub start: StartLine,
 }
 
-/// A new call: run it, then [`CallJournal::end`] or [`CallJournal::abandon`] it.
+impl Pending {
+    /// Its kind, and the ticket to end it with.
+    pub(crate) fn into_ticket(self) -> (String, Ticket) {
+        let ticket = Ticket {
+            sandbox: self.sandbox,
+            seq: self.start.seq,
+            request_id: self.start.request_id,
+            oom_before: self.start.oom_before,
+            unwritten: None,
+        };
+        (self.start.kind, ticket)
+    }
+}
+
+/// A new call: [`CallJournal::started`] once its request is on its way (or before, for
+/// a call the agent would run twice), then [`CallJournal::end`] or
+/// [`CallJournal::abandon`] it.
 #[derive(Debug, Clone)]
 pub(crate) struct Ticket {
     pub sandbox: String,
+    /// Its place in the sandbox's log: 0 until [`CallJournal::started`] wrote its start.
     pub seq: u64,
     pub request_id: String,
     pub oom_before: u64,
+    /// Its start line, until written.
+    unwritten: Option<Box<StartLine>>,
 }
 
 /// What [`CallJournal::begin`] found.
@@ -172,14 +204,6 @@ pub(crate) fn unix_ms() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
-}
-
-fn append(file: &mut File, line: &Line) -> std::io::Result<()> {
-    let mut bytes = serde_json::to_vec(line).map_err(std::io::Error::other)?;
-    bytes.push(b'\n');
-    // One write: a line is never interleaved with another, and a crash cuts at most
-    // the last line (dropped when the log is read).
-    file.write_all(&bytes)
 }
 
 /// The lines of a log; a line cut off by a crash (the last) is skipped.
@@ -356,7 +380,9 @@ impl CallJournal {
                 },
             );
         }
-        let Inner { sandboxes, owners } = &mut *inner;
+        let Inner {
+            sandboxes, owners, ..
+        } = &mut *inner;
         let Some(calls) = sandboxes.get_mut(sandbox) else {
             return Err(ApiError::new(ErrorCode::Internal, "call record vanished"));
         };
@@ -381,9 +407,8 @@ impl CallJournal {
                 ),
             ));
         }
-        let seq = calls.next_seq;
         let start = StartLine {
-            seq,
+            seq: 0,
             request_id: request_id.to_string(),
             kind: kind.to_string(),
             digest: digest.clone(),
@@ -391,9 +416,6 @@ impl CallJournal {
             started_at_ms: unix_ms(),
             oom_before,
         };
-        let log = calls.dir.join(LOG_FILE);
-        append(&mut calls.file, &Line::Start(start)).map_err(|e| io_error("append", &log, e))?;
-        calls.next_seq += 1;
         calls.slots.insert(
             request_id.to_string(),
             Slot {
@@ -405,22 +427,54 @@ impl CallJournal {
         owners.insert(request_id.to_string(), sandbox.to_string());
         Ok(Begin::New(Ticket {
             sandbox: sandbox.to_string(),
-            seq,
+            seq: 0,
             request_id: request_id.to_string(),
             oom_before,
+            unwritten: Some(Box::new(start)),
         }))
+    }
+
+    /// Writes a new call's start to its sandbox's log, where it takes the next place
+    /// (`ticket.seq`): the log's order is the order calls started in. An exec's is written
+    /// once its request went out, while the agent starts it: a node that dies before
+    /// writing it leaves the command kept under its request id in the agent, and a retry
+    /// attaches to it instead of running it again.
+    pub(crate) fn started(&self, ticket: &mut Ticket) -> Result<(), ApiError> {
+        let Some(mut start) = ticket.unwritten.take() else {
+            return Ok(());
+        };
+        let mut inner = self.lock();
+        let Some(calls) = inner.sandboxes.get_mut(&ticket.sandbox) else {
+            return Err(ApiError::new(
+                ErrorCode::NotFound,
+                format!("sandbox {} went away as the call started", ticket.sandbox),
+            ));
+        };
+        start.seq = calls.next_seq;
+        let log = calls.dir.join(LOG_FILE);
+        calls
+            .append(&Line::Start(*start))
+            .map_err(|e| io_error("append", &log, e))?;
+        ticket.seq = calls.next_seq;
+        calls.next_seq += 1;
+        Ok(())
     }
 
     /// Forgets a call that failed before its command started: a retry runs it. Whoever
     /// waits on it sees it end with `error`.
     pub(crate) fn abandon(&self, ticket: &Ticket, error: &ApiError) {
         let mut inner = self.lock();
-        let Inner { sandboxes, owners } = &mut *inner;
+        let Inner {
+            sandboxes, owners, ..
+        } = &mut *inner;
         let Some(calls) = sandboxes.get_mut(&ticket.sandbox) else {
             return;
         };
-        if let Err(e) = append(&mut calls.file, &Line::Abandon { seq: ticket.seq }) {
-            tracing::warn!(sandbox = %ticket.sandbox, error = %e, "call record: append");
+        // A call whose start was never written leaves nothing in the log.
+        if ticket.seq != 0 {
+            if let Err(e) = calls.append(&Line::Abandon { seq: ticket.seq }) {
+                tracing::warn!(sandbox = %ticket.sandbox, error = %e, "call record: append");
+            }
         }
         if let Some(slot) = calls.slots.remove(&ticket.request_id) {
             slot.ended.send_replace(Some(Arc::new(EndLine {
@@ -447,6 +501,13 @@ impl CallJournal {
     /// Records how a call ended (its kept output first). A sandbox forgotten meanwhile
     /// keeps nothing.
     pub(crate) fn end(&self, ticket: &Ticket, outcome: &Result<ExecResult, ApiError>) {
+        if ticket.seq == 0 {
+            // Its start could not be written: nothing of it can be kept. Forgotten, a
+            // retry runs it (an exec's attaches to its command, kept in the agent).
+            let e = ApiError::new(ErrorCode::Internal, "its start could not be logged");
+            self.abandon(ticket, &e);
+            return;
+        }
         let dir = self.root.join(&ticket.sandbox);
         let mut bytes = 0u64;
         if let Ok(r) = outcome {
@@ -501,6 +562,13 @@ impl CallJournal {
         lost: bool,
         body_digest: Option<String>,
     ) {
+        if ticket.seq == 0 {
+            // Its start could not be written: nothing of it can be kept. Forgotten, a
+            // retry runs it (an exec's attaches to its command, kept in the agent).
+            let e = ApiError::new(ErrorCode::Internal, "its start could not be logged");
+            self.abandon(ticket, &e);
+            return;
+        }
         let dir = self.root.join(&ticket.sandbox);
         let mut bytes = 0;
         if let Ok(reply) = outcome {
@@ -536,7 +604,7 @@ impl CallJournal {
         let Some(calls) = inner.sandboxes.get_mut(&ticket.sandbox) else {
             return;
         };
-        if let Err(e) = append(&mut calls.file, &Line::End(end.clone())) {
+        if let Err(e) = calls.append(&Line::End(end.clone())) {
             tracing::warn!(sandbox = %ticket.sandbox, error = %e, "call record: append");
         }
         if bytes > 0 {
@@ -553,7 +621,7 @@ impl CallJournal {
             for stream in ["stdout", "stderr", "reply"] {
                 let _ = std::fs::remove_file(output_path(&calls.dir, seq, stream));
             }
-            let _ = append(&mut calls.file, &Line::Dropped { seq });
+            let _ = calls.append(&Line::Dropped { seq });
         }
         if let Some(slot) = calls.slots.get(&ticket.request_id) {
             slot.ended.send_replace(Some(Arc::new(end)));
@@ -734,8 +802,51 @@ mod tests {
         }
     }
 
+    /// Begins a call, and logs its start if it is new.
     fn begin(j: &CallJournal, sb: &str, rid: &str, digest: &str) -> Result<Begin, ApiError> {
-        j.begin(sb, rid, "exec", digest.into(), serde_json::json!({}), 0)
+        match j.begin(sb, rid, "exec", digest.into(), serde_json::json!({}), 0)? {
+            Begin::New(mut t) => {
+                j.started(&mut t)?;
+                Ok(Begin::New(t))
+            }
+            known => Ok(known),
+        }
+    }
+
+    #[test]
+    fn the_log_orders_calls_as_they_started_and_an_unlogged_call_leaves_nothing() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let keep: HashSet<String> = ["sb".to_string()].into();
+        let (j, _) = CallJournal::open(tmp.path(), &keep).expect("open");
+        let new = |rid: &str| match j.begin("sb", rid, "exec", rid.into(), serde_json::json!({}), 0)
+        {
+            Ok(Begin::New(t)) => t,
+            other => panic!("a new call: {other:?}"),
+        };
+        let (mut first, mut second, never) = (new("a"), new("b"), new("c"));
+        // A retry of a call whose start is not written yet waits for it.
+        assert!(matches!(begin(&j, "sb", "a", "a"), Ok(Begin::Known { .. })));
+        j.started(&mut second).expect("start b");
+        j.started(&mut first).expect("start a");
+        assert_eq!((second.seq, first.seq), (1, 2));
+        j.end(&first, &Ok(exec_result("", 0)));
+        // Ended before its start was written (the log could not take it): forgotten.
+        j.end(&never, &Ok(exec_result("", 0)));
+        assert!(matches!(begin(&j, "sb", "c", "c"), Ok(Begin::New(_))));
+        let log = j.log("sb", &CallLogQuery::default()).expect("log");
+        let ids: Vec<_> = log
+            .calls
+            .iter()
+            .map(|c| (c.seq, c.request_id.as_str()))
+            .collect();
+        assert_eq!(ids, [(1, "b"), (2, "a"), (3, "c")]);
+        drop(j);
+        let (_j, pending) = CallJournal::open(tmp.path(), &keep).expect("reopen");
+        let running: Vec<_> = pending
+            .iter()
+            .map(|p| p.start.request_id.as_str())
+            .collect();
+        assert_eq!(running, ["b", "c"]);
     }
 
     #[test]
@@ -824,7 +935,7 @@ mod tests {
         let tmp = tempfile::tempdir().expect("tempdir");
         let keep: HashSet<String> = ["sb".to_string()].into();
         let (j, _) = CallJournal::open(tmp.path(), &keep).expect("open");
-        let Begin::New(t) = j
+        let Begin::New(mut t) = j
             .begin(
                 "sb",
                 "w",
@@ -837,6 +948,7 @@ mod tests {
         else {
             panic!("new");
         };
+        j.started(&mut t).expect("started");
         j.end_upload(&t, &Reply::Written { bytes: 5 }, "abc".into());
         drop(j);
         let (j, pending) = CallJournal::open(tmp.path(), &keep).expect("reopen");

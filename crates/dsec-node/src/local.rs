@@ -365,7 +365,7 @@ impl LocalNode {
     }
 
     /// `NotFound` unless the sandbox is on this node (without copying its record).
-    fn known(&self, id: &str) -> Result<(), NodeError> {
+    pub(crate) fn known(&self, id: &str) -> Result<(), NodeError> {
         if self.lock().contains_key(id) {
             Ok(())
         } else {

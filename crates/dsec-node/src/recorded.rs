@@ -215,9 +215,10 @@ impl LocalNode {
     ) -> Outcome {
         match self.begin_exec(id, request_id, &spec, stdin.as_deref())? {
             Begin::Known { ended, .. } => self.wait_recorded(id, ended).await,
-            Begin::New(ticket) => {
+            Begin::New(mut ticket) => {
                 let keeps = stdin.is_none();
                 let conn = self.send_kept(id, &ticket, spec, stdin, false).await?;
+                self.log_start(&mut ticket);
                 // The call ends here, recorded, whether or not this caller stays.
                 let drive = self.drive(ticket, Some(conn), keeps);
                 FinishOnDrop::new(drive)
@@ -249,7 +250,7 @@ impl LocalNode {
                     }
                 }
             }
-            Begin::New(ticket) => {
+            Begin::New(mut ticket) => {
                 // This caller's connection starts the command and follows it; a driver
                 // attaches once it runs and records the outcome.
                 let oom = OomWitness {
@@ -258,6 +259,7 @@ impl LocalNode {
                     before: ticket.oom_before,
                 };
                 let mut conn = self.send_kept(id, &ticket, spec, stdin, true).await?;
+                self.log_start(&mut ticket);
                 let pid = match conn.recv_reply().await {
                     Ok(Reply::Started { pid }) => pid,
                     Ok(other) => {
@@ -301,15 +303,20 @@ impl LocalNode {
                 ))
             }
         };
-        self.record(id)?;
+        self.known(id)?;
         let (digest, args) = request_call(&req)?;
-        let ticket = match self.journal.begin(id, request_id, kind, digest, args, 0)? {
+        let mut ticket = match self.journal.begin(id, request_id, kind, digest, args, 0)? {
             Begin::Known { ended, .. } => {
                 let end = self.wait_ended(id, ended).await?;
                 return self.journal.reply(id, &end);
             }
             Begin::New(ticket) => ticket,
         };
+        // The agent would run it again: logged before it is sent.
+        if let Err(e) = self.journal.started(&mut ticket) {
+            self.journal.abandon(&ticket, &e);
+            return Err(e);
+        }
         // A connection that cannot be had sent nothing: a retry may run it.
         let mut conn = match self.agent(id) {
             Ok(conn) => conn,
@@ -372,9 +379,9 @@ impl LocalNode {
                 ))
             }
         };
-        self.record(id)?;
+        self.known(id)?;
         let (digest, args) = request_call(&req)?;
-        let ticket = loop {
+        let mut ticket = loop {
             let ended =
                 match self
                     .journal
@@ -404,6 +411,10 @@ impl LocalNode {
                 other => Err(unexpected(other)),
             };
         };
+        if let Err(e) = self.journal.started(&mut ticket) {
+            self.journal.abandon(&ticket, &e);
+            return Err(e);
+        }
         let hasher = std::sync::Arc::new(std::sync::Mutex::new(Sha256::new()));
         let fed = hasher.clone();
         let body = body
@@ -452,7 +463,7 @@ impl LocalNode {
         spec: &ExecSpec,
         stdin: Option<&[u8]>,
     ) -> Result<Begin, ApiError> {
-        self.record(id)?;
+        self.known(id)?;
         let (digest, args) = exec_call(spec, stdin);
         let oom_before = self.backend().oom_kill_count(id).unwrap_or(u64::MAX);
         self.journal
@@ -462,6 +473,15 @@ impl LocalNode {
     async fn wait_recorded(&self, id: &str, ended: watch::Receiver<Ended>) -> Outcome {
         let end = self.wait_ended(id, ended).await?;
         self.journal.result(id, &end)
+    }
+
+    /// Logs the start of an exec whose request went out. One that cannot be logged still
+    /// runs (its command is on its way); it is forgotten when it ends, and a retry
+    /// attaches to its command in the agent.
+    fn log_start(&self, ticket: &mut Ticket) {
+        if let Err(e) = self.journal.started(ticket) {
+            tracing::warn!(sandbox = %ticket.sandbox, error = %e.message, "call record: start");
+        }
     }
 
     /// Sends a new call's command to the agent as a kept exec (its stdin too). A call
@@ -500,13 +520,7 @@ impl LocalNode {
 
     /// Drives a call that was running when the node stopped to its end.
     pub(crate) fn redrive(&self, p: Pending) {
-        let kind = p.start.kind;
-        let ticket = Ticket {
-            sandbox: p.sandbox,
-            seq: p.start.seq,
-            request_id: p.start.request_id,
-            oom_before: p.start.oom_before,
-        };
+        let (kind, ticket) = p.into_ticket();
         if kind == "file_write" || kind == "tar_upload" {
             // The agent dropped the upload with the node's connection: nothing was
             // written, and a retry runs it.
@@ -581,7 +595,7 @@ impl LocalNode {
                     }
                     Err(KeptError::Refused(e)) => break Err(lost(e)),
                     Err(KeptError::Broken(e)) => {
-                        let here = me.upgrade().is_some_and(|n| n.record(&id).is_ok());
+                        let here = me.upgrade().is_some_and(|n| n.known(&id).is_ok());
                         if !here || tries >= REATTACH_TRIES {
                             break Err(lost(e));
                         }
