@@ -1,16 +1,20 @@
 """The model gateway (`dsec gateway`) driven by the unmodified `openai` SDK, in front of
 fake OpenAI-compatible upstreams (`fake-openai`, from dsec-testkit): chat, streaming,
 completions, embeddings (the SDK's default base64), the model list, failover past an
-upstream that is down, and OpenAI-shaped errors the SDK raises as its own exceptions."""
+upstream that is down, OpenAI-shaped errors the SDK raises as its own exceptions, and
+the limits of caller keys: 429s the SDK's own retries wait out, and a concurrency cap."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, List
+from typing import Dict, Iterator, List
 
 import openai  # installed (pinned) by python/run-tests.sh
 import pytest
@@ -18,6 +22,22 @@ import pytest
 from conftest import REPO, _free_port, _missing, _pdeathsig  # noqa: E402
 
 KEY = "gw-python-key"
+RPM_KEY = "gw-rpm-120-burst-1"  # one request each 0.5 s
+STRICT_KEY = "gw-rpm-1"  # one request a minute
+TWO_KEY = "gw-two-at-once"
+
+
+@dataclass
+class Gateway:
+    url: str  # the gateway's base URL (.../v1)
+    fake: str  # the fake upstream's root URL
+
+    def fake_stats(self) -> Dict:
+        with urllib.request.urlopen(self.fake + "/_fake/stats", timeout=5) as r:
+            return json.load(r)
+
+    def fake_reset(self) -> None:
+        urllib.request.urlopen(urllib.request.Request(self.fake + "/_fake/reset", method="POST"), timeout=5).close()
 
 
 def _bin(name: str) -> Path:
@@ -33,7 +53,7 @@ def _start(args: List[str], log: Path) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory) -> Iterator[str]:
+def gateway(tmp_path_factory) -> Iterator[Gateway]:
     root = tmp_path_factory.mktemp("gateway")
     procs = []
     try:
@@ -45,7 +65,11 @@ def gateway(tmp_path_factory) -> Iterator[str]:
         dead = f"http://127.0.0.1:{_free_port()}/v1"
         config = root / "gateway.yaml"
         config.write_text(
-            f"api_keys: [{KEY}]\n"
+            "api_keys:\n"
+            f"  - {KEY}\n"
+            f"  - {{key: {RPM_KEY}, limits: {{rpm: 120, burst: 1}}}}\n"
+            f"  - {{key: {STRICT_KEY}, limits: {{rpm: 1}}}}\n"
+            f"  - {{key: {TWO_KEY}, limits: {{max_concurrency: 2}}}}\n"
             "models:\n"
             "  policy:\n"
             f"    upstreams: [{{url: '{dead}'}}, {{url: '{fake_url}', model: real-policy}}]\n"
@@ -65,15 +89,15 @@ def gateway(tmp_path_factory) -> Iterator[str]:
                 if gw.poll() is not None or time.time() > deadline:
                     pytest.fail(f"dsec gateway did not start: {(root / 'gateway.log').read_text()}")
                 time.sleep(0.1)
-        yield url
+        yield Gateway(url=url, fake=fake_url[: -len("/v1")])
     finally:
         for p in procs:
             p.kill()
             p.wait()
 
 
-def test_the_openai_sdk_works_through_the_gateway(gateway: str) -> None:
-    client = openai.OpenAI(base_url=gateway, api_key=KEY, max_retries=0)
+def test_the_openai_sdk_works_through_the_gateway(gateway: Gateway) -> None:
+    client = openai.OpenAI(base_url=gateway.url, api_key=KEY, max_retries=0)
     r = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi there"}])
     assert r.choices[0].message.content == "echo: hi there"
     assert r.usage is not None and r.usage.total_tokens > 0
@@ -85,6 +109,13 @@ def test_the_openai_sdk_works_through_the_gateway(gateway: str) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "echo: a b c"
     assert chunks[-1].usage is not None and chunks[-1].choices == []
+    # Without include_usage the gateway still asks for the usage (to charge tokens), but
+    # the caller does not see that chunk.
+    stream = client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "a b c"}], stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "echo: a b c"
+    assert all(c.choices for c in chunks), "no usage-only chunk"
 
     c = client.completions.create(model="policy", prompt="xyz")
     assert c.choices[0].text == "echo: xyz"
@@ -93,13 +124,59 @@ def test_the_openai_sdk_works_through_the_gateway(gateway: str) -> None:
     assert [m.id for m in client.models.list()] == ["policy"]
 
 
-def test_errors_are_the_sdks_own_exceptions(gateway: str) -> None:
-    bad_key = openai.OpenAI(base_url=gateway, api_key="wrong", max_retries=0)
+def test_errors_are_the_sdks_own_exceptions(gateway: Gateway) -> None:
+    bad_key = openai.OpenAI(base_url=gateway.url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad_key.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
-    client = openai.OpenAI(base_url=gateway, api_key=KEY, max_retries=0)
+    client = openai.OpenAI(base_url=gateway.url, api_key=KEY, max_retries=0)
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     assert e.value.code == "model_not_found"
     with pytest.raises(openai.InternalServerError):
         client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "[fake fail=503]"}])
+
+
+def _ask(client: openai.OpenAI, prompt: str) -> str:
+    r = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": prompt}])
+    return r.choices[0].message.content or ""
+
+
+def test_rate_limits_are_waited_out_by_the_sdks_own_retries(gateway: Gateway) -> None:
+    # 120 a minute with a burst of 1: each call after the first is refused once, with a
+    # retry-after-ms of about 500 that the SDK (2 retries by default) honours.
+    client = openai.OpenAI(base_url=gateway.url, api_key=RPM_KEY)
+    for i in range(5):
+        assert _ask(client, f"call {i}") == f"echo: call {i}"
+
+
+def test_a_429_is_a_rate_limit_error_with_both_retry_headers(gateway: Gateway) -> None:
+    client = openai.OpenAI(base_url=gateway.url, api_key=STRICT_KEY, max_retries=0)
+    assert _ask(client, "first") == "echo: first"
+    with pytest.raises(openai.RateLimitError) as e:
+        _ask(client, "second")
+    assert e.value.code == "rate_limit_exceeded"
+    headers = e.value.response.headers
+    assert 1 <= int(headers["retry-after"]) <= 60
+    assert 0 < float(headers["retry-after-ms"]) <= 60_000
+
+
+def test_a_concurrency_cap_holds_and_the_sdk_retries_past_it(gateway: Gateway) -> None:
+    gateway.fake_reset()
+    client = openai.OpenAI(base_url=gateway.url, api_key=TWO_KEY)
+    answers: List[str] = []
+    errors: List[BaseException] = []
+
+    def call(i: int) -> None:
+        try:
+            answers.append(_ask(client, f"slow {i} [fake latency_ms=300]"))
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert sorted(answers) == [f"echo: slow {i} [fake latency_ms=300]" for i in range(4)]
+    assert gateway.fake_stats()["max_in_flight"] == 2

@@ -9,19 +9,30 @@
 //! upstream of its model with the fewest requests in flight, and to the next one when an
 //! upstream cannot be reached.
 //!
+//! Each caller key has its limits ([`limits`]): requests and model tokens per minute,
+//! requests in flight, and the time a request may take. Over a limit the answer is a
+//! 429 in OpenAI's shape with `retry-after` and `retry-after-ms`, which the SDKs wait
+//! out and retry; past its time a request answers 504 (or, once streaming, ends with an
+//! SSE error event). Tokens are charged from the upstream's `usage`; a stream is made to
+//! report it (`stream_options.include_usage`), the extra chunk dropped again ([`sse`]).
+//!
 //! There is no HTTP server here: `dsec-http::gateway` maps routes onto this, as the
 //! `/v1` API maps onto `SandboxApi`.
 
 pub mod config;
+pub mod limits;
 pub mod openai;
+mod sse;
 mod upstream;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use futures::stream::BoxStream;
+use futures::stream::{BoxStream, StreamExt};
 
-pub use config::{ConfigError, GatewayConfig, ModelConfig, UpstreamConfig};
+pub use config::{ApiKey, ConfigError, GatewayConfig, Limits, ModelConfig, UpstreamConfig};
+use limits::{CallerLimits, Clock, Limited, Refusal};
 use openai::ErrorKind;
 use upstream::Upstreams;
 
@@ -78,19 +89,99 @@ pub struct Reply {
     pub body: ReplyBody,
 }
 
-/// The gateway: configured models, their upstreams, and the keys allowed to call them.
+/// What the gateway has done since it started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GatewayStats {
+    /// Requests refused by a requests-per-minute limit.
+    pub limited_requests: u64,
+    /// Requests refused by a tokens-per-minute limit.
+    pub limited_tokens: u64,
+    /// Requests refused by a concurrency limit.
+    pub limited_concurrency: u64,
+    /// Requests over their time limit (a 504, or a stream ended with an error).
+    pub timed_out: u64,
+}
+
+/// The live counters behind [`GatewayStats`].
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    limited_requests: AtomicU64,
+    limited_tokens: AtomicU64,
+    limited_concurrency: AtomicU64,
+    timed_out: AtomicU64,
+}
+
+impl Counters {
+    fn refused(&self, limit: Limited) {
+        let c = match limit {
+            Limited::Requests => &self.limited_requests,
+            Limited::Tokens => &self.limited_tokens,
+            Limited::Concurrency => &self.limited_concurrency,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn timed_out(&self) {
+        self.timed_out.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> GatewayStats {
+        GatewayStats {
+            limited_requests: self.limited_requests.load(Ordering::Relaxed),
+            limited_tokens: self.limited_tokens.load(Ordering::Relaxed),
+            limited_concurrency: self.limited_concurrency.load(Ordering::Relaxed),
+            timed_out: self.timed_out.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A caller key's holder: its name and where it stands against its limits.
+#[derive(Debug)]
+pub(crate) struct Caller {
+    name: String,
+    limits: Arc<CallerLimits>,
+    config: Limits,
+}
+
+/// The gateway: configured models, their upstreams, and the keys allowed to call them
+/// with their limits.
 #[derive(Debug)]
 pub struct Gateway {
     config: GatewayConfig,
     upstreams: Arc<Upstreams>,
+    callers: Vec<Caller>,
+    counters: Arc<Counters>,
 }
 
 impl Gateway {
     /// A gateway over `config` (checked first).
     pub fn new(config: GatewayConfig) -> Result<Self, ConfigError> {
+        Self::with_clock(config, limits::monotonic_clock())
+    }
+
+    /// [`Gateway::new`] with the limits reading `clock`.
+    pub fn with_clock(config: GatewayConfig, clock: Clock) -> Result<Self, ConfigError> {
         config.check()?;
         let upstreams = Arc::new(Upstreams::new(&config)?);
-        Ok(Self { config, upstreams })
+        let callers = config
+            .api_keys
+            .iter()
+            .enumerate()
+            .map(|(i, key)| {
+                let limits = config.limits_of(i);
+                Caller {
+                    name: key.caller_name(),
+                    limits: Arc::new(CallerLimits::new(limits, clock.clone())),
+                    config: limits,
+                }
+            })
+            .collect();
+        Ok(Self {
+            config,
+            upstreams,
+            callers,
+            counters: Arc::default(),
+        })
     }
 
     /// Its configuration.
@@ -98,8 +189,13 @@ impl Gateway {
         &self.config
     }
 
+    /// What it has done since it started.
+    pub fn stats(&self) -> GatewayStats {
+        self.counters.snapshot()
+    }
+
     /// Checks the caller's bearer key; the error is the answer to give.
-    pub fn authorize(&self, bearer: Option<&str>) -> Result<(), Box<Reply>> {
+    fn caller(&self, bearer: Option<&str>) -> Result<&Caller, Box<Reply>> {
         let Some(key) = bearer else {
             return Err(Box::new(openai::error(
                 401,
@@ -108,24 +204,29 @@ impl Gateway {
                 Some("invalid_api_key"),
             )));
         };
-        if self.config.key_allowed(key) {
-            Ok(())
-        } else {
-            Err(Box::new(openai::error(
+        match self.config.find_key(key).and_then(|i| self.callers.get(i)) {
+            Some(caller) => Ok(caller),
+            None => Err(Box::new(openai::error(
                 401,
                 "the API key is not valid for this gateway",
                 ErrorKind::InvalidRequest,
                 Some("invalid_api_key"),
-            )))
+            ))),
         }
+    }
+
+    /// Checks the caller's bearer key; the error is the answer to give.
+    pub fn authorize(&self, bearer: Option<&str>) -> Result<(), Box<Reply>> {
+        self.caller(bearer).map(|_| ())
     }
 
     /// Answers a request of `route` with JSON `body`, from a caller holding `bearer`.
     pub async fn handle(&self, bearer: Option<&str>, route: Route, body: Bytes) -> Reply {
-        if let Err(reply) = self.authorize(bearer) {
-            return *reply;
-        }
-        let request = match openai::RequestView::parse(&body) {
+        let caller = match self.caller(bearer) {
+            Ok(c) => c,
+            Err(reply) => return *reply,
+        };
+        let mut request = match openai::RequestView::parse(&body) {
             Ok(r) => r,
             Err(message) => {
                 return openai::error(400, message, ErrorKind::InvalidRequest, None);
@@ -134,8 +235,71 @@ impl Gateway {
         if !self.config.models.contains_key(&request.model) {
             return openai::model_not_found(&request.model);
         }
+        let mut admission = match caller.limits.admit() {
+            Ok(a) => a,
+            Err(refusal) => {
+                self.counters.refused(refusal.limit);
+                tracing::debug!(caller = %caller.name, limit = ?refusal.limit, wait = ?refusal.retry_after, "over a limit");
+                return refused(caller, refusal);
+            }
+        };
+        admission.add_bytes(body.len());
+        // Tokens are charged from the usage a stream reports only when asked to.
+        let strip_usage = route != Route::Embeddings && request.ask_stream_usage();
+        let body = if strip_usage {
+            request.to_bytes()
+        } else {
+            body
+        };
         let model = request.model.clone();
-        self.upstreams.forward(&model, route, request, body).await
+        let forward = self.upstreams.forward(&model, route, request, body);
+        let deadline = caller
+            .limits
+            .timeout()
+            .map(|limit| (tokio::time::Instant::now() + limit, limit));
+        let reply = match deadline {
+            None => forward.await,
+            Some((at, limit)) => match tokio::time::timeout_at(at, forward).await {
+                Ok(reply) => reply,
+                Err(_) => {
+                    // Dropping the forward closed the upstream request; the admission
+                    // charges an estimate of what it cost.
+                    self.counters.timed_out();
+                    return openai::timed_out(limit);
+                }
+            },
+        };
+        let ok = (200..300).contains(&reply.status);
+        let body = match reply.body {
+            ReplyBody::Full(b) => {
+                if !ok {
+                    admission.forgive();
+                } else if let Some(tokens) = openai::usage_tokens(&b) {
+                    admission.record_usage(tokens);
+                } else {
+                    admission.add_bytes(b.len());
+                }
+                ReplyBody::Full(b)
+            }
+            ReplyBody::Stream(s) => {
+                if !ok {
+                    admission.forgive();
+                }
+                let metered = sse::Metered::new(
+                    s,
+                    sse::SseScanner::new(strip_usage),
+                    admission,
+                    deadline,
+                    self.counters.clone(),
+                );
+                ReplyBody::Stream(metered.boxed())
+            }
+        };
+        Reply {
+            status: reply.status,
+            headers: reply.headers,
+            body,
+        }
     }
 
     /// `GET /v1/models`: the public model names.
@@ -158,6 +322,38 @@ impl Gateway {
         }
         openai::json(200, &model_entry(id))
     }
+}
+
+/// The 429 for a caller over one of its limits.
+fn refused(caller: &Caller, refusal: Refusal) -> Reply {
+    let wait = refusal.retry_after.min(openai::MAX_RETRY_AFTER);
+    let (what, limit, kind) = match refusal.limit {
+        Limited::Requests => (
+            "requests per minute (RPM)",
+            caller.config.rpm.map(u64::from),
+            ErrorKind::Requests,
+        ),
+        Limited::Tokens => (
+            "tokens per minute (TPM)",
+            caller.config.tpm,
+            ErrorKind::Tokens,
+        ),
+        Limited::Concurrency => (
+            "requests at once",
+            caller.config.max_concurrency.map(u64::from),
+            ErrorKind::Requests,
+        ),
+    };
+    openai::rate_limited(
+        format!(
+            "rate limit reached for {} on {what}: limit {}. Please try again in {:.3}s.",
+            caller.name,
+            limit.unwrap_or(0),
+            wait.as_secs_f64()
+        ),
+        kind,
+        wait,
+    )
 }
 
 fn model_entry(id: &str) -> serde_json::Value {
