@@ -2,10 +2,12 @@
 fake OpenAI-compatible upstreams (`fake-openai`, from dsec-testkit): chat, streaming,
 completions, embeddings (the SDK's default base64), the model list, failover past an
 upstream that is down, OpenAI-shaped errors the SDK raises as its own exceptions, and
-the limits of caller keys: 429s the SDK's own retries wait out, and a concurrency cap."""
+the limits of caller keys (429s the SDK's own retries wait out, a concurrency cap), and
+the response cache with the coalescing of identical requests."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -35,6 +37,9 @@ class Gateway:
     def fake_stats(self) -> Dict:
         with urllib.request.urlopen(self.fake + "/_fake/stats", timeout=5) as r:
             return json.load(r)
+
+    def fake_chats(self) -> int:
+        return int(self.fake_stats()["requests"].get("/v1/chat/completions", 0))
 
     def fake_reset(self) -> None:
         urllib.request.urlopen(urllib.request.Request(self.fake + "/_fake/reset", method="POST"), timeout=5).close()
@@ -180,3 +185,44 @@ def test_a_concurrency_cap_holds_and_the_sdk_retries_past_it(gateway: Gateway) -
     assert not errors, errors
     assert sorted(answers) == [f"echo: slow {i} [fake latency_ms=300]" for i in range(4)]
     assert gateway.fake_stats()["max_in_flight"] == 2
+
+
+def test_a_deterministic_call_is_answered_from_the_cache(gateway: Gateway) -> None:
+    gateway.fake_reset()
+    client = openai.OpenAI(base_url=gateway.url, api_key=KEY, max_retries=0)
+    messages = [{"role": "user", "content": "cache me"}]
+    first = client.chat.completions.with_raw_response.create(model="policy", messages=messages, temperature=0)
+    assert first.headers["x-dsec-cache"] == "miss"
+    assert gateway.fake_chats() == 1
+    second = client.chat.completions.with_raw_response.create(model="policy", messages=messages, temperature=0)
+    assert second.headers["x-dsec-cache"] == "hit"
+    assert gateway.fake_chats() == 1, "the second call never reached the upstream"
+    assert second.parse().choices[0].message.content == first.parse().choices[0].message.content == "echo: cache me"
+    # Not deterministic: not cached.
+    third = client.chat.completions.with_raw_response.create(model="policy", messages=messages, temperature=0.5)
+    assert third.headers["x-dsec-cache"] == "bypass"
+    assert gateway.fake_chats() == 2
+
+
+def test_identical_concurrent_calls_share_one_upstream_call(gateway: Gateway) -> None:
+    gateway.fake_reset()
+    messages = [{"role": "user", "content": "all together [fake latency_ms=500]"}]
+
+    async def twenty():
+        client = openai.AsyncOpenAI(base_url=gateway.url, api_key=KEY, max_retries=0)
+        try:
+            return await asyncio.gather(*[
+                client.chat.completions.with_raw_response.create(model="policy", messages=messages, temperature=0)
+                for _ in range(20)
+            ])
+        finally:
+            await client.close()
+
+    answers = asyncio.run(twenty())
+    assert gateway.fake_chats() == 1
+    assert {a.parse().choices[0].message.content for a in answers} == {"echo: " + messages[0]["content"]}
+    used = sorted(a.headers["x-dsec-cache"] for a in answers)
+    # One call went upstream; the others waited for it (or, had they come after it
+    # landed, were answered from the cache).
+    assert used.count("miss") == 1 and used.count("coalesced") >= 1, used
+    assert set(used) <= {"miss", "coalesced", "hit"}, used

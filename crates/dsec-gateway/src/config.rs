@@ -9,6 +9,7 @@
 //!     name: team-a                # for logs and the cache's scope (default: a digest)
 //!     limits: {rpm: 600, tpm: 200000, max_concurrency: 32, timeout_s: 120}
 //! default_limits: {rpm: 60}       # each key's own, for what its limits leave unset
+//! cache: {max_bytes: 268435456, max_entry_bytes: 1048576, ttl_s: 600}  # the defaults
 //! models:
 //!   policy-7b:
 //!     upstreams:
@@ -25,6 +26,8 @@ use std::path::{Path, PathBuf};
 use serde::de::{self, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 use sha2::{Digest, Sha256};
+
+use crate::cache::CacheConfig;
 
 /// Largest request body by default (16 MiB: long multi-turn prompts, batched embeddings).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
@@ -67,6 +70,9 @@ pub struct GatewayConfig {
     /// buckets; these are not shared).
     #[serde(default)]
     pub default_limits: Limits,
+    /// The response cache of deterministic requests (on by default).
+    #[serde(default)]
+    pub cache: CacheConfig,
     /// Public model name -> how it is served.
     #[serde(default)]
     pub models: BTreeMap<String, ModelConfig>,
@@ -84,6 +90,7 @@ impl Default for GatewayConfig {
         Self {
             api_keys: Vec::new(),
             default_limits: Limits::default(),
+            cache: CacheConfig::default(),
             models: BTreeMap::new(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             connect_timeout_s: DEFAULT_CONNECT_TIMEOUT_S,
@@ -299,6 +306,7 @@ impl GatewayConfig {
             }
         }
         self.default_limits.check("default_limits")?;
+        self.cache.check().map_err(ConfigError::Invalid)?;
         if self.models.is_empty() {
             return invalid("models: configure at least one model with its upstreams".into());
         }
@@ -405,6 +413,12 @@ mod tests {
         .expect("config");
         assert_eq!(c.models["m"].upstreams[0].model.as_deref(), Some("real"));
         assert_eq!(c.max_body_bytes, DEFAULT_MAX_BODY_BYTES);
+        assert_eq!(
+            c.cache,
+            CacheConfig::default(),
+            "the cache is on by default"
+        );
+        assert!(c.cache.enabled());
         assert!(c.key_allowed("k1"));
         assert!(!c.key_allowed("k2"));
         assert!(!c.key_allowed(""));
@@ -468,6 +482,10 @@ mod tests {
             (
                 "api_keys: [k]\ndefault_limits: {timeout_s: -1}\nmodels:\n  m: {upstreams: [{url: http://x}]}\n",
                 "timeout_s",
+            ),
+            (
+                "api_keys: [k]\ncache: {ttl_s: 0}\nmodels:\n  m: {upstreams: [{url: http://x}]}\n",
+                "cache.ttl_s",
             ),
         ] {
             let e = parse(yaml).expect_err(yaml);

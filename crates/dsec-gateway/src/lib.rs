@@ -16,9 +16,16 @@
 //! SSE error event). Tokens are charged from the upstream's `usage`; a stream is made to
 //! report it (`stream_options.include_usage`), the extra chunk dropped again ([`sse`]).
 //!
+//! Deterministic requests (`temperature: 0` or a `seed`, not streamed; embeddings) are
+//! answered from a cache when an identical one was answered before, and identical ones
+//! at the same moment share one call upstream ([`cache`]). The `x-dsec-cache` header
+//! says which: `hit`, `miss`, `coalesced` or `bypass`. A hit counts against a key's
+//! requests per minute, not its tokens.
+//!
 //! There is no HTTP server here: `dsec-http::gateway` maps routes onto this, as the
 //! `/v1` API maps onto `SandboxApi`.
 
+pub mod cache;
 pub mod config;
 pub mod limits;
 pub mod openai;
@@ -31,8 +38,10 @@ use std::sync::Arc;
 use bytes::Bytes;
 use futures::stream::{BoxStream, StreamExt};
 
+use cache::{Answer, Cache, CacheUse, Lookup};
+pub use cache::{CacheConfig, CacheStats};
 pub use config::{ApiKey, ConfigError, GatewayConfig, Limits, ModelConfig, UpstreamConfig};
-use limits::{CallerLimits, Clock, Limited, Refusal};
+use limits::{Admission, CallerLimits, Clock, Limited, Refusal};
 use openai::ErrorKind;
 use upstream::Upstreams;
 
@@ -57,6 +66,17 @@ impl Route {
         }
     }
 }
+
+/// What a caller asked of a request beyond its body.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CallOptions {
+    /// `Cache-Control: no-cache` (or `no-store`): the request neither uses the cache nor
+    /// joins an identical request in flight, and its answer is not stored.
+    pub no_cache: bool,
+}
+
+/// The response header saying how the cache took part.
+pub const CACHE_HEADER: &str = "x-dsec-cache";
 
 /// A body streamed to the caller as it arrives from the upstream.
 pub type ByteStream = BoxStream<'static, Result<Bytes, std::io::Error>>;
@@ -100,6 +120,8 @@ pub struct GatewayStats {
     pub limited_concurrency: u64,
     /// Requests over their time limit (a 504, or a stream ended with an error).
     pub timed_out: u64,
+    /// The response cache's counters.
+    pub cache: CacheStats,
 }
 
 /// The live counters behind [`GatewayStats`].
@@ -131,6 +153,7 @@ impl Counters {
             limited_tokens: self.limited_tokens.load(Ordering::Relaxed),
             limited_concurrency: self.limited_concurrency.load(Ordering::Relaxed),
             timed_out: self.timed_out.load(Ordering::Relaxed),
+            cache: CacheStats::default(),
         }
     }
 }
@@ -151,6 +174,7 @@ pub struct Gateway {
     upstreams: Arc<Upstreams>,
     callers: Vec<Caller>,
     counters: Arc<Counters>,
+    cache: Arc<Cache>,
 }
 
 impl Gateway {
@@ -176,11 +200,13 @@ impl Gateway {
                 }
             })
             .collect();
+        let cache = Arc::new(Cache::new(config.cache, clock));
         Ok(Self {
             config,
             upstreams,
             callers,
             counters: Arc::default(),
+            cache,
         })
     }
 
@@ -191,7 +217,10 @@ impl Gateway {
 
     /// What it has done since it started.
     pub fn stats(&self) -> GatewayStats {
-        self.counters.snapshot()
+        GatewayStats {
+            cache: self.cache.stats(),
+            ..self.counters.snapshot()
+        }
     }
 
     /// Checks the caller's bearer key; the error is the answer to give.
@@ -221,12 +250,18 @@ impl Gateway {
     }
 
     /// Answers a request of `route` with JSON `body`, from a caller holding `bearer`.
-    pub async fn handle(&self, bearer: Option<&str>, route: Route, body: Bytes) -> Reply {
+    pub async fn handle(
+        &self,
+        bearer: Option<&str>,
+        route: Route,
+        body: Bytes,
+        options: CallOptions,
+    ) -> Reply {
         let caller = match self.caller(bearer) {
             Ok(c) => c,
             Err(reply) => return *reply,
         };
-        let mut request = match openai::RequestView::parse(&body) {
+        let request = match openai::RequestView::parse(&body) {
             Ok(r) => r,
             Err(message) => {
                 return openai::error(400, message, ErrorKind::InvalidRequest, None);
@@ -244,6 +279,79 @@ impl Gateway {
             }
         };
         admission.add_bytes(body.len());
+        let deadline = caller
+            .limits
+            .timeout()
+            .map(|limit| (tokio::time::Instant::now() + limit, limit));
+        let cacheable = self.cache.config().enabled()
+            && !options.no_cache
+            && cache::eligible(route, &request.body);
+        if !cacheable {
+            self.cache.bypassed();
+            let mut reply = self
+                .pass_through(route, request, body, admission, deadline)
+                .await;
+            reply
+                .headers
+                .push((CACHE_HEADER.into(), CacheUse::Bypass.as_str().into()));
+            return reply;
+        }
+        let key = cache::key(&caller.name, route, &request.model, &request.body);
+        let (mut waiter, used) = match self.cache.lookup(key) {
+            Lookup::Hit(answer) => {
+                admission.forgive();
+                return answer_reply(&answer, CacheUse::Hit);
+            }
+            Lookup::Wait(waiter) => (waiter, CacheUse::Coalesced),
+            Lookup::Lead(leader) => {
+                let upstreams = self.upstreams.clone();
+                let model = request.model.clone();
+                let call =
+                    async move { answer_of(upstreams.forward(&model, route, request, body).await) };
+                (leader.start(call), CacheUse::Miss)
+            }
+        };
+        let answer = match deadline {
+            None => waiter.answer().await,
+            Some((at, limit)) => match tokio::time::timeout_at(at, waiter.answer()).await {
+                Ok(answer) => answer,
+                Err(_) => {
+                    // Dropping the waiter aborts the call if no one else waits on it.
+                    self.counters.timed_out();
+                    return openai::timed_out(limit);
+                }
+            },
+        };
+        let Some(answer) = answer else {
+            admission.forgive();
+            return openai::error(
+                502,
+                "the call upstream ended without an answer",
+                ErrorKind::Api,
+                Some("upstream_error"),
+            );
+        };
+        // The tokens are the leader's to pay; those who waited used none upstream.
+        match (used, answer.usage) {
+            (CacheUse::Miss, Some(tokens)) => admission.record_usage(tokens),
+            (CacheUse::Miss, None) if (200..300).contains(&answer.status) => {
+                admission.add_bytes(answer.body.len());
+            }
+            _ => admission.forgive(),
+        }
+        answer_reply(&answer, used)
+    }
+
+    /// Sends a request upstream without the cache, and meters its answer: tokens
+    /// charged from its usage, a stream passed through [`sse::Metered`].
+    async fn pass_through(
+        &self,
+        route: Route,
+        mut request: openai::RequestView,
+        body: Bytes,
+        mut admission: Admission,
+        deadline: Option<(tokio::time::Instant, std::time::Duration)>,
+    ) -> Reply {
         // Tokens are charged from the usage a stream reports only when asked to.
         let strip_usage = route != Route::Embeddings && request.ask_stream_usage();
         let body = if strip_usage {
@@ -253,10 +361,6 @@ impl Gateway {
         };
         let model = request.model.clone();
         let forward = self.upstreams.forward(&model, route, request, body);
-        let deadline = caller
-            .limits
-            .timeout()
-            .map(|limit| (tokio::time::Instant::now() + limit, limit));
         let reply = match deadline {
             None => forward.await,
             Some((at, limit)) => match tokio::time::timeout_at(at, forward).await {
@@ -321,6 +425,51 @@ impl Gateway {
             return openai::model_not_found(id);
         }
         openai::json(200, &model_entry(id))
+    }
+}
+
+/// An upstream's whole answer as a flight shares it. Flights carry only requests that
+/// do not stream, whose answers come whole.
+fn answer_of(reply: Reply) -> Answer {
+    match reply.body {
+        ReplyBody::Full(body) => Answer {
+            usage: (200..300)
+                .contains(&reply.status)
+                .then(|| openai::usage_tokens(&body))
+                .flatten(),
+            status: reply.status,
+            headers: reply.headers,
+            body,
+        },
+        ReplyBody::Stream(_) => {
+            let error = openai::error(
+                502,
+                "the upstream streamed an answer to a request that did not ask for a stream",
+                ErrorKind::Api,
+                Some("upstream_error"),
+            );
+            let body = match error.body {
+                ReplyBody::Full(b) => b,
+                ReplyBody::Stream(_) => Bytes::new(),
+            };
+            Answer {
+                status: error.status,
+                headers: error.headers,
+                body,
+                usage: None,
+            }
+        }
+    }
+}
+
+/// A shared or stored answer as the caller's, saying how the cache took part.
+fn answer_reply(answer: &Answer, used: CacheUse) -> Reply {
+    let mut headers = answer.headers.clone();
+    headers.push((CACHE_HEADER.into(), used.as_str().into()));
+    Reply {
+        status: answer.status,
+        headers,
+        body: ReplyBody::Full(answer.body.clone()),
     }
 }
 

@@ -2,7 +2,8 @@
 //! sockets on loopback): every route, streams passed through chunk by chunk, failover
 //! past an upstream that cannot be reached, OpenAI-shaped errors for bad input, a
 //! caller that goes away mid-stream cutting the upstream request too, and the limits of
-//! caller keys (429s with their retry headers, the concurrency cap, time limits).
+//! caller keys (429s with their retry headers, the concurrency cap, time limits), and
+//! the response cache with the coalescing of identical requests.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
@@ -220,9 +221,12 @@ async fn routes_pass_through_with_the_upstreams_name_and_key_kept_here() {
         .collect();
     assert_eq!(ids, ["failover", "policy"]);
 
-    // An upstream that cannot be connected to is skipped.
-    for _ in 0..3 {
-        let (status, r) = s.post("/chat/completions", chat("failover", "x")).await;
+    // An upstream that cannot be connected to is skipped (distinct prompts: none is
+    // answered from the cache).
+    for i in 0..3 {
+        let (status, r) = s
+            .post("/chat/completions", chat("failover", &format!("x{i}")))
+            .await;
         assert_eq!(status, 200, "{r}");
     }
 }
@@ -560,4 +564,152 @@ async fn a_request_over_its_time_limit_answers_504_or_ends_its_stream_with_an_er
         .post_as("quick", "/chat/completions", chat("policy", "x"))
         .await;
     assert_eq!(status, 200, "{r}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deterministic_requests_are_cached_and_identical_ones_share_one_call() {
+    let s = setup_with(vec![
+        limited("other", Limits::default()),
+        limited(
+            "rpm2",
+            Limits {
+                rpm: Some(2),
+                ..Limits::default()
+            },
+        ),
+    ])
+    .await;
+    let chats = || s.fake.stats.count("/v1/chat/completions");
+    let ask = |key: &'static str, body: Value| {
+        let s = &s;
+        async move {
+            let (status, headers, r) = s.post_as(key, "/chat/completions", body).await;
+            assert_eq!(status, 200, "{r}");
+            (header(&headers, "x-dsec-cache").to_string(), r)
+        }
+    };
+    let (used, first) = ask(KEY, chat("policy", "cache me")).await;
+    assert_eq!((used.as_str(), chats()), ("miss", 1));
+    // The same request, its fields in another order, with `user` and `stream: false`.
+    let same = json!({"stream": false, "user": "u", "temperature": 0.0,
+        "messages": [{"content": "cache me", "role": "user"}], "model": "policy"});
+    let (used, second) = ask(KEY, same).await;
+    assert_eq!((used.as_str(), chats()), ("hit", 1));
+    assert_eq!(first, second);
+    // Opted out, not deterministic, streamed, or another caller: upstream.
+    let resp = s
+        .client
+        .post(format!("{}/chat/completions", s.base))
+        .bearer_auth(KEY)
+        .header("cache-control", "no-cache")
+        .json(&chat("policy", "cache me"))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(header(resp.headers(), "x-dsec-cache"), "bypass");
+    assert_eq!(chats(), 2);
+    let mut warm = chat("policy", "cache me");
+    warm["temperature"] = json!(0.7);
+    assert_eq!(ask(KEY, warm).await.0, "bypass");
+    let (status, text) = s.stream_as(KEY, chat("policy", "cache me")).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(ask("other", chat("policy", "cache me")).await.0, "miss");
+    assert_eq!(chats(), 5);
+    // Embeddings are deterministic: cached too.
+    let emb = json!({"model": "policy", "input": ["a"], "encoding_format": "float"});
+    let (s1, h1, e1) = s.post_as(KEY, "/embeddings", emb.clone()).await;
+    let (s2, h2, e2) = s.post_as(KEY, "/embeddings", emb).await;
+    assert_eq!((s1, s2), (200, 200));
+    assert_eq!(
+        (header(&h1, "x-dsec-cache"), header(&h2, "x-dsec-cache")),
+        ("miss", "hit")
+    );
+    assert_eq!(e1, e2);
+    assert_eq!(s.fake.stats.count("/v1/embeddings"), 1);
+
+    // A hit counts against the requests per minute.
+    assert_eq!(ask("rpm2", chat("policy", "r")).await.0, "miss");
+    assert_eq!(ask("rpm2", chat("policy", "r")).await.0, "hit");
+    let (status, _, r) = s
+        .post_as("rpm2", "/chat/completions", chat("policy", "r"))
+        .await;
+    assert_eq!(status, 429, "{r}");
+
+    // Ten identical requests at once: one call upstream.
+    let before = chats();
+    let slow = chat("policy", "together [fake latency_ms=500]");
+    let answers = futures::future::join_all((0..10).map(|_| ask(KEY, slow.clone()))).await;
+    assert_eq!(chats(), before + 1);
+    let kinds: Vec<&str> = answers.iter().map(|(u, _)| u.as_str()).collect();
+    assert_eq!(
+        kinds.iter().filter(|k| **k == "miss").count(),
+        1,
+        "{kinds:?}"
+    );
+    assert!(
+        kinds
+            .iter()
+            .all(|k| matches!(*k, "miss" | "coalesced" | "hit")),
+        "{kinds:?}"
+    );
+    assert!(answers.iter().all(|(_, r)| *r == answers[0].1));
+
+    let metrics = s
+        .client
+        .get(format!("{}/metrics", s.base.trim_end_matches("/v1")))
+        .bearer_auth(KEY)
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    let stats = s.gateway.stats().cache;
+    assert!(stats.hits >= 3 && stats.misses >= 4, "{stats:?}");
+    assert!(
+        metrics.contains(&format!(
+            "dsec_gateway_cache_total{{result=\"hit\"}} {}",
+            stats.hits
+        )),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_call_ends_when_every_caller_waiting_on_it_has_gone() {
+    let s = setup().await;
+    let body = chat("policy", "abandoned [fake latency_ms=30000]");
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .expect("client");
+    let send = || {
+        impatient
+            .post(format!("{}/chat/completions", s.base))
+            .bearer_auth(KEY)
+            .json(&body)
+            .send()
+    };
+    let (a, b) = tokio::join!(send(), send());
+    assert!(a.is_err() && b.is_err(), "both gave up");
+    assert_eq!(s.fake.stats.count("/v1/chat/completions"), 1, "one call");
+    wait_until(5, "the upstream call closed", || {
+        s.fake.stats.in_flight.load(Ordering::Relaxed) == 0
+    })
+    .await;
+    // The flight is gone: the same request now starts a call of its own.
+    let quick = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .expect("client");
+    let _ = quick
+        .post(format!("{}/chat/completions", s.base))
+        .bearer_auth(KEY)
+        .json(&body)
+        .send()
+        .await;
+    wait_until(5, "a second call upstream", || {
+        s.fake.stats.count("/v1/chat/completions") == 2
+    })
+    .await;
 }
