@@ -218,18 +218,22 @@ impl CallerLimits {
         })
     }
 
-    /// Charges `tokens` to the tokens bucket and learns the request's time.
-    fn settle(&self, tokens: u64, started: Duration) {
+    /// Charges `tokens` to the tokens bucket; learns the request's time if it was a
+    /// call upstream (not a cache hit, nor refused there), which is what a request
+    /// waiting for a concurrency permit waits on.
+    fn settle(&self, tokens: u64, started: Duration, learn: bool) {
         let now = (self.clock)();
         let mut state = self.state();
         if let Some(bucket) = &mut state.tokens {
             bucket.charge(now, tokens as f64);
         }
-        let took = now.saturating_sub(started).as_secs_f64();
-        state.typical_s = Some(match state.typical_s {
-            None => took,
-            Some(avg) => 0.8 * avg + 0.2 * took,
-        });
+        if learn {
+            let took = now.saturating_sub(started).as_secs_f64();
+            state.typical_s = Some(match state.typical_s {
+                None => took,
+                Some(avg) => 0.8 * avg + 0.2 * took,
+            });
+        }
     }
 }
 
@@ -257,7 +261,8 @@ impl Admission {
         self.bytes = self.bytes.saturating_add(n as u64);
     }
 
-    /// Charges no tokens for this request (the upstream refused it, or never saw it).
+    /// Charges no tokens for this request (the upstream refused it, or never saw it),
+    /// nor learns its time.
     pub(crate) fn forgive(&mut self) {
         self.charge = false;
     }
@@ -273,7 +278,7 @@ impl Admission {
 
 impl Drop for Admission {
     fn drop(&mut self) {
-        self.caller.settle(self.tokens(), self.started);
+        self.caller.settle(self.tokens(), self.started, self.charge);
     }
 }
 
@@ -397,9 +402,18 @@ pub(crate) mod tests {
             "the wait suggested is the usual request time: {:?}",
             refused.retry_after
         );
-        drop((b, c));
+        // A request that never went upstream (a cache hit) teaches nothing.
+        ms.fetch_add(5000, Ordering::SeqCst);
+        let mut hit = b;
+        hit.forgive();
+        drop(hit);
+        let d = caller.admit().expect("the hit's permit came back");
+        let refused = caller.admit().expect_err("c and d hold both");
+        assert!((refused.retry_after.as_secs_f64() - 0.3).abs() < 1e-6);
+        drop((c, d));
         // A refusal took nothing: of the burst of 600, a and b took 2, 300 ms at 10 a
-        // second gave 3 back (up to the burst), c took 1: 599 more.
+        // second gave 3 back (up to the burst), c took 1, 5 s filled it up again, d
+        // took 1: 599 more.
         for _ in 0..599 {
             drop(caller.admit().expect("within the burst"));
         }
