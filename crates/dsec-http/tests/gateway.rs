@@ -679,37 +679,36 @@ async fn deterministic_requests_are_cached_and_identical_ones_share_one_call() {
 async fn a_shared_call_ends_when_every_caller_waiting_on_it_has_gone() {
     let s = setup().await;
     let body = chat("policy", "abandoned [fake latency_ms=30000]");
-    let impatient = reqwest::Client::builder()
-        .timeout(Duration::from_millis(300))
-        .build()
-        .expect("client");
     let send = || {
-        impatient
+        let req = s
+            .client
             .post(format!("{}/chat/completions", s.base))
             .bearer_auth(KEY)
-            .json(&body)
-            .send()
+            .json(&body);
+        tokio::spawn(async move { req.send().await })
     };
-    let (a, b) = tokio::join!(send(), send());
-    assert!(a.is_err() && b.is_err(), "both gave up");
-    assert_eq!(s.fake.stats.count("/v1/chat/completions"), 1, "one call");
+    let (a, b) = (send(), send());
+    wait_until(5, "one call upstream, both requests on it", || {
+        let c = s.gateway.stats().cache;
+        c.misses == 1 && c.coalesced == 1 && s.fake.stats.in_flight.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    // The first caller leaves: the call goes on for the second.
+    a.abort();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(s.fake.stats.in_flight.load(Ordering::Relaxed), 1);
+    // The second leaves too: the call upstream is closed.
+    b.abort();
     wait_until(5, "the upstream call closed", || {
         s.fake.stats.in_flight.load(Ordering::Relaxed) == 0
     })
     .await;
+    assert_eq!(s.fake.stats.count("/v1/chat/completions"), 1, "one call");
     // The flight is gone: the same request now starts a call of its own.
-    let quick = reqwest::Client::builder()
-        .timeout(Duration::from_millis(300))
-        .build()
-        .expect("client");
-    let _ = quick
-        .post(format!("{}/chat/completions", s.base))
-        .bearer_auth(KEY)
-        .json(&body)
-        .send()
-        .await;
+    let c = send();
     wait_until(5, "a second call upstream", || {
         s.fake.stats.count("/v1/chat/completions") == 2
     })
     .await;
+    c.abort();
 }
