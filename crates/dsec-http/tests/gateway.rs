@@ -571,6 +571,13 @@ async fn deterministic_requests_are_cached_and_identical_ones_share_one_call() {
     let s = setup_with(vec![
         limited("other", Limits::default()),
         limited(
+            "tpm30",
+            Limits {
+                tpm: Some(30),
+                ..Limits::default()
+            },
+        ),
+        limited(
             "rpm2",
             Limits {
                 rpm: Some(2),
@@ -626,6 +633,14 @@ async fn deterministic_requests_are_cached_and_identical_ones_share_one_call() {
     );
     assert_eq!(e1, e2);
     assert_eq!(s.fake.stats.count("/v1/embeddings"), 1);
+
+    // A hit costs no tokens: a key with 30 a minute asks a 5-token answer once, then
+    // ten times from the cache, and is still not in debt.
+    assert_eq!(ask("tpm30", chat("policy", "cache me")).await.0, "miss");
+    for _ in 0..10 {
+        assert_eq!(ask("tpm30", chat("policy", "cache me")).await.0, "hit");
+    }
+    assert_eq!(ask("tpm30", chat("policy", "fresh")).await.0, "miss");
 
     // A hit counts against the requests per minute.
     assert_eq!(ask("rpm2", chat("policy", "r")).await.0, "miss");
