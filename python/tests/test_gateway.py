@@ -27,6 +27,7 @@ KEY = "gw-python-key"
 RPM_KEY = "gw-rpm-120-burst-1"  # one request each 0.5 s
 STRICT_KEY = "gw-rpm-1"  # one request a minute
 TWO_KEY = "gw-two-at-once"
+QUICK_KEY = "gw-one-second"
 
 
 @dataclass
@@ -40,6 +41,14 @@ class Gateway:
 
     def fake_chats(self) -> int:
         return int(self.fake_stats()["requests"].get("/v1/chat/completions", 0))
+
+    def metric(self, series: str) -> float:
+        req = urllib.request.Request(self.url[: -len("/v1")] + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(series + " "):
+                    return float(line.split()[-1])
+        raise AssertionError(f"no {series} in /metrics")
 
     def fake_reset(self) -> None:
         urllib.request.urlopen(urllib.request.Request(self.fake + "/_fake/reset", method="POST"), timeout=5).close()
@@ -75,6 +84,7 @@ def gateway(tmp_path_factory) -> Iterator[Gateway]:
             f"  - {{key: {RPM_KEY}, limits: {{rpm: 120, burst: 1}}}}\n"
             f"  - {{key: {STRICT_KEY}, limits: {{rpm: 1}}}}\n"
             f"  - {{key: {TWO_KEY}, limits: {{max_concurrency: 2}}}}\n"
+            f"  - {{key: {QUICK_KEY}, limits: {{timeout_s: 1}}}}\n"
             "models:\n"
             "  policy:\n"
             f"    upstreams: [{{url: '{dead}'}}, {{url: '{fake_url}', model: real-policy}}]\n"
@@ -185,6 +195,23 @@ def test_a_concurrency_cap_holds_and_the_sdk_retries_past_it(gateway: Gateway) -
     assert not errors, errors
     assert sorted(answers) == [f"echo: slow {i} [fake latency_ms=300]" for i in range(4)]
     assert gateway.fake_stats()["max_in_flight"] == 2
+    assert gateway.metric('dsec_gateway_limited_total{limit="concurrency"}') >= 2
+
+
+def test_over_its_time_limit_a_call_fails_at_once_and_a_stream_raises(gateway: Gateway) -> None:
+    gateway.fake_reset()
+    client = openai.OpenAI(base_url=gateway.url, api_key=QUICK_KEY)  # 2 retries by default
+    start = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as e:
+        _ask(client, "slow [fake latency_ms=5000]")
+    assert e.value.status_code == 504 and e.value.code == "timeout"
+    assert gateway.fake_chats() == 1, "x-should-retry: false, so the SDK did not retry"
+    assert time.monotonic() - start < 4.5
+    stream = client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "long [fake chunks=30 chunk_ms=100]"}], stream=True)
+    with pytest.raises(openai.APIError, match="time limit"):
+        for _ in stream:
+            pass
 
 
 def test_a_deterministic_call_is_answered_from_the_cache(gateway: Gateway) -> None:
