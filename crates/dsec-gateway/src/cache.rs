@@ -102,16 +102,19 @@ pub type Key = [u8; 32];
 
 /// Whether a request of `route` with `body` may be answered from the cache.
 pub fn eligible(route: Route, body: &Map<String, Value>) -> bool {
+    // A flight shares a whole answer: streams pass through instead.
+    if body.get("stream").and_then(Value::as_bool) == Some(true) {
+        return false;
+    }
     match route {
         Route::Embeddings => true,
         Route::ChatCompletions | Route::Completions => {
-            let streams = body.get("stream").and_then(Value::as_bool) == Some(true);
             let greedy = body
                 .get("temperature")
                 .and_then(Value::as_f64)
                 .is_some_and(|t| t == 0.0);
             let seeded = body.get("seed").is_some_and(|s| !s.is_null());
-            !streams && (greedy || seeded)
+            greedy || seeded
         }
     }
 }
@@ -632,6 +635,10 @@ mod tests {
         ));
         assert!(eligible(Route::Completions, &obj(json!({"seed": 1}))));
         assert!(eligible(Route::Embeddings, &obj(json!({"input": "x"}))));
+        assert!(!eligible(
+            Route::Embeddings,
+            &obj(json!({"input": "x", "stream": true}))
+        ));
     }
 
     fn answer(status: u16, body_len: usize) -> Answer {
