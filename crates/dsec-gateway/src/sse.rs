@@ -43,8 +43,19 @@ fn event_end(buf: &[u8], from: usize) -> Option<usize> {
     None
 }
 
-fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    haystack.windows(needle.len()).any(|w| w == needle)
+/// Whether `event` has a `"usage"` key whose value is an object: only those are worth
+/// parsing (with `include_usage` every chunk carries `"usage": null`).
+fn has_usage_object(event: &[u8]) -> bool {
+    const KEY: &[u8] = b"\"usage\"";
+    let mut rest = event;
+    while let Some(at) = rest.windows(KEY.len()).position(|w| w == KEY) {
+        rest = &rest[at + KEY.len()..];
+        let mut after = rest.iter().filter(|b| !b.is_ascii_whitespace());
+        if after.next() == Some(&b':') && after.next() == Some(&b'{') {
+            return true;
+        }
+    }
+    false
 }
 
 /// The `data:` lines of an event, joined with `\n`.
@@ -77,7 +88,7 @@ impl SseScanner {
 
     /// Whether to forward `event`; notes its usage.
     fn keep(&mut self, event: &[u8]) -> bool {
-        if !contains(event, b"\"usage\"") {
+        if !has_usage_object(event) {
             return true;
         }
         let Ok(chunk) = serde_json::from_slice::<openai::UsageChunk>(&event_data(event)) else {
@@ -280,6 +291,18 @@ mod tests {
             let (out, usage) = run(without.as_bytes(), &[5], true);
             assert_eq!((out.as_str(), usage), (without.as_str(), None));
         }
+    }
+
+    #[test]
+    fn only_events_with_a_usage_object_are_parsed() {
+        assert!(has_usage_object(br#"data: {"usage": {"total_tokens": 1}}"#));
+        assert!(has_usage_object(b"data: {\"choices\":[],\"usage\" :\n{}}"));
+        assert!(has_usage_object(
+            br#"data: {"x": "\"usage\"", "usage":{"total_tokens":1}}"#
+        ));
+        assert!(!has_usage_object(br#"data: {"choices":[{}],"usage":null}"#));
+        assert!(!has_usage_object(br#"data: {"usage""#));
+        assert!(!has_usage_object(b"data: [DONE]"));
     }
 
     #[test]
