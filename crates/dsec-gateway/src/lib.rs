@@ -9,19 +9,39 @@
 //! upstream of its model with the fewest requests in flight, and to the next one when an
 //! upstream cannot be reached.
 //!
+//! Each caller key has its limits ([`limits`]): requests and model tokens per minute,
+//! requests in flight, and the time a request may take. Over a limit the answer is a
+//! 429 in OpenAI's shape with `retry-after` and `retry-after-ms`, which the SDKs wait
+//! out and retry; past its time a request answers 504 (or, once streaming, ends with an
+//! SSE error event). Tokens are charged from the upstream's `usage`; a stream is made to
+//! report it (`stream_options.include_usage`), the extra chunk dropped again ([`sse`]).
+//!
+//! Deterministic requests (`temperature: 0` or a `seed`, not streamed; embeddings) are
+//! answered from a cache when an identical one was answered before, and identical ones
+//! at the same moment share one call upstream ([`cache`]). The `x-dsec-cache` header
+//! says which: `hit`, `miss`, `coalesced` or `bypass`. A hit counts against a key's
+//! requests per minute, not its tokens.
+//!
 //! There is no HTTP server here: `dsec-http::gateway` maps routes onto this, as the
 //! `/v1` API maps onto `SandboxApi`.
 
+pub mod cache;
 pub mod config;
+pub mod limits;
 pub mod openai;
+mod sse;
 mod upstream;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use futures::stream::BoxStream;
+use futures::stream::{BoxStream, StreamExt};
 
-pub use config::{ConfigError, GatewayConfig, ModelConfig, UpstreamConfig};
+use cache::{Answer, Cache, CacheUse, Lookup};
+pub use cache::{CacheConfig, CacheStats};
+pub use config::{ApiKey, ConfigError, GatewayConfig, Limits, ModelConfig, UpstreamConfig};
+use limits::{Admission, CallerLimits, Clock, Limited, Refusal};
 use openai::ErrorKind;
 use upstream::Upstreams;
 
@@ -46,6 +66,17 @@ impl Route {
         }
     }
 }
+
+/// What a caller asked of a request beyond its body.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CallOptions {
+    /// `Cache-Control: no-cache` (or `no-store`): the request neither uses the cache nor
+    /// joins an identical request in flight, and its answer is not stored.
+    pub no_cache: bool,
+}
+
+/// The response header saying how the cache took part.
+pub const CACHE_HEADER: &str = "x-dsec-cache";
 
 /// A body streamed to the caller as it arrives from the upstream.
 pub type ByteStream = BoxStream<'static, Result<Bytes, std::io::Error>>;
@@ -78,19 +109,105 @@ pub struct Reply {
     pub body: ReplyBody,
 }
 
-/// The gateway: configured models, their upstreams, and the keys allowed to call them.
+/// What the gateway has done since it started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GatewayStats {
+    /// Requests refused by a requests-per-minute limit.
+    pub limited_requests: u64,
+    /// Requests refused by a tokens-per-minute limit.
+    pub limited_tokens: u64,
+    /// Requests refused by a concurrency limit.
+    pub limited_concurrency: u64,
+    /// Requests over their time limit (a 504, or a stream ended with an error).
+    pub timed_out: u64,
+    /// The response cache's counters.
+    pub cache: CacheStats,
+}
+
+/// The live counters behind [`GatewayStats`].
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    limited_requests: AtomicU64,
+    limited_tokens: AtomicU64,
+    limited_concurrency: AtomicU64,
+    timed_out: AtomicU64,
+}
+
+impl Counters {
+    fn refused(&self, limit: Limited) {
+        let c = match limit {
+            Limited::Requests => &self.limited_requests,
+            Limited::Tokens => &self.limited_tokens,
+            Limited::Concurrency => &self.limited_concurrency,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn timed_out(&self) {
+        self.timed_out.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> GatewayStats {
+        GatewayStats {
+            limited_requests: self.limited_requests.load(Ordering::Relaxed),
+            limited_tokens: self.limited_tokens.load(Ordering::Relaxed),
+            limited_concurrency: self.limited_concurrency.load(Ordering::Relaxed),
+            timed_out: self.timed_out.load(Ordering::Relaxed),
+            cache: CacheStats::default(),
+        }
+    }
+}
+
+/// A caller key's holder: its name and where it stands against its limits.
+#[derive(Debug)]
+pub(crate) struct Caller {
+    name: String,
+    limits: Arc<CallerLimits>,
+    config: Limits,
+}
+
+/// The gateway: configured models, their upstreams, and the keys allowed to call them
+/// with their limits.
 #[derive(Debug)]
 pub struct Gateway {
     config: GatewayConfig,
     upstreams: Arc<Upstreams>,
+    callers: Vec<Caller>,
+    counters: Arc<Counters>,
+    cache: Arc<Cache>,
 }
 
 impl Gateway {
     /// A gateway over `config` (checked first).
     pub fn new(config: GatewayConfig) -> Result<Self, ConfigError> {
+        Self::with_clock(config, limits::monotonic_clock())
+    }
+
+    /// [`Gateway::new`] with the limits reading `clock`.
+    pub fn with_clock(config: GatewayConfig, clock: Clock) -> Result<Self, ConfigError> {
         config.check()?;
         let upstreams = Arc::new(Upstreams::new(&config)?);
-        Ok(Self { config, upstreams })
+        let callers = config
+            .api_keys
+            .iter()
+            .enumerate()
+            .map(|(i, key)| {
+                let limits = config.limits_of(i);
+                Caller {
+                    name: key.caller_name(),
+                    limits: Arc::new(CallerLimits::new(limits, clock.clone())),
+                    config: limits,
+                }
+            })
+            .collect();
+        let cache = Arc::new(Cache::new(config.cache, clock));
+        Ok(Self {
+            config,
+            upstreams,
+            callers,
+            counters: Arc::default(),
+            cache,
+        })
     }
 
     /// Its configuration.
@@ -98,8 +215,16 @@ impl Gateway {
         &self.config
     }
 
+    /// What it has done since it started.
+    pub fn stats(&self) -> GatewayStats {
+        GatewayStats {
+            cache: self.cache.stats(),
+            ..self.counters.snapshot()
+        }
+    }
+
     /// Checks the caller's bearer key; the error is the answer to give.
-    pub fn authorize(&self, bearer: Option<&str>) -> Result<(), Box<Reply>> {
+    fn caller(&self, bearer: Option<&str>) -> Result<&Caller, Box<Reply>> {
         let Some(key) = bearer else {
             return Err(Box::new(openai::error(
                 401,
@@ -108,23 +233,34 @@ impl Gateway {
                 Some("invalid_api_key"),
             )));
         };
-        if self.config.key_allowed(key) {
-            Ok(())
-        } else {
-            Err(Box::new(openai::error(
+        match self.config.find_key(key).and_then(|i| self.callers.get(i)) {
+            Some(caller) => Ok(caller),
+            None => Err(Box::new(openai::error(
                 401,
                 "the API key is not valid for this gateway",
                 ErrorKind::InvalidRequest,
                 Some("invalid_api_key"),
-            )))
+            ))),
         }
     }
 
+    /// Checks the caller's bearer key; the error is the answer to give.
+    pub fn authorize(&self, bearer: Option<&str>) -> Result<(), Box<Reply>> {
+        self.caller(bearer).map(|_| ())
+    }
+
     /// Answers a request of `route` with JSON `body`, from a caller holding `bearer`.
-    pub async fn handle(&self, bearer: Option<&str>, route: Route, body: Bytes) -> Reply {
-        if let Err(reply) = self.authorize(bearer) {
-            return *reply;
-        }
+    pub async fn handle(
+        &self,
+        bearer: Option<&str>,
+        route: Route,
+        body: Bytes,
+        options: CallOptions,
+    ) -> Reply {
+        let caller = match self.caller(bearer) {
+            Ok(c) => c,
+            Err(reply) => return *reply,
+        };
         let request = match openai::RequestView::parse(&body) {
             Ok(r) => r,
             Err(message) => {
@@ -134,8 +270,140 @@ impl Gateway {
         if !self.config.models.contains_key(&request.model) {
             return openai::model_not_found(&request.model);
         }
+        let mut admission = match caller.limits.admit() {
+            Ok(a) => a,
+            Err(refusal) => {
+                self.counters.refused(refusal.limit);
+                tracing::debug!(caller = %caller.name, limit = ?refusal.limit, wait = ?refusal.retry_after, "over a limit");
+                return refused(caller, refusal);
+            }
+        };
+        admission.add_bytes(body.len());
+        let deadline = caller
+            .limits
+            .timeout()
+            .map(|limit| (tokio::time::Instant::now() + limit, limit));
+        let cacheable = self.cache.config().enabled()
+            && !options.no_cache
+            && cache::eligible(route, &request.body);
+        if !cacheable {
+            self.cache.bypassed();
+            let mut reply = self
+                .pass_through(route, request, body, admission, deadline)
+                .await;
+            reply
+                .headers
+                .push((CACHE_HEADER.into(), CacheUse::Bypass.as_str().into()));
+            return reply;
+        }
+        let key = cache::key(&caller.name, route, &request.model, &request.body);
+        let (mut waiter, used) = match self.cache.lookup(key) {
+            Lookup::Hit(answer) => {
+                admission.forgive();
+                return answer_reply(&answer, CacheUse::Hit);
+            }
+            Lookup::Wait(waiter) => (waiter, CacheUse::Coalesced),
+            Lookup::Lead(leader) => {
+                let upstreams = self.upstreams.clone();
+                let model = request.model.clone();
+                let call =
+                    async move { answer_of(upstreams.forward(&model, route, request, body).await) };
+                (leader.start(call), CacheUse::Miss)
+            }
+        };
+        let answer = match deadline {
+            None => waiter.answer().await,
+            Some((at, limit)) => match tokio::time::timeout_at(at, waiter.answer()).await {
+                Ok(answer) => answer,
+                Err(_) => {
+                    // Dropping the waiter aborts the call if no one else waits on it.
+                    self.counters.timed_out();
+                    return openai::timed_out(limit);
+                }
+            },
+        };
+        let Some(answer) = answer else {
+            admission.forgive();
+            return openai::error(
+                502,
+                "the call upstream ended without an answer",
+                ErrorKind::Api,
+                Some("upstream_error"),
+            );
+        };
+        // The tokens are the leader's to pay; those who waited used none upstream.
+        match (used, answer.usage) {
+            (CacheUse::Miss, Some(tokens)) => admission.record_usage(tokens),
+            (CacheUse::Miss, None) if (200..300).contains(&answer.status) => {
+                admission.add_bytes(answer.body.len());
+            }
+            _ => admission.forgive(),
+        }
+        answer_reply(&answer, used)
+    }
+
+    /// Sends a request upstream without the cache, and meters its answer: tokens
+    /// charged from its usage, a stream passed through [`sse::Metered`].
+    async fn pass_through(
+        &self,
+        route: Route,
+        mut request: openai::RequestView,
+        body: Bytes,
+        mut admission: Admission,
+        deadline: Option<(tokio::time::Instant, std::time::Duration)>,
+    ) -> Reply {
+        // Tokens are charged from the usage a stream reports only when asked to.
+        let strip_usage = route != Route::Embeddings && request.ask_stream_usage();
+        let body = if strip_usage {
+            request.to_bytes()
+        } else {
+            body
+        };
         let model = request.model.clone();
-        self.upstreams.forward(&model, route, request, body).await
+        let forward = self.upstreams.forward(&model, route, request, body);
+        let reply = match deadline {
+            None => forward.await,
+            Some((at, limit)) => match tokio::time::timeout_at(at, forward).await {
+                Ok(reply) => reply,
+                Err(_) => {
+                    // Dropping the forward closed the upstream request; the admission
+                    // charges an estimate of what it cost.
+                    self.counters.timed_out();
+                    return openai::timed_out(limit);
+                }
+            },
+        };
+        let ok = (200..300).contains(&reply.status);
+        let body = match reply.body {
+            ReplyBody::Full(b) => {
+                if !ok {
+                    admission.forgive();
+                } else if let Some(tokens) = openai::usage_tokens(&b) {
+                    admission.record_usage(tokens);
+                } else {
+                    admission.add_bytes(b.len());
+                }
+                ReplyBody::Full(b)
+            }
+            ReplyBody::Stream(s) => {
+                if !ok {
+                    admission.forgive();
+                }
+                let metered = sse::Metered::new(
+                    s,
+                    sse::SseScanner::new(strip_usage),
+                    admission,
+                    deadline,
+                    self.counters.clone(),
+                );
+                ReplyBody::Stream(metered.boxed())
+            }
+        };
+        Reply {
+            status: reply.status,
+            headers: reply.headers,
+            body,
+        }
     }
 
     /// `GET /v1/models`: the public model names.
@@ -158,6 +426,83 @@ impl Gateway {
         }
         openai::json(200, &model_entry(id))
     }
+}
+
+/// An upstream's whole answer as a flight shares it. Flights carry only requests that
+/// do not stream, whose answers come whole.
+fn answer_of(reply: Reply) -> Answer {
+    match reply.body {
+        ReplyBody::Full(body) => Answer {
+            usage: (200..300)
+                .contains(&reply.status)
+                .then(|| openai::usage_tokens(&body))
+                .flatten(),
+            status: reply.status,
+            headers: reply.headers,
+            body,
+        },
+        ReplyBody::Stream(_) => {
+            let error = openai::error(
+                502,
+                "the upstream streamed an answer to a request that did not ask for a stream",
+                ErrorKind::Api,
+                Some("upstream_error"),
+            );
+            let body = match error.body {
+                ReplyBody::Full(b) => b,
+                ReplyBody::Stream(_) => Bytes::new(),
+            };
+            Answer {
+                status: error.status,
+                headers: error.headers,
+                body,
+                usage: None,
+            }
+        }
+    }
+}
+
+/// A shared or stored answer as the caller's, saying how the cache took part.
+fn answer_reply(answer: &Answer, used: CacheUse) -> Reply {
+    let mut headers = answer.headers.clone();
+    headers.push((CACHE_HEADER.into(), used.as_str().into()));
+    Reply {
+        status: answer.status,
+        headers,
+        body: ReplyBody::Full(answer.body.clone()),
+    }
+}
+
+/// The 429 for a caller over one of its limits.
+fn refused(caller: &Caller, refusal: Refusal) -> Reply {
+    let wait = refusal.retry_after.min(openai::MAX_RETRY_AFTER);
+    let (what, limit, kind) = match refusal.limit {
+        Limited::Requests => (
+            "requests per minute (RPM)",
+            caller.config.rpm.map(u64::from),
+            ErrorKind::Requests,
+        ),
+        Limited::Tokens => (
+            "tokens per minute (TPM)",
+            caller.config.tpm,
+            ErrorKind::Tokens,
+        ),
+        Limited::Concurrency => (
+            "requests at once",
+            caller.config.max_concurrency.map(u64::from),
+            ErrorKind::Requests,
+        ),
+    };
+    openai::rate_limited(
+        format!(
+            "rate limit reached for {} on {what}: limit {}. Please try again in {:.3}s.",
+            caller.name,
+            limit.unwrap_or(0),
+            wait.as_secs_f64()
+        ),
+        kind,
+        wait,
+    )
 }
 
 fn model_entry(id: &str) -> serde_json::Value {

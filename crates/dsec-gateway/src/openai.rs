@@ -1,9 +1,14 @@
 //! OpenAI's side of the wire: the few fields of a request the gateway reads (the rest
 //! passes through untouched, so an upstream's extras such as vLLM's `top_k` survive),
 //! and answers in OpenAI's error shape, which the `openai` SDKs raise as their typed
-//! exceptions (`{"error": {"message", "type", "param", "code"}}`).
+//! exceptions (`{"error": {"message", "type", "param", "code"}}`), including the 429s
+//! of the limits with the retry headers the SDKs honour.
+
+use std::time::Duration;
 
 use bytes::Bytes;
+use serde::de::IgnoredAny;
+use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use crate::{Reply, ReplyBody};
@@ -15,6 +20,10 @@ pub enum ErrorKind {
     InvalidRequest,
     /// The gateway or an upstream failed (`api_error`).
     Api,
+    /// Too many requests (`requests`, as OpenAI's own 429s say of their RPM limit).
+    Requests,
+    /// Too many model tokens (`tokens`, as OpenAI's own 429s say of their TPM limit).
+    Tokens,
 }
 
 impl ErrorKind {
@@ -22,8 +31,59 @@ impl ErrorKind {
         match self {
             ErrorKind::InvalidRequest => "invalid_request_error",
             ErrorKind::Api => "api_error",
+            ErrorKind::Requests => "requests",
+            ErrorKind::Tokens => "tokens",
         }
     }
+}
+
+/// The longest wait a 429 asks for: the `openai` SDKs before 2.52 honour `retry-after`
+/// only up to 60 s (and fall back to their own short backoff above it).
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
+
+/// A 429 in OpenAI's shape (`code: rate_limit_exceeded`) asking the caller to come back
+/// after `wait`: `retry-after` in whole seconds (rounded up, at least 1) and
+/// `retry-after-ms`, which the SDKs read first, both at most [`MAX_RETRY_AFTER`].
+pub fn rate_limited(message: impl Into<String>, kind: ErrorKind, wait: Duration) -> Reply {
+    let wait = wait.clamp(Duration::from_millis(1), MAX_RETRY_AFTER);
+    let ms = wait.as_micros().div_ceil(1000);
+    let secs = ms.div_ceil(1000).max(1);
+    let mut reply = error(429, message, kind, Some("rate_limit_exceeded"));
+    reply.headers.push(("retry-after".into(), secs.to_string()));
+    reply
+        .headers
+        .push(("retry-after-ms".into(), ms.to_string()));
+    reply
+}
+
+/// A 504 for a request over its time limit, with `x-should-retry: false`: the SDKs
+/// would retry a 5xx, and the same request would take as long again.
+pub fn timed_out(limit: Duration) -> Reply {
+    let mut reply = error(
+        504,
+        format!(
+            "the request did not finish within its time limit ({} s)",
+            limit.as_secs_f64()
+        ),
+        ErrorKind::Api,
+        Some("timeout"),
+    );
+    reply
+        .headers
+        .push(("x-should-retry".into(), "false".into()));
+    reply
+}
+
+/// An SSE event carrying an error, the way to fail a stream whose 200 has gone out:
+/// the `openai` SDKs raise `APIError` on a `data:` object with an `error` key.
+pub fn stream_error(message: impl Into<String>, kind: ErrorKind, code: &str) -> Bytes {
+    let event = serde_json::json!({"error": {
+        "message": message.into(),
+        "type": kind.as_str(),
+        "param": null,
+        "code": code,
+    }});
+    Bytes::from(format!("data: {event}\n\n"))
 }
 
 /// An answer with JSON body `value`.
@@ -63,6 +123,49 @@ pub fn model_not_found(model: &str) -> Reply {
     )
 }
 
+/// The `usage` of an answer or of a stream's usage chunk.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Usage {
+    /// Prompt and completion tokens.
+    #[serde(default)]
+    pub total_tokens: Option<u64>,
+    /// Prompt tokens.
+    #[serde(default)]
+    pub prompt_tokens: Option<u64>,
+    /// Completion tokens.
+    #[serde(default)]
+    pub completion_tokens: Option<u64>,
+}
+
+impl Usage {
+    /// The tokens it reports: `total_tokens`, else prompt plus completion.
+    pub fn tokens(&self) -> Option<u64> {
+        self.total_tokens
+            .or(match (self.prompt_tokens, self.completion_tokens) {
+                (None, None) => None,
+                (p, c) => Some(p.unwrap_or(0).saturating_add(c.unwrap_or(0))),
+            })
+    }
+}
+
+/// What the gateway reads of an answer or a stream chunk: its usage, and whether it has
+/// choices (the usage-only chunk has `"choices": []`).
+#[derive(Debug, Deserialize)]
+pub(crate) struct UsageChunk {
+    #[serde(default)]
+    pub(crate) usage: Option<Usage>,
+    #[serde(default)]
+    pub(crate) choices: Option<Vec<IgnoredAny>>,
+}
+
+/// The tokens a whole JSON answer's `usage` reports.
+pub fn usage_tokens(body: &[u8]) -> Option<u64> {
+    serde_json::from_slice::<UsageChunk>(body)
+        .ok()?
+        .usage?
+        .tokens()
+}
+
 /// What the gateway reads of a request body.
 #[derive(Debug, Clone)]
 pub struct RequestView {
@@ -99,6 +202,35 @@ impl RequestView {
         })
     }
 
+    /// Makes a streamed request ask for the usage chunk (`stream_options.include_usage`),
+    /// which the limits need to charge tokens. True if it was not asked for, so the
+    /// chunk is the gateway's to drop before the caller sees it.
+    pub fn ask_stream_usage(&mut self) -> bool {
+        if !self.stream {
+            return false;
+        }
+        let options = self
+            .body
+            .entry("stream_options")
+            .or_insert_with(|| Value::Object(Map::new()));
+        if !options.is_object() {
+            *options = Value::Object(Map::new());
+        }
+        let Some(options) = options.as_object_mut() else {
+            return false;
+        };
+        if options.get("include_usage") == Some(&Value::Bool(true)) {
+            return false;
+        }
+        options.insert("include_usage".into(), Value::Bool(true));
+        true
+    }
+
+    /// The body as JSON text.
+    pub fn to_bytes(&self) -> Bytes {
+        Bytes::from(serde_json::to_vec(&self.body).unwrap_or_default())
+    }
+
     /// The body to send an upstream that knows the model as `served` (the original
     /// bytes when the name is the same).
     pub fn body_for(&self, served: Option<&str>, original: &Bytes) -> Bytes {
@@ -117,6 +249,34 @@ impl RequestView {
 mod tests {
     use super::*;
 
+    fn header<'a>(r: &'a Reply, name: &str) -> Option<&'a str> {
+        r.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    #[test]
+    fn a_429_asks_for_a_wait_of_whole_seconds_and_of_ms_at_most_a_minute() {
+        for (wait, secs, ms) in [
+            (Duration::from_millis(500), "1", "500"),
+            (Duration::from_micros(1500), "1", "2"),
+            (Duration::ZERO, "1", "1"),
+            (Duration::from_millis(2001), "3", "2001"),
+            (Duration::from_secs(3600), "60", "60000"),
+        ] {
+            let r = rate_limited("slow down", ErrorKind::Requests, wait);
+            assert_eq!(r.status, 429);
+            assert_eq!(header(&r, "retry-after"), Some(secs), "{wait:?}");
+            assert_eq!(header(&r, "retry-after-ms"), Some(ms), "{wait:?}");
+        }
+        let r = timed_out(Duration::from_secs(2));
+        assert_eq!(
+            (r.status, header(&r, "x-should-retry")),
+            (504, Some("false"))
+        );
+    }
+
     #[test]
     fn a_request_names_its_model_and_whether_it_streams() {
         let r = RequestView::parse(br#"{"model":"m","stream":true,"top_k":3}"#).expect("parse");
@@ -127,6 +287,18 @@ mod tests {
             serde_json::from_slice(&r.body_for(Some("real"), &original)).expect("json");
         assert_eq!(renamed["model"], "real");
         assert_eq!(renamed["top_k"], 3, "extras pass through");
+        let mut r = RequestView::parse(br#"{"model":"m","stream":true}"#).expect("parse");
+        assert!(r.ask_stream_usage(), "asked for by the gateway");
+        assert_eq!(r.body["stream_options"]["include_usage"], true);
+        assert!(!r.ask_stream_usage(), "already asked");
+        let mut r = RequestView::parse(
+            br#"{"model":"m","stream":true,"stream_options":{"include_usage":false}}"#,
+        )
+        .expect("parse");
+        assert!(r.ask_stream_usage());
+        let mut r = RequestView::parse(br#"{"model":"m","stream_options":{"include_usage":true}}"#)
+            .expect("parse");
+        assert!(!r.ask_stream_usage(), "not a stream");
         for bad in [
             &b"nope"[..],
             b"[]",

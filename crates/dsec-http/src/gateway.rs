@@ -3,7 +3,8 @@
 //! chunk) written back. Errors of the transport itself (a body over the limit, an
 //! unknown route, a panic) are answered in OpenAI's error shape too, so the `openai`
 //! SDKs raise their typed exceptions for them. Accepted sockets send small writes at
-//! once (`TCP_NODELAY`): an SSE chunk must not wait for the next.
+//! once (`TCP_NODELAY`): an SSE chunk must not wait for the next. `GET /metrics` (for a
+//! caller with a gateway key) gives the gateway's counters in Prometheus text.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -16,7 +17,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use dsec_gateway::openai::{self, ErrorKind};
-use dsec_gateway::{Gateway, Reply, ReplyBody, Route};
+use dsec_gateway::{CallOptions, Gateway, GatewayStats, Reply, ReplyBody, Route};
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::trace::TraceLayer;
 
@@ -31,6 +32,7 @@ pub fn gateway_router(gateway: Arc<Gateway>) -> Router {
         .route("/v1/embeddings", post(embeddings))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{*id}", get(get_model))
+        .route("/metrics", get(metrics))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
         .layer(middleware::from_fn(openai_errors))
@@ -93,7 +95,24 @@ async fn embeddings(State(gw): Gw, headers: HeaderMap, body: Bytes) -> Response 
 }
 
 async fn forward(gw: &Gateway, headers: &HeaderMap, route: Route, body: Bytes) -> Response {
-    reply(gw.handle(bearer(headers).as_deref(), route, body).await)
+    let options = CallOptions {
+        no_cache: no_cache(headers),
+    };
+    reply(
+        gw.handle(bearer(headers).as_deref(), route, body, options)
+            .await,
+    )
+}
+
+/// Whether the caller opted out of the cache (`Cache-Control: no-cache` or `no-store`).
+fn no_cache(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::CACHE_CONTROL)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|d| d.trim().to_ascii_lowercase())
+        .any(|d| d == "no-cache" || d == "no-store")
 }
 
 async fn list_models(State(gw): Gw, headers: HeaderMap) -> Response {
@@ -102,6 +121,79 @@ async fn list_models(State(gw): Gw, headers: HeaderMap) -> Response {
 
 async fn get_model(State(gw): Gw, headers: HeaderMap, Path(id): Path<String>) -> Response {
     reply(gw.get_model(bearer(&headers).as_deref(), &id))
+}
+
+async fn metrics(State(gw): Gw, headers: HeaderMap) -> Response {
+    if let Err(r) = gw.authorize(bearer(&headers).as_deref()) {
+        return reply(*r);
+    }
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        render_metrics(&gw.stats()),
+    )
+        .into_response()
+}
+
+/// The gateway's counters in the Prometheus text format (version 0.0.4).
+pub fn render_metrics(s: &GatewayStats) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let mut family = |name: &str, kind: &str, help: &str, series: &[(&str, u64)]| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (labels, v) in series {
+            let _ = writeln!(out, "{name}{labels} {v}");
+        }
+    };
+    let c = &s.cache;
+    family(
+        "dsec_gateway_cache_total",
+        "counter",
+        "Requests by how the response cache took part (x-dsec-cache).",
+        &[
+            ("{result=\"hit\"}", c.hits),
+            ("{result=\"miss\"}", c.misses),
+            ("{result=\"coalesced\"}", c.coalesced),
+            ("{result=\"bypass\"}", c.bypassed),
+        ],
+    );
+    family(
+        "dsec_gateway_cache_evictions_total",
+        "counter",
+        "Cached answers removed to make room.",
+        &[("", c.evictions)],
+    );
+    family(
+        "dsec_gateway_cache_entries",
+        "gauge",
+        "Answers in the response cache.",
+        &[("", c.entries)],
+    );
+    family(
+        "dsec_gateway_cache_bytes",
+        "gauge",
+        "Bytes the cached answers take.",
+        &[("", c.bytes)],
+    );
+    family(
+        "dsec_gateway_limited_total",
+        "counter",
+        "Requests refused (429) by a caller key's limit.",
+        &[
+            ("{limit=\"requests\"}", s.limited_requests),
+            ("{limit=\"tokens\"}", s.limited_tokens),
+            ("{limit=\"concurrency\"}", s.limited_concurrency),
+        ],
+    );
+    family(
+        "dsec_gateway_timeouts_total",
+        "counter",
+        "Requests over their time limit (504, or a stream ended with an error event).",
+        &[("", s.timed_out)],
+    );
+    out
 }
 
 async fn not_found() -> Response {

@@ -1,14 +1,16 @@
 //! The model gateway's HTTP front in front of a fake OpenAI-compatible upstream (real
 //! sockets on loopback): every route, streams passed through chunk by chunk, failover
-//! past an upstream that cannot be reached, OpenAI-shaped errors for bad input, and a
-//! caller that goes away mid-stream cutting the upstream request too.
+//! past an upstream that cannot be reached, OpenAI-shaped errors for bad input, a
+//! caller that goes away mid-stream cutting the upstream request too, and the limits of
+//! caller keys (429s with their retry headers, the concurrency cap, time limits), and
+//! the response cache with the coalescing of identical requests.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dsec_gateway::{Gateway, GatewayConfig, ModelConfig, UpstreamConfig};
+use dsec_gateway::{ApiKey, Gateway, GatewayConfig, Limits, ModelConfig, UpstreamConfig};
 use dsec_testkit::openai::FakeOpenAi;
 use futures::StreamExt;
 use serde_json::{json, Value};
@@ -17,6 +19,7 @@ const KEY: &str = "gw-test-key";
 
 struct Setup {
     fake: FakeOpenAi,
+    gateway: Arc<Gateway>,
     base: String,
     client: reqwest::Client,
     _stop: tokio::sync::oneshot::Sender<()>,
@@ -31,6 +34,20 @@ fn upstream(url: String, model: Option<&str>) -> UpstreamConfig {
 }
 
 async fn setup() -> Setup {
+    setup_with(Vec::new()).await
+}
+
+/// A key with `limits`.
+fn limited(key: &str, limits: Limits) -> ApiKey {
+    ApiKey {
+        key: key.into(),
+        name: Some(key.into()),
+        limits,
+    }
+}
+
+/// The gateway with [`KEY`] and `keys`.
+async fn setup_with(keys: Vec<ApiKey>) -> Setup {
     let fake = FakeOpenAi::start(&["real-policy"])
         .await
         .expect("fake upstream");
@@ -54,11 +71,14 @@ async fn setup() -> Setup {
             upstreams: vec![upstream(dead, None), upstream(fake.url(), None)],
         },
     );
+    let mut api_keys = vec![ApiKey::from(KEY)];
+    api_keys.extend(keys);
     let config = GatewayConfig {
-        api_keys: vec![KEY.into()],
+        api_keys,
         models,
         max_body_bytes: 64 * 1024,
         connect_timeout_s: 2.0,
+        ..GatewayConfig::default()
     };
     let gateway = Arc::new(Gateway::new(config).expect("gateway"));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -68,13 +88,14 @@ async fn setup() -> Setup {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(dsec_http::gateway::serve_gateway(
         listener,
-        gateway,
+        gateway.clone(),
         async move {
             let _ = stopped.await;
         },
     ));
     Setup {
         fake,
+        gateway,
         base,
         client: reqwest::Client::new(),
         _stop: stop,
@@ -83,16 +104,59 @@ async fn setup() -> Setup {
 
 impl Setup {
     async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let (status, _, body) = self.post_as(KEY, path, body).await;
+        (status, body)
+    }
+
+    /// Posts `body` with `key`: the status, the headers and the JSON answer.
+    async fn post_as(
+        &self,
+        key: &str,
+        path: &str,
+        body: Value,
+    ) -> (u16, reqwest::header::HeaderMap, Value) {
         let resp = self
             .client
             .post(format!("{}{path}", self.base))
-            .bearer_auth(KEY)
+            .bearer_auth(key)
             .json(&body)
             .send()
             .await
             .expect("send");
         let status = resp.status().as_u16();
-        (status, resp.json().await.expect("json answer"))
+        let headers = resp.headers().clone();
+        (status, headers, resp.json().await.expect("json answer"))
+    }
+
+    /// Posts a streamed chat with `key`: the status and the whole SSE text.
+    async fn stream_as(&self, key: &str, mut body: Value) -> (u16, String) {
+        body["stream"] = json!(true);
+        let resp = self
+            .client
+            .post(format!("{}/chat/completions", self.base))
+            .bearer_auth(key)
+            .json(&body)
+            .send()
+            .await
+            .expect("send");
+        let status = resp.status().as_u16();
+        (status, resp.text().await.expect("the stream"))
+    }
+}
+
+fn header<'a>(headers: &'a reqwest::header::HeaderMap, name: &str) -> &'a str {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+}
+
+/// Waits until `cond` holds, failing after `secs` seconds.
+async fn wait_until(secs: u64, what: &str, cond: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !cond() {
+        assert!(Instant::now() < deadline, "never happened: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -157,9 +221,12 @@ async fn routes_pass_through_with_the_upstreams_name_and_key_kept_here() {
         .collect();
     assert_eq!(ids, ["failover", "policy"]);
 
-    // An upstream that cannot be connected to is skipped.
-    for _ in 0..3 {
-        let (status, r) = s.post("/chat/completions", chat("failover", "x")).await;
+    // An upstream that cannot be connected to is skipped (distinct prompts: none is
+    // answered from the cache).
+    for i in 0..3 {
+        let (status, r) = s
+            .post("/chat/completions", chat("failover", &format!("x{i}")))
+            .await;
         assert_eq!(status, 200, "{r}");
     }
 }
@@ -217,14 +284,10 @@ async fn a_stream_arrives_chunk_by_chunk_and_a_caller_leaving_cuts_the_upstream(
     let mut chunks = resp.bytes_stream();
     chunks.next().await.expect("a first piece").expect("chunk");
     drop(chunks);
-    let deadline = Instant::now() + Duration::from_secs(3);
-    while s.fake.stats.cancelled.load(Ordering::Relaxed) == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the upstream stream was never cut"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(3, "the upstream stream cut", || {
+        s.fake.stats.cancelled.load(Ordering::Relaxed) > 0
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -298,4 +361,369 @@ async fn bad_input_gets_openai_shaped_errors() {
         1,
         "only the last request reached the upstream"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_a_rate_limit_the_answer_is_a_429_with_both_retry_headers() {
+    let s = setup_with(vec![
+        limited(
+            "rpm",
+            Limits {
+                rpm: Some(60),
+                burst: Some(1),
+                ..Limits::default()
+            },
+        ),
+        limited(
+            "tpm",
+            Limits {
+                tpm: Some(10),
+                ..Limits::default()
+            },
+        ),
+    ])
+    .await;
+    let (status, _, r) = s
+        .post_as("rpm", "/chat/completions", chat("policy", "x"))
+        .await;
+    assert_eq!(status, 200, "{r}");
+    let (status, headers, r) = s
+        .post_as("rpm", "/chat/completions", chat("policy", "x"))
+        .await;
+    assert_eq!(status, 429, "{r}");
+    assert_eq!(r["error"]["code"], "rate_limit_exceeded", "{r}");
+    assert_eq!(r["error"]["type"], "requests", "{r}");
+    assert_eq!(header(&headers, "retry-after"), "1");
+    let ms: u64 = header(&headers, "retry-after-ms").parse().expect("ms");
+    assert!((1..=1000).contains(&ms), "one request a second: {ms} ms");
+    // Other keys are not affected.
+    let (status, r) = s.post("/chat/completions", chat("policy", "x")).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(
+        s.fake.stats.total(),
+        2,
+        "a refused request never went upstream"
+    );
+
+    // Tokens are charged after the call, from its usage: this one costs more than the
+    // 10 a minute the key has, so the next waits, and longer than the 60 s a 429 asks.
+    let (status, _, r) = s
+        .post_as(
+            "tpm",
+            "/chat/completions",
+            chat("policy", &"word ".repeat(100)),
+        )
+        .await;
+    assert_eq!(status, 200, "{r}");
+    let (status, headers, r) = s
+        .post_as("tpm", "/chat/completions", chat("policy", "x"))
+        .await;
+    assert_eq!(status, 429, "{r}");
+    assert_eq!(
+        (r["error"]["type"].as_str(), r["error"]["code"].as_str()),
+        (Some("tokens"), Some("rate_limit_exceeded"))
+    );
+    assert_eq!(header(&headers, "retry-after"), "60");
+    assert_eq!(header(&headers, "retry-after-ms"), "60000");
+    let stats = s.gateway.stats();
+    assert_eq!((stats.limited_requests, stats.limited_tokens), (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_is_charged_from_a_usage_chunk_the_caller_never_sees() {
+    let s = setup_with(vec![limited(
+        "tpm",
+        Limits {
+            tpm: Some(10),
+            ..Limits::default()
+        },
+    )])
+    .await;
+    let (status, text) = s
+        .stream_as(
+            "tpm",
+            chat("policy", "one two three four five [fake chunks=3]"),
+        )
+        .await;
+    assert_eq!(status, 200, "{text}");
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    assert!(text.contains("echo"), "{text}");
+    assert!(
+        !text.contains("\"choices\":[]") && !text.contains("\"total_tokens\""),
+        "the usage chunk the gateway asked for is not passed on: {text}"
+    );
+    let (status, _, r) = s
+        .post_as("tpm", "/chat/completions", chat("policy", "x"))
+        .await;
+    assert_eq!(status, 429, "the stream's usage was charged: {r}");
+    assert_eq!(r["error"]["type"], "tokens");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_concurrency_cap_holds_at_the_upstream() {
+    let s = setup_with(vec![limited(
+        "two",
+        Limits {
+            max_concurrency: Some(2),
+            ..Limits::default()
+        },
+    )])
+    .await;
+    let s = Arc::new(s);
+    let mut calls = Vec::new();
+    for i in 0..5 {
+        let s = s.clone();
+        calls.push(tokio::spawn(async move {
+            let body = chat("policy", &format!("call {i} [fake latency_ms=300]"));
+            let mut refused = 0;
+            loop {
+                let (status, headers, r) =
+                    s.post_as("two", "/chat/completions", body.clone()).await;
+                match status {
+                    200 => return refused,
+                    429 => {
+                        assert_eq!(r["error"]["code"], "rate_limit_exceeded", "{r}");
+                        let ms: u64 = header(&headers, "retry-after-ms").parse().expect("ms");
+                        assert!(ms > 0 && !header(&headers, "retry-after").is_empty());
+                        refused += 1;
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                    }
+                    other => panic!("{other}: {r}"),
+                }
+            }
+        }));
+    }
+    let mut refused = 0;
+    for c in calls {
+        refused += c.await.expect("call");
+    }
+    assert_eq!(s.fake.stats.count("/v1/chat/completions"), 5);
+    assert_eq!(
+        s.fake.stats.max_in_flight.load(Ordering::Relaxed),
+        2,
+        "never more than 2 at once at the upstream"
+    );
+    assert!(refused >= 1, "5 at once over a cap of 2");
+    assert_eq!(s.gateway.stats().limited_concurrency, refused);
+    // Every permit came back: two at once still pass.
+    let (a, b) = tokio::join!(
+        s.post_as("two", "/chat/completions", chat("policy", "a")),
+        s.post_as("two", "/chat/completions", chat("policy", "b"))
+    );
+    assert_eq!((a.0, b.0), (200, 200));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_over_its_time_limit_answers_504_or_ends_its_stream_with_an_error() {
+    let s = setup_with(vec![limited(
+        "quick",
+        Limits {
+            timeout_s: Some(0.5),
+            max_concurrency: Some(1),
+            ..Limits::default()
+        },
+    )])
+    .await;
+    let start = Instant::now();
+    let (status, headers, r) = s
+        .post_as(
+            "quick",
+            "/chat/completions",
+            chat("policy", "[fake latency_ms=10000]"),
+        )
+        .await;
+    assert_eq!(status, 504, "{r}");
+    assert_eq!(r["error"]["code"], "timeout", "{r}");
+    assert_eq!(header(&headers, "x-should-retry"), "false");
+    assert!(
+        start.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        start.elapsed()
+    );
+
+    // Once streaming, the stream ends with an SSE error event (no [DONE]), and the
+    // upstream's stream is cut.
+    let (status, text) = s
+        .stream_as(
+            "quick",
+            chat("policy", "slow [fake chunks=50 chunk_ms=100]"),
+        )
+        .await;
+    assert_eq!(status, 200, "{text}");
+    let last = text.trim_end().rsplit("\n\n").next().unwrap_or_default();
+    assert!(last.starts_with("data: {\"error\""), "{text}");
+    assert!(last.contains("\"code\":\"timeout\""), "{text}");
+    assert!(!text.contains("[DONE]"), "{text}");
+    wait_until(3, "the upstream stream cut", || {
+        s.fake.stats.cancelled.load(Ordering::Relaxed) > 0
+    })
+    .await;
+    assert_eq!(s.gateway.stats().timed_out, 2);
+    // The permit of each came back (max_concurrency 1).
+    let (status, _, r) = s
+        .post_as("quick", "/chat/completions", chat("policy", "x"))
+        .await;
+    assert_eq!(status, 200, "{r}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deterministic_requests_are_cached_and_identical_ones_share_one_call() {
+    let s = setup_with(vec![
+        limited("other", Limits::default()),
+        limited(
+            "tpm30",
+            Limits {
+                tpm: Some(30),
+                ..Limits::default()
+            },
+        ),
+        limited(
+            "rpm2",
+            Limits {
+                rpm: Some(2),
+                ..Limits::default()
+            },
+        ),
+    ])
+    .await;
+    let chats = || s.fake.stats.count("/v1/chat/completions");
+    let ask = |key: &'static str, body: Value| {
+        let s = &s;
+        async move {
+            let (status, headers, r) = s.post_as(key, "/chat/completions", body).await;
+            assert_eq!(status, 200, "{r}");
+            (header(&headers, "x-dsec-cache").to_string(), r)
+        }
+    };
+    let (used, first) = ask(KEY, chat("policy", "cache me")).await;
+    assert_eq!((used.as_str(), chats()), ("miss", 1));
+    // The same request, its fields in another order, with `user` and `stream: false`.
+    let same = json!({"stream": false, "user": "u", "temperature": 0.0,
+        "messages": [{"content": "cache me", "role": "user"}], "model": "policy"});
+    let (used, second) = ask(KEY, same).await;
+    assert_eq!((used.as_str(), chats()), ("hit", 1));
+    assert_eq!(first, second);
+    // Opted out, not deterministic, streamed, or another caller: upstream.
+    let resp = s
+        .client
+        .post(format!("{}/chat/completions", s.base))
+        .bearer_auth(KEY)
+        .header("cache-control", "no-cache")
+        .json(&chat("policy", "cache me"))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(header(resp.headers(), "x-dsec-cache"), "bypass");
+    assert_eq!(chats(), 2);
+    let mut warm = chat("policy", "cache me");
+    warm["temperature"] = json!(0.7);
+    assert_eq!(ask(KEY, warm).await.0, "bypass");
+    let (status, text) = s.stream_as(KEY, chat("policy", "cache me")).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(ask("other", chat("policy", "cache me")).await.0, "miss");
+    assert_eq!(chats(), 5);
+    // Embeddings are deterministic: cached too.
+    let emb = json!({"model": "policy", "input": ["a"], "encoding_format": "float"});
+    let (s1, h1, e1) = s.post_as(KEY, "/embeddings", emb.clone()).await;
+    let (s2, h2, e2) = s.post_as(KEY, "/embeddings", emb).await;
+    assert_eq!((s1, s2), (200, 200));
+    assert_eq!(
+        (header(&h1, "x-dsec-cache"), header(&h2, "x-dsec-cache")),
+        ("miss", "hit")
+    );
+    assert_eq!(e1, e2);
+    assert_eq!(s.fake.stats.count("/v1/embeddings"), 1);
+
+    // A hit costs no tokens: a key with 30 a minute asks a 5-token answer once, then
+    // ten times from the cache, and is still not in debt.
+    assert_eq!(ask("tpm30", chat("policy", "cache me")).await.0, "miss");
+    for _ in 0..10 {
+        assert_eq!(ask("tpm30", chat("policy", "cache me")).await.0, "hit");
+    }
+    assert_eq!(ask("tpm30", chat("policy", "fresh")).await.0, "miss");
+
+    // A hit counts against the requests per minute.
+    assert_eq!(ask("rpm2", chat("policy", "r")).await.0, "miss");
+    assert_eq!(ask("rpm2", chat("policy", "r")).await.0, "hit");
+    let (status, _, r) = s
+        .post_as("rpm2", "/chat/completions", chat("policy", "r"))
+        .await;
+    assert_eq!(status, 429, "{r}");
+
+    // Ten identical requests at once: one call upstream.
+    let before = chats();
+    let slow = chat("policy", "together [fake latency_ms=500]");
+    let answers = futures::future::join_all((0..10).map(|_| ask(KEY, slow.clone()))).await;
+    assert_eq!(chats(), before + 1);
+    let kinds: Vec<&str> = answers.iter().map(|(u, _)| u.as_str()).collect();
+    assert_eq!(
+        kinds.iter().filter(|k| **k == "miss").count(),
+        1,
+        "{kinds:?}"
+    );
+    assert!(
+        kinds
+            .iter()
+            .all(|k| matches!(*k, "miss" | "coalesced" | "hit")),
+        "{kinds:?}"
+    );
+    assert!(answers.iter().all(|(_, r)| *r == answers[0].1));
+
+    let metrics = s
+        .client
+        .get(format!("{}/metrics", s.base.trim_end_matches("/v1")))
+        .bearer_auth(KEY)
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    let stats = s.gateway.stats().cache;
+    assert!(stats.hits >= 3 && stats.misses >= 4, "{stats:?}");
+    assert!(
+        metrics.contains(&format!(
+            "dsec_gateway_cache_total{{result=\"hit\"}} {}",
+            stats.hits
+        )),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_call_ends_when_every_caller_waiting_on_it_has_gone() {
+    let s = setup().await;
+    let body = chat("policy", "abandoned [fake latency_ms=30000]");
+    let send = || {
+        let req = s
+            .client
+            .post(format!("{}/chat/completions", s.base))
+            .bearer_auth(KEY)
+            .json(&body);
+        tokio::spawn(async move { req.send().await })
+    };
+    let (a, b) = (send(), send());
+    wait_until(5, "one call upstream, both requests on it", || {
+        let c = s.gateway.stats().cache;
+        c.misses == 1 && c.coalesced == 1 && s.fake.stats.in_flight.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    // The first caller leaves: the call goes on for the second.
+    a.abort();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(s.fake.stats.in_flight.load(Ordering::Relaxed), 1);
+    // The second leaves too: the call upstream is closed.
+    b.abort();
+    wait_until(5, "the upstream call closed", || {
+        s.fake.stats.in_flight.load(Ordering::Relaxed) == 0
+    })
+    .await;
+    assert_eq!(s.fake.stats.count("/v1/chat/completions"), 1, "one call");
+    // The flight is gone: the same request now starts a call of its own.
+    let c = send();
+    wait_until(5, "a second call upstream", || {
+        s.fake.stats.count("/v1/chat/completions") == 2
+    })
+    .await;
+    c.abort();
 }

@@ -6,7 +6,7 @@
 //! Routes: `POST /v1/chat/completions` (whole or streamed as SSE, with the usage chunk
 //! when `stream_options.include_usage`), `POST /v1/completions`, `POST /v1/embeddings`
 //! (floats, or base64 little-endian f32 as the `openai` SDK asks by default),
-//! `GET /v1/models`, and `GET /_fake/stats`.
+//! `GET /v1/models`, `GET /_fake/stats` and `POST /_fake/reset` (counters back to zero).
 //!
 //! A prompt may carry directives, `[fake latency_ms=300 chunks=5 chunk_ms=20 fail=503]`:
 //! wait before answering, split a stream into that many chunks with a pause between
@@ -60,6 +60,17 @@ impl FakeStats {
         self.requests.lock().map(|r| r.values().sum()).unwrap_or(0)
     }
 
+    /// Sets the counters back to zero (the high-water mark to what is in flight now).
+    pub fn reset(&self) {
+        if let Ok(mut r) = self.requests.lock() {
+            r.clear();
+        }
+        self.max_in_flight
+            .store(self.in_flight.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.cancelled.store(0, Ordering::Relaxed);
+        self.completed.store(0, Ordering::Relaxed);
+    }
+
     fn snapshot(&self) -> Value {
         let requests = self.requests.lock().map(|r| r.clone()).unwrap_or_default();
         json!({
@@ -108,6 +119,7 @@ impl FakeOpenAi {
             .route("/v1/embeddings", post(embeddings))
             .route("/v1/models", get(list_models))
             .route("/_fake/stats", get(stats_route))
+            .route("/_fake/reset", post(reset_route))
             .with_state(state);
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
@@ -400,5 +412,10 @@ async fn list_models(State(f): State<Fake>) -> Response {
 }
 
 async fn stats_route(State(f): State<Fake>) -> Response {
+    Json(f.stats.snapshot()).into_response()
+}
+
+async fn reset_route(State(f): State<Fake>) -> Response {
+    f.stats.reset();
     Json(f.stats.snapshot()).into_response()
 }
