@@ -90,6 +90,10 @@ def _server_env() -> Dict[str, str]:
     return env
 
 
+# Calls with a request id the test server's sandboxes keep (`--max-recorded-calls`).
+MAX_RECORDED_CALLS = 300
+
+
 @pytest.fixture(scope="session")
 def server() -> Iterator[Server]:
     if os.geteuid() != 0:
@@ -115,6 +119,9 @@ def server() -> Iterator[Server]:
             "--cgroup-parent", "dsec-py",
             # A loopback "registry" where nothing listens (port 1): the pull error test.
             "--allow-registry", "127.0.0.1:1",
+            # A small record of calls per sandbox: the test of a full one stays quick
+            # (no other test records this many calls in one sandbox).
+            "--max-recorded-calls", str(MAX_RECORDED_CALLS),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,

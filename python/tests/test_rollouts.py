@@ -124,3 +124,24 @@ def test_the_async_sdk_passes_request_ids(client: dsec.Client) -> None:
                     assert (await s.run(cmd, request_id="a-3")).output == "2\n"
 
     asyncio.run(go())
+
+
+def test_a_full_record_of_calls_makes_the_sdk_send_its_calls_without_ids(sandbox: dsec.Sandbox) -> None:
+    from conftest import MAX_RECORDED_CALLS
+
+    for _ in range(MAX_RECORDED_CALLS):
+        sandbox.exec("true")
+    assert len(sandbox.calls()) == MAX_RECORDED_CALLS
+    # The next call's SDK-made id is refused: it runs without one, as do later calls.
+    assert sandbox.exec("echo past the record").stdout == "past the record\n"
+    out = "".join(ev.data for ev in sandbox.exec_stream("echo streamed") if isinstance(ev, dsec.StdoutEvent))
+    assert out == "streamed\n"
+    sandbox.write("/root/w", b"written")
+    assert sandbox.exec("cat /root/w").stdout == "written"
+    assert len(sandbox.calls()) == MAX_RECORDED_CALLS
+    # A caller's own id cannot fall back: it is told.
+    with pytest.raises(dsec.NoSpace, match="without a request id"):
+        sandbox.exec("true", request_id="mine")
+    # Retries of recorded calls still get their outcomes.
+    first = sandbox.calls()[0]
+    assert sandbox.exec("true", request_id=first.request_id).exit_code == 0

@@ -313,6 +313,12 @@ pub struct ServeArgs {
     /// Most sandboxes on this node (0: no count limit).
     #[arg(long, default_value_t = 0)]
     pub max_sandboxes: usize,
+    /// Calls with a request id a sandbox's record keeps (each a few hundred bytes of the
+    /// node's memory while the sandbox lives); beyond them new request ids are refused
+    /// with `no_space` (the Python SDK then sends its calls without one).
+    #[arg(long, default_value_t = dsec_wire::v1::MAX_CALLS_PER_SANDBOX as u64,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_recorded_calls: u64,
     /// Disks of the default size kept formatted and mounted for fast creates (deleted
     /// sandboxes' lightly used disks refill it, up to twice this many).
     #[arg(long, default_value_t = 32)]

@@ -171,6 +171,7 @@ async fn open_node(args: &ServeArgs, command: &str) -> anyhow::Result<Arc<LocalN
         lazy_prefetch_window: Duration::from_secs(args.prefetch_window_s),
         lazy_launcher: None,
         reap_interval: dsec_node::config::DEFAULT_REAP_INTERVAL,
+        max_recorded_calls: usize::try_from(args.max_recorded_calls).unwrap_or(usize::MAX),
         registry: dsec_registry::RegistryConfig {
             credentials: match &args.registry_auth {
                 Some(path) => dsec_registry::Credentials::load(path)?,

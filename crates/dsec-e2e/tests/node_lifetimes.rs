@@ -51,6 +51,7 @@ fn config() -> NodeConfig {
         ref_ttl: Duration::from_secs(1),
         lazy_launcher: None,
         reap_interval: Duration::from_millis(100),
+        max_recorded_calls: dsec_wire::v1::MAX_CALLS_PER_SANDBOX,
         registry: Default::default(),
     }
 }

@@ -248,10 +248,32 @@ async fn a_call_survives_a_kill_9_of_the_server_and_its_retry_runs_nothing() {
         .create_sandbox(CreateSandboxRequest::default())
         .await
         .expect("create");
-    // One call ended before the crash, one is in flight when it comes.
+    // One call ended before the crash, one is in flight when it comes, and an upload is
+    // still arriving.
     c.exec(&sb.id, with_id("echo before", "pre"))
         .await
         .expect("pre");
+    let (uc, uid) = (c.clone(), sb.id.clone());
+    let upload = tokio::spawn(async move {
+        let body =
+            futures::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from_static(b"half"))])
+                .chain(futures::stream::pending());
+        let body = dsec_client::UploadBody::from_stream(body);
+        uc.write_file_recorded(&uid, "/root/u", None, body, Some("up-1"))
+            .await
+    });
+    let arriving = dsec_e2e::wait_until(Duration::from_secs(20), || {
+        let (c, id) = (c.clone(), sb.id.clone());
+        async move {
+            let log = c.call_log(&id, &CallLogQuery::default()).await.ok()?;
+            log.calls
+                .iter()
+                .any(|r| r.request_id == "up-1" && r.state == CallState::Running)
+                .then_some(())
+        }
+    })
+    .await;
+    assert!(arriving.is_some(), "the upload is on its way");
     call_and_die(
         &c,
         &sb.id,
@@ -260,6 +282,10 @@ async fn a_call_survives_a_kill_9_of_the_server_and_its_retry_runs_nothing() {
     )
     .await;
     s.kill();
+    assert!(
+        upload.await.expect("join").is_err(),
+        "the upload died with the server"
+    );
     s.spawn().await.expect("restart");
     let c = s.client();
     let r = c
@@ -268,6 +294,16 @@ async fn a_call_survives_a_kill_9_of_the_server_and_its_retry_runs_nothing() {
         .expect("retry after the restart");
     assert_eq!((r.stdout.as_str(), r.exit.exit_code), ("done\n", Some(0)));
     assert_eq!(lines_of_f(&c, &sb.id).await, "done\n", "ran once");
+    // The upload wrote nothing: its retry writes, once.
+    assert_eq!(contents(&c, &sb.id, "/root/u").await, "");
+    for _ in 0..2 {
+        let w = c
+            .write_file_recorded(&sb.id, "/root/u", None, "whole", Some("up-1"))
+            .await
+            .expect("retry of the upload");
+        assert_eq!(w.bytes, 5);
+    }
+    assert_eq!(contents(&c, &sb.id, "/root/u").await, "whole");
     let r = c
         .exec(&sb.id, with_id("echo before", "pre"))
         .await
@@ -278,7 +314,7 @@ async fn a_call_survives_a_kill_9_of_the_server_and_its_retry_runs_nothing() {
         .await
         .expect("log");
     let ids: Vec<_> = log.calls.iter().map(|c| c.request_id.as_str()).collect();
-    assert_eq!(ids, ["pre", "in-flight"]);
+    assert_eq!(ids, ["pre", "in-flight", "up-1"]);
     assert!(log.calls.iter().all(|c| c.state == CallState::Done));
     c.delete_sandbox(&sb.id).await.expect("delete");
     let e = c

@@ -13,7 +13,9 @@
 //! The node loads every record when it opens and drives each call still running to its
 //! end again (the agent kept the command under its request id:
 //! [`Request::ExecKept`](dsec_wire::agent::Request::ExecKept)). A record goes with its
-//! sandbox. Bounds: [`MAX_CALLS_PER_SANDBOX`] calls (more are refused) and
+//! sandbox. Bounds: the node's `max_recorded_calls` calls (default
+//! [`MAX_CALLS_PER_SANDBOX`](dsec_wire::v1::MAX_CALLS_PER_SANDBOX); more are refused,
+//! `no_space`) and
 //! [`MAX_CALL_OUTPUT_BYTES`] of output (the oldest calls' is dropped first, and says so).
 //!
 //! Request ids are the node's to check across sandboxes too: an id one sandbox used is
@@ -31,7 +33,7 @@ use tokio::sync::watch;
 use dsec_wire::agent::{ExitInfo, Reply};
 use dsec_wire::v1::{
     CallLog, CallLogQuery, CallRecord, CallState, ExecResult, CALL_LOG_MAX_PAGE, CALL_LOG_PAGE,
-    MAX_CALLS_PER_SANDBOX, MAX_CALL_OUTPUT_BYTES,
+    MAX_CALL_OUTPUT_BYTES,
 };
 use dsec_wire::{ApiError, ErrorCode};
 
@@ -138,6 +140,8 @@ impl SandboxCalls {
 pub(crate) struct CallJournal {
     root: PathBuf,
     inner: Mutex<Inner>,
+    /// Calls a sandbox's record keeps.
+    max_calls: usize,
 }
 
 /// A call that was running when the node stopped: to be driven to its end again.
@@ -226,6 +230,7 @@ impl CallJournal {
     pub(crate) fn open(
         state_dir: &Path,
         keep: &HashSet<String>,
+        max_calls: usize,
     ) -> Result<(Self, Vec<Pending>), NodeError> {
         let root = state_dir.join(CALLS_DIR);
         std::fs::create_dir_all(&root).map_err(NodeError::io("mkdir", &root))?;
@@ -263,6 +268,7 @@ impl CallJournal {
             Self {
                 root,
                 inner: Mutex::new(inner),
+                max_calls,
             },
             pending,
         ))
@@ -398,12 +404,13 @@ impl CallJournal {
                 ended: slot.ended.subscribe(),
             });
         }
-        if calls.slots.len() >= MAX_CALLS_PER_SANDBOX {
+        if calls.slots.len() >= self.max_calls {
             return Err(ApiError::new(
-                ErrorCode::BadRequest,
+                ErrorCode::NoSpace,
                 format!(
-                    "sandbox {sandbox} has recorded {MAX_CALLS_PER_SANDBOX} calls, its limit: \
-                     send further calls without a request id"
+                    "sandbox {sandbox} has recorded {} calls, as many as its record keeps: \
+                     send further calls without a request id",
+                    self.max_calls
                 ),
             ));
         }
@@ -788,6 +795,25 @@ fn read_output(dir: &Path, seq: u64, stream: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use dsec_wire::v1::MAX_CALLS_PER_SANDBOX;
+
+    #[test]
+    fn a_full_record_refuses_new_ids_with_no_space_and_still_answers_retries() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let (j, _) = CallJournal::open(tmp.path(), &HashSet::new(), 2).expect("open");
+        for rid in ["a", "b"] {
+            let Begin::New(t) = begin(&j, "sb", rid, rid).expect("begin") else {
+                panic!("new");
+            };
+            j.end(&t, &Ok(exec_result("", 0)));
+        }
+        let e = begin(&j, "sb", "c", "c").expect_err("full");
+        assert_eq!(e.code, ErrorCode::NoSpace);
+        assert!(e.message.contains("without a request id"), "{}", e.message);
+        assert!(matches!(begin(&j, "sb", "a", "a"), Ok(Begin::Known { .. })));
+        // Another sandbox has a record of its own.
+        assert!(matches!(begin(&j, "sb2", "c", "c"), Ok(Begin::New(_))));
+    }
 
     fn exec_result(out: &str, code: i32) -> ExecResult {
         ExecResult {
@@ -817,7 +843,7 @@ mod tests {
     fn the_log_orders_calls_as_they_started_and_an_unlogged_call_leaves_nothing() {
         let tmp = tempfile::tempdir().expect("tempdir");
         let keep: HashSet<String> = ["sb".to_string()].into();
-        let (j, _) = CallJournal::open(tmp.path(), &keep).expect("open");
+        let (j, _) = CallJournal::open(tmp.path(), &keep, MAX_CALLS_PER_SANDBOX).expect("open");
         let new = |rid: &str| match j.begin("sb", rid, "exec", rid.into(), serde_json::json!({}), 0)
         {
             Ok(Begin::New(t)) => t,
@@ -841,7 +867,8 @@ mod tests {
             .collect();
         assert_eq!(ids, [(1, "b"), (2, "a"), (3, "c")]);
         drop(j);
-        let (_j, pending) = CallJournal::open(tmp.path(), &keep).expect("reopen");
+        let (_j, pending) =
+            CallJournal::open(tmp.path(), &keep, MAX_CALLS_PER_SANDBOX).expect("reopen");
         let running: Vec<_> = pending
             .iter()
             .map(|p| p.start.request_id.as_str())
@@ -853,7 +880,8 @@ mod tests {
     fn a_retry_finds_the_call_and_a_reopened_journal_keeps_it() {
         let tmp = tempfile::tempdir().expect("tempdir");
         let keep: HashSet<String> = ["sb-1".to_string()].into();
-        let (j, pending) = CallJournal::open(tmp.path(), &keep).expect("open");
+        let (j, pending) =
+            CallJournal::open(tmp.path(), &keep, MAX_CALLS_PER_SANDBOX).expect("open");
         assert!(pending.is_empty());
         let Begin::New(t) = begin(&j, "sb-1", "r1", "d1").expect("begin") else {
             panic!("a new call");
@@ -880,7 +908,8 @@ mod tests {
         let mut f = OpenOptions::new().append(true).open(&log).expect("log");
         f.write_all(b"{\"line\":\"end\",\"se").expect("write");
         drop(f);
-        let (j, pending) = CallJournal::open(tmp.path(), &keep).expect("reopen");
+        let (j, pending) =
+            CallJournal::open(tmp.path(), &keep, MAX_CALLS_PER_SANDBOX).expect("reopen");
         assert_eq!(pending.len(), 1);
         assert_eq!(pending[0].start.request_id, "r2");
         let Begin::Known { ended, .. } = begin(&j, "sb-1", "r1", "d1").expect("retry") else {
@@ -914,7 +943,8 @@ mod tests {
         j.forget("sb-1");
         assert!(matches!(begin(&j, "sb-2", "r1", "d1"), Ok(Begin::New(_))));
         drop(j);
-        let (_j, pending) = CallJournal::open(tmp.path(), &HashSet::new()).expect("reopen");
+        let (_j, pending) =
+            CallJournal::open(tmp.path(), &HashSet::new(), MAX_CALLS_PER_SANDBOX).expect("reopen");
         assert!(pending.is_empty());
         assert!(!tmp.path().join(CALLS_DIR).join("sb-2").exists());
     }
@@ -922,7 +952,8 @@ mod tests {
     #[test]
     fn an_abandoned_call_runs_again_on_retry() {
         let tmp = tempfile::tempdir().expect("tempdir");
-        let (j, _) = CallJournal::open(tmp.path(), &HashSet::new()).expect("open");
+        let (j, _) =
+            CallJournal::open(tmp.path(), &HashSet::new(), MAX_CALLS_PER_SANDBOX).expect("open");
         let Begin::New(t) = begin(&j, "sb", "r", "d").expect("begin") else {
             panic!("new");
         };
@@ -934,7 +965,7 @@ mod tests {
     fn an_upload_keeps_its_answer_and_body_digest_across_a_reopen() {
         let tmp = tempfile::tempdir().expect("tempdir");
         let keep: HashSet<String> = ["sb".to_string()].into();
-        let (j, _) = CallJournal::open(tmp.path(), &keep).expect("open");
+        let (j, _) = CallJournal::open(tmp.path(), &keep, MAX_CALLS_PER_SANDBOX).expect("open");
         let Begin::New(mut t) = j
             .begin(
                 "sb",
@@ -951,7 +982,8 @@ mod tests {
         j.started(&mut t).expect("started");
         j.end_upload(&t, &Reply::Written { bytes: 5 }, "abc".into());
         drop(j);
-        let (j, pending) = CallJournal::open(tmp.path(), &keep).expect("reopen");
+        let (j, pending) =
+            CallJournal::open(tmp.path(), &keep, MAX_CALLS_PER_SANDBOX).expect("reopen");
         assert!(pending.is_empty());
         let Begin::Known { ended, .. } = j
             .begin(

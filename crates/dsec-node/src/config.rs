@@ -69,6 +69,10 @@ pub struct NodeConfig {
     pub reap_interval: std::time::Duration,
     /// How the node pulls from OCI registries (credentials, limits).
     pub registry: dsec_registry::RegistryConfig,
+    /// Calls a sandbox's record keeps (calls with a request id); beyond them new ids are
+    /// refused (`no_space`) and calls without one still run. Each costs the node a few
+    /// hundred bytes of memory while its sandbox lives.
+    pub max_recorded_calls: usize,
 }
 
 /// The default [`NodeConfig::reap_interval`].

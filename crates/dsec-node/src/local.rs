@@ -166,7 +166,8 @@ impl LocalNode {
         let lifetimes = Arc::new(Lifetimes::open(&cfg, table.keys())?);
         let mut kept: HashSet<String> = table.keys().cloned().collect();
         kept.extend(lifetimes.stubs().into_iter().map(|s| s.id));
-        let (journal, pending) = crate::calls::CallJournal::open(&cfg.state_dir, &kept)?;
+        let (journal, pending) =
+            crate::calls::CallJournal::open(&cfg.state_dir, &kept, cfg.max_recorded_calls)?;
         let node = Arc::new_cyclic(|me| Self {
             journal: Arc::new(journal),
             me: me.clone(),

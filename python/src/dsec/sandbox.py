@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import uuid
-from typing import IO, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import IO, Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 from .client import Client, _seg, default_client
-from .errors import ConnectionFailed, Expired, NotFound
+from .errors import ConnectionFailed, DsecError, Expired, NoSpace, NotFound
 from .models import (
     CallLog,
     CallRecord,
@@ -164,6 +164,15 @@ def network_body(network: Any) -> Dict[str, Any]:
     return {"mode": "allowlist", "allow": [str(a) for a in network]}
 
 
+T = TypeVar("T")
+
+
+def _record_full(e: DsecError) -> bool:
+    """Whether ``e`` is the sandbox refusing a new request id because its record of calls
+    is full (65,536 calls): calls without an id still run."""
+    return isinstance(e, NoSpace) and "without a request id" in str(e)
+
+
 class Sandbox:
     """One sandbox. Make one with :meth:`Sandbox.create` (or attach with :meth:`Sandbox.connect`).
 
@@ -176,6 +185,8 @@ class Sandbox:
     def __init__(self, client: Client, info: SandboxInfo) -> None:
         self.client = client
         self.info = info
+        # The sandbox recorded as many calls as it keeps: default ids stop.
+        self._record_full = False
 
     # ------------------------------------------------------------ lifecycle
 
@@ -341,10 +352,25 @@ class Sandbox:
         return body
 
     def _request_id(self, request_id: Optional[str]) -> Optional[str]:
-        if request_id is None and self.client.record_calls:
+        if request_id is None and self.client.record_calls and not self._record_full:
             # Unique, and never another sandbox's: ids name one call on one sandbox.
             return f"{self.id}.{uuid.uuid4().hex}"
         return request_id
+
+    def _recorded(self, request_id: Optional[str], send: Callable[[Optional[str]], T], resendable: bool = True) -> T:
+        """``send(rid)`` with the call's request id (``request_id``, else a fresh one unless
+        recording is off), sent again after a lost connection when that is safe. A
+        sandbox whose record of calls is full refuses new ids: a call whose id this SDK
+        made then goes without one, as do the sandbox's later calls; a call given an id
+        by its caller raises :class:`NoSpace`."""
+        rid = self._request_id(request_id)
+        try:
+            return self.client.retried(lambda: send(rid), rid is not None and resendable)
+        except NoSpace as e:
+            if request_id is not None or rid is None or not resendable or not _record_full(e):
+                raise
+            self._record_full = True
+            return send(None)
 
     def exec(
         self,
@@ -377,14 +403,12 @@ class Sandbox:
         A non-zero exit is not an exception: check ``result.exit_code`` / ``result.ok``.
         """
         body = self._exec_body(cmd, env, cwd, stdin, timeout, output_limit, user)
-        rid = self._request_id(request_id)
-        if rid is not None:
-            body["request_id"] = rid
-        data = self.client.retried(
-            lambda: self.client._json(
-                "POST", f"{self._base}/exec", json_body=body, timeout=Client._exec_timeout(timeout)
+        data = self._recorded(
+            request_id,
+            lambda rid: self.client._json(
+                "POST", f"{self._base}/exec", json_body=_with_id(body, "request_id", rid),
+                timeout=Client._exec_timeout(timeout),
             ),
-            rid is not None,
         )
         return ExecResult.model_validate(data)
 
@@ -410,12 +434,15 @@ class Sandbox:
         rid = self._request_id(request_id)
         if rid is None:
             return self.client.stream_events(f"{self._base}/exec/stream", body, timeout)
-        body["request_id"] = rid
-        return self._attached_stream(body, timeout)
+        return self._attached_stream(body, rid, timeout, own_id=request_id is None)
 
-    def _attached_stream(self, body: Dict[str, Any], timeout: Optional[float]) -> Iterator[Any]:
+    def _attached_stream(
+        self, plain: Dict[str, Any], rid: str, timeout: Optional[float], own_id: bool
+    ) -> Iterator[Any]:
         """Events of a recorded exec, attaching again after a lost connection and skipping
-        what was yielded before (a retry streams from the command's first byte)."""
+        what was yielded before (a retry streams from the command's first byte). A
+        sandbox whose record is full runs it without the id when this SDK made it."""
+        body = {**plain, "request_id": rid}
         seen = {"stdout": 0, "stderr": 0}
         started = False
         attempt = 0
@@ -438,6 +465,12 @@ class Sandbox:
                             continue
                         started = True
                     yield ev
+                return
+            except NoSpace as e:
+                if not own_id or started or not _record_full(e):
+                    raise
+                self._record_full = True
+                yield from self.client.stream_events(f"{self._base}/exec/stream", plain, timeout)
                 return
             except ConnectionFailed:
                 if attempt >= self.client.call_retries:
@@ -572,11 +605,11 @@ class Sandbox:
         :meth:`process` and read from any offset.
         """
         body = process_body(cmd, env, cwd, pty, tag, timeout, user)
-        rid = self._request_id(request_id)
-        if rid is not None:
-            body["request_id"] = rid
-        data = self.client.retried(
-            lambda: self.client._json("POST", f"{self._base}/processes", json_body=body), rid is not None
+        data = self._recorded(
+            request_id,
+            lambda rid: self.client._json(
+                "POST", f"{self._base}/processes", json_body=_with_id(body, "request_id", rid)
+            ),
         )
         return Process(self, ProcessInfo.model_validate(data))
 
@@ -603,15 +636,12 @@ class Sandbox:
         data = tar_directory(local_dir)
         self.mkdir(remote_dir)
         params = {"path": remote_dir}
-        rid = self._request_id(request_id)
-        if rid is not None:
-            params["request_id"] = rid
-        self.client.retried(
-            lambda: self.client.request(
-                "PUT", f"{self._base}/files/tar", params=params, content=data,
+        self._recorded(
+            request_id,
+            lambda rid: self.client.request(
+                "PUT", f"{self._base}/files/tar", params=_with_id(params, "request_id", rid), content=data,
                 headers={"content-type": "application/x-tar"}, timeout=None,
             ),
-            rid is not None,
         )
         return len(data)
 
@@ -663,19 +693,18 @@ class Sandbox:
         params: Dict[str, str] = {"path": path}
         if mode is not None:
             params["mode"] = f"0o{mode:o}"
-        rid = self._request_id(request_id)
-        if rid is not None:
-            params["request_id"] = rid
-        data_json = self.client.retried(
-            lambda: self.client._json(
+        data_json = self._recorded(
+            request_id,
+            lambda rid: self.client._json(
                 "PUT",
                 f"{self._base}/files",
-                params=params,
+                params=_with_id(params, "request_id", rid),
                 content=content,
                 headers={"content-type": "application/octet-stream"},
                 timeout=None,
             ),
-            rid is not None and isinstance(content, bytes),
+            # A streamed body is gone once sent.
+            resendable=isinstance(content, bytes),
         )
         return WriteResult.model_validate(data_json).bytes
 
@@ -744,13 +773,13 @@ class Session:
         body: Dict[str, Any] = {"command": command}
         if timeout is not None:
             body["timeout_s"] = float(timeout)
-        rid = self.sandbox._request_id(request_id)
-        if rid is not None:
-            body["request_id"] = rid
         client = self.sandbox.client
-        data = client.retried(
-            lambda: client._json("POST", f"{self._base}/run", json_body=body, timeout=Client._exec_timeout(timeout)),
-            rid is not None,
+        data = self.sandbox._recorded(
+            request_id,
+            lambda rid: client._json(
+                "POST", f"{self._base}/run", json_body=_with_id(body, "request_id", rid),
+                timeout=Client._exec_timeout(timeout),
+            ),
         )
         return SessionResult.model_validate(data)
 
@@ -843,3 +872,8 @@ class Process:
 
     def __repr__(self) -> str:
         return f"dsec.Process(pid={self.pid}, sandbox={self.sandbox.id!r})"
+
+
+def _with_id(fields: Dict[str, Any], name: str, rid: Optional[str]) -> Dict[str, Any]:
+    """``fields`` with ``name`` set to ``rid`` (a copy), or as they are without one."""
+    return fields if rid is None else {**fields, name: rid}

@@ -19,8 +19,8 @@ pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
 /// Longest request id, in bytes.
 pub const MAX_REQUEST_ID_BYTES: usize = 256;
 
-/// Calls recorded per sandbox; a call with a new request id beyond them is refused
-/// (`bad_request`), calls without one still run.
+/// Calls recorded per sandbox by default (a node's `--max-recorded-calls`); a call with a
+/// new request id beyond them is refused (`no_space`), calls without one still run.
 pub const MAX_CALLS_PER_SANDBOX: usize = 65_536;
 
 /// Kept output of a sandbox's recorded calls, in bytes; beyond it the oldest calls'
