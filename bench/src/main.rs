@@ -25,6 +25,7 @@ mod cluster;
 mod control;
 mod files;
 mod fncall;
+mod gateway;
 mod images;
 mod lifecycle;
 mod network;
@@ -58,7 +59,8 @@ struct Args {
     /// multi-layer pull from a local docker-registry, serial vs parallel layer downloads;
     /// no server), cluster (a real 3-node cluster on this machine vs dsec serve; needs
     /// etcd), images (cold pull of a ~500 MB image to the first command and a Dockerfile
-    /// build, cold and cached, vs podman; needs podman, docker-registry and skopeo).
+    /// build, cold and cached, vs podman; needs podman, docker-registry and skopeo),
+    /// gateway (the model gateway's added latency over a fake upstream; no server).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Containers in the burst section (default 256, quick 48).
@@ -1359,7 +1361,7 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let n = args.iterations.unwrap_or(if args.quick { 10 } else { 40 });
     // Sections that need no server (nor root): run first; alone, they are the whole run.
-    const SIMULATED: [&str; 3] = ["placement", "control-plane", "registry-pull"];
+    const SIMULATED: [&str; 4] = ["placement", "control-plane", "registry-pull", "gateway"];
     if args.only.is_empty() || args.only.iter().any(|o| o == "placement") {
         placement::section(args.quick);
     }
@@ -1368,6 +1370,9 @@ fn main() -> anyhow::Result<()> {
     }
     if args.only.is_empty() || args.only.iter().any(|o| o == "registry-pull") {
         pull::section(args.quick)?;
+    }
+    if args.only.is_empty() || args.only.iter().any(|o| o == "gateway") {
+        gateway::section(args.quick)?;
     }
     if !args.only.is_empty() && args.only.iter().all(|o| SIMULATED.contains(&o.as_str())) {
         return write_json(&args, n).map(drop);
