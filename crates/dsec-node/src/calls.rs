@@ -386,9 +386,7 @@ impl CallJournal {
                 },
             );
         }
-        let Inner {
-            sandboxes, owners, ..
-        } = &mut *inner;
+        let Inner { sandboxes, owners } = &mut *inner;
         let Some(calls) = sandboxes.get_mut(sandbox) else {
             return Err(ApiError::new(ErrorCode::Internal, "call record vanished"));
         };
@@ -471,9 +469,7 @@ impl CallJournal {
     /// waits on it sees it end with `error`.
     pub(crate) fn abandon(&self, ticket: &Ticket, error: &ApiError) {
         let mut inner = self.lock();
-        let Inner {
-            sandboxes, owners, ..
-        } = &mut *inner;
+        let Inner { sandboxes, owners } = &mut *inner;
         let Some(calls) = sandboxes.get_mut(&ticket.sandbox) else {
             return;
         };
