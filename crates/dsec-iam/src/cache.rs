@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::key::Hash;
 use crate::model::{KeyInfo, Tenant, KEYS_NS, TENANTS_NS};
+use crate::model_tokens::{self, CachedToken, MODEL_TOKENS_NS};
 
 /// A key record as stored: its public fields and the SHA-256 of its secret (hex).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -33,6 +34,7 @@ pub(crate) struct CachedKey {
 pub(crate) enum Kind {
     Tenants = 0,
     Keys = 1,
+    ModelTokens = 2,
 }
 
 impl Kind {
@@ -40,6 +42,7 @@ impl Kind {
         match self {
             Kind::Tenants => TENANTS_NS,
             Kind::Keys => KEYS_NS,
+            Kind::ModelTokens => MODEL_TOKENS_NS,
         }
     }
 }
@@ -50,9 +53,10 @@ impl Kind {
 pub(crate) struct Cache {
     pub tenants: HashMap<String, (Tenant, Revision)>,
     pub keys: HashMap<String, (CachedKey, Revision)>,
-    /// Since when each namespace's watch has been down (tenants, keys); `None` while
-    /// it is following.
-    pub broken_since: [Option<std::time::Instant>; 2],
+    pub model_tokens: HashMap<String, (CachedToken, Revision)>,
+    /// Since when each namespace's watch has been down (tenants, keys, model tokens);
+    /// `None` while it is following.
+    pub broken_since: [Option<std::time::Instant>; 3],
 }
 
 pub(crate) fn decode_key(value: &[u8]) -> Result<CachedKey, String> {
@@ -76,7 +80,7 @@ impl Cache {
         }
     }
 
-    /// How long the cache has not been following the store (the longest of the two).
+    /// How long the cache has not been following the store (the longest of them).
     pub fn stale_for(&self) -> Option<Duration> {
         self.broken_since
             .iter()
@@ -103,6 +107,13 @@ impl Cache {
                     self.keys.remove(&e.key);
                 }
             },
+            Kind::ModelTokens => match model_tokens::decode(&e.value) {
+                Ok(t) => upsert(&mut self.model_tokens, &e.key, t, e.rev),
+                Err(err) => {
+                    tracing::warn!(token_id = %e.key, error = %err, "undecodable model token");
+                    self.model_tokens.remove(&e.key);
+                }
+            },
         }
     }
 
@@ -110,6 +121,7 @@ impl Cache {
         match kind {
             Kind::Tenants => drop(self.tenants.remove(key)),
             Kind::Keys => drop(self.keys.remove(key)),
+            Kind::ModelTokens => drop(self.model_tokens.remove(key)),
         }
     }
 
@@ -118,6 +130,7 @@ impl Cache {
         match kind {
             Kind::Tenants => self.tenants.retain(|_, (_, r)| *r > rev),
             Kind::Keys => self.keys.retain(|_, (_, r)| *r > rev),
+            Kind::ModelTokens => self.model_tokens.retain(|_, (_, r)| *r > rev),
         }
         for e in entries {
             self.put(kind, e);

@@ -25,6 +25,11 @@ pub(crate) fn sha256(bytes: &[u8]) -> Hash {
 
 /// A fresh key: `(key_id, whole key, hash of its secret)`.
 pub(crate) fn generate() -> (String, String, Hash) {
+    generate_with(KEY_PREFIX)
+}
+
+/// A fresh secret of the key shape under `prefix` (API keys, model gateway tokens).
+pub(crate) fn generate_with(prefix: &str) -> (String, String, Hash) {
     let mut rng = rand::rngs::OsRng;
     let mut id_bytes = [0u8; KEY_ID_LEN];
     rng.fill_bytes(&mut id_bytes);
@@ -36,11 +41,7 @@ pub(crate) fn generate() -> (String, String, Hash) {
     rng.fill_bytes(&mut secret);
     let secret = hex::encode(secret);
     let hash = sha256(secret.as_bytes());
-    (
-        key_id.clone(),
-        format!("{KEY_PREFIX}{key_id}_{secret}"),
-        hash,
-    )
+    (key_id.clone(), format!("{prefix}{key_id}_{secret}"), hash)
 }
 
 /// Whether `id` has the shape of a key id.
@@ -50,7 +51,12 @@ pub fn valid_key_id(id: &str) -> bool {
 
 /// Splits a presented key into its id and secret; `None` if it is not shaped like one.
 pub(crate) fn parse(key: &str) -> Option<(&str, &str)> {
-    let (id, secret) = key.strip_prefix(KEY_PREFIX)?.split_once('_')?;
+    parse_with(KEY_PREFIX, key)
+}
+
+/// [`parse`] of a secret under `prefix`.
+pub(crate) fn parse_with<'k>(prefix: &str, key: &'k str) -> Option<(&'k str, &'k str)> {
+    let (id, secret) = key.strip_prefix(prefix)?.split_once('_')?;
     let secret_ok =
         secret.len() == 2 * SECRET_BYTES && secret.bytes().all(|b| b.is_ascii_hexdigit());
     (valid_key_id(id) && secret_ok).then_some((id, secret))

@@ -19,6 +19,10 @@
 //!   by compare-and-swap on its revision, so replicas never admit more than the quota.
 //!   [`Iam::reserve`] returns the check and put ([`QuotaTxn`]) for the caller to commit in
 //!   the same [`dsec_state::Txn`] as its sandbox record: a create costs no extra write.
+//! - **Model gateway tokens** ([`model_tokens`]): `dsgw_<id>_<secret>`, one per sandbox
+//!   created with `model_access`, its record (namespace [`MODEL_TOKENS_NS`]) written and
+//!   deleted with the sandbox's; [`Iam::authenticate_model_token`] checks one from memory,
+//!   as keys are.
 //!
 //! Authorization is the caller's: [`required_scope`] says what an HTTP call needs,
 //! [`Principal::require`] checks it, and [`Principal::is_cluster_admin`] /
@@ -30,6 +34,7 @@ mod cache;
 mod error;
 pub mod key;
 mod model;
+pub mod model_tokens;
 mod quota;
 
 use std::sync::{Arc, RwLock};
@@ -44,6 +49,7 @@ pub use model::{
     required_scope, validate_tenant_name, KeyInfo, NewKey, Principal, QuotaKind, Quotas, Scope,
     Tenant, Usage, BOOTSTRAP_KEY_ID, DEFAULT_TENANT, KEYS_NS, MAX_KEY_NAME, TENANTS_NS, USAGE_NS,
 };
+pub use model_tokens::{MintedToken, ModelGrant, ModelTokenRecord, MODEL_TOKENS_NS};
 pub use quota::QuotaTxn;
 
 /// The wall clock IAM reads, in unix milliseconds (replaceable in tests).
@@ -177,7 +183,7 @@ impl Iam {
     ) -> Result<Self, IamError> {
         let cache: SharedCache = Arc::new(RwLock::new(Cache::default()));
         let mut followers = Vec::new();
-        for kind in [Kind::Tenants, Kind::Keys] {
+        for kind in [Kind::Tenants, Kind::Keys, Kind::ModelTokens] {
             let rev = cache::relist(&*store, &cache, kind).await?;
             followers.push(tokio::spawn(cache::follow(
                 store.clone(),
@@ -249,6 +255,69 @@ impl Iam {
             key_id: k.info.key_id.clone(),
             scopes: k.info.scopes.clone(),
         })
+    }
+
+    /// Who presents model gateway token `token`, from memory:
+    /// [`IamError::Unauthenticated`] if it is malformed, unknown (its sandbox is gone) or
+    /// wrong, or its tenant is unknown; [`IamError::TenantDisabled`] if its tenant is
+    /// disabled; `Store(Unavailable)` if the cache has not followed the store for over
+    /// [`IamConfig::max_stale`].
+    pub fn authenticate_model_token(&self, token: &str) -> Result<ModelGrant, IamError> {
+        let (id, secret) = model_tokens::parse(token).ok_or(IamError::Unauthenticated)?;
+        let hash = key::sha256(secret.as_bytes());
+        let c = cache::read(&self.cache);
+        if let (Some(max), Some(stale)) = (self.max_stale, c.stale_for()) {
+            if stale > max {
+                return Err(IamError::Store(StateError::Unavailable(format!(
+                    "model tokens cannot be checked: the state store has been unreachable for {} s",
+                    stale.as_secs()
+                ))));
+            }
+        }
+        let (t, _) = c.model_tokens.get(id).ok_or(IamError::Unauthenticated)?;
+        if !key::ct_eq(&hash, &t.hash) {
+            return Err(IamError::Unauthenticated);
+        }
+        let r = &t.record;
+        match c.tenants.get(&r.tenant) {
+            Some((tenant, _)) if tenant.disabled => {
+                return Err(IamError::TenantDisabled(tenant.name.clone()));
+            }
+            Some(_) => {}
+            None if r.tenant == DEFAULT_TENANT => {}
+            None => return Err(IamError::Unauthenticated),
+        }
+        Ok(ModelGrant {
+            token_id: r.token_id.clone(),
+            tenant: r.tenant.clone(),
+            sandbox: r.sandbox.clone(),
+            access: r.access.clone(),
+        })
+    }
+
+    /// A fresh model gateway token for `sandbox` of `tenant`, and the store operation
+    /// that writes its record (to go in the transaction that stores the sandbox).
+    pub fn mint_model_token(
+        &self,
+        tenant: &str,
+        sandbox: &str,
+        access: dsec_wire::v1::ModelAccess,
+    ) -> (MintedToken, Op) {
+        let minted = model_tokens::mint(tenant, sandbox, access, self.now());
+        let op = put_op(
+            MODEL_TOKENS_NS,
+            &minted.record.token_id,
+            encode(&minted.record),
+        );
+        (minted, op)
+    }
+
+    /// The store operation that deletes token `token_id` (with its sandbox).
+    pub fn delete_model_token_op(token_id: &str) -> Op {
+        Op::Delete {
+            ns: MODEL_TOKENS_NS.into(),
+            key: token_id.into(),
+        }
     }
 
     /// A tenant as this replica's cache knows it (the implicit `default` included).

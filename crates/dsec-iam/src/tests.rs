@@ -131,3 +131,73 @@ fn older_news_never_replaces_newer() {
     );
     assert!(c.keys.is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_token_works_once_stored_and_stops_when_deleted_on_every_replica() {
+    let store: Arc<dyn StateStore> = Arc::new(MemStore::new());
+    let minter = Iam::new(store.clone(), None).await.expect("iam");
+    let gateway = Iam::new(store.clone(), None).await.expect("iam");
+    minter
+        .create_tenant("t", Quotas::default())
+        .await
+        .expect("tenant");
+    let access = dsec_wire::v1::ModelAccess {
+        models: vec!["policy".into()],
+        budget_tokens: Some(1000),
+        ..Default::default()
+    };
+    let (minted, op) = minter.mint_model_token("t", "sb-1", access.clone());
+    // Not stored yet: refused.
+    assert!(matches!(
+        gateway.authenticate_model_token(&minted.token),
+        Err(IamError::Unauthenticated)
+    ));
+    store
+        .txn(Txn {
+            checks: vec![],
+            ops: vec![op],
+        })
+        .await
+        .expect("store the token");
+    eventually("the token arrives at the other replica", || {
+        gateway.authenticate_model_token(&minted.token).is_ok()
+    })
+    .await;
+    let grant = gateway
+        .authenticate_model_token(&minted.token)
+        .expect("grant");
+    assert_eq!(
+        (grant.tenant.as_str(), grant.sandbox.as_str(), &grant.access),
+        ("t", "sb-1", &access)
+    );
+    // A wrong secret, an API key, garbage: refused.
+    let wrong = format!("{}0", &minted.token[..minted.token.len() - 1]);
+    for bad in [wrong.as_str(), "dsec_abc", "", "dsgw_"] {
+        assert!(gateway.authenticate_model_token(bad).is_err(), "{bad:?}");
+    }
+    // A disabled tenant's tokens stop.
+    minter.set_disabled("t", true).await.expect("disable");
+    eventually("disabled", || {
+        matches!(
+            gateway.authenticate_model_token(&minted.token),
+            Err(IamError::TenantDisabled(_))
+        )
+    })
+    .await;
+    minter.set_disabled("t", false).await.expect("enable");
+    // Deleted with its sandbox: refused everywhere.
+    store
+        .txn(Txn {
+            checks: vec![],
+            ops: vec![Iam::delete_model_token_op(&minted.record.token_id)],
+        })
+        .await
+        .expect("delete");
+    eventually("the deletion arrives", || {
+        matches!(
+            gateway.authenticate_model_token(&minted.token),
+            Err(IamError::Unauthenticated)
+        )
+    })
+    .await;
+}

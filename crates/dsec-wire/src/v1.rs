@@ -15,10 +15,12 @@ use crate::error::ApiError;
 mod batches;
 mod calls;
 mod fncall;
+mod models;
 mod pools;
 pub use batches::*;
 pub use calls::*;
 pub use fncall::*;
+pub use models::*;
 pub use pools::*;
 
 /// Header that carries the API key (`Authorization: Bearer KEY` is accepted too).
@@ -349,6 +351,10 @@ pub struct CreateSandboxRequest {
     /// which priority.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue: Option<QueueOptions>,
+    /// Models the sandbox may call through the model gateway (see [`ModelAccess`]): a
+    /// token of its own and the gateway's URL in its environment.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_access: Option<ModelAccess>,
 }
 
 /// Priority of a create or call that waits for capacity.

@@ -28,6 +28,15 @@ impl ControlPlane {
         req: CreateSandboxRequest,
     ) -> ApiResult<Sandbox> {
         let tenant = tenant.to_string();
+        if let Some(access) = &req.model_access {
+            access.validate()?;
+            // Work in progress (#30): tokens are minted by dsec-iam, the control plane
+            // does not hand them out yet. Refused rather than ignored.
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                "model_access is not available on this server yet",
+            ));
+        }
         if req.pool.is_some() {
             return self
                 .to_end(move |me| async move { me.claim_to_end(&tenant, req).await })
