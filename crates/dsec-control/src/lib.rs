@@ -17,4 +17,4 @@ mod validate;
 
 pub use api::{ApiResult, ByteStream, EventStream, ImportStream, Principal, SandboxApi, Scope};
 pub use nodes::{FleetNodes, NodeSet, SingleNode};
-pub use plane::{ControlConfig, ControlPlane};
+pub use plane::{ControlConfig, ControlPlane, ModelGatewayLink};

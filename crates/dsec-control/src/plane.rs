@@ -86,6 +86,20 @@ pub struct ControlConfig {
     /// Where batches keep their inputs, outputs and error snapshots; without one,
     /// batches are refused. Replicas must share it.
     pub batch_store: Option<Arc<dyn dsec_blob::BlobStore>>,
+    /// The model gateway sandboxes created with `model_access` call; without one, such
+    /// creates are refused.
+    pub model_gateway: Option<ModelGatewayLink>,
+}
+
+/// How sandboxes reach the model gateway (issue #30).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelGatewayLink {
+    /// The URL put in a sandbox's `OPENAI_BASE_URL`, as the sandbox reaches the gateway
+    /// (the node redirects it there): it ends in `/v1`.
+    pub base_url: String,
+    /// The gateway's public model names: a create asking for another is refused. Empty:
+    /// not checked here (the gateway answers `model_not_found` for unknown ones).
+    pub models: Vec<String>,
 }
 
 impl ControlConfig {
@@ -102,6 +116,7 @@ impl ControlConfig {
             reap_interval: Duration::from_secs(1),
             job_suspend_stops_lifetime: true,
             batch_store: None,
+            model_gateway: None,
         }
     }
 }

@@ -298,6 +298,11 @@ impl FakeNode {
         ids
     }
 
+    /// The spec sandbox `id` was created with (`None` if the node does not run it).
+    pub fn spec_of(&self, id: &str) -> Option<NodeCreateSpec> {
+        self.state().sandboxes.get(id).map(|s| s.spec.clone())
+    }
+
     /// What the node's sandboxes request in all, as its heartbeat reports it: CPU
     /// (millicores), memory (bytes) and the number of sandboxes.
     pub fn requested(&self) -> (u64, u64, u64) {
@@ -1582,6 +1587,7 @@ pub fn sandbox_spec(id: &str) -> NodeCreateSpec {
         isolation: Default::default(),
         labels: Default::default(),
         lifetime: Default::default(),
+        model_link: false,
     }
 }
 

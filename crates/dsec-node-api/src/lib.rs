@@ -87,6 +87,10 @@ pub struct NodeCreateSpec {
     /// How long it may live; the node ends it when this runs out (default: no limit).
     #[serde(default)]
     pub lifetime: Lifetime,
+    /// Whether its network reaches the model gateway (it was created with
+    /// `model_access`): the gateway's address answers it whatever its policy.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub model_link: bool,
 }
 
 /// A sandbox as the node knows it.

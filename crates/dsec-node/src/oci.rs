@@ -206,6 +206,7 @@ mod tests {
             user: None,
             labels: Default::default(),
             lifetime: Default::default(),
+            model_link: false,
         };
         let c = bundle_config(
             &spec,

@@ -569,6 +569,13 @@ pub struct Sandbox {
     /// Its isolation level.
     #[serde(default)]
     pub isolation: Isolation,
+    /// What it may call through the model gateway, when created with `model_access`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_access: Option<ModelAccess>,
+    /// The public id of its model gateway token (the token itself is only in its
+    /// environment, `OPENAI_API_KEY`); the token is deleted with the sandbox.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_token_id: Option<String>,
 }
 
 /// One step of an image build.

@@ -77,6 +77,8 @@ impl ControlPlane {
             auto_resume: sb.auto_resume,
             qos: sb.qos,
             user: req.user.clone().or(launch.user),
+            // Each fork gets a token of its own.
+            model_access: sb.model_access.clone(),
             ..CreateSandboxRequest::default()
         };
         let made: Vec<ApiResult<Sandbox>> = futures::stream::iter(0..req.count)

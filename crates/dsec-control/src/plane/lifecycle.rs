@@ -28,13 +28,12 @@ impl ControlPlane {
         req: CreateSandboxRequest,
     ) -> ApiResult<Sandbox> {
         let tenant = tenant.to_string();
-        if let Some(access) = &req.model_access {
-            access.validate()?;
-            // Work in progress (#30): tokens are minted by dsec-iam, the control plane
-            // does not hand them out yet. Refused rather than ignored.
+        if req.pool.is_some() && req.model_access.is_some() {
+            // A pool member's environment is fixed when the member is made.
             return Err(ApiError::new(
                 ErrorCode::BadRequest,
-                "model_access is not available on this server yet",
+                "model_access cannot be given to a pool claim: a warm sandbox's environment \
+                 is made with it",
             ));
         }
         if req.pool.is_some() {
@@ -177,6 +176,7 @@ impl ControlPlane {
     ) -> ApiResult<Sandbox> {
         let req = validate::flatten_environment(req)?;
         validate::create(&req)?;
+        let gateway_url = self.check_model_access(&req)?;
         let now = now_ms();
         let id = new_id();
         let image = req
@@ -249,6 +249,8 @@ impl ControlPlane {
             ip: None,
             filesystem: req.filesystem.clone(),
             isolation: req.isolation,
+            model_access: None,
+            model_token_id: None,
         };
         let mut env = BTreeMap::from([
             (
@@ -262,6 +264,23 @@ impl ControlPlane {
         ]);
         env.extend(config.env);
         env.extend(req.env.clone());
+        // Its own model gateway token, stored with its record and deleted with it; the
+        // caller's env cannot replace it (checked above).
+        let model_token = match (&req.model_access, gateway_url) {
+            (Some(access), Some(url)) => {
+                let (minted, op) = self.iam.mint_model_token(tenant, &id, access.clone());
+                env.insert(OPENAI_BASE_URL_ENV.into(), url);
+                env.insert(OPENAI_API_KEY_ENV.into(), minted.token);
+                sb.model_access = Some(access.clone());
+                sb.model_token_id = Some(minted.record.token_id);
+                Some(op)
+            }
+            _ => None,
+        };
+        let stored = records::Extras {
+            launch: launch_of(&req),
+            model_token,
+        };
         let workdir = req
             .workdir
             .clone()
@@ -296,6 +315,7 @@ impl ControlPlane {
                 idle_timeout_ms: req.idle_timeout_s.map(|s| s.saturating_mul(1000)),
                 held: false,
             },
+            model_link: sb.model_token_id.is_some(),
         };
         let claim = req.idempotency_key.as_deref().map(|key| {
             (
@@ -335,13 +355,16 @@ impl ControlPlane {
                 }
             }
             (Some(_), false) => {
-                if let Some(found) = self.insert_keyed(&sb, &claim, charge, &req).await? {
+                if let Some(found) = self
+                    .insert_keyed(&sb, &claim, charge, &req, &stored)
+                    .await?
+                {
                     return Ok(found);
                 }
             }
             (None, false) => self
                 .records
-                .insert(&sb, None, charge, &launch_of(&req))
+                .insert(&sb, None, charge, &stored)
                 .await
                 .map_err(records::InsertError::into_api)?,
             (None, true) => {}
@@ -392,7 +415,9 @@ impl ControlPlane {
         sb.ip = created.ip.map(|ip| ip.to_string());
         sb.state = SandboxState::Ready;
         if deferred {
-            return self.store_created(sb, &claim, charge, &req, placed).await;
+            return self
+                .store_created(sb, &claim, charge, &req, &stored, placed)
+                .await;
         }
         // Ready in this replica's cache for the calls below; stored once they are done.
         self.records.cache_only(&sb);
@@ -443,13 +468,10 @@ impl ControlPlane {
         claim: &Option<(&str, records::IdemEntry)>,
         charge: dsec_iam::Usage,
         req: &CreateSandboxRequest,
+        stored: &records::Extras,
     ) -> ApiResult<Option<Sandbox>> {
         for _ in 0..=MAX_TAKEOVERS {
-            match self
-                .records
-                .insert(sb, claim.clone(), charge, &launch_of(req))
-                .await
-            {
+            match self.records.insert(sb, claim.clone(), charge, stored).await {
                 Ok(()) => return Ok(None),
                 Err(records::InsertError::KeyTaken(first)) => {
                     if let Some(found) = self.first_attempt(&first, req).await? {
@@ -472,13 +494,14 @@ impl ControlPlane {
         claim: &Option<(&str, records::IdemEntry)>,
         charge: dsec_iam::Usage,
         req: &CreateSandboxRequest,
+        stored: &records::Extras,
         placed: crate::nodes::Placed,
     ) -> ApiResult<Sandbox> {
         let mut answer = Err(key_contended(req));
         for _ in 0..=MAX_TAKEOVERS {
             match self
                 .records
-                .insert(&sb, claim.clone(), charge, &launch_of(req))
+                .insert(&sb, claim.clone(), charge, stored)
                 .await
             {
                 Ok(()) => {
@@ -749,6 +772,64 @@ pub(super) fn node_lifetime(sb: &Sandbox, now: u64, held: bool) -> dsec_node_api
 }
 
 /// What a create asks for that its record does not show, kept for its forks.
+impl ControlPlane {
+    /// Checks a create's `model_access` against the server's model gateway: the URL to
+    /// give the sandbox when it has some.
+    fn check_model_access(&self, req: &CreateSandboxRequest) -> ApiResult<Option<String>> {
+        let Some(access) = &req.model_access else {
+            return Ok(None);
+        };
+        access.validate()?;
+        let bad = |m: String| Err(ApiError::new(ErrorCode::BadRequest, m));
+        let Some(gateway) = &self.cfg.model_gateway else {
+            return bad(
+                "model_access: this server has no model gateway (start it with \
+                 --gateway-config)"
+                    .into(),
+            );
+        };
+        if let Some(m) = access
+            .models
+            .iter()
+            .find(|m| !gateway.models.is_empty() && !gateway.models.contains(m))
+        {
+            return bad(format!(
+                "model_access: the model gateway serves no model {m:?} (it serves {})",
+                gateway.models.join(", ")
+            ));
+        }
+        for name in [OPENAI_BASE_URL_ENV, OPENAI_API_KEY_ENV] {
+            if req.env.contains_key(name) {
+                return bad(format!(
+                    "env sets {name}, which model_access sets to the sandbox's own gateway \
+                     token and URL: leave it out"
+                ));
+            }
+        }
+        if let Some(ports) = &req.filesystem.tcp_connect {
+            let port = gateway_port(&gateway.base_url);
+            if !ports.contains(&port) {
+                return bad(format!(
+                    "filesystem.tcp_connect leaves out port {port}, which the sandbox \
+                     needs to reach the model gateway ({})",
+                    gateway.base_url
+                ));
+            }
+        }
+        Ok(Some(gateway.base_url.clone()))
+    }
+}
+
+/// The TCP port of a gateway URL (`http://host[:port]/...`).
+fn gateway_port(url: &str) -> u16 {
+    let https = url.starts_with("https://");
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let host = rest.split('/').next().unwrap_or(rest);
+    host.rsplit_once(':')
+        .and_then(|(_, p)| p.parse().ok())
+        .unwrap_or(if https { 443 } else { 80 })
+}
+
 fn launch_of(req: &CreateSandboxRequest) -> records::Launch {
     records::Launch {
         env: req.env.clone(),

@@ -80,6 +80,15 @@ impl Launch {
     }
 }
 
+/// What a create stores beside its record, in the same transaction.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Extras {
+    /// What its create asked for that the record does not show.
+    pub launch: Launch,
+    /// The write of its model gateway token's record (deleted with it).
+    pub model_token: Option<Op>,
+}
+
 /// Why a removed sandbox is gone (`expired` answers name it).
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub(super) struct Tombstone {
@@ -725,8 +734,9 @@ impl Records {
         sb: &Sandbox,
         key: Option<(&str, IdemEntry)>,
         charge: Usage,
-        launch: &Launch,
+        extras: &Extras,
     ) -> Result<(), InsertError> {
+        let launch = &extras.launch;
         // A tenant without quotas (as this replica's cache has it: a quota set elsewhere
         // a moment ago may be missed for that moment) is not charged: its creates neither
         // queue on the usage lock nor contend for the usage record across replicas, so a
@@ -752,6 +762,9 @@ impl Records {
                 value: serde_json::to_vec(launch).map_err(|e| InsertError::Store(internal(e)))?,
                 lease: None,
             });
+        }
+        if let Some(op) = &extras.model_token {
+            base.ops.push(op.clone());
         }
         // A record stored `creating` is claimed while its create runs (one stored `ready`
         // is made already).
@@ -997,6 +1010,9 @@ impl Records {
             ns: NS_LAUNCH.into(),
             key: sb.id.clone(),
         }];
+        if let Some(token) = &sb.model_token_id {
+            leftovers.push(dsec_iam::Iam::delete_model_token_op(token));
+        }
         if self.lease.is_some() {
             leftovers.push(Op::Delete {
                 ns: NS_CREATING.into(),
