@@ -190,6 +190,8 @@ async fn open_node(args: &ServeArgs, command: &str) -> anyhow::Result<Arc<LocalN
             dns_port: args.dns_port,
             upstream: args.dns_upstream,
             pool_size: args.net_pool,
+            // The gateway subcommand wires this (#30).
+            model_gateway: None,
         }),
     };
     LocalNode::open(node_cfg)

@@ -7,6 +7,10 @@
 //! only takes one and writes its policy. The node's filtering resolver ([`dns`]) turns
 //! allowed names into admitted addresses.
 //!
+//! A sandbox with model access (slot option [`SlotOptions::model_link`]) may also call
+//! the node's model gateway ([`NetConfig::model_gateway`]) at a fixed virtual address,
+//! whatever its policy; in mode `none` it then gets a slot that reaches only that.
+//!
 //! Everything is found again after a restart: [`Network::start`] rebuilds the table for
 //! the slots of re-adopted sandboxes and deletes links nobody owns.
 
@@ -16,7 +20,7 @@ pub mod netns;
 pub mod nft;
 
 use std::collections::HashMap;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
@@ -38,6 +42,9 @@ pub enum NetError {
     /// nftables refused a script.
     #[error("nftables: {0}")]
     Nft(String),
+    /// A sandbox asked for model access, but the node has no model gateway configured.
+    #[error("model access asked for, but this node has no model gateway configured")]
+    NoModelGateway,
     /// A namespace or link operation failed.
     #[error("{op}: {source}")]
     Os {
@@ -63,6 +70,64 @@ pub struct NetConfig {
     pub upstream: Option<SocketAddr>,
     /// Slots kept prepared.
     pub pool_size: usize,
+    /// The model gateway sandboxes with model access may call; `None`: no sandbox may
+    /// (and the nftables table has no trace of it).
+    pub model_gateway: Option<ModelGatewayNet>,
+}
+
+/// The virtual address sandboxes call the model gateway at, unless configured otherwise:
+/// link-local, so it shadows no real destination, and the same on every node, so the
+/// injected `OPENAI_BASE_URL` (`http://169.254.169.250/v1`) needs neither DNS nor a
+/// per-node value.
+pub const DEFAULT_MODEL_VIP: SocketAddrV4 =
+    SocketAddrV4::new(Ipv4Addr::new(169, 254, 169, 250), 80);
+
+/// How sandboxes with model access reach the model gateway.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelGatewayNet {
+    /// The address sandboxes call (TCP); only traffic from model-linked sandboxes to it
+    /// is sent on to [`Self::target`]. Default [`DEFAULT_MODEL_VIP`].
+    pub vip: SocketAddrV4,
+    /// Where the gateway actually listens.
+    pub target: ModelGatewayTarget,
+}
+
+impl ModelGatewayNet {
+    /// The default VIP in front of `target`.
+    pub fn new(target: ModelGatewayTarget) -> Self {
+        Self {
+            vip: DEFAULT_MODEL_VIP,
+            target,
+        }
+    }
+}
+
+/// Where the model gateway listens, as seen from the node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelGatewayTarget {
+    /// On this node (`dsec serve --gateway-config`), bound to `0.0.0.0:port`: the VIP is
+    /// redirected to the sandbox link's host end at `port`. The port stays open to other
+    /// links too (trainers elsewhere call the same listener with their own keys); from
+    /// sandbox links only model-linked ones may use it.
+    Local {
+        /// The gateway's TCP port.
+        port: u16,
+    },
+    /// Elsewhere (a `dsec gateway` replica or a balancer in front of several): the VIP
+    /// is DNATed to `addr` and masqueraded like other egress, whatever the sandbox's
+    /// policy.
+    Remote {
+        /// The gateway's address and port.
+        addr: SocketAddrV4,
+    },
+}
+
+/// Per-slot options of [`Network::acquire_with`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SlotOptions {
+    /// The sandbox may call the model gateway at its VIP (needs
+    /// [`NetConfig::model_gateway`]). Kept across policy changes and restarts.
+    pub model_link: bool,
 }
 
 impl Default for NetConfig {
@@ -74,7 +139,64 @@ impl Default for NetConfig {
             dns_port: 15353,
             upstream: None,
             pool_size: 8,
+            model_gateway: None,
         }
+    }
+}
+
+impl NetConfig {
+    fn tables(&self) -> nft::Tables {
+        nft::Tables {
+            table: self.table.clone(),
+            prefix: self.link_prefix.clone(),
+            subnet: self.subnet,
+            dns_port: self.dns_port,
+            model: self.model_gateway,
+        }
+    }
+
+    /// Checks the model gateway's addresses against the rest.
+    fn check_model_gateway(&self) -> Result<(), NetError> {
+        let Some(m) = &self.model_gateway else {
+            return Ok(());
+        };
+        let in_subnet = |ip: &Ipv4Addr| {
+            let (net, len) = self.subnet;
+            let mask = u32::MAX << (32 - u32::from(len));
+            u32::from(*ip) & mask == u32::from(net) & mask
+        };
+        let bad = |what: &str| Err(NetError::Invalid(format!("model gateway: {what}")));
+        let vip = m.vip.ip();
+        if vip.is_unspecified() || vip.is_loopback() || vip.is_broadcast() || in_subnet(vip) {
+            return bad(&format!(
+                "VIP {vip} must be a plain address outside the sandbox subnet"
+            ));
+        }
+        // Port 53 from sandboxes always goes to the resolver.
+        if m.vip.port() == 0 || m.vip.port() == 53 {
+            return bad(&format!("VIP port {} is not usable", m.vip.port()));
+        }
+        match m.target {
+            ModelGatewayTarget::Local { port } => {
+                if port == 0 || port == self.dns_port {
+                    return bad(&format!("local port {port} is not usable"));
+                }
+            }
+            ModelGatewayTarget::Remote { addr } => {
+                let ip = addr.ip();
+                // A DNAT from prerouting cannot reach loopback; the subnet is sandboxes'.
+                if ip.is_unspecified() || ip.is_loopback() || ip.is_broadcast() || in_subnet(ip) {
+                    return bad(&format!(
+                        "remote address {ip} must be routable from the node, outside the \
+                         sandbox subnet and not loopback"
+                    ));
+                }
+                if addr.port() == 0 {
+                    return bad("remote port 0 is not usable");
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -85,6 +207,9 @@ pub struct NetRecord {
     pub slot: u32,
     /// Its policy.
     pub policy: NetworkPolicy,
+    /// Its link is in `model_links` (it may call the model gateway).
+    #[serde(default)]
+    pub model_link: bool,
 }
 
 /// A slot handed to a new sandbox.
@@ -98,6 +223,8 @@ pub struct Lease {
     pub gateway: Ipv4Addr,
     /// Its network namespace, to hand to init.
     pub netns: OwnedFd,
+    /// It may call the model gateway (for [`NetRecord::model_link`]).
+    pub model_link: bool,
 }
 
 /// What the resolver knows of a sandbox, by its address.
@@ -159,7 +286,15 @@ struct Slots {
     /// Slots in use: live, pooled or being prepared.
     taken: std::collections::HashSet<u32>,
     /// Slots of live sandboxes.
-    by_id: HashMap<String, (u32, NetworkPolicy)>,
+    by_id: HashMap<String, Live>,
+}
+
+/// A live sandbox's slot.
+#[derive(Debug, Clone)]
+struct Live {
+    slot: u32,
+    policy: NetworkPolicy,
+    model_link: bool,
 }
 
 #[derive(Debug, Default)]
@@ -192,6 +327,7 @@ impl Network {
                 "sandbox subnet prefix /{len}: must be /8 to /30"
             )));
         }
+        cfg.check_model_gateway()?;
         let max_slot = (1u32 << (32 - len)) / 4;
         if cfg.link_prefix.len() + max_slot.to_string().len() >= libc::IFNAMSIZ {
             return Err(NetError::Invalid(format!(
@@ -209,12 +345,7 @@ impl Network {
             op: "enable IPv4 forwarding".into(),
             source,
         })?;
-        let tables = nft::Tables {
-            table: cfg.table.clone(),
-            prefix: cfg.link_prefix.clone(),
-            subnet: cfg.subnet,
-            dns_port: cfg.dns_port,
-        };
+        let tables = cfg.tables();
         let mut script = tables.base();
         let mut slots = Slots::default();
         let registry = Arc::new(Registry::default());
@@ -223,9 +354,24 @@ impl Network {
             let rules = parse_policy(&rec.policy)?;
             script.push_str(&tables.add_slot(rec.slot));
             script.push_str(&tables.set_policy(rec.slot, rec.policy.mode, &rules));
-            slots
-                .by_id
-                .insert(id.clone(), (rec.slot, rec.policy.clone()));
+            if rec.model_link {
+                if cfg.model_gateway.is_some() {
+                    script.push_str(&tables.link_model(rec.slot));
+                } else {
+                    // The sandbox keeps the right (in its record) for a later start with
+                    // a gateway; it cannot use it now, and refusing to start would take
+                    // every other sandbox's network down with it.
+                    tracing::warn!(%id, "sandbox has model access but no model gateway is configured");
+                }
+            }
+            slots.by_id.insert(
+                id.clone(),
+                Live {
+                    slot: rec.slot,
+                    policy: rec.policy.clone(),
+                    model_link: rec.model_link,
+                },
+            );
             rules_of.push((id.clone(), rec.slot, rec.policy.mode, rules));
         }
         let owned: std::collections::HashSet<String> = adopt
@@ -396,10 +542,26 @@ impl Network {
         }
     }
 
-    /// Gives sandbox `id` a slot with `policy` (mode `allowlist` or `open`).
+    /// Gives sandbox `id` a slot with `policy` (mode `allowlist` or `open`); the same as
+    /// [`Self::acquire_with`] with default options.
     pub fn acquire(&self, id: &str, policy: &NetworkPolicy) -> Result<Lease, NetError> {
+        self.acquire_with(id, policy, SlotOptions::default())
+    }
+
+    /// Gives sandbox `id` a slot with `policy` and `opts`. Mode `none` gets a slot only
+    /// with a model link: it then reaches the model gateway and nothing else. A model
+    /// link with no model gateway configured is [`NetError::NoModelGateway`].
+    pub fn acquire_with(
+        &self,
+        id: &str,
+        policy: &NetworkPolicy,
+        opts: SlotOptions,
+    ) -> Result<Lease, NetError> {
         let rules = parse_policy(policy)?;
-        if policy.mode == NetworkMode::None {
+        if opts.model_link && self.cfg.model_gateway.is_none() {
+            return Err(NetError::NoModelGateway);
+        }
+        if policy.mode == NetworkMode::None && !opts.model_link {
             return Err(NetError::Invalid("mode none needs no slot".into()));
         }
         let pooled = {
@@ -421,7 +583,11 @@ impl Network {
                 }
             }
         };
-        if let Err(e) = nft::apply(&self.tables.set_policy(slot, policy.mode, &rules)) {
+        let mut script = self.tables.set_policy(slot, policy.mode, &rules);
+        if opts.model_link {
+            script.push_str(&self.tables.link_model(slot));
+        }
+        if let Err(e) = nft::apply(&script) {
             self.discard(slot);
             return Err(e);
         }
@@ -435,32 +601,39 @@ impl Network {
                 rules: Arc::new(rules),
             },
         );
-        self.slots()
-            .by_id
-            .insert(id.to_string(), (slot, policy.clone()));
+        self.slots().by_id.insert(
+            id.to_string(),
+            Live {
+                slot,
+                policy: policy.clone(),
+                model_link: opts.model_link,
+            },
+        );
         Ok(Lease {
             slot,
             ip: addrs.sandbox,
             gateway: addrs.host,
             netns,
+            model_link: opts.model_link,
         })
     }
 
     /// Replaces the policy of a live sandbox. The mode can change between `allowlist`
-    /// and `open`, not to or from `none`.
+    /// and `open`, and to `none` only for a sandbox with a model link (which it keeps:
+    /// the model link is not part of the policy).
     pub fn set_policy(&self, id: &str, policy: &NetworkPolicy) -> Result<(), NetError> {
         let rules = parse_policy(policy)?;
-        if policy.mode == NetworkMode::None {
+        let (slot, model_link) = self
+            .slots()
+            .by_id
+            .get(id)
+            .map(|l| (l.slot, l.model_link))
+            .ok_or_else(|| NetError::Invalid(format!("sandbox {id} has no network")))?;
+        if policy.mode == NetworkMode::None && !model_link {
             return Err(NetError::Invalid(
                 "a networked sandbox cannot switch to mode none; use an empty allowlist".into(),
             ));
         }
-        let slot = self
-            .slots()
-            .by_id
-            .get(id)
-            .map(|(s, _)| *s)
-            .ok_or_else(|| NetError::Invalid(format!("sandbox {id} has no network")))?;
         nft::apply(&self.tables.set_policy(slot, policy.mode, &rules))?;
         let ip = slot_addrs(self.cfg.subnet, slot).sandbox;
         if let Some(e) = self.registry.map().get_mut(&ip) {
@@ -468,22 +641,23 @@ impl Network {
             e.rules = Arc::new(rules);
         }
         if let Some(entry) = self.slots().by_id.get_mut(id) {
-            entry.1 = policy.clone();
+            entry.policy = policy.clone();
         }
         Ok(())
     }
 
     /// The record to keep for sandbox `id`, if it has a slot.
     pub fn record(&self, id: &str) -> Option<NetRecord> {
-        self.slots().by_id.get(id).map(|(slot, policy)| NetRecord {
-            slot: *slot,
-            policy: policy.clone(),
+        self.slots().by_id.get(id).map(|l| NetRecord {
+            slot: l.slot,
+            policy: l.policy.clone(),
+            model_link: l.model_link,
         })
     }
 
     /// DNS queries of sandbox `id` answered NXDOMAIN because no rule allowed the name.
     pub fn denied_queries(&self, id: &str) -> u64 {
-        let Some((slot, _)) = self.slots().by_id.get(id).cloned() else {
+        let Some(slot) = self.slots().by_id.get(id).map(|l| l.slot) else {
             return 0;
         };
         let ip = slot_addrs(self.cfg.subnet, slot).sandbox;
@@ -496,9 +670,10 @@ impl Network {
             .unwrap_or(0)
     }
 
-    /// Takes sandbox `id`'s slot away: link, chain and sets. Unknown ids are fine.
+    /// Takes sandbox `id`'s slot away: link, chain and sets, and its `model_links`
+    /// membership. Unknown ids are fine.
     pub fn release(&self, id: &str) -> Result<(), NetError> {
-        let Some((slot, _)) = self.slots().by_id.remove(id) else {
+        let Some(Live { slot, .. }) = self.slots().by_id.remove(id) else {
             return Ok(());
         };
         let ip = slot_addrs(self.cfg.subnet, slot).sandbox;
@@ -575,13 +750,7 @@ pub fn remove_traces(cfg: &NetConfig) {
             }
         }
     }
-    let tables = nft::Tables {
-        table: cfg.table.clone(),
-        prefix: cfg.link_prefix.clone(),
-        subnet: cfg.subnet,
-        dns_port: cfg.dns_port,
-    };
-    if let Err(e) = nft::apply(&tables.delete()) {
+    if let Err(e) = nft::apply(&cfg.tables().delete()) {
         tracing::warn!(table = %cfg.table, error = %e, "deleting the nftables table");
     }
 }
@@ -657,5 +826,46 @@ mod tests {
             allow: vec!["pypi.org:443".into(), "*.pythonhosted.org".into()],
         };
         assert_eq!(parse_policy(&ok).expect("valid").len(), 2);
+    }
+
+    #[test]
+    fn model_gateway_addresses_are_checked() {
+        let with = |vip: &str, target| NetConfig {
+            model_gateway: Some(ModelGatewayNet {
+                vip: vip.parse().expect("vip"),
+                target,
+            }),
+            ..NetConfig::default()
+        };
+        let local = ModelGatewayTarget::Local { port: 8090 };
+        let remote = |a: &str| ModelGatewayTarget::Remote {
+            addr: a.parse().expect("addr"),
+        };
+        assert!(NetConfig::default().check_model_gateway().is_ok());
+        assert!(with("169.254.169.250:80", local)
+            .check_model_gateway()
+            .is_ok());
+        assert!(with("169.254.169.250:80", remote("192.0.2.9:443"))
+            .check_model_gateway()
+            .is_ok());
+        for bad in [
+            with("10.231.0.9:80", local),
+            with("127.0.0.1:80", local),
+            with("169.254.169.250:53", local),
+            with(
+                "169.254.169.250:80",
+                ModelGatewayTarget::Local { port: 15353 },
+            ),
+            with("169.254.169.250:80", ModelGatewayTarget::Local { port: 0 }),
+            with("169.254.169.250:80", remote("127.0.0.1:8090")),
+            with("169.254.169.250:80", remote("10.231.7.1:8090")),
+            with("169.254.169.250:80", remote("192.0.2.9:0")),
+        ] {
+            assert!(
+                matches!(bad.check_model_gateway(), Err(NetError::Invalid(_))),
+                "{:?}",
+                bad.model_gateway
+            );
+        }
     }
 }

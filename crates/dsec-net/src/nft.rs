@@ -5,26 +5,37 @@
 //! Layout (`T` the table, `P` the link prefix, one chain and four sets per slot `N`):
 //!
 //! - `prerouting` (dstnat): DNS from a sandbox, to any address, goes to the node's
-//!   resolver port, so a sandbox cannot pick its own resolver to tunnel through.
+//!   resolver port, so a sandbox cannot pick its own resolver to tunnel through. With a
+//!   model gateway configured, TCP from a link in `model_links` to the gateway's VIP
+//!   (default `169.254.169.250:80`) is redirected to the local gateway's port, or
+//!   DNATed to a remote gateway's address.
 //! - `postrouting` (srcnat): sandbox traffic leaving through a non-sandbox link is
 //!   masqueraded.
-//! - `input`: from a sandbox link only the resolver port is open; the resolver port is
-//!   closed to every other link but loopback.
+//! - `input`: from a sandbox link (chain `to_host`) only the resolver port is open, and
+//!   for links in `model_links` the local gateway's port (or a remote gateway's address
+//!   and port, should it be one of the node's own); the resolver port is closed to every
+//!   other link but loopback. The gateway's port stays open to other links: trainers on
+//!   other hosts call the same listener, with their own keys.
 //! - `forward`: traffic from a sandbox link goes through `egress`: established flows
-//!   pass; the sandbox subnet and link-local addresses are always rejected; then the
-//!   `slots` verdict map jumps to the slot's chain `sN`; what it does not accept is
-//!   rejected (TCP reset, ICMP admin-prohibited) so agents fail fast instead of hanging.
-//!   Nothing from outside may open a connection into a sandbox.
+//!   pass; links in `model_links` may reach a remote gateway's address and port; the
+//!   sandbox subnet and link-local addresses are always rejected; then the `slots`
+//!   verdict map jumps to the slot's chain `sN`; what it does not accept is rejected
+//!   (TCP reset, ICMP admin-prohibited) so agents fail fast instead of hanging. Nothing
+//!   from outside may open a connection into a sandbox.
 //! - `sN` holds the policy: `open` accepts; `allowlist` accepts destinations in
 //!   `sN_net` (CIDRs, any port), `sN_netport` (CIDR . port), `sN_dns` and `sN_dnsport`
-//!   (what the resolver answered for allowed names, with the answer's TTL as timeout).
+//!   (what the resolver answered for allowed names, with the answer's TTL as timeout);
+//!   `none` accepts nothing (a slot in mode `none` exists only for the model gateway).
+//! - `model_links` (only with a model gateway configured; without one the table has no
+//!   trace of it): the host links of sandboxes with model access. Membership is
+//!   independent of the policy: replacing the policy leaves it alone.
 
 use std::fmt::Write as _;
 use std::net::Ipv4Addr;
 
 use dsec_wire::v1::{AllowRule, AllowTarget, NetworkMode};
 
-use crate::NetError;
+use crate::{ModelGatewayNet, ModelGatewayTarget, NetError};
 
 /// Names and numbers the scripts are made from.
 #[derive(Debug, Clone)]
@@ -37,6 +48,8 @@ pub struct Tables {
     pub subnet: (Ipv4Addr, u8),
     /// Port the node's resolver listens on.
     pub dns_port: u16,
+    /// Where sandboxes with model access reach the model gateway, if anywhere.
+    pub model: Option<ModelGatewayNet>,
 }
 
 const REJECT: &str =
@@ -52,14 +65,39 @@ impl Tables {
             ..
         } = self;
         let (net, len) = self.subnet;
+        // The model gateway's rules: empty strings without one, so the table is then
+        // exactly what it was before there was a model gateway.
+        let (mut model_set, mut model_nat, mut model_in, mut model_out) =
+            (String::new(), String::new(), String::new(), String::new());
+        if let Some(m) = &self.model {
+            let (vip, vport) = (m.vip.ip(), m.vip.port());
+            model_set = "\tset model_links { type ifname; }\n".into();
+            let to = match m.target {
+                ModelGatewayTarget::Local { port } => {
+                    model_in = format!("\t\tiifname @model_links tcp dport {port} accept\n");
+                    format!("redirect to :{port}")
+                }
+                ModelGatewayTarget::Remote { addr } => {
+                    let (ip, port) = (addr.ip(), addr.port());
+                    let rule =
+                        format!("\t\tiifname @model_links ip daddr {ip} tcp dport {port} accept\n");
+                    model_in = rule.clone();
+                    model_out = rule;
+                    format!("dnat ip to {addr}")
+                }
+            };
+            model_nat = format!("\t\tiifname @model_links ip daddr {vip} tcp dport {vport} {to}\n");
+        }
         format!(
             "table inet {table}\n\
              delete table inet {table}\n\
              table inet {table} {{\n\
              \tset never {{ type ipv4_addr; flags interval; elements = {{ {net}/{len}, 169.254.0.0/16 }} }}\n\
              \tmap slots {{ type ifname : verdict; }}\n\
+             {model_set}\
              \tchain prerouting {{ type nat hook prerouting priority dstnat; policy accept;\n\
-             \t\tiifname \"{prefix}*\" meta l4proto {{ tcp, udp }} th dport 53 redirect to :{dns_port}\n\t}}\n\
+             \t\tiifname \"{prefix}*\" meta l4proto {{ tcp, udp }} th dport 53 redirect to :{dns_port}\n\
+             {model_nat}\t}}\n\
              \tchain postrouting {{ type nat hook postrouting priority srcnat; policy accept;\n\
              \t\tip saddr {net}/{len} oifname != \"{prefix}*\" masquerade\n\t}}\n\
              \tchain input {{ type filter hook input priority filter; policy accept;\n\
@@ -67,12 +105,14 @@ impl Tables {
              \t\tiifname != \"lo\" meta l4proto {{ tcp, udp }} th dport {dns_port} drop\n\t}}\n\
              \tchain to_host {{ ct state established,related accept\n\
              \t\tmeta l4proto {{ tcp, udp }} th dport {dns_port} accept\n\
+             {model_in}\
              \t\t{REJECT}\n\t}}\n\
              \tchain forward {{ type filter hook forward priority filter; policy accept;\n\
              \t\tiifname \"{prefix}*\" jump egress\n\
              \t\toifname \"{prefix}*\" ct state established,related accept\n\
              \t\toifname \"{prefix}*\" drop\n\t}}\n\
              \tchain egress {{ ct state established,related accept\n\
+             {model_out}\
              \t\tip daddr @never goto deny\n\
              \t\tiifname vmap @slots\n\
              \t\tgoto deny\n\t}}\n\
@@ -95,12 +135,31 @@ impl Tables {
         )
     }
 
-    /// Removes slot `n` entirely.
+    /// Puts slot `n`'s link into `model_links`: its sandbox may call the model gateway.
+    /// Only valid with a model gateway configured.
+    pub fn link_model(&self, n: u32) -> String {
+        format!(
+            "add element inet {t} model_links {{ \"{p}{n}\" }}\n",
+            t = self.table,
+            p = self.prefix
+        )
+    }
+
+    /// Removes slot `n` entirely (from `model_links` too, whether it was there or not).
     pub fn remove_slot(&self, n: u32) -> String {
         let t = &self.table;
         let p = &self.prefix;
+        let unlink = match self.model {
+            // add first, so that delete cannot fail.
+            Some(_) => format!(
+                "add element inet {t} model_links {{ \"{p}{n}\" }}\n\
+                 delete element inet {t} model_links {{ \"{p}{n}\" }}\n"
+            ),
+            None => String::new(),
+        };
         format!(
-            "delete element inet {t} slots {{ \"{p}{n}\" }}\n\
+            "{unlink}\
+             delete element inet {t} slots {{ \"{p}{n}\" }}\n\
              delete chain inet {t} s{n}\n\
              delete set inet {t} s{n}_net\n\
              delete set inet {t} s{n}_netport\n\
@@ -278,6 +337,7 @@ mod tests {
             prefix: "dsv".into(),
             subnet: (Ipv4Addr::new(10, 231, 0, 0), 16),
             dns_port: 15353,
+            model: None,
         }
     }
 
@@ -305,5 +365,56 @@ mod tests {
         assert!(b.contains("elements = { 10.231.0.0/16, 169.254.0.0/16 }"));
         assert!(b.contains("goto deny\n"));
         assert!(b.contains("oifname \"dsv*\" drop\n"));
+        // No model gateway configured: no trace of one.
+        assert!(!b.contains("model_links"));
+        assert!(!tables().remove_slot(3).contains("model_links"));
+    }
+
+    #[test]
+    fn a_local_model_gateway_is_a_redirect_and_an_open_port_for_model_links_only() {
+        let mut t = tables();
+        t.model = Some(ModelGatewayNet::new(ModelGatewayTarget::Local {
+            port: 8090,
+        }));
+        let b = t.base();
+        assert!(b.contains("set model_links { type ifname; }"));
+        assert!(b.contains(
+            "iifname @model_links ip daddr 169.254.169.250 tcp dport 80 redirect to :8090\n"
+        ));
+        let to_host = &b[b.find("chain to_host").expect("to_host")..];
+        let accept = to_host
+            .find("iifname @model_links tcp dport 8090 accept")
+            .expect("accept");
+        assert!(accept < to_host.find("reject").expect("reject"));
+        // Not closed to other links: trainers elsewhere call the same listener.
+        assert!(!b.contains("dport 8090 drop"));
+        assert!(!b.contains("dnat"));
+        assert_eq!(
+            t.link_model(3),
+            "add element inet dsec model_links { \"dsv3\" }\n"
+        );
+        // Removal cannot fail whether the slot was linked or not.
+        assert!(t.remove_slot(3).starts_with(
+            "add element inet dsec model_links { \"dsv3\" }\n\
+             delete element inet dsec model_links { \"dsv3\" }\n"
+        ));
+    }
+
+    #[test]
+    fn a_remote_model_gateway_is_a_dnat_let_through_before_never() {
+        let mut t = tables();
+        t.model = Some(ModelGatewayNet::new(ModelGatewayTarget::Remote {
+            addr: "192.0.2.9:8443".parse().expect("addr"),
+        }));
+        let b = t.base();
+        assert!(b.contains(
+            "iifname @model_links ip daddr 169.254.169.250 tcp dport 80 dnat ip to 192.0.2.9:8443\n"
+        ));
+        let egress = &b[b.find("chain egress").expect("egress")..];
+        let accept = egress
+            .find("iifname @model_links ip daddr 192.0.2.9 tcp dport 8443 accept")
+            .expect("accept");
+        assert!(accept < egress.find("@never").expect("never"));
+        assert!(!b.contains("redirect to :8443"));
     }
 }

@@ -511,6 +511,7 @@ impl ContainerBackend {
         let net = lease.map(|l| dsec_net::NetRecord {
             slot: l.slot,
             policy: spec.network.clone(),
+            model_link: l.model_link,
         });
         tracing::debug!(%id, prepare_us = (prepared - started).as_micros() as u64,
             init_us = prepared.elapsed().as_micros() as u64, pooled_netns, "sandbox started");

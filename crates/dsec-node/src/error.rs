@@ -75,9 +75,11 @@ impl NodeError {
             NodeError::Create { .. } | NodeError::Disk(_) => ErrorCode::Failed,
             NodeError::Unsupported(_) => ErrorCode::BadRequest,
             NodeError::Capacity(_) => ErrorCode::Capacity,
-            NodeError::Net(dsec_net::NetError::Invalid(_) | dsec_net::NetError::Unavailable(_)) => {
-                ErrorCode::BadRequest
-            }
+            NodeError::Net(
+                dsec_net::NetError::Invalid(_)
+                | dsec_net::NetError::Unavailable(_)
+                | dsec_net::NetError::NoModelGateway,
+            ) => ErrorCode::BadRequest,
             NodeError::Net(dsec_net::NetError::Exhausted) => ErrorCode::Capacity,
             NodeError::Net(_) => ErrorCode::Failed,
             NodeError::Cgroup(_) | NodeError::Io { .. } => ErrorCode::Internal,
