@@ -323,6 +323,25 @@ pub struct ServeArgs {
     /// sandboxes' lightly used disks refill it, up to twice this many).
     #[arg(long, default_value_t = 32)]
     pub disk_pool: usize,
+    /// Run the model gateway in this process with this configuration (YAML, as `dsec
+    /// gateway --config` takes it; see docs/gateway.md). Sandboxes created with
+    /// `model_access` then call its models with a token of their own, which their tenant's
+    /// keys mint and their delete revokes.
+    #[arg(long)]
+    pub gateway_config: Option<PathBuf>,
+    /// With --gateway-config: where the gateway serves callers outside sandboxes (trainers,
+    /// judges), with the configuration's api_keys or a sandbox's token.
+    #[arg(long, default_value = "127.0.0.1:8090")]
+    pub gateway_listen: SocketAddr,
+    /// With --gateway-config: the port sandboxes' model address is redirected to (the
+    /// gateway listens on it on every address; links other than sandboxes' and loopback
+    /// are refused it, as the resolver port is).
+    #[arg(long, default_value_t = 15380)]
+    pub gateway_sandbox_port: u16,
+    /// The address code in a sandbox calls the model gateway at (its OPENAI_BASE_URL is
+    /// http://ADDRESS/v1): link-local, answered by this node and nowhere else.
+    #[arg(long, default_value = "169.254.169.250:80")]
+    pub model_address: std::net::SocketAddrV4,
     /// Give sandboxes no network at all (only mode `none`); nftables and the host's
     /// forwarding setting are then never touched.
     #[arg(long)]

@@ -190,8 +190,16 @@ async fn open_node(args: &ServeArgs, command: &str) -> anyhow::Result<Arc<LocalN
             dns_port: args.dns_port,
             upstream: args.dns_upstream,
             pool_size: args.net_pool,
-            // The gateway subcommand wires this (#30).
-            model_gateway: None,
+            // The in-process gateway's sandbox port, behind the model address.
+            model_gateway: args
+                .gateway_config
+                .is_some()
+                .then(|| dsec_net::ModelGatewayNet {
+                    vip: args.model_address,
+                    target: dsec_net::ModelGatewayTarget::Local {
+                        port: args.gateway_sandbox_port,
+                    },
+                }),
         }),
     };
     LocalNode::open(node_cfg)
@@ -310,6 +318,12 @@ pub async fn run_gateway(args: crate::cli::GatewayArgs) -> anyhow::Result<()> {
 /// `dsec node`: the node runtime and its internal API, until SIGINT or SIGTERM.
 pub async fn run_node(args: NodeArgs) -> anyhow::Result<()> {
     init_tracing();
+    if args.serve.gateway_config.is_some() {
+        bail!(
+            "--gateway-config runs the model gateway inside `dsec serve`; in a cluster run \
+             `dsec gateway` on its own"
+        );
+    }
     let node = open_node(&args.serve, "node").await?;
     if args.serve.cleanup {
         return cleanup_node(node).await;

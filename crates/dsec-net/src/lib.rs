@@ -106,9 +106,10 @@ impl ModelGatewayNet {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ModelGatewayTarget {
     /// On this node (`dsec serve --gateway-config`), bound to `0.0.0.0:port`: the VIP is
-    /// redirected to the sandbox link's host end at `port`. The port stays open to other
-    /// links too (trainers elsewhere call the same listener with their own keys); from
-    /// sandbox links only model-linked ones may use it.
+    /// redirected to the sandbox link's host end at `port`. From sandbox links only
+    /// model-linked ones may use the port; every other link but loopback is refused it,
+    /// as the resolver port is (the gateway serves callers outside sandboxes on another
+    /// listener).
     Local {
         /// The gateway's TCP port.
         port: u16,

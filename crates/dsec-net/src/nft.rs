@@ -13,9 +13,9 @@
 //!   masqueraded.
 //! - `input`: from a sandbox link (chain `to_host`) only the resolver port is open, and
 //!   for links in `model_links` the local gateway's port (or a remote gateway's address
-//!   and port, should it be one of the node's own); the resolver port is closed to every
-//!   other link but loopback. The gateway's port stays open to other links: trainers on
-//!   other hosts call the same listener, with their own keys.
+//!   and port, should it be one of the node's own); the resolver port and the local
+//!   gateway's port are closed to every other link but loopback (the gateway serves
+//!   callers outside sandboxes on a listener of its own).
 //! - `forward`: traffic from a sandbox link goes through `egress`: established flows
 //!   pass; links in `model_links` may reach a remote gateway's address and port; the
 //!   sandbox subnet and link-local addresses are always rejected; then the `slots`
@@ -67,14 +67,20 @@ impl Tables {
         let (net, len) = self.subnet;
         // The model gateway's rules: empty strings without one, so the table is then
         // exactly what it was before there was a model gateway.
-        let (mut model_set, mut model_nat, mut model_in, mut model_out) =
-            (String::new(), String::new(), String::new(), String::new());
+        let (mut model_set, mut model_nat, mut model_in, mut model_out, mut model_closed) = (
+            String::new(),
+            String::new(),
+            String::new(),
+            String::new(),
+            String::new(),
+        );
         if let Some(m) = &self.model {
             let (vip, vport) = (m.vip.ip(), m.vip.port());
             model_set = "\tset model_links { type ifname; }\n".into();
             let to = match m.target {
                 ModelGatewayTarget::Local { port } => {
                     model_in = format!("\t\tiifname @model_links tcp dport {port} accept\n");
+                    model_closed = format!("\t\tiifname != \"lo\" tcp dport {port} drop\n");
                     format!("redirect to :{port}")
                 }
                 ModelGatewayTarget::Remote { addr } => {
@@ -102,7 +108,8 @@ impl Tables {
              \t\tip saddr {net}/{len} oifname != \"{prefix}*\" masquerade\n\t}}\n\
              \tchain input {{ type filter hook input priority filter; policy accept;\n\
              \t\tiifname \"{prefix}*\" jump to_host\n\
-             \t\tiifname != \"lo\" meta l4proto {{ tcp, udp }} th dport {dns_port} drop\n\t}}\n\
+             \t\tiifname != \"lo\" meta l4proto {{ tcp, udp }} th dport {dns_port} drop\n\
+             {model_closed}\t}}\n\
              \tchain to_host {{ ct state established,related accept\n\
              \t\tmeta l4proto {{ tcp, udp }} th dport {dns_port} accept\n\
              {model_in}\
@@ -386,8 +393,12 @@ mod tests {
             .find("iifname @model_links tcp dport 8090 accept")
             .expect("accept");
         assert!(accept < to_host.find("reject").expect("reject"));
-        // Not closed to other links: trainers elsewhere call the same listener.
-        assert!(!b.contains("dport 8090 drop"));
+        // Closed to other links (trainers call another listener), after the sandbox jump.
+        let input = &b[b.find("chain input").expect("input")..];
+        let closed = input
+            .find("iifname != \"lo\" tcp dport 8090 drop")
+            .expect("closed to other links");
+        assert!(input.find("jump to_host").expect("jump") < closed);
         assert!(!b.contains("dnat"));
         assert_eq!(
             t.link_model(3),

@@ -367,7 +367,7 @@ impl ContainerBackend {
         let mut userns_rec = None;
         // Network mode none: namespaces made ahead, when the pool has some.
         let made_ahead = match (spec.isolation, &spec.network.mode) {
-            (Isolation::Container, NetworkMode::None) => self.nspool.take(
+            (Isolation::Container, NetworkMode::None) if !spec.model_link => self.nspool.take(
                 id,
                 &self
                     .userns
@@ -448,9 +448,15 @@ impl ContainerBackend {
             return Ok(rec);
         }
 
-        let lease = match spec.network.mode {
-            NetworkMode::None => None,
-            _ => Some(self.network(&[])?.acquire(id, &spec.network)?),
+        // A sandbox with model access has a slot whatever its mode: in mode `none` it
+        // reaches the model gateway and nothing else.
+        let lease = match (&spec.network.mode, spec.model_link) {
+            (NetworkMode::None, false) => None,
+            (_, model_link) => Some(self.network(&[])?.acquire_with(
+                id,
+                &spec.network,
+                dsec_net::SlotOptions { model_link },
+            )?),
         };
         let socket = self.cfg.agent_socket(id);
         let listener = UnixListener::bind(&socket).map_err(NodeError::io("bind", &socket))?;
@@ -702,6 +708,7 @@ impl ContainerBackend {
             )
         })?;
         if spec.network.mode != NetworkMode::None
+            || spec.model_link
             || !spec.writable_paths.is_empty()
             || spec.tcp_bind.is_some()
             || spec.tcp_connect.is_some()
