@@ -353,8 +353,13 @@ impl Gateway {
         admission.add_bytes(body.len());
         // A completion may not spend more than the budget has left (before the cache
         // key is made: the key is of what goes upstream).
-        let body = match admission.budget_left() {
-            Some(left) if route != Route::Embeddings && request.clamp_completion(left) => {
+        let unnamed_below = match route {
+            Route::ChatCompletions => Some(openai::UNNAMED_COMPLETION_CLAMP),
+            Route::Completions => Some(openai::COMPLETIONS_DEFAULT_MAX_TOKENS),
+            Route::Embeddings => None,
+        };
+        let body = match (admission.budget_left(), unnamed_below) {
+            (Some(left), Some(below)) if request.clamp_completion(left, below) => {
                 request.to_bytes()
             }
             _ => body,

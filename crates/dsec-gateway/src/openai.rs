@@ -189,10 +189,14 @@ pub fn usage_tokens(body: &[u8]) -> Option<u64> {
         .tokens()
 }
 
-/// Below this many tokens of budget left, a request that names no completion limit is
-/// given one ([`RequestView::clamp_completion`]); 4096 is within every current model's
-/// completion cap.
+/// Below this many tokens of budget left, a chat request that names no completion limit
+/// is given one ([`RequestView::clamp_completion`]); 4096 is within every current
+/// model's completion cap.
 pub const UNNAMED_COMPLETION_CLAMP: u64 = 4096;
+
+/// `max_tokens` of a (legacy) completions request that names none, at OpenAI and vLLM
+/// alike: a clamp above it would raise what the request gets.
+pub const COMPLETIONS_DEFAULT_MAX_TOKENS: u64 = 16;
 
 /// What the gateway reads of a request body.
 #[derive(Debug, Clone)]
@@ -257,11 +261,12 @@ impl RequestView {
     /// Keeps a completion within `left` model tokens (what is left of a budget): a
     /// `max_tokens` or `max_completion_tokens` above `left / n` (`n` choices) is lowered
     /// to it. A request naming neither gets `max_tokens` only when that is below
-    /// [`UNNAMED_COMPLETION_CLAMP`]: a larger one than the model's context leaves room
-    /// for is an error at some upstreams (vLLM checks prompt plus `max_tokens` against
-    /// its context), where the unclamped request would have passed. True if the body
-    /// changed.
-    pub fn clamp_completion(&mut self, left: u64) -> bool {
+    /// `unnamed_below`: for chat [`UNNAMED_COMPLETION_CLAMP`], since a larger one than
+    /// the model's context leaves room for is an error at some upstreams (vLLM checks
+    /// prompt plus `max_tokens` against its context) where the unclamped request would
+    /// have passed; for completions [`COMPLETIONS_DEFAULT_MAX_TOKENS`], their default.
+    /// True if the body changed.
+    pub fn clamp_completion(&mut self, left: u64, unnamed_below: u64) -> bool {
         let n = self
             .body
             .get("n")
@@ -280,7 +285,7 @@ impl RequestView {
                 }
             }
         }
-        if !named && per < UNNAMED_COMPLETION_CLAMP {
+        if !named && per < unnamed_below {
             self.body.insert("max_tokens".into(), Value::from(per));
             changed = true;
         }
@@ -363,7 +368,7 @@ mod tests {
         // A budget's clamp lowers what the request names, never raises it.
         let clamp = |body: &[u8], left: u64| {
             let mut r = RequestView::parse(body).expect("parse");
-            let changed = r.clamp_completion(left);
+            let changed = r.clamp_completion(left, UNNAMED_COMPLETION_CLAMP);
             (changed, r.body)
         };
         let (changed, b) = clamp(br#"{"model":"m","max_tokens":500}"#, 100);
@@ -397,6 +402,11 @@ mod tests {
         assert_eq!(b["max_tokens"], 300);
         let (_, b) = clamp(br#"{"model":"m","n":8}"#, 3);
         assert_eq!(b["max_tokens"], 1, "at least one token each");
+        // A completion's own default (16) is never raised.
+        let mut r = RequestView::parse(br#"{"model":"m","prompt":"p"}"#).expect("parse");
+        assert!(!r.clamp_completion(100, COMPLETIONS_DEFAULT_MAX_TOKENS));
+        assert!(r.clamp_completion(10, COMPLETIONS_DEFAULT_MAX_TOKENS));
+        assert_eq!(r.body["max_tokens"], 10);
         for bad in [
             &b"nope"[..],
             b"[]",
