@@ -83,6 +83,11 @@ struct Setup {
 }
 
 async fn setup() -> Setup {
+    setup_with(Limits::default()).await
+}
+
+/// The gateway with `default_limits`.
+async fn setup_with(default_limits: Limits) -> Setup {
     let fake = FakeOpenAi::start(&["policy", "other"])
         .await
         .expect("fake upstream");
@@ -101,6 +106,7 @@ async fn setup() -> Setup {
     let config = GatewayConfig {
         api_keys: vec![KEY.into()],
         models,
+        default_limits,
         ..GatewayConfig::default()
     };
     let ms = Arc::new(AtomicU64::new(1_000_000));
@@ -324,6 +330,31 @@ async fn a_tokens_rate_limit_is_its_own() {
     s.tick(Duration::from_secs(60));
     assert_eq!(s.call(&slow, chat("policy", "3")).await.0, 200, "refilled");
     assert_eq!(s.gateway.stats().limited_requests, 1);
+}
+
+#[tokio::test]
+async fn what_a_grant_leaves_unset_comes_from_the_default_limits() {
+    let s = setup_with(Limits {
+        rpm: Some(1),
+        max_concurrency: Some(8),
+        ..Limits::default()
+    })
+    .await;
+    let plain = s.authority.add(grant("plain", None));
+    let own = s.authority.add(Grant {
+        limits: Limits {
+            rpm: Some(600),
+            ..Limits::default()
+        },
+        ..grant("own", None)
+    });
+    assert_eq!(s.call(&plain, chat("policy", "1")).await.0, 200);
+    let (status, r, _) = s.call(&plain, chat("policy", "2")).await;
+    assert_eq!(status, 429, "the default rpm of 1: {r}");
+    for i in 0..5 {
+        let (status, r, _) = s.call(&own, chat("policy", &i.to_string())).await;
+        assert_eq!(status, 200, "its own rpm: {r}");
+    }
 }
 
 #[tokio::test]
