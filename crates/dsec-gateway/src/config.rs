@@ -66,8 +66,8 @@ pub struct GatewayConfig {
     /// Bearer keys callers may present, each with its limits. At least one.
     #[serde(default)]
     pub api_keys: Vec<ApiKey>,
-    /// The limits of a key for what its own `limits` leave unset (each key has its own
-    /// buckets; these are not shared).
+    /// The limits of a key (and of a sandbox token's grant) for what its own `limits`
+    /// leave unset (each caller has its own buckets; these are not shared).
     #[serde(default)]
     pub default_limits: Limits,
     /// The response cache of deterministic requests (on by default).

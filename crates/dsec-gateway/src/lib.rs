@@ -9,29 +9,37 @@
 //! upstream of its model with the fewest requests in flight, and to the next one when an
 //! upstream cannot be reached.
 //!
-//! Each caller key has its limits ([`limits`]): requests and model tokens per minute,
+//! Callers are the configured keys and, with a [`TokenAuthority`], sandbox tokens
+//! ([`grants`]): the authority says per token which models it may call (any other
+//! answers as a model that does not exist), its limits and its budget of model tokens.
+//!
+//! Each caller has its limits ([`limits`]): requests and model tokens per minute,
 //! requests in flight, and the time a request may take. Over a limit the answer is a
 //! 429 in OpenAI's shape with `retry-after` and `retry-after-ms`, which the SDKs wait
 //! out and retry; past its time a request answers 504 (or, once streaming, ends with an
 //! SSE error event). Tokens are charged from the upstream's `usage`; a stream is made to
 //! report it (`stream_options.include_usage`), the extra chunk dropped again ([`sse`]).
+//! A token past its budget answers 429 `insufficient_quota` with `x-should-retry:
+//! false`, for good; before that a completion's `max_tokens` is lowered to what is left.
 //!
 //! Deterministic requests (`temperature: 0` or a `seed`, not streamed; embeddings) are
 //! answered from a cache when an identical one was answered before, and identical ones
 //! at the same moment share one call upstream ([`cache`]). The `x-dsec-cache` header
-//! says which: `hit`, `miss`, `coalesced` or `bypass`. A hit counts against a key's
-//! requests per minute, not its tokens.
+//! says which: `hit`, `miss`, `coalesced` or `bypass`. A hit counts against a caller's
+//! requests per minute and its budget, not its tokens per minute.
 //!
 //! There is no HTTP server here: `dsec-http::gateway` maps routes onto this, as the
 //! `/v1` API maps onto `SandboxApi`.
 
 pub mod cache;
 pub mod config;
+pub mod grants;
 pub mod limits;
 pub mod openai;
 mod sse;
 mod upstream;
 
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -41,6 +49,8 @@ use futures::stream::{BoxStream, StreamExt};
 use cache::{Answer, Cache, CacheUse, Lookup};
 pub use cache::{CacheConfig, CacheStats};
 pub use config::{ApiKey, ConfigError, GatewayConfig, Limits, ModelConfig, UpstreamConfig};
+use grants::TokenCallers;
+pub use grants::{Grant, TokenAuthority, TokenError};
 use limits::{Admission, CallerLimits, Clock, Limited, Refusal};
 use openai::ErrorKind;
 use upstream::Upstreams;
@@ -118,8 +128,12 @@ pub struct GatewayStats {
     pub limited_tokens: u64,
     /// Requests refused by a concurrency limit.
     pub limited_concurrency: u64,
+    /// Requests refused because the caller's token budget is used up.
+    pub limited_budget: u64,
     /// Requests over their time limit (a 504, or a stream ended with an error).
     pub timed_out: u64,
+    /// Callers of sandbox tokens held now ([`Gateway::token_callers`]).
+    pub token_callers: u64,
     /// The response cache's counters.
     pub cache: CacheStats,
 }
@@ -130,6 +144,7 @@ pub(crate) struct Counters {
     limited_requests: AtomicU64,
     limited_tokens: AtomicU64,
     limited_concurrency: AtomicU64,
+    limited_budget: AtomicU64,
     timed_out: AtomicU64,
 }
 
@@ -139,6 +154,7 @@ impl Counters {
             Limited::Requests => &self.limited_requests,
             Limited::Tokens => &self.limited_tokens,
             Limited::Concurrency => &self.limited_concurrency,
+            Limited::Budget => &self.limited_budget,
         };
         c.fetch_add(1, Ordering::Relaxed);
     }
@@ -152,18 +168,40 @@ impl Counters {
             limited_requests: self.limited_requests.load(Ordering::Relaxed),
             limited_tokens: self.limited_tokens.load(Ordering::Relaxed),
             limited_concurrency: self.limited_concurrency.load(Ordering::Relaxed),
+            limited_budget: self.limited_budget.load(Ordering::Relaxed),
             timed_out: self.timed_out.load(Ordering::Relaxed),
+            token_callers: 0,
             cache: CacheStats::default(),
         }
     }
 }
 
-/// A caller key's holder: its name and where it stands against its limits.
+/// A caller key's or token's holder: its name, the models it may call, and where it
+/// stands against its limits.
 #[derive(Debug)]
 pub(crate) struct Caller {
     name: String,
+    /// Whose cached answers it shares: its name, apart for tokens and keys.
+    scope: String,
     limits: Arc<CallerLimits>,
     config: Limits,
+    /// The models it may call; `None`: all.
+    models: Option<BTreeSet<String>>,
+}
+
+impl Caller {
+    fn may_call(&self, model: &str) -> bool {
+        self.models.as_ref().is_none_or(|m| m.contains(model))
+    }
+}
+
+/// The limits' clock, kept for callers made later.
+struct DebugClock(Clock);
+
+impl std::fmt::Debug for DebugClock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Clock")
+    }
 }
 
 /// The gateway: configured models, their upstreams, and the keys allowed to call them
@@ -172,7 +210,9 @@ pub(crate) struct Caller {
 pub struct Gateway {
     config: GatewayConfig,
     upstreams: Arc<Upstreams>,
-    callers: Vec<Caller>,
+    callers: Vec<Arc<Caller>>,
+    tokens: Option<TokenCallers>,
+    clock: DebugClock,
     counters: Arc<Counters>,
     cache: Arc<Cache>,
 }
@@ -193,21 +233,39 @@ impl Gateway {
             .enumerate()
             .map(|(i, key)| {
                 let limits = config.limits_of(i);
-                Caller {
-                    name: key.caller_name(),
-                    limits: Arc::new(CallerLimits::new(limits, clock.clone())),
+                let name = key.caller_name();
+                Arc::new(Caller {
+                    scope: format!("key:{name}"),
+                    name,
+                    limits: Arc::new(CallerLimits::with_budget(limits, None, 0, clock.clone())),
                     config: limits,
-                }
+                    models: None,
+                })
             })
             .collect();
-        let cache = Arc::new(Cache::new(config.cache, clock));
+        let cache = Arc::new(Cache::new(config.cache, clock.clone()));
         Ok(Self {
             config,
             upstreams,
             callers,
+            tokens: None,
+            clock: DebugClock(clock),
             counters: Arc::default(),
             cache,
         })
+    }
+
+    /// This gateway also answering bearers that are not configured keys, when
+    /// `authority` grants them (sandbox tokens; see [`grants`]). A configured key is
+    /// always checked first.
+    pub fn with_authority(mut self, authority: Arc<dyn TokenAuthority>) -> Self {
+        self.tokens = Some(TokenCallers::new(authority, self.clock.0.clone()));
+        self
+    }
+
+    /// Callers of sandbox tokens held now: those used since the last sweep, or live.
+    pub fn token_callers(&self) -> usize {
+        self.tokens.as_ref().map_or(0, TokenCallers::len)
     }
 
     /// Its configuration.
@@ -219,34 +277,48 @@ impl Gateway {
     pub fn stats(&self) -> GatewayStats {
         GatewayStats {
             cache: self.cache.stats(),
+            token_callers: self.token_callers() as u64,
             ..self.counters.snapshot()
         }
     }
 
-    /// Checks the caller's bearer key; the error is the answer to give.
-    fn caller(&self, bearer: Option<&str>) -> Result<&Caller, Box<Reply>> {
-        let Some(key) = bearer else {
-            return Err(Box::new(openai::error(
-                401,
-                "no API key: send Authorization: Bearer KEY",
-                ErrorKind::InvalidRequest,
-                Some("invalid_api_key"),
-            )));
-        };
-        match self.config.find_key(key).and_then(|i| self.callers.get(i)) {
-            Some(caller) => Ok(caller),
-            None => Err(Box::new(openai::error(
-                401,
-                "the API key is not valid for this gateway",
-                ErrorKind::InvalidRequest,
-                Some("invalid_api_key"),
-            ))),
+    /// Checks the caller's bearer key: a configured key, else a token its authority
+    /// grants. The error is the answer to give.
+    fn caller(&self, bearer: Option<&str>) -> Result<Arc<Caller>, Box<Reply>> {
+        let key = bearer.ok_or_else(no_key)?;
+        if let Some(caller) = self.config.find_key(key).and_then(|i| self.callers.get(i)) {
+            return Ok(caller.clone());
         }
+        let Some(tokens) = &self.tokens else {
+            return Err(Box::new(token_refused(TokenError::Unknown)));
+        };
+        tokens
+            .caller(key, &self.config.default_limits)
+            .map_err(|e| Box::new(token_refused(e)))
     }
 
-    /// Checks the caller's bearer key; the error is the answer to give.
+    /// Checks that the bearer is one of the configured keys (an operator's): what only
+    /// they may see, such as the counters of every caller. A sandbox token gets a 403.
+    /// The error is the answer to give.
     pub fn authorize(&self, bearer: Option<&str>) -> Result<(), Box<Reply>> {
-        self.caller(bearer).map(|_| ())
+        let key = bearer.ok_or_else(no_key)?;
+        if self.config.find_key(key).is_some() {
+            return Ok(());
+        }
+        if self.tokens.as_ref().is_some_and(|t| t.knows(key)) {
+            return Err(Box::new(openai::error(
+                403,
+                "a sandbox token may not read this: ask with one of the gateway's configured keys",
+                ErrorKind::PermissionDenied,
+                Some("permission_denied"),
+            )));
+        }
+        Err(Box::new(token_refused(TokenError::Unknown)))
+    }
+
+    /// Whether `caller` may call `model`: a configured one, and one it was given.
+    fn serves(&self, caller: &Caller, model: &str) -> bool {
+        self.config.models.contains_key(model) && caller.may_call(model)
     }
 
     /// Answers a request of `route` with JSON `body`, from a caller holding `bearer`.
@@ -261,13 +333,13 @@ impl Gateway {
             Ok(c) => c,
             Err(reply) => return *reply,
         };
-        let request = match openai::RequestView::parse(&body) {
+        let mut request = match openai::RequestView::parse(&body) {
             Ok(r) => r,
             Err(message) => {
                 return openai::error(400, message, ErrorKind::InvalidRequest, None);
             }
         };
-        if !self.config.models.contains_key(&request.model) {
+        if !self.serves(&caller, &request.model) {
             return openai::model_not_found(&request.model);
         }
         let mut admission = match caller.limits.admit() {
@@ -275,10 +347,23 @@ impl Gateway {
             Err(refusal) => {
                 self.counters.refused(refusal.limit);
                 tracing::debug!(caller = %caller.name, limit = ?refusal.limit, wait = ?refusal.retry_after, "over a limit");
-                return refused(caller, refusal);
+                return refused(&caller, refusal);
             }
         };
         admission.add_bytes(body.len());
+        // A completion may not spend more than the budget has left (before the cache
+        // key is made: the key is of what goes upstream).
+        let unnamed_below = match route {
+            Route::ChatCompletions => Some(openai::UNNAMED_COMPLETION_CLAMP),
+            Route::Completions => Some(openai::COMPLETIONS_DEFAULT_MAX_TOKENS),
+            Route::Embeddings => None,
+        };
+        let body = match (admission.budget_left(), unnamed_below) {
+            (Some(left), Some(below)) if request.clamp_completion(left, below) => {
+                request.to_bytes()
+            }
+            _ => body,
+        };
         let deadline = caller
             .limits
             .timeout()
@@ -296,10 +381,10 @@ impl Gateway {
                 .push((CACHE_HEADER.into(), CacheUse::Bypass.as_str().into()));
             return reply;
         }
-        let key = cache::key(&caller.name, route, &request.model, &request.body);
+        let key = cache::key(&caller.scope, route, &request.model, &request.body);
         let (mut waiter, used) = match self.cache.lookup(key) {
             Lookup::Hit(answer) => {
-                admission.forgive();
+                admission.answered_without_call(answer_tokens(&answer));
                 return answer_reply(&answer, CacheUse::Hit);
             }
             Lookup::Wait(waiter) => (waiter, CacheUse::Coalesced),
@@ -331,13 +416,15 @@ impl Gateway {
                 Some("upstream_error"),
             );
         };
-        // The tokens are the leader's to pay; those who waited used none upstream.
+        // The tokens are the leader's to pay; those who waited used none upstream (but
+        // spent their budget on the answer).
         match (used, answer.usage) {
             (CacheUse::Miss, Some(tokens)) => admission.record_usage(tokens),
             (CacheUse::Miss, None) if (200..300).contains(&answer.status) => {
                 admission.add_bytes(answer.body.len());
             }
-            _ => admission.forgive(),
+            (CacheUse::Miss, _) => admission.forgive(),
+            _ => admission.answered_without_call(answer_tokens(&answer)),
         }
         answer_reply(&answer, used)
     }
@@ -406,22 +493,30 @@ impl Gateway {
         }
     }
 
-    /// `GET /v1/models`: the public model names.
+    /// `GET /v1/models`: the public model names the caller may call.
     pub fn list_models(&self, bearer: Option<&str>) -> Reply {
-        if let Err(reply) = self.authorize(bearer) {
-            return *reply;
-        }
-        let data: Vec<serde_json::Value> =
-            self.config.models.keys().map(|m| model_entry(m)).collect();
+        let caller = match self.caller(bearer) {
+            Ok(c) => c,
+            Err(reply) => return *reply,
+        };
+        let data: Vec<serde_json::Value> = self
+            .config
+            .models
+            .keys()
+            .filter(|m| caller.may_call(m))
+            .map(|m| model_entry(m))
+            .collect();
         openai::json(200, &serde_json::json!({"object": "list", "data": data}))
     }
 
-    /// `GET /v1/models/{id}`.
+    /// `GET /v1/models/{id}`: 404 for a model the caller may not call, as for one that
+    /// does not exist.
     pub fn get_model(&self, bearer: Option<&str>, id: &str) -> Reply {
-        if let Err(reply) = self.authorize(bearer) {
-            return *reply;
-        }
-        if !self.config.models.contains_key(id) {
+        let caller = match self.caller(bearer) {
+            Ok(c) => c,
+            Err(reply) => return *reply,
+        };
+        if !self.serves(&caller, id) {
             return openai::model_not_found(id);
         }
         openai::json(200, &model_entry(id))
@@ -473,10 +568,61 @@ fn answer_reply(answer: &Answer, used: CacheUse) -> Reply {
     }
 }
 
+/// The tokens an answer that came without a call is worth to a budget: its usage, else
+/// a quarter token per byte; nothing for an error.
+fn answer_tokens(answer: &Answer) -> u64 {
+    if !(200..300).contains(&answer.status) {
+        return 0;
+    }
+    answer
+        .usage
+        .unwrap_or_else(|| (answer.body.len() as u64).div_ceil(4))
+}
+
+/// The 401 for a request without a key.
+fn no_key() -> Box<Reply> {
+    Box::new(openai::error(
+        401,
+        "no API key: send Authorization: Bearer KEY",
+        ErrorKind::InvalidRequest,
+        Some("invalid_api_key"),
+    ))
+}
+
+/// The answer for a bearer that is neither a configured key nor a granted token.
+fn token_refused(e: TokenError) -> Reply {
+    match e {
+        TokenError::Unknown => openai::error(
+            401,
+            e.to_string(),
+            ErrorKind::InvalidRequest,
+            Some("invalid_api_key"),
+        ),
+        TokenError::Denied(m) => openai::error(
+            403,
+            m,
+            ErrorKind::PermissionDenied,
+            Some("permission_denied"),
+        ),
+        TokenError::Unavailable(m) => {
+            openai::error(503, m, ErrorKind::Api, Some("auth_unavailable"))
+        }
+    }
+}
+
 /// The 429 for a caller over one of its limits.
 fn refused(caller: &Caller, refusal: Refusal) -> Reply {
     let wait = refusal.retry_after.min(openai::MAX_RETRY_AFTER);
     let (what, limit, kind) = match refusal.limit {
+        Limited::Budget => {
+            return openai::insufficient_quota(format!(
+                "{} has used up its budget of {} model tokens ({} spent); no more \
+                 requests will be answered",
+                caller.name,
+                caller.limits.budget().unwrap_or(0),
+                caller.limits.spent()
+            ));
+        }
         Limited::Requests => (
             "requests per minute (RPM)",
             caller.config.rpm.map(u64::from),

@@ -11,6 +11,9 @@
 //!   bursts at window edges, and the exact wait is known.
 //! - Concurrency: a semaphore; the permit lives in the [`Admission`], which the answer
 //!   holds until its body (a stream too) has ended or was dropped.
+//! - Budget (sandbox tokens, [`crate::grants`]): the model tokens spent in all, charged
+//!   as the tokens bucket is and also for answers from the cache; once spent reaches
+//!   the budget every request is refused, for good.
 //!
 //! Time comes from a [`Clock`], so tests move it by hand.
 
@@ -104,6 +107,8 @@ pub enum Limited {
     Tokens,
     /// Requests in flight at once.
     Concurrency,
+    /// The token budget, used up (never paid back).
+    Budget,
 }
 
 /// A request refused by a limit.
@@ -125,11 +130,14 @@ struct State {
     tokens: Option<Bucket>,
     /// Moving average of request times, seconds.
     typical_s: Option<f64>,
+    /// Model tokens spent in all (counted against the budget).
+    spent: u64,
 }
 
 /// One caller's limits and where it stands against them.
 pub(crate) struct CallerLimits {
     limits: Limits,
+    budget: Option<u64>,
     clock: Clock,
     state: Mutex<State>,
     in_flight: Option<Arc<Semaphore>>,
@@ -139,12 +147,25 @@ impl std::fmt::Debug for CallerLimits {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CallerLimits")
             .field("limits", &self.limits)
+            .field("budget", &self.budget)
             .finish_non_exhaustive()
     }
 }
 
 impl CallerLimits {
+    /// Limits without a budget.
+    #[cfg(test)]
     pub(crate) fn new(limits: Limits, clock: Clock) -> Self {
+        Self::with_budget(limits, None, 0, clock)
+    }
+
+    /// Limits, and a budget of model tokens of which `spent` are spent already.
+    pub(crate) fn with_budget(
+        limits: Limits,
+        budget: Option<u64>,
+        spent: u64,
+        clock: Clock,
+    ) -> Self {
         let now = clock();
         let requests = limits.rpm.map(|rpm| {
             let burst = limits.burst.unwrap_or(rpm);
@@ -158,11 +179,13 @@ impl CallerLimits {
             .map(|n| Arc::new(Semaphore::new(n as usize)));
         Self {
             limits,
+            budget,
             clock,
             state: Mutex::new(State {
                 requests,
                 tokens,
                 typical_s: None,
+                spent,
             }),
             in_flight,
         }
@@ -175,6 +198,16 @@ impl CallerLimits {
             .and_then(|s| Duration::try_from_secs_f64(s).ok())
     }
 
+    /// The budget of model tokens, if any.
+    pub(crate) fn budget(&self) -> Option<u64> {
+        self.budget
+    }
+
+    /// Model tokens spent so far.
+    pub(crate) fn spent(&self) -> u64 {
+        self.state().spent
+    }
+
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -184,6 +217,16 @@ impl CallerLimits {
     pub(crate) fn admit(self: &Arc<Self>) -> Result<Admission, Refusal> {
         let now = (self.clock)();
         let mut state = self.state();
+        let budget_left = match self.budget {
+            None => None,
+            Some(budget) if state.spent >= budget => {
+                return Err(Refusal {
+                    limit: Limited::Budget,
+                    retry_after: Duration::ZERO,
+                });
+            }
+            Some(budget) => Some(budget - state.spent),
+        };
         if let Some(tokens) = &mut state.tokens {
             tokens.check(now).map_err(|wait| Refusal {
                 limit: Limited::Tokens,
@@ -215,18 +258,21 @@ impl CallerLimits {
             usage: None,
             bytes: 0,
             charge: true,
+            without_call: 0,
+            budget_left,
         })
     }
 
-    /// Charges `tokens` to the tokens bucket; learns the request's time if it was a
-    /// call upstream (not a cache hit, nor refused there), which is what a request
-    /// waiting for a concurrency permit waits on.
-    fn settle(&self, tokens: u64, started: Duration, learn: bool) {
+    /// Charges `tokens` to the tokens bucket and `spent` to the budget; learns the
+    /// request's time if it was a call upstream (not a cache hit, nor refused there),
+    /// which is what a request waiting for a concurrency permit waits on.
+    fn settle(&self, tokens: u64, spent: u64, started: Duration, learn: bool) {
         let now = (self.clock)();
         let mut state = self.state();
         if let Some(bucket) = &mut state.tokens {
             bucket.charge(now, tokens as f64);
         }
+        state.spent = state.spent.saturating_add(spent);
         if learn {
             let took = now.saturating_sub(started).as_secs_f64();
             state.typical_s = Some(match state.typical_s {
@@ -248,6 +294,9 @@ pub(crate) struct Admission {
     usage: Option<u64>,
     bytes: u64,
     charge: bool,
+    /// Tokens of an answer that came without a call (the cache), charged to the budget.
+    without_call: u64,
+    budget_left: Option<u64>,
 }
 
 impl Admission {
@@ -267,6 +316,20 @@ impl Admission {
         self.charge = false;
     }
 
+    /// Answered without a call upstream (from the cache, or another request's call),
+    /// with an answer worth `tokens`: nothing is charged to the tokens per minute, which
+    /// protect the upstream, but `tokens` are to the budget, which is what the caller
+    /// may consume.
+    pub(crate) fn answered_without_call(&mut self, tokens: u64) {
+        self.charge = false;
+        self.without_call = tokens;
+    }
+
+    /// What was left of the budget when the request was let in (`None`: no budget).
+    pub(crate) fn budget_left(&self) -> Option<u64> {
+        self.budget_left
+    }
+
     /// Tokens it will be charged when dropped.
     pub(crate) fn tokens(&self) -> u64 {
         if !self.charge {
@@ -278,7 +341,13 @@ impl Admission {
 
 impl Drop for Admission {
     fn drop(&mut self) {
-        self.caller.settle(self.tokens(), self.started, self.charge);
+        let tokens = self.tokens();
+        let spent = if self.charge {
+            tokens
+        } else {
+            self.without_call
+        };
+        self.caller.settle(tokens, spent, self.started, self.charge);
     }
 }
 
@@ -372,6 +441,48 @@ pub(crate) mod tests {
         d.forgive();
         drop(d);
         drop(caller.admit().expect("not charged"));
+    }
+
+    #[test]
+    fn a_budget_is_spent_by_calls_and_cached_answers_and_then_refuses() {
+        let (clock, ms) = manual_clock();
+        let caller = Arc::new(CallerLimits::with_budget(
+            limits(None, None, Some(600)),
+            Some(100),
+            10,
+            clock,
+        ));
+        let mut a = caller.admit().expect("in");
+        assert_eq!(a.budget_left(), Some(90));
+        a.record_usage(50);
+        drop(a);
+        // From the cache: the budget pays, the tokens per minute do not.
+        let mut hit = caller.admit().expect("in");
+        assert_eq!(hit.budget_left(), Some(40));
+        hit.answered_without_call(40);
+        drop(hit);
+        assert_eq!(caller.spent(), 100);
+        let refused = caller.admit().expect_err("used up");
+        assert_eq!(
+            (refused.limit, refused.retry_after),
+            (Limited::Budget, Duration::ZERO)
+        );
+        ms.fetch_add(3_600_000, Ordering::SeqCst);
+        assert_eq!(caller.admit().expect_err("for good").limit, Limited::Budget);
+        // Without a budget, an answer from the cache costs nothing.
+        let unbudgeted = Arc::new(CallerLimits::new(limits(None, None, Some(60)), {
+            let (c, _) = manual_clock();
+            c
+        }));
+        let mut hit = unbudgeted.admit().expect("in");
+        assert_eq!(hit.budget_left(), None);
+        hit.answered_without_call(1000);
+        drop(hit);
+        drop(
+            unbudgeted
+                .admit()
+                .expect("a hit costs no tokens per minute"),
+        );
     }
 
     #[test]

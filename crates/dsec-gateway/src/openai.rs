@@ -24,6 +24,11 @@ pub enum ErrorKind {
     Requests,
     /// Too many model tokens (`tokens`, as OpenAI's own 429s say of their TPM limit).
     Tokens,
+    /// A budget used up (`insufficient_quota`, as OpenAI says of an account out of
+    /// credit).
+    InsufficientQuota,
+    /// A caller known but not allowed this (`permission_denied`).
+    PermissionDenied,
 }
 
 impl ErrorKind {
@@ -33,6 +38,8 @@ impl ErrorKind {
             ErrorKind::Api => "api_error",
             ErrorKind::Requests => "requests",
             ErrorKind::Tokens => "tokens",
+            ErrorKind::InsufficientQuota => "insufficient_quota",
+            ErrorKind::PermissionDenied => "permission_denied",
         }
     }
 }
@@ -67,6 +74,22 @@ pub fn timed_out(limit: Duration) -> Reply {
         ),
         ErrorKind::Api,
         Some("timeout"),
+    );
+    reply
+        .headers
+        .push(("x-should-retry".into(), "false".into()));
+    reply
+}
+
+/// A 429 for a caller whose token budget is used up: `type` and `code`
+/// `insufficient_quota`, and `x-should-retry: false` with no `retry-after`, so the SDKs
+/// raise it at once instead of retrying what will not pass again.
+pub fn insufficient_quota(message: impl Into<String>) -> Reply {
+    let mut reply = error(
+        429,
+        message,
+        ErrorKind::InsufficientQuota,
+        Some("insufficient_quota"),
     );
     reply
         .headers
@@ -166,6 +189,15 @@ pub fn usage_tokens(body: &[u8]) -> Option<u64> {
         .tokens()
 }
 
+/// Below this many tokens of budget left, a chat request that names no completion limit
+/// is given one ([`RequestView::clamp_completion`]); 4096 is within every current
+/// model's completion cap.
+pub const UNNAMED_COMPLETION_CLAMP: u64 = 4096;
+
+/// `max_tokens` of a (legacy) completions request that names none, at OpenAI and vLLM
+/// alike: a clamp above it would raise what the request gets.
+pub const COMPLETIONS_DEFAULT_MAX_TOKENS: u64 = 16;
+
 /// What the gateway reads of a request body.
 #[derive(Debug, Clone)]
 pub struct RequestView {
@@ -224,6 +256,40 @@ impl RequestView {
         }
         options.insert("include_usage".into(), Value::Bool(true));
         true
+    }
+
+    /// Keeps a completion within `left` model tokens (what is left of a budget): a
+    /// `max_tokens` or `max_completion_tokens` above `left / n` (`n` choices) is lowered
+    /// to it. A request naming neither gets `max_tokens` only when that is below
+    /// `unnamed_below`: for chat [`UNNAMED_COMPLETION_CLAMP`], since a larger one than
+    /// the model's context leaves room for is an error at some upstreams (vLLM checks
+    /// prompt plus `max_tokens` against its context) where the unclamped request would
+    /// have passed; for completions [`COMPLETIONS_DEFAULT_MAX_TOKENS`], their default.
+    /// True if the body changed.
+    pub fn clamp_completion(&mut self, left: u64, unnamed_below: u64) -> bool {
+        let n = self
+            .body
+            .get("n")
+            .and_then(Value::as_u64)
+            .unwrap_or(1)
+            .max(1);
+        let per = (left / n).max(1);
+        let mut named = false;
+        let mut changed = false;
+        for field in ["max_tokens", "max_completion_tokens"] {
+            if let Some(v) = self.body.get(field).and_then(Value::as_u64) {
+                named = true;
+                if v > per {
+                    self.body.insert(field.into(), Value::from(per));
+                    changed = true;
+                }
+            }
+        }
+        if !named && per < unnamed_below {
+            self.body.insert("max_tokens".into(), Value::from(per));
+            changed = true;
+        }
+        changed
     }
 
     /// The body as JSON text.
@@ -299,6 +365,48 @@ mod tests {
         let mut r = RequestView::parse(br#"{"model":"m","stream_options":{"include_usage":true}}"#)
             .expect("parse");
         assert!(!r.ask_stream_usage(), "not a stream");
+        // A budget's clamp lowers what the request names, never raises it.
+        let clamp = |body: &[u8], left: u64| {
+            let mut r = RequestView::parse(body).expect("parse");
+            let changed = r.clamp_completion(left, UNNAMED_COMPLETION_CLAMP);
+            (changed, r.body)
+        };
+        let (changed, b) = clamp(br#"{"model":"m","max_tokens":500}"#, 100);
+        assert!(changed);
+        assert_eq!(b["max_tokens"], 100);
+        let (changed, b) = clamp(br#"{"model":"m","max_completion_tokens":50}"#, 100);
+        assert!(!changed);
+        assert_eq!(b["max_completion_tokens"], 50);
+        assert!(
+            !b.contains_key("max_tokens"),
+            "one named: the other not added"
+        );
+        let (_, b) = clamp(
+            br#"{"model":"m","max_tokens":500,"max_completion_tokens":500,"n":4}"#,
+            100,
+        );
+        assert_eq!(
+            (
+                b["max_tokens"].as_u64(),
+                b["max_completion_tokens"].as_u64()
+            ),
+            (Some(25), Some(25))
+        );
+        let (changed, b) = clamp(br#"{"model":"m"}"#, 10_000);
+        assert!(
+            !changed && !b.contains_key("max_tokens"),
+            "plenty left: untouched"
+        );
+        let (changed, b) = clamp(br#"{"model":"m","max_tokens":null}"#, 300);
+        assert!(changed);
+        assert_eq!(b["max_tokens"], 300);
+        let (_, b) = clamp(br#"{"model":"m","n":8}"#, 3);
+        assert_eq!(b["max_tokens"], 1, "at least one token each");
+        // A completion's own default (16) is never raised.
+        let mut r = RequestView::parse(br#"{"model":"m","prompt":"p"}"#).expect("parse");
+        assert!(!r.clamp_completion(100, COMPLETIONS_DEFAULT_MAX_TOKENS));
+        assert!(r.clamp_completion(10, COMPLETIONS_DEFAULT_MAX_TOKENS));
+        assert_eq!(r.body["max_tokens"], 10);
         for bad in [
             &b"nope"[..],
             b"[]",

@@ -4,7 +4,8 @@
 //! unknown route, a panic) are answered in OpenAI's error shape too, so the `openai`
 //! SDKs raise their typed exceptions for them. Accepted sockets send small writes at
 //! once (`TCP_NODELAY`): an SSE chunk must not wait for the next. `GET /metrics` (for a
-//! caller with a gateway key) gives the gateway's counters in Prometheus text.
+//! caller with a configured gateway key; a sandbox token gets 403) gives the gateway's
+//! counters in Prometheus text.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -180,12 +181,19 @@ pub fn render_metrics(s: &GatewayStats) -> String {
     family(
         "dsec_gateway_limited_total",
         "counter",
-        "Requests refused (429) by a caller key's limit.",
+        "Requests refused (429) by a caller's limit or used-up token budget.",
         &[
             ("{limit=\"requests\"}", s.limited_requests),
             ("{limit=\"tokens\"}", s.limited_tokens),
             ("{limit=\"concurrency\"}", s.limited_concurrency),
+            ("{limit=\"budget\"}", s.limited_budget),
         ],
+    );
+    family(
+        "dsec_gateway_token_callers",
+        "gauge",
+        "Callers of sandbox tokens held (used since the last sweep of gone tokens).",
+        &[("", s.token_callers)],
     );
     family(
         "dsec_gateway_timeouts_total",

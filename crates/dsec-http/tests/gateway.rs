@@ -3,14 +3,18 @@
 //! past an upstream that cannot be reached, OpenAI-shaped errors for bad input, a
 //! caller that goes away mid-stream cutting the upstream request too, and the limits of
 //! caller keys (429s with their retry headers, the concurrency cap, time limits), and
-//! the response cache with the coalescing of identical requests.
+//! the response cache with the coalescing of identical requests, and sandbox tokens
+//! granted by a token authority (their models, their budget).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dsec_gateway::{ApiKey, Gateway, GatewayConfig, Limits, ModelConfig, UpstreamConfig};
+use dsec_gateway::{
+    ApiKey, Gateway, GatewayConfig, Grant, Limits, ModelConfig, TokenAuthority, TokenError,
+    UpstreamConfig,
+};
 use dsec_testkit::openai::FakeOpenAi;
 use futures::StreamExt;
 use serde_json::{json, Value};
@@ -48,6 +52,29 @@ fn limited(key: &str, limits: Limits) -> ApiKey {
 
 /// The gateway with [`KEY`] and `keys`.
 async fn setup_with(keys: Vec<ApiKey>) -> Setup {
+    setup_full(keys, None).await
+}
+
+/// One sandbox token, `sandbox-token`, with `grant`.
+#[derive(Debug)]
+struct OneToken(Grant);
+
+impl TokenAuthority for OneToken {
+    fn grant(&self, bearer: &str) -> Result<Grant, TokenError> {
+        if bearer == "sandbox-token" {
+            Ok(self.0.clone())
+        } else {
+            Err(TokenError::Unknown)
+        }
+    }
+
+    fn is_live(&self, token_id: &str) -> bool {
+        token_id == self.0.id
+    }
+}
+
+/// The gateway with [`KEY`] and `keys`, and sandbox tokens from `authority`.
+async fn setup_full(keys: Vec<ApiKey>, authority: Option<Arc<dyn TokenAuthority>>) -> Setup {
     let fake = FakeOpenAi::start(&["real-policy"])
         .await
         .expect("fake upstream");
@@ -80,7 +107,11 @@ async fn setup_with(keys: Vec<ApiKey>) -> Setup {
         connect_timeout_s: 2.0,
         ..GatewayConfig::default()
     };
-    let gateway = Arc::new(Gateway::new(config).expect("gateway"));
+    let mut gateway = Gateway::new(config).expect("gateway");
+    if let Some(authority) = authority {
+        gateway = gateway.with_authority(authority);
+    }
+    let gateway = Arc::new(gateway);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -726,4 +757,79 @@ async fn a_shared_call_ends_when_every_caller_waiting_on_it_has_gone() {
     })
     .await;
     c.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_token_calls_its_models_until_its_budget_is_spent() {
+    let grant = Grant {
+        id: "tok1".into(),
+        name: "acme/sb-1".into(),
+        models: Some(vec!["policy".into()]),
+        budget_tokens: Some(30),
+        ..Grant::default()
+    };
+    let s = setup_full(Vec::new(), Some(Arc::new(OneToken(grant)))).await;
+    let tok = "sandbox-token";
+    let get = |path: &str, key: &str| {
+        let req = s
+            .client
+            .get(format!("{}{path}", s.base.trim_end_matches("/v1")))
+            .bearer_auth(key);
+        async move {
+            let resp = req.send().await.expect("send");
+            (resp.status().as_u16(), resp.text().await.expect("text"))
+        }
+    };
+    let (status, list) = get("/v1/models", tok).await;
+    assert_eq!(status, 200);
+    let list: Value = serde_json::from_str(&list).expect("json");
+    assert_eq!(list["data"].as_array().map(Vec::len), Some(1), "{list}");
+    assert_eq!(list["data"][0]["id"], "policy");
+    assert_eq!(get("/v1/models/failover", tok).await.0, 404);
+    let (status, _, r) = s
+        .post_as(tok, "/chat/completions", chat("failover", "x"))
+        .await;
+    assert_eq!(
+        (status, r["error"]["code"].as_str()),
+        (404, Some("model_not_found"))
+    );
+    assert_eq!(
+        get("/metrics", tok).await.0,
+        403,
+        "the counters are the operator's"
+    );
+
+    // 20 words of prompt and 21 of answer: past the budget of 30 in one call (its
+    // completion clamped to 30 tokens, which the fake ignores).
+    let (status, _, r) = s
+        .post_as(tok, "/chat/completions", chat("policy", &"w ".repeat(20)))
+        .await;
+    assert_eq!(status, 200, "{r}");
+    let calls = s.fake.stats.total();
+    let (status, headers, r) = s
+        .post_as(tok, "/chat/completions", chat("policy", "more"))
+        .await;
+    assert_eq!(status, 429, "{r}");
+    assert_eq!(
+        (r["error"]["type"].as_str(), r["error"]["code"].as_str()),
+        (Some("insufficient_quota"), Some("insufficient_quota"))
+    );
+    assert_eq!(header(&headers, "x-should-retry"), "false");
+    assert_eq!(header(&headers, "retry-after"), "");
+    assert_eq!(s.fake.stats.total(), calls, "not sent upstream");
+    // The operator's key is another caller.
+    assert_eq!(
+        s.post("/chat/completions", chat("policy", "more")).await.0,
+        200
+    );
+    let (status, metrics) = get("/metrics", KEY).await;
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("dsec_gateway_limited_total{limit=\"budget\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("dsec_gateway_token_callers 1"),
+        "{metrics}"
+    );
 }

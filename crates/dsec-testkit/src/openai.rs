@@ -44,6 +44,8 @@ pub struct FakeStats {
     pub last_auth: Mutex<Option<String>>,
     /// The `model` of the last request.
     pub last_model: Mutex<Option<String>>,
+    /// The body of the last request (to check what a proxy changed in it).
+    pub last_body: Mutex<Option<Value>>,
 }
 
 impl FakeStats {
@@ -192,6 +194,9 @@ impl Held {
         }
         if let Ok(mut m) = stats.last_model.lock() {
             *m = body["model"].as_str().map(str::to_string);
+        }
+        if let Ok(mut b) = stats.last_body.lock() {
+            *b = Some(body.clone());
         }
         let now = stats.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
         stats.max_in_flight.fetch_max(now, Ordering::Relaxed);

@@ -1,0 +1,198 @@
+//! Callers that are not in the configuration: sandbox tokens, minted and revoked
+//! elsewhere (the control plane; `dsec-iam` holds them) and known here through a
+//! [`TokenAuthority`]. The gateway asks it on every request with a bearer that is not
+//! one of its `api_keys`, so a token stops working the moment the authority forgets it
+//! (its sandbox deleted).
+//!
+//! What the authority answers is a [`Grant`]: the models the token may call, its limits
+//! and its budget of model tokens. Its caller (buckets, concurrency permits, tokens
+//! spent) is made on the token's first request and kept by token id; callers whose
+//! token the authority no longer knows are swept out (at most once a second after a
+//! refused token, once a minute anyway, and whenever the map has doubled since the
+//! last sweep), so the map holds about the live tokens that were used.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use crate::config::Limits;
+use crate::limits::{CallerLimits, Clock};
+use crate::Caller;
+
+/// What a sandbox token may do, as its [`TokenAuthority`] says.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Grant {
+    /// The token's stable id (never the secret): its caller is kept under it.
+    pub id: String,
+    /// Who holds it, for logs and the response cache's scope (`tenant/sandbox`).
+    pub name: String,
+    /// The public model names it may call; `None`: every configured model. A model it
+    /// may not call answers as a model that does not exist.
+    pub models: Option<Vec<String>>,
+    /// Its limits; what they leave unset comes from the configuration's
+    /// `default_limits`, as for a configured key.
+    pub limits: Limits,
+    /// Model tokens it may spend in all (prompt and completion, answers from the cache
+    /// included); `None`: no budget.
+    pub budget_tokens: Option<u64>,
+}
+
+/// Why a [`TokenAuthority`] gives no grant for a bearer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TokenError {
+    /// Not a token it knows (malformed, wrong, revoked, its sandbox gone): a 401.
+    #[error("the API key is not valid for this gateway")]
+    Unknown,
+    /// A token it knows that may not be used now (its tenant disabled): a 403.
+    #[error("{0}")]
+    Denied(String),
+    /// It cannot tell now (its view of the store is stale): a 503, which SDKs retry.
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+/// Where the gateway learns what a bearer that is not a configured key may do. Called
+/// on every such request, so it answers from memory.
+pub trait TokenAuthority: Send + Sync + std::fmt::Debug {
+    /// The grant of the token `bearer`.
+    fn grant(&self, bearer: &str) -> Result<Grant, TokenError>;
+
+    /// Whether the token with id `token_id` still exists (its caller is dropped when
+    /// not).
+    fn is_live(&self, token_id: &str) -> bool;
+}
+
+/// Time between sweeps at least once the map is in use.
+const SWEEP_EVERY: Duration = Duration::from_secs(60);
+/// Time between sweeps set off by refused tokens (a token just revoked).
+const SWEEP_AFTER_REFUSAL: Duration = Duration::from_secs(1);
+/// Callers held before growth alone sets off a sweep.
+const MIN_HIGH_WATER: usize = 1024;
+
+/// The callers of tokens, by token id, each with the grant it was made from.
+pub(crate) struct TokenCallers {
+    authority: Arc<dyn TokenAuthority>,
+    clock: Clock,
+    state: Mutex<MapState>,
+}
+
+impl std::fmt::Debug for TokenCallers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenCallers")
+            .field("authority", &self.authority)
+            .field("callers", &self.len())
+            .finish_non_exhaustive()
+    }
+}
+
+struct MapState {
+    callers: HashMap<String, (Grant, Arc<Caller>)>,
+    swept_at: Duration,
+    /// Size past which the next insert sweeps.
+    high_water: usize,
+}
+
+impl TokenCallers {
+    pub(crate) fn new(authority: Arc<dyn TokenAuthority>, clock: Clock) -> Self {
+        let now = clock();
+        Self {
+            authority,
+            clock,
+            state: Mutex::new(MapState {
+                callers: HashMap::new(),
+                swept_at: now,
+                high_water: MIN_HIGH_WATER,
+            }),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, MapState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether `bearer` is a token the authority knows.
+    pub(crate) fn knows(&self, bearer: &str) -> bool {
+        self.authority.grant(bearer).is_ok()
+    }
+
+    /// The caller of token `bearer`, made from its grant on first use (and again when
+    /// the grant changed, the tokens spent carried over).
+    pub(crate) fn caller(
+        &self,
+        bearer: &str,
+        defaults: &Limits,
+    ) -> Result<Arc<Caller>, TokenError> {
+        let grant = match self.authority.grant(bearer) {
+            Ok(g) => g,
+            Err(e) => {
+                let now = (self.clock)();
+                let mut state = self.state();
+                // A token just revoked: its caller goes soon. (Not when the authority
+                // cannot tell: it may not know what is live either.)
+                if e == TokenError::Unknown
+                    && now.saturating_sub(state.swept_at) >= SWEEP_AFTER_REFUSAL
+                {
+                    self.sweep(&mut state, now);
+                }
+                return Err(e);
+            }
+        };
+        let mut state = self.state();
+        let spent = match state.callers.get(&grant.id) {
+            Some((held, caller)) if *held == grant => return Ok(caller.clone()),
+            Some((_, caller)) => caller.limits.spent(),
+            None => 0,
+        };
+        let caller = Arc::new(self.caller_of(&grant, defaults, spent));
+        state
+            .callers
+            .insert(grant.id.clone(), (grant, caller.clone()));
+        let now = (self.clock)();
+        if state.callers.len() > state.high_water
+            || now.saturating_sub(state.swept_at) >= SWEEP_EVERY
+        {
+            self.sweep(&mut state, now);
+        }
+        Ok(caller)
+    }
+
+    fn caller_of(&self, grant: &Grant, defaults: &Limits, spent: u64) -> Caller {
+        let limits = grant.limits.or(defaults);
+        Caller {
+            name: grant.name.clone(),
+            scope: format!("token:{}", grant.name),
+            limits: Arc::new(CallerLimits::with_budget(
+                limits,
+                grant.budget_tokens,
+                spent,
+                self.clock.clone(),
+            )),
+            config: limits,
+            models: grant
+                .models
+                .as_ref()
+                .map(|m| m.iter().cloned().collect::<BTreeSet<_>>()),
+        }
+    }
+
+    /// Drops the callers of tokens the authority no longer knows.
+    fn sweep(&self, state: &mut MapState, now: Duration) {
+        let before = state.callers.len();
+        state.callers.retain(|id, _| self.authority.is_live(id));
+        state.swept_at = now;
+        state.high_water = (state.callers.len() * 2).max(MIN_HIGH_WATER);
+        let dropped = before - state.callers.len();
+        if dropped > 0 {
+            tracing::debug!(
+                dropped,
+                live = state.callers.len(),
+                "callers of gone tokens dropped"
+            );
+        }
+    }
+
+    /// Callers held now.
+    pub(crate) fn len(&self) -> usize {
+        self.state().callers.len()
+    }
+}

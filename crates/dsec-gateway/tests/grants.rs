@@ -1,0 +1,473 @@
+//! Sandbox tokens: callers granted by a [`TokenAuthority`] (here an in-memory map) in
+//! front of the fake OpenAI upstream, through [`Gateway::handle`]: the token works and
+//! stops working when forgotten, its callers are swept, its models are its only ones,
+//! its limits are its own, and its budget is spent, clamped and then refused.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use dsec_gateway::limits::Clock;
+use dsec_gateway::{
+    openai, CallOptions, Gateway, GatewayConfig, Grant, Limits, ModelConfig, Reply, ReplyBody,
+    Route, TokenAuthority, TokenError, UpstreamConfig,
+};
+use dsec_testkit::openai::FakeOpenAi;
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+const KEY: &str = "operator-key";
+
+/// Grants by bearer (`secret-<id>`).
+#[derive(Debug, Default)]
+struct Authority {
+    grants: Mutex<HashMap<String, Grant>>,
+    stale: AtomicBool,
+}
+
+impl Authority {
+    fn add(&self, grant: Grant) -> String {
+        let bearer = format!("secret-{}", grant.id);
+        self.grants
+            .lock()
+            .expect("lock")
+            .insert(bearer.clone(), grant);
+        bearer
+    }
+
+    fn forget(&self, id: &str) {
+        self.grants
+            .lock()
+            .expect("lock")
+            .remove(&format!("secret-{id}"));
+    }
+}
+
+impl TokenAuthority for Authority {
+    fn grant(&self, bearer: &str) -> Result<Grant, TokenError> {
+        if self.stale.load(Ordering::SeqCst) {
+            return Err(TokenError::Unavailable("the store is out of reach".into()));
+        }
+        let grants = self.grants.lock().expect("lock");
+        let grant = grants.get(bearer).cloned().ok_or(TokenError::Unknown)?;
+        if grant.name.starts_with("disabled/") {
+            return Err(TokenError::Denied("its tenant is disabled".into()));
+        }
+        Ok(grant)
+    }
+
+    fn is_live(&self, token_id: &str) -> bool {
+        self.grants
+            .lock()
+            .expect("lock")
+            .contains_key(&format!("secret-{token_id}"))
+    }
+}
+
+fn grant(id: &str, models: Option<&[&str]>) -> Grant {
+    Grant {
+        id: id.into(),
+        name: format!("tenant/{id}"),
+        models: models.map(|m| m.iter().map(|s| s.to_string()).collect()),
+        ..Grant::default()
+    }
+}
+
+struct Setup {
+    fake: FakeOpenAi,
+    gateway: Gateway,
+    authority: Arc<Authority>,
+    ms: Arc<AtomicU64>,
+}
+
+async fn setup() -> Setup {
+    setup_with(Limits::default()).await
+}
+
+/// The gateway with `default_limits`.
+async fn setup_with(default_limits: Limits) -> Setup {
+    let fake = FakeOpenAi::start(&["policy", "other"])
+        .await
+        .expect("fake upstream");
+    let mut models = BTreeMap::new();
+    for m in ["policy", "other"] {
+        models.insert(
+            m.to_string(),
+            ModelConfig {
+                upstreams: vec![UpstreamConfig {
+                    url: fake.url(),
+                    ..UpstreamConfig::default()
+                }],
+            },
+        );
+    }
+    let config = GatewayConfig {
+        api_keys: vec![KEY.into()],
+        models,
+        default_limits,
+        ..GatewayConfig::default()
+    };
+    let ms = Arc::new(AtomicU64::new(1_000_000));
+    let at = ms.clone();
+    let clock: Clock = Arc::new(move || Duration::from_millis(at.load(Ordering::SeqCst)));
+    let authority = Arc::new(Authority::default());
+    let gateway = Gateway::with_clock(config, clock)
+        .expect("gateway")
+        .with_authority(authority.clone());
+    Setup {
+        fake,
+        gateway,
+        authority,
+        ms,
+    }
+}
+
+fn chat(model: &str, prompt: &str) -> Value {
+    json!({"model": model, "messages": [{"role": "user", "content": prompt}]})
+}
+
+type Headers = Vec<(String, String)>;
+
+fn header<'a>(headers: &'a Headers, name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v.as_str())
+}
+
+/// The whole body of a reply, a stream read to its end.
+async fn body_of(r: Reply) -> Bytes {
+    match r.body {
+        ReplyBody::Full(b) => b,
+        ReplyBody::Stream(mut s) => {
+            let mut all = Vec::new();
+            while let Some(piece) = s.next().await {
+                all.extend_from_slice(&piece.expect("piece"));
+            }
+            Bytes::from(all)
+        }
+    }
+}
+
+impl Setup {
+    /// A chat with `body` as `bearer`: the reply.
+    async fn handle(&self, bearer: &str, body: Value) -> Reply {
+        self.gateway
+            .handle(
+                Some(bearer),
+                Route::ChatCompletions,
+                Bytes::from(body.to_string()),
+                CallOptions::default(),
+            )
+            .await
+    }
+
+    /// A chat with `body` as `bearer`: the status, the JSON answer (null for a stream)
+    /// and the headers.
+    async fn call(&self, bearer: &str, body: Value) -> (u16, Value, Headers) {
+        let r = self.handle(bearer, body).await;
+        let (status, headers) = (r.status, r.headers.clone());
+        let value = serde_json::from_slice(&body_of(r).await).unwrap_or(Value::Null);
+        (status, value, headers)
+    }
+
+    fn chats(&self) -> u64 {
+        self.fake.stats.count("/v1/chat/completions")
+    }
+
+    fn last_body(&self) -> Value {
+        self.fake
+            .stats
+            .last_body
+            .lock()
+            .expect("lock")
+            .clone()
+            .unwrap_or_default()
+    }
+
+    fn tick(&self, d: Duration) {
+        self.ms.fetch_add(d.as_millis() as u64, Ordering::SeqCst);
+    }
+}
+
+fn model_ids(r: Reply) -> Vec<String> {
+    let ReplyBody::Full(b) = r.body else {
+        panic!("a list is whole");
+    };
+    let v: Value = serde_json::from_slice(&b).expect("json");
+    v["data"]
+        .as_array()
+        .expect("data")
+        .iter()
+        .filter_map(|m| m["id"].as_str().map(str::to_string))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_token_calls_while_its_authority_knows_it() {
+    let s = setup().await;
+    let tok = s.authority.add(grant("a", None));
+    let (status, r, _) = s.call(&tok, chat("policy", "hi")).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["choices"][0]["message"]["content"], "echo: hi");
+    assert_eq!(s.gateway.token_callers(), 1);
+    // Configured keys still work first; an unknown bearer is a 401.
+    assert_eq!(s.call(KEY, chat("policy", "hi")).await.0, 200);
+    let (status, r, _) = s.call("secret-nobody", chat("policy", "hi")).await;
+    assert_eq!(
+        (status, r["error"]["code"].as_str()),
+        (401, Some("invalid_api_key"))
+    );
+
+    // A token only known while the store is out of reach: 503, which SDKs retry; a
+    // disabled tenant's: 403.
+    s.authority.stale.store(true, Ordering::SeqCst);
+    let (status, r, _) = s.call(&tok, chat("policy", "hi")).await;
+    assert_eq!(status, 503, "{r}");
+    s.authority.stale.store(false, Ordering::SeqCst);
+    let off = s.authority.add(grant("b", None));
+    s.authority.add(Grant {
+        name: "disabled/b".into(),
+        ..grant("b", None)
+    });
+    let (status, r, _) = s.call(&off, chat("policy", "hi")).await;
+    assert_eq!(
+        (status, r["error"]["code"].as_str()),
+        (403, Some("permission_denied"))
+    );
+
+    // The operator's counters are not a sandbox's to read.
+    assert!(s.gateway.authorize(Some(KEY)).is_ok());
+    assert_eq!(
+        s.gateway.authorize(Some(&tok)).map_err(|r| r.status),
+        Err(403)
+    );
+    assert_eq!(
+        s.gateway.authorize(Some("x")).map_err(|r| r.status),
+        Err(401)
+    );
+
+    // Revoked (its sandbox deleted): 401 at once, and its caller is swept out.
+    s.authority.forget("a");
+    let before = s.chats();
+    let (status, r, _) = s.call(&tok, chat("policy", "hi")).await;
+    assert_eq!(
+        (status, r["error"]["code"].as_str()),
+        (401, Some("invalid_api_key"))
+    );
+    assert_eq!(s.chats(), before);
+    s.tick(Duration::from_secs(1));
+    let _ = s.call(&tok, chat("policy", "hi")).await;
+    assert_eq!(s.gateway.token_callers(), 0, "its caller was dropped");
+    assert_eq!(s.gateway.stats().token_callers, 0);
+}
+
+#[tokio::test]
+async fn a_token_calls_only_its_models_and_sees_only_them() {
+    let s = setup().await;
+    let tok = s.authority.add(grant("a", Some(&["policy", "gone"])));
+    assert_eq!(s.call(&tok, chat("policy", "hi")).await.0, 200);
+    // A model it was not given answers exactly as one that does not exist, before any
+    // limit or upstream.
+    let before = s.chats();
+    let r = s.handle(&tok, chat("other", "hi")).await;
+    let want = openai::model_not_found("other");
+    assert_eq!(r.status, 404);
+    assert_eq!(r.headers, want.headers);
+    assert_eq!(body_of(r).await, body_of(want).await);
+    let unknown = s.handle(&tok, chat("nope", "hi")).await;
+    assert_eq!(
+        body_of(unknown).await,
+        body_of(openai::model_not_found("nope")).await
+    );
+    assert_eq!(s.chats(), before, "nothing went upstream");
+
+    // The list is what it may call and the configuration serves ("gone" is not).
+    assert_eq!(model_ids(s.gateway.list_models(Some(&tok))), ["policy"]);
+    assert_eq!(
+        model_ids(s.gateway.list_models(Some(KEY))),
+        ["other", "policy"]
+    );
+    let all = s.authority.add(grant("all", None));
+    assert_eq!(
+        model_ids(s.gateway.list_models(Some(&all))),
+        ["other", "policy"]
+    );
+    assert_eq!(s.gateway.get_model(Some(&tok), "policy").status, 200);
+    let r = s.gateway.get_model(Some(&tok), "other");
+    assert_eq!(r.status, 404);
+    assert_eq!(
+        body_of(r).await,
+        body_of(openai::model_not_found("other")).await
+    );
+    assert_eq!(s.gateway.list_models(Some("nobody")).status, 401);
+}
+
+#[tokio::test]
+async fn a_tokens_rate_limit_is_its_own() {
+    let s = setup().await;
+    let slow = s.authority.add(Grant {
+        limits: Limits {
+            rpm: Some(1),
+            ..Limits::default()
+        },
+        ..grant("slow", None)
+    });
+    let free = s.authority.add(grant("free", None));
+    assert_eq!(s.call(&slow, chat("policy", "1")).await.0, 200);
+    let (status, r, reply) = s.call(&slow, chat("policy", "2")).await;
+    assert_eq!(
+        (status, r["error"]["code"].as_str()),
+        (429, Some("rate_limit_exceeded"))
+    );
+    assert_eq!(header(&reply, "retry-after"), Some("60"));
+    for i in 0..5 {
+        assert_eq!(s.call(&free, chat("policy", &i.to_string())).await.0, 200);
+    }
+    assert_eq!(s.call(KEY, chat("policy", "k")).await.0, 200);
+    s.tick(Duration::from_secs(60));
+    assert_eq!(s.call(&slow, chat("policy", "3")).await.0, 200, "refilled");
+    assert_eq!(s.gateway.stats().limited_requests, 1);
+}
+
+#[tokio::test]
+async fn what_a_grant_leaves_unset_comes_from_the_default_limits() {
+    let s = setup_with(Limits {
+        rpm: Some(1),
+        max_concurrency: Some(8),
+        ..Limits::default()
+    })
+    .await;
+    let plain = s.authority.add(grant("plain", None));
+    let own = s.authority.add(Grant {
+        limits: Limits {
+            rpm: Some(600),
+            ..Limits::default()
+        },
+        ..grant("own", None)
+    });
+    assert_eq!(s.call(&plain, chat("policy", "1")).await.0, 200);
+    let (status, r, _) = s.call(&plain, chat("policy", "2")).await;
+    assert_eq!(status, 429, "the default rpm of 1: {r}");
+    for i in 0..5 {
+        let (status, r, _) = s.call(&own, chat("policy", &i.to_string())).await;
+        assert_eq!(status, 200, "its own rpm: {r}");
+    }
+}
+
+#[tokio::test]
+async fn a_budget_is_spent_clamped_and_then_refused_for_good() {
+    let s = setup().await;
+    let tok = s.authority.add(Grant {
+        budget_tokens: Some(100),
+        ..grant("b", None)
+    });
+    // The fake's usage: a token per word of the prompt and of "echo: " + the prompt.
+    // A request naming max_tokens above the budget is lowered to it.
+    let mut body = chat("policy", "one two three four");
+    body["max_tokens"] = json!(1000);
+    assert_eq!(s.call(&tok, body).await.0, 200);
+    assert_eq!(s.last_body()["max_tokens"], 100);
+    // 9 spent: 91 left. Naming none, it gets max_tokens; naming
+    // max_completion_tokens, that one is lowered.
+    assert_eq!(s.call(&tok, chat("policy", "a b c d")).await.0, 200);
+    assert_eq!(s.last_body()["max_tokens"], 91);
+    let mut body = chat("policy", "x");
+    body["max_completion_tokens"] = json!(500);
+    assert_eq!(s.call(&tok, body).await.0, 200);
+    let sent = s.last_body();
+    assert_eq!(sent["max_completion_tokens"], 82);
+    assert!(sent.get("max_tokens").is_none(), "{sent}");
+
+    // A stream is charged from its usage too: 79 left, then a 79-word prompt (and a
+    // stream's answer) spends the rest.
+    let mut long = chat("policy", &"w ".repeat(79));
+    long["stream"] = json!(true);
+    let (status, _, _) = s.call(&tok, long).await;
+    assert_eq!(status, 200);
+
+    let before = s.chats();
+    let (status, r, reply) = s.call(&tok, chat("policy", "more")).await;
+    assert_eq!(status, 429, "{r}");
+    assert_eq!(r["error"]["code"], "insufficient_quota", "{r}");
+    assert_eq!(r["error"]["type"], "insufficient_quota", "{r}");
+    assert_eq!(header(&reply, "x-should-retry"), Some("false"));
+    assert_eq!(header(&reply, "retry-after"), None);
+    assert_eq!(header(&reply, "retry-after-ms"), None);
+    assert_eq!(s.chats(), before, "a refused request never went upstream");
+    s.tick(Duration::from_secs(3600));
+    assert_eq!(
+        s.call(&tok, chat("policy", "later")).await.0,
+        429,
+        "for good"
+    );
+    assert_eq!(s.gateway.stats().limited_budget, 2);
+
+    // A grant that changes (a larger budget) keeps what was spent.
+    s.authority.add(Grant {
+        budget_tokens: Some(200),
+        ..grant("b", None)
+    });
+    assert_eq!(s.call(&tok, chat("policy", "again")).await.0, 200);
+    let left = s.last_body()["max_tokens"].as_u64().expect("clamped");
+    assert!(left < 100, "{left} of 200 left: the first 100 stayed spent");
+}
+
+#[tokio::test]
+async fn a_cache_hit_spends_budget_but_no_call() {
+    let s = setup().await;
+    let tok = s.authority.add(Grant {
+        budget_tokens: Some(10_000),
+        ..grant("c", None)
+    });
+    let mut body = chat("policy", "same words here");
+    body["temperature"] = json!(0);
+    // 3 + 4 = 7 tokens; 10000 left is plenty (no clamp): miss, then 9 hits of 7 each.
+    let mut used = Vec::new();
+    for _ in 0..10 {
+        let (status, _, r) = s.call(&tok, body.clone()).await;
+        assert_eq!(status, 200);
+        used.push(header(&r, "x-dsec-cache").unwrap_or_default().to_string());
+    }
+    assert_eq!(used[0], "miss");
+    assert!(used[1..].iter().all(|u| u == "hit"), "{used:?}");
+    assert_eq!(s.chats(), 1);
+    // 70 spent: a fresh request may now spend 9930 at most.
+    let mut fresh = chat("policy", "fresh");
+    fresh["max_tokens"] = json!(1_000_000);
+    assert_eq!(s.call(&tok, fresh).await.0, 200);
+    assert_eq!(s.last_body()["max_tokens"], 9930);
+}
+
+#[tokio::test]
+async fn callers_of_gone_tokens_do_not_pile_up() {
+    let s = setup().await;
+    let tokens: Vec<String> = (0..1100)
+        .map(|i| s.authority.add(grant(&format!("t{i}"), None)))
+        .collect();
+    for t in &tokens[..1024] {
+        assert_eq!(s.gateway.list_models(Some(t)).status, 200);
+    }
+    assert_eq!(s.gateway.token_callers(), 1024);
+    // 1000 sandboxes deleted; nothing refused yet, so no sweep.
+    for i in 0..1000 {
+        s.authority.forget(&format!("t{i}"));
+    }
+    assert_eq!(s.gateway.token_callers(), 1024);
+    // One more caller past the high-water mark sweeps the gone ones out.
+    assert_eq!(s.gateway.list_models(Some(&tokens[1024])).status, 200);
+    assert_eq!(s.gateway.token_callers(), 25);
+    // And once a minute anyway.
+    for t in &tokens[1025..1050] {
+        assert_eq!(s.gateway.list_models(Some(t)).status, 200);
+    }
+    assert_eq!(s.gateway.token_callers(), 50);
+    for i in 1025..1050 {
+        s.authority.forget(&format!("t{i}"));
+    }
+    s.tick(Duration::from_secs(60));
+    assert_eq!(s.gateway.list_models(Some(&tokens[1050])).status, 200);
+    assert_eq!(s.gateway.token_callers(), 26);
+}
