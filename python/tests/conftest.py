@@ -57,6 +57,10 @@ class Server:
         self.key = key
         self.root = root
         self.proc = proc
+        # Its in-process model gateway (see `_start_fake_openai`).
+        self.gateway_url = ""
+        self.gateway_key = GATEWAY_KEY
+        self.fake_port = 0
 
     def log(self) -> str:
         try:
@@ -92,6 +96,27 @@ def _server_env() -> Dict[str, str]:
 
 # Calls with a request id the test server's sandboxes keep (`--max-recorded-calls`).
 MAX_RECORDED_CALLS = 300
+# The key the test server's model gateway gives callers outside sandboxes.
+GATEWAY_KEY = "py-trainer-key"
+
+
+def _start_fake_openai(root: Path) -> "tuple[subprocess.Popen, int]":
+    """A fake OpenAI upstream (dsec-testkit's `fake-openai`) on every address, so a test
+    can show a sandbox does not reach it directly; its port."""
+    path = _dsec_bin().parent / "fake-openai"
+    if not path.exists():
+        _missing(f"{path} not built (cargo build --workspace --bins)")
+    proc = subprocess.Popen(
+        [str(path), "--listen", "0.0.0.0:0", "--models", "real-policy,real-judge"],
+        stdout=subprocess.PIPE, stderr=open(root / "fake-openai.log", "wb"), text=True,
+        preexec_fn=_pdeathsig,
+    )
+    assert proc.stdout is not None
+    url = proc.stdout.readline().strip()  # http://ADDR:PORT/v1
+    if not url.startswith("http://"):
+        proc.kill()
+        pytest.fail(f"fake-openai did not start: {(root / 'fake-openai.log').read_text()}", pytrace=False)
+    return proc, int(url.rsplit(":", 1)[1].split("/", 1)[0])
 
 
 @pytest.fixture(scope="session")
@@ -107,6 +132,15 @@ def server() -> Iterator[Server]:
     state, run = root / "state", Path(os.environ.get("DSEC_PY_RUN_DIR", "/run/dsec-pytest"))
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
+    fake, fake_port = _start_fake_openai(root)
+    gateway_config = root / "gateway.yaml"
+    gateway_config.write_text(
+        f"api_keys: [{GATEWAY_KEY}]\n"
+        "models:\n"
+        f"  policy: {{upstreams: [{{url: 'http://127.0.0.1:{fake_port}/v1', model: real-policy}}]}}\n"
+        f"  judge: {{upstreams: [{{url: 'http://127.0.0.1:{fake_port}/v1', model: real-judge}}]}}\n"
+    )
+    gateway_port = _free_port()
     log = open(root / "serve.log", "ab")
     proc = subprocess.Popen(
         [
@@ -122,6 +156,10 @@ def server() -> Iterator[Server]:
             # A small record of calls per sandbox: the test of a full one stays quick
             # (no other test records this many calls in one sandbox).
             "--max-recorded-calls", str(MAX_RECORDED_CALLS),
+            # The model gateway in process, its sandbox port apart from any other dsec's.
+            "--gateway-config", str(gateway_config),
+            "--gateway-listen", f"127.0.0.1:{gateway_port}",
+            "--gateway-sandbox-port", str(_free_port()),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -145,6 +183,8 @@ def server() -> Iterator[Server]:
             key = ""
             time.sleep(0.1)
         srv = Server(url, key, root, proc)
+        srv.gateway_url = f"http://127.0.0.1:{gateway_port}/v1"
+        srv.fake_port = fake_port
         if not key:
             pytest.fail(f"dsec serve did not come up; log:\n{srv.log()}", pytrace=False)
         with dsec.Client(url, key) as c:
@@ -168,6 +208,8 @@ def server() -> Iterator[Server]:
             proc.kill()
             proc.wait()
         log.close()
+        fake.kill()
+        fake.wait()
         shutil.rmtree(run, ignore_errors=True)
 
 

@@ -685,6 +685,17 @@ pub struct CreateArgs {
     /// warm sandboxes of a pool, and never grows it). Implies waiting.
     #[arg(long, value_parser = parse_priority)]
     pub priority: Option<dsec_wire::v1::Priority>,
+    /// A model of the server's model gateway code in the sandbox may call (repeatable):
+    /// the sandbox gets its own token in OPENAI_API_KEY and the gateway's URL in
+    /// OPENAI_BASE_URL.
+    #[arg(long = "model", value_name = "NAME")]
+    pub models: Vec<String>,
+    /// With --model: model tokens the sandbox may spend in all.
+    #[arg(long, requires = "models")]
+    pub model_budget: Option<u64>,
+    /// With --model: model requests per minute.
+    #[arg(long, requires = "models")]
+    pub model_rpm: Option<u32>,
 }
 
 fn parse_priority(s: &str) -> Result<dsec_wire::v1::Priority, String> {

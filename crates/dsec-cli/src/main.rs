@@ -10,6 +10,7 @@ mod cli;
 mod dockerfile;
 mod iam;
 mod image;
+mod model_tokens;
 mod nodes;
 mod output;
 mod pool;

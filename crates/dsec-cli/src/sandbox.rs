@@ -181,6 +181,12 @@ pub(crate) async fn create_request(a: CreateArgs) -> anyhow::Result<CreateSandbo
                 priority: a.priority.unwrap_or_default(),
             }
         }),
+        model_access: (!a.models.is_empty()).then(|| dsec_wire::v1::ModelAccess {
+            models: a.models,
+            budget_tokens: a.model_budget,
+            rpm: a.model_rpm,
+            ..Default::default()
+        }),
         ..Default::default()
     };
     Ok(req)

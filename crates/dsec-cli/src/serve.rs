@@ -194,7 +194,7 @@ async fn open_node(args: &ServeArgs, command: &str) -> anyhow::Result<Arc<LocalN
             model_gateway: args
                 .gateway_config
                 .is_some()
-                .then(|| dsec_net::ModelGatewayNet {
+                .then_some(dsec_net::ModelGatewayNet {
                     vip: args.model_address,
                     target: dsec_net::ModelGatewayTarget::Local {
                         port: args.gateway_sandbox_port,
@@ -269,9 +269,19 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     );
     let node_api: Arc<dyn NodeApi> = node;
     let batch_store = args.batch_store.clone().or_else(|| args.blob_store.clone());
+    let gateway_config = match &args.gateway_config {
+        Some(path) => Some(dsec_gateway::GatewayConfig::load(path)?),
+        None => None,
+    };
     let control = ControlConfig {
         job_suspend_stops_lifetime: !args.job_suspend_keeps_lifetime,
         batch_store: Some(open_batch_store(batch_store, &args.state_dir)?),
+        model_gateway: gateway_config
+            .as_ref()
+            .map(|c| dsec_control::ModelGatewayLink {
+                base_url: model_base_url(args.model_address),
+                models: c.models.keys().cloned().collect(),
+            }),
         ..ControlConfig::with_key(key)
     };
     let plane = ControlPlane::open(control, node_api, store)
@@ -280,6 +290,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     if args.cleanup {
         return cleanup(&plane, local).await;
     }
+    let gateway = match gateway_config {
+        Some(config) => Some(start_gateway(&args, config, plane.iam().clone()).await?),
+        None => None,
+    };
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
@@ -291,10 +305,64 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     // The key is the bootstrap admin: `dsec tenant` / `dsec key` manage the rest.
     let admin = dsec_http::admin::admin_router(plane.iam().clone());
-    dsec_http::serve_with(listener, plane, http, admin, shutdown)
-        .await
-        .context("serving HTTP")?;
+    let served = dsec_http::serve_with(listener, plane, http, admin, shutdown).await;
+    for task in gateway.into_iter().flatten() {
+        task.abort();
+    }
+    served.context("serving HTTP")?;
     stop(local).await
+}
+
+/// The `OPENAI_BASE_URL` of sandboxes: the model address, which their node answers.
+fn model_base_url(address: std::net::SocketAddrV4) -> String {
+    match address.port() {
+        80 => format!("http://{}/v1", address.ip()),
+        _ => format!("http://{address}/v1"),
+    }
+}
+
+/// Starts the in-process model gateway (`dsec serve --gateway-config`): its own
+/// listener for callers outside sandboxes, and the sandbox port the node redirects
+/// sandboxes' model address to. Sandbox tokens are checked against `iam`.
+async fn start_gateway(
+    args: &ServeArgs,
+    config: dsec_gateway::GatewayConfig,
+    iam: Arc<dsec_iam::Iam>,
+) -> anyhow::Result<Vec<tokio::task::JoinHandle<()>>> {
+    let models = config.models.len();
+    let gateway = Arc::new(
+        dsec_gateway::Gateway::new(config)?
+            .with_authority(Arc::new(crate::model_tokens::IamTokens(iam))),
+    );
+    let outside = tokio::net::TcpListener::bind(args.gateway_listen)
+        .await
+        .with_context(|| {
+            format!(
+                "binding the gateway's --gateway-listen {}",
+                args.gateway_listen
+            )
+        })?;
+    let sandbox_addr = std::net::SocketAddr::from(([0, 0, 0, 0], args.gateway_sandbox_port));
+    let sandboxes = tokio::net::TcpListener::bind(sandbox_addr)
+        .await
+        .with_context(|| format!("binding the gateway's --gateway-sandbox-port {sandbox_addr}"))?;
+    println!(
+        "model gateway serving {models} model(s) on http://{}/v1 (sandboxes: {})",
+        outside.local_addr()?,
+        model_base_url(args.model_address)
+    );
+    let mut tasks = Vec::new();
+    for (listener, what) in [(outside, "outside"), (sandboxes, "sandboxes")] {
+        let gateway = gateway.clone();
+        tasks.push(tokio::spawn(async move {
+            let served =
+                dsec_http::gateway::serve_gateway(listener, gateway, std::future::pending()).await;
+            if let Err(e) = served {
+                tracing::error!(listener = what, error = %e, "the model gateway stopped serving");
+            }
+        }));
+    }
+    Ok(tasks)
 }
 
 /// `dsec gateway`: the model gateway, until SIGINT or SIGTERM.

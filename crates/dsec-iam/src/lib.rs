@@ -295,6 +295,12 @@ impl Iam {
         })
     }
 
+    /// Whether the model gateway token with id `token_id` exists, as this replica's
+    /// cache knows (it is deleted with its sandbox).
+    pub fn model_token_exists(&self, token_id: &str) -> bool {
+        cache::read(&self.cache).model_tokens.contains_key(token_id)
+    }
+
     /// A fresh model gateway token for `sandbox` of `tenant`, and the store operation
     /// that writes its record (to go in the transaction that stores the sandbox).
     pub fn mint_model_token(

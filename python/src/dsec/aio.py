@@ -177,13 +177,14 @@ class AsyncSandbox:
         user: Optional[str] = None,
         pool: Optional[str] = None,
         max_wait: Optional[float] = None,
+        model_access: Any = None,
     ) -> "AsyncSandbox":
         """Creates a sandbox; arguments as for :meth:`dsec.Sandbox.create`."""
         client = client or AsyncClient()
         body = create_body(
             image=image, layers=layers, resources=resources, timeout=timeout, idle_timeout=None,
             labels=labels, job=job, env=env, workdir=workdir, qos=qos, auto_resume=auto_resume,
-            network=network, user=user, pool=pool, max_wait=max_wait,
+            network=network, user=user, pool=pool, max_wait=max_wait, model_access=model_access,
         )
         return cls(client, await client.create_sandbox(body))
 

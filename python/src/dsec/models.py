@@ -73,6 +73,27 @@ class Network(BaseModel):
     ``10.0.0.0/8``, ``192.0.2.7:80``."""
 
 
+class ModelAccess(BaseModel):
+    """What code in a sandbox may call through the model gateway (wire type
+    ``ModelAccess``): the sandbox gets a token of its own in ``OPENAI_API_KEY`` and the
+    gateway's URL in ``OPENAI_BASE_URL``, so an unmodified ``openai`` client works."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    models: List[str]
+    """The gateway's model names it may call."""
+    budget_tokens: Optional[int] = None
+    """Model tokens it may spend in all (then 429 ``insufficient_quota``)."""
+    rpm: Optional[int] = None
+    """Requests per minute."""
+    tpm: Optional[int] = None
+    """Model tokens per minute."""
+    max_concurrency: Optional[int] = None
+    """Requests in flight at once."""
+    timeout_s: Optional[int] = None
+    """Seconds one request may take."""
+
+
 class SandboxInfo(_Response):
     """A sandbox as the API reports it (wire type ``Sandbox``)."""
 
@@ -111,6 +132,10 @@ class SandboxInfo(_Response):
     """Its IPv4 address, when networked."""
     filesystem: Dict[str, Any] = Field(default_factory=dict)
     """Its file rules (``{"writable": [...]}``)."""
+    model_access: Optional[ModelAccess] = None
+    """What it may call through the model gateway, if created with ``model_access``."""
+    model_token_id: Optional[str] = None
+    """The public id of its gateway token (the token itself is in its environment)."""
 
 
 class PauseResult(_Response):

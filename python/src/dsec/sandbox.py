@@ -15,6 +15,7 @@ from .models import (
     FileInfo,
     Image,
     JobResult,
+    ModelAccess,
     Network,
     PauseResult,
     ProcessInfo,
@@ -68,6 +69,7 @@ def create_body(
     user: Optional[str] = None,
     pool: Optional[str] = None,
     max_wait: Optional[float] = None,
+    model_access: Any = None,
 ) -> Dict[str, Any]:
     """The ``POST /v1/sandboxes`` body for :meth:`Sandbox.create` (and its async twin)."""
     body: Dict[str, Any] = {"auto_resume": auto_resume}
@@ -110,7 +112,21 @@ def create_body(
         fs["tcp_connect"] = [int(p) for p in tcp_connect]
     if fs:
         body["filesystem"] = fs
+    if model_access is not None:
+        body["model_access"] = model_access_body(model_access)
     return body
+
+
+def model_access_body(access: Any) -> Dict[str, Any]:
+    """``model_access`` for the wire from a :class:`ModelAccess`, a dict of its fields, or
+    a list of model names."""
+    if isinstance(access, ModelAccess):
+        return access.model_dump(exclude_none=True)
+    if isinstance(access, Mapping):
+        return ModelAccess.model_validate(dict(access)).model_dump(exclude_none=True)
+    if isinstance(access, str):
+        return {"models": [access]}
+    return {"models": [str(m) for m in access]}
 
 
 def process_body(
@@ -213,6 +229,7 @@ class Sandbox:
         user: Optional[str] = None,
         pool: Optional[str] = None,
         max_wait: Optional[float] = None,
+        model_access: Union[ModelAccess, Mapping[str, Any], Sequence[str], None] = None,
     ) -> "Sandbox":
         """Creates a sandbox and returns when it is ready.
 
@@ -245,6 +262,12 @@ class Sandbox:
                 ``image``, ``resources``, ``env`` and the other environment arguments unset.
             max_wait: With ``pool``: wait at most this many seconds for a warm sandbox
                 (server default 30), then raise :class:`dsec.Capacity`.
+            model_access: Models code in the sandbox may call through the server's model
+                gateway: a list of model names, or a :class:`ModelAccess` (or dict) with
+                limits (``budget_tokens``, ``rpm``, ``tpm``, ``max_concurrency``,
+                ``timeout_s``). The sandbox gets its own token in ``OPENAI_API_KEY`` and the
+                gateway's URL in ``OPENAI_BASE_URL``; its network reaches the gateway
+                whatever ``network`` says, and the token dies with the sandbox.
 
         Connection errors and ``capacity`` answers are retried with exponential backoff
         (``Client.create_retries`` times, default 5); other errors are raised at once.
@@ -255,6 +278,7 @@ class Sandbox:
             idle_timeout=idle_timeout, labels=labels, job=job, env=env, workdir=workdir,
             qos=qos, auto_resume=auto_resume, network=network, writable=writable,
             tcp_bind=tcp_bind, tcp_connect=tcp_connect, user=user, pool=pool, max_wait=max_wait,
+            model_access=model_access,
         )
         return cls(client, client.create_sandbox(body))
 
