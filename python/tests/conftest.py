@@ -238,6 +238,7 @@ class Cluster:
         self.root = root
         self.urls = urls
         self.key = key
+        self.gateway_url = ""  # its `dsec gateway` (.../v1)
 
     def logs(self) -> str:
         out = []
@@ -259,17 +260,31 @@ def cluster() -> Iterator[Cluster]:
     if (root / "cluster.json").exists():  # an interrupted run's
         subprocess.run([script, "down", str(root)], check=False)
     shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    # A model gateway in front of a fake upstream, reading sandbox tokens from etcd.
+    fake, fake_port = _start_fake_openai(root)
+    gateway_config = root / "gateway.yaml"
+    gateway_config.write_text(
+        f"api_keys: [{GATEWAY_KEY}]\n"
+        "models:\n"
+        f"  policy: {{upstreams: [{{url: 'http://127.0.0.1:{fake_port}/v1', model: real-policy}}]}}\n"
+    )
     up = subprocess.run(
-        [script, "up", str(root), "--nodes", "3", "--apiservers", "2", "--dsec", str(bin_path)],
+        [script, "up", str(root), "--nodes", "3", "--apiservers", "2", "--dsec", str(bin_path),
+         "--gateway-config", str(gateway_config), "--gateway-models", "policy"],
         env=_server_env(), capture_output=True, text=True,
     )
     if up.returncode != 0:
+        fake.kill()
         pytest.fail(f"local-cluster up failed:\n{up.stderr}", pytrace=False)
     env = dict(line.split("=", 1) for line in up.stdout.splitlines() if "=" in line)
     c = Cluster(root, env["DSEC_URL"].split(","), env["DSEC_API_KEY"])
+    c.gateway_url = env["DSEC_GATEWAY_URL"]
     try:
         with dsec.Client(c.urls, c.key) as client:
             client.upload_image("base", str(base_tar))
         yield c
     finally:
         subprocess.run([script, "down", str(root)], check=False)
+        fake.kill()
+        fake.wait()

@@ -10,6 +10,8 @@ import json
 import os
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List
 
@@ -213,3 +215,52 @@ def test_swerex_through_either_apiserver(cluster) -> None:
         finally:
             for sb in sbs:
                 sb.kill()
+
+
+# Run inside a sandbox: one chat completion through the gateway with the sandbox's env.
+CHAT = r"""
+import json, os, sys, urllib.error, urllib.request
+req = urllib.request.Request(
+    os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+    data=json.dumps({"model": sys.argv[1], "messages": [{"role": "user", "content": "hi"}]}).encode(),
+    headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+             "Content-Type": "application/json"})
+try:
+    with urllib.request.urlopen(req, timeout=30) as r:
+        print(json.load(r)["choices"][0]["message"]["content"])
+except urllib.error.HTTPError as e:
+    print(e.code)
+"""
+
+
+def _gateway_status(url: str, token: str) -> int:
+    req = urllib.request.Request(url + "/models", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_sandboxes_on_every_node_call_the_clusters_model_gateway(cluster) -> None:
+    """API servers mint tokens into etcd, `dsec gateway` reads them from there, and each
+    node forwards its sandboxes' model address to the gateway on the host."""
+    with dsec.Client(cluster.urls, cluster.key) as c:
+        sbs = [dsec.Sandbox.create(c, model_access=["policy"], timeout=300) for _ in range(6)]
+        try:
+            infos = [sb.refresh() for sb in sbs]
+            nodes = {i.node for i in infos}
+            assert len(nodes) >= 2, f"all on {nodes}"
+            tokens = []
+            for sb in sbs:
+                sb.write("/tmp/chat.py", CHAT)
+                r = sb.exec(["python3", "/tmp/chat.py", "policy"], timeout=60)
+                assert r.stdout.strip() == "echo: hi", (sb.refresh().node, r.stdout, r.stderr)
+                tokens.append(sb.exec("echo $OPENAI_API_KEY").stdout.strip())
+            assert len(set(tokens)) == len(tokens)
+        finally:
+            for sb in sbs:
+                sb.kill()
+    # Each token dies with its sandbox, on the gateway too (it follows etcd).
+    for token in tokens:
+        assert _until(lambda t=token: _gateway_status(cluster.gateway_url, t) == 401, 5), token

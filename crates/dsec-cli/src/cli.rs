@@ -85,9 +85,18 @@ pub struct GatewayArgs {
     /// Its configuration (YAML: api_keys, and per model its upstreams).
     #[arg(long)]
     pub config: PathBuf,
-    /// Address to serve on.
+    /// Address to serve on. In a cluster, nodes forward their sandboxes' model address
+    /// here (`dsec node --model-gateway`): an address they reach, not loopback.
     #[arg(long, default_value = "127.0.0.1:8090")]
     pub listen: std::net::SocketAddr,
+    /// etcd endpoints of the cluster (`http://HOST:PORT`, comma-separated): the gateway
+    /// then also accepts the tokens of sandboxes created with `model_access`, as the API
+    /// servers mint them (and stops accepting one when its sandbox is deleted).
+    #[arg(long, value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// Prefix of every key in etcd (as the API servers were given).
+    #[arg(long, default_value = "/dsec")]
+    pub etcd_prefix: String,
 }
 
 /// `dsec node`.
@@ -112,6 +121,10 @@ pub struct NodeArgs {
     /// A label of this node (`pool=onprem`; repeatable). `pool` names its placement pool.
     #[arg(long = "label", value_parser = parse_label)]
     pub labels: Vec<(String, String)>,
+    /// A `dsec gateway` (IP:PORT, reachable from this node) that this node's sandboxes
+    /// with model access reach at the model address (--model-address).
+    #[arg(long)]
+    pub model_gateway: Option<std::net::SocketAddrV4>,
     /// The node's flags, as `dsec serve` takes them.
     #[command(flatten)]
     pub serve: ServeArgs,
@@ -192,6 +205,14 @@ pub struct ApiserverArgs {
     /// s3:// or http(s)://. Replicas must share one. Default: a directory in --state-dir.
     #[arg(long)]
     pub batch_store: Option<String>,
+    /// The models of the cluster's `dsec gateway` (comma-separated public names):
+    /// sandboxes may then be created with `model_access` to them. Needs --etcd (the
+    /// gateway reads the tokens from it) and nodes run with --model-gateway.
+    #[arg(long, value_delimiter = ',', requires = "etcd")]
+    pub model_gateway_models: Vec<String>,
+    /// The address sandboxes call the model gateway at, as the nodes' --model-address.
+    #[arg(long, default_value = "169.254.169.250:80")]
+    pub model_address: std::net::SocketAddrV4,
 }
 
 /// `dsec job ...`.

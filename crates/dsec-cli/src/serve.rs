@@ -122,7 +122,11 @@ pub fn lazy_serve(config: &str) -> anyhow::Result<()> {
 }
 
 /// Starts the node runtime of this machine from `serve`'s node flags.
-async fn open_node(args: &ServeArgs, command: &str) -> anyhow::Result<Arc<LocalNode>> {
+async fn open_node(
+    args: &ServeArgs,
+    command: &str,
+    remote_gateway: Option<std::net::SocketAddrV4>,
+) -> anyhow::Result<Arc<LocalNode>> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         bail!("dsec {command} must run as root: it creates namespaces, mounts and cgroups");
@@ -191,15 +195,17 @@ async fn open_node(args: &ServeArgs, command: &str) -> anyhow::Result<Arc<LocalN
             upstream: args.dns_upstream,
             pool_size: args.net_pool,
             // The in-process gateway's sandbox port, behind the model address.
-            model_gateway: args
-                .gateway_config
-                .is_some()
-                .then_some(dsec_net::ModelGatewayNet {
-                    vip: args.model_address,
-                    target: dsec_net::ModelGatewayTarget::Local {
-                        port: args.gateway_sandbox_port,
-                    },
+            model_gateway: match (&args.gateway_config, remote_gateway) {
+                (Some(_), _) => Some(dsec_net::ModelGatewayTarget::Local {
+                    port: args.gateway_sandbox_port,
                 }),
+                (None, Some(addr)) => Some(dsec_net::ModelGatewayTarget::Remote { addr }),
+                (None, None) => None,
+            }
+            .map(|target| dsec_net::ModelGatewayNet {
+                vip: args.model_address,
+                target,
+            }),
         }),
     };
     LocalNode::open(node_cfg)
@@ -250,7 +256,7 @@ fn open_batch_store(
 /// Runs the server until SIGINT or SIGTERM.
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     init_tracing();
-    let node = open_node(&args, "serve").await?;
+    let node = open_node(&args, "serve", None).await?;
     let local = node.clone();
     let key_path = args.state_dir.join("api-key");
     let (key, created) = dsec_control::auth::load_or_create_key(&key_path)
@@ -370,7 +376,19 @@ pub async fn run_gateway(args: crate::cli::GatewayArgs) -> anyhow::Result<()> {
     init_tracing();
     let config = dsec_gateway::GatewayConfig::load(&args.config)?;
     let models = config.models.len();
-    let gateway = Arc::new(dsec_gateway::Gateway::new(config)?);
+    let mut gateway = dsec_gateway::Gateway::new(config)?;
+    if !args.etcd.is_empty() {
+        // Sandbox tokens, as the API servers mint them into the cluster's store.
+        let cfg = dsec_state::EtcdConfig::new(args.etcd.clone(), &args.etcd_prefix);
+        let store = dsec_state::EtcdStore::connect(cfg)
+            .await
+            .with_context(|| format!("connecting to etcd at {}", args.etcd.join(",")))?;
+        let iam = dsec_iam::Iam::new(Arc::new(store), None)
+            .await
+            .context("reading the cluster's model tokens")?;
+        gateway = gateway.with_authority(Arc::new(crate::model_tokens::IamTokens(Arc::new(iam))));
+    }
+    let gateway = Arc::new(gateway);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
@@ -392,7 +410,7 @@ pub async fn run_node(args: NodeArgs) -> anyhow::Result<()> {
              `dsec gateway` on its own"
         );
     }
-    let node = open_node(&args.serve, "node").await?;
+    let node = open_node(&args.serve, "node", args.model_gateway).await?;
     if args.serve.cleanup {
         return cleanup_node(node).await;
     }
@@ -550,6 +568,12 @@ pub async fn run_apiserver(args: ApiserverArgs) -> anyhow::Result<()> {
         job_suspend_stops_lifetime: !args.job_suspend_keeps_lifetime,
         batch_store: Some(open_batch_store(args.batch_store.clone(), &args.state_dir)?),
         sole_owner,
+        model_gateway: (!args.model_gateway_models.is_empty()).then(|| {
+            dsec_control::ModelGatewayLink {
+                base_url: model_base_url(args.model_address),
+                models: args.model_gateway_models.clone(),
+            }
+        }),
         ..ControlConfig::with_key(key)
     };
     let (nodes, registration): (Arc<dyn dsec_control::NodeSet>, axum::Router) = match &args.node {
