@@ -439,6 +439,26 @@ impl CallJournal {
         }))
     }
 
+    /// Sets what a new call's start line shows and the OOM-kill count its verdict is
+    /// measured from, before [`CallJournal::started`] writes it (an exec's are read once
+    /// its request went out). A retry that attached meanwhile keeps the count it read.
+    pub(crate) fn set_start(&self, ticket: &mut Ticket, args: serde_json::Value, oom_before: u64) {
+        let Some(start) = ticket.unwritten.as_mut() else {
+            return;
+        };
+        start.args = args;
+        start.oom_before = oom_before;
+        ticket.oom_before = oom_before;
+        if let Some(slot) = self
+            .lock()
+            .sandboxes
+            .get_mut(&ticket.sandbox)
+            .and_then(|c| c.slots.get_mut(&ticket.request_id))
+        {
+            slot.oom_before = oom_before;
+        }
+    }
+
     /// Writes a new call's start to its sandbox's log, where it takes the next place
     /// (`ticket.seq`): the log's order is the order calls started in. An exec's is written
     /// once its request went out, while the agent starts it: a node that dies before

@@ -113,29 +113,50 @@ fn lost(e: ApiError) -> ApiError {
     )
 }
 
-/// The digest (what a retry must repeat) and the logged arguments of an exec.
-fn exec_call(spec: &ExecSpec, stdin: Option<&[u8]>) -> (String, serde_json::Value) {
-    let mut spec = spec.clone();
+/// An exec as its call record knows it: its spec (`stream` off, `stdin` saying whether
+/// it has some) serialized once, for the digest now and the logged arguments once the
+/// request went out.
+struct ExecCall {
+    /// What a retry must repeat.
+    digest: String,
+    json: Vec<u8>,
+    stdin_bytes: usize,
+}
+
+impl ExecCall {
+    /// `spec` must have `stream` off and `stdin` set as the agent is sent it.
+    fn new(spec: &ExecSpec, stdin: Option<&[u8]>) -> Self {
+        let json = serde_json::to_vec(spec).unwrap_or_default();
+        let mut h = Sha256::new();
+        h.update(&json);
+        h.update([0]);
+        if let Some(b) = stdin {
+            h.update(b);
+        }
+        Self {
+            digest: format!("{:x}", h.finalize()),
+            json,
+            stdin_bytes: stdin.map_or(0, <[u8]>::len),
+        }
+    }
+
+    /// The arguments its log line shows.
+    fn args(&self) -> serde_json::Value {
+        let mut args: serde_json::Value = serde_json::from_slice(&self.json).unwrap_or_default();
+        if let Some(o) = args.as_object_mut() {
+            o.remove("stream");
+            o.remove("stdin");
+            o.insert("stdin_bytes".into(), self.stdin_bytes.into());
+        }
+        args
+    }
+}
+
+/// The spec of a recorded exec as the agent is sent it.
+fn kept_spec(mut spec: ExecSpec, stdin: Option<&[u8]>) -> ExecSpec {
     spec.stream = false;
     spec.stdin = stdin.is_some();
-    let json = serde_json::to_vec(&spec).unwrap_or_default();
-    let mut h = Sha256::new();
-    h.update(&json);
-    h.update([0]);
-    if let Some(b) = stdin {
-        h.update(b);
-    }
-    let digest = format!("{:x}", h.finalize());
-    let mut args = serde_json::to_value(&spec).unwrap_or_default();
-    if let Some(o) = args.as_object_mut() {
-        o.remove("stream");
-        o.remove("stdin");
-        o.insert(
-            "stdin_bytes".into(),
-            serde_json::Value::from(stdin.map_or(0, <[u8]>::len)),
-        );
-    }
-    (digest, args)
+    spec
 }
 
 /// The digest (what a retry must ask for again) and the logged arguments of a call that
@@ -213,12 +234,14 @@ impl LocalNode {
         spec: ExecSpec,
         stdin: Option<Bytes>,
     ) -> Outcome {
-        match self.begin_exec(id, request_id, &spec, stdin.as_deref())? {
+        let spec = kept_spec(spec, stdin.as_deref());
+        let call = ExecCall::new(&spec, stdin.as_deref());
+        match self.begin_exec(id, request_id, &call)? {
             Begin::Known { ended, .. } => self.wait_recorded(id, ended).await,
             Begin::New(mut ticket) => {
                 let keeps = stdin.is_none();
                 let conn = self.send_kept(id, &ticket, spec, stdin, false).await?;
-                self.log_start(&mut ticket);
+                self.log_exec_start(&mut ticket, &call);
                 // The call ends here, recorded, whether or not this caller stays.
                 let drive = self.drive(ticket, Some(conn), keeps);
                 FinishOnDrop::new(drive)
@@ -237,7 +260,9 @@ impl LocalNode {
         spec: ExecSpec,
         stdin: Option<Bytes>,
     ) -> Result<EventStream, ApiError> {
-        match self.begin_exec(id, request_id, &spec, stdin.as_deref())? {
+        let spec = kept_spec(spec, stdin.as_deref());
+        let call = ExecCall::new(&spec, stdin.as_deref());
+        match self.begin_exec(id, request_id, &call)? {
             Begin::Known {
                 ended, oom_before, ..
             } => {
@@ -253,13 +278,13 @@ impl LocalNode {
             Begin::New(mut ticket) => {
                 // This caller's connection starts the command and follows it; a driver
                 // attaches once it runs and records the outcome.
+                let mut conn = self.send_kept(id, &ticket, spec, stdin, true).await?;
+                self.log_exec_start(&mut ticket, &call);
                 let oom = OomWitness {
                     backend: self.backend(),
                     id: id.to_string(),
                     before: ticket.oom_before,
                 };
-                let mut conn = self.send_kept(id, &ticket, spec, stdin, true).await?;
-                self.log_start(&mut ticket);
                 let pid = match conn.recv_reply().await {
                     Ok(Reply::Started { pid }) => pid,
                     Ok(other) => {
@@ -456,18 +481,31 @@ impl LocalNode {
         }
     }
 
-    fn begin_exec(
-        &self,
-        id: &str,
-        request_id: &str,
-        spec: &ExecSpec,
-        stdin: Option<&[u8]>,
-    ) -> Result<Begin, ApiError> {
+    /// Begins an exec's record. Its arguments and the sandbox's OOM-kill count are read
+    /// once its request went out ([`LocalNode::log_exec_start`]), while the agent starts
+    /// it, not before.
+    fn begin_exec(&self, id: &str, request_id: &str, call: &ExecCall) -> Result<Begin, ApiError> {
         self.known(id)?;
-        let (digest, args) = exec_call(spec, stdin);
-        let oom_before = self.backend().oom_kill_count(id).unwrap_or(u64::MAX);
-        self.journal
-            .begin(id, request_id, "exec", digest, args, oom_before)
+        self.journal.begin(
+            id,
+            request_id,
+            "exec",
+            call.digest.clone(),
+            serde_json::Value::Null,
+            u64::MAX,
+        )
+    }
+
+    /// [`LocalNode::log_start`] for an exec: its arguments, and the OOM-kill count its
+    /// verdict is measured from (read before the command can have allocated anything:
+    /// the agent has not forked it yet).
+    fn log_exec_start(&self, ticket: &mut Ticket, call: &ExecCall) {
+        let oom_before = self
+            .backend()
+            .oom_kill_count(&ticket.sandbox)
+            .unwrap_or(u64::MAX);
+        self.journal.set_start(ticket, call.args(), oom_before);
+        self.log_start(ticket);
     }
 
     async fn wait_recorded(&self, id: &str, ended: watch::Receiver<Ended>) -> Outcome {
@@ -491,12 +529,10 @@ impl LocalNode {
         &self,
         id: &str,
         ticket: &Ticket,
-        mut spec: ExecSpec,
+        spec: ExecSpec,
         stdin: Option<Bytes>,
         stream: bool,
     ) -> Result<crate::AgentConn, ApiError> {
-        spec.stream = false;
-        spec.stdin = stdin.is_some();
         let req = Request::ExecKept {
             key: ticket.request_id.clone(),
             spec: Some(spec),
