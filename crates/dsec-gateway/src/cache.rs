@@ -203,7 +203,7 @@ pub struct Answer {
     /// The body.
     pub body: Bytes,
     /// The tokens its `usage` reported.
-    pub usage: Option<u64>,
+    pub usage: Option<crate::openai::UsageTokens>,
 }
 
 impl Answer {
@@ -646,7 +646,10 @@ mod tests {
             status,
             headers: Vec::new(),
             body: Bytes::from(vec![b'x'; body_len]),
-            usage: Some(1),
+            usage: Some(crate::openai::UsageTokens {
+                total: 1,
+                ..Default::default()
+            }),
         }
     }
 

@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use crate::config::Limits;
 use crate::limits::{CallerLimits, Clock};
+use crate::usage::UsageCounters;
 use crate::Caller;
 
 /// What a sandbox token may do, as its [`TokenAuthority`] says.
@@ -138,12 +139,12 @@ impl TokenCallers {
             }
         };
         let mut state = self.state();
-        let spent = match state.callers.get(&grant.id) {
+        let (spent, usage) = match state.callers.get(&grant.id) {
             Some((held, caller)) if *held == grant => return Ok(caller.clone()),
-            Some((_, caller)) => caller.limits.spent(),
-            None => 0,
+            Some((_, caller)) => (caller.limits.spent(), caller.usage.clone()),
+            None => (0, Arc::default()),
         };
-        let caller = Arc::new(self.caller_of(&grant, defaults, spent));
+        let caller = Arc::new(self.caller_of(&grant, defaults, spent, usage));
         state
             .callers
             .insert(grant.id.clone(), (grant, caller.clone()));
@@ -156,10 +157,18 @@ impl TokenCallers {
         Ok(caller)
     }
 
-    fn caller_of(&self, grant: &Grant, defaults: &Limits, spent: u64) -> Caller {
+    fn caller_of(
+        &self,
+        grant: &Grant,
+        defaults: &Limits,
+        spent: u64,
+        usage: Arc<UsageCounters>,
+    ) -> Caller {
         let limits = grant.limits.or(defaults);
         Caller {
             name: grant.name.clone(),
+            token_id: Some(grant.id.clone()),
+            usage,
             scope: format!("token:{}", grant.name),
             limits: Arc::new(CallerLimits::with_budget(
                 limits,
@@ -189,6 +198,15 @@ impl TokenCallers {
                 "callers of gone tokens dropped"
             );
         }
+    }
+
+    /// The callers held now.
+    pub(crate) fn all(&self) -> Vec<Arc<Caller>> {
+        self.state()
+            .callers
+            .values()
+            .map(|(_, c)| c.clone())
+            .collect()
     }
 
     /// Callers held now.

@@ -28,6 +28,11 @@
 //! says which: `hit`, `miss`, `coalesced` or `bypass`. A hit counts against a caller's
 //! requests per minute and its budget, not its tokens per minute.
 //!
+//! What passes is counted without a lock on the request path ([`Gateway::traffic`]:
+//! request times and first-chunk delays as histograms, status classes and tokens, per
+//! public model and route) and per caller ([`Gateway::usage`], `GET /v1/usage`: its
+//! requests, tokens, cached answers, refusals and budget left).
+//!
 //! There is no HTTP server here: `dsec-http::gateway` maps routes onto this, as the
 //! `/v1` API maps onto `SandboxApi`.
 
@@ -38,6 +43,7 @@ pub mod limits;
 pub mod openai;
 mod sse;
 mod upstream;
+mod usage;
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -54,6 +60,11 @@ pub use grants::{Grant, TokenAuthority, TokenError};
 use limits::{Admission, CallerLimits, Clock, Limited, Refusal};
 use openai::ErrorKind;
 use upstream::Upstreams;
+pub use usage::{
+    CallerKind, CallerUsage, HistogramSnapshot, ModelTraffic, RouteTraffic, LATENCY_BUCKETS_S,
+    STATUS_CLASSES,
+};
+use usage::{Tally, Traffic, UsageCounters};
 
 /// An OpenAI route the gateway forwards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,6 +78,27 @@ pub enum Route {
 }
 
 impl Route {
+    /// Every route, in the order of [`Route::index`].
+    pub const ALL: [Route; 3] = [
+        Route::ChatCompletions,
+        Route::Completions,
+        Route::Embeddings,
+    ];
+
+    /// Its place in [`Route::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Its name as a metrics label: `chat_completions`, `completions`, `embeddings`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Route::ChatCompletions => "chat_completions",
+            Route::Completions => "completions",
+            Route::Embeddings => "embeddings",
+        }
+    }
+
     /// Its path below the base URL (`/v1`).
     pub fn path(self) -> &'static str {
         match self {
@@ -181,6 +213,10 @@ impl Counters {
 #[derive(Debug)]
 pub(crate) struct Caller {
     name: String,
+    /// A sandbox token's id; `None` for a configured key.
+    token_id: Option<String>,
+    /// Its requests, tokens, cached answers and refusals.
+    usage: Arc<UsageCounters>,
     /// Whose cached answers it shares: its name, apart for tokens and keys.
     scope: String,
     limits: Arc<CallerLimits>,
@@ -215,6 +251,7 @@ pub struct Gateway {
     clock: DebugClock,
     counters: Arc<Counters>,
     cache: Arc<Cache>,
+    traffic: Traffic,
 }
 
 impl Gateway {
@@ -237,6 +274,8 @@ impl Gateway {
                 Arc::new(Caller {
                     scope: format!("key:{name}"),
                     name,
+                    token_id: None,
+                    usage: Arc::default(),
                     limits: Arc::new(CallerLimits::with_budget(limits, None, 0, clock.clone())),
                     config: limits,
                     models: None,
@@ -244,6 +283,7 @@ impl Gateway {
             })
             .collect();
         let cache = Arc::new(Cache::new(config.cache, clock.clone()));
+        let traffic = Traffic::new(config.models.keys());
         Ok(Self {
             config,
             upstreams,
@@ -252,6 +292,7 @@ impl Gateway {
             clock: DebugClock(clock),
             counters: Arc::default(),
             cache,
+            traffic,
         })
     }
 
@@ -279,6 +320,48 @@ impl Gateway {
             cache: self.cache.stats(),
             token_callers: self.token_callers() as u64,
             ..self.counters.snapshot()
+        }
+    }
+
+    /// Per configured model, what it has carried since the gateway started: request
+    /// times and status classes per route, the first chunk's delay of streams, tokens.
+    pub fn traffic(&self) -> Vec<ModelTraffic> {
+        self.traffic.snapshot()
+    }
+
+    /// The usage of every caller held: the configured keys, then the sandbox tokens
+    /// used since their last sweep, by name.
+    pub fn usage_by_caller(&self) -> Vec<CallerUsage> {
+        let mut all: Vec<CallerUsage> = self.callers.iter().map(|c| CallerUsage::of(c)).collect();
+        if let Some(tokens) = &self.tokens {
+            let mut held: Vec<CallerUsage> =
+                tokens.all().iter().map(|c| CallerUsage::of(c)).collect();
+            held.sort_by(|a, b| (&a.caller, &a.token_id).cmp(&(&b.caller, &b.token_id)));
+            all.extend(held);
+        }
+        all
+    }
+
+    /// `GET /v1/usage`: for a configured key, every caller's usage (`{"object": "list",
+    /// "data": [...]}`), only those named `caller` (a name or a token id) if given; for
+    /// a sandbox token, its own ([`CallerUsage`]), whatever `caller` says.
+    pub fn usage(&self, bearer: Option<&str>, caller: Option<&str>) -> Reply {
+        let Some(key) = bearer else {
+            return *no_key();
+        };
+        if self.config.find_key(key).is_some() {
+            let data: Vec<CallerUsage> = self
+                .usage_by_caller()
+                .into_iter()
+                .filter(|u| {
+                    caller.is_none_or(|c| u.caller == c || u.token_id.as_deref() == Some(c))
+                })
+                .collect();
+            return openai::json(200, &serde_json::json!({"object": "list", "data": data}));
+        }
+        match self.caller(bearer) {
+            Ok(c) => openai::json(200, &serde_json::json!(CallerUsage::of(&c))),
+            Err(reply) => *reply,
         }
     }
 
@@ -329,11 +412,12 @@ impl Gateway {
         body: Bytes,
         options: CallOptions,
     ) -> Reply {
+        let started = std::time::Instant::now();
         let caller = match self.caller(bearer) {
             Ok(c) => c,
             Err(reply) => return *reply,
         };
-        let mut request = match openai::RequestView::parse(&body) {
+        let request = match openai::RequestView::parse(&body) {
             Ok(r) => r,
             Err(message) => {
                 return openai::error(400, message, ErrorKind::InvalidRequest, None);
@@ -342,12 +426,37 @@ impl Gateway {
         if !self.serves(&caller, &request.model) {
             return openai::model_not_found(&request.model);
         }
+        let mut tally = self
+            .traffic
+            .model(&request.model)
+            .map(|m| Tally::new(m.clone(), route, caller.usage.clone(), started));
+        let reply = self
+            .answer(&caller, route, request, body, options, &mut tally)
+            .await;
+        if let Some(t) = &mut tally {
+            t.set_status(reply.status);
+        }
+        reply
+    }
+
+    /// [`Gateway::handle`] for a request of a model `caller` may call, counted in
+    /// `tally` (taken by a stream, which counts when it ends).
+    async fn answer(
+        &self,
+        caller: &Caller,
+        route: Route,
+        mut request: openai::RequestView,
+        body: Bytes,
+        options: CallOptions,
+        tally: &mut Option<Tally>,
+    ) -> Reply {
         let mut admission = match caller.limits.admit() {
             Ok(a) => a,
             Err(refusal) => {
+                caller.usage.limited();
                 self.counters.refused(refusal.limit);
                 tracing::debug!(caller = %caller.name, limit = ?refusal.limit, wait = ?refusal.retry_after, "over a limit");
-                return refused(&caller, refusal);
+                return refused(caller, refusal);
             }
         };
         admission.add_bytes(body.len());
@@ -374,7 +483,7 @@ impl Gateway {
         if !cacheable {
             self.cache.bypassed();
             let mut reply = self
-                .pass_through(route, request, body, admission, deadline)
+                .pass_through(route, request, body, admission, deadline, tally)
                 .await;
             reply
                 .headers
@@ -384,6 +493,7 @@ impl Gateway {
         let key = cache::key(&caller.scope, route, &request.model, &request.body);
         let (mut waiter, used) = match self.cache.lookup(key) {
             Lookup::Hit(answer) => {
+                caller.usage.cached_answer();
                 admission.answered_without_call(answer_tokens(&answer));
                 return answer_reply(&answer, CacheUse::Hit);
             }
@@ -418,8 +528,14 @@ impl Gateway {
         };
         // The tokens are the leader's to pay; those who waited used none upstream (but
         // spent their budget on the answer).
+        if let (CacheUse::Miss, Some(usage), Some(t)) = (used, answer.usage, tally.as_mut()) {
+            t.set_usage(usage);
+        }
+        if used == CacheUse::Coalesced && (200..300).contains(&answer.status) {
+            caller.usage.cached_answer();
+        }
         match (used, answer.usage) {
-            (CacheUse::Miss, Some(tokens)) => admission.record_usage(tokens),
+            (CacheUse::Miss, Some(tokens)) => admission.record_usage(tokens.total),
             (CacheUse::Miss, None) if (200..300).contains(&answer.status) => {
                 admission.add_bytes(answer.body.len());
             }
@@ -438,6 +554,7 @@ impl Gateway {
         body: Bytes,
         mut admission: Admission,
         deadline: Option<(tokio::time::Instant, std::time::Duration)>,
+        tally: &mut Option<Tally>,
     ) -> Reply {
         // Tokens are charged from the usage a stream reports only when asked to.
         let strip_usage = route != Route::Embeddings && request.ask_stream_usage();
@@ -465,8 +582,11 @@ impl Gateway {
             ReplyBody::Full(b) => {
                 if !ok {
                     admission.forgive();
-                } else if let Some(tokens) = openai::usage_tokens(&b) {
-                    admission.record_usage(tokens);
+                } else if let Some(tokens) = openai::usage_of(&b) {
+                    admission.record_usage(tokens.total);
+                    if let Some(t) = tally {
+                        t.set_usage(tokens);
+                    }
                 } else {
                     admission.add_bytes(b.len());
                 }
@@ -476,12 +596,16 @@ impl Gateway {
                 if !ok {
                     admission.forgive();
                 }
+                if let Some(t) = tally {
+                    t.set_status(reply.status);
+                }
                 let metered = sse::Metered::new(
                     s,
                     sse::SseScanner::new(strip_usage),
                     admission,
                     deadline,
                     self.counters.clone(),
+                    tally.take(),
                 );
                 ReplyBody::Stream(metered.boxed())
             }
@@ -530,7 +654,7 @@ fn answer_of(reply: Reply) -> Answer {
         ReplyBody::Full(body) => Answer {
             usage: (200..300)
                 .contains(&reply.status)
-                .then(|| openai::usage_tokens(&body))
+                .then(|| openai::usage_of(&body))
                 .flatten(),
             status: reply.status,
             headers: reply.headers,
@@ -576,7 +700,7 @@ fn answer_tokens(answer: &Answer) -> u64 {
     }
     answer
         .usage
-        .unwrap_or_else(|| (answer.body.len() as u64).div_ceil(4))
+        .map_or_else(|| (answer.body.len() as u64).div_ceil(4), |u| u.total)
 }
 
 /// The 401 for a request without a key.

@@ -169,6 +169,27 @@ impl Usage {
                 (p, c) => Some(p.unwrap_or(0).saturating_add(c.unwrap_or(0))),
             })
     }
+
+    /// Its tokens in all and split, if it reports any.
+    pub fn counted(&self) -> Option<UsageTokens> {
+        Some(UsageTokens {
+            total: self.tokens()?,
+            prompt: self.prompt_tokens.unwrap_or(0),
+            completion: self.completion_tokens.unwrap_or(0),
+        })
+    }
+}
+
+/// The tokens a `usage` reports: in all (what limits and budgets are charged), and as
+/// prompt and completion (0 where not reported).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct UsageTokens {
+    /// `total_tokens`, else prompt plus completion.
+    pub total: u64,
+    /// `prompt_tokens`.
+    pub prompt: u64,
+    /// `completion_tokens`.
+    pub completion: u64,
 }
 
 /// What the gateway reads of an answer or a stream chunk: its usage, and whether it has
@@ -183,10 +204,15 @@ pub(crate) struct UsageChunk {
 
 /// The tokens a whole JSON answer's `usage` reports.
 pub fn usage_tokens(body: &[u8]) -> Option<u64> {
+    usage_of(body).map(|u| u.total)
+}
+
+/// The tokens a whole JSON answer's `usage` reports, in all and split.
+pub fn usage_of(body: &[u8]) -> Option<UsageTokens> {
     serde_json::from_slice::<UsageChunk>(body)
         .ok()?
         .usage?
-        .tokens()
+        .counted()
 }
 
 /// Below this many tokens of budget left, a chat request that names no completion limit

@@ -16,7 +16,8 @@ use bytes::{Bytes, BytesMut};
 use futures::{Stream, StreamExt};
 
 use crate::limits::Admission;
-use crate::openai::{self, ErrorKind};
+use crate::openai::{self, ErrorKind, UsageTokens};
+use crate::usage::Tally;
 use crate::{ByteStream, Counters};
 
 /// Cuts an SSE byte stream into events; see the module docs.
@@ -26,7 +27,7 @@ pub(crate) struct SseScanner {
     /// Where to look for the next event's end in `buf` (what is before was searched).
     scan_from: usize,
     strip_usage_only: bool,
-    usage: Option<u64>,
+    usage: Option<UsageTokens>,
 }
 
 /// Where the event starting at `buf[0]` ends (after its blank line), looking from
@@ -83,6 +84,11 @@ impl SseScanner {
 
     /// The tokens a `usage` seen so far reported.
     pub(crate) fn usage(&self) -> Option<u64> {
+        self.usage.map(|u| u.total)
+    }
+
+    /// The usage seen so far, in all and split.
+    pub(crate) fn usage_tokens(&self) -> Option<UsageTokens> {
         self.usage
     }
 
@@ -94,7 +100,7 @@ impl SseScanner {
         let Ok(chunk) = serde_json::from_slice::<openai::UsageChunk>(&event_data(event)) else {
             return true;
         };
-        let Some(tokens) = chunk.usage.as_ref().and_then(openai::Usage::tokens) else {
+        let Some(tokens) = chunk.usage.as_ref().and_then(openai::Usage::counted) else {
             return true;
         };
         self.usage = Some(tokens);
@@ -147,6 +153,8 @@ pub(crate) struct Metered {
     admission: Option<Admission>,
     deadline: Option<(Pin<Box<tokio::time::Sleep>>, Duration)>,
     counters: Arc<Counters>,
+    /// The request's figures, written when the stream ends or is dropped.
+    tally: Option<Tally>,
 }
 
 impl Metered {
@@ -158,6 +166,7 @@ impl Metered {
         admission: Admission,
         deadline: Option<(tokio::time::Instant, Duration)>,
         counters: Arc<Counters>,
+        tally: Option<Tally>,
     ) -> Self {
         Self {
             inner: Some(inner),
@@ -165,6 +174,7 @@ impl Metered {
             admission: Some(admission),
             deadline: deadline.map(|(at, limit)| (Box::pin(tokio::time::sleep_until(at)), limit)),
             counters,
+            tally,
         }
     }
 
@@ -174,6 +184,7 @@ impl Metered {
         self.inner = None;
         self.deadline = None;
         self.admission = None;
+        self.tally = None;
     }
 }
 
@@ -209,6 +220,14 @@ impl Stream for Metered {
                         a.add_bytes(chunk.len());
                         if let Some(tokens) = this.scanner.usage() {
                             a.record_usage(tokens);
+                        }
+                    }
+                    if let Some(t) = &mut this.tally {
+                        if let Some(usage) = this.scanner.usage_tokens() {
+                            t.set_usage(usage);
+                        }
+                        if !out.is_empty() {
+                            t.first_chunk();
                         }
                     }
                     if !out.is_empty() {

@@ -471,3 +471,147 @@ async fn callers_of_gone_tokens_do_not_pile_up() {
     assert_eq!(s.gateway.list_models(Some(&tokens[1050])).status, 200);
     assert_eq!(s.gateway.token_callers(), 26);
 }
+
+/// The JSON of a whole reply.
+fn json_of(r: Reply) -> Value {
+    let ReplyBody::Full(b) = r.body else {
+        panic!("usage is whole");
+    };
+    serde_json::from_slice(&b).expect("json")
+}
+
+#[tokio::test]
+async fn usage_is_counted_per_caller_and_traffic_per_model() {
+    let s = setup().await;
+    let a = s.authority.add(Grant {
+        // Big enough not to clamp (a clamp would change the cache key).
+        budget_tokens: Some(100_000),
+        ..grant("a", None)
+    });
+    let b = s.authority.add(Grant {
+        limits: Limits {
+            rpm: Some(1),
+            ..Limits::default()
+        },
+        ..grant("b", None)
+    });
+    // a: a call, the same as a stream, and a deterministic one twice (the second from
+    // the cache).
+    let (status, r, _) = s.call(&a, chat("policy", "one two three")).await;
+    assert_eq!(status, 200, "{r}");
+    let prompt = r["usage"]["prompt_tokens"].as_u64().expect("prompt");
+    let completion = r["usage"]["completion_tokens"]
+        .as_u64()
+        .expect("completion");
+    assert!(prompt > 0 && completion > 0, "{r}");
+    let mut streamed = chat("policy", "one two three");
+    streamed["stream"] = json!(true);
+    let (status, _, _) = s.call(&a, streamed).await;
+    assert_eq!(status, 200);
+    let mut det = chat("policy", "one two three");
+    det["temperature"] = json!(0);
+    for cache in ["miss", "hit"] {
+        let (status, _, headers) = s.call(&a, det.clone()).await;
+        assert_eq!(status, 200);
+        assert_eq!(header(&headers, "x-dsec-cache"), Some(cache));
+    }
+    // b: one call, then over its requests per minute.
+    assert_eq!(s.call(&b, chat("policy", "x")).await.0, 200);
+    assert_eq!(s.call(&b, chat("policy", "x")).await.0, 429);
+    // Not counted: a model it may not call, a bad body, an unknown bearer.
+    assert_eq!(s.call(&a, chat("nope", "x")).await.0, 404);
+    assert_eq!(s.call("secret-nobody", chat("policy", "x")).await.0, 401);
+
+    // The operator sees every caller: the key, then the tokens by name.
+    let all = s.gateway.usage_by_caller();
+    let names: Vec<(&str, Option<&str>)> = all
+        .iter()
+        .map(|u| (u.caller.as_str(), u.token_id.as_deref()))
+        .collect();
+    assert_eq!(names.len(), 3);
+    assert!(names[0].0.starts_with("key-") && names[0].1.is_none());
+    assert_eq!(
+        &names[1..],
+        [("tenant/a", Some("a")), ("tenant/b", Some("b"))]
+    );
+    let ua = &all[1];
+    assert_eq!(ua.requests, 4, "the 404 is not counted");
+    assert_eq!(
+        (ua.prompt_tokens, ua.completion_tokens),
+        (3 * prompt, 3 * completion),
+        "three calls upstream; the hit used none"
+    );
+    assert_eq!((ua.cached_answers, ua.limited), (1, 0));
+    assert_eq!(
+        ua.spent_tokens,
+        4 * (prompt + completion),
+        "the hit spends budget"
+    );
+    assert_eq!(ua.budget_tokens, Some(100_000));
+    assert_eq!(ua.budget_left, Some(100_000 - ua.spent_tokens));
+    let ub = &all[2];
+    assert_eq!((ub.requests, ub.limited, ub.budget_tokens), (2, 1, None));
+
+    // A token sees only its own, whatever it asks for.
+    let own = json_of(s.gateway.usage(Some(&a), Some("tenant/b")));
+    assert_eq!(own["caller"], "tenant/a");
+    assert_eq!(own["kind"], "token");
+    assert_eq!(own["token_id"], "a");
+    assert_eq!(own["requests"], 4);
+    assert_eq!(own["budget_left"], json!(ua.budget_left));
+    let own_b = json_of(s.gateway.usage(Some(&b), None));
+    assert_eq!(own_b["budget_tokens"], Value::Null);
+    assert_eq!(own_b["budget_left"], Value::Null);
+    // The operator may filter by name or token id.
+    for filter in ["tenant/b", "b"] {
+        let list = json_of(s.gateway.usage(Some(KEY), Some(filter)));
+        assert_eq!(list["data"].as_array().map(Vec::len), Some(1), "{list}");
+        assert_eq!(list["data"][0]["caller"], "tenant/b");
+    }
+    assert_eq!(s.gateway.usage(Some("secret-nobody"), None).status, 401);
+    assert_eq!(s.gateway.usage(None, None).status, 401);
+
+    // Per model: requests by class, times, the stream's first chunk, tokens.
+    let traffic = s.gateway.traffic();
+    let policy = traffic
+        .iter()
+        .find(|m| m.model == "policy")
+        .expect("policy");
+    assert_eq!(policy.routes.len(), 1);
+    let chat_route = &policy.routes[0];
+    assert_eq!(chat_route.route, Route::ChatCompletions);
+    assert_eq!(chat_route.codes, [0, 5, 0, 1, 0], "6 answered, the 429 too");
+    assert_eq!(chat_route.duration.count, 6);
+    assert_eq!(policy.ttft.count, 1, "one stream");
+    assert_eq!(
+        (policy.prompt_tokens, policy.completion_tokens),
+        (3 * prompt + 1, 3 * completion + completion_of_x(&s).await),
+    );
+    let other = traffic.iter().find(|m| m.model == "other").expect("other");
+    assert!(other.routes.is_empty() && other.ttft.count == 0);
+
+    // A token gone is swept out with its usage.
+    s.authority.forget("b");
+    s.tick(Duration::from_secs(2));
+    assert_eq!(s.call(&b, chat("policy", "x")).await.0, 401);
+    let all = s.gateway.usage_by_caller();
+    assert_eq!(all.len(), 2);
+    assert_eq!(all[1].caller, "tenant/a");
+}
+
+/// Completion tokens of a chat saying "x" (as the key, not counted above).
+async fn completion_of_x(s: &Setup) -> u64 {
+    let r = s
+        .gateway
+        .handle(
+            Some(KEY),
+            Route::ChatCompletions,
+            Bytes::from(chat("policy", "x").to_string()),
+            CallOptions { no_cache: true },
+        )
+        .await;
+    let v: Value = serde_json::from_slice(&body_of(r).await).expect("json");
+    v["usage"]["completion_tokens"]
+        .as_u64()
+        .expect("completion")
+}

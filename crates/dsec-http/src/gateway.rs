@@ -5,22 +5,28 @@
 //! SDKs raise their typed exceptions for them. Accepted sockets send small writes at
 //! once (`TCP_NODELAY`): an SSE chunk must not wait for the next. `GET /metrics` (for a
 //! caller with a configured gateway key; a sandbox token gets 403) gives the gateway's
-//! counters in Prometheus text.
+//! counters in Prometheus text; `GET /v1/usage` each caller's usage (a sandbox token
+//! sees only its own, and so its budget left).
 
 use std::future::Future;
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use dsec_gateway::openai::{self, ErrorKind};
-use dsec_gateway::{CallOptions, Gateway, GatewayStats, Reply, ReplyBody, Route};
+use dsec_gateway::{
+    CallOptions, Gateway, GatewayStats, HistogramSnapshot, ModelTraffic, Reply, ReplyBody, Route,
+    RouteTraffic, STATUS_CLASSES,
+};
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::trace::TraceLayer;
+
+use crate::metrics::{label, HistogramSeries, PromText};
 
 type Gw = State<Arc<Gateway>>;
 
@@ -33,6 +39,7 @@ pub fn gateway_router(gateway: Arc<Gateway>) -> Router {
         .route("/v1/embeddings", post(embeddings))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{*id}", get(get_model))
+        .route("/v1/usage", get(usage))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
@@ -124,6 +131,17 @@ async fn get_model(State(gw): Gw, headers: HeaderMap, Path(id): Path<String>) ->
     reply(gw.get_model(bearer(&headers).as_deref(), &id))
 }
 
+/// `GET /v1/usage[?caller=NAME]`: every caller's usage for a configured key, its own
+/// for a sandbox token ([`Gateway::usage`]).
+async fn usage(State(gw): Gw, headers: HeaderMap, Query(q): Query<UsageQuery>) -> Response {
+    reply(gw.usage(bearer(&headers).as_deref(), q.caller.as_deref()))
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct UsageQuery {
+    caller: Option<String>,
+}
+
 async fn metrics(State(gw): Gw, headers: HeaderMap) -> Response {
     if let Err(r) = gw.authorize(bearer(&headers).as_deref()) {
         return reply(*r);
@@ -133,82 +151,151 @@ async fn metrics(State(gw): Gw, headers: HeaderMap) -> Response {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        render_metrics(&gw.stats()),
+        render_metrics(&gw.stats(), &gw.traffic()),
     )
         .into_response()
 }
 
-/// The gateway's counters in the Prometheus text format (version 0.0.4).
-pub fn render_metrics(s: &GatewayStats) -> String {
-    use std::fmt::Write;
+/// The gateway's counters in the Prometheus text format (version 0.0.4): `s`, and the
+/// requests, latencies and tokens per model of `traffic`.
+pub fn render_metrics(s: &GatewayStats, traffic: &[ModelTraffic]) -> String {
     let mut out = String::new();
-    let mut family = |name: &str, kind: &str, help: &str, series: &[(&str, u64)]| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        for (labels, v) in series {
-            let _ = writeln!(out, "{name}{labels} {v}");
-        }
-    };
+    let mut p = PromText::new(&mut out);
     let c = &s.cache;
-    family(
+    p.family(
         "dsec_gateway_cache_total",
         "counter",
         "Requests by how the response cache took part (x-dsec-cache).",
-        &[
+        [
             ("{result=\"hit\"}", c.hits),
             ("{result=\"miss\"}", c.misses),
             ("{result=\"coalesced\"}", c.coalesced),
             ("{result=\"bypass\"}", c.bypassed),
         ],
     );
-    family(
+    p.family(
         "dsec_gateway_cache_evictions_total",
         "counter",
         "Cached answers removed to make room.",
-        &[("", c.evictions)],
+        [("", c.evictions)],
     );
-    family(
+    p.family(
         "dsec_gateway_cache_entries",
         "gauge",
         "Answers in the response cache.",
-        &[("", c.entries)],
+        [("", c.entries)],
     );
-    family(
+    p.family(
         "dsec_gateway_cache_bytes",
         "gauge",
         "Bytes the cached answers take.",
-        &[("", c.bytes)],
+        [("", c.bytes)],
     );
-    family(
+    p.family(
         "dsec_gateway_limited_total",
         "counter",
         "Requests refused (429) by a caller's limit or used-up token budget.",
-        &[
+        [
             ("{limit=\"requests\"}", s.limited_requests),
             ("{limit=\"tokens\"}", s.limited_tokens),
             ("{limit=\"concurrency\"}", s.limited_concurrency),
             ("{limit=\"budget\"}", s.limited_budget),
         ],
     );
-    family(
+    p.family(
         "dsec_gateway_token_callers",
         "gauge",
         "Callers of sandbox tokens held (used since the last sweep of gone tokens).",
-        &[("", s.token_callers)],
+        [("", s.token_callers)],
     );
-    family(
+    p.family(
         "dsec_gateway_timeouts_total",
         "counter",
         "Requests over their time limit (504, or a stream ended with an error event).",
-        &[("", s.timed_out)],
+        [("", s.timed_out)],
     );
+    render_traffic(&mut p, traffic);
     out
+}
+
+/// The families per model and route: requests by status class, their times, the
+/// first chunk's delay of streams, tokens.
+fn render_traffic(p: &mut PromText<'_>, traffic: &[ModelTraffic]) {
+    // Label sets, without braces: per model, and per model and route.
+    let models: Vec<String> = traffic
+        .iter()
+        .map(|m| format!("model=\"{}\"", label(&m.model)))
+        .collect();
+    let routes: Vec<(String, &RouteTraffic)> = traffic
+        .iter()
+        .zip(&models)
+        .flat_map(|(m, model)| {
+            m.routes
+                .iter()
+                .map(move |r| (format!("{model},route=\"{}\"", r.route.as_str()), r))
+        })
+        .collect();
+    p.family(
+        "dsec_gateway_requests_total",
+        "counter",
+        "Requests for a configured model, by route and status class (a stream counts when it ends).",
+        routes.iter().flat_map(|(labels, r)| {
+            STATUS_CLASSES
+                .iter()
+                .zip(r.codes)
+                .filter(|&(_, n)| n > 0)
+                .map(move |(code, n)| (format!("{{{labels},code=\"{code}\"}}"), n))
+        }),
+    );
+    p.histogram(
+        "dsec_gateway_request_duration_seconds",
+        "Time to the whole answer (a stream: to its end or its caller leaving).",
+        routes
+            .iter()
+            .map(|(labels, r)| histogram(labels, &r.duration)),
+    );
+    p.histogram(
+        "dsec_gateway_ttft_seconds",
+        "Streams: time from the request to the first event reaching the caller.",
+        traffic
+            .iter()
+            .zip(&models)
+            .filter(|(m, _)| m.ttft.count > 0)
+            .map(|(m, labels)| histogram(labels, &m.ttft)),
+    );
+    p.family(
+        "dsec_gateway_tokens_total",
+        "counter",
+        "Model tokens the upstreams' usage reported, by direction.",
+        traffic.iter().zip(&models).flat_map(|(m, labels)| {
+            [
+                (format!("{{{labels},dir=\"prompt\"}}"), m.prompt_tokens),
+                (
+                    format!("{{{labels},dir=\"completion\"}}"),
+                    m.completion_tokens,
+                ),
+            ]
+        }),
+    );
+}
+
+fn histogram<'a>(
+    labels: &'a str,
+    h: &'a HistogramSnapshot,
+) -> HistogramSeries<'a, impl Iterator<Item = (f64, u64)> + 'a> {
+    HistogramSeries {
+        labels,
+        buckets: h.buckets(),
+        sum: h.sum_s,
+        count: h.count,
+    }
 }
 
 async fn not_found() -> Response {
     reply(openai::error(
         404,
         "no such route: the gateway serves /v1/chat/completions, /v1/completions, \
-         /v1/embeddings and /v1/models",
+         /v1/embeddings, /v1/models and /v1/usage",
         ErrorKind::InvalidRequest,
         Some("unknown_url"),
     ))

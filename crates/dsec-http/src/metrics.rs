@@ -8,12 +8,101 @@ use std::fmt::Write;
 
 use dsec_wire::v1::{ClusterNode, ClusterNodeList, Health, LayerStatsList, Pool, PoolList};
 
+/// Writes the Prometheus text format (version 0.0.4) into a string, one family at a
+/// time: its `# HELP` and `# TYPE` lines, then its samples. Every `/metrics` here is
+/// written through it.
+#[derive(Debug)]
+pub struct PromText<'a> {
+    out: &'a mut String,
+}
+
+/// One series of a histogram for [`PromText::histogram`].
+#[derive(Debug, Clone, Copy)]
+pub struct HistogramSeries<'a, B> {
+    /// Its labels without braces (`layer="sha256:…"`), empty for none.
+    pub labels: &'a str,
+    /// `(upper bound, samples in this bucket only)` in increasing order; the last
+    /// bound is `f64::INFINITY` (`+Inf`). The writer makes them cumulative.
+    pub buckets: B,
+    /// Sum of the samples.
+    pub sum: f64,
+    /// Number of samples.
+    pub count: u64,
+}
+
+impl<'a> PromText<'a> {
+    /// A writer appending to `out`.
+    pub fn new(out: &'a mut String) -> Self {
+        Self { out }
+    }
+
+    /// A family of `kind` (`counter`, `gauge`): a sample per `(labels, value)`, the
+    /// labels with their braces (`{limit="tokens"}`) or empty.
+    pub fn family<L, V>(
+        &mut self,
+        name: &str,
+        kind: &str,
+        help: &str,
+        series: impl IntoIterator<Item = (L, V)>,
+    ) where
+        L: std::fmt::Display,
+        V: std::fmt::Display,
+    {
+        self.header(name, kind, help);
+        for (labels, v) in series {
+            let _ = writeln!(self.out, "{name}{labels} {v}");
+        }
+    }
+
+    /// A histogram family: per series its cumulative `_bucket`s, `_sum` and `_count`.
+    pub fn histogram<'s, B>(
+        &mut self,
+        name: &str,
+        help: &str,
+        series: impl IntoIterator<Item = HistogramSeries<'s, B>>,
+    ) where
+        B: IntoIterator<Item = (f64, u64)>,
+    {
+        self.header(name, "histogram", help);
+        for s in series {
+            let sep = if s.labels.is_empty() { "" } else { "," };
+            let mut cumulative = 0;
+            for (le, n) in s.buckets {
+                cumulative += n;
+                let le = if le == f64::INFINITY {
+                    "+Inf".to_string()
+                } else {
+                    format!("{le}")
+                };
+                let _ = writeln!(
+                    self.out,
+                    "{name}_bucket{{{}{sep}le=\"{le}\"}} {cumulative}",
+                    s.labels
+                );
+            }
+            let braced = if s.labels.is_empty() {
+                String::new()
+            } else {
+                format!("{{{}}}", s.labels)
+            };
+            let _ = writeln!(
+                self.out,
+                "{name}_sum{braced} {}\n{name}_count{braced} {}",
+                s.sum, s.count
+            );
+        }
+    }
+
+    fn header(&mut self, name: &str, kind: &str, help: &str) {
+        let _ = writeln!(self.out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    }
+}
+
 /// Prometheus text of `health`, `layers` and, when given, the cluster's `nodes`.
 pub fn render(health: &Health, layers: &LayerStatsList, nodes: Option<&ClusterNodeList>) -> String {
     let mut out = String::new();
-    let mut gauge = |name: &str, help: &str, v: u64| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
-    };
+    let mut p = PromText::new(&mut out);
+    let mut gauge = |name: &str, help: &str, v: u64| p.family(name, "gauge", help, [("", v)]);
     gauge(
         "dsec_sandboxes",
         "Live sandboxes on this node.",
@@ -50,17 +139,18 @@ pub fn render(health: &Health, layers: &LayerStatsList, nodes: Option<&ClusterNo
     if let Some(nodes) = nodes {
         render_nodes(&mut out, nodes);
     }
-    let _ = writeln!(
-        out,
-        "# HELP dsec_sandbox_unhealthy_total Times a sandbox became unhealthy since the server started.\n\
-         # TYPE dsec_sandbox_unhealthy_total counter\ndsec_sandbox_unhealthy_total {}",
-        health.unhealthy_marks_total
+    let mut p = PromText::new(&mut out);
+    p.family(
+        "dsec_sandbox_unhealthy_total",
+        "counter",
+        "Times a sandbox became unhealthy since the server started.",
+        [("", health.unhealthy_marks_total)],
     );
-    let _ = writeln!(
-        out,
-        "# HELP dsec_lazy_chunk_cache_bytes Bytes the on-demand chunk cache holds on disk.\n\
-         # TYPE dsec_lazy_chunk_cache_bytes gauge\ndsec_lazy_chunk_cache_bytes {}",
-        layers.node.chunk_cache_bytes
+    p.family(
+        "dsec_lazy_chunk_cache_bytes",
+        "gauge",
+        "Bytes the on-demand chunk cache holds on disk.",
+        [("", layers.node.chunk_cache_bytes)],
     );
 
     // One family at a time, each with a line per layer.
@@ -93,40 +183,42 @@ pub fn render(health: &Health, layers: &LayerStatsList, nodes: Option<&ClusterNo
         ),
     ];
     for (name, help, field) in counters {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-        for l in &layers.lazy {
-            let _ = writeln!(out, "{name}{{layer=\"{}\"}} {}", l.digest, field(l));
-        }
-    }
-    let name = "dsec_lazy_fetch_duration_seconds";
-    let _ = writeln!(
-        out,
-        "# HELP {name} Time to fetch one chunk of an on-demand layer.\n# TYPE {name} histogram"
-    );
-    for l in &layers.lazy {
-        let mut cumulative = 0;
-        for (le_ms, count) in &l.fetch_latency_ms {
-            cumulative += count;
-            let le = if *le_ms == u64::MAX {
-                "+Inf".to_string()
-            } else {
-                format!("{}", *le_ms as f64 / 1000.0)
-            };
-            let _ = writeln!(
-                out,
-                "{name}_bucket{{layer=\"{}\",le=\"{le}\"}} {cumulative}",
-                l.digest
-            );
-        }
-        let _ = writeln!(
-            out,
-            "{name}_sum{{layer=\"{}\"}} {}\n{name}_count{{layer=\"{}\"}} {}",
-            l.digest,
-            l.fetch_us_total as f64 / 1e6,
-            l.digest,
-            l.fetched_chunks
+        p.family(
+            name,
+            "counter",
+            help,
+            layers
+                .lazy
+                .iter()
+                .map(|l| (format!("{{layer=\"{}\"}}", l.digest), field(l))),
         );
     }
+    let labels: Vec<String> = layers
+        .lazy
+        .iter()
+        .map(|l| format!("layer=\"{}\"", l.digest))
+        .collect();
+    p.histogram(
+        "dsec_lazy_fetch_duration_seconds",
+        "Time to fetch one chunk of an on-demand layer.",
+        layers
+            .lazy
+            .iter()
+            .zip(&labels)
+            .map(|(l, labels)| HistogramSeries {
+                labels,
+                buckets: l.fetch_latency_ms.iter().map(|&(le_ms, n)| {
+                    let le = if le_ms == u64::MAX {
+                        f64::INFINITY
+                    } else {
+                        le_ms as f64 / 1000.0
+                    };
+                    (le, n)
+                }),
+                sum: l.fetch_us_total as f64 / 1e6,
+                count: l.fetched_chunks,
+            }),
+    );
     out
 }
 
@@ -201,22 +293,30 @@ pub fn render_pools(out: &mut String, pools: &PoolList) {
             |p| f64::from(u8::from(p.stale)),
         ),
     ];
-    for (name, kind, help, field) in families {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        for p in &pools.pools {
-            let _ = writeln!(
-                out,
-                "{name}{{tenant=\"{}\",pool=\"{}\"}} {}",
+    let labels: Vec<String> = pools
+        .pools
+        .iter()
+        .map(|p| {
+            format!(
+                "{{tenant=\"{}\",pool=\"{}\"}}",
                 label(&p.tenant),
-                label(&p.spec.name),
-                field(p)
-            );
-        }
+                label(&p.spec.name)
+            )
+        })
+        .collect();
+    let mut text = PromText::new(out);
+    for (name, kind, help, field) in families {
+        text.family(
+            name,
+            kind,
+            help,
+            pools.pools.iter().zip(&labels).map(|(p, l)| (l, field(p))),
+        );
     }
 }
 
 /// A label value in the exposition format's escaping.
-fn label(v: &str) -> String {
+pub(crate) fn label(v: &str) -> String {
     v.replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")
@@ -224,11 +324,12 @@ fn label(v: &str) -> String {
 
 /// One gauge family per node field, a series per node (`node` and `pool` labels).
 fn render_nodes(out: &mut String, nodes: &ClusterNodeList) {
-    let _ = writeln!(
-        out,
-        "# HELP dsec_nodes_live Registered nodes whose heartbeats this API server sees.\n\
-         # TYPE dsec_nodes_live gauge\ndsec_nodes_live {}",
-        nodes.nodes.iter().filter(|n| n.live).count()
+    let mut p = PromText::new(out);
+    p.family(
+        "dsec_nodes_live",
+        "gauge",
+        "Registered nodes whose heartbeats this API server sees.",
+        [("", nodes.nodes.iter().filter(|n| n.live).count())],
     );
     type Field = fn(&ClusterNode) -> u64;
     let families: [(&str, &str, Field); 8] = [
@@ -271,18 +372,21 @@ fn render_nodes(out: &mut String, nodes: &ClusterNodeList) {
             |n| n.max_sandboxes,
         ),
     ];
-    for (name, help, field) in families {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
-        for n in &nodes.nodes {
+    let labels: Vec<String> = nodes
+        .nodes
+        .iter()
+        .map(|n| {
             let pool = n.labels.get("pool").map(String::as_str).unwrap_or("");
-            let _ = writeln!(
-                out,
-                "{name}{{node=\"{}\",pool=\"{}\"}} {}",
-                label(&n.name),
-                label(pool),
-                field(n)
-            );
-        }
+            format!("{{node=\"{}\",pool=\"{}\"}}", label(&n.name), label(pool))
+        })
+        .collect();
+    for (name, help, field) in families {
+        p.family(
+            name,
+            "gauge",
+            help,
+            nodes.nodes.iter().zip(&labels).map(|(n, l)| (l, field(n))),
+        );
     }
 }
 
@@ -411,5 +515,29 @@ mod tests {
         // Without the list (a key that may not see nodes), no node series.
         let text = render(&health, &LayerStatsList::default(), None);
         assert!(!text.contains("dsec_node_"), "{text}");
+    }
+
+    #[test]
+    fn prom_text_writes_families_and_cumulative_histograms() {
+        let mut out = String::from("# before\n");
+        let mut p = PromText::new(&mut out);
+        p.family("a_total", "counter", "A.", [("", 1), ("{x=\"y\"}", 2)]);
+        let series = |labels| HistogramSeries {
+            labels,
+            buckets: [(0.5, 1), (1.0, 0), (f64::INFINITY, 2)],
+            sum: 4.25,
+            count: 3,
+        };
+        p.histogram("h_seconds", "H.", [series(""), series("m=\"x\"")]);
+        assert_eq!(
+            out,
+            "# before\n# HELP a_total A.\n# TYPE a_total counter\na_total 1\na_total{x=\"y\"} 2\n\
+             # HELP h_seconds H.\n# TYPE h_seconds histogram\n\
+             h_seconds_bucket{le=\"0.5\"} 1\nh_seconds_bucket{le=\"1\"} 1\n\
+             h_seconds_bucket{le=\"+Inf\"} 3\nh_seconds_sum 4.25\nh_seconds_count 3\n\
+             h_seconds_bucket{m=\"x\",le=\"0.5\"} 1\nh_seconds_bucket{m=\"x\",le=\"1\"} 1\n\
+             h_seconds_bucket{m=\"x\",le=\"+Inf\"} 3\nh_seconds_sum{m=\"x\"} 4.25\n\
+             h_seconds_count{m=\"x\"} 3\n"
+        );
     }
 }

@@ -833,3 +833,137 @@ async fn a_sandbox_token_calls_its_models_until_its_budget_is_spent() {
         "{metrics}"
     );
 }
+
+/// The value of the sample `series` (name and labels) in Prometheus text.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_have_latency_histograms_and_usage_is_per_caller() {
+    let grant = Grant {
+        id: "tok1".into(),
+        name: "acme/sb-1".into(),
+        budget_tokens: Some(10_000),
+        ..Grant::default()
+    };
+    let s = setup_full(Vec::new(), Some(Arc::new(OneToken(grant)))).await;
+    let tok = "sandbox-token";
+    let get = |path: &str, key: &str| {
+        let req = s
+            .client
+            .get(format!("{}{path}", s.base.trim_end_matches("/v1")))
+            .bearer_auth(key);
+        async move {
+            let resp = req.send().await.expect("send");
+            (resp.status().as_u16(), resp.text().await.expect("text"))
+        }
+    };
+    let own = |text: String| -> Value { serde_json::from_str(&text).expect("json") };
+
+    let (status, first) = get("/v1/usage", tok).await;
+    assert_eq!(status, 200, "{first}");
+    let first = own(first);
+    assert_eq!(
+        (first["caller"].as_str(), first["requests"].as_u64()),
+        (Some("acme/sb-1"), Some(0))
+    );
+    assert_eq!(first["budget_left"], 10_000);
+
+    // Two calls and a stream as the token, one call as the operator.
+    for prompt in ["a b c", "d e"] {
+        let (status, _, r) = s
+            .post_as(tok, "/chat/completions", chat("policy", prompt))
+            .await;
+        assert_eq!(status, 200, "{r}");
+    }
+    let (status, text) = s.stream_as(tok, chat("policy", "f g h")).await;
+    assert_eq!(status, 200);
+    assert!(text.contains("[DONE]"), "{text}");
+    let (status, r) = s.post("/chat/completions", chat("policy", "x")).await;
+    assert_eq!(status, 200, "{r}");
+
+    // A sandbox token sees only its own usage, its budget going down.
+    let (status, mine) = get("/v1/usage?caller=gw-test", tok).await;
+    assert_eq!(status, 200);
+    let mine = own(mine);
+    assert_eq!(mine["caller"], "acme/sb-1");
+    assert_eq!(mine["kind"], "token");
+    assert_eq!(mine["requests"], 3);
+    assert!(mine["prompt_tokens"].as_u64() > Some(0), "{mine}");
+    assert!(mine["completion_tokens"].as_u64() > Some(0), "{mine}");
+    let spent = mine["spent_tokens"].as_u64().expect("spent");
+    assert!(spent > 0);
+    assert_eq!(mine["budget_left"].as_u64(), Some(10_000 - spent));
+    assert!(mine["data"].is_null(), "not the list: {mine}");
+
+    // The operator sees every caller, or the one it names.
+    let (status, all) = get("/v1/usage", KEY).await;
+    assert_eq!(status, 200);
+    let all = own(all);
+    let data = all["data"].as_array().expect("list");
+    assert_eq!(data.len(), 2, "{all}");
+    assert_eq!(data[0]["kind"], "key");
+    assert_eq!(data[0]["requests"], 1);
+    assert_eq!(data[0]["budget_left"], Value::Null);
+    assert_eq!(data[1]["caller"], "acme/sb-1");
+    let (_, named) = get("/v1/usage?caller=tok1", KEY).await;
+    let named = own(named);
+    assert_eq!(named["data"].as_array().map(Vec::len), Some(1), "{named}");
+    assert_eq!(named["data"][0]["token_id"], "tok1");
+    assert_eq!(get("/v1/usage", "nobody").await.0, 401);
+
+    // Metrics: counts per model and route that match the calls.
+    let (status, m) = get("/metrics", KEY).await;
+    assert_eq!(status, 200);
+    let l = "model=\"policy\",route=\"chat_completions\"";
+    assert_eq!(
+        sample(
+            &m,
+            &format!("dsec_gateway_requests_total{{{l},code=\"2xx\"}}")
+        ),
+        Some(4.0),
+        "{m}"
+    );
+    let d = "dsec_gateway_request_duration_seconds";
+    assert_eq!(sample(&m, &format!("{d}_count{{{l}}}")), Some(4.0), "{m}");
+    assert_eq!(
+        sample(&m, &format!("{d}_bucket{{{l},le=\"+Inf\"}}")),
+        Some(4.0)
+    );
+    assert!(sample(&m, &format!("{d}_sum{{{l}}}")) > Some(0.0));
+    let t = "dsec_gateway_ttft_seconds";
+    assert_eq!(
+        sample(&m, &format!("{t}_count{{model=\"policy\"}}")),
+        Some(1.0),
+        "one stream: {m}"
+    );
+    assert_eq!(
+        sample(&m, &format!("{t}_bucket{{model=\"policy\",le=\"+Inf\"}}")),
+        Some(1.0)
+    );
+    let prompt = |v: &Value| v["prompt_tokens"].as_u64().unwrap_or(0);
+    let completion = |v: &Value| v["completion_tokens"].as_u64().unwrap_or(0);
+    assert_eq!(
+        sample(
+            &m,
+            "dsec_gateway_tokens_total{model=\"policy\",dir=\"prompt\"}"
+        ),
+        Some((prompt(&data[0]) + prompt(&data[1])) as f64)
+    );
+    assert_eq!(
+        sample(
+            &m,
+            "dsec_gateway_tokens_total{model=\"policy\",dir=\"completion\"}"
+        ),
+        Some((completion(&data[0]) + completion(&data[1])) as f64)
+    );
+    // No requests for "failover": no series for it but its tokens (zero).
+    assert!(!m.contains("route=\"embeddings\""), "{m}");
+    let types: Vec<&str> = m.lines().filter(|l| l.starts_with("# TYPE")).collect();
+    let mut unique = types.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(types.len(), unique.len(), "each family declared once");
+}
