@@ -27,6 +27,7 @@ impl TokenAuthority for IamTokens {
             })?;
         let a = grant.access;
         Ok(Grant {
+            tenant: Some(grant.tenant.clone()),
             name: format!("{}/{}", grant.tenant, grant.sandbox),
             id: grant.token_id,
             models: Some(a.models),

@@ -9,6 +9,9 @@
 //!     name: team-a                # for logs and the cache's scope (default: a digest)
 //!     limits: {rpm: 600, tpm: 200000, max_concurrency: 32, timeout_s: 120}
 //! default_limits: {rpm: 60}       # each key's own, for what its limits leave unset
+//! tenant_limits:                  # shared by all the sandbox tokens of a tenant
+//!   acme: {rpm: 3000, tpm: 2000000, max_concurrency: 256}
+//! default_tenant_limits: {max_concurrency: 64}   # each other tenant's, shared likewise
 //! cache: {max_bytes: 268435456, max_entry_bytes: 1048576, ttl_s: 600}  # the defaults
 //! models:
 //!   policy-7b:
@@ -70,6 +73,13 @@ pub struct GatewayConfig {
     /// leave unset (each caller has its own buckets; these are not shared).
     #[serde(default)]
     pub default_limits: Limits,
+    /// Limits a tenant's sandbox tokens share (all of them together, on top of each
+    /// token's own), by tenant name. `timeout_s` is not shared: it is per token.
+    #[serde(default)]
+    pub tenant_limits: BTreeMap<String, Limits>,
+    /// The shared limits of every tenant not in `tenant_limits` (none when unset).
+    #[serde(default)]
+    pub default_tenant_limits: Option<Limits>,
     /// The response cache of deterministic requests (on by default).
     #[serde(default)]
     pub cache: CacheConfig,
@@ -90,6 +100,8 @@ impl Default for GatewayConfig {
         Self {
             api_keys: Vec::new(),
             default_limits: Limits::default(),
+            tenant_limits: BTreeMap::new(),
+            default_tenant_limits: None,
             cache: CacheConfig::default(),
             models: BTreeMap::new(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
@@ -301,6 +313,14 @@ impl GatewayConfig {
                 return invalid(format!("api_keys[{i}]: the same key is listed twice"));
             }
             k.limits.check(&format!("api_keys[{i}].limits"))?;
+        }
+        for (tenant, limits) in &self.tenant_limits {
+            limits.check(&format!("tenant_limits.{tenant}"))?;
+        }
+        if let Some(limits) = &self.default_tenant_limits {
+            limits.check("default_tenant_limits")?;
+        }
+        for (i, k) in self.api_keys.iter().enumerate() {
             if k.name.as_deref().is_some_and(|n| n.trim().is_empty()) {
                 return invalid(format!("api_keys[{i}].name: must not be empty"));
             }
@@ -361,6 +381,14 @@ impl GatewayConfig {
             }
         }
         found
+    }
+
+    /// The limits tenant `tenant`'s sandbox tokens share, if any.
+    pub fn tenant_limits_of(&self, tenant: &str) -> Option<Limits> {
+        self.tenant_limits
+            .get(tenant)
+            .or(self.default_tenant_limits.as_ref())
+            .copied()
     }
 
     /// The limits of `api_keys[index]`, its defaults filled in.

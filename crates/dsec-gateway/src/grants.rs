@@ -15,7 +15,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use crate::config::Limits;
+use crate::config::{GatewayConfig, Limits};
 use crate::limits::{CallerLimits, Clock};
 use crate::usage::UsageCounters;
 use crate::Caller;
@@ -36,6 +36,9 @@ pub struct Grant {
     /// Model tokens it may spend in all (prompt and completion, answers from the cache
     /// included); `None`: no budget.
     pub budget_tokens: Option<u64>,
+    /// The tenant whose shared limits (`tenant_limits` in the configuration) it counts
+    /// against too, with every other token of that tenant; `None`: none.
+    pub tenant: Option<String>,
 }
 
 /// Why a [`TokenAuthority`] gives no grant for a bearer.
@@ -75,6 +78,9 @@ pub(crate) struct TokenCallers {
     authority: Arc<dyn TokenAuthority>,
     clock: Clock,
     state: Mutex<MapState>,
+    /// Each tenant's shared limits, made on its first token's first request (as many
+    /// as there are tenants with limits that used the gateway).
+    tenants: Mutex<HashMap<String, Arc<CallerLimits>>>,
 }
 
 impl std::fmt::Debug for TokenCallers {
@@ -104,7 +110,31 @@ impl TokenCallers {
                 swept_at: now,
                 high_water: MIN_HIGH_WATER,
             }),
+            tenants: Mutex::default(),
         }
+    }
+
+    /// The limits `tenant`'s tokens share, if the configuration gives it some.
+    fn tenant_limits(&self, tenant: &str, config: &GatewayConfig) -> Option<Arc<CallerLimits>> {
+        let limits = config.tenant_limits_of(tenant)?;
+        let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
+        Some(
+            tenants
+                .entry(tenant.to_string())
+                .or_insert_with(|| {
+                    Arc::new(CallerLimits::with_budget(
+                        Limits {
+                            // A time limit is per request, not shared.
+                            timeout_s: None,
+                            ..limits
+                        },
+                        None,
+                        0,
+                        self.clock.clone(),
+                    ))
+                })
+                .clone(),
+        )
     }
 
     fn state(&self) -> MutexGuard<'_, MapState> {
@@ -121,7 +151,7 @@ impl TokenCallers {
     pub(crate) fn caller(
         &self,
         bearer: &str,
-        defaults: &Limits,
+        config: &GatewayConfig,
     ) -> Result<Arc<Caller>, TokenError> {
         let grant = match self.authority.grant(bearer) {
             Ok(g) => g,
@@ -144,7 +174,7 @@ impl TokenCallers {
             Some((_, caller)) => (caller.limits.spent(), caller.usage.clone()),
             None => (0, Arc::default()),
         };
-        let caller = Arc::new(self.caller_of(&grant, defaults, spent, usage));
+        let caller = Arc::new(self.caller_of(&grant, config, spent, usage));
         state
             .callers
             .insert(grant.id.clone(), (grant, caller.clone()));
@@ -160,23 +190,26 @@ impl TokenCallers {
     fn caller_of(
         &self,
         grant: &Grant,
-        defaults: &Limits,
+        config: &GatewayConfig,
         spent: u64,
         usage: Arc<UsageCounters>,
     ) -> Caller {
-        let limits = grant.limits.or(defaults);
+        let limits = grant.limits.or(&config.default_limits);
+        let tenant = grant
+            .tenant
+            .as_deref()
+            .and_then(|t| Some((t, self.tenant_limits(t, config)?)));
         Caller {
             name: grant.name.clone(),
             token_id: Some(grant.id.clone()),
             usage,
             scope: format!("token:{}", grant.name),
-            limits: Arc::new(CallerLimits::with_budget(
-                limits,
-                grant.budget_tokens,
-                spent,
-                self.clock.clone(),
-            )),
+            limits: Arc::new(
+                CallerLimits::with_budget(limits, grant.budget_tokens, spent, self.clock.clone())
+                    .sharing(tenant.as_ref().map(|(_, shared)| shared.clone())),
+            ),
             config: limits,
+            tenant: tenant.map(|(t, shared)| (t.to_string(), shared.limits())),
             models: grant
                 .models
                 .as_ref()

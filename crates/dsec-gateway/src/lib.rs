@@ -221,6 +221,8 @@ pub(crate) struct Caller {
     scope: String,
     limits: Arc<CallerLimits>,
     config: Limits,
+    /// The tenant whose shared limits it counts against too, and those limits.
+    tenant: Option<(String, Limits)>,
     /// The models it may call; `None`: all.
     models: Option<BTreeSet<String>>,
 }
@@ -278,6 +280,7 @@ impl Gateway {
                     usage: Arc::default(),
                     limits: Arc::new(CallerLimits::with_budget(limits, None, 0, clock.clone())),
                     config: limits,
+                    tenant: None,
                     models: None,
                 })
             })
@@ -376,7 +379,7 @@ impl Gateway {
             return Err(Box::new(token_refused(TokenError::Unknown)));
         };
         tokens
-            .caller(key, &self.config.default_limits)
+            .caller(key, &self.config)
             .map_err(|e| Box::new(token_refused(e)))
     }
 
@@ -737,6 +740,11 @@ fn token_refused(e: TokenError) -> Reply {
 /// The 429 for a caller over one of its limits.
 fn refused(caller: &Caller, refusal: Refusal) -> Reply {
     let wait = refusal.retry_after.min(openai::MAX_RETRY_AFTER);
+    // A limit the caller shares with its tenant's other tokens is named as the tenant's.
+    let (who, limits) = match (&caller.tenant, refusal.shared) {
+        (Some((tenant, limits)), true) => (format!("tenant {tenant}"), limits),
+        _ => (caller.name.clone(), &caller.config),
+    };
     let (what, limit, kind) = match refusal.limit {
         Limited::Budget => {
             return openai::insufficient_quota(format!(
@@ -749,24 +757,19 @@ fn refused(caller: &Caller, refusal: Refusal) -> Reply {
         }
         Limited::Requests => (
             "requests per minute (RPM)",
-            caller.config.rpm.map(u64::from),
+            limits.rpm.map(u64::from),
             ErrorKind::Requests,
         ),
-        Limited::Tokens => (
-            "tokens per minute (TPM)",
-            caller.config.tpm,
-            ErrorKind::Tokens,
-        ),
+        Limited::Tokens => ("tokens per minute (TPM)", limits.tpm, ErrorKind::Tokens),
         Limited::Concurrency => (
             "requests at once",
-            caller.config.max_concurrency.map(u64::from),
+            limits.max_concurrency.map(u64::from),
             ErrorKind::Requests,
         ),
     };
     openai::rate_limited(
         format!(
-            "rate limit reached for {} on {what}: limit {}. Please try again in {:.3}s.",
-            caller.name,
+            "rate limit reached for {who} on {what}: limit {}. Please try again in {:.3}s.",
             limit.unwrap_or(0),
             wait.as_secs_f64()
         ),

@@ -91,6 +91,12 @@ impl Bucket {
         }
     }
 
+    /// Puts back `n` taken before (up to the burst).
+    pub(crate) fn give(&mut self, now: Duration, n: f64) {
+        self.refill(now);
+        self.level = (self.level + n).min(self.burst);
+    }
+
     /// Takes `n` whatever the level (it may go into debt).
     pub(crate) fn charge(&mut self, now: Duration, n: f64) {
         self.refill(now);
@@ -116,6 +122,8 @@ pub enum Limited {
 pub struct Refusal {
     /// Which limit.
     pub limit: Limited,
+    /// Whether it is one the caller shares with its tenant's other tokens.
+    pub shared: bool,
     /// How long until a retry may pass (for concurrency, a guess: the caller's usual
     /// request time).
     pub retry_after: Duration,
@@ -138,6 +146,9 @@ struct State {
 pub(crate) struct CallerLimits {
     limits: Limits,
     budget: Option<u64>,
+    /// Limits shared with other callers (a tenant's, over its sandbox tokens): a
+    /// request is let in only if they let it in too, and is charged to them as well.
+    shared: Option<Arc<CallerLimits>>,
     clock: Clock,
     state: Mutex<State>,
     in_flight: Option<Arc<Semaphore>>,
@@ -180,6 +191,7 @@ impl CallerLimits {
         Self {
             limits,
             budget,
+            shared: None,
             clock,
             state: Mutex::new(State {
                 requests,
@@ -189,6 +201,17 @@ impl CallerLimits {
             }),
             in_flight,
         }
+    }
+
+    /// These limits, and `shared` ones on top (see [`CallerLimits::shared`]).
+    pub(crate) fn sharing(mut self, shared: Option<Arc<CallerLimits>>) -> Self {
+        self.shared = shared;
+        self
+    }
+
+    /// Its limits.
+    pub(crate) fn limits(&self) -> Limits {
+        self.limits
     }
 
     /// The time a request may take, if limited.
@@ -213,8 +236,26 @@ impl CallerLimits {
     }
 
     /// Lets a request in, or says which limit refuses it and for how long. Nothing is
-    /// taken from a caller that is refused.
+    /// taken from a caller that is refused, nor from the limits it shares (a request
+    /// the shared limits refuse gives back what the caller's own took).
     pub(crate) fn admit(self: &Arc<Self>) -> Result<Admission, Refusal> {
+        let mut own = self.admit_own()?;
+        if let Some(shared) = &self.shared {
+            match shared.admit_own() {
+                Ok(a) => own.shared = Some(Box::new(a)),
+                Err(refusal) => {
+                    own.give_back();
+                    return Err(Refusal {
+                        shared: true,
+                        ..refusal
+                    });
+                }
+            }
+        }
+        Ok(own)
+    }
+
+    fn admit_own(self: &Arc<Self>) -> Result<Admission, Refusal> {
         let now = (self.clock)();
         let mut state = self.state();
         let budget_left = match self.budget {
@@ -222,6 +263,7 @@ impl CallerLimits {
             Some(budget) if state.spent >= budget => {
                 return Err(Refusal {
                     limit: Limited::Budget,
+                    shared: false,
                     retry_after: Duration::ZERO,
                 });
             }
@@ -230,6 +272,7 @@ impl CallerLimits {
         if let Some(tokens) = &mut state.tokens {
             tokens.check(now).map_err(|wait| Refusal {
                 limit: Limited::Tokens,
+                shared: false,
                 retry_after: wait,
             })?;
         }
@@ -238,6 +281,7 @@ impl CallerLimits {
             Some(sem) => Some(sem.clone().try_acquire_owned().map_err(|_| {
                 Refusal {
                     limit: Limited::Concurrency,
+                    shared: false,
                     retry_after: state
                         .typical_s
                         .and_then(|s| Duration::try_from_secs_f64(s).ok())
@@ -248,11 +292,14 @@ impl CallerLimits {
         if let Some(requests) = &mut state.requests {
             requests.take(now, 1.0).map_err(|wait| Refusal {
                 limit: Limited::Requests,
+                shared: false,
                 retry_after: wait,
             })?;
         }
         Ok(Admission {
             caller: self.clone(),
+            shared: None,
+            took_request: state.requests.is_some(),
             _permit: permit,
             started: now,
             usage: None,
@@ -289,6 +336,10 @@ impl CallerLimits {
 #[derive(Debug)]
 pub(crate) struct Admission {
     caller: Arc<CallerLimits>,
+    /// The admission of the limits the caller shares, charged as this one is.
+    shared: Option<Box<Admission>>,
+    /// Whether a request was taken from the caller's requests bucket.
+    took_request: bool,
     _permit: Option<OwnedSemaphorePermit>,
     started: Duration,
     usage: Option<u64>,
@@ -300,6 +351,18 @@ pub(crate) struct Admission {
 }
 
 impl Admission {
+    /// Undoes the admission of a request that is not let in after all: its request
+    /// goes back to the bucket, nothing is charged.
+    fn give_back(&mut self) {
+        self.charge = false;
+        if self.took_request {
+            let now = (self.caller.clock)();
+            if let Some(requests) = &mut self.caller.state().requests {
+                requests.give(now, 1.0);
+            }
+        }
+    }
+
     /// The tokens the upstream reported the request used.
     pub(crate) fn record_usage(&mut self, tokens: u64) {
         self.usage = Some(tokens);
@@ -341,6 +404,13 @@ impl Admission {
 
 impl Drop for Admission {
     fn drop(&mut self) {
+        if let Some(shared) = &mut self.shared {
+            // The shared limits are charged what this caller is (they drop after).
+            shared.usage = self.usage;
+            shared.bytes = self.bytes;
+            shared.charge = self.charge;
+            shared.without_call = self.without_call;
+        }
         let tokens = self.tokens();
         let spent = if self.charge {
             tokens
@@ -396,6 +466,46 @@ pub(crate) mod tests {
         assert_eq!(b.check(t(0)), Err(t(3000)), "30 tokens of debt at 10/s");
         assert_eq!(b.check(t(2000)), Err(t(1000)));
         b.check(t(3000)).expect("paid back");
+    }
+
+    #[test]
+    fn shared_limits_refusing_give_back_what_the_callers_own_took() {
+        let (clock, _ms) = manual_clock();
+        let tenant = Arc::new(CallerLimits::new(
+            Limits {
+                max_concurrency: Some(1),
+                ..limits(Some(60), Some(2), Some(600))
+            },
+            clock.clone(),
+        ));
+        let token = |rpm| {
+            Arc::new(
+                CallerLimits::new(limits(Some(rpm), Some(1), None), clock.clone())
+                    .sharing(Some(tenant.clone())),
+            )
+        };
+        let (a, b) = (token(60), token(60));
+        let mut first = a.admit().expect("in");
+        first.record_usage(100);
+        let refused = b.admit().expect_err("the tenant's one at once");
+        assert_eq!(
+            (refused.limit, refused.shared),
+            (Limited::Concurrency, true)
+        );
+        // b's own request went back: its bucket (burst 1) still lets one in.
+        drop(b.admit_own().expect("b's own bucket is full"));
+        drop(first);
+        // The tenant was charged a's usage too, and took its request.
+        assert_eq!(tenant.state().tokens.as_ref().map(|t| t.level), Some(500.0));
+        drop(
+            token(60)
+                .admit()
+                .expect("the tenant's second request of its burst"),
+        );
+        let refused = token(60).admit().expect_err("the tenant's burst is used");
+        assert_eq!((refused.limit, refused.shared), (Limited::Requests, true));
+        let refused = a.admit().expect_err("a's own bucket is empty");
+        assert!(!refused.shared, "{refused:?}");
     }
 
     #[test]

@@ -88,6 +88,15 @@ async fn setup() -> Setup {
 
 /// The gateway with `default_limits`.
 async fn setup_with(default_limits: Limits) -> Setup {
+    setup_config(GatewayConfig {
+        default_limits,
+        ..GatewayConfig::default()
+    })
+    .await
+}
+
+/// The gateway with `config`'s limits (its keys and models are the test's).
+async fn setup_config(limits: GatewayConfig) -> Setup {
     let fake = FakeOpenAi::start(&["policy", "other"])
         .await
         .expect("fake upstream");
@@ -106,8 +115,7 @@ async fn setup_with(default_limits: Limits) -> Setup {
     let config = GatewayConfig {
         api_keys: vec![KEY.into()],
         models,
-        default_limits,
-        ..GatewayConfig::default()
+        ..limits
     };
     let ms = Arc::new(AtomicU64::new(1_000_000));
     let at = ms.clone();
@@ -614,4 +622,85 @@ async fn completion_of_x(s: &Setup) -> u64 {
     v["usage"]["completion_tokens"]
         .as_u64()
         .expect("completion")
+}
+
+#[tokio::test]
+async fn a_tenants_tokens_share_its_limits_and_other_tenants_are_not_held_back() {
+    let s = setup_config(GatewayConfig {
+        tenant_limits: BTreeMap::from([(
+            "acme".to_string(),
+            Limits {
+                rpm: Some(60),
+                burst: Some(2),
+                ..Limits::default()
+            },
+        )]),
+        default_tenant_limits: Some(Limits {
+            max_concurrency: Some(1),
+            ..Limits::default()
+        }),
+        ..GatewayConfig::default()
+    })
+    .await;
+    let of = |id: &str, tenant: &str| Grant {
+        tenant: Some(tenant.into()),
+        ..grant(id, None)
+    };
+    // Each token of acme may make 10 a minute; acme's tokens together only 2 at once.
+    let own = Limits {
+        rpm: Some(600),
+        burst: Some(10),
+        ..Limits::default()
+    };
+    let a1 = s.authority.add(Grant {
+        limits: own,
+        ..of("a1", "acme")
+    });
+    let a2 = s.authority.add(Grant {
+        limits: own,
+        ..of("a2", "acme")
+    });
+    assert_eq!(s.call(&a1, chat("policy", "1")).await.0, 200);
+    assert_eq!(s.call(&a2, chat("policy", "2")).await.0, 200);
+    let (status, r, headers) = s.call(&a1, chat("policy", "3")).await;
+    assert_eq!(status, 429, "{r}");
+    let message = r["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("tenant acme") && message.contains("RPM"),
+        "{message}"
+    );
+    assert_eq!(
+        header(&headers, "retry-after"),
+        Some("1"),
+        "60 a minute: one a second"
+    );
+    let chats = s.chats();
+    // A refusal by the tenant's limits takes nothing from the token's own: after a
+    // second, a1 has its 8 left and acme one more.
+    s.tick(Duration::from_secs(1));
+    assert_eq!(s.call(&a1, chat("policy", "4")).await.0, 200);
+    assert_eq!(s.chats(), chats + 1);
+
+    // Another tenant, with the default shared limits (one at once), is not held back
+    // by acme's bucket; a tenant-less token has none.
+    let b = s.authority.add(of("b1", "globex"));
+    let free = s.authority.add(grant("free", None));
+    assert_eq!(s.call(&b, chat("policy", "5")).await.0, 200);
+    assert_eq!(s.call(&free, chat("policy", "6")).await.0, 200);
+    // globex's one-at-once: a stream held open keeps its second request out.
+    let held = s
+        .handle(&b, json!({"model": "policy", "stream": true, "messages": [{"role": "user", "content": "slow"}]}))
+        .await;
+    assert_eq!(held.status, 200);
+    let b2 = s.authority.add(of("b2", "globex"));
+    let (status, r, _) = s.call(&b2, chat("policy", "7")).await;
+    assert_eq!(status, 429, "{r}");
+    assert!(
+        r["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("tenant globex") && m.contains("at once")),
+        "{r}"
+    );
+    drop(held);
+    assert_eq!(s.call(&b2, chat("policy", "8")).await.0, 200);
 }
