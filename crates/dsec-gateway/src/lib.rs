@@ -479,7 +479,7 @@ impl Gateway {
             .map(|limit| (tokio::time::Instant::now() + limit, limit));
         let cacheable = self.cache.config().enabled()
             && !options.no_cache
-            && cache::eligible(route, &request.body);
+            && cache::eligible(route, &request.members(cache::ELIGIBILITY_FIELDS));
         if !cacheable {
             self.cache.bypassed();
             let mut reply = self
@@ -490,7 +490,13 @@ impl Gateway {
                 .push((CACHE_HEADER.into(), CacheUse::Bypass.as_str().into()));
             return reply;
         }
-        let key = cache::key(&caller.scope, route, &request.model, &request.body);
+        let key = match request.to_map() {
+            Ok(body) => cache::key(&caller.scope, route, &request.model, &body),
+            Err(message) => {
+                admission.forgive();
+                return openai::error(400, message, ErrorKind::InvalidRequest, None);
+            }
+        };
         let (mut waiter, used) = match self.cache.lookup(key) {
             Lookup::Hit(answer) => {
                 caller.usage.cached_answer();
