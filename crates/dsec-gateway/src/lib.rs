@@ -245,6 +245,8 @@ impl std::fmt::Debug for DebugClock {
 #[derive(Debug)]
 pub struct Gateway {
     config: GatewayConfig,
+    /// The configured keys' digests ([`GatewayConfig::key_digests`]).
+    key_digests: Vec<config::KeyDigest>,
     upstreams: Arc<Upstreams>,
     callers: Vec<Arc<Caller>>,
     tokens: Option<TokenCallers>,
@@ -285,6 +287,7 @@ impl Gateway {
         let cache = Arc::new(Cache::new(config.cache, clock.clone()));
         let traffic = Traffic::new(config.models.keys());
         Ok(Self {
+            key_digests: config.key_digests(),
             config,
             upstreams,
             callers,
@@ -349,7 +352,7 @@ impl Gateway {
         let Some(key) = bearer else {
             return *no_key();
         };
-        if self.config.find_key(key).is_some() {
+        if self.find_key(key).is_some() {
             let data: Vec<CallerUsage> = self
                 .usage_by_caller()
                 .into_iter()
@@ -369,7 +372,7 @@ impl Gateway {
     /// grants. The error is the answer to give.
     fn caller(&self, bearer: Option<&str>) -> Result<Arc<Caller>, Box<Reply>> {
         let key = bearer.ok_or_else(no_key)?;
-        if let Some(caller) = self.config.find_key(key).and_then(|i| self.callers.get(i)) {
+        if let Some(caller) = self.find_key(key).and_then(|i| self.callers.get(i)) {
             return Ok(caller.clone());
         }
         let Some(tokens) = &self.tokens else {
@@ -385,7 +388,7 @@ impl Gateway {
     /// The error is the answer to give.
     pub fn authorize(&self, bearer: Option<&str>) -> Result<(), Box<Reply>> {
         let key = bearer.ok_or_else(no_key)?;
-        if self.config.find_key(key).is_some() {
+        if self.find_key(key).is_some() {
             return Ok(());
         }
         if self.tokens.as_ref().is_some_and(|t| t.knows(key)) {
@@ -397,6 +400,11 @@ impl Gateway {
             )));
         }
         Err(Box::new(token_refused(TokenError::Unknown)))
+    }
+
+    /// The index of `key` among the configured keys (their digests made once).
+    fn find_key(&self, key: &str) -> Option<usize> {
+        config::find_digest(&self.key_digests, key)
     }
 
     /// Whether `caller` may call `model`: a configured one, and one it was given.
