@@ -2,7 +2,9 @@
 //! upstream directly, measured side by side in one run. The upstream is the fake
 //! (`dsec-testkit::openai`), which answers at once, so the difference is the gateway's
 //! own time: a chat completion, and a stream's time to its first token, at concurrency 1
-//! and 64, and requests per second at 64. Fake and gateway run on one runtime, the load
+//! and 64, and requests per second at 64; each with a one-line prompt and with a
+//! conversation of ~32 KB (what agents send: the gateway's costs that grow with the
+//! body show there). Fake and gateway run on one runtime, the load
 //! generator on another, all in this process and on this machine's cores (so the c=64
 //! rates are the whole machine's, the load generator included).
 
@@ -23,6 +25,34 @@ const MODEL: &str = "policy";
 const CONCURRENCY: usize = 64;
 /// Rounds of the concurrent rows, direct and gateway taking turns (drift hits both).
 const ROUNDS: usize = 4;
+/// The size of the large prompt's conversation.
+const LARGE_PROMPT: usize = 32 * 1024;
+
+/// A request body: the small one, or one whose conversation is about `LARGE_PROMPT`
+/// bytes before its last, short, message (which the fake upstream echoes).
+fn request_body(stream: bool, large: bool) -> &'static [u8] {
+    let mut messages = Vec::new();
+    if large {
+        // Text with what JSON escapes (quotes, newlines), as code and logs have.
+        let line = "fn main() { println!(\"tool output: {}\", 42); } // a line of context\n";
+        let half = line.repeat(LARGE_PROMPT / 2 / line.len());
+        messages.push(serde_json::json!({"role": "system", "content": half}));
+        messages.push(serde_json::json!({"role": "user", "content": half}));
+        messages.push(serde_json::json!({"role": "assistant", "content": "ok"}));
+    }
+    messages.push(serde_json::json!({"role": "user", "content": "say something"}));
+    let body = serde_json::json!({"model": MODEL, "messages": messages, "stream": stream});
+    // Leaked once per kind: sent without a copy per call.
+    body.to_string().into_bytes().leak()
+}
+
+/// The kinds of call measured: whether it streams, its prompt, and its rows' name.
+const KINDS: [(bool, bool, &str); 4] = [
+    (false, false, "chat completion"),
+    (true, false, "stream, first token"),
+    (false, true, "chat completion, 32 KB prompt"),
+    (true, true, "stream, first token, 32 KB prompt"),
+];
 
 /// The section: prints its table, and the added p50 of each pair against the target.
 pub fn section(quick: bool) -> anyhow::Result<()> {
@@ -134,34 +164,38 @@ async fn measure(direct: &str, gateway: &str, n: usize) -> anyhow::Result<Vec<Ro
         .tcp_nodelay(true)
         .pool_max_idle_per_host(CONCURRENCY)
         .build()?;
+    let bodies: Vec<&'static [u8]> = KINDS
+        .iter()
+        .map(|&(stream, large, _)| request_body(stream, large))
+        .collect();
     // Warm both paths (connections, the gateway's upstream pool).
     for base in [direct, gateway] {
-        for stream in [false, true] {
+        for (&(stream, ..), &body) in KINDS.iter().zip(&bodies) {
             for _ in 0..20 {
-                call(&client, base, stream).await?;
+                call(&client, base, stream, body).await?;
             }
         }
     }
     let mut rows = Vec::new();
-    for (stream, what) in [(false, "chat completion"), (true, "stream, first token")] {
+    for (&(stream, _, what), &body) in KINDS.iter().zip(&bodies) {
         // One at a time, direct and gateway taking turns call by call.
         let (mut d, mut g) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for _ in 0..n {
-            d.push(call(&client, direct, stream).await?);
-            g.push(call(&client, gateway, stream).await?);
+            d.push(call(&client, direct, stream, body).await?);
+            g.push(call(&client, gateway, stream, body).await?);
         }
         rows.push(row(format!("direct, {what}, c=1"), d, None));
         rows.push(row(format!("gateway, {what}, c=1"), g, None));
     }
-    for (stream, what) in [(false, "chat completion"), (true, "stream, first token")] {
+    for (&(stream, _, what), &body) in KINDS.iter().zip(&bodies) {
         let (mut d, mut g) = (Vec::new(), Vec::new());
         let (mut d_time, mut g_time) = (0.0, 0.0);
         let per_round = (n * 4 / ROUNDS).max(CONCURRENCY);
         for _ in 0..ROUNDS {
-            let (samples, secs) = at_once(&client, direct, stream, per_round).await?;
+            let (samples, secs) = at_once(&client, direct, stream, body, per_round).await?;
             d.extend(samples);
             d_time += secs;
-            let (samples, secs) = at_once(&client, gateway, stream, per_round).await?;
+            let (samples, secs) = at_once(&client, gateway, stream, body, per_round).await?;
             g.extend(samples);
             g_time += secs;
         }
@@ -186,6 +220,7 @@ async fn at_once(
     client: &reqwest::Client,
     base: &str,
     stream: bool,
+    body: &'static [u8],
     total: usize,
 ) -> anyhow::Result<(Vec<f64>, f64)> {
     let per = total.div_ceil(CONCURRENCY);
@@ -196,7 +231,7 @@ async fn at_once(
             tokio::spawn(async move {
                 let mut v = Vec::with_capacity(per);
                 for _ in 0..per {
-                    v.push(call(&client, &base, stream).await?);
+                    v.push(call(&client, &base, stream, body).await?);
                 }
                 anyhow::Ok(v)
             })
@@ -209,19 +244,20 @@ async fn at_once(
     Ok((all, t.elapsed().as_secs_f64()))
 }
 
-/// One chat completion: milliseconds to the whole answer, or with `stream` to the first
-/// event carrying data (the first token).
-async fn call(client: &reqwest::Client, base: &str, stream: bool) -> anyhow::Result<f64> {
-    let body = serde_json::json!({
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "say something"}],
-        "stream": stream,
-    });
+/// One chat completion of `body`: milliseconds to the whole answer, or with `stream` to
+/// the first event carrying data (the first token).
+async fn call(
+    client: &reqwest::Client,
+    base: &str,
+    stream: bool,
+    body: &'static [u8],
+) -> anyhow::Result<f64> {
     let t = Instant::now();
     let resp = client
         .post(format!("{base}/chat/completions"))
         .bearer_auth(KEY)
-        .json(&body)
+        .header("content-type", "application/json")
+        .body(body)
         .send()
         .await?;
     ensure!(resp.status().is_success(), "{base}: HTTP {}", resp.status());

@@ -100,7 +100,11 @@ impl CacheConfig {
 /// A cache key: the SHA-256 described in the module docs.
 pub type Key = [u8; 32];
 
-/// Whether a request of `route` with `body` may be answered from the cache.
+/// The members of a request body [`eligible`] reads.
+pub const ELIGIBILITY_FIELDS: &[&str] = &["stream", "temperature", "seed"];
+
+/// Whether a request of `route` with `body` (its [`ELIGIBILITY_FIELDS`] at least) may
+/// be answered from the cache.
 pub fn eligible(route: Route, body: &Map<String, Value>) -> bool {
     // A flight shares a whole answer: streams pass through instead.
     if body.get("stream").and_then(Value::as_bool) == Some(true) {

@@ -368,19 +368,15 @@ impl GatewayConfig {
     /// The index in `api_keys` of `key` (compared by digest, every entry, in constant
     /// time for keys of any length).
     pub fn find_key(&self, key: &str) -> Option<usize> {
-        let given = Sha256::digest(key.as_bytes());
-        let mut found = None;
-        for (i, k) in self.api_keys.iter().enumerate() {
-            let want = Sha256::digest(k.key.as_bytes());
-            let diff = want
-                .iter()
-                .zip(given.iter())
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b));
-            if diff == 0 {
-                found = Some(i);
-            }
-        }
-        found
+        find_digest(&self.key_digests(), key)
+    }
+
+    /// The digest of each of `api_keys`, for [`find_digest`].
+    pub fn key_digests(&self) -> Vec<KeyDigest> {
+        self.api_keys
+            .iter()
+            .map(|k| Sha256::digest(k.key.as_bytes()).into())
+            .collect()
     }
 
     /// The limits tenant `tenant`'s sandbox tokens share, if any.
@@ -420,6 +416,26 @@ impl UpstreamConfig {
         }
         Ok(None)
     }
+}
+
+/// The SHA-256 of a configured key.
+pub type KeyDigest = [u8; 32];
+
+/// The index in `digests` ([`GatewayConfig::key_digests`]) of `key`'s digest, compared
+/// with every entry in constant time whatever the key's length.
+pub fn find_digest(digests: &[KeyDigest], key: &str) -> Option<usize> {
+    let given = Sha256::digest(key.as_bytes());
+    let mut found = None;
+    for (i, want) in digests.iter().enumerate() {
+        let diff = want
+            .iter()
+            .zip(given.iter())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b));
+        if diff == 0 {
+            found = Some(i);
+        }
+    }
+    found
 }
 
 #[cfg(test)]

@@ -247,6 +247,8 @@ impl std::fmt::Debug for DebugClock {
 #[derive(Debug)]
 pub struct Gateway {
     config: GatewayConfig,
+    /// The configured keys' digests ([`GatewayConfig::key_digests`]).
+    key_digests: Vec<config::KeyDigest>,
     upstreams: Arc<Upstreams>,
     callers: Vec<Arc<Caller>>,
     tokens: Option<TokenCallers>,
@@ -288,6 +290,7 @@ impl Gateway {
         let cache = Arc::new(Cache::new(config.cache, clock.clone()));
         let traffic = Traffic::new(config.models.keys());
         Ok(Self {
+            key_digests: config.key_digests(),
             config,
             upstreams,
             callers,
@@ -352,7 +355,7 @@ impl Gateway {
         let Some(key) = bearer else {
             return *no_key();
         };
-        if self.config.find_key(key).is_some() {
+        if self.find_key(key).is_some() {
             let data: Vec<CallerUsage> = self
                 .usage_by_caller()
                 .into_iter()
@@ -372,7 +375,7 @@ impl Gateway {
     /// grants. The error is the answer to give.
     fn caller(&self, bearer: Option<&str>) -> Result<Arc<Caller>, Box<Reply>> {
         let key = bearer.ok_or_else(no_key)?;
-        if let Some(caller) = self.config.find_key(key).and_then(|i| self.callers.get(i)) {
+        if let Some(caller) = self.find_key(key).and_then(|i| self.callers.get(i)) {
             return Ok(caller.clone());
         }
         let Some(tokens) = &self.tokens else {
@@ -388,7 +391,7 @@ impl Gateway {
     /// The error is the answer to give.
     pub fn authorize(&self, bearer: Option<&str>) -> Result<(), Box<Reply>> {
         let key = bearer.ok_or_else(no_key)?;
-        if self.config.find_key(key).is_some() {
+        if self.find_key(key).is_some() {
             return Ok(());
         }
         if self.tokens.as_ref().is_some_and(|t| t.knows(key)) {
@@ -400,6 +403,11 @@ impl Gateway {
             )));
         }
         Err(Box::new(token_refused(TokenError::Unknown)))
+    }
+
+    /// The index of `key` among the configured keys (their digests made once).
+    fn find_key(&self, key: &str) -> Option<usize> {
+        config::find_digest(&self.key_digests, key)
     }
 
     /// Whether `caller` may call `model`: a configured one, and one it was given.
@@ -482,7 +490,7 @@ impl Gateway {
             .map(|limit| (tokio::time::Instant::now() + limit, limit));
         let cacheable = self.cache.config().enabled()
             && !options.no_cache
-            && cache::eligible(route, &request.body);
+            && cache::eligible(route, &request.members(cache::ELIGIBILITY_FIELDS));
         if !cacheable {
             self.cache.bypassed();
             let mut reply = self
@@ -493,7 +501,13 @@ impl Gateway {
                 .push((CACHE_HEADER.into(), CacheUse::Bypass.as_str().into()));
             return reply;
         }
-        let key = cache::key(&caller.scope, route, &request.model, &request.body);
+        let key = match request.to_map() {
+            Ok(body) => cache::key(&caller.scope, route, &request.model, &body),
+            Err(message) => {
+                admission.forgive();
+                return openai::error(400, message, ErrorKind::InvalidRequest, None);
+            }
+        };
         let (mut waiter, used) = match self.cache.lookup(key) {
             Lookup::Hit(answer) => {
                 caller.usage.cached_answer();

@@ -108,30 +108,58 @@ impl SseScanner {
     }
 
     /// Takes the next bytes of the stream; answers the complete events among what has
-    /// come to forward now (empty when none is complete yet).
-    pub(crate) fn push(&mut self, chunk: &[u8]) -> Bytes {
-        let mut buf = std::mem::take(&mut self.buf);
-        buf.extend_from_slice(chunk);
-        let mut events = Vec::new();
-        let mut all_kept = true;
-        let mut start = 0;
-        while let Some(len) = event_end(&buf[start..], self.scan_from.saturating_sub(start)) {
-            let end = start + len;
-            let kept = self.keep(&buf[start..end]);
-            all_kept &= kept;
-            events.push((start, end, kept));
-            start = end;
+    /// come to forward now (empty when none is complete yet). A piece that starts with
+    /// no partial event held (the usual case: upstreams write whole events) is answered
+    /// without a copy, only its tail held if it ends mid-event.
+    pub(crate) fn push(&mut self, chunk: Bytes) -> Bytes {
+        if self.buf.is_empty() {
+            let (events, start, all_kept) = self.events(&chunk, 0);
+            self.scan_from = (chunk.len() - start).saturating_sub(3);
+            self.buf.extend_from_slice(&chunk[start..]);
+            return Self::kept(chunk.slice(..start), &events, all_kept);
         }
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.extend_from_slice(&chunk);
+        let (events, start, all_kept) = self.events(&buf, self.scan_from);
         // What is before `start` is whole events. Next time, look for an end from near
         // the tail: a delimiter may straddle two pieces.
         self.scan_from = (buf.len() - start).saturating_sub(3);
         let whole = buf.split_to(start);
         self.buf = buf;
+        Self::kept(whole.freeze(), &events, all_kept)
+    }
+
+    /// The complete events at the start of `buf` (looking for the first one's end from
+    /// `scan_from`), each with whether to forward it; where they end; whether all are
+    /// forwarded.
+    fn events(&mut self, buf: &[u8], scan_from: usize) -> (Vec<(usize, usize, bool)>, usize, bool) {
+        let mut events = Vec::new();
+        let mut all_kept = true;
+        let mut start = 0;
+        while let Some(len) = event_end(&buf[start..], scan_from.saturating_sub(start)) {
+            let end = start + len;
+            let kept = self.keep(&buf[start..end]);
+            all_kept &= kept;
+            if !all_kept {
+                events.push((start, end, kept));
+            } else if events.is_empty() {
+                // Spans are only needed once one is dropped: note the kept ones as one.
+                events.push((0, end, true));
+            } else {
+                events[0].1 = end;
+            }
+            start = end;
+        }
+        (events, start, all_kept)
+    }
+
+    /// `whole` without the events not kept.
+    fn kept(whole: Bytes, events: &[(usize, usize, bool)], all_kept: bool) -> Bytes {
         if all_kept {
-            return whole.freeze();
+            return whole;
         }
         let mut out = BytesMut::with_capacity(whole.len());
-        for (s, e, kept) in events {
+        for &(s, e, kept) in events {
             if kept {
                 out.extend_from_slice(&whole[s..e]);
             }
@@ -215,9 +243,10 @@ impl Stream for Metered {
             match inner.poll_next_unpin(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(Ok(chunk))) => {
-                    let out = this.scanner.push(&chunk);
+                    let len = chunk.len();
+                    let out = this.scanner.push(chunk);
                     if let Some(a) = &mut this.admission {
-                        a.add_bytes(chunk.len());
+                        a.add_bytes(len);
                         if let Some(tokens) = this.scanner.usage() {
                             a.record_usage(tokens);
                         }
@@ -277,7 +306,7 @@ mod tests {
         let mut out = Vec::new();
         let mut last = 0;
         for &cut in cuts.iter().chain(std::iter::once(&input.len())) {
-            out.extend_from_slice(&s.push(&input[last..cut]));
+            out.extend_from_slice(&s.push(Bytes::copy_from_slice(&input[last..cut])));
             last = cut;
         }
         out.extend_from_slice(&s.finish());
@@ -328,18 +357,25 @@ mod tests {
     fn events_go_out_as_soon_as_they_are_complete() {
         let mut s = SseScanner::new(true);
         assert!(
-            s.push(b"data: {\"choices\":[{}]}\n").is_empty(),
+            s.push(Bytes::copy_from_slice(b"data: {\"choices\":[{}]}\n"))
+                .is_empty(),
             "not complete"
         );
-        assert_eq!(&s.push(b"\ndata: x")[..], b"data: {\"choices\":[{}]}\n\n");
-        assert_eq!(&s.push(b"\n\n")[..], b"data: x\n\n");
+        assert_eq!(
+            &s.push(Bytes::copy_from_slice(b"\ndata: x"))[..],
+            b"data: {\"choices\":[{}]}\n\n"
+        );
+        assert_eq!(&s.push(Bytes::copy_from_slice(b"\n\n"))[..], b"data: x\n\n");
         // A usage chunk among others, cut out of the middle of one push.
         let mixed = format!("data: 1\n\n{USAGE_ONLY}\n\ndata: 2\n\n");
-        assert_eq!(&s.push(mixed.as_bytes())[..], b"data: 1\n\ndata: 2\n\n");
+        assert_eq!(
+            &s.push(Bytes::copy_from_slice(mixed.as_bytes()))[..],
+            b"data: 1\n\ndata: 2\n\n"
+        );
         assert_eq!(s.usage(), Some(7));
         // A usage object that does not parse is forwarded untouched.
         assert_eq!(
-            &s.push(b"data: {\"usage\": oops}\n\n")[..],
+            &s.push(Bytes::copy_from_slice(b"data: {\"usage\": oops}\n\n"))[..],
             b"data: {\"usage\": oops}\n\n"
         );
         assert_eq!(&s.finish()[..], b"");

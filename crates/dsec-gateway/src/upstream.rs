@@ -36,6 +36,9 @@ const PASSED_HEADERS: &[&str] = &[
 struct Upstream {
     /// Base URL without a trailing `/`.
     base: String,
+    /// The URL of each route ([`Route::index`]), parsed once (`None` if it does not
+    /// parse: the request fails as it did when parsed per request).
+    urls: [Option<reqwest::Url>; 3],
     /// The model's name there, when it differs.
     served: Option<String>,
     key: Option<String>,
@@ -79,8 +82,12 @@ impl Upstreams {
         for (name, model) in &config.models {
             let mut ups = Vec::with_capacity(model.upstreams.len());
             for u in &model.upstreams {
+                let base = u.url.trim_end_matches('/').to_string();
+                let urls =
+                    Route::ALL.map(|r| reqwest::Url::parse(&format!("{base}{}", r.path())).ok());
                 ups.push(Arc::new(Upstream {
-                    base: u.url.trim_end_matches('/').to_string(),
+                    urls,
+                    base,
                     served: u.model.clone(),
                     key: u.api_key()?,
                     in_flight: AtomicUsize::new(0),
@@ -128,11 +135,12 @@ impl Upstreams {
         let mut unreachable = Vec::new();
         for up in self.ordered(public) {
             let counted = InFlight::new(&up);
-            let mut req = self
-                .client
-                .post(format!("{}{}", up.base, route.path()))
-                .header("content-type", "application/json")
-                .body(request.body_for(up.served.as_deref(), &body));
+            let mut req = match &up.urls[route.index()] {
+                Some(url) => self.client.post(url.clone()),
+                None => self.client.post(format!("{}{}", up.base, route.path())),
+            }
+            .header("content-type", "application/json")
+            .body(request.body_for(up.served.as_deref(), &body));
             if let Some(key) = &up.key {
                 req = req.bearer_auth(key);
             }
