@@ -357,7 +357,7 @@ async fn start_gateway(
         outside.local_addr()?,
         model_base_url(args.model_address)
     );
-    let mut tasks = Vec::new();
+    let mut tasks: Vec<_> = gateway.start_health_checks().into_iter().collect();
     for (listener, what) in [(outside, "outside"), (sandboxes, "sandboxes")] {
         let gateway = gateway.clone();
         tasks.push(tokio::spawn(async move {
@@ -389,6 +389,7 @@ pub async fn run_gateway(args: crate::cli::GatewayArgs) -> anyhow::Result<()> {
         gateway = gateway.with_authority(Arc::new(crate::model_tokens::IamTokens(Arc::new(iam))));
     }
     let gateway = Arc::new(gateway);
+    let _probes = gateway.start_health_checks();
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;

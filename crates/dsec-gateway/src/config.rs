@@ -13,6 +13,7 @@
 //!   acme: {rpm: 3000, tpm: 2000000, max_concurrency: 256}
 //! default_tenant_limits: {max_concurrency: 64}   # each other tenant's, shared likewise
 //! cache: {max_bytes: 268435456, max_entry_bytes: 1048576, ttl_s: 600}  # the defaults
+//! health_check_interval_s: 5      # probe each upstream's /models (0: never)
 //! models:
 //!   policy-7b:
 //!     upstreams:
@@ -37,6 +38,9 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
 
 /// Seconds to connect to an upstream by default, before trying the next.
 pub const DEFAULT_CONNECT_TIMEOUT_S: f64 = 5.0;
+
+/// Seconds between health probes of each upstream by default.
+pub const DEFAULT_HEALTH_CHECK_INTERVAL_S: f64 = 5.0;
 
 /// A configuration that cannot be used, saying what to fix.
 #[derive(Debug, thiserror::Error)]
@@ -92,6 +96,10 @@ pub struct GatewayConfig {
     /// Seconds to connect to an upstream before trying the next.
     #[serde(default = "default_connect_timeout")]
     pub connect_timeout_s: f64,
+    /// Seconds between probes of each upstream (`GET {url}/models`); 0 turns them off.
+    /// A failed probe takes the upstream out of rotation until one succeeds.
+    #[serde(default = "default_health_check_interval")]
+    pub health_check_interval_s: f64,
 }
 
 impl Default for GatewayConfig {
@@ -106,6 +114,7 @@ impl Default for GatewayConfig {
             models: BTreeMap::new(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             connect_timeout_s: DEFAULT_CONNECT_TIMEOUT_S,
+            health_check_interval_s: DEFAULT_HEALTH_CHECK_INTERVAL_S,
         }
     }
 }
@@ -252,6 +261,10 @@ fn default_max_body() -> usize {
     DEFAULT_MAX_BODY_BYTES
 }
 
+fn default_health_check_interval() -> f64 {
+    DEFAULT_HEALTH_CHECK_INTERVAL_S
+}
+
 fn default_connect_timeout() -> f64 {
     DEFAULT_CONNECT_TIMEOUT_S
 }
@@ -356,6 +369,12 @@ impl GatewayConfig {
         }
         if !(self.connect_timeout_s.is_finite() && self.connect_timeout_s > 0.0) {
             return invalid("connect_timeout_s: must be a positive number of seconds".into());
+        }
+        if !(self.health_check_interval_s.is_finite() && self.health_check_interval_s >= 0.0) {
+            return invalid(
+                "health_check_interval_s: must be 0 (no probes) or a positive number of seconds"
+                    .into(),
+            );
         }
         Ok(())
     }

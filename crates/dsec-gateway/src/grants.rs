@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use crate::config::{GatewayConfig, Limits};
 use crate::limits::{CallerLimits, Clock};
-use crate::usage::UsageCounters;
+use crate::usage::{TenantUsage, UsageCounters};
 use crate::Caller;
 
 /// What a sandbox token may do, as its [`TokenAuthority`] says.
@@ -81,6 +81,9 @@ pub(crate) struct TokenCallers {
     /// Each tenant's shared limits, made on its first token's first request (as many
     /// as there are tenants with limits that used the gateway).
     tenants: Mutex<HashMap<String, Arc<CallerLimits>>>,
+    /// Each tenant's usage counters, made on its first token's first request and kept
+    /// (a tenant's usage outlives its tokens).
+    tenant_usage: Mutex<HashMap<String, Arc<UsageCounters>>>,
 }
 
 impl std::fmt::Debug for TokenCallers {
@@ -111,7 +114,36 @@ impl TokenCallers {
                 high_water: MIN_HIGH_WATER,
             }),
             tenants: Mutex::default(),
+            tenant_usage: Mutex::default(),
         }
+    }
+
+    /// Fresh usage counters for a token of `tenant` that count into the tenant's too.
+    fn usage_for(&self, tenant: Option<&str>) -> Arc<UsageCounters> {
+        let Some(tenant) = tenant else {
+            return Arc::default();
+        };
+        let mut all = self.tenant_usage.lock().unwrap_or_else(|e| e.into_inner());
+        let shared = all.entry(tenant.to_string()).or_default().clone();
+        Arc::new(UsageCounters::of_tenant(shared))
+    }
+
+    /// Each tenant's usage (only `only`'s if given), by name.
+    pub(crate) fn tenant_usage(&self, only: Option<&str>) -> Vec<TenantUsage> {
+        let mut held: HashMap<String, u64> = HashMap::new();
+        for (grant, _) in self.state().callers.values() {
+            if let Some(t) = &grant.tenant {
+                *held.entry(t.clone()).or_default() += 1;
+            }
+        }
+        let all = self.tenant_usage.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<TenantUsage> = all
+            .iter()
+            .filter(|(t, _)| only.is_none_or(|o| o == t.as_str()))
+            .map(|(t, u)| TenantUsage::of(t, u, held.get(t).copied().unwrap_or(0)))
+            .collect();
+        out.sort_by(|a, b| a.tenant.cmp(&b.tenant));
+        out
     }
 
     /// The limits `tenant`'s tokens share, if the configuration gives it some.
@@ -171,8 +203,14 @@ impl TokenCallers {
         let mut state = self.state();
         let (spent, usage) = match state.callers.get(&grant.id) {
             Some((held, caller)) if *held == grant => return Ok(caller.clone()),
-            Some((_, caller)) => (caller.limits.spent(), caller.usage.clone()),
-            None => (0, Arc::default()),
+            Some((held, caller)) if held.tenant == grant.tenant => {
+                (caller.limits.spent(), caller.usage.clone())
+            }
+            Some((_, caller)) => (
+                caller.limits.spent(),
+                self.usage_for(grant.tenant.as_deref()),
+            ),
+            None => (0, self.usage_for(grant.tenant.as_deref())),
         };
         let caller = Arc::new(self.caller_of(&grant, config, spent, usage));
         state
@@ -210,6 +248,7 @@ impl TokenCallers {
             ),
             config: limits,
             tenant: tenant.map(|(t, shared)| (t.to_string(), shared.limits())),
+            tenant_name: grant.tenant.clone(),
             models: grant
                 .models
                 .as_ref()

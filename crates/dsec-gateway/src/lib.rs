@@ -59,10 +59,11 @@ use grants::TokenCallers;
 pub use grants::{Grant, TokenAuthority, TokenError};
 use limits::{Admission, CallerLimits, Clock, Limited, Refusal};
 use openai::ErrorKind;
+pub use upstream::UpstreamStatus;
 use upstream::Upstreams;
 pub use usage::{
-    CallerKind, CallerUsage, HistogramSnapshot, ModelTraffic, RouteTraffic, LATENCY_BUCKETS_S,
-    STATUS_CLASSES,
+    CallerKind, CallerUsage, HistogramSnapshot, ModelTraffic, RouteTraffic, TenantUsage,
+    LATENCY_BUCKETS_S, STATUS_CLASSES,
 };
 use usage::{Tally, Traffic, UsageCounters};
 
@@ -223,6 +224,8 @@ pub(crate) struct Caller {
     config: Limits,
     /// The tenant whose shared limits it counts against too, and those limits.
     tenant: Option<(String, Limits)>,
+    /// A token's tenant, limits or not (its usage counts there too).
+    tenant_name: Option<String>,
     /// The models it may call; `None`: all.
     models: Option<BTreeSet<String>>,
 }
@@ -283,6 +286,7 @@ impl Gateway {
                     limits: Arc::new(CallerLimits::with_budget(limits, None, 0, clock.clone())),
                     config: limits,
                     tenant: None,
+                    tenant_name: None,
                     models: None,
                 })
             })
@@ -313,6 +317,18 @@ impl Gateway {
     /// Callers of sandbox tokens held now: those used since the last sweep, or live.
     pub fn token_callers(&self) -> usize {
         self.tokens.as_ref().map_or(0, TokenCallers::len)
+    }
+
+    /// Starts probing the upstreams' health on the current tokio runtime, every
+    /// `health_check_interval_s` until the gateway is dropped (`None`: probes are off).
+    /// Without it, only failed connects take an upstream out of rotation.
+    pub fn start_health_checks(&self) -> Option<tokio::task::JoinHandle<()>> {
+        self.upstreams.spawn_probes()
+    }
+
+    /// Every upstream's health and load.
+    pub fn upstreams(&self) -> Vec<UpstreamStatus> {
+        self.upstreams.status()
     }
 
     /// Its configuration.
@@ -346,6 +362,24 @@ impl Gateway {
             all.extend(held);
         }
         all
+    }
+
+    /// Each tenant's usage through its sandbox tokens since the gateway started (gone
+    /// tokens included), by tenant; only `tenant`'s if given.
+    pub fn usage_by_tenant(&self, tenant: Option<&str>) -> Vec<TenantUsage> {
+        self.tokens
+            .as_ref()
+            .map_or_else(Vec::new, |t| t.tenant_usage(tenant))
+    }
+
+    /// `GET /v1/usage/tenants` (configured keys only): [`Gateway::usage_by_tenant`] as
+    /// `{"object": "list", "data": [...]}`.
+    pub fn tenant_usage(&self, bearer: Option<&str>, tenant: Option<&str>) -> Reply {
+        if let Err(r) = self.authorize(bearer) {
+            return *r;
+        }
+        let data = self.usage_by_tenant(tenant);
+        openai::json(200, &serde_json::json!({"object": "list", "data": data}))
     }
 
     /// `GET /v1/usage`: for a configured key, every caller's usage (`{"object": "list",

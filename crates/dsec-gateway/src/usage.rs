@@ -196,7 +196,7 @@ pub struct RouteTraffic {
     pub duration: HistogramSnapshot,
 }
 
-/// A caller's live counters.
+/// A caller's live counters, and its tenant's (which every count goes to as well).
 #[derive(Debug, Default)]
 pub(crate) struct UsageCounters {
     requests: AtomicU64,
@@ -204,15 +204,83 @@ pub(crate) struct UsageCounters {
     completion_tokens: AtomicU64,
     cached_answers: AtomicU64,
     limited: AtomicU64,
+    /// The counters of the caller's tenant, if it has one.
+    tenant: Option<Arc<UsageCounters>>,
 }
 
 impl UsageCounters {
+    /// Counters that also count into `tenant`'s.
+    pub(crate) fn of_tenant(tenant: Arc<UsageCounters>) -> Self {
+        Self {
+            tenant: Some(tenant),
+            ..Self::default()
+        }
+    }
+
+    /// `self` and its tenant's.
+    fn each(&self) -> impl Iterator<Item = &UsageCounters> {
+        std::iter::once(self).chain(self.tenant.as_deref())
+    }
+
+    fn request(&self) {
+        for c in self.each() {
+            c.requests.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn tokens(&self, u: UsageTokens) {
+        for c in self.each() {
+            c.prompt_tokens.fetch_add(u.prompt, Ordering::Relaxed);
+            c.completion_tokens
+                .fetch_add(u.completion, Ordering::Relaxed);
+        }
+    }
+
     pub(crate) fn cached_answer(&self) {
-        self.cached_answers.fetch_add(1, Ordering::Relaxed);
+        for c in self.each() {
+            c.cached_answers.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     pub(crate) fn limited(&self) {
-        self.limited.fetch_add(1, Ordering::Relaxed);
+        for c in self.each() {
+            c.limited.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// One tenant's usage through its sandbox tokens since the gateway started: the sum
+/// over its tokens, those gone included. The JSON items of `GET /v1/usage/tenants`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TenantUsage {
+    /// The tenant.
+    pub tenant: String,
+    /// Its tokens' callers held now (used since the last sweep of gone tokens).
+    pub tokens_held: u64,
+    /// Requests for models its tokens may call, refused ones included.
+    pub requests: u64,
+    /// Prompt tokens the upstreams reported.
+    pub prompt_tokens: u64,
+    /// Completion tokens the upstreams reported.
+    pub completion_tokens: u64,
+    /// Answers from the cache or from an identical request's call.
+    pub cached_answers: u64,
+    /// Requests refused by a limit (its tokens' or the tenant's shared ones) or a
+    /// used-up budget.
+    pub limited: u64,
+}
+
+impl TenantUsage {
+    pub(crate) fn of(tenant: &str, u: &UsageCounters, tokens_held: u64) -> Self {
+        Self {
+            tenant: tenant.to_string(),
+            tokens_held,
+            requests: u.requests.load(Ordering::Relaxed),
+            prompt_tokens: u.prompt_tokens.load(Ordering::Relaxed),
+            completion_tokens: u.completion_tokens.load(Ordering::Relaxed),
+            cached_answers: u.cached_answers.load(Ordering::Relaxed),
+            limited: u.limited.load(Ordering::Relaxed),
+        }
     }
 }
 
@@ -237,6 +305,9 @@ pub struct CallerUsage {
     /// A token's id (never its secret).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_id: Option<String>,
+    /// A token's tenant, if its grant names one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
     /// Requests for models it may call, refused ones included.
     pub requests: u64,
     /// Prompt tokens the upstreams reported for its calls.
@@ -269,6 +340,7 @@ impl CallerUsage {
                 CallerKind::Key
             },
             token_id: caller.token_id.clone(),
+            tenant: caller.tenant_name.clone(),
             requests: u.requests.load(Ordering::Relaxed),
             prompt_tokens: u.prompt_tokens.load(Ordering::Relaxed),
             completion_tokens: u.completion_tokens.load(Ordering::Relaxed),
@@ -303,7 +375,7 @@ impl Tally {
         caller: Arc<UsageCounters>,
         started: Instant,
     ) -> Self {
-        caller.requests.fetch_add(1, Ordering::Relaxed);
+        caller.request();
         Self {
             model,
             route: route.index(),
@@ -344,10 +416,7 @@ impl Drop for Tally {
             m.prompt_tokens.fetch_add(u.prompt, Ordering::Relaxed);
             m.completion_tokens
                 .fetch_add(u.completion, Ordering::Relaxed);
-            let c = &self.caller;
-            c.prompt_tokens.fetch_add(u.prompt, Ordering::Relaxed);
-            c.completion_tokens
-                .fetch_add(u.completion, Ordering::Relaxed);
+            self.caller.tokens(u);
         }
     }
 }

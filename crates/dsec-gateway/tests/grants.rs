@@ -704,3 +704,80 @@ async fn a_tenants_tokens_share_its_limits_and_other_tenants_are_not_held_back()
     drop(held);
     assert_eq!(s.call(&b2, chat("policy", "8")).await.0, 200);
 }
+
+#[tokio::test]
+async fn a_tenants_usage_sums_its_tokens_and_outlives_them() {
+    let s = setup().await;
+    let of = |id: &str, tenant: &str| Grant {
+        tenant: Some(tenant.into()),
+        ..grant(id, None)
+    };
+    let a1 = s.authority.add(of("a1", "acme"));
+    let a2 = s.authority.add(of("a2", "acme"));
+    let b1 = s.authority.add(of("b1", "globex"));
+    let free = s.authority.add(grant("free", None));
+    for (bearer, prompt) in [(&a1, "one"), (&a2, "two"), (&a2, "three"), (&b1, "four")] {
+        assert_eq!(s.call(bearer, chat("policy", prompt)).await.0, 200);
+    }
+    assert_eq!(s.call(&free, chat("policy", "five")).await.0, 200);
+    // A cached answer counts for the tenant too.
+    let det = json!({"model": "policy", "temperature": 0, "messages": [{"role": "user", "content": "same"}]});
+    assert_eq!(s.call(&a1, det.clone()).await.0, 200);
+    assert_eq!(s.call(&a1, det).await.0, 200);
+
+    let callers = s.gateway.usage_by_caller();
+    let of_token = |id: &str| {
+        callers
+            .iter()
+            .find(|u| u.token_id.as_deref() == Some(id))
+            .cloned()
+            .expect("listed")
+    };
+    assert_eq!(of_token("a2").tenant.as_deref(), Some("acme"));
+    assert_eq!(of_token("free").tenant, None);
+    let sum = |ids: &[&str], f: fn(&dsec_gateway::CallerUsage) -> u64| -> u64 {
+        ids.iter().map(|id| f(&of_token(id))).sum()
+    };
+
+    let tenants = s.gateway.usage_by_tenant(None);
+    let names: Vec<&str> = tenants.iter().map(|t| t.tenant.as_str()).collect();
+    assert_eq!(names, ["acme", "globex"], "a tenant-less token is in none");
+    let acme = &tenants[0];
+    assert_eq!((acme.requests, acme.tokens_held), (5, 2));
+    assert_eq!(acme.cached_answers, 1);
+    assert_eq!(acme.prompt_tokens, sum(&["a1", "a2"], |u| u.prompt_tokens));
+    assert_eq!(
+        acme.completion_tokens,
+        sum(&["a1", "a2"], |u| u.completion_tokens)
+    );
+    assert!(acme.completion_tokens > 0);
+    assert_eq!(tenants[1].requests, 1);
+
+    // The tokens go (their sandboxes deleted): the tenant's usage stays.
+    s.authority.forget("a1");
+    s.authority.forget("a2");
+    s.tick(Duration::from_secs(61));
+    assert_eq!(
+        s.call(&a1, chat("policy", "gone")).await.0,
+        401,
+        "refused, and the callers of gone tokens are swept"
+    );
+    assert!(s
+        .gateway
+        .usage_by_caller()
+        .iter()
+        .all(|u| u.tenant.as_deref() != Some("acme")));
+    let acme_after = s.gateway.usage_by_tenant(Some("acme"));
+    assert_eq!(acme_after.len(), 1);
+    assert_eq!(acme_after[0].requests, 5);
+    assert_eq!(acme_after[0].tokens_held, 0);
+
+    // Over HTTP's shape: operators only.
+    let r = s.gateway.tenant_usage(Some(KEY), Some("globex"));
+    assert_eq!(r.status, 200);
+    let v: Value = serde_json::from_slice(&body_of(r).await).expect("json");
+    assert_eq!(v["data"][0]["tenant"], "globex");
+    assert_eq!(v["data"][0]["requests"], 1);
+    assert_eq!(s.gateway.tenant_usage(Some(&b1), None).status, 403);
+    assert_eq!(s.gateway.tenant_usage(None, None).status, 401);
+}

@@ -21,7 +21,7 @@ use axum::Router;
 use dsec_gateway::openai::{self, ErrorKind};
 use dsec_gateway::{
     CallOptions, Gateway, GatewayStats, HistogramSnapshot, ModelTraffic, Reply, ReplyBody, Route,
-    RouteTraffic, STATUS_CLASSES,
+    RouteTraffic, UpstreamStatus, STATUS_CLASSES,
 };
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::trace::TraceLayer;
@@ -40,6 +40,7 @@ pub fn gateway_router(gateway: Arc<Gateway>) -> Router {
         .route("/v1/models", get(list_models))
         .route("/v1/models/{*id}", get(get_model))
         .route("/v1/usage", get(usage))
+        .route("/v1/usage/tenants", get(tenant_usage))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
@@ -142,6 +143,15 @@ struct UsageQuery {
     caller: Option<String>,
 }
 
+async fn tenant_usage(State(gw): Gw, headers: HeaderMap, Query(q): Query<TenantQuery>) -> Response {
+    reply(gw.tenant_usage(bearer(&headers).as_deref(), q.tenant.as_deref()))
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct TenantQuery {
+    tenant: Option<String>,
+}
+
 async fn metrics(State(gw): Gw, headers: HeaderMap) -> Response {
     if let Err(r) = gw.authorize(bearer(&headers).as_deref()) {
         return reply(*r);
@@ -151,14 +161,18 @@ async fn metrics(State(gw): Gw, headers: HeaderMap) -> Response {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        render_metrics(&gw.stats(), &gw.traffic()),
+        render_metrics(&gw.stats(), &gw.traffic(), &gw.upstreams()),
     )
         .into_response()
 }
 
 /// The gateway's counters in the Prometheus text format (version 0.0.4): `s`, and the
-/// requests, latencies and tokens per model of `traffic`.
-pub fn render_metrics(s: &GatewayStats, traffic: &[ModelTraffic]) -> String {
+/// requests, latencies and tokens per model of `traffic`, and each upstream's health.
+pub fn render_metrics(
+    s: &GatewayStats,
+    traffic: &[ModelTraffic],
+    upstreams: &[UpstreamStatus],
+) -> String {
     let mut out = String::new();
     let mut p = PromText::new(&mut out);
     let c = &s.cache;
@@ -215,7 +229,55 @@ pub fn render_metrics(s: &GatewayStats, traffic: &[ModelTraffic]) -> String {
         [("", s.timed_out)],
     );
     render_traffic(&mut p, traffic);
+    render_upstreams(&mut p, upstreams);
     out
+}
+
+/// Per upstream (labels `model` and `upstream`, its URL): in rotation or not, requests
+/// in flight, errors by kind.
+fn render_upstreams(p: &mut PromText<'_>, upstreams: &[UpstreamStatus]) {
+    let labels: Vec<String> = upstreams
+        .iter()
+        .map(|u| {
+            format!(
+                "model=\"{}\",upstream=\"{}\"",
+                label(&u.model),
+                label(&u.url)
+            )
+        })
+        .collect();
+    p.family(
+        "dsec_gateway_upstream_healthy",
+        "gauge",
+        "1 while an upstream is in rotation, 0 while ejected after a failed connect or probe.",
+        upstreams
+            .iter()
+            .zip(&labels)
+            .map(|(u, l)| (format!("{{{l}}}"), u64::from(u.healthy))),
+    );
+    p.family(
+        "dsec_gateway_upstream_in_flight",
+        "gauge",
+        "Requests in flight at an upstream.",
+        upstreams
+            .iter()
+            .zip(&labels)
+            .map(|(u, l)| (format!("{{{l}}}"), u.in_flight)),
+    );
+    p.family(
+        "dsec_gateway_upstream_errors_total",
+        "counter",
+        "Upstream failures by kind: connect, status (a 5xx answer), transport, probe.",
+        upstreams.iter().zip(&labels).flat_map(|(u, l)| {
+            [
+                ("connect", u.connect_errors),
+                ("status", u.status_errors),
+                ("transport", u.transport_errors),
+                ("probe", u.probe_errors),
+            ]
+            .map(|(kind, n)| (format!("{{{l},kind=\"{kind}\"}}"), n))
+        }),
+    );
 }
 
 /// The families per model and route: requests by status class, their times, the
@@ -295,7 +357,7 @@ async fn not_found() -> Response {
     reply(openai::error(
         404,
         "no such route: the gateway serves /v1/chat/completions, /v1/completions, \
-         /v1/embeddings, /v1/models and /v1/usage",
+         /v1/embeddings, /v1/models, /v1/usage and /v1/usage/tenants",
         ErrorKind::InvalidRequest,
         Some("unknown_url"),
     ))

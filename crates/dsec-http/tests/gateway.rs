@@ -913,6 +913,10 @@ async fn metrics_have_latency_histograms_and_usage_is_per_caller() {
     assert_eq!(named["data"].as_array().map(Vec::len), Some(1), "{named}");
     assert_eq!(named["data"][0]["token_id"], "tok1");
     assert_eq!(get("/v1/usage", "nobody").await.0, 401);
+    let (status, tenants) = get("/v1/usage/tenants", KEY).await;
+    assert_eq!(status, 200, "{tenants}");
+    assert_eq!(own(tenants)["object"], "list");
+    assert_eq!(get("/v1/usage/tenants", tok).await.0, 403, "operators only");
 
     // Metrics: counts per model and route that match the calls.
     let (status, m) = get("/metrics", KEY).await;
@@ -961,6 +965,27 @@ async fn metrics_have_latency_histograms_and_usage_is_per_caller() {
     );
     // No requests for "failover": no series for it but its tokens (zero).
     assert!(!m.contains("route=\"embeddings\""), "{m}");
+    // Each upstream's health: in rotation, nothing in flight, no errors yet.
+    let up = format!(
+        "model=\"policy\",upstream=\"{}\"",
+        s.fake.url().trim_end_matches('/')
+    );
+    assert_eq!(
+        sample(&m, &format!("dsec_gateway_upstream_healthy{{{up}}}")),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        sample(&m, &format!("dsec_gateway_upstream_in_flight{{{up}}}")),
+        Some(0.0)
+    );
+    assert_eq!(
+        sample(
+            &m,
+            &format!("dsec_gateway_upstream_errors_total{{{up},kind=\"connect\"}}")
+        ),
+        Some(0.0)
+    );
     let types: Vec<&str> = m.lines().filter(|l| l.starts_with("# TYPE")).collect();
     let mut unique = types.clone();
     unique.sort_unstable();
