@@ -336,9 +336,12 @@ async fn start_gateway(
     iam: Arc<dsec_iam::Iam>,
 ) -> anyhow::Result<Vec<tokio::task::JoinHandle<()>>> {
     let models = config.models.len();
+    let ledger =
+        crate::model_tokens::IamSpendLedger(dsec_iam::ModelSpendLedger::new(iam.clone(), "serve"));
     let gateway = Arc::new(
         dsec_gateway::Gateway::new(config)?
-            .with_authority(Arc::new(crate::model_tokens::IamTokens(iam))),
+            .with_authority(Arc::new(crate::model_tokens::IamTokens(iam)))
+            .with_spend_ledger(Arc::new(ledger)),
     );
     let outside = tokio::net::TcpListener::bind(args.gateway_listen)
         .await
@@ -358,6 +361,7 @@ async fn start_gateway(
         model_base_url(args.model_address)
     );
     let mut tasks: Vec<_> = gateway.start_health_checks().into_iter().collect();
+    tasks.extend(gateway.start_spend_ledger(crate::model_tokens::SPEND_EXCHANGE_EVERY));
     for (listener, what) in [(outside, "outside"), (sandboxes, "sandboxes")] {
         let gateway = gateway.clone();
         tasks.push(tokio::spawn(async move {
@@ -386,10 +390,18 @@ pub async fn run_gateway(args: crate::cli::GatewayArgs) -> anyhow::Result<()> {
         let iam = dsec_iam::Iam::new(Arc::new(store), None)
             .await
             .context("reading the cluster's model tokens")?;
-        gateway = gateway.with_authority(Arc::new(crate::model_tokens::IamTokens(Arc::new(iam))));
+        let iam = Arc::new(iam);
+        let ledger = crate::model_tokens::IamSpendLedger(dsec_iam::ModelSpendLedger::new(
+            iam.clone(),
+            "gateway",
+        ));
+        gateway = gateway
+            .with_authority(Arc::new(crate::model_tokens::IamTokens(iam)))
+            .with_spend_ledger(Arc::new(ledger));
     }
     let gateway = Arc::new(gateway);
     let _probes = gateway.start_health_checks();
+    let _ledger = gateway.start_spend_ledger(crate::model_tokens::SPEND_EXCHANGE_EVERY);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
@@ -397,9 +409,14 @@ pub async fn run_gateway(args: crate::cli::GatewayArgs) -> anyhow::Result<()> {
         "dsec gateway serving {models} model(s) on http://{}/v1",
         listener.local_addr()?
     );
-    dsec_http::gateway::serve_gateway(listener, gateway, shutdown_signal())
+    dsec_http::gateway::serve_gateway(listener, gateway.clone(), shutdown_signal())
         .await
-        .context("serving the gateway")
+        .context("serving the gateway")?;
+    // What was charged since the last exchange, for the gateways that go on.
+    if let Err(e) = gateway.exchange_spending().await {
+        tracing::warn!(error = %e, "the last spending was not stored");
+    }
+    Ok(())
 }
 
 /// `dsec node`: the node runtime and its internal API, until SIGINT or SIGTERM.

@@ -11,7 +11,7 @@
 //! refused token, once a minute anyway, and whenever the map has doubled since the
 //! last sweep), so the map holds about the live tokens that were used.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -84,6 +84,9 @@ pub(crate) struct TokenCallers {
     /// Each tenant's usage counters, made on its first token's first request and kept
     /// (a tenant's usage outlives its tokens).
     tenant_usage: Mutex<HashMap<String, Arc<UsageCounters>>>,
+    /// What other gateways charged each budgeted token, as the spend ledger last said
+    /// (what a token's new caller starts from).
+    elsewhere: Mutex<HashMap<String, u64>>,
 }
 
 impl std::fmt::Debug for TokenCallers {
@@ -115,6 +118,33 @@ impl TokenCallers {
             }),
             tenants: Mutex::default(),
             tenant_usage: Mutex::default(),
+            elsewhere: Mutex::default(),
+        }
+    }
+
+    /// What this gateway charged each budgeted token held, in all.
+    pub(crate) fn spent_here(&self) -> BTreeMap<String, u64> {
+        self.state()
+            .callers
+            .iter()
+            .filter(|(_, (grant, _))| grant.budget_tokens.is_some())
+            .map(|(id, (_, caller))| (id.clone(), caller.limits.spent()))
+            .collect()
+    }
+
+    /// Takes in what other gateways charged each token (absent: nothing).
+    pub(crate) fn set_spent_elsewhere(&self, elsewhere: HashMap<String, u64>) {
+        // The map first: a caller made meanwhile starts from the new figures.
+        let elsewhere = {
+            let mut held = self.elsewhere.lock().unwrap_or_else(|e| e.into_inner());
+            *held = elsewhere;
+            held.clone()
+        };
+        let state = self.state();
+        for (id, (_, caller)) in &state.callers {
+            caller
+                .limits
+                .set_spent_elsewhere(elsewhere.get(id).copied().unwrap_or(0));
         }
     }
 
@@ -213,6 +243,14 @@ impl TokenCallers {
             None => (0, self.usage_for(grant.tenant.as_deref())),
         };
         let caller = Arc::new(self.caller_of(&grant, config, spent, usage));
+        let elsewhere = self
+            .elsewhere
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&grant.id)
+            .copied()
+            .unwrap_or(0);
+        caller.limits.set_spent_elsewhere(elsewhere);
         state
             .callers
             .insert(grant.id.clone(), (grant, caller.clone()));

@@ -39,6 +39,7 @@
 pub mod cache;
 pub mod config;
 pub mod grants;
+pub mod ledger;
 pub mod limits;
 pub mod openai;
 mod sse;
@@ -48,6 +49,7 @@ mod usage;
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures::stream::{BoxStream, StreamExt};
@@ -57,6 +59,7 @@ pub use cache::{CacheConfig, CacheStats};
 pub use config::{ApiKey, ConfigError, GatewayConfig, Limits, ModelConfig, UpstreamConfig};
 use grants::TokenCallers;
 pub use grants::{Grant, TokenAuthority, TokenError};
+pub use ledger::{LedgerError, SpendLedger};
 use limits::{Admission, CallerLimits, Clock, Limited, Refusal};
 use openai::ErrorKind;
 pub use upstream::UpstreamStatus;
@@ -254,7 +257,8 @@ pub struct Gateway {
     key_digests: Vec<config::KeyDigest>,
     upstreams: Arc<Upstreams>,
     callers: Vec<Arc<Caller>>,
-    tokens: Option<TokenCallers>,
+    tokens: Option<Arc<TokenCallers>>,
+    ledger: Option<Arc<dyn SpendLedger>>,
     clock: DebugClock,
     counters: Arc<Counters>,
     cache: Arc<Cache>,
@@ -299,6 +303,7 @@ impl Gateway {
             upstreams,
             callers,
             tokens: None,
+            ledger: None,
             clock: DebugClock(clock),
             counters: Arc::default(),
             cache,
@@ -310,13 +315,63 @@ impl Gateway {
     /// `authority` grants them (sandbox tokens; see [`grants`]). A configured key is
     /// always checked first.
     pub fn with_authority(mut self, authority: Arc<dyn TokenAuthority>) -> Self {
-        self.tokens = Some(TokenCallers::new(authority, self.clock.0.clone()));
+        self.tokens = Some(Arc::new(TokenCallers::new(authority, self.clock.0.clone())));
         self
     }
 
     /// Callers of sandbox tokens held now: those used since the last sweep, or live.
     pub fn token_callers(&self) -> usize {
-        self.tokens.as_ref().map_or(0, TokenCallers::len)
+        self.tokens.as_ref().map_or(0, |t| t.len())
+    }
+
+    /// This gateway sharing what sandbox tokens spend through `ledger` (see [`ledger`]),
+    /// so their budgets hold across replicas and restarts. Only with an authority.
+    pub fn with_spend_ledger(mut self, ledger: Arc<dyn SpendLedger>) -> Self {
+        self.ledger = Some(ledger);
+        self
+    }
+
+    /// One exchange with the spend ledger: stores what this gateway charged each
+    /// budgeted token held and takes in what the others charged. Nothing without a
+    /// ledger.
+    pub async fn exchange_spending(&self) -> Result<(), LedgerError> {
+        let (Some(tokens), Some(ledger)) = (&self.tokens, &self.ledger) else {
+            return Ok(());
+        };
+        exchange(tokens, ledger.as_ref()).await
+    }
+
+    /// Exchanges with the spend ledger now and then every `every`, on the current
+    /// tokio runtime, until the gateway is dropped (`None`: no ledger). A failed
+    /// exchange is logged and tried again at the next.
+    pub fn start_spend_ledger(&self, every: Duration) -> Option<tokio::task::JoinHandle<()>> {
+        let (Some(tokens), Some(ledger)) = (&self.tokens, &self.ledger) else {
+            return None;
+        };
+        let (tokens, ledger) = (Arc::downgrade(tokens), ledger.clone());
+        Some(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut failing = false;
+            loop {
+                tick.tick().await;
+                let Some(tokens) = tokens.upgrade() else {
+                    return;
+                };
+                match exchange(&tokens, ledger.as_ref()).await {
+                    Ok(()) if failing => {
+                        failing = false;
+                        tracing::info!("the spend ledger answers again");
+                    }
+                    Ok(()) => {}
+                    Err(e) if !failing => {
+                        failing = true;
+                        tracing::warn!(error = %e, "budgets count this gateway's spending only until the ledger answers");
+                    }
+                    Err(_) => {}
+                }
+            }
+        }))
     }
 
     /// Starts probing the upstreams' health on the current tokio runtime, every
@@ -800,7 +855,7 @@ fn refused(caller: &Caller, refusal: Refusal) -> Reply {
                  requests will be answered",
                 caller.name,
                 caller.limits.budget().unwrap_or(0),
-                caller.limits.spent()
+                caller.limits.spent_in_all()
             ));
         }
         Limited::Requests => (
@@ -824,6 +879,14 @@ fn refused(caller: &Caller, refusal: Refusal) -> Reply {
         kind,
         wait,
     )
+}
+
+/// One exchange of `tokens`' spending with `ledger`.
+async fn exchange(tokens: &TokenCallers, ledger: &dyn SpendLedger) -> Result<(), LedgerError> {
+    let mine = tokens.spent_here();
+    let elsewhere = ledger.exchange(&mine).await?;
+    tokens.set_spent_elsewhere(elsewhere);
+    Ok(())
 }
 
 fn model_entry(id: &str) -> serde_json::Value {

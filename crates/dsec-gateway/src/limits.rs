@@ -138,8 +138,11 @@ struct State {
     tokens: Option<Bucket>,
     /// Moving average of request times, seconds.
     typical_s: Option<f64>,
-    /// Model tokens spent in all (counted against the budget).
+    /// Model tokens spent through this gateway (counted against the budget).
     spent: u64,
+    /// Model tokens other gateways (replicas, this one's earlier runs) have charged to
+    /// the same budget, as the spend ledger last said (counted against it too).
+    elsewhere: u64,
 }
 
 /// One caller's limits and where it stands against them.
@@ -198,6 +201,7 @@ impl CallerLimits {
                 tokens,
                 typical_s: None,
                 spent,
+                elsewhere: 0,
             }),
             in_flight,
         }
@@ -226,9 +230,20 @@ impl CallerLimits {
         self.budget
     }
 
-    /// Model tokens spent so far.
+    /// Model tokens spent so far through this gateway.
     pub(crate) fn spent(&self) -> u64 {
         self.state().spent
+    }
+
+    /// Model tokens spent so far against the budget: here and elsewhere.
+    pub(crate) fn spent_in_all(&self) -> u64 {
+        let state = self.state();
+        state.spent.saturating_add(state.elsewhere)
+    }
+
+    /// What other gateways have charged to this budget, as the ledger says.
+    pub(crate) fn set_spent_elsewhere(&self, tokens: u64) {
+        self.state().elsewhere = tokens;
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -258,16 +273,17 @@ impl CallerLimits {
     fn admit_own(self: &Arc<Self>) -> Result<Admission, Refusal> {
         let now = (self.clock)();
         let mut state = self.state();
+        let spent = state.spent.saturating_add(state.elsewhere);
         let budget_left = match self.budget {
             None => None,
-            Some(budget) if state.spent >= budget => {
+            Some(budget) if spent >= budget => {
                 return Err(Refusal {
                     limit: Limited::Budget,
                     shared: false,
                     retry_after: Duration::ZERO,
                 });
             }
-            Some(budget) => Some(budget - state.spent),
+            Some(budget) => Some(budget - spent),
         };
         if let Some(tokens) = &mut state.tokens {
             tokens.check(now).map_err(|wait| Refusal {

@@ -319,7 +319,8 @@ pub struct CallerUsage {
     /// Requests refused by one of its limits or its used-up budget (429).
     pub limited: u64,
     /// Model tokens charged to it: reported usage, estimates for streams that gave
-    /// none, and cached answers; what its budget is counted against.
+    /// none, and cached answers; what its budget is counted against (with a spend
+    /// ledger, what other gateways charged to it too).
     pub spent_tokens: u64,
     /// Its budget of model tokens, `null` for none.
     pub budget_tokens: Option<u64>,
@@ -330,7 +331,7 @@ pub struct CallerUsage {
 impl CallerUsage {
     pub(crate) fn of(caller: &crate::Caller) -> Self {
         let u = &caller.usage;
-        let spent = caller.limits.spent();
+        let spent = caller.limits.spent_in_all();
         let budget = caller.limits.budget();
         Self {
             caller: caller.name.clone(),

@@ -11,10 +11,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use dsec_gateway::limits::Clock;
 use dsec_gateway::{
-    openai, CallOptions, Gateway, GatewayConfig, Grant, Limits, ModelConfig, Reply, ReplyBody,
-    Route, TokenAuthority, TokenError, UpstreamConfig,
+    openai, CallOptions, Gateway, GatewayConfig, Grant, LedgerError, Limits, ModelConfig, Reply,
+    ReplyBody, Route, SpendLedger, TokenAuthority, TokenError, UpstreamConfig,
 };
 use dsec_testkit::openai::FakeOpenAi;
+use futures::future::BoxFuture;
 use futures::StreamExt;
 use serde_json::{json, Value};
 
@@ -780,4 +781,102 @@ async fn a_tenants_usage_sums_its_tokens_and_outlives_them() {
     assert_eq!(v["data"][0]["requests"], 1);
     assert_eq!(s.gateway.tenant_usage(Some(&b1), None).status, 403);
     assert_eq!(s.gateway.tenant_usage(None, None).status, 401);
+}
+
+/// A spend ledger in memory: each gateway's totals by replica name.
+#[derive(Debug, Default)]
+struct MemLedger {
+    records: Mutex<HashMap<String, BTreeMap<String, u64>>>,
+}
+
+/// One gateway's handle on a [`MemLedger`].
+#[derive(Debug)]
+struct Replica(Arc<MemLedger>, &'static str);
+
+impl SpendLedger for Replica {
+    fn exchange<'a>(
+        &'a self,
+        mine: &'a BTreeMap<String, u64>,
+    ) -> BoxFuture<'a, Result<HashMap<String, u64>, LedgerError>> {
+        let mut records = self.0.records.lock().expect("lock");
+        records.insert(self.1.to_string(), mine.clone());
+        let mut others: HashMap<String, u64> = HashMap::new();
+        for (_, spent) in records.iter().filter(|(r, _)| r.as_str() != self.1) {
+            for (id, n) in spent {
+                *others.entry(id.clone()).or_default() += n;
+            }
+        }
+        Box::pin(std::future::ready(Ok(others)))
+    }
+}
+
+#[tokio::test]
+async fn a_budget_holds_across_gateways_sharing_a_ledger_and_across_a_restart() {
+    let s = setup().await;
+    let ledger = Arc::new(MemLedger::default());
+    let replica = |g: Gateway, name| g.with_spend_ledger(Arc::new(Replica(ledger.clone(), name)));
+    let another = || {
+        Gateway::new(s.gateway.config().clone())
+            .expect("gateway")
+            .with_authority(s.authority.clone())
+    };
+    let a = replica(another(), "a");
+    let b = replica(another(), "b");
+    let tok = s.authority.add(Grant {
+        budget_tokens: Some(20),
+        ..grant("shared", None)
+    });
+    async fn call(g: &Gateway, tok: &str, prompt: &str) -> u16 {
+        let body = Bytes::from(chat("policy", prompt).to_string());
+        g.handle(
+            Some(tok),
+            Route::ChatCompletions,
+            body,
+            CallOptions::default(),
+        )
+        .await
+        .status
+    }
+    let spent = |g: &Gateway| {
+        g.usage_by_caller()
+            .iter()
+            .find(|u| u.token_id.as_deref() == Some("shared"))
+            .map(|u| (u.spent_tokens, u.budget_left))
+    };
+    // 9 tokens each (4 words in, "echo:" and 4 out): each gateway alone sees its own.
+    assert_eq!(call(&a, &tok, "one two three four").await, 200);
+    assert_eq!(call(&b, &tok, "five six seven eight").await, 200);
+    assert_eq!(spent(&a), Some((9, Some(11))));
+    assert_eq!(spent(&b), Some((9, Some(11))));
+    for g in [&a, &b, &a] {
+        g.exchange_spending().await.expect("exchange");
+    }
+    assert_eq!(spent(&a), Some((18, Some(2))), "b's spending counts at a");
+    assert_eq!(spent(&b), Some((18, Some(2))));
+    // a spends past the budget; after an exchange neither answers.
+    assert_eq!(call(&a, &tok, "x").await, 200);
+    assert_eq!(call(&a, &tok, "y").await, 429);
+    assert_eq!(call(&b, &tok, "z").await, 200, "b has not heard yet");
+    for g in [&a, &b] {
+        g.exchange_spending().await.expect("exchange");
+    }
+    assert_eq!(call(&b, &tok, "z").await, 429);
+
+    // A gateway that restarts (a new replica on the same ledger) starts from it.
+    drop(a);
+    let a2 = replica(another(), "a-restarted");
+    a2.exchange_spending().await.expect("exchange");
+    assert_eq!(
+        call(&a2, &tok, "again").await,
+        429,
+        "the budget survived the restart"
+    );
+
+    // Without a ledger nothing is exchanged, and no task is started.
+    assert!(another().exchange_spending().await.is_ok());
+    assert!(another()
+        .start_spend_ledger(Duration::from_secs(1))
+        .is_none());
+    let task = a2.start_spend_ledger(Duration::from_millis(10));
+    assert!(task.is_some());
 }

@@ -34,6 +34,7 @@ mod cache;
 mod error;
 pub mod key;
 mod model;
+pub mod model_spending;
 pub mod model_tokens;
 mod quota;
 
@@ -49,6 +50,7 @@ pub use model::{
     required_scope, validate_tenant_name, KeyInfo, NewKey, Principal, QuotaKind, Quotas, Scope,
     Tenant, Usage, BOOTSTRAP_KEY_ID, DEFAULT_TENANT, KEYS_NS, MAX_KEY_NAME, TENANTS_NS, USAGE_NS,
 };
+pub use model_spending::{ModelSpendLedger, MODEL_SPENDING_NS};
 pub use model_tokens::{MintedToken, ModelGrant, ModelTokenRecord, MODEL_TOKENS_NS};
 pub use quota::QuotaTxn;
 
@@ -212,7 +214,7 @@ impl Iam {
         &self.store
     }
 
-    fn now(&self) -> u64 {
+    pub(crate) fn now(&self) -> u64 {
         (self.clock)()
     }
 

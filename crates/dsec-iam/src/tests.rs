@@ -1,6 +1,7 @@
 //! The cache's recovery from a broken watch (history compacted, store unavailable), on a
 //! MemStore whose watches can be broken on demand.
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -200,4 +201,109 @@ async fn a_model_token_works_once_stored_and_stops_when_deleted_on_every_replica
         )
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_spending_is_shared_between_gateways_and_outlives_a_restart() {
+    let store: Arc<dyn StateStore> = Arc::new(MemStore::new());
+    let ms = Arc::new(std::sync::atomic::AtomicU64::new(1_000_000));
+    let at = ms.clone();
+    let a = Arc::new(
+        Iam::with_config(
+            store.clone(),
+            IamConfig {
+                clock: Arc::new(move || at.load(Ordering::SeqCst)),
+                ..IamConfig::new(None)
+            },
+        )
+        .await
+        .expect("iam"),
+    );
+    let b = Arc::new(Iam::new(store.clone(), None).await.expect("iam"));
+    let access = dsec_wire::v1::ModelAccess {
+        models: vec!["policy".into()],
+        budget_tokens: Some(1000),
+        ..Default::default()
+    };
+    let mut ids = Vec::new();
+    for sb in ["sb-1", "sb-2"] {
+        let (minted, op) = a.mint_model_token(DEFAULT_TENANT, sb, access.clone());
+        store
+            .txn(Txn {
+                checks: vec![],
+                ops: vec![op],
+            })
+            .await
+            .expect("store the token");
+        ids.push(minted.record.token_id);
+    }
+    let (t1, t2) = (ids[0].clone(), ids[1].clone());
+    eventually("both replicas know the tokens", || {
+        [&a, &b]
+            .iter()
+            .all(|iam| iam.model_token_exists(&t1) && iam.model_token_exists(&t2))
+    })
+    .await;
+    let mine = |pairs: &[(&str, u64)]| -> BTreeMap<String, u64> {
+        pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+    };
+    let of = |m: &HashMap<String, u64>, id: &str| m.get(id).copied();
+
+    let ga = ModelSpendLedger::new(a.clone(), "gw");
+    let gb = ModelSpendLedger::new(b.clone(), "gw");
+    assert_ne!(
+        ga.id(),
+        gb.id(),
+        "each gateway process writes its own record"
+    );
+    assert!(ga
+        .exchange(&mine(&[(&t1, 10)]))
+        .await
+        .expect("a")
+        .is_empty());
+    let seen = gb.exchange(&mine(&[(&t1, 5), (&t2, 7)])).await.expect("b");
+    assert_eq!((of(&seen, &t1), of(&seen, &t2)), (Some(10), None));
+    let seen = ga.exchange(&mine(&[(&t1, 12)])).await.expect("a");
+    assert_eq!((of(&seen, &t1), of(&seen, &t2)), (Some(5), Some(7)));
+
+    // a restarts: a new record of its own, and its earlier run still counts.
+    let ga2 = ModelSpendLedger::new(a.clone(), "gw");
+    let seen = ga2.exchange(&BTreeMap::new()).await.expect("a2");
+    assert_eq!((of(&seen, &t1), of(&seen, &t2)), (Some(17), Some(7)));
+    assert!(
+        store
+            .get(MODEL_SPENDING_NS, ga2.id())
+            .await
+            .expect("get")
+            .is_none(),
+        "nothing spent: no record"
+    );
+
+    // t1's sandbox is deleted: its spending no longer counts, and the earlier run's
+    // record (t1 only) is removed once it is old enough; b's (t2 is live) stays.
+    store
+        .txn(Txn {
+            checks: vec![],
+            ops: vec![Iam::delete_model_token_op(&t1)],
+        })
+        .await
+        .expect("delete");
+    eventually("a no longer knows t1", || !a.model_token_exists(&t1)).await;
+    let seen = ga2.exchange(&BTreeMap::new()).await.expect("a2");
+    assert_eq!((of(&seen, &t1), of(&seen, &t2)), (None, Some(7)));
+    let record = |id: String| {
+        let store = store.clone();
+        async move { store.get(MODEL_SPENDING_NS, &id).await.expect("get") }
+    };
+    assert!(
+        record(ga.id().into()).await.is_some(),
+        "too recent to remove"
+    );
+    ms.fetch_add(model_spending::ABANDONED_AFTER_MS, Ordering::SeqCst);
+    ga2.exchange(&BTreeMap::new()).await.expect("a2");
+    assert!(record(ga.id().into()).await.is_none(), "abandoned: removed");
+    assert!(record(gb.id().into()).await.is_some(), "t2 is live");
+    // A gateway that holds nothing any more removes its own.
+    gb.exchange(&BTreeMap::new()).await.expect("b");
+    assert!(record(gb.id().into()).await.is_none());
 }
