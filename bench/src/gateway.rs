@@ -4,7 +4,11 @@
 //! own time: a chat completion, and a stream's time to its first token, at concurrency 1
 //! and 64, and requests per second at 64; each with a one-line prompt and with a
 //! conversation of ~32 KB (what agents send: the gateway's costs that grow with the
-//! body show there). Fake and gateway run on one runtime, the load
+//! body show there). The paced rows give the upstream a model's pace (50 ms to answer,
+//! a stream's 20 chunks 10 ms apart): 64 callers then keep the cores far from full, so
+//! their difference is the gateway's own time under concurrency rather than a share of
+//! saturated cores (the unpaced c=64 rows measure throughput). Fake and gateway run
+//! on one runtime, the load
 //! generator on another, all in this process and on this machine's cores (so the c=64
 //! rates are the whole machine's, the load generator included).
 
@@ -28,11 +32,26 @@ const ROUNDS: usize = 4;
 /// The size of the large prompt's conversation.
 const LARGE_PROMPT: usize = 32 * 1024;
 
+/// A kind of call: whether it streams, its prompt, and its rows' name.
+#[derive(Clone, Copy)]
+struct Kind {
+    stream: bool,
+    /// A conversation of about [`LARGE_PROMPT`] bytes before the last message.
+    large: bool,
+    /// The fake upstream answers at a model's pace ([`PACE`]); measured at c=64 only.
+    paced: bool,
+    what: &'static str,
+}
+
+/// The fake upstream's directive for the paced rows: 50 ms to the answer (or the first
+/// chunk), a stream in 20 chunks 10 ms apart.
+const PACE: &str = "[fake latency_ms=50 chunks=20 chunk_ms=10] ";
+
 /// A request body: the small one, or one whose conversation is about `LARGE_PROMPT`
 /// bytes before its last, short, message (which the fake upstream echoes).
-fn request_body(stream: bool, large: bool) -> &'static [u8] {
+fn request_body(kind: Kind) -> &'static [u8] {
     let mut messages = Vec::new();
-    if large {
+    if kind.large {
         // Text with what JSON escapes (quotes, newlines), as code and logs have.
         let line = "fn main() { println!(\"tool output: {}\", 42); } // a line of context\n";
         let half = line.repeat(LARGE_PROMPT / 2 / line.len());
@@ -40,18 +59,30 @@ fn request_body(stream: bool, large: bool) -> &'static [u8] {
         messages.push(serde_json::json!({"role": "user", "content": half}));
         messages.push(serde_json::json!({"role": "assistant", "content": "ok"}));
     }
-    messages.push(serde_json::json!({"role": "user", "content": "say something"}));
-    let body = serde_json::json!({"model": MODEL, "messages": messages, "stream": stream});
+    let pace = if kind.paced { PACE } else { "" };
+    messages.push(serde_json::json!({"role": "user", "content": format!("{pace}say something")}));
+    let body = serde_json::json!({"model": MODEL, "messages": messages, "stream": kind.stream});
     // Leaked once per kind: sent without a copy per call.
     body.to_string().into_bytes().leak()
 }
 
-/// The kinds of call measured: whether it streams, its prompt, and its rows' name.
-const KINDS: [(bool, bool, &str); 4] = [
-    (false, false, "chat completion"),
-    (true, false, "stream, first token"),
-    (false, true, "chat completion, 32 KB prompt"),
-    (true, true, "stream, first token, 32 KB prompt"),
+const fn kind(stream: bool, large: bool, paced: bool, what: &'static str) -> Kind {
+    Kind {
+        stream,
+        large,
+        paced,
+        what,
+    }
+}
+
+/// The kinds of call measured.
+const KINDS: [Kind; 6] = [
+    kind(false, false, false, "chat completion"),
+    kind(true, false, false, "stream, first token"),
+    kind(false, true, false, "chat completion, 32 KB prompt"),
+    kind(true, true, false, "stream, first token, 32 KB prompt"),
+    kind(false, false, true, "chat completion, paced upstream"),
+    kind(true, false, true, "stream, first token, paced upstream"),
 ];
 
 /// The section: prints its table, and the added p50 of each pair against the target.
@@ -164,49 +195,51 @@ async fn measure(direct: &str, gateway: &str, n: usize) -> anyhow::Result<Vec<Ro
         .tcp_nodelay(true)
         .pool_max_idle_per_host(CONCURRENCY)
         .build()?;
-    let bodies: Vec<&'static [u8]> = KINDS
-        .iter()
-        .map(|&(stream, large, _)| request_body(stream, large))
-        .collect();
+    let bodies: Vec<&'static [u8]> = KINDS.iter().map(|&k| request_body(k)).collect();
     // Warm both paths (connections, the gateway's upstream pool).
     for base in [direct, gateway] {
-        for (&(stream, ..), &body) in KINDS.iter().zip(&bodies) {
+        for (k, &body) in KINDS.iter().zip(&bodies).filter(|(k, _)| !k.paced) {
             for _ in 0..20 {
-                call(&client, base, stream, body).await?;
+                call(&client, base, k.stream, body).await?;
             }
         }
     }
     let mut rows = Vec::new();
-    for (&(stream, _, what), &body) in KINDS.iter().zip(&bodies) {
+    for (k, &body) in KINDS.iter().zip(&bodies).filter(|(k, _)| !k.paced) {
         // One at a time, direct and gateway taking turns call by call.
         let (mut d, mut g) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for _ in 0..n {
-            d.push(call(&client, direct, stream, body).await?);
-            g.push(call(&client, gateway, stream, body).await?);
+            d.push(call(&client, direct, k.stream, body).await?);
+            g.push(call(&client, gateway, k.stream, body).await?);
         }
-        rows.push(row(format!("direct, {what}, c=1"), d, None));
-        rows.push(row(format!("gateway, {what}, c=1"), g, None));
+        rows.push(row(format!("direct, {}, c=1", k.what), d, None));
+        rows.push(row(format!("gateway, {}, c=1", k.what), g, None));
     }
-    for (&(stream, _, what), &body) in KINDS.iter().zip(&bodies) {
+    for (k, &body) in KINDS.iter().zip(&bodies) {
         let (mut d, mut g) = (Vec::new(), Vec::new());
         let (mut d_time, mut g_time) = (0.0, 0.0);
-        let per_round = (n * 4 / ROUNDS).max(CONCURRENCY);
+        // A paced call takes 50 to 250 ms: fewer of them.
+        let per_round = if k.paced {
+            CONCURRENCY * (n / 250).max(1)
+        } else {
+            (n * 4 / ROUNDS).max(CONCURRENCY)
+        };
         for _ in 0..ROUNDS {
-            let (samples, secs) = at_once(&client, direct, stream, body, per_round).await?;
+            let (samples, secs) = at_once(&client, direct, k.stream, body, per_round).await?;
             d.extend(samples);
             d_time += secs;
-            let (samples, secs) = at_once(&client, gateway, stream, body, per_round).await?;
+            let (samples, secs) = at_once(&client, gateway, k.stream, body, per_round).await?;
             g.extend(samples);
             g_time += secs;
         }
         let (d_rate, g_rate) = (d.len() as f64 / d_time, g.len() as f64 / g_time);
         rows.push(row(
-            format!("direct, {what}, c={CONCURRENCY}"),
+            format!("direct, {}, c={CONCURRENCY}", k.what),
             d,
             Some(d_rate),
         ));
         rows.push(row(
-            format!("gateway, {what}, c={CONCURRENCY}"),
+            format!("gateway, {}, c={CONCURRENCY}", k.what),
             g,
             Some(g_rate),
         ));
