@@ -264,3 +264,85 @@ def test_sandboxes_on_every_node_call_the_clusters_model_gateway(cluster) -> Non
     # Each token dies with its sandbox, on the gateway too (it follows etcd).
     for token in tokens:
         assert _until(lambda t=token: _gateway_status(cluster.gateway_url, t) == 401, 5), token
+
+
+def _chat_as(url: str, token: str, prompt: str) -> int:
+    """A chat completion at gateway `url` with sandbox token `token`: the status."""
+    req = urllib.request.Request(
+        url + "/chat/completions",
+        data=json.dumps({"model": "policy", "messages": [{"role": "user", "content": prompt}]}).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _spent(url: str, token: str) -> int:
+    """What gateway `url` counts against the token's budget (its own `/usage`)."""
+    req = urllib.request.Request(url + "/usage", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return int(json.load(r)["spent_tokens"])
+    except (urllib.error.URLError, OSError):
+        return -1
+
+
+def test_a_budget_holds_across_gateway_replicas_and_a_restart(cluster) -> None:
+    """Gateways share what they charged through etcd: a second replica starts from what
+    the first charged, and one that restarts from what its earlier run charged."""
+    from conftest import _dsec_bin, _free_port, _pdeathsig
+
+    state = json.loads((cluster.root / "cluster.json").read_text())
+    first = cluster.gateway_url
+
+    def replica(name: str) -> "tuple[subprocess.Popen, str]":
+        url = f"http://127.0.0.1:{_free_port()}/v1"
+        log = open(cluster.root / f"gateway-{name}.log", "w")
+        p = subprocess.Popen(
+            [str(_dsec_bin()), "gateway", "--config", str(cluster.root / "gateway.yaml"),
+             "--listen", url[len("http://"):-len("/v1")], "--etcd", ",".join(state["etcd"]),
+             "--etcd-prefix", f"/dsec-{state['tag']}"],
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=_pdeathsig)
+        def up() -> bool:
+            try:
+                return _gateway_status(url, "nobody") == 401
+            except (urllib.error.URLError, OSError):
+                return False
+
+        assert _until(up, 20), (cluster.root / f"gateway-{name}.log").read_text()
+        return p, url
+
+    started: List[subprocess.Popen] = []
+    with dsec.Client(cluster.urls, cluster.key) as c:
+        sb = dsec.Sandbox.create(
+            c, model_access=dsec.ModelAccess(models=["policy"], budget_tokens=40), timeout=300)
+        try:
+            token = sb.exec("echo $OPENAI_API_KEY").stdout.strip()
+            # The fake charges 9 tokens for this prompt (4 words in, "echo:" and 4 out).
+            prompt = "one two three four"
+            for _ in range(3):
+                assert _chat_as(first, token, prompt) == 200
+            assert _spent(first, token) == 27
+            # A second replica starts from the first's 27: 13 left, one call more.
+            p, second = replica("second")
+            started.append(p)
+            assert _until(lambda: _spent(second, token) == 27, 10), _spent(second, token)
+            assert _chat_as(second, token, prompt) == 200  # 36 of 40
+            assert _chat_as(second, token, prompt) == 200  # 45: over, no more anywhere
+            assert _chat_as(second, token, prompt) == 429
+            assert _until(lambda: _spent(first, token) == 45, 10), _spent(first, token)
+            assert _chat_as(first, token, prompt) == 429
+            # The second replica restarts (its last totals stored as it stops).
+            p.terminate()
+            assert p.wait(timeout=20) == 0
+            p, again = replica("second-restarted")
+            started.append(p)
+            assert _until(lambda: _spent(again, token) == 45, 10), _spent(again, token)
+            assert _chat_as(again, token, prompt) == 429
+        finally:
+            for p in started:
+                p.kill()
+                p.wait()
+            sb.kill()
