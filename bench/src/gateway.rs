@@ -5,9 +5,11 @@
 //! and 64, and requests per second at 64; each with a one-line prompt and with a
 //! conversation of ~32 KB (what agents send: the gateway's costs that grow with the
 //! body show there). The paced rows give the upstream a model's pace (50 ms to answer,
-//! a stream's 20 chunks 10 ms apart): 64 callers then keep the cores far from full, so
-//! their difference is the gateway's own time under concurrency rather than a share of
-//! saturated cores (the unpaced c=64 rows measure throughput). Fake and gateway run
+//! a stream's 20 chunks 10 ms apart), and their 64 callers start spread over those 50 ms
+//! (as independent agents call, not in lockstep): the cores are then far from full, so
+//! the difference is the gateway's own time under concurrency rather than a share of
+//! saturated cores or of a burst of 64 at once (the unpaced c=64 rows measure
+//! throughput). Fake and gateway run
 //! on one runtime, the load
 //! generator on another, all in this process and on this machine's cores (so the c=64
 //! rates are the whole machine's, the load generator included).
@@ -46,6 +48,8 @@ struct Kind {
 /// The fake upstream's directive for the paced rows: 50 ms to the answer (or the first
 /// chunk), a stream in 20 chunks 10 ms apart.
 const PACE: &str = "[fake latency_ms=50 chunks=20 chunk_ms=10] ";
+/// [`PACE`]'s time to answer.
+const PACE_MS: f64 = 50.0;
 
 /// A request body: the small one, or one whose conversation is about `LARGE_PROMPT`
 /// bytes before its last, short, message (which the fake upstream echoes).
@@ -224,11 +228,20 @@ async fn measure(direct: &str, gateway: &str, n: usize) -> anyhow::Result<Vec<Ro
         } else {
             (n * 4 / ROUNDS).max(CONCURRENCY)
         };
+        // Paced callers start spread over the upstream's 50 ms and so stay spread, as
+        // independent agents' calls are; unpaced ones start together.
+        let stagger = if k.paced {
+            PACE_MS / CONCURRENCY as f64
+        } else {
+            0.0
+        };
         for _ in 0..ROUNDS {
-            let (samples, secs) = at_once(&client, direct, k.stream, body, per_round).await?;
+            let (samples, secs) =
+                at_once(&client, direct, k.stream, body, per_round, stagger).await?;
             d.extend(samples);
             d_time += secs;
-            let (samples, secs) = at_once(&client, gateway, k.stream, body, per_round).await?;
+            let (samples, secs) =
+                at_once(&client, gateway, k.stream, body, per_round, stagger).await?;
             g.extend(samples);
             g_time += secs;
         }
@@ -247,21 +260,24 @@ async fn measure(direct: &str, gateway: &str, n: usize) -> anyhow::Result<Vec<Ro
     Ok(rows)
 }
 
-/// `total` calls by [`CONCURRENCY`] callers at once: each call's milliseconds, and the
-/// seconds all took.
+/// `total` calls by [`CONCURRENCY`] callers at once, caller `i` starting `i * stagger_ms`
+/// late: each call's milliseconds, and the seconds all took.
 async fn at_once(
     client: &reqwest::Client,
     base: &str,
     stream: bool,
     body: &'static [u8],
     total: usize,
+    stagger_ms: f64,
 ) -> anyhow::Result<(Vec<f64>, f64)> {
     let per = total.div_ceil(CONCURRENCY);
     let t = Instant::now();
     let callers: Vec<_> = (0..CONCURRENCY)
-        .map(|_| {
+        .map(|i| {
             let (client, base) = (client.clone(), base.to_string());
+            let late = std::time::Duration::from_secs_f64(i as f64 * stagger_ms / 1000.0);
             tokio::spawn(async move {
+                tokio::time::sleep(late).await;
                 let mut v = Vec::with_capacity(per);
                 for _ in 0..per {
                     v.push(call(&client, &base, stream, body).await?);
