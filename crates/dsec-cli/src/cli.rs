@@ -161,6 +161,9 @@ pub struct ApiserverArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:7070")]
     pub listen: SocketAddr,
+    /// A create slower than this (ms) is logged with its phases (0: none).
+    #[arg(long, default_value_t = 2000)]
+    pub slow_create_ms: u64,
     /// Directory of the API server's state (its API key and, without --etcd, records).
     #[arg(long, default_value = "/var/lib/dsec-apiserver")]
     pub state_dir: PathBuf,
@@ -359,6 +362,9 @@ pub struct ServeArgs {
     /// are refused it, as the resolver port is).
     #[arg(long, default_value_t = 15380)]
     pub gateway_sandbox_port: u16,
+    /// A create slower than this (ms) is logged with its phases (0: none).
+    #[arg(long, default_value_t = 2000)]
+    pub slow_create_ms: u64,
     /// The address code in a sandbox calls the model gateway at (its OPENAI_BASE_URL is
     /// http://ADDRESS/v1): link-local, answered by this node and nowhere else.
     #[arg(long, default_value = "169.254.169.250:80")]

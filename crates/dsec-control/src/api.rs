@@ -435,6 +435,14 @@ pub trait SandboxApi: Send + Sync + 'static {
     }
     /// `DELETE /v1/images/{name}`.
     async fn delete_image(&self, caller: &Principal, name: &str) -> ApiResult<()>;
+    /// Creates' phases since the start (for `GET /metrics`).
+    async fn create_phase_stats(
+        &self,
+        caller: &Principal,
+    ) -> ApiResult<dsec_wire::v1::CreatePhaseStats> {
+        let _ = caller;
+        Ok(dsec_wire::v1::CreatePhaseStats::default())
+    }
     /// `GET /v1/images/layers`: on-demand accounting of this node's layers.
     async fn layer_stats(&self, caller: &Principal) -> ApiResult<LayerStatsList> {
         let _ = caller;

@@ -11,6 +11,7 @@ pub mod api;
 pub mod auth;
 pub mod autoscale;
 pub mod build;
+mod create_stats;
 pub mod nodes;
 pub mod plane;
 mod validate;

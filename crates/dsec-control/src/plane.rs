@@ -19,7 +19,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
 use bytes::Bytes;
-use dsec_node_api::{ImportProgressSink, ImportSource, NodeApi, NodeCreateSpec};
+use dsec_node_api::{ImportProgressSink, ImportSource, NodeApi, NodeCreateSpec, Timeline};
 use dsec_state::StateStore;
 use dsec_wire::agent::{self, ExecSpec, ProcessSpec, Reply, Request};
 use dsec_wire::v1::*;
@@ -89,6 +89,8 @@ pub struct ControlConfig {
     /// The model gateway sandboxes created with `model_access` call; without one, such
     /// creates are refused.
     pub model_gateway: Option<ModelGatewayLink>,
+    /// A create that takes longer (ms) is logged with its phases; 0 logs none.
+    pub slow_create_ms: u64,
 }
 
 /// How sandboxes reach the model gateway (issue #30).
@@ -117,6 +119,7 @@ impl ControlConfig {
             job_suspend_stops_lifetime: true,
             batch_store: None,
             model_gateway: None,
+            slow_create_ms: 2000,
         }
     }
 }
@@ -149,6 +152,8 @@ pub struct ControlPlane {
     batches: batches::Batches,
     /// This plane itself, for the tasks of [`ControlPlane::to_end`].
     me: Weak<ControlPlane>,
+    /// Creates' phases since the start.
+    create_stats: crate::create_stats::CreateStats,
 }
 
 fn now_ms() -> u64 {
@@ -236,6 +241,7 @@ impl ControlPlane {
             queue: Default::default(),
             batches: Default::default(),
             me: me.clone(),
+            create_stats: Default::default(),
         });
         plane.records.adopt_missing_keys().await?;
         if plane.cfg.sole_owner {
@@ -1378,6 +1384,16 @@ impl SandboxApi for ControlPlane {
         // Images are cluster-wide: any key may see them.
         let _ = caller;
         self.nodes.any()?.layer_stats().await
+    }
+
+    async fn create_phase_stats(
+        &self,
+        caller: &Principal,
+    ) -> ApiResult<dsec_wire::v1::CreatePhaseStats> {
+        // Counts over every tenant's creates, no names: any key may see them, as the
+        // rest of /metrics.
+        let _ = caller;
+        Ok(self.create_stats.snapshot())
     }
 
     async fn list_nodes(&self, caller: &Principal) -> ApiResult<ClusterNodeList> {

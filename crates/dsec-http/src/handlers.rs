@@ -914,6 +914,9 @@ pub async fn metrics(api: Api) -> HttpResult<Response> {
     if let Ok(pools) = api.list_pools().await {
         crate::metrics::render_pools(&mut text, &pools);
     }
+    if let Ok(stats) = api.create_phase_stats().await {
+        crate::metrics::render_create_phases(&mut text, &stats);
+    }
     Ok((
         [(
             axum::http::header::CONTENT_TYPE,

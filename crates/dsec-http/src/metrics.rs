@@ -6,7 +6,10 @@
 
 use std::fmt::Write;
 
-use dsec_wire::v1::{ClusterNode, ClusterNodeList, Health, LayerStatsList, Pool, PoolList};
+use dsec_wire::v1::{
+    ClusterNode, ClusterNodeList, CreatePhaseStats, Health, LayerStatsList, PhaseHistogram, Pool,
+    PoolList, CREATE_PHASE_BUCKETS_S,
+};
 
 /// Writes the Prometheus text format (version 0.0.4) into a string, one family at a
 /// time: its `# HELP` and `# TYPE` lines, then its samples. Every `/metrics` here is
@@ -220,6 +223,49 @@ pub fn render(health: &Health, layers: &LayerStatsList, nodes: Option<&ClusterNo
             }),
     );
     out
+}
+
+/// Creates' phases: `dsec_create_seconds` (whole creates) and
+/// `dsec_create_phase_seconds{phase}`, histograms since the server started.
+pub fn render_create_phases(out: &mut String, stats: &CreatePhaseStats) {
+    let buckets = |h: &PhaseHistogram| -> Vec<(f64, u64)> {
+        CREATE_PHASE_BUCKETS_S
+            .iter()
+            .copied()
+            .chain(std::iter::once(f64::INFINITY))
+            .zip(h.counts.iter().copied())
+            .collect()
+    };
+    let mut p = PromText::new(out);
+    p.histogram(
+        "dsec_create_seconds",
+        "Creates that made a sandbox, from the request to ready (their phases sum to it).",
+        [HistogramSeries {
+            labels: "",
+            buckets: buckets(&stats.total),
+            sum: stats.total.sum_s,
+            count: stats.total.count,
+        }],
+    );
+    let labels: Vec<String> = stats
+        .phases
+        .iter()
+        .map(|h| format!("phase=\"{}\"", label(&h.phase)))
+        .collect();
+    p.histogram(
+        "dsec_create_phase_seconds",
+        "Each phase of the creates that made a sandbox (see CreateTimings).",
+        stats
+            .phases
+            .iter()
+            .zip(&labels)
+            .map(|(h, l)| HistogramSeries {
+                labels: l,
+                buckets: buckets(h),
+                sum: h.sum_s,
+                count: h.count,
+            }),
+    );
 }
 
 /// One family per warm-pool figure, a series per pool (`tenant` and `pool` labels).

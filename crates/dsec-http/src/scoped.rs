@@ -460,6 +460,11 @@ impl Scoped {
         self.api.delete_image(&self.caller, name).await
     }
 
+    /// [`SandboxApi::create_phase_stats`] as this caller.
+    pub async fn create_phase_stats(&self) -> ApiResult<dsec_wire::v1::CreatePhaseStats> {
+        self.api.create_phase_stats(&self.caller).await
+    }
+
     /// [`SandboxApi::layer_stats`] as this caller.
     pub async fn layer_stats(&self) -> ApiResult<LayerStatsList> {
         self.api.layer_stats(&self.caller).await

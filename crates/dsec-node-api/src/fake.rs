@@ -103,6 +103,7 @@ impl FakeSandbox {
             idle_ms: self.clocks.idle_ms(now),
             ttl_left_ms: self.clocks.ttl_left_ms(now),
             ended: None,
+            timings: Vec::new(),
         }
     }
 }

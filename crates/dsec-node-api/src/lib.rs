@@ -32,6 +32,8 @@ use dsec_wire::ApiError;
 #[cfg(feature = "fake")]
 pub mod fake;
 pub mod lifetime;
+pub mod timeline;
+pub use timeline::Timeline;
 
 pub use lifetime::Lifetime;
 
@@ -94,7 +96,7 @@ pub struct NodeCreateSpec {
 }
 
 /// A sandbox as the node knows it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct NodeSandbox {
     /// Sandbox id.
     pub id: String,
@@ -123,6 +125,10 @@ pub struct NodeSandbox {
     /// [`NodeApi::destroy`] forgets it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ended: Option<String>,
+    /// The node's phases of the create that made it, on the node's clock from when it
+    /// got the create (only in [`NodeApi::create`]'s answer).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub timings: Vec<dsec_wire::v1::PhaseTiming>,
 }
 
 /// Where an image to import comes from.

@@ -65,9 +65,16 @@ pub struct Layers {
 
 /// One kind of sandbox.
 pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
-    /// Creates and starts a sandbox on the mounted `layers`. Blocking; called on a
-    /// blocking thread. Everything is released on failure (but the layer references).
-    fn create(&self, spec: &NodeCreateSpec, layers: &Layers) -> Result<RuntimeRecord, NodeError>;
+    /// Creates and starts a sandbox on the mounted `layers`, marking its phases on
+    /// `timeline` (`disk`, `namespaces`, `cgroup`, `network`, `init`, as it has them).
+    /// Blocking; called on a blocking thread. Everything is released on failure (but
+    /// the layer references).
+    fn create(
+        &self,
+        spec: &NodeCreateSpec,
+        layers: &Layers,
+        timeline: &mut dsec_node_api::Timeline,
+    ) -> Result<RuntimeRecord, NodeError>;
     /// Kills a sandbox and removes its resources (not the image reference). Idempotent.
     /// Works on a paused sandbox too.
     fn destroy(&self, id: &str) -> Result<(), NodeError>;

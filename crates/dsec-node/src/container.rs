@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use dsec_cgroups::{Cgroup, CgroupRoot, Limits};
+use dsec_node_api::Timeline;
 use dsec_wire::init::{
     InitSpec, DISK_FD, FIRST_LAYER_FD, LISTEN_FD, MNTNS_FD, NETNS_FD, STATUS_FD, USERNS_FD,
 };
@@ -293,6 +294,7 @@ impl ContainerBackend {
         &self,
         spec: &NodeCreateSpec,
         layers: &Layers,
+        timeline: &mut Timeline,
     ) -> Result<RuntimeRecord, NodeError> {
         let started = Instant::now();
         let id = &spec.id;
@@ -353,6 +355,7 @@ impl ContainerBackend {
                 .create(p)
                 .map_err(NodeError::io("mkdir", p))?;
         }
+        timeline.mark("disk");
         // User namespace mode: init gets idmapped clones of the layers and of the mount
         // holding upper and work, never the node's own views of them.
         let mut lower_dirs: Vec<String> = layers
@@ -430,6 +433,7 @@ impl ContainerBackend {
             work = inside.join(work.file_name().unwrap_or_default());
             upper_clone = Some(clone);
         }
+        timeline.mark("namespaces");
         let limits = Limits {
             cpu_millis: Some(spec.cpu_millis),
             memory_bytes: Some(spec.memory_bytes),
@@ -440,8 +444,10 @@ impl ContainerBackend {
             }),
         };
         let cgroup = Cgroup::create(&self.cgroups, &self.cgroup_path(id), &limits)?;
+        timeline.mark("cgroup");
         if spec.isolation == Isolation::Oci {
             let rec = self.create_oci(spec, layers, &run, &upper, &work, disk_mb)?;
+            timeline.mark("init");
             self.handles()
                 .insert(id.clone(), std::sync::Arc::new(cgroup));
             write_record(&run, &rec)?;
@@ -458,6 +464,7 @@ impl ContainerBackend {
                 dsec_net::SlotOptions { model_link },
             )?),
         };
+        timeline.mark("network");
         let socket = self.cfg.agent_socket(id);
         let listener = UnixListener::bind(&socket).map_err(NodeError::io("bind", &socket))?;
         let init = InitSpec {
@@ -527,6 +534,7 @@ impl ContainerBackend {
         rec.net = net;
         rec.userns = userns_rec;
         write_record(&run, &rec)?;
+        timeline.mark("init");
         Ok(rec)
     }
 
@@ -966,8 +974,13 @@ pub fn pid_start_time(pid: i32) -> Option<u64> {
 }
 
 impl Backend for ContainerBackend {
-    fn create(&self, spec: &NodeCreateSpec, layers: &Layers) -> Result<RuntimeRecord, NodeError> {
-        let res = self.create_inner(spec, layers);
+    fn create(
+        &self,
+        spec: &NodeCreateSpec,
+        layers: &Layers,
+        timeline: &mut Timeline,
+    ) -> Result<RuntimeRecord, NodeError> {
+        let res = self.create_inner(spec, layers, timeline);
         if res.is_err() {
             if let Err(e) = self.destroy(&spec.id) {
                 tracing::warn!(id = %spec.id, error = %e, "cleanup after failed create");

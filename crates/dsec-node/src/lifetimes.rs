@@ -332,6 +332,7 @@ mod tests {
             idle_ms: 0,
             ttl_left_ms: None,
             ended: None,
+            timings: Vec::new(),
         }
     }
 

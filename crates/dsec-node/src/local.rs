@@ -264,6 +264,7 @@ impl LocalNode {
                 idle_ms: 0,
                 ttl_left_ms: None,
                 ended: None,
+                timings: Vec::new(),
             };
             if self.lifetimes.end(&id, reason, listed) {
                 tracing::info!(%id, reason, "sandbox's lifetime ended");
@@ -492,6 +493,7 @@ impl NodeApi for LocalNode {
     async fn create(&self, spec: NodeCreateSpec) -> NodeResult<NodeSandbox> {
         // The lifetime counts from when the node got the create.
         let received = now_ms();
+        let mut timeline = dsec_node_api::Timeline::start();
         if self.lifetimes.check(&spec.id).is_err() {
             return Err(ApiError::new(
                 ErrorCode::Conflict,
@@ -500,20 +502,25 @@ impl NodeApi for LocalNode {
         }
         let (live_cpu, live) = self.load();
         let _ticket = self.admission.admit(spec.cpu_millis, live_cpu, live)?;
+        timeline.mark("admit");
         let layers = {
             let spec = spec.clone();
             self.blocking(move |images| mount_layers(&images, &spec))
                 .await?
         };
+        timeline.mark("layers");
         let backend = self.backend.clone();
         let spec2 = spec.clone();
         let layers2 = layers.clone();
-        let res = tokio::task::spawn_blocking(move || backend.create(&spec2, &layers2))
-            .await
-            .map_err(join_err)
-            .and_then(|r| r);
-        let rec = match res {
-            Ok(rec) => rec,
+        let res = tokio::task::spawn_blocking(move || {
+            let r = backend.create(&spec2, &layers2, &mut timeline);
+            r.map(|rec| (rec, timeline))
+        })
+        .await
+        .map_err(join_err)
+        .and_then(|r| r);
+        let (rec, mut timeline) = match res {
+            Ok(done) => done,
             Err(e) => {
                 for (d, _) in &layers.layers {
                     let _ = self.images.release(d);
@@ -552,6 +559,7 @@ impl NodeApi for LocalNode {
             let _ = self.destroy(&rec.id).await;
             return Err(e.into());
         }
+        timeline.mark("agent");
         let created = NodeSandbox {
             ip: self.backend.address(&rec),
             id: rec.id,
@@ -563,6 +571,7 @@ impl NodeApi for LocalNode {
             idle_ms: 0,
             ttl_left_ms: None,
             ended: None,
+            timings: timeline.finish().phases,
         };
         // Ended already (a TTL of 0): the reaper tears it down; the caller sees its stub.
         Ok(self
@@ -601,6 +610,7 @@ impl NodeApi for LocalNode {
                     idle_ms: 0,
                     ttl_left_ms: None,
                     ended: None,
+                    timings: Vec::new(),
                 };
                 self.lifetimes.listed(sb, now)
             })

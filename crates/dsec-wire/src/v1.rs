@@ -355,6 +355,63 @@ pub struct CreateSandboxRequest {
     /// token of its own and the gateway's URL in its environment.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_access: Option<ModelAccess>,
+    /// Whether the answer carries the create's phases ([`Sandbox::timings`]); the
+    /// sandbox's record keeps them either way.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub timings: bool,
+}
+
+/// One phase of a create, on the create's own clock.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PhaseTiming {
+    /// The phase: on the server `validate`, `placement`, `images`, `store`,
+    /// `node_call` (the node round trip beyond the node's own phases), `files`,
+    /// `commit`; on the node `admit`, `layers`, `disk`, `namespaces`, `rootfs`,
+    /// `network`, `cgroup`, `init`, `agent`.
+    pub phase: String,
+    /// Milliseconds from the create's start to this phase's.
+    pub start_ms: f64,
+    /// Its length in milliseconds.
+    pub ms: f64,
+}
+
+/// Where a create's time went: its phases in order, back to back.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CreateTimings {
+    /// From the server taking the request to the sandbox being ready, ms.
+    pub total_ms: f64,
+    /// The phases, in order; their lengths add up to `total_ms`.
+    pub phases: Vec<PhaseTiming>,
+}
+
+/// Upper bounds (seconds) of the buckets of create phase histograms; a last one,
+/// `+Inf`, takes the rest.
+pub const CREATE_PHASE_BUCKETS_S: [f64; 15] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+/// Creates' phases since the server started: one histogram per phase, and `total`
+/// (`GET /metrics` as `dsec_create_phase_seconds` and `dsec_create_seconds`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CreatePhaseStats {
+    /// Whole creates.
+    pub total: PhaseHistogram,
+    /// Per phase, by name.
+    pub phases: Vec<PhaseHistogram>,
+}
+
+/// One histogram of [`CreatePhaseStats`].
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PhaseHistogram {
+    /// The phase (`total` for whole creates).
+    pub phase: String,
+    /// Samples per bucket of [`CREATE_PHASE_BUCKETS_S`], not cumulative, then those above
+    /// every bound.
+    pub counts: Vec<u64>,
+    /// Sum of the samples, seconds.
+    pub sum_s: f64,
+    /// Samples.
+    pub count: u64,
 }
 
 /// Priority of a create or call that waits for capacity.
@@ -576,6 +633,10 @@ pub struct Sandbox {
     /// environment, `OPENAI_API_KEY`); the token is deleted with the sandbox.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_token_id: Option<String>,
+    /// Where its create's time went (a sandbox made by this version's create; a fork's
+    /// or a pool member's made by theirs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timings: Option<CreateTimings>,
 }
 
 /// One step of an image build.

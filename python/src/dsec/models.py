@@ -94,6 +94,32 @@ class ModelAccess(BaseModel):
     """Seconds one request may take."""
 
 
+class PhaseTiming(_Response):
+    """One phase of a create (wire type ``PhaseTiming``)."""
+
+    phase: str
+    """``validate``, ``placement``, ``images``, ``store``, then the node's ``admit``,
+    ``layers``, ``disk``, ``namespaces``, ``cgroup``, ``network``, ``init``, ``agent``,
+    then ``node_call`` (the round trip beyond them), ``files``, ``commit``."""
+    start_ms: float
+    """From the create's start."""
+    ms: float
+
+
+class CreateTimings(_Response):
+    """Where a create's time went (wire type ``CreateTimings``): its phases back to back."""
+
+    total_ms: float
+    phases: List[PhaseTiming] = Field(default_factory=list)
+
+    def by_phase(self) -> Dict[str, float]:
+        """Milliseconds per phase name (summed if one repeats)."""
+        out: Dict[str, float] = {}
+        for p in self.phases:
+            out[p.phase] = out.get(p.phase, 0.0) + p.ms
+        return out
+
+
 class SandboxInfo(_Response):
     """A sandbox as the API reports it (wire type ``Sandbox``)."""
 
@@ -136,6 +162,9 @@ class SandboxInfo(_Response):
     """What it may call through the model gateway, if created with ``model_access``."""
     model_token_id: Optional[str] = None
     """The public id of its gateway token (the token itself is in its environment)."""
+    timings: Optional[CreateTimings] = None
+    """Where its create's time went (in the create's answer only when asked for with
+    ``timings=True``; the record keeps the phases up to its last write)."""
 
 
 class PauseResult(_Response):

@@ -70,6 +70,7 @@ def create_body(
     pool: Optional[str] = None,
     max_wait: Optional[float] = None,
     model_access: Any = None,
+    timings: bool = False,
 ) -> Dict[str, Any]:
     """The ``POST /v1/sandboxes`` body for :meth:`Sandbox.create` (and its async twin)."""
     body: Dict[str, Any] = {"auto_resume": auto_resume}
@@ -114,6 +115,8 @@ def create_body(
         body["filesystem"] = fs
     if model_access is not None:
         body["model_access"] = model_access_body(model_access)
+    if timings:
+        body["timings"] = True
     return body
 
 
@@ -230,6 +233,7 @@ class Sandbox:
         pool: Optional[str] = None,
         max_wait: Optional[float] = None,
         model_access: Union[ModelAccess, Mapping[str, Any], Sequence[str], None] = None,
+        timings: bool = False,
     ) -> "Sandbox":
         """Creates a sandbox and returns when it is ready.
 
@@ -268,6 +272,9 @@ class Sandbox:
                 ``timeout_s``). The sandbox gets its own token in ``OPENAI_API_KEY`` and the
                 gateway's URL in ``OPENAI_BASE_URL``; its network reaches the gateway
                 whatever ``network`` says, and the token dies with the sandbox.
+            timings: Fill ``info.timings`` (:class:`CreateTimings`) with where the
+                create's time went, phase by phase (the record keeps them either way:
+                :meth:`refresh` shows them).
 
         Connection errors and ``capacity`` answers are retried with exponential backoff
         (``Client.create_retries`` times, default 5); other errors are raised at once.
@@ -278,7 +285,7 @@ class Sandbox:
             idle_timeout=idle_timeout, labels=labels, job=job, env=env, workdir=workdir,
             qos=qos, auto_resume=auto_resume, network=network, writable=writable,
             tcp_bind=tcp_bind, tcp_connect=tcp_connect, user=user, pool=pool, max_wait=max_wait,
-            model_access=model_access,
+            model_access=model_access, timings=timings,
         )
         return cls(client, client.create_sandbox(body))
 

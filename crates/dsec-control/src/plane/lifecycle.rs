@@ -174,11 +174,43 @@ impl ControlPlane {
         tenant: &str,
         req: CreateSandboxRequest,
     ) -> ApiResult<Sandbox> {
+        let mut timeline = Timeline::start();
+        let wants_timings = req.timings;
+        let mut made = None;
+        let mut sb = self
+            .create_timed(tenant, req, &mut timeline, &mut made)
+            .await?;
+        // This attempt's own sandbox (not an earlier attempt's, found by its key): its
+        // phases, the last write included.
+        if made.as_deref() == Some(sb.id.as_str()) {
+            timeline.mark("commit");
+            let timings = timeline.finish();
+            self.create_stats
+                .record(&sb.id, &timings, self.cfg.slow_create_ms);
+            sb.timings = Some(timings);
+        }
+        if !wants_timings {
+            sb.timings = None;
+        }
+        Ok(sb)
+    }
+
+    /// A create, its phases marked on `timeline`; `made` is the id of the sandbox this
+    /// attempt makes, once it has one.
+    async fn create_timed(
+        &self,
+        tenant: &str,
+        req: CreateSandboxRequest,
+        timeline: &mut Timeline,
+        made: &mut Option<String>,
+    ) -> ApiResult<Sandbox> {
         let req = validate::flatten_environment(req)?;
         validate::create(&req)?;
         let gateway_url = self.check_model_access(&req)?;
+        timeline.mark("validate");
         let now = now_ms();
         let id = new_id();
+        *made = Some(id.clone());
         let image = req
             .image
             .clone()
@@ -204,6 +236,7 @@ impl ControlPlane {
             })
         };
         let mut placed = placement(&refused)?;
+        timeline.mark("placement");
         // Registry references (the image, layers) the node's catalog lacks are pulled
         // first; from here on they go by their catalog names.
         let requested_image = image;
@@ -214,6 +247,7 @@ impl ControlPlane {
         let config = self
             .stack_config(&*placed.node, &image, &layers, true)
             .await?;
+        timeline.mark("images");
         let charge = dsec_iam::Usage::sandbox(cpu_millis, memory_mb);
         let mut sb = Sandbox {
             id: id.clone(),
@@ -251,6 +285,7 @@ impl ControlPlane {
             isolation: req.isolation,
             model_access: None,
             model_token_id: None,
+            timings: None,
         };
         let mut env = BTreeMap::from([
             (
@@ -369,6 +404,7 @@ impl ControlPlane {
                 .map_err(records::InsertError::into_api)?,
             (None, true) => {}
         }
+        timeline.mark("store");
         let mut created = placed.node.create(spec.clone()).await;
         // A node's own admission may refuse a placement made on a load a heartbeat old:
         // the sandbox goes to another node, up to MAX_REFUSALS times.
@@ -410,11 +446,14 @@ impl ControlPlane {
                 return Err(e);
             }
         };
+        timeline.nest(&created.timings, "node_call");
         sb.image_digest = created.image_digest;
         sb.resources.disk_mb = created.disk_mb;
         sb.ip = created.ip.map(|ip| ip.to_string());
         sb.state = SandboxState::Ready;
         if deferred {
+            // The record keeps the phases up to its write.
+            sb.timings = Some(timeline.clone().finish());
             return self
                 .store_created(sb, &claim, charge, &req, &stored, placed)
                 .await;
@@ -429,6 +468,8 @@ impl ControlPlane {
             let _ = self.remove(&id, None).await;
             return Err(e);
         }
+        timeline.mark("files");
+        sb.timings = Some(timeline.clone().finish());
         let done = self
             .records
             .complete_create(&id, |rec| {
