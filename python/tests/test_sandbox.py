@@ -37,6 +37,9 @@ def test_create_exec_delete(client: dsec.Client) -> None:
     with pytest.raises(dsec.NotFound) as ei:
         sb.exec("true")
     assert ei.value.code == "not_found" and not ei.value.retryable and ei.value.status == 404
+    # The server's id of the failed request, to find it in its log.
+    rid = ei.value.request_id
+    assert rid and rid.startswith("req_") and len(rid) == 20, rid
 
 
 def test_exec_stream_events(sandbox: dsec.Sandbox) -> None:

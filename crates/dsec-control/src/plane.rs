@@ -350,7 +350,15 @@ impl ControlPlane {
             .me
             .upgrade()
             .ok_or_else(|| internal("the control plane is shutting down"))?;
-        tokio::spawn(call(me)).await.map_err(internal)?
+        // The task serves the caller's request: its id and span go with it.
+        let request = dsec_node_api::request_id::current();
+        let work = dsec_node_api::request_id::carry(request, call(me));
+        tokio::spawn(tracing::Instrument::instrument(
+            work,
+            tracing::Span::current(),
+        ))
+        .await
+        .map_err(internal)?
     }
 
     /// The error for an id with no record: `expired` if a tombstone says it was reaped.

@@ -1,6 +1,6 @@
-//! A create's phases over a `FakeNode` (which times none of its own): the answer has
-//! them when asked, back to back and adding up to the total; the record keeps them; the
-//! histograms count each create once per phase.
+//! A create over a `FakeNode` (which times none of its own phases): its request id reaches
+//! the node; its phases are in the answer when asked, back to back and adding up to the
+//! total; the record keeps them; the histograms count each create once per phase.
 
 mod common;
 
@@ -75,5 +75,28 @@ async fn a_create_reports_its_phases_and_counts_them() -> TestResult {
         .ok_or("commit counted")?;
     assert_eq!(commit.count, 2);
     assert_eq!(commit.counts.iter().sum::<u64>(), 2);
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_request_id_goes_with_the_create_to_the_node() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let store = Arc::new(RedbStore::open(&dir.path().join("state.redb"))?);
+    let node = Arc::new(FakeNode::new("fake-1"));
+    let plane = ControlPlane::open(ControlConfig::with_key("k".into()), node.clone(), store)
+        .await
+        .map_err(|e| format!("open the plane: {e:?}"))?;
+    // The create runs in a task of its own (it finishes if its caller leaves): the id
+    // is carried there.
+    let id: Arc<str> = Arc::from("trainer-1:step-9");
+    let sb = dsec_node_api::request_id::scope(
+        id,
+        plane.create_sandbox(op(), CreateSandboxRequest::default()),
+    )
+    .await?;
+    assert_eq!(
+        node.create_request_id(&sb.id).as_deref(),
+        Some("trainer-1:step-9")
+    );
     Ok(())
 }

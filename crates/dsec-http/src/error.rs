@@ -2,13 +2,13 @@
 //! extractor rejections onto [`ApiError`]s.
 //!
 //! Every error the server sends has the status of [`ErrorCode::http_status`] and the body
-//! `{"error":{"code":"...","message":"..."}}` ([`ErrorBody`]), including malformed JSON,
-//! malformed query strings, bad path parameters and unknown routes.
+//! `{"error":{"code":"...","message":"...","request_id":"..."}}`
+//! ([`dsec_wire::error::ErrorBody`], with the id of the request it answers), including
+//! malformed JSON, malformed query strings, bad path parameters and unknown routes.
 
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use dsec_wire::error::ErrorBody;
 use dsec_wire::{ApiError, ErrorCode};
 
 /// An [`ApiError`] on its way to the client; the only error type handlers return.
@@ -37,7 +37,15 @@ impl IntoResponse for HttpError {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.0.code.http_status())
             .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let body = serde_json::to_vec(&ErrorBody { error: self.0 }).unwrap_or_else(|_| {
+        let request_id = dsec_node_api::request_id::current();
+        let body = serde_json::to_vec(&Answer {
+            error: Inner {
+                code: self.0.code,
+                message: &self.0.message,
+                request_id: request_id.as_deref(),
+            },
+        })
+        .unwrap_or_else(|_| {
             br#"{"error":{"code":"internal","message":"error body serialization failed"}}"#.to_vec()
         });
         let mut resp = (status, body).into_response();
@@ -47,6 +55,21 @@ impl IntoResponse for HttpError {
         );
         resp
     }
+}
+
+/// [`dsec_wire::error::ErrorBody`] as sent: the error, and the id of the request it answers (so a caller
+/// can name it to whoever reads the server's log).
+#[derive(serde::Serialize)]
+struct Answer<'a> {
+    error: Inner<'a>,
+}
+
+#[derive(serde::Serialize)]
+struct Inner<'a> {
+    code: ErrorCode,
+    message: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    request_id: Option<&'a str>,
 }
 
 /// Code for a rejection: a too-large body is `payload_too_large`, everything else is the

@@ -643,3 +643,52 @@ async fn the_admin_router_merges_into_the_main_one() {
     let nowhere = req("GET", "/v1/nowhere").body(Body::empty()).expect("req");
     assert_eq!(call(nowhere).await, StatusCode::NOT_FOUND);
 }
+
+#[tokio::test]
+async fn every_answer_names_its_request_and_errors_carry_the_id() {
+    // A caller's plain id is kept, in the header and in the error body.
+    let r = req("GET", "/v1/sandboxes/abc")
+        .header("x-request-id", "trainer-3:step-41")
+        .body(Body::empty())
+        .expect("request");
+    let (status, headers, body) = send(r).await;
+    assert!(status.is_client_error() || status.is_server_error());
+    assert_eq!(headers["x-request-id"], "trainer-3:step-41");
+    let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
+    assert_eq!(v["error"]["request_id"], "trainer-3:step-41", "{v}");
+
+    // None, or one not fit for a log line: a fresh one, the same in header and body.
+    for given in [None, Some("two words"), Some("<script>")] {
+        let mut r = req("GET", "/v1/sandboxes/abc");
+        if let Some(g) = given {
+            r = r.header("x-request-id", g);
+        }
+        let (_, headers, body) = send(r.body(Body::empty()).expect("request")).await;
+        let id = headers["x-request-id"].to_str().expect("ascii").to_string();
+        assert!(id.starts_with("req_") && id.len() == 20, "{given:?}: {id}");
+        let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        assert_eq!(v["error"]["request_id"], id.as_str());
+    }
+
+    // Successes and rejections made outside the handlers (no key, unknown routes) too.
+    let (status, headers, _) = send(
+        Request::get("/v1/health")
+            .body(Body::empty())
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(headers.contains_key("x-request-id"));
+    for r in [
+        Request::get("/v1/sandboxes").body(Body::empty()),
+        req("GET", "/v1/no-such-route").body(Body::empty()),
+    ] {
+        let (_, headers, body) = send(r.expect("request")).await;
+        let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        assert_eq!(
+            v["error"]["request_id"].as_str(),
+            headers["x-request-id"].to_str().ok(),
+            "{v}"
+        );
+    }
+}

@@ -111,6 +111,8 @@ impl FakeSandbox {
 #[derive(Debug, Default)]
 struct State {
     sandboxes: HashMap<String, FakeSandbox>,
+    /// The request id each create served (see [`crate::request_id`]), by sandbox id.
+    create_request_ids: HashMap<String, String>,
     /// Sandboxes whose lifetime ended, until destroyed.
     ended: BTreeMap<String, NodeSandbox>,
     /// The node's clock (ms); moves only with [`FakeNode::advance`].
@@ -297,6 +299,11 @@ impl FakeNode {
         let mut ids: Vec<String> = self.state().sandboxes.keys().cloned().collect();
         ids.sort();
         ids
+    }
+
+    /// The id of the API request the create of sandbox `id` served, if it carried one.
+    pub fn create_request_id(&self, id: &str) -> Option<String> {
+        self.state().create_request_ids.get(id).cloned()
     }
 
     /// The spec sandbox `id` was created with (`None` if the node does not run it).
@@ -1123,6 +1130,11 @@ impl NodeApi for FakeNode {
 
     async fn create(&self, spec: NodeCreateSpec) -> NodeResult<NodeSandbox> {
         self.counters.create_calls.fetch_add(1, Ordering::Relaxed);
+        if let Some(request) = crate::request_id::current() {
+            self.state()
+                .create_request_ids
+                .insert(spec.id.clone(), request.to_string());
+        }
         while self.state().stall_creates {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }

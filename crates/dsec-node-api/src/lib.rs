@@ -32,6 +32,7 @@ use dsec_wire::ApiError;
 #[cfg(feature = "fake")]
 pub mod fake;
 pub mod lifetime;
+pub mod request_id;
 pub mod timeline;
 pub use timeline::Timeline;
 

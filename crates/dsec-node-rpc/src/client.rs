@@ -73,9 +73,15 @@ impl RemoteNode {
     }
 
     fn req(&self, method: Method, path: &str) -> RequestBuilder {
-        self.http
+        let req = self
+            .http
             .request(method, format!("{}{PREFIX}{path}", self.base))
-            .bearer_auth(&self.token)
+            .bearer_auth(&self.token);
+        // The API request this call serves, for the node's log.
+        match dsec_node_api::request_id::current() {
+            Some(id) => req.header(dsec_node_api::request_id::HEADER, &*id),
+            None => req,
+        }
     }
 
     fn sandbox(&self, method: Method, id: &str, rest: &str) -> RequestBuilder {

@@ -97,8 +97,32 @@ pub fn router(node: Arc<dyn NodeApi>, token: String) -> Router {
         // JSON bodies carry an exec's whole stdin (base64): the public API's limits
         // apply before a call gets here.
         .layer(axum::extract::DefaultBodyLimit::max(MAX_JSON_BODY))
+        .layer(axum::middleware::from_fn(request_ids))
         .with_state(rpc);
     Router::new().nest(PREFIX, routes)
+}
+
+/// The API server's request id (its `x-request-id`), carried by the task serving the
+/// call and named in its span, so the node's log lines name the request they serve.
+async fn request_ids(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use dsec_node_api::request_id;
+    use tracing::Instrument;
+    let id = req
+        .headers()
+        .get(request_id::HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| request_id::acceptable(v))
+        .map(std::sync::Arc::<str>::from);
+    match id {
+        Some(id) => {
+            let span = tracing::info_span!("node_call", request_id = %id);
+            request_id::scope(id, next.run(req)).instrument(span).await
+        }
+        None => next.run(req).await,
+    }
 }
 
 /// Refuses a request without the node token (compared in constant time).

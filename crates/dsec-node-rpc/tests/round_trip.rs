@@ -218,3 +218,19 @@ async fn a_node_that_is_gone_answers_agent_unavailable() -> TestResult {
     assert_eq!(e.code, ErrorCode::AgentUnavailable);
     Ok(())
 }
+
+#[tokio::test]
+async fn the_api_requests_id_reaches_the_node() -> TestResult {
+    let fake = Arc::new(FakeNode::new("fake-7"));
+    let base = serve(fake.clone()).await?;
+    let node = RemoteNode::connect(&base, TOKEN).await?;
+    let id: Arc<str> = Arc::from("req_0123456789abcdef");
+    dsec_node_api::request_id::scope(id, node.create(spec("sb-traced"))).await?;
+    node.create(spec("sb-plain")).await?;
+    assert_eq!(
+        fake.create_request_id("sb-traced").as_deref(),
+        Some("req_0123456789abcdef")
+    );
+    assert_eq!(fake.create_request_id("sb-plain"), None);
+    Ok(())
+}

@@ -46,17 +46,27 @@ class DsecError(Exception):
         message: The server's human-readable explanation.
         status: The HTTP status, if the error came from a response.
         retryable: Whether the same request may succeed if retried later.
+        request_id: The server's id of the request (its ``x-request-id``), to find it
+            in the server's log; ``None`` if the error did not come from the server.
     """
 
     code: str = "unknown"
     retryable: bool = False
 
-    def __init__(self, message: str, *, code: Optional[str] = None, status: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: Optional[str] = None,
+        status: Optional[int] = None,
+        request_id: Optional[str] = None,
+    ) -> None:
         super().__init__(message)
         if code is not None:
             self.code = code
         self.message = message
         self.status = status
+        self.request_id = request_id
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"
@@ -236,7 +246,9 @@ def error_from_body(body: Any, status: Optional[int] = None) -> DsecError:
         return DsecError(f"HTTP {status}: {str(body)[:512]}", code="unknown", status=status)
     code = str(err.get("code"))
     message = str(err.get("message", ""))
+    request_id = err.get("request_id")
+    request_id = str(request_id) if request_id is not None else None
     cls = ERROR_CLASSES.get(code)
     if cls is None:
-        return DsecError(message, code=code, status=status)
-    return cls(message, status=status)
+        return DsecError(message, code=code, status=status, request_id=request_id)
+    return cls(message, status=status, request_id=request_id)
