@@ -15,6 +15,17 @@ fn breakable() -> Arc<FaultyStore> {
     Arc::new(FaultyStore::new(Arc::new(MemStore::new())))
 }
 
+/// Applies one store operation (a minted token's record, its deletion).
+async fn apply(store: &Arc<dyn StateStore>, op: Op) {
+    store
+        .txn(Txn {
+            checks: vec![],
+            ops: vec![op],
+        })
+        .await
+        .expect("the store takes the operation");
+}
+
 async fn eventually(what: &str, f: impl Fn() -> bool) {
     let end = Instant::now() + Duration::from_secs(2);
     while !f() {
@@ -153,13 +164,7 @@ async fn a_model_token_works_once_stored_and_stops_when_deleted_on_every_replica
         gateway.authenticate_model_token(&minted.token),
         Err(IamError::Unauthenticated)
     ));
-    store
-        .txn(Txn {
-            checks: vec![],
-            ops: vec![op],
-        })
-        .await
-        .expect("store the token");
+    apply(&store, op).await;
     eventually("the token arrives at the other replica", || {
         gateway.authenticate_model_token(&minted.token).is_ok()
     })
@@ -187,13 +192,7 @@ async fn a_model_token_works_once_stored_and_stops_when_deleted_on_every_replica
     .await;
     minter.set_disabled("t", false).await.expect("enable");
     // Deleted with its sandbox: refused everywhere.
-    store
-        .txn(Txn {
-            checks: vec![],
-            ops: vec![Iam::delete_model_token_op(&minted.record.token_id)],
-        })
-        .await
-        .expect("delete");
+    apply(&store, Iam::delete_model_token_op(&minted.record.token_id)).await;
     eventually("the deletion arrives", || {
         matches!(
             gateway.authenticate_model_token(&minted.token),
@@ -228,13 +227,7 @@ async fn model_spending_is_shared_between_gateways_and_outlives_a_restart() {
     let mut ids = Vec::new();
     for sb in ["sb-1", "sb-2"] {
         let (minted, op) = a.mint_model_token(DEFAULT_TENANT, sb, access.clone());
-        store
-            .txn(Txn {
-                checks: vec![],
-                ops: vec![op],
-            })
-            .await
-            .expect("store the token");
+        apply(&store, op).await;
         ids.push(minted.record.token_id);
     }
     let (t1, t2) = (ids[0].clone(), ids[1].clone());
@@ -281,13 +274,7 @@ async fn model_spending_is_shared_between_gateways_and_outlives_a_restart() {
 
     // t1's sandbox is deleted: its spending no longer counts, and the earlier run's
     // record (t1 only) is removed once it is old enough; b's (t2 is live) stays.
-    store
-        .txn(Txn {
-            checks: vec![],
-            ops: vec![Iam::delete_model_token_op(&t1)],
-        })
-        .await
-        .expect("delete");
+    apply(&store, Iam::delete_model_token_op(&t1)).await;
     eventually("a no longer knows t1", || !a.model_token_exists(&t1)).await;
     let seen = ga2.exchange(&BTreeMap::new()).await.expect("a2");
     assert_eq!((of(&seen, &t1), of(&seen, &t2)), (None, Some(7)));

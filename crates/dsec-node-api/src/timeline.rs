@@ -68,11 +68,6 @@ impl Timeline {
         self.last = now;
     }
 
-    /// The phases marked so far.
-    pub fn phases(&self) -> &[PhaseTiming] {
-        &self.phases
-    }
-
     /// The phases and their total (from the start to the last mark).
     pub fn finish(self) -> CreateTimings {
         CreateTimings {
