@@ -14,21 +14,25 @@ use dsec_wire::v1::{
 };
 use sha2::Digest;
 
-/// Rewrites /out/victim the moment a reader closes it (the agent's hash, phase one),
-/// so the server's copy (phase two) sees other bytes.
+/// Swaps /out/victim for other bytes while the agent's hash (phase one) opens it, so the
+/// hash reads what the task wrote and the server's copy (phase two) reads the swap: it
+/// holds a write lease, which blocks the first open until released, and it renames the
+/// new file over the old one before releasing, so the blocked open keeps the old inode.
+/// Deterministic: no race between the rewrite and the copy.
 const CORRUPTER: &str = r#"
-import ctypes, os
-libc = ctypes.CDLL(None, use_errno=True)
-fd = libc.inotify_init()
+import fcntl, os, signal
+F_SETLEASE, F_WRLCK, F_UNLCK = 1024, 1, 2
 with open('/out/victim', 'w') as f:
     f.write('what the task wrote\n')
-IN_CLOSE_NOWRITE = 0x10
-if libc.inotify_add_watch(fd, b'/out/victim', IN_CLOSE_NOWRITE) < 0:
-    raise OSError(ctypes.get_errno(), 'inotify_add_watch')
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGIO])
+fd = os.open('/out/victim', os.O_RDONLY)
+fcntl.fcntl(fd, F_SETLEASE, F_WRLCK)
 open('/out/ready', 'w').close()
-os.read(fd, 4096)
-with open('/out/victim', 'w') as f:
+signal.sigwait([signal.SIGIO])
+with open('/out/victim.new', 'w') as f:
     f.write('rewritten behind the checksum\n')
+os.rename('/out/victim.new', '/out/victim')
+fcntl.fcntl(fd, F_SETLEASE, F_UNLCK)
 "#;
 
 fn sh(cmd: &str) -> Option<Command> {
@@ -129,11 +133,16 @@ async fn two_hundred_tasks_survive_kill_9_and_end_verified_or_failed_with_a_snap
     })
     .await
     .expect("the batch never ended after the restart");
+    let statuses = c.all_batch_tasks(&batch.id).await.expect("tasks");
+    let odd: Vec<_> = statuses
+        .iter()
+        .filter(|t| t.id.starts_with("ok-") != (t.state == TaskState::Finalized))
+        .collect();
     assert_eq!(done.state, BatchState::Finished, "{done:?}");
+    assert!(odd.is_empty(), "tasks that ended otherwise: {odd:#?}");
     assert_eq!(done.counts[&TaskState::Finalized], 185, "{done:?}");
     assert_eq!(done.counts[&TaskState::Failed], 15, "{done:?}");
 
-    let statuses = c.all_batch_tasks(&batch.id).await.expect("tasks");
     assert_eq!(statuses.len(), 200);
     let mut retried_after_restart = 0;
     for t in &statuses {
