@@ -52,6 +52,9 @@ pub enum Command {
     Fncall(FnCallArgs),
     /// Show the creates waiting for capacity, by priority level.
     Queue,
+    /// Show what happened to sandboxes and nodes (created, ready, paused, expired,
+    /// oom_killed, disk_full, deleted, ...) with causes; --follow streams new events.
+    Events(EventsArgs),
     /// Submit a batch job (YAML or JSON; see docs/batches.md): prints its id, or with
     /// --wait follows it and exits 1 if a task failed.
     Submit(SubmitArgs),
@@ -77,6 +80,30 @@ pub enum Command {
         /// Its configuration (`dsec_lazy::ServeConfig` as JSON).
         config: String,
     },
+}
+
+/// `dsec events`.
+#[derive(Debug, Args)]
+pub struct EventsArgs {
+    /// Keep streaming new events (resuming after a dropped connection) until interrupted.
+    #[arg(long, short)]
+    pub follow: bool,
+    /// Start after this event id (printed with --json); default: every kept event, or
+    /// with --follow only new ones.
+    #[arg(long)]
+    pub after: Option<u64>,
+    /// Only this sandbox's events.
+    #[arg(long)]
+    pub sandbox: Option<String>,
+    /// Only this tenant's events (cluster admins).
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// Only these kinds (comma-separated or repeated), e.g. oom_killed,disk_full.
+    #[arg(long, value_delimiter = ',')]
+    pub kind: Vec<String>,
+    /// Only sandboxes with these labels (KEY=VALUE, comma-separated or repeated).
+    #[arg(long, value_delimiter = ',')]
+    pub label: Vec<String>,
 }
 
 /// `dsec gateway`.
@@ -164,6 +191,10 @@ pub struct ApiserverArgs {
     /// A create slower than this (ms) is logged with its phases (0: none).
     #[arg(long, default_value_t = 2000)]
     pub slow_create_ms: u64,
+    /// How long events (`GET /v1/events`, `dsec events`) are kept, in seconds; 0 keeps
+    /// none and turns the event stream off.
+    #[arg(long, default_value_t = dsec_wire::v1::DEFAULT_EVENTS_RETENTION_S)]
+    pub events_retention_s: u64,
     /// Directory of the API server's state (its API key and, without --etcd, records).
     #[arg(long, default_value = "/var/lib/dsec-apiserver")]
     pub state_dir: PathBuf,
@@ -365,6 +396,10 @@ pub struct ServeArgs {
     /// A create slower than this (ms) is logged with its phases (0: none).
     #[arg(long, default_value_t = 2000)]
     pub slow_create_ms: u64,
+    /// How long events (`GET /v1/events`, `dsec events`) are kept, in seconds; 0 keeps
+    /// none and turns the event stream off.
+    #[arg(long, default_value_t = dsec_wire::v1::DEFAULT_EVENTS_RETENTION_S)]
+    pub events_retention_s: u64,
     /// The address code in a sandbox calls the model gateway at (its OPENAI_BASE_URL is
     /// http://ADDRESS/v1): link-local, answered by this node and nowhere else.
     #[arg(long, default_value = "169.254.169.250:80")]

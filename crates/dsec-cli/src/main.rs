@@ -8,6 +8,7 @@
 mod batch;
 mod cli;
 mod dockerfile;
+mod events;
 mod iam;
 mod image;
 mod model_tokens;
@@ -81,6 +82,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             .map(|()| ExitCode::SUCCESS),
         Command::Fncall(args) => pool::fncall(&client()?, args, cli.json).await,
         Command::Queue => pool::queue(&client()?, cli.json)
+            .await
+            .map(|()| ExitCode::SUCCESS),
+        Command::Events(args) => events::run(&client()?, args, cli.json)
             .await
             .map(|()| ExitCode::SUCCESS),
         Command::Job(cmd) => sandbox::job(&client()?, cmd, cli.json).await,

@@ -282,6 +282,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let control = ControlConfig {
         job_suspend_stops_lifetime: !args.job_suspend_keeps_lifetime,
         slow_create_ms: args.slow_create_ms,
+        events_retention_s: args.events_retention_s,
         batch_store: Some(open_batch_store(batch_store, &args.state_dir)?),
         model_gateway: gateway_config
             .as_ref()
@@ -586,6 +587,7 @@ pub async fn run_apiserver(args: ApiserverArgs) -> anyhow::Result<()> {
     let control = ControlConfig {
         job_suspend_stops_lifetime: !args.job_suspend_keeps_lifetime,
         slow_create_ms: args.slow_create_ms,
+        events_retention_s: args.events_retention_s,
         batch_store: Some(open_batch_store(args.batch_store.clone(), &args.state_dir)?),
         sole_owner,
         model_gateway: (!args.model_gateway_models.is_empty()).then(|| {

@@ -35,6 +35,8 @@ mod admin;
 mod error;
 mod files;
 mod ndjson;
+mod sse;
+pub use sse::SseDecoder;
 
 use std::collections::BTreeMap;
 
@@ -295,6 +297,18 @@ impl Client {
     /// `GET /v1/queue`: creates waiting for capacity, by priority level.
     pub async fn queue_status(&self) -> Result<dsec_wire::v1::QueueStatus, ClientError> {
         Self::json(self.get(&["queue"])).await
+    }
+
+    /// `GET /v1/events`: the events `query` selects, as they happen (after a replay of
+    /// the kept ones after `query.after`); with `no_follow`, only the replay. The stream
+    /// ends when the server ends it or the connection fails (reconnect with `after` set
+    /// to the last id seen).
+    pub async fn events(
+        &self,
+        query: &dsec_wire::v1::EventQuery,
+    ) -> Result<BoxStream<'static, Result<dsec_wire::v1::Event, ClientError>>, ClientError> {
+        let resp = Self::send(self.get(&["events"]).query(query)).await?;
+        Ok(sse::events(resp))
     }
 
     /// `POST /v1/fncall`: runs one function call in a member of a pool made for calls.

@@ -17,9 +17,9 @@ use std::collections::BTreeMap;
 use dsec_wire::v1::{
     Batch, BatchList, BatchSpec, BuildEvent, BuildRequest, BuildResult, CallLog, CallLogQuery,
     ClusterNode, ClusterNodeList, CommitRequest, CreateSandboxRequest, CreateSessionRequest,
-    DockerfileBuildRequest, ExecRequest, ExecResult, FileInfo, FileList, FnCallRequest,
-    FnCallResponse, ForkRequest, ForkResult, GcRequest, GcResult, Health, Image, ImageList,
-    ImportEvent, ImportImageRequest, InputObject, JobResult, LayerStatsList, Manifest,
+    DockerfileBuildRequest, Event, EventQuery, ExecRequest, ExecResult, FileInfo, FileList,
+    FnCallRequest, FnCallResponse, ForkRequest, ForkResult, GcRequest, GcResult, Health, Image,
+    ImageList, ImportEvent, ImportImageRequest, InputObject, JobResult, LayerStatsList, Manifest,
     MkdirRequest, NetworkPolicy, PauseResult, Pool, PoolList, PoolSpec, PoolUpdate, ProcessInfo,
     ProcessList, PtySize, PullImageRequest, QueueStatus, RenameRequest, Sandbox, SandboxList,
     SessionInfo, SessionList, SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest,
@@ -43,6 +43,9 @@ pub type BuildStream = BoxStream<'static, BuildEvent>;
 
 /// Result type of the API.
 pub type ApiResult<T> = Result<T, ApiError>;
+
+/// Fleet events (`GET /v1/events`): replayed ones, then live ones; an error ends it.
+pub type EventFeed = BoxStream<'static, ApiResult<Event>>;
 
 /// The dsec API. Implemented by the control plane; called by transports.
 #[async_trait::async_trait]
@@ -91,6 +94,15 @@ pub trait SandboxApi: Send + Sync + 'static {
     /// Deletes a pool and its warm sandboxes.
     async fn delete_pool(&self, _caller: &Principal, _name: &str) -> ApiResult<()> {
         Err(no_pools())
+    }
+
+    /// `GET /v1/events`: the events `query` selects that the caller may see (a cluster
+    /// admin every one, another key its tenant's sandboxes').
+    async fn events(&self, _caller: &Principal, _query: EventQuery) -> ApiResult<EventFeed> {
+        Err(ApiError::new(
+            ErrorCode::BadRequest,
+            "this server keeps no events",
+        ))
     }
 
     /// `GET /v1/queue`: creates waiting for capacity, by level (an admin's key sees

@@ -16,6 +16,8 @@ pub mod nodes;
 pub mod plane;
 mod validate;
 
-pub use api::{ApiResult, ByteStream, EventStream, ImportStream, Principal, SandboxApi, Scope};
+pub use api::{
+    ApiResult, ByteStream, EventFeed, EventStream, ImportStream, Principal, SandboxApi, Scope,
+};
 pub use nodes::{FleetNodes, NodeSet, SingleNode};
 pub use plane::{ControlConfig, ControlPlane, ModelGatewayLink};

@@ -33,6 +33,7 @@ use crate::validate;
 
 mod batches;
 mod calls;
+mod events;
 mod fncall;
 mod fork;
 mod idempotency;
@@ -91,6 +92,8 @@ pub struct ControlConfig {
     pub model_gateway: Option<ModelGatewayLink>,
     /// A create that takes longer (ms) is logged with its phases; 0 logs none.
     pub slow_create_ms: u64,
+    /// How long events are kept for `GET /v1/events` (s); 0 writes none.
+    pub events_retention_s: u64,
 }
 
 /// How sandboxes reach the model gateway (issue #30).
@@ -120,6 +123,7 @@ impl ControlConfig {
             batch_store: None,
             model_gateway: None,
             slow_create_ms: 2000,
+            events_retention_s: DEFAULT_EVENTS_RETENTION_S,
         }
     }
 }
@@ -154,6 +158,8 @@ pub struct ControlPlane {
     me: Weak<ControlPlane>,
     /// Creates' phases since the start.
     create_stats: crate::create_stats::CreateStats,
+    /// The event log (`GET /v1/events`).
+    events: Arc<events::EventLog>,
 }
 
 fn now_ms() -> u64 {
@@ -226,7 +232,13 @@ impl ControlPlane {
                     .map_err(ApiError::from)?,
             ),
         };
-        let records = records::Records::open(store.clone(), !cfg.sole_owner, iam.clone()).await?;
+        let events = Arc::new(events::EventLog::new(
+            store.clone(),
+            cfg.events_retention_s.saturating_mul(1000),
+        ));
+        let records =
+            records::Records::open(store.clone(), !cfg.sole_owner, iam.clone(), events.clone())
+                .await?;
         nodes.synced().await;
         let plane = Arc::new_cyclic(|me| Self {
             cfg,
@@ -242,6 +254,7 @@ impl ControlPlane {
             batches: Default::default(),
             me: me.clone(),
             create_stats: Default::default(),
+            events,
         });
         plane.records.adopt_missing_keys().await?;
         if plane.cfg.sole_owner {
@@ -644,6 +657,36 @@ impl SandboxApi for ControlPlane {
             .await
     }
 
+    async fn events(
+        &self,
+        caller: &Principal,
+        query: EventQuery,
+    ) -> ApiResult<crate::api::EventFeed> {
+        if !self.events.enabled() {
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                "events are off on this server (--events-retention-s 0)",
+            ));
+        }
+        let mut filter = query
+            .filter()
+            .map_err(|e| ApiError::new(ErrorCode::BadRequest, e))?;
+        if !caller.is_cluster_admin() {
+            match &filter.tenant {
+                Some(t) if *t != caller.tenant => {
+                    return Err(ApiError::new(
+                        ErrorCode::Forbidden,
+                        format!("this key sees only tenant {}'s events", caller.tenant),
+                    ))
+                }
+                _ => filter.tenant = Some(caller.tenant.clone()),
+            }
+        }
+        self.events
+            .stream(filter, query.after, !query.no_follow)
+            .await
+    }
+
     async fn queue_status(&self, caller: &Principal) -> ApiResult<QueueStatus> {
         Ok(self
             .queue
@@ -830,14 +873,19 @@ impl SandboxApi for ControlPlane {
         let limit = ms_from_s("timeout_s", req.timeout_s)?.map(Limit::exec);
         let spec = Self::exec_spec(&req, false)?;
         let stdin = req.stdin.map(Bytes::from);
-        self.guarded(id, limit, async {
-            let node = self.usable(id).await?;
-            match &req.request_id {
-                Some(rid) => node.exec_recorded(id, rid, spec, stdin).await,
-                None => node.exec(id, spec, stdin).await,
-            }
-        })
-        .await
+        let result = self
+            .guarded(id, limit, async {
+                let node = self.usable(id).await?;
+                match &req.request_id {
+                    Some(rid) => node.exec_recorded(id, rid, spec, stdin).await,
+                    None => node.exec(id, spec, stdin).await,
+                }
+            })
+            .await?;
+        let command = events::command_text(&req.cmd);
+        let request_id = dsec_node_api::request_id::current();
+        self.note_exit(id, &command, &result.exit, result.oom_killed, request_id);
+        Ok(result)
     }
 
     async fn exec_stream(
@@ -859,6 +907,16 @@ impl SandboxApi for ControlPlane {
                 }
             })
             .await?;
+        let me = self.me.clone();
+        let (sandbox, command) = (id.to_string(), events::command_text(&req.cmd));
+        let request_id = dsec_node_api::request_id::current();
+        let events = events
+            .inspect(move |event| {
+                if let (ExecEvent::Exit { exit, oom_killed }, Some(me)) = (event, me.upgrade()) {
+                    me.note_exit(&sandbox, &command, exit, *oom_killed, request_id.clone());
+                }
+            })
+            .boxed();
         Ok(self.watched(id, events, limit, |error| ExecEvent::Error { error }))
     }
 
@@ -1133,21 +1191,24 @@ impl SandboxApi for ControlPlane {
             validate::request_id(rid)?;
         }
         // As long as the client sends: the watchdog only.
-        self.guarded(id, None, async {
-            let node = self.usable(id).await?;
-            match request_id {
-                Some(rid) => {
-                    let req = Request::FileWrite {
-                        path: path.to_string(),
-                        mode,
-                        create_parents: true,
-                    };
-                    node.upload_recorded(id, rid, req, body).await
+        let written = self
+            .guarded(id, None, async {
+                let node = self.usable(id).await?;
+                match request_id {
+                    Some(rid) => {
+                        let req = Request::FileWrite {
+                            path: path.to_string(),
+                            mode,
+                            create_parents: true,
+                        };
+                        node.upload_recorded(id, rid, req, body).await
+                    }
+                    None => node.write_file(id, path, mode, body).await,
                 }
-                None => node.write_file(id, path, mode, body).await,
-            }
-        })
-        .await
+            })
+            .await;
+        self.note_no_space(id, path, &written);
+        written
     }
 
     async fn list_files(&self, caller: &Principal, id: &str, path: &str) -> ApiResult<FileList> {
@@ -1254,19 +1315,22 @@ impl SandboxApi for ControlPlane {
         if let Some(rid) = request_id {
             validate::request_id(rid)?;
         }
-        self.guarded(id, None, async {
-            let node = self.usable(id).await?;
-            match request_id {
-                Some(rid) => {
-                    let req = Request::TarUpload {
-                        path: path.to_string(),
-                    };
-                    node.upload_recorded(id, rid, req, body).await
+        let written = self
+            .guarded(id, None, async {
+                let node = self.usable(id).await?;
+                match request_id {
+                    Some(rid) => {
+                        let req = Request::TarUpload {
+                            path: path.to_string(),
+                        };
+                        node.upload_recorded(id, rid, req, body).await
+                    }
+                    None => node.upload_tar(id, path, body).await,
                 }
-                None => node.upload_tar(id, path, body).await,
-            }
-        })
-        .await
+            })
+            .await;
+        self.note_no_space(id, path, &written);
+        written
     }
 
     async fn list_images(&self, caller: &Principal) -> ApiResult<ImageList> {
@@ -1416,7 +1480,13 @@ impl SandboxApi for ControlPlane {
         drain: bool,
     ) -> ApiResult<ClusterNode> {
         operator(caller)?;
-        self.nodes.drain(name, drain).await
+        let node = self.nodes.drain(name, drain).await?;
+        let kind = match drain {
+            true => EventKind::NodeDrained,
+            false => EventKind::NodeUndrained,
+        };
+        self.events.emit(events::about_node(name, kind, None)).await;
+        Ok(node)
     }
 
     async fn delete_image(&self, caller: &Principal, name: &str) -> ApiResult<()> {

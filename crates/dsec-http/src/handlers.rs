@@ -430,6 +430,49 @@ pub async fn delete_pool(api: Api, Path(name): Path<String>) -> HttpResult<Respo
     Ok(no_content(api.delete_pool(&name).await?))
 }
 
+/// `GET /v1/events?after=&sandbox=&tenant=&kind=&label=&no_follow=`: Server-Sent
+/// Events, each with its id (`Last-Event-ID` on a reconnect replays from there) and its
+/// kind as the SSE event name; a comment every 15 s keeps idle connections open. An
+/// error after the stream began is a last event named `error` holding the error.
+pub async fn events(
+    api: Api,
+    headers: HeaderMap,
+    Query(mut q): Query<dsec_wire::v1::EventQuery>,
+) -> HttpResult<Response> {
+    use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+    if q.after.is_none() {
+        if let Some(last) = headers.get("last-event-id") {
+            let last = last
+                .to_str()
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok());
+            q.after = Some(last.ok_or_else(|| {
+                ApiError::new(
+                    ErrorCode::BadRequest,
+                    "Last-Event-ID must be an event id (a number)",
+                )
+            })?);
+        }
+    }
+    let feed = api.events(q).await?;
+    let sse = feed.map(|item| {
+        Ok::<_, std::convert::Infallible>(match item {
+            Ok(event) => SseEvent::default()
+                .id(event.id.to_string())
+                .event(event.kind.as_str())
+                .json_data(&event)
+                .unwrap_or_else(|_| SseEvent::default().comment("unencodable event")),
+            Err(error) => SseEvent::default()
+                .event("error")
+                .json_data(&error)
+                .unwrap_or_else(|_| SseEvent::default().comment("stream failed")),
+        })
+    });
+    Ok(Sse::new(sse)
+        .keep_alive(KeepAlive::new().interval(std::time::Duration::from_secs(15)))
+        .into_response())
+}
+
 /// `GET /v1/queue`.
 pub async fn queue_status(api: Api) -> HttpResult<Response> {
     Ok(json(api.queue_status().await?))

@@ -126,6 +126,7 @@ pub fn router_with(api: Arc<dyn SandboxApi>, opts: HttpOptions) -> Router {
         )
         .route("/fncall", post(h::fncall))
         .route("/queue", get(h::queue_status))
+        .route("/events", get(h::events))
         .route("/inputs/{*key}", put(h::put_input).layer(unlimited()))
         .route("/batches", post(h::submit_batch).get(h::list_batches))
         .route("/batches/{id}", get(h::get_batch).delete(h::cancel_batch))

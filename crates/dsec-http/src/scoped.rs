@@ -169,6 +169,14 @@ impl Scoped {
         self.api.delete_pool(&self.caller, name).await
     }
 
+    /// [`SandboxApi::events`] as this caller.
+    pub async fn events(
+        &self,
+        query: dsec_wire::v1::EventQuery,
+    ) -> ApiResult<dsec_control::api::EventFeed> {
+        self.api.events(&self.caller, query).await
+    }
+
     /// [`SandboxApi::queue_status`] as this caller.
     pub async fn queue_status(&self) -> ApiResult<dsec_wire::v1::QueueStatus> {
         self.api.queue_status(&self.caller).await

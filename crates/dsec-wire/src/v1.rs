@@ -14,11 +14,13 @@ use crate::error::ApiError;
 
 mod batches;
 mod calls;
+mod events;
 mod fncall;
 mod models;
 mod pools;
 pub use batches::*;
 pub use calls::*;
+pub use events::*;
 pub use fncall::*;
 pub use models::*;
 pub use pools::*;

@@ -96,6 +96,72 @@ impl ControlPlane {
         .boxed()
     }
 
+    /// Writes the events a command's end tells of (an OOM kill, output past its cap),
+    /// on a task of their own: the answer does not wait for them.
+    pub(super) fn note_exit(
+        &self,
+        id: &str,
+        command: &str,
+        exit: &agent::ExitInfo,
+        oom_killed: bool,
+        request_id: Option<std::sync::Arc<str>>,
+    ) {
+        let truncated = exit.stdout_truncated || exit.stderr_truncated;
+        if !(oom_killed || truncated) || !self.events.enabled() {
+            return;
+        }
+        let Some(sb) = self.records.get(id) else {
+            return;
+        };
+        let event = |kind, cause: String| {
+            let mut e = events::about(&sb, kind);
+            e.cause = Some(cause);
+            e.command = Some(command.to_string());
+            e.request_id = request_id.as_ref().map(|r| r.to_string());
+            e
+        };
+        let mut noted = Vec::new();
+        if oom_killed {
+            noted.push(event(
+                EventKind::OomKilled,
+                format!(
+                    "killed by the sandbox's memory limit ({} MiB)",
+                    sb.resources.memory_mb
+                ),
+            ));
+        }
+        if truncated {
+            noted.push(event(
+                EventKind::OutputTruncated,
+                format!(
+                    "wrote {} bytes to stdout and {} to stderr; what passed the cap was dropped",
+                    exit.stdout_bytes, exit.stderr_bytes
+                ),
+            ));
+        }
+        let log = self.events.clone();
+        tokio::spawn(async move {
+            for e in noted {
+                log.emit(e).await;
+            }
+        });
+    }
+
+    /// Writes a `disk_full` event when `result` is a write that ran out of space.
+    pub(super) fn note_no_space<T>(&self, id: &str, path: &str, result: &ApiResult<T>) {
+        let Err(e) = result else { return };
+        if e.code != ErrorCode::NoSpace || !self.events.enabled() {
+            return;
+        }
+        let Some(sb) = self.records.get(id) else {
+            return;
+        };
+        let mut event = events::about(&sb, EventKind::DiskFull);
+        event.cause = Some(format!("writing {path}: {}", e.message));
+        let log = self.events.clone();
+        tokio::spawn(async move { log.emit(event).await });
+    }
+
     pub(super) fn exec_spec(req: &ExecRequest, stream: bool) -> ApiResult<ExecSpec> {
         validate::exec(req)?;
         Ok(ExecSpec {

@@ -114,6 +114,7 @@ impl ControlPlane {
             self.tombstones_pruned_at.store(now, Ordering::Relaxed);
             self.records.prune_tombstones(now, TOMBSTONE_TTL_MS).await;
         }
+        self.events.prune(now, false).await;
     }
 
     /// The part of a pass for live node `name`, which listed `sandboxes` at `listed_at`.

@@ -25,11 +25,12 @@ use std::time::Duration;
 
 use dsec_iam::{Iam, IamError, Quotas, Usage, DEFAULT_TENANT};
 use dsec_state::{Entry, Expect, Op, Revision, StateError, StateStore, Txn, WatchEvent};
-use dsec_wire::v1::{Sandbox, SandboxState};
+use dsec_wire::v1::{EventKind, Sandbox, SandboxState};
 use dsec_wire::{ApiError, ErrorCode};
 use futures::StreamExt;
 use sha2::Digest;
 
+use super::events::{self, EventLog};
 use super::{internal, store_err, NS_SANDBOXES, NS_TOMBSTONES};
 
 /// Namespace of idempotency keys: hash of the key -> [`IdemEntry`].
@@ -224,6 +225,8 @@ pub(super) struct Records {
     lease: Option<Arc<ReplicaLease>>,
     /// Quotas, charged in the transactions that insert and remove records.
     iam: Arc<Iam>,
+    /// The event log: a record's change writes its event in the same transaction.
+    events: Arc<EventLog>,
 }
 
 /// A create that failed: its record, if one is stored (or is stored later by a
@@ -399,6 +402,7 @@ impl Records {
         store: Arc<dyn StateStore>,
         claim_creates: bool,
         iam: Arc<Iam>,
+        events: Arc<EventLog>,
     ) -> ApiResult<Arc<Self>> {
         let lease = if claim_creates {
             let id = store
@@ -435,6 +439,7 @@ impl Records {
             remover: Mutex::new(None),
             lease,
             iam,
+            events,
         });
         let task = tokio::spawn(watch(Arc::downgrade(&records), rev));
         *records.watcher.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
@@ -597,6 +602,9 @@ impl Records {
                     lease: None,
                 }],
             };
+            if let Some(op) = events::transition(&sb, &next).and_then(|e| self.events.op(&e)) {
+                txn.ops.push(op);
+            }
             if end_claim && self.lease.is_some() {
                 txn.ops.push(Op::Delete {
                     ns: NS_CREATING.into(),
@@ -714,10 +722,24 @@ impl Records {
     /// Writes a record as it is (no check of what the store holds): for records this
     /// replica alone is changing, such as a create in flight.
     pub async fn put(&self, sb: &Sandbox) -> ApiResult<()> {
-        let charged = self.lock().sandboxes.get(&sb.id).and_then(|c| c.charged);
+        let (charged, before) = match self.lock().sandboxes.get(&sb.id) {
+            Some(c) => (c.charged, Some(c.sb.clone())),
+            None => (None, None),
+        };
+        let mut ops = vec![Op::Put {
+            ns: NS_SANDBOXES.into(),
+            key: sb.id.clone(),
+            value: encode(sb, charged)?,
+            lease: None,
+        }];
+        let event = before.and_then(|b| events::transition(&b, sb));
+        ops.extend(event.and_then(|e| self.events.op(&e)));
         let rev = self
             .store
-            .put(NS_SANDBOXES, &sb.id, &encode(sb, charged)?, Expect::Any)
+            .txn(Txn {
+                checks: Vec::new(),
+                ops,
+            })
             .await
             .map_err(store_err)?;
         self.lock().offer(sb.clone(), rev, charged);
@@ -766,6 +788,12 @@ impl Records {
         if let Some(op) = &extras.model_token {
             base.ops.push(op.clone());
         }
+        let mut told = vec![events::about(sb, EventKind::Created)];
+        // Stored whole (made on its node before its record was written): ready too.
+        if sb.state == SandboxState::Ready {
+            told.push(events::about(sb, EventKind::Ready));
+        }
+        base.ops.extend(self.events.ops(&told));
         // A record stored `creating` is claimed while its create runs (one stored `ready`
         // is made already).
         if let Some(lease) = self
@@ -1019,6 +1047,15 @@ impl Records {
                 key: sb.id.clone(),
             });
         }
+        let mut removed = events::about(sb, EventKind::Deleted);
+        if sb.state == SandboxState::Creating {
+            removed.cause = Some("its create failed or was abandoned".into());
+        }
+        if let Some(t) = &tombstone {
+            removed.kind = EventKind::Expired;
+            removed.cause = Some(t.reason.clone());
+        }
+        let removed = self.events.op(&removed);
         if let Some(mut t) = tombstone {
             t.tenant = sb.tenant.clone();
             leftovers.push(Op::Put {
@@ -1089,6 +1126,7 @@ impl Records {
                 });
             }
             txn.ops.extend(leftovers.iter().cloned());
+            txn.ops.extend(removed.clone());
             if let Some(charged) = charged {
                 self.iam
                     .release(&sb.tenant, charged)

@@ -1,0 +1,176 @@
+//! `GET /v1/events` against a real `dsec serve` and real sandboxes: an OOM kill names its
+//! command, a write that fills the disk is `disk_full`, a lifetime's end is `expired`
+//! with its cause, a delete is `deleted` with the request that asked; a reconnect from an
+//! id replays what came after it; `dsec events` prints the same.
+
+use std::time::Duration;
+
+use dsec_client::Client;
+use dsec_e2e::{require_root, run_cli, sh, Server};
+use dsec_wire::v1::*;
+use futures::StreamExt;
+
+fn server() -> &'static Server {
+    Server::shared("events")
+}
+
+/// Events of `feed` until `done` holds for what was collected (within 60 s).
+async fn collect_until(
+    feed: &mut futures::stream::BoxStream<'static, Result<Event, dsec_client::ClientError>>,
+    done: impl Fn(&[Event]) -> bool,
+) -> Vec<Event> {
+    let mut got = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while !done(&got) {
+        match tokio::time::timeout_at(deadline, feed.next()).await {
+            Ok(Some(Ok(e))) => got.push(e),
+            Ok(Some(Err(e))) => panic!("the stream failed: {e}; so far {got:#?}"),
+            Ok(None) => panic!("the stream ended; so far {got:#?}"),
+            Err(_) => panic!("events missing after 60 s; so far {got:#?}"),
+        }
+    }
+    got
+}
+
+fn has(events: &[Event], kind: EventKind, sandbox: &str) -> bool {
+    events
+        .iter()
+        .any(|e| e.kind == kind && e.sandbox.as_deref() == Some(sandbox))
+}
+
+async fn create(c: &Client, resources: Resources, timeout_s: Option<u64>) -> Sandbox {
+    c.create_sandbox(CreateSandboxRequest {
+        resources,
+        timeout_s,
+        labels: [("suite".to_string(), "events".to_string())].into(),
+        ..Default::default()
+    })
+    .await
+    .expect("create sandbox")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn oom_disk_full_expiry_and_delete_stream_with_causes_and_replay() {
+    if !require_root() {
+        return;
+    }
+    let s = server();
+    let c = s.client();
+    let mut feed = c
+        .events(&EventQuery {
+            label: Some("suite=events".into()),
+            ..Default::default()
+        })
+        .await
+        .expect("events");
+
+    let hog = create(
+        &c,
+        Resources {
+            memory_mb: Some(64),
+            disk_mb: Some(64),
+            ..Default::default()
+        },
+        None,
+    )
+    .await;
+    let r = c
+        .exec(
+            &hog.id,
+            sh("python3 -c 'b = bytearray(512 * 2**20); print(len(b))'"),
+        )
+        .await
+        .expect("exec");
+    assert!(r.oom_killed, "{r:?}");
+    let e = c
+        .write_file(&hog.id, "/work/big.bin", None, vec![7u8; 100 << 20])
+        .await
+        .expect_err("over the disk");
+    assert_eq!(e.code(), Some(dsec_wire::ErrorCode::NoSpace));
+    let brief = create(&c, Resources::default(), Some(1)).await;
+    c.delete_sandbox(&hog.id).await.expect("delete");
+
+    let events = collect_until(&mut feed, |got| {
+        has(got, EventKind::Deleted, &hog.id) && has(got, EventKind::Expired, &brief.id)
+    })
+    .await;
+    let of = |kind: EventKind, id: &str| -> Event {
+        events
+            .iter()
+            .find(|e| e.kind == kind && e.sandbox.as_deref() == Some(id))
+            .cloned()
+            .unwrap_or_else(|| panic!("no {kind} event of {id}: {events:#?}"))
+    };
+    let oom = of(EventKind::OomKilled, &hog.id);
+    assert!(
+        oom.command
+            .as_deref()
+            .unwrap_or_default()
+            .contains("bytearray"),
+        "{oom:?}"
+    );
+    assert!(
+        oom.cause.as_deref().unwrap_or_default().contains("64 MiB"),
+        "{oom:?}"
+    );
+    let full = of(EventKind::DiskFull, &hog.id);
+    assert!(
+        full.cause
+            .as_deref()
+            .unwrap_or_default()
+            .contains("/work/big.bin"),
+        "{full:?}"
+    );
+    let expired = of(EventKind::Expired, &brief.id);
+    assert!(expired.cause.is_some(), "{expired:?}");
+    let deleted = of(EventKind::Deleted, &hog.id);
+    assert!(deleted.request_id.is_some(), "{deleted:?}");
+    for kind in [EventKind::Created, EventKind::Ready] {
+        of(kind, &hog.id);
+    }
+    for w in events.windows(2) {
+        assert!(w[0].id < w[1].id, "ids grow: {events:#?}");
+    }
+
+    // A reconnect from the OOM kill's id replays what came after it, the same events.
+    let mut again = c
+        .events(&EventQuery {
+            after: Some(oom.id),
+            label: Some("suite=events".into()),
+            ..Default::default()
+        })
+        .await
+        .expect("events again");
+    let after: Vec<Event> = events.iter().filter(|e| e.id > oom.id).cloned().collect();
+    let replayed = collect_until(&mut again, |got| got.len() >= after.len()).await;
+    assert_eq!(replayed, after);
+
+    // The CLI prints the same, one JSON event per line, and ends (no --follow).
+    let (code, out, err) = run_cli(
+        &s.url,
+        &s.key,
+        &[
+            "--json",
+            "events",
+            "--sandbox",
+            &hog.id,
+            "--kind",
+            "oom_killed,deleted",
+        ],
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let printed: Vec<Event> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("an event per line"))
+        .collect();
+    assert_eq!(printed, vec![oom.clone(), deleted.clone()]);
+    let (code, out, err) = run_cli(&s.url, &s.key, &["events", "--sandbox", &hog.id]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        out.contains("oom_killed") && out.contains("bytearray"),
+        "{out}"
+    );
+    let (code, _, err) = run_cli(&s.url, &s.key, &["events", "--kind", "exploded"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("unknown event kind"), "{err}");
+}
