@@ -55,6 +55,9 @@ pub enum Command {
     /// Show what happened to sandboxes and nodes (created, ready, paused, expired,
     /// oom_killed, disk_full, deleted, ...) with causes; --follow streams new events.
     Events(EventsArgs),
+    /// Show the audit log: who (key, tenant) made which state-changing call, on which
+    /// sandbox, when, with which result; refused calls included (admin keys).
+    Audit(AuditArgs),
     /// Submit a batch job (YAML or JSON; see docs/batches.md): prints its id, or with
     /// --wait follows it and exits 1 if a task failed.
     Submit(SubmitArgs),
@@ -104,6 +107,29 @@ pub struct EventsArgs {
     /// Only sandboxes with these labels (KEY=VALUE, comma-separated or repeated).
     #[arg(long, value_delimiter = ',')]
     pub label: Vec<String>,
+}
+
+/// `dsec audit`.
+#[derive(Debug, Args)]
+pub struct AuditArgs {
+    /// Only entries from this many seconds ago on (default: the newest entries).
+    #[arg(long)]
+    pub since_s: Option<u64>,
+    /// Only this tenant's calls (cluster admins).
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// Only calls on this sandbox.
+    #[arg(long)]
+    pub sandbox: Option<String>,
+    /// Only this key's calls.
+    #[arg(long)]
+    pub key_id: Option<String>,
+    /// Only refused or failed calls.
+    #[arg(long)]
+    pub failed: bool,
+    /// At most this many entries.
+    #[arg(long)]
+    pub limit: Option<usize>,
 }
 
 /// `dsec gateway`.
@@ -195,6 +221,16 @@ pub struct ApiserverArgs {
     /// none and turns the event stream off.
     #[arg(long, default_value_t = dsec_wire::v1::DEFAULT_EVENTS_RETENTION_S)]
     pub events_retention_s: u64,
+    /// Directory of the audit log (every state-changing call, refused ones included;
+    /// `GET /v1/audit`, `dsec audit`). Default: STATE_DIR/audit.
+    #[arg(long)]
+    pub audit_dir: Option<PathBuf>,
+    /// An audit file is rotated at this size (MiB).
+    #[arg(long, default_value_t = 16)]
+    pub audit_file_mb: u64,
+    /// Audit files kept, the current one included; 0 keeps no audit log.
+    #[arg(long, default_value_t = 8)]
+    pub audit_files: usize,
     /// Directory of the API server's state (its API key and, without --etcd, records).
     #[arg(long, default_value = "/var/lib/dsec-apiserver")]
     pub state_dir: PathBuf,
@@ -400,6 +436,16 @@ pub struct ServeArgs {
     /// none and turns the event stream off.
     #[arg(long, default_value_t = dsec_wire::v1::DEFAULT_EVENTS_RETENTION_S)]
     pub events_retention_s: u64,
+    /// Directory of the audit log (every state-changing call, refused ones included;
+    /// `GET /v1/audit`, `dsec audit`). Default: STATE_DIR/audit.
+    #[arg(long)]
+    pub audit_dir: Option<PathBuf>,
+    /// An audit file is rotated at this size (MiB).
+    #[arg(long, default_value_t = 16)]
+    pub audit_file_mb: u64,
+    /// Audit files kept, the current one included; 0 keeps no audit log.
+    #[arg(long, default_value_t = 8)]
+    pub audit_files: usize,
     /// The address code in a sandbox calls the model gateway at (its OPENAI_BASE_URL is
     /// http://ADDRESS/v1): link-local, answered by this node and nowhere else.
     #[arg(long, default_value = "169.254.169.250:80")]

@@ -1,5 +1,5 @@
 //! `dsec events`: the fleet's events, replayed and (with `--follow`) followed, across
-//! reconnects.
+//! reconnects; `dsec audit`: the audit log.
 
 use std::time::Duration;
 
@@ -8,7 +8,8 @@ use dsec_client::{Client, ClientError};
 use dsec_wire::v1::{Event, EventQuery};
 use futures::StreamExt;
 
-use crate::cli::EventsArgs;
+use crate::cli::{AuditArgs, EventsArgs};
+use crate::output::{print_json, Table};
 
 /// Longest pause between reconnects while following.
 const MAX_RECONNECT_PAUSE: Duration = Duration::from_secs(5);
@@ -106,4 +107,52 @@ fn print(event: &Event, json: bool) -> anyhow::Result<()> {
     }
     writeln!(out, "{line}")?;
     Ok(out.flush()?)
+}
+
+/// Prints the audit entries `args` selects, oldest first.
+pub async fn audit(client: &Client, args: AuditArgs, json: bool) -> anyhow::Result<()> {
+    let query = dsec_wire::v1::AuditQuery {
+        since_ms: args
+            .since_s
+            .map(|s| crate::output::now_ms().saturating_sub(s.saturating_mul(1000))),
+        tenant: args.tenant,
+        sandbox: args.sandbox,
+        key_id: args.key_id,
+        failed: args.failed,
+        limit: args.limit,
+    };
+    let list = client
+        .audit(&query)
+        .await
+        .context("reading the audit log")?;
+    if json {
+        return print_json(&list);
+    }
+    let mut t = Table::new(&[
+        "TIME", "TENANT", "KEY", "CALL", "SANDBOX", "STATUS", "MS", "REQUEST",
+    ]);
+    for e in &list.entries {
+        let at = humantime::format_rfc3339_millis(
+            std::time::UNIX_EPOCH + Duration::from_millis(e.at_ms),
+        );
+        let status = match &e.error {
+            Some(code) => format!("{} {code}", e.status),
+            None => e.status.to_string(),
+        };
+        t.row(vec![
+            at.to_string(),
+            e.tenant.clone().unwrap_or_else(|| "-".into()),
+            e.key_id.clone().unwrap_or_else(|| "-".into()),
+            format!("{} {}", e.method, e.path),
+            e.sandbox.clone().unwrap_or_else(|| "-".into()),
+            status,
+            e.duration_ms.to_string(),
+            e.request_id.clone().unwrap_or_default(),
+        ]);
+    }
+    print!("{}", t.render());
+    if list.truncated {
+        eprintln!("(more entries matched: narrow with --since-s, --sandbox or --limit)");
+    }
+    Ok(())
 }

@@ -84,6 +84,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Queue => pool::queue(&client()?, cli.json)
             .await
             .map(|()| ExitCode::SUCCESS),
+        Command::Audit(args) => events::audit(&client()?, args, cli.json)
+            .await
+            .map(|()| ExitCode::SUCCESS),
         Command::Events(args) => events::run(&client()?, args, cli.json)
             .await
             .map(|()| ExitCode::SUCCESS),

@@ -310,6 +310,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let http = dsec_http::HttpOptions {
         upload_idle_timeout: std::time::Duration::from_secs(args.upload_idle_timeout_s),
         tcp_keepalive: std::time::Duration::from_secs(args.tcp_keepalive_s),
+        audit: open_audit(
+            args.audit_dir.as_deref(),
+            &args.state_dir,
+            args.audit_file_mb,
+            args.audit_files,
+        )?,
     };
     // The key is the bootstrap admin: `dsec tenant` / `dsec key` manage the rest.
     let admin = dsec_http::admin::admin_router(plane.iam().clone());
@@ -651,6 +657,12 @@ pub async fn run_apiserver(args: ApiserverArgs) -> anyhow::Result<()> {
     let http = dsec_http::HttpOptions {
         upload_idle_timeout: Duration::from_secs(args.upload_idle_timeout_s),
         tcp_keepalive: Duration::from_secs(args.tcp_keepalive_s),
+        audit: open_audit(
+            args.audit_dir.as_deref(),
+            &args.state_dir,
+            args.audit_file_mb,
+            args.audit_files,
+        )?,
     };
     let extra = registration.merge(dsec_http::admin::admin_router(plane.iam().clone()));
     dsec_http::serve_with(listener, plane, http, extra, shutdown_signal())
@@ -723,4 +735,28 @@ async fn cleanup(plane: &Arc<ControlPlane>, node: Arc<LocalNode>) -> anyhow::Res
     stop(node).await?;
     println!("removed this node's traces from the host");
     Ok(())
+}
+
+/// The audit log the flags ask for (`None` with `--audit-files 0`).
+fn open_audit(
+    dir: Option<&std::path::Path>,
+    state_dir: &std::path::Path,
+    file_mb: u64,
+    files: usize,
+) -> anyhow::Result<Option<std::sync::Arc<dsec_http::audit::AuditLog>>> {
+    if files == 0 {
+        return Ok(None);
+    }
+    if file_mb == 0 {
+        anyhow::bail!("--audit-file-mb must be at least 1 (turn the log off with --audit-files 0)");
+    }
+    let dir = dir.map_or_else(|| state_dir.join("audit"), std::path::Path::to_path_buf);
+    let cfg = dsec_http::audit::AuditConfig {
+        dir: dir.clone(),
+        file_bytes: file_mb.saturating_mul(1 << 20),
+        files,
+    };
+    dsec_http::audit::AuditLog::open(cfg)
+        .map(Some)
+        .with_context(|| format!("opening the audit log in {}", dir.display()))
 }

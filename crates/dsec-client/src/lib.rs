@@ -311,6 +311,14 @@ impl Client {
         Ok(sse::events(resp))
     }
 
+    /// `GET /v1/audit`: the audit entries `query` selects (admin keys).
+    pub async fn audit(
+        &self,
+        query: &dsec_wire::v1::AuditQuery,
+    ) -> Result<dsec_wire::v1::AuditList, ClientError> {
+        Self::json(self.get(&["audit"]).query(query)).await
+    }
+
     /// `POST /v1/fncall`: runs one function call in a member of a pool made for calls.
     pub async fn fncall(
         &self,

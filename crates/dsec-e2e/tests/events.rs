@@ -1,7 +1,8 @@
 //! `GET /v1/events` against a real `dsec serve` and real sandboxes: an OOM kill names its
 //! command, a write that fills the disk is `disk_full`, a lifetime's end is `expired`
 //! with its cause, a delete is `deleted` with the request that asked; a reconnect from an
-//! id replays what came after it; `dsec events` prints the same.
+//! id replays what came after it; `dsec events` prints the same; the audit log has the
+//! calls under the same request ids, the refused write too.
 
 use std::time::Duration;
 
@@ -173,4 +174,30 @@ async fn oom_disk_full_expiry_and_delete_stream_with_causes_and_replay() {
     let (code, _, err) = run_cli(&s.url, &s.key, &["events", "--kind", "exploded"]);
     assert_eq!(code, Some(1));
     assert!(err.contains("unknown event kind"), "{err}");
+
+    // The audit log has the delete, under the same request id as its event, and the
+    // refused write.
+    let audit = c
+        .audit(&AuditQuery {
+            sandbox: Some(hog.id.clone()),
+            ..Default::default()
+        })
+        .await
+        .expect("audit");
+    let delete = audit
+        .entries
+        .iter()
+        .find(|e| e.method == "DELETE")
+        .unwrap_or_else(|| panic!("no DELETE audited: {audit:#?}"));
+    assert_eq!(delete.request_id, deleted.request_id);
+    assert_eq!(delete.tenant.as_deref(), Some("default"));
+    assert!(
+        audit.entries.iter().any(|e| e.method == "PUT"
+            && e.status == 507
+            && e.error.as_deref() == Some("no_space")),
+        "{audit:#?}"
+    );
+    let (code, out, err) = run_cli(&s.url, &s.key, &["audit", "--sandbox", &hog.id]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("DELETE") && out.contains(&hog.id), "{out}");
 }

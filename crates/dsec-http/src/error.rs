@@ -53,6 +53,8 @@ impl IntoResponse for HttpError {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
+        // For the audit log.
+        resp.extensions_mut().insert(self.0.code);
         resp
     }
 }

@@ -23,6 +23,7 @@
 //! [`ApiError`]: dsec_wire::ApiError
 
 pub mod admin;
+pub mod audit;
 pub mod e2b;
 pub mod error;
 pub mod extract;
@@ -65,6 +66,8 @@ pub struct HttpOptions {
     /// not answer, or leaves sent data unacknowledged, for about twice this long is
     /// closed, and what its requests started (a streamed command) is stopped.
     pub tcp_keepalive: Duration,
+    /// Where state-changing calls are recorded ([`audit`]); `None`: nowhere.
+    pub audit: Option<Arc<audit::AuditLog>>,
 }
 
 impl Default for HttpOptions {
@@ -72,6 +75,7 @@ impl Default for HttpOptions {
         Self {
             upload_idle_timeout: Duration::from_secs(60),
             tcp_keepalive: Duration::from_secs(60),
+            audit: None,
         }
     }
 }
@@ -127,6 +131,7 @@ pub fn router_with(api: Arc<dyn SandboxApi>, opts: HttpOptions) -> Router {
         .route("/fncall", post(h::fncall))
         .route("/queue", get(h::queue_status))
         .route("/events", get(h::events))
+        .route("/audit", get(audit::audit_query))
         .route("/inputs/{*key}", put(h::put_input).layer(unlimited()))
         .route("/batches", post(h::submit_batch).get(h::list_batches))
         .route("/batches/{id}", get(h::get_batch).delete(h::cancel_batch))
@@ -307,9 +312,25 @@ pub async fn serve_with(
             tracing::debug!(error = %e, "TCP keepalive not set");
         }
     });
-    axum::serve(listener, extra.merge(router_with(api, opts)))
-        .with_graceful_shutdown(shutdown)
-        .await
+    let audit = opts.audit.clone();
+    let mut app = extra.merge(router_with(api.clone(), opts));
+    if let Some(log) = audit {
+        app = with_audit(app, log, api);
+    }
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<std::net::SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
+}
+
+/// `app` with every state-changing call to it recorded in `log` (see [`audit`]).
+pub fn with_audit(app: Router, log: Arc<audit::AuditLog>, api: Arc<dyn SandboxApi>) -> Router {
+    app.layer(middleware::from_fn_with_state(
+        audit::Audited { log, api },
+        audit::audit_calls,
+    ))
 }
 
 /// Largest plain-text error body [`json_errors`] rewraps (axum's rejections are short).

@@ -692,3 +692,106 @@ async fn every_answer_names_its_request_and_errors_carry_the_id() {
         );
     }
 }
+
+#[tokio::test]
+async fn every_state_changing_call_is_audited_refused_ones_too() {
+    let dir = tempfile::tempdir().expect("dir");
+    let log = audit::AuditLog::open(audit::AuditConfig {
+        dir: dir.path().to_path_buf(),
+        file_bytes: 1 << 20,
+        files: 2,
+    })
+    .expect("audit log");
+    let api: Arc<dyn SandboxApi> = Arc::new(Stub);
+    let opts = HttpOptions {
+        audit: Some(log.clone()),
+        ..Default::default()
+    };
+    let app = with_audit(router_with(api.clone(), opts), log.clone(), api);
+    let call = |r: Request<Body>| {
+        let app = app.clone();
+        async move {
+            let resp = app.oneshot(r).await.expect("router is infallible");
+            let status = resp.status();
+            let body = axum::body::to_bytes(resp.into_body(), usize::MAX)
+                .await
+                .expect("body");
+            (status, body)
+        }
+    };
+    // Answered, refused for the key, refused for the scope, and a read (not audited).
+    let (s, _) = call(
+        Request::builder()
+            .method("DELETE")
+            .uri("/v1/sandboxes/sb-7")
+            .header("x-api-key", KEY)
+            .header("x-request-id", "req-audit-1")
+            .body(Body::empty())
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    let (s, _) = call(
+        Request::builder()
+            .method("POST")
+            .uri("/v1/sandboxes/sb-8/pause")
+            .header("x-api-key", "wrong")
+            .body(Body::empty())
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, _) = call(
+        Request::builder()
+            .method("POST")
+            .uri("/v1/sandboxes/sb-9/pause")
+            .header("x-api-key", READ_KEY)
+            .body(Body::empty())
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(s, StatusCode::FORBIDDEN);
+    let (s, _) = call(
+        req("GET", "/v1/sandboxes/sb-7")
+            .body(Body::empty())
+            .expect("r"),
+    )
+    .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+
+    let (s, body) = call(req("GET", "/v1/audit").body(Body::empty()).expect("r")).await;
+    assert_eq!(s, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
+    let list: AuditList = serde_json::from_slice(&body).expect("audit list");
+    let seen: Vec<String> = list
+        .entries
+        .iter()
+        .map(|e| {
+            format!(
+                "{} {} {} {:?} {:?}",
+                e.method, e.path, e.status, e.error, e.key_id
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            r#"DELETE /v1/sandboxes/sb-7 204 None Some("test")"#,
+            r#"POST /v1/sandboxes/sb-8/pause 401 Some("unauthorized") None"#,
+            r#"POST /v1/sandboxes/sb-9/pause 403 Some("forbidden") Some("test")"#,
+        ]
+    );
+    assert_eq!(list.entries[0].request_id.as_deref(), Some("req-audit-1"));
+    assert_eq!(list.entries[0].sandbox.as_deref(), Some("sb-7"));
+    assert_eq!(list.entries[0].tenant.as_deref(), Some("default"));
+
+    // Only admins read it.
+    let (s, _) = call(
+        Request::builder()
+            .uri("/v1/audit")
+            .header("x-api-key", READ_KEY)
+            .body(Body::empty())
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(s, StatusCode::FORBIDDEN);
+}

@@ -12,12 +12,14 @@ pub use crate::agent::{
 };
 use crate::error::ApiError;
 
+mod audit;
 mod batches;
 mod calls;
 mod events;
 mod fncall;
 mod models;
 mod pools;
+pub use audit::*;
 pub use batches::*;
 pub use calls::*;
 pub use events::*;
