@@ -16,7 +16,9 @@ from pydantic import TypeAdapter
 from .errors import Capacity, ConnectionFailed, DsecError, Unavailable, error_from_body
 from .transport import Body, FailoverTransport, Params, Response, TransportError, split_urls
 from .models import (
+    AuditList,
     ErrorEvent,
+    Event,
     ExecEvent,
     Health,
     Image,
@@ -164,6 +166,81 @@ class Client:
     def health(self) -> Health:
         """``GET /v1/health``."""
         return Health.model_validate(self._json("GET", "/health"))
+
+    def events(
+        self,
+        *,
+        after: Optional[int] = None,
+        sandbox: Optional[str] = None,
+        tenant: Optional[str] = None,
+        kind: Union[str, Sequence[str], None] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        follow: bool = True,
+    ) -> Iterator[Event]:
+        """``GET /v1/events``: what happens to sandboxes (and, for cluster admins, nodes),
+        with causes. Yields the kept events after ``after`` first (``0``: all kept ones;
+        ``None``: none), then, with ``follow``, new ones as they happen until the iterator
+        is closed. Filters: a sandbox, a tenant, kinds (``"oom_killed"`` or a list), labels
+        the sandbox carries. A stream the server ended with an error raises it; a dropped
+        connection raises :class:`ConnectionFailed` (resume with ``after`` = the last id)."""
+        params: Dict[str, str] = {}
+        if after is not None:
+            params["after"] = str(after)
+        elif not follow:
+            params["after"] = "0"
+        if sandbox:
+            params["sandbox"] = sandbox
+        if tenant:
+            params["tenant"] = tenant
+        if kind:
+            params["kind"] = kind if isinstance(kind, str) else ",".join(kind)
+        if labels:
+            params["label"] = ",".join(f"{k}={v}" for k, v in labels.items())
+        if not follow:
+            params["no_follow"] = "true"
+        try:
+            with self._http.open("GET", "/events", params=params, timeout=None) as resp:
+                if not resp.is_success:
+                    self._raise_for(resp.read())
+                name, data = "message", []
+                for line in resp.iter_lines():
+                    if line:
+                        field, _, value = line.partition(":")
+                        value = value[1:] if value.startswith(" ") else value
+                        if field == "event":
+                            name = value
+                        elif field == "data":
+                            data.append(value)
+                        continue
+                    if data:
+                        body = json.loads("\n".join(data))
+                        if name == "error":
+                            raise error_from_body({"error": body}, 500)
+                        yield Event.model_validate(body)
+                    name, data = "message", []
+        except TransportError as e:
+            raise ConnectionFailed(f"GET /events: {e}") from e
+
+    def audit(
+        self,
+        *,
+        since_ms: Optional[int] = None,
+        tenant: Optional[str] = None,
+        sandbox: Optional[str] = None,
+        key_id: Optional[str] = None,
+        failed: bool = False,
+        limit: Optional[int] = None,
+    ) -> AuditList:
+        """``GET /v1/audit`` (admin keys): who made which state-changing call, on which
+        sandbox, when, with which result (refused calls included), oldest first: from
+        ``since_ms`` on, or the newest ``limit`` (1000)."""
+        params: Dict[str, str] = {}
+        for k, v in (("since_ms", since_ms), ("tenant", tenant), ("sandbox", sandbox), ("key_id", key_id), ("limit", limit)):
+            if v is not None:
+                params[k] = str(v)
+        if failed:
+            params["failed"] = "true"
+        return AuditList.model_validate(self._json("GET", "/audit", params=params))
 
     def list_images(self) -> List[Image]:
         """``GET /v1/images``."""

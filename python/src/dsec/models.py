@@ -120,6 +120,48 @@ class CreateTimings(_Response):
         return out
 
 
+class Event(_Response):
+    """One fleet event (wire type ``Event``, from ``GET /v1/events``)."""
+
+    id: int
+    """Grows with every event; pass it as ``after`` to resume after it."""
+    at_ms: int
+    kind: str
+    """``created``, ``ready``, ``paused``, ``resumed``, ``failed``, ``unhealthy``,
+    ``recovered``, ``lost``, ``found``, ``expired``, ``deleted``, ``oom_killed``,
+    ``output_truncated``, ``disk_full``, ``node_drained``, ``node_undrained``."""
+    sandbox: Optional[str] = None
+    tenant: Optional[str] = None
+    node: Optional[str] = None
+    labels: Dict[str, str] = Field(default_factory=dict)
+    cause: Optional[str] = None
+    command: Optional[str] = None
+    request_id: Optional[str] = None
+
+
+class AuditEntry(_Response):
+    """One audited call (wire type ``AuditEntry``)."""
+
+    at_ms: int
+    request_id: Optional[str] = None
+    tenant: Optional[str] = None
+    key_id: Optional[str] = None
+    method: str
+    path: str
+    sandbox: Optional[str] = None
+    status: int
+    error: Optional[str] = None
+    duration_ms: int
+    remote: Optional[str] = None
+
+
+class AuditList(_Response):
+    """Answer of ``GET /v1/audit``: entries oldest first."""
+
+    entries: List[AuditEntry] = Field(default_factory=list)
+    truncated: bool = False
+
+
 class SandboxInfo(_Response):
     """A sandbox as the API reports it (wire type ``Sandbox``)."""
 
