@@ -23,6 +23,7 @@ mod burst;
 mod churn;
 mod cluster;
 mod control;
+mod events;
 mod files;
 mod fncall;
 mod gateway;
@@ -54,6 +55,7 @@ struct Args {
     /// Run only these sections (comma-separated): runtimes, exec (its exec table alone), network, concurrency,
     /// sustained, backlog, teardown, cpu, job, idle, idle-cpu, density, files, provision, burst, pools, fncall, autoscale,
     /// rollouts (recording a call's outcome on exec; fork into 16 vs commit + creates),
+    /// events (time to interactive with events on and off, on two fresh servers),
     /// placement (simulated, needs neither root nor a server), control-plane (2 API servers
     /// over etcd and 100 simulated nodes; needs etcd, not root), registry-pull (a
     /// multi-layer pull from a local docker-registry, serial vs parallel layer downloads;
@@ -1450,6 +1452,14 @@ fn main() -> anyhow::Result<()> {
             );
             let groups = rollouts::fork_vs_creates(&server, if args.quick { 1 } else { 3 }).await?;
             rollouts::print_groups(&groups);
+        }
+        if want("events") {
+            let rows = events::overhead(&server, n).await?;
+            print_table("time to interactive with events off and on", &rows, "create + exec true, events off");
+            println!(
+                "\ntarget: events cost <= 3% of time to interactive (p50): {:+.1}%",
+                (rows[1].pct(50.0) / rows[0].pct(50.0) - 1.0) * 100.0
+            );
         }
         if want("autoscale") {
             let dir = dsec_e2e::target_dir().join("dsec-bench");
