@@ -133,7 +133,7 @@ impl LocalNode {
         spec: ExecSpec,
         stdin: Option<Bytes>,
     ) -> Result<(AgentConn, bool), ApiError> {
-        let request = Request::Exec(spec);
+        let request = Request::Exec(traced(spec));
         let mut conn = self.agent(id)?;
         conn.send(&Frame::json(&request)).await?;
         if let Some(stdin) = &stdin {
@@ -303,6 +303,17 @@ impl LocalNode {
             ))),
         }
     }
+}
+
+/// `spec` with the id of the request being served in its environment
+/// ([`dsec_wire::agent::REQUEST_ID_ENV`]), unless the caller set that variable.
+pub(crate) fn traced(mut spec: ExecSpec) -> ExecSpec {
+    if let Some(id) = dsec_node_api::request_id::current() {
+        spec.env
+            .entry(dsec_wire::agent::REQUEST_ID_ENV.to_string())
+            .or_insert_with(|| id.to_string());
+    }
+    spec
 }
 
 /// Reads an exec's output and exit from `conn` (its request sent): its result, and the

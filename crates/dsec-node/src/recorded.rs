@@ -535,7 +535,7 @@ impl LocalNode {
     ) -> Result<crate::AgentConn, ApiError> {
         let req = Request::ExecKept {
             key: ticket.request_id.clone(),
-            spec: Some(spec),
+            spec: Some(crate::agent_ops::traced(spec)),
             stream,
         };
         let sent = async {

@@ -29,6 +29,11 @@ pub const PROTOCOL_VERSION: u32 = 3;
 /// connection after its reply, and may not have yet when the next request is sent).
 pub const KEEPS_CONNECTIONS_SINCE: u32 = 2;
 
+/// Environment variable that carries the id of the API request that started a command
+/// (`x-request-id`) into it: the node adds it to the exec's environment (unless the caller
+/// set it), so the agent, the command and what the command logs can name the request.
+pub const REQUEST_ID_ENV: &str = "DSEC_REQUEST_ID";
+
 /// Default cap on recorded output per stream (4 MiB).
 pub const DEFAULT_OUTPUT_LIMIT: u64 = 4 * 1024 * 1024;
 
