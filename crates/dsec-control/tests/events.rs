@@ -279,3 +279,53 @@ async fn events_past_the_window_are_pruned_and_off_writes_none() -> TestResult {
     assert_eq!(e.code, ErrorCode::BadRequest);
     Ok(())
 }
+
+#[tokio::test]
+async fn a_full_disk_is_an_event_once_and_clears_when_freed() -> TestResult {
+    let fx = common::Fixture::new().await;
+    let plane = &fx.plane;
+    let mut feed = plane
+        .events(
+            op(),
+            EventQuery {
+                kind: Some("disk_full".into()),
+                ..Default::default()
+            },
+        )
+        .await?;
+    let sb = plane
+        .create_sandbox(op(), CreateSandboxRequest::default())
+        .await?;
+    fx.node.set_disk_free(&sb.id, 0);
+    let full = take(&mut feed, 1).await;
+    assert_eq!(full[0].sandbox.as_deref(), Some(sb.id.as_str()));
+    assert!(
+        full[0]
+            .cause
+            .as_deref()
+            .unwrap_or_default()
+            .contains("full"),
+        "{full:?}"
+    );
+    // The record says so (this replica's cache may take a moment past the event).
+    let id = sb.id.as_str();
+    let marked = |full: bool| async move {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let sb = plane.get_sandbox(op(), id).await.expect("get");
+            if sb.disk_full_since.is_some() == full {
+                return;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{sb:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    marked(true).await;
+    // Freed: the mark goes (no event); full again: a new event.
+    fx.node.set_disk_free(&sb.id, 20);
+    marked(false).await;
+    fx.node.set_disk_free(&sb.id, 0);
+    let again = take(&mut feed, 1).await;
+    assert!(again[0].id > full[0].id);
+    Ok(())
+}

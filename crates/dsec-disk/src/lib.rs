@@ -129,6 +129,20 @@ impl Disk {
         self.mount.as_ref().map(|f| f.as_fd())
     }
 
+    /// Bytes a write may still take on the disk (what an unprivileged writer sees).
+    pub fn free_bytes(&self) -> Result<u64, DiskError> {
+        let st = match &self.mount {
+            Some(fd) => nix::sys::statvfs::fstatvfs(fd),
+            None => nix::sys::statvfs::statvfs(&self.dir.join("mnt")),
+        }
+        .map_err(|e| DiskError::Io {
+            op: "statvfs",
+            path: self.dir.clone(),
+            source: e.into(),
+        })?;
+        Ok(st.blocks_available().saturating_mul(st.fragment_size()))
+    }
+
     /// The root of the disk's file system, as a path usable by this process.
     pub fn root(&self) -> PathBuf {
         match &self.mount {

@@ -1,5 +1,6 @@
 //! `GET /v1/events` against a real `dsec serve` and real sandboxes: an OOM kill names its
-//! command, a write that fills the disk is `disk_full`, a lifetime's end is `expired`
+//! command, a write through the API that finds no space and a command that fills the
+//! disk are `disk_full`, a lifetime's end is `expired`
 //! with its cause, a delete is `deleted` with the request that asked; a reconnect from an
 //! id replays what came after it; `dsec events` prints the same; the audit log has the
 //! calls under the same request ids, the refused write too.
@@ -88,13 +89,26 @@ async fn oom_disk_full_expiry_and_delete_stream_with_causes_and_replay() {
         .await
         .expect_err("over the disk");
     assert_eq!(e.code(), Some(dsec_wire::ErrorCode::NoSpace));
+    // A command that fills the disk: the node's listing sees it full.
+    let r = c
+        .exec(&hog.id, sh("dd if=/dev/zero of=/work/fill bs=1M 2>&1"))
+        .await
+        .expect("exec");
+    assert!(r.stdout.contains("No space left"), "{r:?}");
     let brief = create(&c, Resources::default(), Some(1)).await;
+    let filled = |e: &Event| {
+        e.kind == EventKind::DiskFull && e.cause.as_deref().is_some_and(|c| c.contains("is full"))
+    };
+    let mut events = collect_until(&mut feed, |got| got.iter().any(filled)).await;
+    let sb = c.get_sandbox(&hog.id).await.expect("get");
+    assert!(sb.disk_full_since.is_some(), "{sb:?}");
     c.delete_sandbox(&hog.id).await.expect("delete");
-
-    let events = collect_until(&mut feed, |got| {
-        has(got, EventKind::Deleted, &hog.id) && has(got, EventKind::Expired, &brief.id)
-    })
-    .await;
+    events.extend(
+        collect_until(&mut feed, |got| {
+            has(got, EventKind::Deleted, &hog.id) && has(got, EventKind::Expired, &brief.id)
+        })
+        .await,
+    );
     let of = |kind: EventKind, id: &str| -> Event {
         events
             .iter()
@@ -121,6 +135,15 @@ async fn oom_disk_full_expiry_and_delete_stream_with_causes_and_replay() {
             .unwrap_or_default()
             .contains("/work/big.bin"),
         "{full:?}"
+    );
+    let by_command = events.iter().find(|e| filled(e)).expect("collected");
+    assert!(
+        by_command
+            .cause
+            .as_deref()
+            .unwrap_or_default()
+            .contains("64 MiB"),
+        "{by_command:?}"
     );
     let expired = of(EventKind::Expired, &brief.id);
     assert!(expired.cause.is_some(), "{expired:?}");
@@ -200,4 +223,52 @@ async fn oom_disk_full_expiry_and_delete_stream_with_causes_and_replay() {
     let (code, out, err) = run_cli(&s.url, &s.key, &["audit", "--sandbox", &hog.id]);
     assert_eq!(code, Some(0), "{err}");
     assert!(out.contains("DELETE") && out.contains(&hog.id), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_request_id_reaches_the_agent_and_the_command() {
+    if !require_root() {
+        return;
+    }
+    let s = server();
+    let c = s.client();
+    let sb = create(&c, Resources::default(), None).await;
+    let http = reqwest::Client::new();
+    let exec = |rid: &'static str, body: serde_json::Value| {
+        let req = http
+            .post(format!("{}/v1/sandboxes/{}/exec", s.url, sb.id))
+            .header("x-api-key", &s.key)
+            .header("x-request-id", rid)
+            .json(&body);
+        async move {
+            let resp = req.send().await.expect("exec");
+            assert_eq!(
+                resp.headers()["x-request-id"].to_str().ok(),
+                Some(rid),
+                "the answer names the request"
+            );
+            resp.json::<ExecResult>().await.expect("exec result")
+        }
+    };
+    let r = exec(
+        "trace-me-1",
+        serde_json::json!({"cmd": "echo $DSEC_REQUEST_ID"}),
+    )
+    .await;
+    assert_eq!(r.stdout, "trace-me-1\n");
+    // A recorded exec (kept by the agent under its own key) carries it too.
+    let r = exec(
+        "trace-me-2",
+        serde_json::json!({"cmd": "echo $DSEC_REQUEST_ID", "request_id": "call-1"}),
+    )
+    .await;
+    assert_eq!(r.stdout, "trace-me-2\n");
+    // The caller's own variable wins.
+    let r = exec(
+        "trace-me-3",
+        serde_json::json!({"cmd": "echo $DSEC_REQUEST_ID", "env": {"DSEC_REQUEST_ID": "mine"}}),
+    )
+    .await;
+    assert_eq!(r.stdout, "mine\n");
+    c.delete_sandbox(&sb.id).await.expect("delete");
 }

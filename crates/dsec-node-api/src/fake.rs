@@ -79,6 +79,8 @@ struct FakeSandbox {
     tree: Tree,
     /// Its lifetime.
     clocks: Clocks,
+    /// Free disk space it reports (`FakeNode::set_disk_free`); `None`: no disk limit.
+    disk_free_mb: Option<u64>,
 }
 
 impl FakeSandbox {
@@ -88,6 +90,7 @@ impl FakeSandbox {
             spec,
             paused: false,
             tree: Tree::default(),
+            disk_free_mb: None,
         }
     }
 
@@ -97,7 +100,8 @@ impl FakeSandbox {
             image_digest: fake_digest(&self.spec.image),
             pid: 0,
             alive: true,
-            disk_mb: None,
+            disk_mb: self.disk_free_mb.map(|_| 64),
+            disk_free_mb: self.disk_free_mb,
             ip: None,
             age_ms: self.clocks.age_ms(now),
             idle_ms: self.clocks.idle_ms(now),
@@ -258,6 +262,13 @@ impl FakeNode {
     /// The next create fails with `error` (and creates nothing).
     pub fn fail_next_create(&self, error: ApiError) {
         self.state().fail_next_create = Some(error);
+    }
+
+    /// Makes sandbox `id` report `mb` MiB free on a disk of its own (0: full).
+    pub fn set_disk_free(&self, id: &str, mb: u64) {
+        if let Some(sb) = self.state().sandboxes.get_mut(id) {
+            sb.disk_free_mb = Some(mb);
+        }
     }
 
     /// While `down`, every call fails with `agent_unavailable` and `list` is empty, as

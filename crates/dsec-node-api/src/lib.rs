@@ -109,6 +109,10 @@ pub struct NodeSandbox {
     pub alive: bool,
     /// Size of its writable layer in MiB, if the node limits disk.
     pub disk_mb: Option<u64>,
+    /// Free space left on that layer, in MiB (only in [`NodeApi::list`], where the node
+    /// can tell): 0 when a write would fail with `ENOSPC`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_free_mb: Option<u64>,
     /// Its IPv4 address, when it is networked.
     pub ip: Option<std::net::Ipv4Addr>,
     /// Milliseconds since the node created it (or adopted it, when it has no earlier

@@ -110,4 +110,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
         -> Result<(), NodeError>;
     /// The address of a networked sandbox.
     fn address(&self, rec: &RuntimeRecord) -> Option<std::net::Ipv4Addr>;
+    /// Free space on the sandbox's writable disk, in MiB, where it has one of its own.
+    fn disk_free_mb(&self, _id: &str) -> Option<u64> {
+        None
+    }
 }

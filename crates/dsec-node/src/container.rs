@@ -1156,6 +1156,11 @@ impl Backend for ContainerBackend {
         Ok(self.cgroup(id)?.oom_kill_count()?)
     }
 
+    fn disk_free_mb(&self, id: &str) -> Option<u64> {
+        let free = self.disks_held().get(id)?.free_bytes();
+        free.ok().map(|b| b >> 20)
+    }
+
     fn set_network(&self, id: &str, policy: &NetworkPolicy) -> Result<(), NodeError> {
         let net = self.network_if_started().filter(|n| n.record(id).is_some());
         let Some(net) = net else {

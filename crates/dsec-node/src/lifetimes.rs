@@ -327,6 +327,7 @@ mod tests {
             pid: 42,
             alive: true,
             disk_mb: None,
+            disk_free_mb: None,
             ip: None,
             age_ms: 0,
             idle_ms: 0,

@@ -259,6 +259,7 @@ impl LocalNode {
                 pid: rec.pid,
                 alive: false,
                 disk_mb: rec.disk_mb,
+                disk_free_mb: None,
                 ip: None,
                 age_ms: 0,
                 idle_ms: 0,
@@ -567,6 +568,7 @@ impl NodeApi for LocalNode {
             pid: rec.pid,
             alive: true,
             disk_mb: rec.disk_mb,
+            disk_free_mb: None,
             age_ms: 0,
             idle_ms: 0,
             ttl_left_ms: None,
@@ -602,6 +604,7 @@ impl NodeApi for LocalNode {
                 let sb = NodeSandbox {
                     alive: self.backend.is_alive(&r),
                     ip: self.backend.address(&r),
+                    disk_free_mb: self.backend.disk_free_mb(&r.id),
                     id: r.id,
                     image_digest: r.image_digest,
                     pid: r.pid,

@@ -608,6 +608,10 @@ pub struct Sandbox {
     /// still running it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lost_from: Option<SandboxState>,
+    /// Since when its writable disk is full (unix ms): writes in it fail with `ENOSPC`.
+    /// Cleared once space is freed. Seen by the node's listing (each reaper pass).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_full_since: Option<u64>,
     /// Node that runs it.
     pub node: String,
     /// Set while its job is suspended (`POST /v1/jobs/{job}/suspend`): unix ms of the

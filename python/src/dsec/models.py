@@ -188,6 +188,9 @@ class SandboxInfo(_Response):
     unhealthy_cause: Optional[str] = None
     """What the node saw of its agent, for ``unhealthy``."""
     unhealthy_since: Optional[int] = None
+    disk_full_since: Optional[int] = None
+    """Since when (unix ms) its disk is full (writes fail with ``ENOSPC``); ``None`` once
+    space is freed."""
     lost_since: Optional[int] = None
     """Since when it is ``lost`` (unix ms)."""
     lost_from: Optional[str] = None

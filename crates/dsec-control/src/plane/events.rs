@@ -338,8 +338,18 @@ pub(super) fn about_node(name: &str, kind: EventKind, cause: Option<String>) -> 
 /// The event a record's change from `before` to `after` tells of, if any.
 pub(super) fn transition(before: &Sandbox, after: &Sandbox) -> Option<Event> {
     use SandboxState as S;
+    if before.state == after.state {
+        if before.disk_full_since.is_none() && after.disk_full_since.is_some() {
+            let mut event = about(after, EventKind::DiskFull);
+            event.cause = Some(match after.resources.disk_mb {
+                Some(mb) => format!("its disk ({mb} MiB) is full: writes fail with ENOSPC"),
+                None => "its disk is full: writes fail with ENOSPC".into(),
+            });
+            return Some(event);
+        }
+        return None;
+    }
     let (kind, cause) = match (before.state, after.state) {
-        (b, a) if b == a => return None,
         (S::Paused, S::Ready) => (EventKind::Resumed, None),
         (S::Unhealthy, S::Ready) => (EventKind::Recovered, None),
         (S::Lost, S::Ready | S::Paused | S::Unhealthy) => (EventKind::Found, None),

@@ -276,6 +276,7 @@ impl ControlPlane {
             unhealthy_since: None,
             lost_since: None,
             lost_from: None,
+            disk_full_since: None,
             node: placed.name.clone(),
             job_suspended_at: None,
             committed_layers: Vec::new(),

@@ -259,6 +259,31 @@ impl ControlPlane {
                 tracing::warn!(id = %sb.id, node = %name, state = ?to, "sandbox died or is gone from its node");
             }
         }
+        // Disks that filled up, or were freed, since the last pass (the record's change
+        // writes the `disk_full` event).
+        for listed in sandboxes.iter().filter(|s| s.ended.is_none()) {
+            let Some(free) = listed.disk_free_mb else {
+                continue;
+            };
+            let full = free == 0;
+            let known = self.records.get(&listed.id);
+            if known.is_none_or(|sb| sb.disk_full_since.is_some() == full) {
+                continue;
+            }
+            let changed = self
+                .records
+                .update(&listed.id, |s| {
+                    if s.disk_full_since.is_some() == full {
+                        return Ok(false);
+                    }
+                    s.disk_full_since = full.then_some(listed_at);
+                    Ok(true)
+                })
+                .await;
+            if full && matches!(changed, Ok(Some((_, true)))) {
+                tracing::info!(id = %listed.id, node = %name, "sandbox's disk is full");
+            }
+        }
     }
 
     /// Marks `lost` the sandboxes whose node is not live (its heartbeats stopped).

@@ -46,7 +46,8 @@ pub enum EventKind {
     OomKilled,
     /// A command's output passed its cap and the excess was dropped.
     OutputTruncated,
-    /// A write into it failed for want of disk space.
+    /// Its disk filled up (a command's writes, seen by the node), or a write through the
+    /// API failed for want of space.
     DiskFull,
     /// A node was drained (takes no new sandboxes).
     NodeDrained,
