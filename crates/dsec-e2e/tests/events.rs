@@ -270,5 +270,34 @@ async fn the_request_id_reaches_the_agent_and_the_command() {
     )
     .await;
     assert_eq!(r.stdout, "mine\n");
+    // A process it starts, recorded or not.
+    for (rid, body) in [
+        (
+            "trace-proc-1",
+            serde_json::json!({"cmd": "echo $DSEC_REQUEST_ID > /tmp/p1"}),
+        ),
+        (
+            "trace-proc-2",
+            serde_json::json!({"cmd": "echo $DSEC_REQUEST_ID > /tmp/p2", "request_id": "proc-call"}),
+        ),
+    ] {
+        let resp = http
+            .post(format!("{}/v1/sandboxes/{}/processes", s.url, sb.id))
+            .header("x-api-key", &s.key)
+            .header("x-request-id", rid)
+            .json(&body)
+            .send()
+            .await
+            .expect("start process");
+        assert!(resp.status().is_success(), "{:?}", resp.text().await);
+    }
+    for (file, want) in [("/tmp/p1", "trace-proc-1\n"), ("/tmp/p2", "trace-proc-2\n")] {
+        let got = dsec_e2e::wait_until(Duration::from_secs(10), || async {
+            let r = c.exec(&sb.id, sh(&format!("cat {file}"))).await.ok()?;
+            (r.stdout == want).then_some(())
+        })
+        .await;
+        assert!(got.is_some(), "{file} never held {want:?}");
+    }
     c.delete_sandbox(&sb.id).await.expect("delete");
 }

@@ -119,7 +119,10 @@ impl LocalNode {
     /// One request and its reply.
     pub(crate) async fn agent_call(&self, id: &str, req: &Request) -> Result<Reply, ApiError> {
         let mut conn = self.agent(id)?;
-        let reply = conn.request(req).await?;
+        let reply = match req {
+            Request::ProcessStart(_) => conn.request(&traced_request(req.clone())).await?,
+            _ => conn.request(req).await?,
+        };
         if req.keeps_connection() {
             self.reuse(id, conn);
         }
@@ -314,6 +317,22 @@ pub(crate) fn traced(mut spec: ExecSpec) -> ExecSpec {
             .or_insert_with(|| id.to_string());
     }
     spec
+}
+
+/// `req` with the id of the request being served in its command's environment, for the
+/// requests that start one outside [`traced`]'s execs (a process start).
+pub(crate) fn traced_request(req: Request) -> Request {
+    match req {
+        Request::ProcessStart(mut spec) => {
+            if let Some(id) = dsec_node_api::request_id::current() {
+                spec.env
+                    .entry(dsec_wire::agent::REQUEST_ID_ENV.to_string())
+                    .or_insert_with(|| id.to_string());
+            }
+            Request::ProcessStart(spec)
+        }
+        other => other,
+    }
 }
 
 /// Reads an exec's output and exit from `conn` (its request sent): its result, and the

@@ -330,6 +330,9 @@ impl LocalNode {
         };
         self.known(id)?;
         let (digest, args) = request_call(&req)?;
+        // The request id goes to the agent, not into the journal's digest: a retry with
+        // another id is the same call.
+        let req = crate::agent_ops::traced_request(req);
         let mut ticket = match self.journal.begin(id, request_id, kind, digest, args, 0)? {
             Begin::Known { ended, .. } => {
                 let end = self.wait_ended(id, ended).await?;

@@ -30,8 +30,9 @@ pub const PROTOCOL_VERSION: u32 = 3;
 pub const KEEPS_CONNECTIONS_SINCE: u32 = 2;
 
 /// Environment variable that carries the id of the API request that started a command
-/// (`x-request-id`) into it: the node adds it to the exec's environment (unless the caller
-/// set it), so the agent, the command and what the command logs can name the request.
+/// (`x-request-id`) into it: the node adds it to the environment of an exec or a process
+/// start (unless the caller set it), so the agent, the command and what the command logs
+/// can name the request.
 pub const REQUEST_ID_ENV: &str = "DSEC_REQUEST_ID";
 
 /// Default cap on recorded output per stream (4 MiB).
