@@ -882,9 +882,8 @@ impl SandboxApi for ControlPlane {
                 }
             })
             .await?;
-        let command = events::command_text(&req.cmd);
         let request_id = dsec_node_api::request_id::current();
-        self.note_exit(id, &command, &result.exit, result.oom_killed, request_id);
+        self.note_exit(id, &req.cmd, &result.exit, result.oom_killed, request_id);
         Ok(result)
     }
 
@@ -908,7 +907,7 @@ impl SandboxApi for ControlPlane {
             })
             .await?;
         let me = self.me.clone();
-        let (sandbox, command) = (id.to_string(), events::command_text(&req.cmd));
+        let (sandbox, command) = (id.to_string(), req.cmd.clone());
         let request_id = dsec_node_api::request_id::current();
         let events = events
             .inspect(move |event| {

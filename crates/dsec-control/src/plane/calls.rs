@@ -101,7 +101,7 @@ impl ControlPlane {
     pub(super) fn note_exit(
         &self,
         id: &str,
-        command: &str,
+        command: &dsec_wire::v1::Command,
         exit: &agent::ExitInfo,
         oom_killed: bool,
         request_id: Option<std::sync::Arc<str>>,
@@ -113,10 +113,12 @@ impl ControlPlane {
         let Some(sb) = self.records.get(id) else {
             return;
         };
+        // Only now, on the rare exec that has an event: not on every exec's path.
+        let command = events::command_text(command);
         let event = |kind, cause: String| {
             let mut e = events::about(&sb, kind);
             e.cause = Some(cause);
-            e.command = Some(command.to_string());
+            e.command = Some(command.clone());
             e.request_id = request_id.as_ref().map(|r| r.to_string());
             e
         };
