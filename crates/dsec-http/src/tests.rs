@@ -795,3 +795,23 @@ async fn every_state_changing_call_is_audited_refused_ones_too() {
     .await;
     assert_eq!(s, StatusCode::FORBIDDEN);
 }
+
+#[tokio::test]
+async fn a_last_event_id_that_is_not_an_id_is_bad_request() {
+    let (status, e) = send_err(
+        req("GET", "/v1/events")
+            .header("last-event-id", "../../etc")
+            .body(Body::empty())
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(e.message.contains("Last-Event-ID"), "{}", e.message);
+    let (status, e) = send_err(
+        req("GET", "/v1/events?after=-1")
+            .body(Body::empty())
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{}", e.message);
+}
