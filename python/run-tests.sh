@@ -15,8 +15,9 @@ if [[ ! -x "$venv/bin/python" ]]; then
 fi
 # swe-rex (+ aiohttp, which its RemoteRuntime imports but does not declare) and e2b
 # (pinned) and sandbox-fusion: the compatibility tests drive dsec with the unmodified
-# SWE-ReX, E2B and SandboxFusion clients; openai (pinned) drives the model gateway.
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$here" pytest swe-rex aiohttp "e2b==2.63.0" sandbox-fusion "openai==2.54.0"
+# SWE-ReX, E2B and SandboxFusion clients; openai (pinned) drives the model gateway;
+# openapi-spec-validator (with jsonschema) checks the OpenAPI document and the answers.
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$here" pytest swe-rex aiohttp "e2b==2.63.0" sandbox-fusion "openai==2.54.0" openapi-spec-validator
 
 cd "$repo"
 exec "$venv/bin/python" -m pytest "$here/tests" -q "$@"

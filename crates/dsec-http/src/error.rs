@@ -59,17 +59,25 @@ impl IntoResponse for HttpError {
     }
 }
 
-/// [`dsec_wire::error::ErrorBody`] as sent: the error, and the id of the request it answers (so a caller
-/// can name it to whoever reads the server's log).
-#[derive(serde::Serialize)]
-struct Answer<'a> {
+/// The body of every error answer: the error, and the id of the request it answers
+/// (`dsec_wire::error::ErrorBody` with the request id).
+#[derive(serde::Serialize, schemars::JsonSchema)]
+#[schemars(rename = "ErrorBody")]
+pub(crate) struct Answer<'a> {
+    /// The error.
     error: Inner<'a>,
 }
 
-#[derive(serde::Serialize)]
+/// An error: what went wrong, and which request it answers.
+#[derive(serde::Serialize, schemars::JsonSchema)]
+#[schemars(rename = "Error")]
 struct Inner<'a> {
+    /// Stable code: clients switch on it.
     code: ErrorCode,
+    /// Human-readable explanation, saying what to do where possible.
     message: &'a str,
+    /// The id of the request (as in its `x-request-id` header), to name it to whoever
+    /// reads the server's log.
     #[serde(skip_serializing_if = "Option::is_none")]
     request_id: Option<&'a str>,
 }

@@ -150,7 +150,7 @@ fn ascii_json<T: serde::Serialize>(v: &T) -> Result<String, serde_json::Error> {
 // ---------------------------------------------------------------- query strings
 
 /// `?path=` of the file routes.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PathQuery {
     /// Path inside the sandbox.
@@ -158,7 +158,7 @@ pub struct PathQuery {
 }
 
 /// `GET /files?path=&offset=&length=`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReadQuery {
     /// Path inside the sandbox.
@@ -172,7 +172,7 @@ pub struct ReadQuery {
 }
 
 /// `PUT /files?path=&mode=`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct WriteQuery {
     /// Path inside the sandbox.
@@ -186,7 +186,7 @@ pub struct WriteQuery {
 }
 
 /// `PUT /files/tar?path=&request_id=`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TarUploadQuery {
     /// Directory inside the sandbox.
@@ -197,7 +197,7 @@ pub struct TarUploadQuery {
 }
 
 /// `DELETE /files?path=&recursive=`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RemoveQuery {
     /// Path inside the sandbox.
@@ -208,7 +208,7 @@ pub struct RemoveQuery {
 }
 
 /// `GET /processes/{pid}/output?stdout_offset=&stderr_offset=&follow=`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct OutputQuery {
     /// Stdout offset to start from.
@@ -302,6 +302,24 @@ pub async fn method_not_allowed(method: Method, uri: Uri, body: Body) -> HttpErr
 /// `GET /v1/health` (no API key needed).
 pub async fn health(State(api): State<Arc<dyn SandboxApi>>) -> HttpResult<Response> {
     Ok(json(api.health().await?))
+}
+
+/// `GET /v1/openapi.json` (no API key needed): the [`crate::openapi`] document.
+pub async fn openapi() -> Response {
+    static DOCUMENT: std::sync::OnceLock<bytes::Bytes> = std::sync::OnceLock::new();
+    let body = DOCUMENT.get_or_init(|| {
+        serde_json::to_vec_pretty(&crate::openapi::document())
+            .map(bytes::Bytes::from)
+            .unwrap_or_default()
+    });
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        body.clone(),
+    )
+        .into_response()
 }
 
 /// `POST /v1/sandboxes`.
@@ -513,7 +531,7 @@ pub async fn get_batch(api: Api, Path(id): Path<String>) -> HttpResult<Response>
 }
 
 /// `?purge=` of a batch delete.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub struct PurgeQuery {
     /// Forget the (ended) batch and its data instead of cancelling it.
     #[serde(default)]
@@ -547,7 +565,7 @@ pub async fn batch_manifest(api: Api, Path(id): Path<String>) -> HttpResult<Resp
 }
 
 /// `?path=` of a batch output.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub struct BatchOutputQuery {
     /// The output's path in the sandbox; absent: the error snapshot.
     #[serde(default)]
@@ -900,7 +918,7 @@ pub async fn import_image(api: Api, Json(req): Json<ImportImageRequest>) -> Http
 }
 
 /// Query of `POST /v1/images/upload`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct UploadImageQuery {
     /// Name to give the image.

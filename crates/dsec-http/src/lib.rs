@@ -31,6 +31,7 @@ pub mod gateway;
 pub mod handlers;
 pub mod json;
 pub mod metrics;
+pub mod openapi;
 mod sandboxfusion;
 pub mod scoped;
 mod swerex;
@@ -212,7 +213,10 @@ pub fn router_with(api: Arc<dyn SandboxApi>, opts: HttpOptions) -> Router {
             extract::require_api_key,
         ));
 
-    let v1 = Router::new().route("/health", get(h::health)).merge(authed);
+    let v1 = Router::new()
+        .route("/health", get(h::health))
+        .route("/openapi.json", get(h::openapi))
+        .merge(authed);
     // SWE-ReX sends its token as X-API-Key, the header dsec reads too.
     let swerex = swerex::routes().route_layer(middleware::from_fn_with_state(
         api.clone(),

@@ -815,3 +815,161 @@ async fn a_last_event_id_that_is_not_an_id_is_bad_request() {
     .await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{}", e.message);
 }
+
+// ---------------------------------------------------------------- OpenAPI
+
+/// The paths given to `.route(...)` in a router's source (string literals only).
+fn routed_paths(source: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = source;
+    while let Some(at) = rest.find(".route(") {
+        rest = &rest[at + ".route(".len()..];
+        let trimmed = rest.trim_start();
+        if let Some(lit) = trimmed.strip_prefix('"') {
+            if let Some(end) = lit.find('"') {
+                out.push(lit[..end].to_string());
+            }
+        }
+    }
+    out
+}
+
+/// A concrete path for a route template (`{x}` -> `x`, `{*key}` -> `a/b`).
+fn concrete(template: &str) -> String {
+    template
+        .split('/')
+        .map(|seg| match seg {
+            s if s.starts_with("{*") => "a/b".to_string(),
+            s if s.starts_with('{') => "7".to_string(),
+            s => s.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+/// Every route of the `/v1` router and of the admin router is in the document with the
+/// methods it answers, and the document has nothing the routers do not answer: each
+/// path is probed with every method, and a method the router does not take answers 405.
+#[tokio::test]
+async fn the_openapi_document_has_every_route_with_exactly_its_methods() {
+    let iam = dsec_iam::Iam::new(Arc::new(dsec_state::MemStore::new()), Some(KEY.into()))
+        .await
+        .expect("iam");
+    let app = app().merge(admin::admin_router(Arc::new(iam)));
+    let mut paths: Vec<String> = routed_paths(include_str!("lib.rs"))
+        .into_iter()
+        .filter(|p| p != "/metrics")
+        .map(|p| format!("/v1{p}"))
+        .collect();
+    paths.extend(routed_paths(include_str!("admin.rs")));
+    assert!(paths.len() > 50, "routes parsed from the source: {paths:?}");
+    let documented = openapi::documented_routes();
+    let mut routed = Vec::new();
+    for path in &paths {
+        for method in ["get", "post", "put", "patch", "delete"] {
+            // No key: a routed method answers 401 (or 200 when public), never 405.
+            let r = Request::builder()
+                .method(method.to_uppercase().as_str())
+                .uri(concrete(path))
+                .body(Body::empty())
+                .expect("request");
+            let status = app.clone().oneshot(r).await.expect("infallible").status();
+            assert_ne!(status, StatusCode::NOT_FOUND, "{method} {path}");
+            if status != StatusCode::METHOD_NOT_ALLOWED {
+                routed.push((method, path.clone()));
+            }
+        }
+    }
+    for r in &routed {
+        assert!(
+            documented.contains(r),
+            "{} {} is routed but not in the OpenAPI document (openapi.rs operations())",
+            r.0,
+            r.1
+        );
+    }
+    for d in &documented {
+        assert!(
+            routed.contains(d),
+            "{} {} is in the OpenAPI document but not routed",
+            d.0,
+            d.1
+        );
+    }
+}
+
+/// `docs/openapi.json` is the document the server builds; `DSEC_BLESS_OPENAPI=1` rewrites
+/// it after a change of the API.
+#[test]
+fn docs_openapi_json_is_the_generated_document() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/openapi.json");
+    let generated = serde_json::to_string_pretty(&openapi::document()).expect("encodes") + "\n";
+    if std::env::var_os("DSEC_BLESS_OPENAPI").is_some() {
+        std::fs::write(&path, &generated).expect("writing docs/openapi.json");
+    }
+    let checked_in = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        checked_in == generated,
+        "docs/openapi.json is not the document the server builds: run \
+         `DSEC_BLESS_OPENAPI=1 cargo test -p dsec-http openapi` and commit it"
+    );
+}
+
+/// The document is served without a key, and every `$ref` in it names a schema it has.
+#[tokio::test]
+async fn the_openapi_document_is_served_and_its_refs_resolve() {
+    let r = Request::builder()
+        .uri("/v1/openapi.json")
+        .body(Body::empty())
+        .expect("request");
+    let (status, headers, body) = send(r).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers[header::CONTENT_TYPE], "application/json");
+    let doc: serde_json::Value = serde_json::from_slice(&body).expect("json");
+    assert_eq!(doc, openapi::document());
+    assert_eq!(doc["openapi"], "3.1.0");
+    let schemas = doc["components"]["schemas"].as_object().expect("schemas");
+    fn refs<'a>(v: &'a serde_json::Value, out: &mut Vec<&'a str>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                if let Some(serde_json::Value::String(r)) = m.get("$ref") {
+                    out.push(r);
+                }
+                m.values().for_each(|v| refs(v, out));
+            }
+            serde_json::Value::Array(a) => a.iter().for_each(|v| refs(v, out)),
+            _ => {}
+        }
+    }
+    let mut all = Vec::new();
+    refs(&doc, &mut all);
+    assert!(all.len() > 50);
+    for r in all {
+        let name = r
+            .strip_prefix("#/components/schemas/")
+            .unwrap_or_else(|| panic!("ref outside the components: {r}"));
+        assert!(schemas.contains_key(name), "{r} names no schema");
+    }
+    // Unique operation ids; path parameters declared.
+    let mut ids = std::collections::BTreeSet::new();
+    for (path, item) in doc["paths"].as_object().expect("paths") {
+        for (method, o) in item.as_object().expect("item") {
+            let id = o["operationId"].as_str().expect("operationId");
+            assert!(ids.insert(id.to_string()), "{id} twice");
+            let declared: Vec<&str> = o["parameters"]
+                .as_array()
+                .expect("parameters")
+                .iter()
+                .filter(|p| p["in"] == "path")
+                .filter_map(|p| p["name"].as_str())
+                .collect();
+            for seg in path.split('/').filter(|s| s.starts_with('{')) {
+                let name = seg.trim_matches(|c| c == '{' || c == '}');
+                assert!(
+                    declared.contains(&name),
+                    "{method} {path}: {name} undeclared"
+                );
+            }
+        }
+    }
+}

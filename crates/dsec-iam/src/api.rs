@@ -7,6 +7,7 @@ use crate::model::{Quotas, Scope};
 
 /// `POST /v1/tenants`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CreateTenant {
     /// The name (see [`crate::validate_tenant_name`]).
@@ -18,6 +19,7 @@ pub struct CreateTenant {
 
 /// `PATCH /v1/tenants/{tenant}`: what is given is replaced, in one write.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct UpdateTenant {
     /// New quotas (all of them: an absent field is unlimited).
@@ -30,6 +32,7 @@ pub struct UpdateTenant {
 
 /// `POST /v1/tenants/{tenant}/keys`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CreateKey {
     /// A label (at most 128 bytes, no control characters).
@@ -44,6 +47,7 @@ pub struct CreateKey {
 
 /// The query of `POST /v1/keys/{key_id}/rotate`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RotateKey {
     /// How long the old key keeps working, in seconds (default 0: it stops at once).

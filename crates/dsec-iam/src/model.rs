@@ -22,6 +22,7 @@ pub const MAX_KEY_NAME: usize = 128;
 /// What a key may do. Every scope includes [`Scope::Read`]; [`Scope::Admin`] includes
 /// every scope.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Scope {
     /// Read-only calls (`GET`/`HEAD`): list and inspect sandboxes, read files, list images.
@@ -92,6 +93,7 @@ pub fn required_scope(method: &str, path: &str) -> Scope {
 
 /// Per-tenant limits; `None` is unlimited.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Quotas {
     /// Sandboxes that exist at once.
@@ -134,6 +136,7 @@ impl Quotas {
 
 /// A tenant: the unit of isolation, quotas and keys.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct Tenant {
     /// Name (see [`validate_tenant_name`]).
     pub name: String,
@@ -188,6 +191,7 @@ pub fn validate_tenant_name(name: &str) -> Result<(), IamError> {
 
 /// An API key as listed: everything but its secret.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct KeyInfo {
     /// Public id (the middle of `dsec_<id>_<secret>`).
     pub key_id: String,
@@ -215,6 +219,7 @@ impl KeyInfo {
 
 /// A key just created: `key` is the only copy of its secret, shown once.
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct NewKey {
     /// The whole key to present: `dsec_<key_id>_<secret>`.
     pub key: String,
@@ -233,6 +238,7 @@ impl std::fmt::Debug for NewKey {
 
 /// Who a request acts as: the result of [`crate::Iam::authenticate`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct Principal {
     /// The tenant whose sandboxes it sees.
     pub tenant: String,
@@ -287,6 +293,7 @@ impl Principal {
 
 /// Resources a tenant uses, or a change of them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct Usage {
     /// Sandboxes (each one reserved also counts as one create for the rate quota).
     #[serde(default)]
@@ -316,6 +323,7 @@ impl Usage {
 
 /// Which quota a reservation would exceed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum QuotaKind {
     /// [`Quotas::max_sandboxes`].

@@ -20,6 +20,7 @@ use crate::{decode, encode, is_conflict, put_op, Iam, IamError};
 
 /// A tenant's usage record as stored.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub(crate) struct UsageRecord {
     #[serde(flatten)]
     pub used: Usage,

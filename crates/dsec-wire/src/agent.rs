@@ -41,6 +41,7 @@ pub const DEFAULT_OUTPUT_LIMIT: u64 = 4 * 1024 * 1024;
 /// What to run: an argv vector (`["ls","-l"]`) or a shell string (`"ls | wc -l"`, run by
 /// `/bin/sh -c`). In JSON an array is argv, a string is a shell command.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(untagged)]
 pub enum Command {
     /// Program and arguments, executed directly (looked up in PATH).
@@ -69,6 +70,7 @@ impl Command {
 
 /// A one-shot command execution.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ExecSpec {
     /// What to run.
@@ -100,6 +102,7 @@ pub struct ExecSpec {
 
 /// How a process ended.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct ExitInfo {
     /// Exit code if the process exited normally.
     pub exit_code: Option<i32>,
@@ -121,6 +124,7 @@ pub struct ExitInfo {
 
 /// Terminal size for a PTY.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PtySize {
     /// Rows.
@@ -131,6 +135,7 @@ pub struct PtySize {
 
 /// A background process.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ProcessSpec {
     /// What to run.
@@ -161,6 +166,7 @@ pub struct ProcessSpec {
 
 /// State of a background process.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct ProcessInfo {
     /// Process id inside the sandbox.
     pub pid: u32,
@@ -180,6 +186,7 @@ pub struct ProcessInfo {
 
 /// Information about a shell session.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct SessionInfo {
     /// Session id.
     pub session: String,
@@ -191,6 +198,7 @@ pub struct SessionInfo {
 
 /// Result of one command in a session.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct SessionResult {
     /// Merged stdout and stderr of the command (lossy UTF-8).
     pub output: String,
@@ -206,6 +214,7 @@ pub struct SessionResult {
 
 /// Kind of a file system entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum FileKind {
     /// Regular file.
@@ -220,6 +229,7 @@ pub enum FileKind {
 
 /// Metadata of one file system entry.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct FileInfo {
     /// Base name.
     pub name: String,
@@ -257,6 +267,7 @@ pub const CALL_FETCH_LIMIT: u64 = 512 * 1024;
 /// and IPC objects vanish with it, and the next call starts from the same state. Needs a
 /// sandbox created for calls (its agent keeps a helper that can make namespaces).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CallSpec {
     /// What to run.
@@ -297,6 +308,7 @@ pub struct CallSpec {
 
 /// The compile step of a call.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CompileSpec {
     /// What to run.
@@ -307,6 +319,7 @@ pub struct CompileSpec {
 
 /// How a call's compile step ended.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct CompileResult {
     /// Its exit (`timed_out` when its timeout killed it).
     pub exit: ExitInfo,
@@ -318,6 +331,7 @@ pub struct CompileResult {
 
 /// A file a call asked for back.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct FetchedFile {
     /// Its bytes, when it could be read.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -329,6 +343,7 @@ pub struct FetchedFile {
 
 /// How a function call ended.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct CallResult {
     /// The compile step, if the call had one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -362,6 +377,7 @@ pub struct CallResult {
 
 /// A request from node to agent.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Request {
     /// Liveness. Reply: `Pong`.
@@ -559,6 +575,7 @@ impl Request {
 
 /// A reply from agent to node (JSON frames).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(tag = "reply", rename_all = "snake_case")]
 pub enum Reply {
     /// Answer to `Ping`.

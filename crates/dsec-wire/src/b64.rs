@@ -59,6 +59,21 @@ impl<'de> Deserialize<'de> for Base64Bytes {
     }
 }
 
+#[cfg(feature = "schema")]
+impl schemars::JsonSchema for Base64Bytes {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Base64Bytes".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "type": "string",
+            "contentEncoding": "base64",
+            "description": "Bytes, base64-encoded (standard alphabet, padded)."
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

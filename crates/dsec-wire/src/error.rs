@@ -4,6 +4,7 @@ use serde::{Deserialize, Serialize};
 
 /// Stable error codes. Clients switch on these; never rename one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorCode {
     /// The request is malformed or a field is out of range.
@@ -90,6 +91,7 @@ impl ErrorCode {
 
 /// The JSON body of every error response: `{"error": {"code": ..., "message": ...}}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[error("{code:?}: {message}")]
 pub struct ApiError {
     /// Stable code.
@@ -110,6 +112,7 @@ impl ApiError {
 
 /// Envelope used in HTTP error bodies.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct ErrorBody {
     /// The error.
     pub error: ApiError,

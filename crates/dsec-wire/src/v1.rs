@@ -37,6 +37,7 @@ pub const MAX_TIMEOUT_S: u64 = 7 * 24 * 3600;
 
 /// Sandbox backend. Only `container` exists today.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Backend {
     /// Linux namespaces + cgroups, run by the node directly.
@@ -46,6 +47,7 @@ pub enum Backend {
 
 /// Network mode of a sandbox.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum NetworkMode {
     /// Own network namespace with only loopback.
@@ -62,6 +64,7 @@ pub enum NetworkMode {
 /// File rules for the commands a sandbox runs (Landlock). The files API is not bound by
 /// them: the platform can always place and fetch files.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct FilesystemPolicy {
     /// When not empty, commands may create, change or delete files only beneath these
     /// absolute paths (which must exist at create) and write to devices in `/dev`;
@@ -81,6 +84,7 @@ pub struct FilesystemPolicy {
 ///
 /// On the wire either a bare mode (`"none"`) or `{"mode": "allowlist", "allow": [...]}`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(from = "NetworkPolicyRepr")]
 pub struct NetworkPolicy {
     /// Mode.
@@ -92,6 +96,7 @@ pub struct NetworkPolicy {
 }
 
 #[derive(Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(untagged)]
 enum NetworkPolicyRepr {
     Mode(NetworkMode),
@@ -207,6 +212,7 @@ fn dns_name(s: &str) -> Option<String> {
 
 /// The isolation boundary of a sandbox.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Isolation {
     /// dsec's own container: namespaces, cgroups, seccomp, user namespace.
@@ -219,6 +225,7 @@ pub enum Isolation {
 
 /// How a sandbox's processes compete for CPU.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Qos {
     /// Normal scheduling with a doubled CPU weight: an agent waiting on this sandbox gets
@@ -232,6 +239,7 @@ pub enum Qos {
 
 /// Resource limits. Absent fields take the node's defaults.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Resources {
     /// CPU limit in cores (e.g. 0.5, 2). Default 1.
@@ -252,6 +260,7 @@ pub struct Resources {
 
 /// Encoding of an inline file's `content`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum ContentEncoding {
     /// UTF-8 text.
@@ -263,6 +272,7 @@ pub enum ContentEncoding {
 
 /// A file to place in the sandbox before it is reported ready.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct InitFile {
     /// Absolute path inside the sandbox; parents are created.
@@ -279,6 +289,7 @@ pub struct InitFile {
 
 /// `POST /v1/sandboxes`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CreateSandboxRequest {
     /// Image name (`base`, `debian:bookworm`, ...) or `sha256:` digest. Default `base`.
@@ -367,6 +378,7 @@ pub struct CreateSandboxRequest {
 
 /// One phase of a create, on the create's own clock.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct PhaseTiming {
     /// The phase: on the server `validate`, `placement`, `images`, `store`,
     /// `node_call` (the node round trip beyond the node's own phases), `files`,
@@ -381,6 +393,7 @@ pub struct PhaseTiming {
 
 /// Where a create's time went: its phases in order, back to back.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct CreateTimings {
     /// From the server taking the request to the sandbox being ready, ms.
     pub total_ms: f64,
@@ -397,6 +410,7 @@ pub const CREATE_PHASE_BUCKETS_S: [f64; 15] = [
 /// Creates' phases since the server started: one histogram per phase, and `total`
 /// (`GET /metrics` as `dsec_create_phase_seconds` and `dsec_create_seconds`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct CreatePhaseStats {
     /// Whole creates.
     pub total: PhaseHistogram,
@@ -406,6 +420,7 @@ pub struct CreatePhaseStats {
 
 /// One histogram of [`CreatePhaseStats`].
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct PhaseHistogram {
     /// The phase (`total` for whole creates).
     pub phase: String,
@@ -420,6 +435,7 @@ pub struct PhaseHistogram {
 
 /// Priority of a create or call that waits for capacity.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Priority {
     /// Served before every other level.
@@ -433,6 +449,7 @@ pub enum Priority {
 
 /// `GET /v1/queue`: creates waiting for capacity, by priority level.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct QueueStatus {
     /// High, medium, low.
     pub levels: Vec<QueueLevel>,
@@ -440,6 +457,7 @@ pub struct QueueStatus {
 
 /// One priority level of the capacity queue.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct QueueLevel {
     /// The level.
     pub priority: Priority,
@@ -455,6 +473,7 @@ pub struct QueueLevel {
 
 /// A tenant's waiters at one level.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct QueueTenant {
     /// The tenant.
     pub tenant: String,
@@ -466,6 +485,7 @@ pub struct QueueTenant {
 
 /// Waiting for capacity.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct QueueOptions {
     /// The priority level.
@@ -479,6 +499,7 @@ pub struct QueueOptions {
 
 /// A sandbox's environment: an OS base plus workspace and toolkit layers, and defaults.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Environment {
     /// Base image name or digest.
@@ -499,6 +520,7 @@ pub struct Environment {
 
 /// `POST /v1/sandboxes/{id}/pause`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct PauseResult {
     /// The sandbox, now `paused`.
     pub sandbox: Sandbox,
@@ -510,6 +532,7 @@ pub struct PauseResult {
 
 /// Lifecycle state of a sandbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum SandboxState {
     /// Being set up.
@@ -536,6 +559,7 @@ pub enum SandboxState {
 
 /// Effective resource limits of a sandbox.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct EffectiveResources {
     /// CPU limit in cores.
     pub cpu: f64,
@@ -554,6 +578,7 @@ fn default_tenant() -> String {
 
 /// A sandbox as the API reports it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct Sandbox {
     /// Sandbox id (also its hostname).
     pub id: String,
@@ -649,6 +674,7 @@ pub struct Sandbox {
 
 /// One step of an image build.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum BuildStep {
     /// A shell command that must exit 0.
@@ -674,6 +700,7 @@ pub enum BuildStep {
 /// `POST /v1/images/build`: an image from a base and steps, one layer per step, each
 /// cached by (parent image, step).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct BuildRequest {
     /// Name of the result.
@@ -690,6 +717,7 @@ pub struct BuildRequest {
 /// `POST /v1/images/gc`: drops build-cache layers, trims the node's layer cache to its
 /// limit and, if asked, deletes layers no image uses from the shared store.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct GcRequest {
     /// Keep build-cache entries younger than this many seconds (default 0: drop all).
@@ -706,6 +734,7 @@ pub struct GcRequest {
 
 /// `GET /v1/images/layers`: how this node holds each layer it uses.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct LayerStatsList {
     /// Layers served on demand (with `--lazy-layers`), by digest.
     pub lazy: Vec<LazyLayerStats>,
@@ -716,6 +745,7 @@ pub struct LayerStatsList {
 
 /// A node's on-demand loading in total.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct LazyNodeStats {
     /// Bytes fetched from the blob store (each written once to the chunk cache).
     pub fetched_bytes: u64,
@@ -731,6 +761,7 @@ pub struct LazyNodeStats {
 
 /// Accounting of one layer served on demand.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct LazyLayerStats {
     /// `sha256:<hex>`.
     pub digest: String,
@@ -761,6 +792,7 @@ pub struct LazyLayerStats {
 
 /// A fault of an on-demand layer: a read answered with EIO.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct LayerFault {
     /// Unix milliseconds.
     pub at_ms: u64,
@@ -770,6 +802,7 @@ pub struct LayerFault {
 
 /// What a GC removed.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct GcResult {
     /// Build-cache refs removed.
     pub removed: Vec<String>,
@@ -791,6 +824,7 @@ pub struct GcResult {
 
 /// What a build did.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct BuildResult {
     /// The built image.
     pub image: Image,
@@ -802,6 +836,7 @@ pub struct BuildResult {
 /// context as a tar archive (it holds the Dockerfile); the request travels in the query
 /// string ([`DockerfileBuildRequest::to_query`]). The answer is NDJSON [`BuildEvent`]s.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct DockerfileBuildRequest {
     /// Name of the result.
@@ -908,6 +943,7 @@ impl DockerfileBuildRequest {
 
 /// One line of a Dockerfile build's NDJSON answer. The last line is `done` or `error`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum BuildEvent {
     /// Something to tell the user (an ignored instruction, an unused build arg).
@@ -955,6 +991,7 @@ pub enum BuildEvent {
 
 /// `POST /v1/sandboxes/{id}/commit`: the sandbox's files as a new image.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CommitRequest {
     /// Name of the new image (its layers: the sandbox's, then one per commit).
@@ -968,6 +1005,7 @@ pub struct CommitRequest {
 /// unless overridden here. Processes do not carry over: a container fork starts with
 /// none (no checkpoint/restore here).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ForkRequest {
     /// How many, 1 to [`MAX_FORKS`] (and within the tenant's quota).
@@ -1000,6 +1038,7 @@ pub const FORK_OF_LABEL: &str = "dsec-fork-of";
 
 /// Answer to [`ForkRequest`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct ForkResult {
     /// The forks, ready.
     pub sandboxes: Vec<Sandbox>,
@@ -1016,6 +1055,7 @@ pub const JOB_LABEL: &str = "job";
 
 /// What happened to one sandbox in a job suspend or resume.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct JobSandboxOutcome {
     /// Sandbox id.
     pub id: String,
@@ -1035,6 +1075,7 @@ pub struct JobSandboxOutcome {
 /// `POST /v1/jobs/{job}/suspend` and `.../resume`: one outcome per sandbox labelled
 /// `job=<job>`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct JobResult {
     /// The job.
     pub job: String,
@@ -1044,6 +1085,7 @@ pub struct JobResult {
 
 /// `GET /v1/sandboxes`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct SandboxList {
     /// Sandboxes, oldest first.
     pub sandboxes: Vec<Sandbox>,
@@ -1051,6 +1093,7 @@ pub struct SandboxList {
 
 /// `POST /v1/sandboxes/{id}/timeout`: the sandbox now expires `timeout_s` from now.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct SetTimeoutRequest {
     /// New remaining lifetime in seconds.
@@ -1059,6 +1102,7 @@ pub struct SetTimeoutRequest {
 
 /// `POST /v1/sandboxes/{id}/exec` (and `/exec/stream`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ExecRequest {
     /// Argv array or shell string.
@@ -1091,6 +1135,7 @@ pub struct ExecRequest {
 
 /// Result of a non-streaming exec.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct ExecResult {
     /// Stdout (lossy UTF-8; the last `output_limit` bytes if truncated).
     pub stdout: String,
@@ -1105,6 +1150,7 @@ pub struct ExecResult {
 
 /// One line of an NDJSON exec or process-output stream.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ExecEvent {
     /// The process started.
@@ -1146,6 +1192,7 @@ pub enum ExecEvent {
 
 /// `POST /v1/sandboxes/{id}/sessions`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CreateSessionRequest {
     /// Session id; generated if absent.
@@ -1165,6 +1212,7 @@ pub struct CreateSessionRequest {
 
 /// `POST /v1/sandboxes/{id}/sessions/{session}/run`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct SessionRunRequest {
     /// Command line for the session's bash.
@@ -1180,6 +1228,7 @@ pub struct SessionRunRequest {
 
 /// `GET /v1/sandboxes/{id}/sessions`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct SessionList {
     /// Open sessions.
     pub sessions: Vec<SessionInfo>,
@@ -1187,6 +1236,7 @@ pub struct SessionList {
 
 /// `POST /v1/sandboxes/{id}/processes`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct StartProcessRequest {
     /// Argv array or shell string.
@@ -1217,6 +1267,7 @@ pub struct StartProcessRequest {
 
 /// `GET /v1/sandboxes/{id}/processes`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct ProcessList {
     /// Processes.
     pub processes: Vec<ProcessInfo>,
@@ -1224,6 +1275,7 @@ pub struct ProcessList {
 
 /// `POST /v1/sandboxes/{id}/processes/{pid}/signal`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct SignalRequest {
     /// Signal name (`SIGINT`, `TERM`) or number.
@@ -1232,6 +1284,7 @@ pub struct SignalRequest {
 
 /// `POST /v1/sandboxes/{id}/processes/{pid}/stdin`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct StdinRequest {
     /// Text to write.
@@ -1244,6 +1297,7 @@ pub struct StdinRequest {
 
 /// `GET /v1/sandboxes/{id}/files/list`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct FileList {
     /// Entries sorted by name.
     pub entries: Vec<FileInfo>,
@@ -1251,6 +1305,7 @@ pub struct FileList {
 
 /// `POST /v1/sandboxes/{id}/files/mkdir`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct MkdirRequest {
     /// Directory to create with parents.
@@ -1259,6 +1314,7 @@ pub struct MkdirRequest {
 
 /// `POST /v1/sandboxes/{id}/files/rename`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RenameRequest {
     /// Source.
@@ -1269,6 +1325,7 @@ pub struct RenameRequest {
 
 /// `PUT /v1/sandboxes/{id}/files` answer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct WriteResult {
     /// Bytes written.
     pub bytes: u64,
@@ -1276,6 +1333,7 @@ pub struct WriteResult {
 
 /// An image known to the node.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct Image {
     /// Name (`base`, `python:3.11`).
     pub name: String,
@@ -1297,6 +1355,7 @@ pub struct Image {
 
 /// Defaults an image gives its sandboxes; a create request's own values win.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ImageConfig {
     /// Environment variables.
@@ -1328,6 +1387,7 @@ impl ImageConfig {
 
 /// `GET /v1/images`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct ImageList {
     /// Images sorted by name.
     pub images: Vec<Image>,
@@ -1335,6 +1395,7 @@ pub struct ImageList {
 
 /// `POST /v1/images`: import from a path on the server's machine.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ImportImageRequest {
     /// Name to give the image.
@@ -1351,6 +1412,7 @@ pub struct ImportImageRequest {
 /// [`ImportEvent`] lines, like `/v1/images/import/stream`, with two more phases:
 /// `resolving` the manifest and `downloading` a layer blob).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PullImageRequest {
     /// What to pull: `[REGISTRY[:PORT]/]REPOSITORY[:TAG][@sha256:DIGEST]` (no registry:
@@ -1383,6 +1445,7 @@ pub fn registry_image_name(image: &str) -> Option<String> {
 // A handful of events per import: the size of the one `Done` does not matter.
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ImportEvent {
     /// Work done so far in the current phase.
@@ -1412,6 +1475,7 @@ pub enum ImportEvent {
 
 /// `GET /v1/health`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct Health {
     /// Always `ok` when answered.
     pub status: String,
@@ -1436,6 +1500,7 @@ pub struct Health {
 
 /// A node's capacity and load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct NodeCapacity {
     /// Requested CPU the node admits in total (CPUs x overcommit), millicores.
     pub cpu_millis_allocatable: u64,
@@ -1511,6 +1576,7 @@ mod network_tests {
 
 /// A node of the cluster as `GET /v1/nodes` reports it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct ClusterNode {
     /// Its unique name.
     pub name: String,
@@ -1546,6 +1612,7 @@ pub struct ClusterNode {
 
 /// `GET /v1/nodes`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct ClusterNodeList {
     /// The nodes, by name.
     pub nodes: Vec<ClusterNode>,

@@ -11,6 +11,7 @@ pub const MAX_AUDIT_LIMIT: usize = 10_000;
 
 /// One audited call.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct AuditEntry {
     /// When it was answered (unix ms).
     pub at_ms: u64,
@@ -44,6 +45,7 @@ pub struct AuditEntry {
 
 /// Query of `GET /v1/audit`: every given filter must match.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct AuditQuery {
     /// Only entries at or after this time (unix ms); without it, the newest entries.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -87,6 +89,7 @@ impl AuditQuery {
 
 /// Answer of `GET /v1/audit`: oldest first.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct AuditList {
     /// The entries.
     pub entries: Vec<AuditEntry>,

@@ -36,6 +36,7 @@ pub const SNAPSHOT_LINES: usize = 100;
 
 /// `POST /v1/batches` (and the YAML of `dsec submit`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct BatchSpec {
     /// A name for people (need not be unique).
@@ -60,6 +61,7 @@ pub struct BatchSpec {
 
 /// What every task of a batch gets unless it says otherwise.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct TaskDefaults {
     /// The command (argv, or a string for `/bin/sh -c`).
@@ -84,6 +86,7 @@ pub struct TaskDefaults {
 
 /// One task of a batch.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct TaskSpec {
     /// `[A-Za-z0-9._-]{1,128}`, unique within the batch.
@@ -113,6 +116,7 @@ pub struct TaskSpec {
 
 /// Where an input's bytes come from.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum InputRef {
     /// An object uploaded before with `PUT /v1/inputs/{key}` (the tenant's inputs).
@@ -125,6 +129,7 @@ pub enum InputRef {
 
 /// `PUT /v1/inputs/{key}`: what was stored.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct InputObject {
     /// The key, as a task's `blob` input names it.
     pub key: String,
@@ -138,6 +143,7 @@ pub struct InputObject {
 #[derive(
     Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
 )]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum TaskState {
     /// Waiting for a turn (or for its next attempt).
@@ -195,6 +201,7 @@ impl TaskState {
 
 /// One collected output.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct OutputRecord {
     /// Its key in the blob store.
     pub key: String,
@@ -206,6 +213,7 @@ pub struct OutputRecord {
 
 /// Digest of a placed input.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct InputDigest {
     /// Its key in the blob store.
     pub key: String,
@@ -217,6 +225,7 @@ pub struct InputDigest {
 
 /// A task as resolved at submit: the batch's defaults applied, inputs in the store.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct ResolvedTask {
     /// The command's argv.
     pub command: Vec<String>,
@@ -236,6 +245,7 @@ pub struct ResolvedTask {
 
 /// A task's status (`GET /v1/batches/{id}/tasks`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct TaskStatus {
     /// The task's id.
     pub id: String,
@@ -291,6 +301,7 @@ impl TaskStatus {
 
 /// Saved beside the outputs when an attempt's command ends abnormally.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct ErrorSnapshot {
     /// The task.
     pub task: String,
@@ -316,6 +327,7 @@ pub struct ErrorSnapshot {
 
 /// Whether a batch still runs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum BatchState {
     /// Tasks are being run.
@@ -329,6 +341,7 @@ pub enum BatchState {
 
 /// A batch (`GET /v1/batches/{id}`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct Batch {
     /// Its id (`bt-...`).
     pub id: String,
@@ -358,6 +371,7 @@ pub struct Batch {
 
 /// `GET /v1/batches`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct BatchList {
     /// The tenant's batches, newest first.
     pub batches: Vec<Batch>,
@@ -365,6 +379,7 @@ pub struct BatchList {
 
 /// `GET /v1/batches/{id}/tasks?state=&after=&limit=`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct TaskList {
     /// Tasks in id order.
     pub tasks: Vec<TaskStatus>,
@@ -374,6 +389,7 @@ pub struct TaskList {
 
 /// `?state=&after=&limit=` of `GET /v1/batches/{id}/tasks`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct TaskListQuery {
     /// Only tasks in this state.
     #[serde(default)]
@@ -389,6 +405,7 @@ pub struct TaskListQuery {
 /// One task in a batch's manifest: what ran (as resolved at submit) and its status
 /// (state, attempt, node, sandbox, times, outputs).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct ManifestTask {
     /// What it runs.
     pub spec: ResolvedTask,
@@ -399,6 +416,7 @@ pub struct ManifestTask {
 
 /// `GET /v1/batches/{id}/manifest`: enough to rerun any task one-to-one.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct Manifest {
     /// The batch.
     pub batch: Batch,

@@ -44,6 +44,7 @@ pub fn check_request_id(id: &str) -> Result<(), String> {
 
 /// Where a recorded call is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum CallState {
     /// Still running: a retry attaches to it.
@@ -57,6 +58,7 @@ pub enum CallState {
 
 /// One recorded call.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct CallRecord {
     /// Its place in the sandbox's log, from 1.
     pub seq: u64,
@@ -103,6 +105,7 @@ pub struct CallRecord {
 
 /// A page of a sandbox's call log, oldest first.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct CallLog {
     /// The calls.
     pub calls: Vec<CallRecord>,
@@ -113,6 +116,7 @@ pub struct CallLog {
 
 /// `GET /v1/sandboxes/{id}/log` query.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CallLogQuery {
     /// Calls after this `seq` (default: from the first).

@@ -18,6 +18,7 @@ pub const MAX_EVENTS_KEPT: usize = 100_000;
 
 /// What happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum EventKind {
     /// A create stored the sandbox's record (`creating`).
@@ -126,6 +127,7 @@ impl std::str::FromStr for EventKind {
 
 /// One event.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct Event {
     /// Its id: the store revision that wrote it (0 in an event not yet stored).
     #[serde(default)]
@@ -159,6 +161,7 @@ pub struct Event {
 
 /// Query of `GET /v1/events`: every given filter must match.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct EventQuery {
     /// Replays the kept events after this id first (the SSE `Last-Event-ID` header says
     /// the same); without it, only new events. `0` replays everything kept.

@@ -16,6 +16,7 @@ pub const FNCALL_LABEL: &str = "dsec-fncall";
 
 /// How a pool serves function calls (`PoolSpec.fncall`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields, default)]
 pub struct FnCallPolicy {
     /// Calls one sandbox serves before it is replaced by a fresh one. Default 1000.
@@ -84,6 +85,7 @@ fn default_timeout_s() -> f64 {
 
 /// `POST /v1/fncall`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct FnCallRequest {
     /// The pool (of the caller's tenant, created with `fncall`) whose sandbox runs it.
@@ -135,6 +137,7 @@ pub struct FnCallRequest {
 
 /// How a call ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum FnCallStatus {
     /// The command ran and exited (any exit code, or a signal).
@@ -150,6 +153,7 @@ pub enum FnCallStatus {
 
 /// The compile step of a call in a compiled language.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct FnCallCompile {
     /// Exit code of the compiler, when it exited.
     pub exit_code: Option<i32>,
@@ -167,6 +171,7 @@ pub struct FnCallCompile {
 
 /// Answer of `POST /v1/fncall`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct FnCallResponse {
     /// How it ended.
     pub status: FnCallStatus,

@@ -21,6 +21,7 @@ pub const MAX_MODEL_NAME_BYTES: usize = 256;
 
 /// What a sandbox may call through the model gateway.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ModelAccess {
     /// The gateway's public model names the sandbox may call (at least one).

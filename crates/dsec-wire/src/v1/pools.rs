@@ -14,6 +14,7 @@ pub const POOL_ORIGIN_LABEL: &str = "dsec-pool-origin";
 
 /// How a pool's autoscaler works. Every field has the default named in its doc.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields, default)]
 pub struct AutoscalePolicy {
     /// The window over which queue wait is averaged, seconds. Default 10.
@@ -55,6 +56,7 @@ impl Default for AutoscalePolicy {
 
 /// `POST /v1/pools`: a warm pool of the caller's tenant.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PoolSpec {
     /// Name, unique within the tenant: `[a-z0-9][a-z0-9._-]*`, at most 63 bytes.
@@ -90,6 +92,7 @@ fn default_max() -> u32 {
 
 /// `PATCH /v1/pools/{name}`: new sizes or policy (the environment stays).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PoolUpdate {
     /// New minimum.
@@ -105,6 +108,7 @@ pub struct PoolUpdate {
 
 /// Why the autoscaler changed a pool's target.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum ScaleReason {
     /// The average queue wait over the window was above the target.
@@ -119,6 +123,7 @@ pub enum ScaleReason {
 
 /// One change of a pool's target size.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct ScaleEvent {
     /// When (unix ms).
     pub at: u64,
@@ -132,6 +137,7 @@ pub struct ScaleEvent {
 
 /// A pool and its state, as this API server sees it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct Pool {
     /// What the pool was created with (and updated to).
     pub spec: PoolSpec,
@@ -177,6 +183,7 @@ pub struct Pool {
 
 /// `GET /v1/pools`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct PoolList {
     /// The caller's tenant's pools, by name.
     pub pools: Vec<Pool>,
