@@ -211,6 +211,10 @@ fn parse_label(s: &str) -> Result<(String, String), String> {
 /// `dsec apiserver`.
 #[derive(Debug, Args)]
 pub struct ApiserverArgs {
+    /// Export spans over OTLP/HTTP (JSON) to this collector (`http://HOST:4318`; a URL
+    /// with a path is used as given). Off by default.
+    #[arg(long, env = "DSEC_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:7070")]
     pub listen: SocketAddr,
@@ -337,6 +341,10 @@ impl NetworkArg {
 /// `dsec serve`.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
+    /// Export spans over OTLP/HTTP (JSON) to this collector (`http://HOST:4318`; a URL
+    /// with a path is used as given). Off by default.
+    #[arg(long, env = "DSEC_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:7070")]
     pub listen: SocketAddr,

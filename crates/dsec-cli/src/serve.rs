@@ -102,6 +102,25 @@ fn raise_kernel_limits() {
     }
 }
 
+/// Installs logging, and span export when `otlp_endpoint` is given.
+fn init_telemetry(
+    service: &str,
+    otlp_endpoint: Option<&str>,
+) -> anyhow::Result<dsec_telemetry::Telemetry> {
+    let telemetry = dsec_telemetry::init(service, otlp_endpoint).context("--otlp-endpoint")?;
+    if let (true, Some(endpoint)) = (telemetry.exporting(), otlp_endpoint) {
+        tracing::info!(endpoint, "exporting spans over OTLP");
+    }
+    Ok(telemetry)
+}
+
+/// Sends the spans not exported yet (off the runtime's threads: it blocks).
+async fn flush(telemetry: dsec_telemetry::Telemetry) {
+    if telemetry.exporting() {
+        let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
+    }
+}
+
 fn init_tracing() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
@@ -255,7 +274,13 @@ fn open_batch_store(
 
 /// Runs the server until SIGINT or SIGTERM.
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
-    init_tracing();
+    let telemetry = init_telemetry("dsec-serve", args.otlp_endpoint.as_deref())?;
+    let result = run_server(args).await;
+    flush(telemetry).await;
+    result
+}
+
+async fn run_server(args: ServeArgs) -> anyhow::Result<()> {
     let node = open_node(&args, "serve", None).await?;
     let local = node.clone();
     let key_path = args.state_dir.join("api-key");
@@ -429,7 +454,13 @@ pub async fn run_gateway(args: crate::cli::GatewayArgs) -> anyhow::Result<()> {
 
 /// `dsec node`: the node runtime and its internal API, until SIGINT or SIGTERM.
 pub async fn run_node(args: NodeArgs) -> anyhow::Result<()> {
-    init_tracing();
+    let telemetry = init_telemetry("dsec-node", args.serve.otlp_endpoint.as_deref())?;
+    let result = run_node_server(args).await;
+    flush(telemetry).await;
+    result
+}
+
+async fn run_node_server(args: NodeArgs) -> anyhow::Result<()> {
     if args.serve.gateway_config.is_some() {
         bail!(
             "--gateway-config runs the model gateway inside `dsec serve`; in a cluster run \
@@ -560,7 +591,13 @@ async fn join_cluster(
 
 /// `dsec apiserver`: the public API over a remote node, until SIGINT or SIGTERM.
 pub async fn run_apiserver(args: ApiserverArgs) -> anyhow::Result<()> {
-    init_tracing();
+    let telemetry = init_telemetry("dsec-apiserver", args.otlp_endpoint.as_deref())?;
+    let result = run_apiserver_server(args).await;
+    flush(telemetry).await;
+    result
+}
+
+async fn run_apiserver_server(args: ApiserverArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.state_dir)
         .with_context(|| format!("creating {}", args.state_dir.display()))?;
     let token = std::fs::read_to_string(&args.node_token_file)

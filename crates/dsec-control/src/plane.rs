@@ -26,6 +26,7 @@ use dsec_wire::v1::*;
 use dsec_wire::{ApiError, ErrorCode};
 use futures::StreamExt;
 use rand::Rng;
+use tracing::Instrument as _;
 
 use crate::api::{ApiResult, ByteStream, EventStream, ImportStream, Principal, SandboxApi};
 use crate::nodes::{NodeSet, Placement, SingleNode};
@@ -364,7 +365,7 @@ impl ControlPlane {
             .upgrade()
             .ok_or_else(|| internal("the control plane is shutting down"))?;
         // The task serves the caller's request: its id and span go with it.
-        let request = dsec_node_api::request_id::current();
+        let request = dsec_node_api::request_id::served();
         let work = dsec_node_api::request_id::carry(request, call(me));
         tokio::spawn(tracing::Instrument::instrument(
             work,
@@ -881,6 +882,7 @@ impl SandboxApi for ControlPlane {
                     None => node.exec(id, spec, stdin).await,
                 }
             })
+            .instrument(tracing::info_span!("exec", sandbox = %id))
             .await?;
         let request_id = dsec_node_api::request_id::current();
         self.note_exit(id, &req.cmd, &result.exit, result.oom_killed, request_id);
@@ -905,6 +907,7 @@ impl SandboxApi for ControlPlane {
                     None => node.exec_stream(id, spec, stdin).await,
                 }
             })
+            .instrument(tracing::info_span!("exec_stream", sandbox = %id))
             .await?;
         let me = self.me.clone();
         let (sandbox, command) = (id.to_string(), req.cmd.clone());

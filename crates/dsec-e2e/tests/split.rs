@@ -1311,3 +1311,109 @@ async fn creates_overflow_to_a_cloud_pool_only_past_80_percent_of_the_primary() 
     drop(etcd);
     Ok(())
 }
+
+/// Traces cross processes: the API server's request span, the node's `node_call` span
+/// (its child, sent by another service) and the command's `TRACEPARENT` are one trace,
+/// the caller's.
+#[tokio::test]
+async fn a_trace_crosses_from_the_apiserver_to_the_node_and_its_commands() -> anyhow::Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let _turn = TURN.lock().await;
+    let collector = dsec_testkit::OtlpCollector::start().await?;
+    let endpoint = collector.url();
+    let node = start_node_with("split-trace", &["--otlp-endpoint", &endpoint], &[]).await?;
+    let api_dir = node.root.join("apiserver");
+    let api_port = free_port()?;
+    let _api = spawn(
+        &[
+            "apiserver".into(),
+            "--listen".into(),
+            format!("127.0.0.1:{api_port}"),
+            "--state-dir".into(),
+            api_dir.display().to_string(),
+            "--node".into(),
+            node.url.clone(),
+            "--node-token-file".into(),
+            node.token_file.display().to_string(),
+            "--otlp-endpoint".into(),
+            endpoint.clone(),
+        ],
+        &node.root.join("apiserver.log"),
+    )?;
+    let api_url = format!("http://127.0.0.1:{api_port}");
+    let client = api_client(&api_url, &api_dir.join("api-key")).await?;
+    let tar = tokio::fs::File::open(dsec_e2e::base_tar()).await?;
+    client.upload_image("base", false, tar).await?;
+    let sb = client
+        .create_sandbox(CreateSandboxRequest::default())
+        .await?;
+
+    let (trace, caller_span) = ("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331");
+    let key = std::fs::read_to_string(api_dir.join("api-key"))?;
+    let resp = reqwest::Client::new()
+        .post(format!("{api_url}/v1/sandboxes/{}/exec", sb.id))
+        .header("x-api-key", key.trim())
+        .header("x-request-id", "split-trace-1")
+        .header("traceparent", format!("00-{trace}-{caller_span}-01"))
+        .json(&serde_json::json!({"cmd": "echo $TRACEPARENT"}))
+        .send()
+        .await?;
+    anyhow::ensure!(resp.status().is_success(), "exec: {}", resp.status());
+    let out: serde_json::Value = resp.json().await?;
+    let stdout = out["stdout"]
+        .as_str()
+        .unwrap_or_default()
+        .trim()
+        .to_string();
+
+    let of_request = |s: &dsec_testkit::ReceivedSpan, name: &str| {
+        s.name == name
+            && s.attributes.get("request_id").map(String::as_str) == Some("split-trace-1")
+    };
+    let spans = wait_until(Duration::from_secs(30), || {
+        let spans = collector.spans();
+        let done = spans.iter().any(|s| of_request(s, "request"))
+            && spans.iter().any(|s| of_request(s, "node_call"));
+        async move { done.then_some(spans) }
+    })
+    .await
+    .with_context(|| format!("spans: {:#?}", collector.spans()))?;
+    let request = spans
+        .iter()
+        .find(|s| of_request(s, "request"))
+        .context("request span")?;
+    assert_eq!(request.service, "dsec-apiserver");
+    assert_eq!(
+        (request.trace_id.as_str(), request.parent_span_id.as_str()),
+        (trace, caller_span)
+    );
+    // The node's span of the exec: another service, the same trace, under the API
+    // server's span of the request.
+    let node_call = spans
+        .iter()
+        .find(|s| {
+            of_request(s, "node_call")
+                && s.attributes
+                    .get("path")
+                    .is_some_and(|p| p.ends_with("/exec"))
+        })
+        .with_context(|| format!("the node's exec span: {spans:#?}"))?;
+    assert_eq!(node_call.service, "dsec-node");
+    assert_eq!(node_call.trace_id, trace);
+    assert!(
+        spans.iter().any(|s| s.span_id == node_call.parent_span_id
+            && s.trace_id == trace
+            && s.service == "dsec-apiserver"),
+        "the node's span has an API server span of the trace as parent: {spans:#?}"
+    );
+    // The command runs under the node's span of the call.
+    assert_eq!(
+        stdout,
+        format!("00-{trace}-{}-01", node_call.span_id),
+        "{spans:#?}"
+    );
+    client.delete_sandbox(&sb.id).await?;
+    Ok(())
+}

@@ -248,21 +248,26 @@ pub fn router_with(api: Arc<dyn SandboxApi>, opts: HttpOptions) -> Router {
         .layer(DefaultBodyLimit::max(JSON_BODY_LIMIT))
         .layer(middleware::from_fn(json_errors))
         .layer(axum::Extension(opts))
-        .layer(TraceLayer::new_for_http().make_span_with(request_span))
+        .layer(
+            TraceLayer::new_for_http().make_span_with(
+                |_: &axum::http::Request<axum::body::Body>| tracing::Span::current(),
+            ),
+        )
         .layer(middleware::from_fn(request_ids))
         .layer(CatchPanicLayer::custom(panic_response))
         .with_state(api)
 }
 
-/// The id of the request being served (see [`dsec_node_api::request_id`]).
-#[derive(Debug, Clone)]
-struct RequestId(Arc<str>);
-
 /// Gives every request an id: the caller's `x-request-id` when it is plain enough to
 /// log, else a fresh one. The task serving it carries it (log spans, error answers, a
 /// remote node's call) and the answer's `x-request-id` header returns it.
-async fn request_ids(mut req: axum::extract::Request, next: middleware::Next) -> Response {
+///
+/// It also opens the request's span (`request`: method, path, id), a child of the
+/// caller's `traceparent` when spans are exported, and carries the trace context on
+/// (to a remote node, and into the commands the request runs).
+async fn request_ids(req: axum::extract::Request, next: middleware::Next) -> Response {
     use dsec_node_api::request_id;
+    use tracing::Instrument;
     let id: Arc<str> = req
         .headers()
         .get(request_id::HEADER)
@@ -270,22 +275,29 @@ async fn request_ids(mut req: axum::extract::Request, next: middleware::Next) ->
         .filter(|v| request_id::acceptable(v))
         .map(Arc::from)
         .unwrap_or_else(|| Arc::from(request_id::generate()));
-    req.extensions_mut().insert(RequestId(id.clone()));
-    let mut resp = request_id::scope(id.clone(), next.run(req)).await;
+    let incoming = req
+        .headers()
+        .get(request_id::TRACEPARENT_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| dsec_telemetry::valid_traceparent(v))
+        .map(str::to_string);
+    let span = tracing::info_span!(
+        "request",
+        method = %req.method(),
+        uri = %req.uri().path(),
+        request_id = %id,
+    );
+    if let Some(tp) = &incoming {
+        dsec_telemetry::set_parent(&span, tp);
+    }
+    let traceparent = dsec_telemetry::traceparent(&span).or(incoming);
+    let mut resp = request_id::scope_traced(id.clone(), traceparent.map(Arc::from), next.run(req))
+        .instrument(span)
+        .await;
     if let Ok(v) = axum::http::HeaderValue::from_str(&id) {
         resp.headers_mut().insert(request_id::HEADER, v);
     }
     resp
-}
-
-/// The span of one request: method, path and its id.
-fn request_span(req: &axum::http::Request<axum::body::Body>) -> tracing::Span {
-    let id = req
-        .extensions()
-        .get::<RequestId>()
-        .map(|r| r.0.clone())
-        .unwrap_or_else(|| Arc::from(""));
-    tracing::info_span!("request", method = %req.method(), uri = %req.uri().path(), request_id = %id)
 }
 
 /// Serves [`router`] on `listener` until `shutdown` completes, then drains open requests.

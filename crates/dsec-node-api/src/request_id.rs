@@ -13,25 +13,55 @@ pub const HEADER: &str = "x-request-id";
 /// The longest id accepted from a caller.
 pub const MAX_LEN: usize = 128;
 
+/// The header that carries the W3C trace context of a request, on to a remote node.
+pub const TRACEPARENT_HEADER: &str = "traceparent";
+
+/// What a task serving a request knows of it.
+#[derive(Debug, Clone)]
+pub struct Served {
+    id: Arc<str>,
+    traceparent: Option<Arc<str>>,
+}
+
 tokio::task_local! {
-    static REQUEST_ID: Arc<str>;
+    static REQUEST: Served;
 }
 
 /// The id of the request the current task serves, if any.
 pub fn current() -> Option<Arc<str>> {
-    REQUEST_ID.try_with(Arc::clone).ok()
+    REQUEST.try_with(|r| r.id.clone()).ok()
+}
+
+/// The W3C trace context (`traceparent`) of the request the current task serves, if it
+/// has one: its span's when spans are exported, else the caller's as it came.
+pub fn traceparent() -> Option<Arc<str>> {
+    REQUEST.try_with(|r| r.traceparent.clone()).ok().flatten()
+}
+
+/// What the current task serves, to hand to a task spawned on its behalf ([`carry`]).
+pub fn served() -> Option<Served> {
+    REQUEST.try_with(Clone::clone).ok()
 }
 
 /// Runs `f` as serving request `id`.
 pub async fn scope<F: Future>(id: Arc<str>, f: F) -> F::Output {
-    REQUEST_ID.scope(id, f).await
+    scope_traced(id, None, f).await
 }
 
-/// `f` as serving the current request (for a task spawned on its behalf); `f` itself
-/// when there is none.
-pub async fn carry<F: Future>(id: Option<Arc<str>>, f: F) -> F::Output {
-    match id {
-        Some(id) => REQUEST_ID.scope(id, f).await,
+/// Runs `f` as serving request `id` of trace context `traceparent`.
+pub async fn scope_traced<F: Future>(
+    id: Arc<str>,
+    traceparent: Option<Arc<str>>,
+    f: F,
+) -> F::Output {
+    REQUEST.scope(Served { id, traceparent }, f).await
+}
+
+/// `f` as serving what [`served`] returned (for a task spawned on a request's behalf);
+/// `f` itself when that was nothing.
+pub async fn carry<F: Future>(served: Option<Served>, f: F) -> F::Output {
+    match served {
+        Some(s) => REQUEST.scope(s, f).await,
         None => f.await,
     }
 }
@@ -74,18 +104,21 @@ mod tests {
     async fn the_id_is_the_scoped_tasks_and_carried_into_spawned_ones() {
         assert!(current().is_none());
         let id: Arc<str> = Arc::from("req_1");
-        let seen = scope(id.clone(), async {
+        let tp: Arc<str> = Arc::from("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+        let seen = scope_traced(id.clone(), Some(tp.clone()), async {
             let here = current();
-            let carried = current();
-            let spawned = tokio::spawn(carry(carried, async { current() }))
+            let carried = served();
+            let spawned = tokio::spawn(carry(carried, async { (current(), traceparent()) }))
                 .await
-                .ok()
-                .flatten();
+                .ok();
             (here, spawned)
         })
         .await;
         assert_eq!(seen.0.as_deref(), Some("req_1"));
-        assert_eq!(seen.1.as_deref(), Some("req_1"));
-        assert!(current().is_none());
+        let (spawned_id, spawned_tp) = seen.1.expect("spawned task ran");
+        assert_eq!(spawned_id.as_deref(), Some("req_1"));
+        assert_eq!(spawned_tp, Some(tp));
+        assert!(current().is_none() && traceparent().is_none());
+        assert_eq!(scope(id, async { traceparent() }).await, None);
     }
 }

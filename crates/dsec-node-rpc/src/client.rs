@@ -77,9 +77,15 @@ impl RemoteNode {
             .http
             .request(method, format!("{}{PREFIX}{path}", self.base))
             .bearer_auth(&self.token);
-        // The API request this call serves, for the node's log.
-        match dsec_node_api::request_id::current() {
-            Some(id) => req.header(dsec_node_api::request_id::HEADER, &*id),
+        // The API request this call serves, for the node's log, and its trace context,
+        // which the node's span and commands continue.
+        use dsec_node_api::request_id;
+        let req = match request_id::current() {
+            Some(id) => req.header(request_id::HEADER, &*id),
+            None => req,
+        };
+        match request_id::traceparent() {
+            Some(tp) => req.header(request_id::TRACEPARENT_HEADER, &*tp),
             None => req,
         }
     }

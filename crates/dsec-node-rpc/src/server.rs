@@ -102,27 +102,37 @@ pub fn router(node: Arc<dyn NodeApi>, token: String) -> Router {
     Router::new().nest(PREFIX, routes)
 }
 
-/// The API server's request id (its `x-request-id`), carried by the task serving the
-/// call and named in its span, so the node's log lines name the request they serve.
+/// The API server's request id (its `x-request-id`) and trace context (`traceparent`),
+/// carried by the task serving the call: its span (`node_call`, a child of the API
+/// server's when spans are exported) names the request, and the commands it runs get
+/// both in their environment.
 async fn request_ids(
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
     use dsec_node_api::request_id;
     use tracing::Instrument;
-    let id = req
-        .headers()
-        .get(request_id::HEADER)
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| request_id::acceptable(v))
-        .map(std::sync::Arc::<str>::from);
-    match id {
-        Some(id) => {
-            let span = tracing::info_span!("node_call", request_id = %id);
-            request_id::scope(id, next.run(req)).instrument(span).await
-        }
-        None => next.run(req).await,
+    let headers = req.headers();
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    let id = header(request_id::HEADER).filter(|v| request_id::acceptable(v));
+    let incoming =
+        header(request_id::TRACEPARENT_HEADER).filter(|v| dsec_telemetry::valid_traceparent(v));
+    let Some(id) = id else {
+        return next.run(req).await;
+    };
+    let span = tracing::info_span!("node_call", request_id = %id, path = %req.uri().path());
+    if let Some(tp) = &incoming {
+        dsec_telemetry::set_parent(&span, tp);
     }
+    let traceparent = dsec_telemetry::traceparent(&span).or(incoming);
+    request_id::scope_traced(id.into(), traceparent.map(Into::into), next.run(req))
+        .instrument(span)
+        .await
 }
 
 /// Refuses a request without the node token (compared in constant time).

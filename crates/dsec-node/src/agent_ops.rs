@@ -308,30 +308,35 @@ impl LocalNode {
     }
 }
 
-/// `spec` with the id of the request being served in its environment
-/// ([`dsec_wire::agent::REQUEST_ID_ENV`]), unless the caller set that variable.
+/// `spec` with the id of the request being served ([`dsec_wire::agent::REQUEST_ID_ENV`])
+/// and its trace context ([`dsec_wire::agent::TRACEPARENT_ENV`]) in its environment,
+/// unless the caller set those variables.
 pub(crate) fn traced(mut spec: ExecSpec) -> ExecSpec {
-    if let Some(id) = dsec_node_api::request_id::current() {
-        spec.env
-            .entry(dsec_wire::agent::REQUEST_ID_ENV.to_string())
-            .or_insert_with(|| id.to_string());
-    }
+    add_request_env(&mut spec.env);
     spec
 }
 
-/// `req` with the id of the request being served in its command's environment, for the
+/// `req` with the request's id and trace context in its command's environment, for the
 /// requests that start one outside [`traced`]'s execs (a process start).
 pub(crate) fn traced_request(req: Request) -> Request {
     match req {
         Request::ProcessStart(mut spec) => {
-            if let Some(id) = dsec_node_api::request_id::current() {
-                spec.env
-                    .entry(dsec_wire::agent::REQUEST_ID_ENV.to_string())
-                    .or_insert_with(|| id.to_string());
-            }
+            add_request_env(&mut spec.env);
             Request::ProcessStart(spec)
         }
         other => other,
+    }
+}
+
+fn add_request_env(env: &mut std::collections::BTreeMap<String, String>) {
+    use dsec_node_api::request_id;
+    if let Some(id) = request_id::current() {
+        env.entry(dsec_wire::agent::REQUEST_ID_ENV.to_string())
+            .or_insert_with(|| id.to_string());
+    }
+    if let Some(tp) = request_id::traceparent() {
+        env.entry(dsec_wire::agent::TRACEPARENT_ENV.to_string())
+            .or_insert_with(|| tp.to_string());
     }
 }
 

@@ -13,9 +13,11 @@
 
 mod etcd;
 pub mod openai;
+pub mod otlp;
 pub mod registry;
 pub mod token;
 pub use etcd::{etcd_binary, Etcd, ETCD_BIN_VAR};
+pub use otlp::{OtlpCollector, ReceivedSpan};
 pub use registry::{layer_tar, oci_layout, CutProxy, Registry};
 pub use token::TokenServer;
 

@@ -35,6 +35,10 @@ pub const KEEPS_CONNECTIONS_SINCE: u32 = 2;
 /// can name the request.
 pub const REQUEST_ID_ENV: &str = "DSEC_REQUEST_ID";
 
+/// The environment variable that gives a command the W3C trace context (`traceparent`)
+/// of the request that runs it, as OpenTelemetry's environment carriers name it.
+pub const TRACEPARENT_ENV: &str = "TRACEPARENT";
+
 /// Default cap on recorded output per stream (4 MiB).
 pub const DEFAULT_OUTPUT_LIMIT: u64 = 4 * 1024 * 1024;
 

@@ -174,12 +174,23 @@ impl ControlPlane {
         tenant: &str,
         req: CreateSandboxRequest,
     ) -> ApiResult<Sandbox> {
+        // The create's span (exported with --otlp-endpoint): the sandbox, and its phases
+        // once known (they are measured on the timeline, not as spans of their own).
+        let span = tracing::info_span!(
+            "create_sandbox",
+            tenant,
+            sandbox = tracing::field::Empty,
+            total_ms = tracing::field::Empty,
+            phases = tracing::field::Empty,
+        );
         let mut timeline = Timeline::start();
         let wants_timings = req.timings;
         let mut made = None;
-        let mut sb = self
-            .create_timed(tenant, req, &mut timeline, &mut made)
-            .await?;
+        let mut sb = tracing::Instrument::instrument(
+            self.create_timed(tenant, req, &mut timeline, &mut made),
+            span.clone(),
+        )
+        .await?;
         // This attempt's own sandbox (not an earlier attempt's, found by its key): its
         // phases, the last write included.
         if made.as_deref() == Some(sb.id.as_str()) {
@@ -187,6 +198,16 @@ impl ControlPlane {
             let timings = timeline.finish();
             self.create_stats
                 .record(&sb.id, &timings, self.cfg.slow_create_ms);
+            if !span.is_disabled() {
+                let phases: Vec<String> = timings
+                    .phases
+                    .iter()
+                    .map(|p| format!("{}={:.2}", p.phase, p.ms))
+                    .collect();
+                span.record("sandbox", sb.id.as_str());
+                span.record("total_ms", timings.total_ms);
+                span.record("phases", phases.join(" "));
+            }
             sb.timings = Some(timings);
         }
         if !wants_timings {
