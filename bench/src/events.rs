@@ -1,7 +1,9 @@
-//! What events (#29) cost the create path: time to interactive (create, then `exec
-//! true`) on two fresh servers of this build that differ only in `--events-retention-s`
-//! (3600 against 0), alternating between them so both see the same machine. Request ids
-//! and spans are on in both (they cannot be turned off).
+//! What events and traces (#29) cost the create path: time to interactive (create, then
+//! `exec true`) on three fresh servers of this build: events off (`--events-retention-s
+//! 0`), events on (the default), and events on with every span exported over OTLP
+//! (`--otlp-endpoint`, to a collector stub in this process). Rounds alternate between
+//! them so all see the same machine. Request ids are on in all (they cannot be turned
+//! off).
 
 use std::time::Instant;
 
@@ -11,35 +13,47 @@ use dsec_wire::v1::CreateSandboxRequest;
 
 use crate::{argv_true, on_one_thread, Stats};
 
-async fn start(name: &str, retention: &str, base: &Server) -> anyhow::Result<Server> {
+async fn start(
+    name: &str,
+    retention: &str,
+    otlp: Option<&str>,
+    base: &Server,
+) -> anyhow::Result<Server> {
     let parent = format!("dsec-{name}");
-    let s = Server::start_with(
-        name,
-        true,
-        &[
-            "--events-retention-s",
-            retention,
-            "--cgroup-parent",
-            &parent,
-            "--disk-pool",
-            "4",
-        ],
-    )
-    .await?;
+    let mut args = vec![
+        "--events-retention-s",
+        retention,
+        "--cgroup-parent",
+        &parent,
+        "--disk-pool",
+        "4",
+    ];
+    if let Some(endpoint) = otlp {
+        args.extend(["--otlp-endpoint", endpoint]);
+    }
+    let s = Server::start_with(name, true, &args).await?;
     s.ensure_base(Some(base)).await?;
     Ok(s)
 }
 
-/// Creates with events on and off, `n * 4` of each after two warm-ups, alternating.
+/// Creates with events off, on, and on with traces exported: `n * 4` of each after two
+/// warm-ups, alternating.
 pub async fn overhead(base: &Server, n: usize) -> anyhow::Result<Vec<Stats>> {
-    let on = start("bench-events-on", "3600", base).await?;
-    let off = start("bench-events-off", "0", base).await?;
+    let collector = dsec_testkit::OtlpCollector::start().await?;
+    let endpoint = collector.url();
+    let on = start("bench-events-on", "3600", None, base).await?;
+    let off = start("bench-events-off", "0", None, base).await?;
+    let traced = start("bench-traced", "3600", Some(&endpoint), base).await?;
     let rounds = n * 4 + 2;
-    let (c_on, c_off) = (on.client(), off.client());
-    let (with, without) = on_one_thread(c_on, move |c_on| async move {
-        let (mut with, mut without) = (Vec::new(), Vec::new());
+    let (c_on, c_off, c_traced) = (on.client(), off.client(), traced.client());
+    let (with, without, exported) = on_one_thread(c_on, move |c_on| async move {
+        let (mut with, mut without, mut exported) = (Vec::new(), Vec::new(), Vec::new());
         for i in 0..rounds {
-            for (c, out) in [(&c_on, &mut with), (&c_off, &mut without)] {
+            for (c, out) in [
+                (&c_on, &mut with),
+                (&c_off, &mut without),
+                (&c_traced, &mut exported),
+            ] {
                 let t = Instant::now();
                 let sb = c.create_sandbox(CreateSandboxRequest::default()).await?;
                 let r = c.exec(&sb.id, argv_true()).await?;
@@ -53,7 +67,7 @@ pub async fn overhead(base: &Server, n: usize) -> anyhow::Result<Vec<Stats>> {
                 }
             }
         }
-        Ok((with, without))
+        Ok((with, without, exported))
     })?;
     // The events were written: a create and a delete each.
     let kept = on
@@ -68,6 +82,27 @@ pub async fn overhead(base: &Server, n: usize) -> anyhow::Result<Vec<Stats>> {
     if kept < rounds * 3 {
         bail!("events on: only {kept} events kept for {rounds} sandboxes");
     }
+    // The spans were exported: a create span per sandbox (the batch exporter sends
+    // within seconds).
+    let creates = || {
+        collector
+            .spans()
+            .iter()
+            .filter(|s| s.name == "create_sandbox")
+            .count()
+    };
+    let spans = dsec_e2e::wait_until(std::time::Duration::from_secs(30), || {
+        let n = creates();
+        async move { (n >= rounds).then_some(n) }
+    })
+    .await;
+    let Some(_) = spans else {
+        bail!(
+            "traces on: the collector got {} create spans for {rounds} sandboxes",
+            creates()
+        );
+    };
+    let total = collector.spans().len();
     Ok(vec![
         Stats {
             name: "create + exec true, events off".into(),
@@ -78,6 +113,11 @@ pub async fn overhead(base: &Server, n: usize) -> anyhow::Result<Vec<Stats>> {
             name: "create + exec true, events on".into(),
             samples: with,
             note: Some(format!("default; {kept} events written")),
+        },
+        Stats {
+            name: "create + exec true, events + traces".into(),
+            samples: exported,
+            note: Some(format!("--otlp-endpoint; {total} spans exported")),
         },
     ])
 }

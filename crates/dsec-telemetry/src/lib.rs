@@ -115,8 +115,13 @@ pub fn init(service: &str, otlp_endpoint: Option<&str>) -> Result<Telemetry, Tel
     let tracer = provider.tracer("dsec");
     // Only dsec's own spans: the exporter's HTTP client is traced too, and exporting
     // its spans would feed the exporter forever.
+    // No busy/idle timing (a clock read at every poll of every instrumented future) and
+    // no thread or source location attributes: what a span says is its own fields.
     let spans = tracing_opentelemetry::layer()
         .with_tracer(tracer)
+        .with_tracked_inactivity(false)
+        .with_threads(false)
+        .with_location(false)
         .with_filter(
             Targets::new()
                 .with_default(LevelFilter::INFO)
