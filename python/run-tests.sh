@@ -16,8 +16,9 @@ fi
 # swe-rex (+ aiohttp, which its RemoteRuntime imports but does not declare) and e2b
 # (pinned) and sandbox-fusion: the compatibility tests drive dsec with the unmodified
 # SWE-ReX, E2B and SandboxFusion clients; openai (pinned) drives the model gateway;
-# openapi-spec-validator (with jsonschema) checks the OpenAPI document and the answers.
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$here" pytest swe-rex aiohttp "e2b==2.63.0" sandbox-fusion "openai==2.54.0" openapi-spec-validator
+# openapi-spec-validator (with jsonschema) checks the OpenAPI document and the answers;
+# websockets speaks the DevTools protocol to the chromium that tests the console.
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$here" pytest swe-rex aiohttp "e2b==2.63.0" sandbox-fusion "openai==2.54.0" openapi-spec-validator websockets
 
 cd "$repo"
 exec "$venv/bin/python" -m pytest "$here/tests" -q "$@"

@@ -322,6 +322,17 @@ pub async fn openapi() -> Response {
         .into_response()
 }
 
+/// `GET /v1/whoami`: the caller's tenant, key id and scopes.
+pub async fn whoami(api: Api) -> HttpResult<Response> {
+    let p = api.caller();
+    Ok(json(dsec_wire::v1::Whoami {
+        tenant: p.tenant.clone(),
+        key_id: p.key_id.clone(),
+        scopes: p.scopes.iter().map(|s| s.as_str().to_string()).collect(),
+        cluster_admin: p.is_cluster_admin(),
+    }))
+}
+
 /// `POST /v1/sandboxes`.
 pub async fn create_sandbox(
     api: Api,

@@ -35,6 +35,7 @@ pub mod openapi;
 mod sandboxfusion;
 pub mod scoped;
 mod swerex;
+mod ui;
 
 use std::any::Any;
 use std::future::Future;
@@ -112,6 +113,7 @@ pub fn router_with(api: Arc<dyn SandboxApi>, opts: HttpOptions) -> Router {
     let unlimited = || DefaultBodyLimit::disable();
 
     let authed = Router::new()
+        .route("/whoami", get(h::whoami))
         .route("/sandboxes", post(h::create_sandbox).get(h::list_sandboxes))
         .route(
             "/sandboxes/{id}",
@@ -243,6 +245,7 @@ pub fn router_with(api: Arc<dyn SandboxApi>, opts: HttpOptions) -> Router {
         .merge(swerex)
         .merge(sandboxfusion)
         .merge(e2b::routes(api.clone()))
+        .merge(ui::routes())
         .fallback(h::not_found)
         .method_not_allowed_fallback(h::method_not_allowed)
         .layer(DefaultBodyLimit::max(JSON_BODY_LIMIT))

@@ -206,6 +206,7 @@ fn operations() -> Vec<Operation> {
     vec![
         op("get", "/v1/health", "health", "Health and capacity of the service").public().ok::<Health>(),
         op("get", "/v1/openapi.json", "openapi", "This document").public().answer(Answer::Json(200, schema_of::<Value>)),
+        op("get", "/v1/whoami", "whoami", "The caller: its key's tenant, id and scopes").ok::<Whoami>(),
         // Sandboxes.
         op("post", "/v1/sandboxes", "createSandbox", "Create a sandbox").body::<CreateSandboxRequest>().created::<Sandbox>(),
         op("get", "/v1/sandboxes", "listSandboxes", "List sandboxes, by label and state").query::<ListSandboxesQuery>().ok::<SandboxList>(),

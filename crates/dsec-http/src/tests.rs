@@ -973,3 +973,65 @@ async fn the_openapi_document_is_served_and_its_refs_resolve() {
         }
     }
 }
+
+// ---------------------------------------------------------------- console
+
+/// The console's files are served without a key, each with its type and a policy that
+/// allows only the server's own scripts; the page names them.
+#[tokio::test]
+async fn the_console_is_served_with_a_strict_policy() {
+    for (path, kind, needle) in [
+        ("/ui", "text/html", "/ui/app.js"),
+        ("/ui/", "text/html", "/ui/app.css"),
+        ("/ui/app.js", "text/javascript", "/v1/whoami"),
+        ("/ui/app.css", "text/css", ".login"),
+    ] {
+        let r = Request::builder()
+            .uri(path)
+            .body(Body::empty())
+            .expect("request");
+        let (status, headers, body) = send(r).await;
+        assert_eq!(status, StatusCode::OK, "{path}");
+        let ct = headers[header::CONTENT_TYPE].to_str().unwrap_or_default();
+        assert!(ct.starts_with(kind), "{path}: {ct}");
+        let csp = headers[header::CONTENT_SECURITY_POLICY]
+            .to_str()
+            .unwrap_or_default();
+        assert!(
+            csp.contains("script-src 'self'") && !csp.contains("unsafe"),
+            "{csp}"
+        );
+        assert!(String::from_utf8_lossy(&body).contains(needle), "{path}");
+    }
+    // The page has no inline script for the policy to block.
+    let r = Request::builder()
+        .uri("/ui")
+        .body(Body::empty())
+        .expect("request");
+    let (_, _, body) = send(r).await;
+    let page = String::from_utf8_lossy(&body);
+    assert_eq!(page.matches("<script").count(), 1);
+    assert!(page.contains("<script src=\"/ui/app.js\"></script>"));
+}
+
+/// `GET /v1/whoami` says who the key is; without a key it is `unauthorized`.
+#[tokio::test]
+async fn whoami_names_the_key() {
+    let (status, _, body) = send(req("GET", "/v1/whoami").body(Body::empty()).expect("req")).await;
+    assert_eq!(status, StatusCode::OK);
+    let who: Whoami = serde_json::from_slice(&body).expect("whoami");
+    assert_eq!(
+        (who.tenant.as_str(), who.key_id.as_str()),
+        ("default", "test")
+    );
+    assert!(who.cluster_admin && who.scopes.contains(&"admin".to_string()));
+    let anonymous = Request::builder()
+        .uri("/v1/whoami")
+        .body(Body::empty())
+        .expect("request");
+    let (status, e) = send_err(anonymous).await;
+    assert_eq!(
+        (status, e.code),
+        (StatusCode::UNAUTHORIZED, ErrorCode::Unauthorized)
+    );
+}

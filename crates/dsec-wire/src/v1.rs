@@ -1473,6 +1473,20 @@ pub enum ImportEvent {
     },
 }
 
+/// `GET /v1/whoami`: the caller as its key makes it (the console reads it at sign-in).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+pub struct Whoami {
+    /// The key's tenant.
+    pub tenant: String,
+    /// The key's id.
+    pub key_id: String,
+    /// What the key may do: `read`, `sandboxes`, `images`, `admin`.
+    pub scopes: Vec<String>,
+    /// An admin key of the default tenant: sees and manages every tenant.
+    pub cluster_admin: bool,
+}
+
 /// `GET /v1/health`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]

@@ -1,0 +1,424 @@
+// The dsec console: a page of plain JavaScript over the /v1 API, served by the server
+// itself (no build step, no CDN). The API key is kept in session storage and sent as
+// x-api-key; every text from the API is set with textContent, never parsed as HTML.
+"use strict";
+
+const KEY = "dsec.key";
+const $ = (sel) => document.querySelector(sel);
+const state = { who: null, view: null, sandboxes: [], lastEvent: null, events: [], follow: null, timer: null, flash: null, deletedHere: new Set() };
+
+// ------------------------------------------------------------------ API
+
+class ApiError extends Error {
+  constructor(status, code, message, requestId) {
+    super(message);
+    this.status = status;
+    this.code = code;
+    this.requestId = requestId;
+  }
+}
+
+async function api(path, options = {}) {
+  const headers = Object.assign({ "x-api-key": sessionStorage.getItem(KEY) || "" }, options.headers || {});
+  let resp;
+  try {
+    resp = await fetch(path, Object.assign({}, options, { headers }));
+  } catch (e) {
+    throw new ApiError(0, "unreachable", "cannot reach the server (" + e.message + ")", null);
+  }
+  if (!resp.ok) {
+    let code = "http_" + resp.status, message = resp.statusText, requestId = resp.headers.get("x-request-id");
+    try {
+      const body = await resp.json();
+      code = body.error.code;
+      message = body.error.message;
+      requestId = body.error.request_id || requestId;
+    } catch (_) { /* not an error body */ }
+    if (resp.status === 401 && path !== "/v1/whoami") {
+      signOut("The server no longer accepts this key: " + message);
+    }
+    throw new ApiError(resp.status, code, message, requestId);
+  }
+  if (resp.status === 204) return null;
+  return options.raw ? resp : resp.json();
+}
+
+// ------------------------------------------------------------------ DOM helpers
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "class") node.className = v;
+    else if (k === "data") Object.assign(node.dataset, v);
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v);
+  }
+  for (const c of children) {
+    if (c === null || c === undefined) continue;
+    node.append(c instanceof Node ? c : String(c));
+  }
+  return node;
+}
+
+function fill(tbody, rows, empty) {
+  tbody.replaceChildren(...rows);
+  if (rows.length === 0 && empty) {
+    const cols = tbody.parentElement.querySelectorAll("thead th").length || 1;
+    tbody.append(el("tr", {}, el("td", { colspan: cols, class: "empty" }, empty)));
+  }
+}
+
+const time = (ms) => (ms ? new Date(ms).toLocaleString() : "");
+const bytes = (n) => {
+  if (n === null || n === undefined) return "";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return (i ? n.toFixed(1) : n) + " " + units[i];
+};
+const labels = (l) => Object.entries(l || {}).map(([k, v]) => k + "=" + v).join(" ");
+
+function status(text, isError) {
+  const s = $("#status");
+  s.textContent = text;
+  s.classList.toggle("error", !!isError);
+  s.hidden = !text;
+}
+
+function showError(e) {
+  const id = e.requestId ? " (request " + e.requestId + ")" : "";
+  status((e.code ? e.code + ": " : "") + e.message + id, true);
+}
+
+// ------------------------------------------------------------------ sign in
+
+function canWrite() {
+  return !!state.who && state.who.scopes.some((s) => s === "sandboxes" || s === "admin");
+}
+
+async function signIn(key) {
+  sessionStorage.setItem(KEY, key);
+  try {
+    state.who = await api("/v1/whoami");
+  } catch (e) {
+    sessionStorage.removeItem(KEY);
+    const why = e.status === 401 || e.status === 403
+      ? "This key was refused: " + e.message
+      : "Cannot sign in: " + e.message;
+    showLogin(why);
+    return;
+  }
+  $("#login").hidden = true;
+  $("#app").hidden = false;
+  const who = $("#who");
+  who.replaceChildren(state.who.tenant + " / " + state.who.key_id);
+  if (!canWrite()) who.append(el("span", { class: "badge", id: "read-only" }, "read-only"));
+  document.querySelectorAll(".writes").forEach((n) => { n.hidden = !canWrite(); });
+  follow();
+  state.timer = setInterval(refresh, 5000);
+  route();
+}
+
+function signOut(message) {
+  sessionStorage.removeItem(KEY);
+  state.lastEvent = null;
+  state.events = [];
+  state.who = null;
+  if (state.follow) state.follow.abort();
+  state.follow = null;
+  clearInterval(state.timer);
+  showLogin(message);
+}
+
+function showLogin(message) {
+  $("#app").hidden = true;
+  $("#login").hidden = false;
+  const err = $("#login-error");
+  err.textContent = message || "";
+  err.hidden = !message;
+  $("#key").value = "";
+  $("#key").focus();
+}
+
+// ------------------------------------------------------------------ live events
+
+// Follows GET /v1/events (Server-Sent Events read with fetch: EventSource cannot send
+// the key), from the last event seen; reconnects after a second when the stream ends.
+async function follow() {
+  const ctl = new AbortController();
+  state.follow = ctl;
+  const after = state.lastEvent === null ? "" : "?after=" + state.lastEvent;
+  try {
+    const resp = await api("/v1/events" + after, { raw: true, signal: ctl.signal });
+    live(true);
+    const reader = resp.body.getReader();
+    const decoder = new TextDecoder();
+    let buf = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buf += decoder.decode(value, { stream: true });
+      let cut;
+      while ((cut = buf.indexOf("\n\n")) >= 0) {
+        const block = buf.slice(0, cut);
+        buf = buf.slice(cut + 2);
+        const data = block.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5)).join("\n");
+        const name = (block.split("\n").find((l) => l.startsWith("event:")) || "").slice(6).trim();
+        if (data && name !== "error") onEvent(JSON.parse(data));
+      }
+    }
+  } catch (e) {
+    if (ctl.signal.aborted) return;
+  }
+  live(false);
+  if (state.follow === ctl && state.who) setTimeout(() => { if (state.follow === ctl) follow(); }, 1000);
+}
+
+// Whether the event stream is connected: the list follows changes as they happen, else
+// it is refreshed every 5 s.
+function live(on) {
+  const n = $("#live");
+  n.textContent = on ? "live" : "reconnecting";
+  n.className = on ? "live on" : "live";
+}
+
+let refreshSoon = null;
+function onEvent(ev) {
+  state.lastEvent = ev.id;
+  state.events.unshift(ev);
+  state.events.length = Math.min(state.events.length, 500);
+  if (state.view === "events") renderEvents();
+  if (state.view === "sandbox" && ev.sandbox === state.arg && (ev.kind === "deleted" || ev.kind === "expired")) {
+    // Gone: back to the list rather than asking for a record that is no more.
+    if (!state.deletedHere.has(ev.sandbox)) state.flash = "Sandbox " + ev.sandbox + " was " + ev.kind + ".";
+    location.hash = "sandboxes";
+    return;
+  }
+  clearTimeout(refreshSoon);
+  refreshSoon = setTimeout(refresh, 100);
+}
+
+// ------------------------------------------------------------------ views
+
+function route() {
+  if (!state.who) return;
+  const hash = location.hash.replace(/^#/, "") || "sandboxes";
+  const [view, arg] = hash.split("/");
+  const name = ["sandboxes", "sandbox", "nodes", "images", "pools", "events"].includes(view) ? view : "sandboxes";
+  state.view = name;
+  state.arg = arg ? decodeURIComponent(arg) : null;
+  document.querySelectorAll(".view").forEach((v) => { v.hidden = v.id !== "view-" + name; });
+  document.querySelectorAll("#tabs a").forEach((a) => {
+    a.classList.toggle("active", a.dataset.view === name || (name === "sandbox" && a.dataset.view === "sandboxes"));
+  });
+  status(state.flash || "");
+  state.flash = null;
+  refresh();
+}
+
+async function refresh() {
+  if (!state.who) return;
+  try {
+    switch (state.view) {
+      case "sandboxes": return await renderSandboxes();
+      case "sandbox": return await renderSandbox(state.arg);
+      case "nodes": return await renderNodes();
+      case "images": return await renderImages();
+      case "pools": return await renderPools();
+      case "events": return renderEvents();
+    }
+  } catch (e) {
+    showError(e);
+  }
+}
+
+function matches(sb, words) {
+  const hay = [sb.id, sb.state, sb.tenant || "", sb.image || "", sb.node || "", labels(sb.labels)].join(" ").toLowerCase();
+  return words.every((w) => hay.includes(w));
+}
+
+async function renderSandboxes() {
+  const list = await api("/v1/sandboxes");
+  state.sandboxes = list.sandboxes;
+  const words = $("#filter").value.toLowerCase().split(/\s+/).filter(Boolean);
+  const shown = list.sandboxes.filter((sb) => matches(sb, words));
+  shown.sort((a, b) => b.created_at - a.created_at);
+  $("#sandbox-count").textContent = shown.length + " of " + list.sandboxes.length;
+  fill($("#sandboxes tbody"), shown.map((sb) => el("tr", {
+    class: "link", data: { id: sb.id }, onclick: () => { location.hash = "sandbox/" + encodeURIComponent(sb.id); },
+  },
+  el("td", { class: "mono" }, sb.id),
+  el("td", { class: "state-" + sb.state }, sb.state),
+  el("td", {}, sb.image || (sb.layers || []).join(" + ")),
+  el("td", {}, sb.tenant || ""),
+  el("td", {}, sb.node || ""),
+  el("td", { class: "mono" }, labels(sb.labels)),
+  el("td", {}, time(sb.created_at)),
+  el("td", {}, time(sb.expires_at)))), "No sandboxes.");
+}
+
+async function renderSandbox(id) {
+  $("#sandbox-title").textContent = id;
+  const del = $("#delete");
+  del.hidden = !canWrite();
+  let sb;
+  try {
+    sb = await api("/v1/sandboxes/" + encodeURIComponent(id));
+  } catch (e) {
+    if (e.status === 404 || e.code === "expired") {
+      state.flash = state.flash || "Sandbox " + id + " is gone.";
+      location.hash = "sandboxes";
+      return;
+    }
+    throw e;
+  }
+  const facts = [["state", sb.state], ["image", sb.image || ""], ["tenant", sb.tenant || ""], ["node", sb.node],
+    ["ip", sb.ip || ""], ["backend", sb.backend], ["cpu / memory / disk",
+      [sb.resources.cpu_millis, sb.resources.memory_mb, sb.resources.disk_mb].map((v) => v ?? "-").join(" / ")],
+    ["labels", labels(sb.labels)], ["created", time(sb.created_at)], ["expires", time(sb.expires_at)],
+    ["last active", time(sb.last_active_at)]];
+  if (sb.failure) facts.push(["failure", sb.failure]);
+  if (sb.unhealthy_cause) facts.push(["unhealthy", sb.unhealthy_cause]);
+  $("#sandbox-facts").replaceChildren(...facts.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
+  const phases = (sb.timings && sb.timings.phases) || [];
+  fill($("#phases tbody"), phases.map((p) => el("tr", {}, el("td", {}, p.phase), el("td", {}, p.ms.toFixed(2)))),
+    "Not recorded.");
+  $("#sandbox-json").textContent = JSON.stringify(sb, null, 2);
+  const [procs, events] = await Promise.all([
+    api("/v1/sandboxes/" + encodeURIComponent(id) + "/processes").catch(() => ({ processes: [] })),
+    sandboxEvents(id),
+  ]);
+  fill($("#processes tbody"), procs.processes.map((p) => el("tr", {},
+    el("td", {}, p.pid), el("td", {}, p.tag || ""),
+    el("td", { class: "mono" }, Array.isArray(p.cmd) ? p.cmd.join(" ") : p.cmd),
+    el("td", {}, p.exit ? "exited " + (p.exit.exit_code ?? "signal " + p.exit.signal) : "running"))), "None.");
+  fill($("#sandbox-events tbody"), events.map((ev) => el("tr", {},
+    el("td", {}, time(ev.at_ms)), el("td", {}, ev.kind), el("td", {}, ev.cause || ev.command || ""))), "None kept.");
+}
+
+async function sandboxEvents(id) {
+  try {
+    const resp = await api("/v1/events?after=0&no_follow=true&sandbox=" + encodeURIComponent(id), { raw: true });
+    const text = await resp.text();
+    return text.split("\n\n").map((b) => b.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5)).join(""))
+      .filter(Boolean).map((d) => JSON.parse(d)).filter((ev) => ev.kind);
+  } catch (_) {
+    return [];
+  }
+}
+
+async function renderNodes() {
+  const health = await api("/v1/health");
+  let rows = [];
+  try {
+    const list = await api("/v1/nodes");
+    rows = list.nodes.map((n) => el("tr", {},
+      el("td", {}, n.name), el("td", {}, !n.live ? "lost" : n.draining ? "draining" : "ready"),
+      el("td", {}, n.sandboxes + " / " + n.max_sandboxes),
+      el("td", {}, (n.cpu_millis_used / 1000).toFixed(1) + " / " + (n.cpu_millis / 1000).toFixed(1)),
+      el("td", {}, bytes(n.memory_bytes_used) + " / " + bytes(n.memory_bytes)),
+      el("td", {}, n.version || "")));
+  } catch (_) {
+    // Not allowed to list nodes: the health still says what this server holds.
+  }
+  if (rows.length === 0) {
+    const c = health.capacity || {};
+    rows = [el("tr", {},
+      el("td", {}, health.node), el("td", {}, health.status),
+      el("td", {}, health.sandboxes + " / " + (c.max_sandboxes ?? "-")),
+      el("td", {}, ((c.cpu_millis_requested || 0) / 1000).toFixed(1) + " / " + ((c.cpu_millis_allocatable || 0) / 1000).toFixed(1)),
+      el("td", {}, bytes(c.memory_available_bytes) + " free"),
+      el("td", {}, health.version))];
+  }
+  fill($("#nodes tbody"), rows, "No nodes.");
+  const layers = await api("/v1/images/layers").catch(() => ({ lazy: [] }));
+  fill($("#layers tbody"), layers.lazy.map((l) => el("tr", {},
+    el("td", { class: "mono" }, l.digest.slice(0, 19)), el("td", {}, bytes(l.cached_bytes)),
+    el("td", {}, bytes(l.fetched_bytes)), el("td", {}, l.faults),
+    el("td", {}, (l.mean_fetch_us / 1000).toFixed(2) + " ms"))), "No layers served on demand.");
+}
+
+async function renderImages() {
+  const list = await api("/v1/images");
+  fill($("#images tbody"), list.images.map((i) => el("tr", {},
+    el("td", {}, i.name), el("td", { class: "mono" }, i.digest.slice(0, 19)),
+    el("td", {}, (i.layers || []).length || 1), el("td", {}, bytes(i.size_bytes)),
+    el("td", {}, time(i.created_at)), el("td", {}, i.source))), "No images.");
+}
+
+async function renderPools() {
+  const pools = await api("/v1/pools").catch(() => ({ pools: [] }));
+  fill($("#pools tbody"), pools.pools.map((p) => el("tr", {},
+    el("td", {}, p.spec.name), el("td", {}, p.tenant), el("td", {}, p.target), el("td", {}, p.ready),
+    el("td", {}, p.creating), el("td", {}, p.claimed), el("td", {}, p.queue_length),
+    el("td", {}, p.last_error || ""))), "No pools.");
+  const queue = await api("/v1/queue").catch((e) => ({ error: e.message }));
+  $("#queue").textContent = JSON.stringify(queue, null, 2);
+}
+
+function renderEvents() {
+  fill($("#events tbody"), state.events.map((ev) => el("tr", {},
+    el("td", {}, ev.id), el("td", {}, time(ev.at_ms)), el("td", {}, ev.kind),
+    el("td", { class: "mono" }, ev.sandbox || ev.node || ""), el("td", {}, ev.tenant || ""),
+    el("td", {}, ev.cause || ev.command || ""))), "No events since the console opened.");
+}
+
+// ------------------------------------------------------------------ actions
+
+async function deleteSandbox() {
+  const del = $("#delete");
+  if (!del.classList.contains("armed")) {
+    del.classList.add("armed");
+    del.textContent = "Confirm delete";
+    setTimeout(() => { del.classList.remove("armed"); del.textContent = "Delete"; }, 5000);
+    return;
+  }
+  del.classList.remove("armed");
+  del.textContent = "Delete";
+  const id = state.arg;
+  state.deletedHere.add(id);
+  try {
+    await api("/v1/sandboxes/" + encodeURIComponent(id), { method: "DELETE" });
+    const done = "Deleted " + id + ".";
+    // Its deleted event may have brought the list back already (its route may still
+    // be on its way): say it now, and to that route; the note is dropped after it.
+    status(done);
+    state.flash = done;
+    location.hash = "sandboxes";
+    setTimeout(() => { if (state.flash === done) state.flash = null; }, 0);
+  } catch (e) {
+    state.deletedHere.delete(id);
+    showError(e);
+  }
+}
+
+async function runCommand(ev) {
+  ev.preventDefault();
+  const out = $("#exec-out");
+  out.hidden = false;
+  out.textContent = "$ " + $("#exec-cmd").value + "\n";
+  try {
+    const r = await api("/v1/sandboxes/" + encodeURIComponent(state.arg) + "/exec", {
+      method: "POST",
+      headers: { "content-type": "application/json" },
+      body: JSON.stringify({ cmd: $("#exec-cmd").value, timeout_s: 60 }),
+    });
+    out.append(r.stdout, r.stderr, "[exit " + (r.exit_code ?? "signal " + r.signal) + (r.oom_killed ? ", OOM-killed" : "") + "]\n");
+  } catch (e) {
+    out.append("error: " + e.message + "\n");
+  }
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("#login-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    signIn($("#key").value.trim());
+  });
+  $("#logout").addEventListener("click", () => signOut(""));
+  $("#filter").addEventListener("input", () => refresh());
+  $("#delete").addEventListener("click", deleteSandbox);
+  $("#exec-form").addEventListener("submit", runCommand);
+  window.addEventListener("hashchange", route);
+  const key = sessionStorage.getItem(KEY);
+  if (key) signIn(key); else showLogin("");
+});
