@@ -15,10 +15,13 @@ import shutil
 import subprocess
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
+from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 import dsec
@@ -87,6 +90,16 @@ class Browser:
             if time.monotonic() > deadline:
                 raise AssertionError(f"not within {timeout} s: {expression}\npage: {self.js('document.body.innerText')}")
             time.sleep(0.05)
+
+    def type(self, text: str) -> None:
+        """Types `text` as key presses into the focused element ("\n" is Enter)."""
+        for c in text:
+            if c == "\n":
+                key = {"key": "Enter", "code": "Enter", "windowsVirtualKeyCode": 13}
+            else:
+                key = {"key": c, "text": c}
+            self.call("Input.dispatchKeyEvent", dict(type="keyDown", **key), session=True)
+            self.call("Input.dispatchKeyEvent", {"type": "keyUp", "key": key["key"]}, session=True)
 
     def goto(self, url: str) -> None:
         self.call("Page.navigate", {"url": url}, session=True)
@@ -162,7 +175,7 @@ def test_the_console_in_a_real_browser(server: Server, client: dsec.Client, brow
         assert seen_s < 2.0, seen_s
         b.js("document.querySelector('#filter').value = 'suite=py-console'; "
              "document.querySelector('#filter').dispatchEvent(new Event('input'))")
-        b.wait(f"document.querySelectorAll('#sandboxes tbody tr').length === 1")
+        b.wait("document.querySelectorAll('#sandboxes tbody tr').length === 1")
         b.screenshot("sandboxes")
 
         # Its page: the record, its events, and a command run from the UI.
@@ -174,6 +187,17 @@ def test_the_console_in_a_real_browser(server: Server, client: dsec.Client, brow
         b.js("document.querySelector('#exec-form').requestSubmit()")
         b.wait("document.querySelector('#exec-out').textContent.includes('hello-from-42')")
         b.screenshot("sandbox")
+
+        # Its terminal: a shell on a PTY over a WebSocket, typed into key by key.
+        b.js("document.querySelector('#term-open').click()")
+        b.wait("document.querySelector('#term-state').textContent === 'connected'")
+        b.js("document.querySelector('#term').focus()")
+        b.type("echo term-$((6*7))\n")
+        b.wait("document.querySelector('#term').textContent.includes('term-42')")
+        b.screenshot("terminal")
+        b.js("document.querySelector('#term-close').click()")
+        b.wait("document.querySelector('#term-state').textContent === 'closed'")
+        assert _eventually(lambda: not [p for p in sb.processes() if p.tag == "terminal" and p.exit is None])
 
         # Deleted from the UI (two clicks: arm, confirm).
         b.js("document.querySelector('#delete').click()")
@@ -190,7 +214,8 @@ def test_the_console_in_a_real_browser(server: Server, client: dsec.Client, brow
 
     # Every view renders.
     for view, ready in [
-        ("nodes", "document.querySelectorAll('#nodes tbody tr td').length > 1"),
+        ("nodes", "document.querySelectorAll('#nodes tbody tr td').length > 1 && "
+                  "document.querySelector('#utilization polyline.sandboxes').getAttribute('points').length > 0"),
         ("images", "document.querySelector('#images tbody').textContent.includes('base')"),
         ("pools", "document.querySelector('#queue').textContent.length > 0"),
         ("events", "document.querySelector('#events tbody').textContent.includes('deleted')"),
@@ -211,3 +236,65 @@ def test_the_console_in_a_real_browser(server: Server, client: dsec.Client, brow
 
     errors = b.errors()
     assert len(errors) == refused and all("401" in e for e in errors), "\n".join(errors)
+
+
+def _eventually(check, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _key_protocol(key: str) -> str:
+    return "dsec.key." + base64.urlsafe_b64encode(key.encode()).decode().rstrip("=")
+
+
+def test_the_terminal_websocket(server: Server, client: dsec.Client) -> None:
+    """The terminal without the console: the key as a subprotocol, keys in, output out,
+    a resize seen by the shell, the shell killed when the socket closes; a wrong key, a
+    read-only key and a plain GET are refused before any shell starts."""
+    ws_url = server.url.replace("http://", "ws://")
+    with dsec.Sandbox.create(client, timeout=300) as sb:
+        url = f"{ws_url}/v1/sandboxes/{sb.id}/terminal?cols=80&rows=24"
+        with connect(url, subprotocols=["dsec.terminal.v1", _key_protocol(server.key)]) as ws:
+            assert ws.subprotocol == "dsec.terminal.v1"
+            started = json.loads(ws.recv(timeout=30))
+            assert started["type"] == "started", started
+            pid = started["pid"]
+            ws.send(json.dumps({"type": "resize", "cols": 133, "rows": 41}))
+            ws.send(json.dumps({"type": "stdin", "data": "stty size; echo ws-$((6*7))\r"}))
+            seen = ""
+            while "ws-42" not in seen or "41 133" not in seen:
+                ev = json.loads(ws.recv(timeout=30))
+                assert ev["type"] in ("stdout", "stderr"), ev
+                seen += ev["data"]
+            ws.send("not json")
+            err = json.loads(ws.recv(timeout=30))
+            while err["type"] == "stdout":
+                err = json.loads(ws.recv(timeout=30))
+            assert err["type"] == "error" and err["error"]["code"] == "bad_request", err
+        # The socket closed: its shell is killed.
+        assert _eventually(lambda: any(p.pid == pid and p.exit is not None for p in sb.processes())), \
+            sb.processes()
+
+        # A shell that exits ends the socket with its exit.
+        with connect(f"{ws_url}/v1/sandboxes/{sb.id}/terminal?cmd=exit+7",
+                     subprotocols=["dsec.terminal.v1", _key_protocol(server.key)]) as ws:
+            events = []
+            while not events or events[-1]["type"] not in ("exit", "error"):
+                events.append(json.loads(ws.recv(timeout=30)))
+            assert events[-1]["type"] == "exit" and events[-1]["exit_code"] == 7, events
+
+        reader = client._json("POST", "/tenants/default/keys", json_body={"name": "ws-reader", "scopes": ["read"]})
+        for key, status in [("dsec_wrong_key", 401), (reader["key"], 403)]:
+            with pytest.raises(InvalidStatus) as refused:
+                connect(url, subprotocols=["dsec.terminal.v1", _key_protocol(key)]).close()
+            assert refused.value.response.status_code == status
+        before = len(sb.processes())
+        req = urllib.request.Request(f"{server.url}/v1/sandboxes/{sb.id}/terminal", headers={"x-api-key": server.key})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 400 and b"WebSocket" in e.value.read()
+        assert len(sb.processes()) == before, "a refused terminal starts no shell"

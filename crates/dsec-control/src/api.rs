@@ -447,6 +447,11 @@ pub trait SandboxApi: Send + Sync + 'static {
     }
     /// `DELETE /v1/images/{name}`.
     async fn delete_image(&self, caller: &Principal, name: &str) -> ApiResult<()>;
+    /// `GET /v1/utilization`: the last hour of samples of what the fleet holds.
+    async fn utilization(&self, caller: &Principal) -> ApiResult<dsec_wire::v1::Utilization> {
+        let _ = caller;
+        Ok(dsec_wire::v1::Utilization::default())
+    }
     /// Creates' phases since the start (for `GET /metrics`).
     async fn create_phase_stats(
         &self,

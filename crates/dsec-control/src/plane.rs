@@ -48,6 +48,7 @@ mod queue;
 pub(crate) use pull::ensure_image;
 mod reaper;
 mod records;
+mod utilization;
 use liveness::Limit;
 
 const NS_SANDBOXES: &str = "sandboxes";
@@ -161,6 +162,7 @@ pub struct ControlPlane {
     create_stats: crate::create_stats::CreateStats,
     /// The event log (`GET /v1/events`).
     events: Arc<events::EventLog>,
+    utilization: utilization::UtilizationRing,
 }
 
 fn now_ms() -> u64 {
@@ -256,6 +258,7 @@ impl ControlPlane {
             me: me.clone(),
             create_stats: Default::default(),
             events,
+            utilization: Default::default(),
         });
         plane.records.adopt_missing_keys().await?;
         if plane.cfg.sole_owner {
@@ -269,6 +272,7 @@ impl ControlPlane {
         tokio::spawn(queue::run_queue(plane.me.clone()));
         plane.clone().spawn_reaper();
         plane.spawn_batch_sync();
+        plane.spawn_utilization_sampler();
         Ok(plane)
     }
 
@@ -1458,6 +1462,12 @@ impl SandboxApi for ControlPlane {
         // Images are cluster-wide: any key may see them.
         let _ = caller;
         self.nodes.any()?.layer_stats().await
+    }
+
+    async fn utilization(&self, caller: &Principal) -> ApiResult<dsec_wire::v1::Utilization> {
+        // Counts over every tenant, no names: any key may see them, as the health.
+        let _ = caller;
+        Ok(self.utilization.snapshot())
     }
 
     async fn create_phase_stats(

@@ -253,7 +253,10 @@ pub(crate) async fn audit_calls(
     next: Next,
 ) -> Response {
     let method = req.method().clone();
-    let read_only = method == Method::GET || method == Method::HEAD || method == Method::OPTIONS;
+    // A WebSocket (a terminal) is a GET that runs commands: it is recorded too.
+    let upgrade = req.headers().contains_key(axum::http::header::UPGRADE);
+    let read_only =
+        !upgrade && (method == Method::GET || method == Method::HEAD || method == Method::OPTIONS);
     // Nodes' registration and heartbeats (node token, not API keys) are not calls of
     // users.
     if read_only || req.uri().path().starts_with("/node/") {
@@ -262,7 +265,7 @@ pub(crate) async fn audit_calls(
     let path = req.uri().path().to_owned();
     let who = audited
         .api
-        .authenticate(crate::extract::api_key(req.headers()))
+        .authenticate(crate::extract::request_key(req.headers()).as_deref())
         .ok();
     let remote = req
         .extensions()

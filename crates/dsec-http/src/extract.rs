@@ -107,6 +107,31 @@ pub fn api_key(headers: &HeaderMap) -> Option<&str> {
     scheme.eq_ignore_ascii_case("bearer").then(|| key.trim())
 }
 
+/// The API key a browser's WebSocket offers as a subprotocol
+/// ([`dsec_wire::v1::KEY_PROTOCOL_PREFIX`] and the key in unpadded base64url).
+pub fn websocket_key(headers: &HeaderMap) -> Option<String> {
+    use base64::Engine as _;
+    let offered = headers.get(header::SEC_WEBSOCKET_PROTOCOL)?.to_str().ok()?;
+    let encoded = offered
+        .split(',')
+        .map(str::trim)
+        .find_map(|p| p.strip_prefix(dsec_wire::v1::KEY_PROTOCOL_PREFIX))?;
+    let key = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(encoded)
+        .ok()?;
+    String::from_utf8(key).ok()
+}
+
+/// The key of a request however it came: [`api_key`]'s headers, the password of
+/// `Authorization: Basic` ([`basic_password`]), or a WebSocket's subprotocol
+/// ([`websocket_key`]).
+pub fn request_key(headers: &HeaderMap) -> Option<String> {
+    api_key(headers)
+        .map(str::to_string)
+        .or_else(|| basic_password(headers))
+        .or_else(|| websocket_key(headers))
+}
+
 /// Middleware on every route but `/v1/health`: asks the API who the key is, checks that
 /// it has the scope the route needs ([`dsec_iam::required_scope`]: `forbidden` if not),
 /// and hands the [`dsec_control::Principal`] to the handler (see [`crate::Scoped`]).
@@ -115,10 +140,10 @@ pub async fn require_api_key(
     mut req: Request,
     next: Next,
 ) -> Response {
-    // Clients that only take a URL (SandboxFusion's) carry the key as its password.
-    let basic = basic_password(req.headers());
-    let key = api_key(req.headers()).or(basic.as_deref());
-    match authorize(api.as_ref(), key, &req) {
+    // Clients that only take a URL (SandboxFusion's) carry the key as its password, and
+    // browsers' WebSockets as a subprotocol.
+    let key = request_key(req.headers());
+    match authorize(api.as_ref(), key.as_deref(), &req) {
         Ok(principal) => {
             req.extensions_mut().insert(principal);
             next.run(req).await

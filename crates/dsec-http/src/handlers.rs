@@ -322,6 +322,11 @@ pub async fn openapi() -> Response {
         .into_response()
 }
 
+/// `GET /v1/utilization`: the last hour of samples of what the fleet holds.
+pub async fn utilization(api: Api) -> HttpResult<Response> {
+    Ok(json(api.utilization().await?))
+}
+
 /// `GET /v1/whoami`: the caller's tenant, key id and scopes.
 pub async fn whoami(api: Api) -> HttpResult<Response> {
     let p = api.caller();

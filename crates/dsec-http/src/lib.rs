@@ -35,6 +35,7 @@ pub mod openapi;
 mod sandboxfusion;
 pub mod scoped;
 mod swerex;
+pub mod terminal;
 mod ui;
 
 use std::any::Any;
@@ -114,6 +115,7 @@ pub fn router_with(api: Arc<dyn SandboxApi>, opts: HttpOptions) -> Router {
 
     let authed = Router::new()
         .route("/whoami", get(h::whoami))
+        .route("/utilization", get(h::utilization))
         .route("/sandboxes", post(h::create_sandbox).get(h::list_sandboxes))
         .route(
             "/sandboxes/{id}",
@@ -146,6 +148,7 @@ pub fn router_with(api: Arc<dyn SandboxApi>, opts: HttpOptions) -> Router {
         .route("/nodes", get(h::list_nodes))
         .route("/nodes/{name}/drain", post(h::drain_node))
         .route("/nodes/{name}/undrain", post(h::undrain_node))
+        .route("/sandboxes/{id}/terminal", get(terminal::terminal))
         .route("/sandboxes/{id}/exec", post(h::exec))
         .route("/sandboxes/{id}/exec/stream", post(h::exec_stream))
         .route("/sandboxes/{id}/log", get(h::call_log))

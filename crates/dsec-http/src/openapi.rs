@@ -52,6 +52,8 @@ enum Answer {
     BytesOrJson(&'static str, SchemaFn),
     /// Either of two answers (`DELETE /v1/batches/{id}`: the batch, or 204 with purge).
     JsonOrNoContent(SchemaFn),
+    /// A WebSocket: the client's messages, then the server's.
+    WebSocket(SchemaFn, SchemaFn),
 }
 
 /// One operation of the API.
@@ -114,6 +116,7 @@ fn tag_of(path: &str) -> &'static str {
         ["nodes", ..] => "nodes",
         ["images", ..] => "images",
         ["events"] => "events",
+        ["utilization"] => "nodes",
         ["audit"] => "audit",
         ["tenants", ..] => "tenants",
         ["keys", ..] => "keys",
@@ -207,6 +210,7 @@ fn operations() -> Vec<Operation> {
         op("get", "/v1/health", "health", "Health and capacity of the service").public().ok::<Health>(),
         op("get", "/v1/openapi.json", "openapi", "This document").public().answer(Answer::Json(200, schema_of::<Value>)),
         op("get", "/v1/whoami", "whoami", "The caller: its key's tenant, id and scopes").ok::<Whoami>(),
+        op("get", "/v1/utilization", "utilization", "The last hour of what the fleet holds, sampled every 10 s").ok::<Utilization>(),
         // Sandboxes.
         op("post", "/v1/sandboxes", "createSandbox", "Create a sandbox").body::<CreateSandboxRequest>().created::<Sandbox>(),
         op("get", "/v1/sandboxes", "listSandboxes", "List sandboxes, by label and state").query::<ListSandboxesQuery>().ok::<SandboxList>(),
@@ -241,6 +245,7 @@ fn operations() -> Vec<Operation> {
         op("post", "/v1/nodes/{name}/drain", "drainNode", "Stop placing sandboxes on a node").ok::<ClusterNode>(),
         op("post", "/v1/nodes/{name}/undrain", "undrainNode", "Place sandboxes on a node again").ok::<ClusterNode>(),
         // Commands.
+        op("get", "/v1/sandboxes/{id}/terminal", "terminal", "A shell on a PTY, over a WebSocket (the console's terminal)").query::<TerminalQuery>().answer(Answer::WebSocket(schema_of::<TerminalInput>, schema_of::<ExecEvent>)),
         op("post", "/v1/sandboxes/{id}/exec", "exec", "Run a command and wait for its result").idempotent().body::<ExecRequest>().ok::<ExecResult>(),
         op("post", "/v1/sandboxes/{id}/exec/stream", "execStream", "Run a command, streaming its output (NDJSON)").idempotent().body::<ExecRequest>().ndjson::<ExecEvent>(),
         op("get", "/v1/sandboxes/{id}/log", "callLog", "The log of recorded calls (request ids) of a sandbox").query::<CallLogQuery>().ok::<CallLog>(),
@@ -422,6 +427,23 @@ fn operation_object(o: &Operation, g: &mut SchemaGenerator, defs: &Map<String, V
                     "application/json": media(to_value(s(g))),
                 }
             }));
+        }
+        Answer::WebSocket(client, server) => {
+            responses.insert(
+                "101".into(),
+                json!({
+                    "description": format!(
+                        "Switching Protocols: a WebSocket of subprotocol {TERMINAL_PROTOCOL}. The \
+                         client sends x-client-message (JSON text; a binary message is stdin), the \
+                         server x-server-message (JSON text) until the shell exits or either \
+                         side closes; the shell is killed then. A browser, which cannot set \
+                         headers, offers its key as a second subprotocol: {KEY_PROTOCOL_PREFIX} \
+                         and the key in unpadded base64url."
+                    ),
+                    "x-client-message": to_value(client(g)),
+                    "x-server-message": to_value(server(g)),
+                }),
+            );
         }
         Answer::JsonOrNoContent(s) => {
             responses.insert("200".into(), json!({"description": "OK.", "content": {"application/json": media(to_value(s(g)))}}));

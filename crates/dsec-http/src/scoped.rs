@@ -75,6 +75,11 @@ impl Scoped {
         &self.caller
     }
 
+    /// [`SandboxApi::utilization`] as this caller.
+    pub async fn utilization(&self) -> ApiResult<dsec_wire::v1::Utilization> {
+        self.api.utilization(&self.caller).await
+    }
+
     /// [`SandboxApi::health`] (the same for every caller).
     pub async fn health(&self) -> ApiResult<Health> {
         self.api.health().await

@@ -1035,3 +1035,58 @@ async fn whoami_names_the_key() {
         (StatusCode::UNAUTHORIZED, ErrorCode::Unauthorized)
     );
 }
+
+/// A terminal needs a WebSocket and a key with the `sandboxes` scope; a browser's key
+/// comes as a subprotocol.
+#[tokio::test]
+async fn the_terminal_route_checks_its_key_and_needs_a_websocket() {
+    use base64::Engine as _;
+    let offer = |key: &str| {
+        format!(
+            "dsec.terminal.v1, dsec.key.{}",
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(key)
+        )
+    };
+    let headers = {
+        let mut h = axum::http::HeaderMap::new();
+        h.insert(
+            header::SEC_WEBSOCKET_PROTOCOL,
+            offer(KEY).parse().expect("header"),
+        );
+        h
+    };
+    assert_eq!(extract::websocket_key(&headers).as_deref(), Some(KEY));
+    assert_eq!(extract::request_key(&headers).as_deref(), Some(KEY));
+
+    // A plain GET with a good key: not a WebSocket.
+    let (status, e) = send_err(
+        req("GET", "/v1/sandboxes/sb-1/terminal")
+            .body(Body::empty())
+            .expect("req"),
+    )
+    .await;
+    assert_eq!(
+        (status, e.code),
+        (StatusCode::BAD_REQUEST, ErrorCode::BadRequest)
+    );
+    assert!(e.message.contains("WebSocket"), "{}", e.message);
+    // A read-only key, offered as a subprotocol: forbidden (a terminal runs commands).
+    let r = Request::builder()
+        .uri("/v1/sandboxes/sb-1/terminal")
+        .header(header::SEC_WEBSOCKET_PROTOCOL, offer(READ_KEY))
+        .body(Body::empty())
+        .expect("req");
+    let (status, e) = send_err(r).await;
+    assert_eq!(
+        (status, e.code),
+        (StatusCode::FORBIDDEN, ErrorCode::Forbidden)
+    );
+    // A wrong one: unauthorized.
+    let r = Request::builder()
+        .uri("/v1/sandboxes/sb-1/terminal")
+        .header(header::SEC_WEBSOCKET_PROTOCOL, offer("nope"))
+        .body(Body::empty())
+        .expect("req");
+    let (status, _) = send_err(r).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+}

@@ -120,6 +120,7 @@ async function signIn(key) {
 }
 
 function signOut(message) {
+  closeTerminal();
   sessionStorage.removeItem(KEY);
   state.lastEvent = null;
   state.events = [];
@@ -205,8 +206,15 @@ function route() {
   const hash = location.hash.replace(/^#/, "") || "sandboxes";
   const [view, arg] = hash.split("/");
   const name = ["sandboxes", "sandbox", "nodes", "images", "pools", "events"].includes(view) ? view : "sandboxes";
+  const target = arg ? decodeURIComponent(arg) : null;
+  if (name !== "sandbox" || target !== state.arg) {
+    closeTerminal();
+    $("#term").hidden = true;
+    $("#term-state").textContent = "";
+    $("#exec-out").hidden = true;
+  }
   state.view = name;
-  state.arg = arg ? decodeURIComponent(arg) : null;
+  state.arg = target;
   document.querySelectorAll(".view").forEach((v) => { v.hidden = v.id !== "view-" + name; });
   document.querySelectorAll("#tabs a").forEach((a) => {
     a.classList.toggle("active", a.dataset.view === name || (name === "sandbox" && a.dataset.view === "sandboxes"));
@@ -308,7 +316,8 @@ async function sandboxEvents(id) {
 }
 
 async function renderNodes() {
-  const health = await api("/v1/health");
+  const [health, utilization] = await Promise.all([api("/v1/health"), api("/v1/utilization")]);
+  renderUtilization(utilization);
   let rows = [];
   try {
     const list = await api("/v1/nodes");
@@ -336,6 +345,35 @@ async function renderNodes() {
     el("td", { class: "mono" }, l.digest.slice(0, 19)), el("td", {}, bytes(l.cached_bytes)),
     el("td", {}, bytes(l.fetched_bytes)), el("td", {}, l.faults),
     el("td", {}, (l.mean_fetch_us / 1000).toFixed(2) + " ms"))), "No layers served on demand.");
+}
+
+// The utilization chart: sandboxes (scaled to the most in the hour) and CPU asked for
+// (share of what the nodes offer), one point per sample.
+function renderUtilization(u) {
+  const svg = $("#utilization");
+  const NS = "http://www.w3.org/2000/svg";
+  const samples = u.samples || [];
+  const [w, h] = [720, 160];
+  const most = Math.max(1, ...samples.map((s) => s.sandboxes));
+  const t1 = samples.length ? samples[samples.length - 1].at_ms : Date.now();
+  const t0 = t1 - 3600 * 1000;
+  const x = (s) => ((s.at_ms - t0) / (t1 - t0 || 1)) * w;
+  const line = (cls, y) => {
+    const p = document.createElementNS(NS, "polyline");
+    p.setAttribute("class", cls);
+    p.setAttribute("points", samples.map((s) => x(s).toFixed(1) + "," + (h - 4 - y(s) * (h - 8)).toFixed(1)).join(" "));
+    return p;
+  };
+  svg.replaceChildren(
+    line("sandboxes", (s) => s.sandboxes / most),
+    line("cpu", (s) => (s.cpu_millis_allocatable ? Math.min(1, s.cpu_millis_requested / s.cpu_millis_allocatable) : 0)),
+  );
+  const last = samples[samples.length - 1];
+  $("#utilization-legend").textContent = last
+    ? "sandboxes (blue, up to " + most + "): " + last.sandboxes + " now, " + last.ready + " ready, " + last.paused +
+      " paused; CPU asked for (orange, share of " + (last.cpu_millis_allocatable / 1000).toFixed(1) + " CPUs): " +
+      (last.cpu_millis_requested / 1000).toFixed(1) + "; " + samples.length + " samples every " + u.interval_s + " s"
+    : "No samples yet.";
 }
 
 async function renderImages() {
@@ -409,6 +447,105 @@ async function runCommand(ev) {
   }
 }
 
+// ------------------------------------------------------------------ terminal
+
+// A shell on a PTY in the sandbox over a WebSocket: keys typed in the box go to it as
+// they are pressed; what it prints is shown with terminal control sequences dropped
+// (this is a plain text view, not a terminal emulator).
+const term = { ws: null, text: "" };
+const TERM_KEYS = {
+  Enter: "\r", Backspace: "\x7f", Tab: "\t", Escape: "\x1b", ArrowUp: "\x1b[A", ArrowDown: "\x1b[B",
+  ArrowRight: "\x1b[C", ArrowLeft: "\x1b[D", Home: "\x1b[H", End: "\x1b[F", Delete: "\x1b[3~",
+};
+
+function base64url(text) {
+  const bytes = new TextEncoder().encode(text);
+  let bin = "";
+  bytes.forEach((b) => { bin += String.fromCharCode(b); });
+  return btoa(bin).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+}
+
+function termWrite(data) {
+  const plain = data
+    .replace(/\x1b\][^\x07\x1b]*(\x07|\x1b\\)/g, "")
+    .replace(/\x1b\[[0-?]*[ -\/]*[@-~]/g, "")
+    .replace(/\x1b[@-Z\\-_]/g, "");
+  let t = term.text;
+  for (const c of plain) {
+    if (c === "\r" || c === "\x07") continue;
+    if (c === "\b") { if (t.length && !t.endsWith("\n")) t = t.slice(0, -1); continue; }
+    t += c;
+  }
+  term.text = t.length > 200000 ? t.slice(-150000) : t;
+  const pre = $("#term");
+  pre.textContent = term.text;
+  pre.scrollTop = pre.scrollHeight;
+}
+
+function termSend(input) {
+  if (term.ws && term.ws.readyState === WebSocket.OPEN) term.ws.send(JSON.stringify(input));
+}
+
+function openTerminal() {
+  closeTerminal();
+  term.text = "";
+  const pre = $("#term");
+  pre.hidden = false;
+  pre.textContent = "";
+  $("#term-state").textContent = "connecting";
+  const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+  const url = scheme + "//" + location.host + "/v1/sandboxes/" + encodeURIComponent(state.arg) + "/terminal?cols=100&rows=30";
+  const ws = new WebSocket(url, ["dsec.terminal.v1", "dsec.key." + base64url(sessionStorage.getItem(KEY) || "")]);
+  term.ws = ws;
+  ws.onopen = () => {
+    $("#term-state").textContent = "connected";
+    $("#term-open").hidden = true;
+    $("#term-close").hidden = false;
+    pre.focus();
+  };
+  ws.onmessage = (m) => {
+    const ev = JSON.parse(m.data);
+    if (ev.type === "stdout" || ev.type === "stderr") termWrite(ev.data);
+    else if (ev.type === "exit") termWrite("\n[exited " + (ev.exit_code ?? "on signal " + ev.signal) + "]\n");
+    else if (ev.type === "error") termWrite("\n[" + ev.error.code + ": " + ev.error.message + "]\n");
+  };
+  ws.onclose = (ev) => {
+    if (term.ws !== ws) return;
+    term.ws = null;
+    $("#term-state").textContent = ev.code === 1000 || ev.code === 1005 ? "closed" : "closed (" + ev.code + ")";
+    $("#term-open").hidden = false;
+    $("#term-close").hidden = true;
+  };
+}
+
+function closeTerminal() {
+  if (term.ws) {
+    const ws = term.ws;
+    term.ws = null;
+    ws.close();
+    $("#term-state").textContent = "closed";
+    $("#term-open").hidden = false;
+    $("#term-close").hidden = true;
+  }
+}
+
+function termKey(e) {
+  if (!term.ws) return;
+  let data = null;
+  if (e.ctrlKey && e.key.length === 1) {
+    const c = e.key.toUpperCase().charCodeAt(0);
+    if (c >= 64 && c <= 95) data = String.fromCharCode(c - 64);
+  } else if (e.key.length === 1 && !e.metaKey && !e.altKey) {
+    data = e.key;
+  } else {
+    data = TERM_KEYS[e.key] || null;
+  }
+  if (data !== null) {
+    e.preventDefault();
+    termSend({ type: "stdin", data });
+  }
+}
+
 document.addEventListener("DOMContentLoaded", () => {
   $("#login-form").addEventListener("submit", (ev) => {
     ev.preventDefault();
@@ -418,6 +555,13 @@ document.addEventListener("DOMContentLoaded", () => {
   $("#filter").addEventListener("input", () => refresh());
   $("#delete").addEventListener("click", deleteSandbox);
   $("#exec-form").addEventListener("submit", runCommand);
+  $("#term-open").addEventListener("click", openTerminal);
+  $("#term-close").addEventListener("click", closeTerminal);
+  $("#term").addEventListener("keydown", termKey);
+  $("#term").addEventListener("paste", (e) => {
+    e.preventDefault();
+    termSend({ type: "stdin", data: e.clipboardData.getData("text") });
+  });
   window.addEventListener("hashchange", route);
   const key = sessionStorage.getItem(KEY);
   if (key) signIn(key); else showLogin("");

@@ -72,7 +72,8 @@ impl std::str::FromStr for Scope {
     }
 }
 
-/// The scope an HTTP call needs: `/v1/tenants*` and `/v1/keys*` need `admin`; other
+/// The scope an HTTP call needs: `/v1/tenants*` and `/v1/keys*` need `admin`; a
+/// sandbox's terminal (`.../terminal`, a WebSocket) needs `sandboxes`; other
 /// `GET`/`HEAD` calls need `read`; other calls under `/v1/images` need `images`;
 /// everything else (sandboxes, jobs, the E2B and SWE-ReX fronts) needs `sandboxes`.
 pub fn required_scope(method: &str, path: &str) -> Scope {
@@ -82,6 +83,9 @@ pub fn required_scope(method: &str, path: &str) -> Scope {
     };
     if under("/v1/tenants") || under("/v1/keys") {
         Scope::Admin
+    } else if path.ends_with("/terminal") {
+        // A terminal is a GET (a WebSocket upgrade) that runs commands.
+        Scope::Sandboxes
     } else if method.eq_ignore_ascii_case("GET") || method.eq_ignore_ascii_case("HEAD") {
         Scope::Read
     } else if under("/v1/images") {
@@ -380,6 +384,10 @@ mod tests {
     #[test]
     fn scopes_of_http_calls() {
         assert_eq!(required_scope("GET", "/v1/sandboxes"), Scope::Read);
+        assert_eq!(
+            required_scope("GET", "/v1/sandboxes/x/terminal"),
+            Scope::Sandboxes
+        );
         assert_eq!(required_scope("POST", "/v1/sandboxes"), Scope::Sandboxes);
         assert_eq!(
             required_scope("DELETE", "/v1/sandboxes/x"),

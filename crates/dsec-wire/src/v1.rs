@@ -1473,6 +1473,97 @@ pub enum ImportEvent {
     },
 }
 
+/// The WebSocket subprotocol of `GET /v1/sandboxes/{id}/terminal`: the client sends
+/// [`TerminalInput`]s as JSON text messages, the server sends [`ExecEvent`]s.
+pub const TERMINAL_PROTOCOL: &str = "dsec.terminal.v1";
+
+/// A browser cannot set headers on a WebSocket: it may offer its API key as a second
+/// subprotocol, this prefix then the key in unpadded base64url (as Kubernetes does with
+/// bearer tokens). The server never selects it.
+pub const KEY_PROTOCOL_PREFIX: &str = "dsec.key.";
+
+/// Query of `GET /v1/sandboxes/{id}/terminal`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct TerminalQuery {
+    /// Columns of the PTY; default 120.
+    #[serde(default)]
+    pub cols: Option<u16>,
+    /// Rows of the PTY; default 32.
+    #[serde(default)]
+    pub rows: Option<u16>,
+    /// Shell command to run on it; default an interactive `bash` (else `sh`).
+    #[serde(default)]
+    pub cmd: Option<String>,
+    /// User to run it as; default the sandbox's.
+    #[serde(default)]
+    pub user: Option<String>,
+}
+
+/// A message from a terminal's client.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum TerminalInput {
+    /// Keys typed: written to the PTY.
+    Stdin {
+        /// The text.
+        data: String,
+    },
+    /// The window changed size.
+    Resize {
+        /// Columns.
+        cols: u16,
+        /// Rows.
+        rows: u16,
+    },
+    /// A signal for the shell (`INT`, `TERM`, ...).
+    Signal {
+        /// Signal name or number.
+        signal: String,
+    },
+}
+
+/// Seconds between two samples of [`Utilization`].
+pub const UTILIZATION_INTERVAL_S: u64 = 10;
+/// Samples [`Utilization`] keeps: an hour.
+pub const UTILIZATION_SAMPLES: usize = 360;
+
+/// `GET /v1/utilization`: what the fleet held, sampled every
+/// [`UTILIZATION_INTERVAL_S`] over the last hour by the API server answering (each
+/// replica samples on its own, from its start).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+pub struct Utilization {
+    /// Seconds between samples.
+    pub interval_s: u64,
+    /// Oldest first.
+    pub samples: Vec<UtilizationSample>,
+}
+
+/// One sample of [`Utilization`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+pub struct UtilizationSample {
+    /// When (unix ms).
+    pub at_ms: u64,
+    /// Sandboxes of every tenant, in any state.
+    pub sandboxes: u64,
+    /// Of them, ready.
+    pub ready: u64,
+    /// Of them, paused.
+    pub paused: u64,
+    /// Live nodes.
+    pub nodes: u64,
+    /// CPU the sandboxes asked for (thousandths of a CPU), over all live nodes.
+    pub cpu_millis_requested: u64,
+    /// CPU the nodes offer (thousandths of a CPU).
+    pub cpu_millis_allocatable: u64,
+    /// Memory the nodes have free, bytes.
+    pub memory_available_bytes: u64,
+}
+
 /// `GET /v1/whoami`: the caller as its key makes it (the console reads it at sign-in).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
