@@ -9,8 +9,8 @@
 //! side closes it, and when the upgrade fails.
 //!
 //! Messages: the client sends [`TerminalInput`] as JSON text (a binary message is stdin
-//! bytes); the server sends each [`ExecEvent`] as JSON text (`started`, `stdout`, then
-//! `exit` or `error`, after which it closes).
+//! bytes); the server sends each [`ExecEvent`] as JSON text (`started` with the shell's
+//! pid, `stdout`, then `exit` or `error`, after which it closes).
 //!
 //! [`SandboxApi::start_process`]: dsec_control::SandboxApi::start_process
 
@@ -104,6 +104,12 @@ async fn kill(api: &Scoped, id: &str, pid: u32) {
 /// either ends, then kills the shell.
 async fn bridge(api: Scoped, id: String, pid: u32, mut output: EventStream, socket: WebSocket) {
     let (mut tx, mut rx) = socket.split();
+    // First the shell's pid (the followed output starts with what it printed).
+    let started = serde_json::to_string(&ExecEvent::Started { pid }).unwrap_or_default();
+    if tx.send(Message::Text(started.into())).await.is_err() {
+        kill(&api, &id, pid).await;
+        return;
+    }
     loop {
         tokio::select! {
             event = output.next() => {
