@@ -111,13 +111,21 @@ async fn spans_reach_the_collector_and_the_trace_reaches_the_commands() -> anyho
 
     // The command under the caller's trace got a traceparent of that trace.
     let tp = traced_out.split_whitespace().next().unwrap_or_default();
-    assert_eq!(trace_id_of(tp), Some(CALLER_TRACE), "{traced_out:?}");
+    assert_eq!(
+        dsec_telemetry::trace_id(tp),
+        Some(CALLER_TRACE),
+        "{traced_out:?}"
+    );
     // The other got its request's trace (the server's own) and its request id.
     let exec = request_span(&spans, "trace-exec-2").expect("exec request span");
     assert!(exec.parent_span_id.is_empty(), "a root: {exec:?}");
     let mut words = own_out.split_whitespace();
     let (tp, rid) = (words.next().unwrap_or_default(), words.next());
-    assert_eq!(trace_id_of(tp), Some(exec.trace_id.as_str()), "{own_out:?}");
+    assert_eq!(
+        dsec_telemetry::trace_id(tp),
+        Some(exec.trace_id.as_str()),
+        "{own_out:?}"
+    );
     assert_eq!(rid, Some("trace-exec-2"));
     assert!(
         spans
@@ -127,13 +135,4 @@ async fn spans_reach_the_collector_and_the_trace_reaches_the_commands() -> anyho
     );
     server.delete_all().await;
     Ok(())
-}
-
-/// The trace id of a W3C `traceparent` (`00-<trace>-<span>-<flags>`).
-fn trace_id_of(tp: &str) -> Option<&str> {
-    let parts: Vec<&str> = tp.split('-').collect();
-    match parts.as_slice() {
-        ["00", trace, span, _] if trace.len() == 32 && span.len() == 16 => Some(trace),
-        _ => None,
-    }
 }

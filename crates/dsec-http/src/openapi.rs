@@ -161,6 +161,10 @@ impl Operation {
         self.idempotent = true;
         self
     }
+    fn last_event_id(mut self) -> Self {
+        self.last_event_id = true;
+        self
+    }
 }
 
 /// Query of `GET /v1/sandboxes` (the handler reads the pairs as they come).
@@ -229,7 +233,7 @@ fn operations() -> Vec<Operation> {
         op("delete", "/v1/pools/{name}", "deletePool", "Delete a pool and its idle sandboxes"),
         op("post", "/v1/fncall", "fncall", "Run code in a pooled sandbox and return its result").body::<FnCallRequest>().ok::<FnCallResponse>(),
         op("get", "/v1/queue", "queueStatus", "The admission queue: waiting creates by priority and tenant").ok::<QueueStatus>(),
-        op("get", "/v1/events", "events", "Lifecycle events (Server-Sent Events): replay from an id, then follow").query::<EventQuery>().answer(Answer::Sse(schema_of::<Event>)),
+        op("get", "/v1/events", "events", "Lifecycle events (Server-Sent Events): replay from an id, then follow").query::<EventQuery>().last_event_id().answer(Answer::Sse(schema_of::<Event>)),
         op("get", "/v1/audit", "audit", "Query the audit log of state-changing calls (admin keys)").query::<AuditQuery>().ok::<AuditList>(),
         op("put", "/v1/inputs/{key}", "putInput", "Store an input object for batches (the body is its bytes)").bytes_in(OCTETS, "The input's bytes.").created::<InputObject>(),
         op("post", "/v1/batches", "submitBatch", "Submit a batch of tasks").body::<BatchSpec>().created::<Batch>(),
@@ -484,55 +488,49 @@ fn operation_object(o: &Operation, g: &mut SchemaGenerator, defs: &Map<String, V
 
 /// Builds the document.
 pub fn document() -> Value {
-    let mut ops = operations();
-    for o in &mut ops {
-        o.last_event_id = o.id == "events";
-    }
+    let ops = operations();
     let mut g = SchemaSettings::draft2020_12()
         .with(|s| s.definitions_path = "/components/schemas".into())
         .into_generator();
-    // A first pass names every schema; the second reads query types out of them.
-    let mut defs = Map::new();
-    for pass in 0..2 {
-        let mut paths: BTreeMap<String, Map<String, Value>> = BTreeMap::new();
-        for o in &ops {
-            let object = operation_object(o, &mut g, &defs);
-            paths
-                .entry(o.path.to_string())
-                .or_default()
-                .insert(o.method.to_string(), object);
-        }
-        g.subschema_for::<crate::error::Answer<'static>>();
-        defs = g.definitions().clone();
-        if pass == 1 {
-            return json!({
-                "openapi": "3.1.0",
-                "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
-                "info": {
-                    "title": "dsec",
-                    "version": env!("CARGO_PKG_VERSION"),
-                    "description": "The API of dsec, an elastic sandbox platform for training \
-                                    and evaluating AI agents. Every call but the health and \
-                                    this document needs an API key (x-api-key, or \
-                                    Authorization: Bearer). Every answer carries its request \
-                                    id in x-request-id (send one to choose it). Times are unix \
-                                    milliseconds; durations name their unit.",
-                    "license": {"name": "Apache-2.0", "identifier": "Apache-2.0"}
-                },
-                "security": [{"apiKey": []}, {"bearer": []}],
-                "tags": TAGS.iter().map(|(name, d)| json!({"name": name, "description": d})).collect::<Vec<_>>(),
-                "paths": paths,
-                "components": {
-                    "securitySchemes": {
-                        "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
-                        "bearer": {"type": "http", "scheme": "bearer"}
-                    },
-                    "schemas": defs,
-                }
-            });
-        }
+    // Naming every schema first lets the query parameters be read out of their types'.
+    for o in &ops {
+        operation_object(o, &mut g, &Map::new());
     }
-    unreachable!("the loop returns on its second pass")
+    g.subschema_for::<crate::error::Answer<'static>>();
+    let defs = g.definitions().clone();
+    let mut paths: BTreeMap<String, Map<String, Value>> = BTreeMap::new();
+    for o in &ops {
+        let object = operation_object(o, &mut g, &defs);
+        paths
+            .entry(o.path.to_string())
+            .or_default()
+            .insert(o.method.to_string(), object);
+    }
+    json!({
+        "openapi": "3.1.0",
+        "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
+        "info": {
+            "title": "dsec",
+            "version": env!("CARGO_PKG_VERSION"),
+            "description": "The API of dsec, an elastic sandbox platform for training \
+                            and evaluating AI agents. Every call but the health and \
+                            this document needs an API key (x-api-key, or \
+                            Authorization: Bearer). Every answer carries its request \
+                            id in x-request-id (send one to choose it). Times are unix \
+                            milliseconds; durations name their unit.",
+            "license": {"name": "Apache-2.0", "identifier": "Apache-2.0"}
+        },
+        "security": [{"apiKey": []}, {"bearer": []}],
+        "tags": TAGS.iter().map(|(name, d)| json!({"name": name, "description": d})).collect::<Vec<_>>(),
+        "paths": paths,
+        "components": {
+            "securitySchemes": {
+                "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+                "bearer": {"type": "http", "scheme": "bearer"}
+            },
+            "schemas": defs,
+        }
+    })
 }
 
 /// The tags, in the order a reader meets them.
