@@ -90,10 +90,11 @@ fn print(event: &Event, json: bool) -> anyhow::Result<()> {
     let at = humantime::format_rfc3339_millis(
         std::time::UNIX_EPOCH + Duration::from_millis(event.at_ms),
     );
-    let subject = match (&event.sandbox, &event.node) {
-        (Some(sb), _) => sb.clone(),
-        (None, Some(node)) => format!("node/{node}"),
-        (None, None) => "-".into(),
+    let subject = match (&event.sandbox, &event.pool, &event.node) {
+        (Some(sb), _, _) => sb.clone(),
+        (None, Some(pool), _) => format!("pool/{pool}"),
+        (None, None, Some(node)) => format!("node/{node}"),
+        (None, None, None) => "-".into(),
     };
     let mut line = format!("{at}  {:<16} {subject}", event.kind.as_str());
     if let Some(t) = &event.tenant {

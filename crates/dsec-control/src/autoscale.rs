@@ -85,14 +85,18 @@ impl Autoscaler {
 
     /// New bounds and policy at `now`; a target outside the bounds moves into them (a
     /// [`ScaleReason::Bounds`] event).
-    pub fn reconfigure(&mut self, min: u32, max: u32, policy: AutoscalePolicy, now: u64) {
+    pub fn reconfigure(
+        &mut self,
+        min: u32,
+        max: u32,
+        policy: AutoscalePolicy,
+        now: u64,
+    ) -> Option<ScaleEvent> {
         self.min = min;
         self.max = max;
         self.policy = policy;
         let to = self.target.clamp(min, max);
-        if to != self.target {
-            self.scale(to, ScaleReason::Bounds, now);
-        }
+        (to != self.target).then(|| self.scale(to, ScaleReason::Bounds, now))
     }
 
     /// A claim was served at `now` after waiting `wait_ms`.

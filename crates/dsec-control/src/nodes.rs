@@ -10,8 +10,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use dsec_fleet::{
-    FleetView, NodeRegistration, NodeStatus, PlacementError, PlacementRequest, Placer, Registry,
-    Reservation,
+    FleetView, NodeEvent, NodeRegistration, NodeStatus, PlacementError, PlacementRequest, Placer,
+    Registry, Reservation,
 };
 use dsec_node_api::NodeApi;
 use dsec_wire::v1::{ClusterNode, ClusterNodeList, Isolation, NetworkMode};
@@ -128,6 +128,12 @@ pub trait NodeSet: Send + Sync + std::fmt::Debug {
 
     /// Stops (`true`) or restarts new placements on node `name`.
     async fn drain(&self, name: &str, drain: bool) -> ApiResult<ClusterNode>;
+
+    /// The nodes that join and go from now on (`None`: a fixed node, which does
+    /// neither).
+    fn membership(&self) -> Option<tokio::sync::mpsc::UnboundedReceiver<NodeEvent>> {
+        None
+    }
 }
 
 fn no_nodes() -> ApiError {
@@ -324,6 +330,10 @@ impl NodeSet for FleetNodes {
 
     fn is_single(&self) -> bool {
         false
+    }
+
+    fn membership(&self) -> Option<tokio::sync::mpsc::UnboundedReceiver<NodeEvent>> {
+        Some(self.view.subscribe())
     }
 
     fn get(&self, name: &str) -> Option<Arc<dyn NodeApi>> {

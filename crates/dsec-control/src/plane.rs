@@ -273,6 +273,9 @@ impl ControlPlane {
         plane.clone().spawn_reaper();
         plane.spawn_batch_sync();
         plane.spawn_utilization_sampler();
+        if let Some(membership) = plane.nodes.membership() {
+            tokio::spawn(events::follow_membership(plane.events.clone(), membership));
+        }
         Ok(plane)
     }
 

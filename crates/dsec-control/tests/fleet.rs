@@ -497,3 +497,100 @@ async fn sandboxes_created_and_deleted_at_once_do_not_fill_the_node() -> TestRes
     assert!(cluster.node("small").sandbox_ids().is_empty());
     Ok(())
 }
+
+/// The next `n` events of `feed`, each within 5 s.
+async fn take_events(feed: &mut dsec_control::EventFeed, n: usize) -> Vec<dsec_wire::v1::Event> {
+    use futures::StreamExt;
+    let mut got = Vec::new();
+    while got.len() < n {
+        match tokio::time::timeout(Duration::from_secs(5), feed.next()).await {
+            Ok(Some(Ok(e))) => got.push(e),
+            Ok(Some(Err(e))) => panic!("the feed failed: {e:?}; so far {got:#?}"),
+            Ok(None) => panic!("the feed ended; so far {got:#?}"),
+            Err(_) => panic!("no event within 5 s; so far {got:#?}"),
+        }
+    }
+    got
+}
+
+/// Two API server replicas watch the same nodes come and go: each change is one event
+/// (written by whichever replica got there first), a node that shut down `left`, one
+/// whose registration lapsed `lost`, one that registered `joined` with what it is; and
+/// tenants do not see node events.
+#[tokio::test]
+async fn nodes_joining_leaving_and_lost_are_events_once_across_replicas() -> TestResult {
+    use dsec_wire::v1::{EventKind, EventQuery};
+    let cluster = Cluster::new(&["n1", "n2"]).await?;
+    let (a, b) = (cluster.plane().await?, cluster.plane().await?);
+    let alice = common::tenant_on(&a, "alice").await;
+    let mut on_a = a.events(op(), EventQuery::default()).await?;
+    let mut on_b = b.events(op(), EventQuery::default()).await?;
+    let mut alices = a.events(&alice, EventQuery::default()).await?;
+
+    cluster.down("n2").await?;
+    cluster.up("n2").await?;
+    let (_, lease) = cluster.leases.lock().map_err(|_| "poisoned")?["n2"].clone();
+    // Its lease lapses without a word from the node.
+    cluster
+        .store
+        .revoke_lease(dsec_state::LeaseId(lease))
+        .await?;
+
+    let seen_a = take_events(&mut on_a, 3).await;
+    let seen_b = take_events(&mut on_b, 3).await;
+    assert_eq!(seen_a, seen_b, "both replicas stream the same events");
+    let kinds: Vec<EventKind> = seen_a.iter().map(|e| e.kind).collect();
+    assert_eq!(
+        kinds,
+        [
+            EventKind::NodeLeft,
+            EventKind::NodeJoined,
+            EventKind::NodeLost
+        ]
+    );
+    assert!(seen_a
+        .iter()
+        .all(|e| e.node.as_deref() == Some("n2") && e.tenant.is_none()));
+    let cause = |i: usize| seen_a[i].cause.clone().unwrap_or_default();
+    assert!(cause(0).contains("deregistered"), "{}", cause(0));
+    assert!(cause(1).starts_with("restarted"), "{}", cause(1));
+    assert!(cause(1).contains("64000 millicores"), "{}", cause(1));
+    assert!(cause(2).contains("stopped heartbeating"), "{}", cause(2));
+
+    // A tenant's stream has none of them (and meanwhile the slower replica has had
+    // its try at writing each).
+    use futures::StreamExt;
+    let nothing = tokio::time::timeout(Duration::from_millis(500), alices.next()).await;
+    assert!(nothing.is_err(), "alice sees no node events: {nothing:?}");
+
+    // Once each: a replay of everything kept holds no second copy.
+    let kept = take_events(
+        &mut a
+            .events(
+                op(),
+                EventQuery {
+                    after: Some(0),
+                    no_follow: true,
+                    kind: Some("node_joined,node_left,node_lost".into()),
+                    ..Default::default()
+                },
+            )
+            .await?,
+        3,
+    )
+    .await;
+    assert_eq!(kept, seen_a);
+    let mut rest = a
+        .events(
+            op(),
+            EventQuery {
+                after: Some(seen_a[2].id),
+                no_follow: true,
+                ..Default::default()
+            },
+        )
+        .await?;
+    let extra: Vec<_> = rest.by_ref().collect().await;
+    assert!(extra.is_empty(), "no duplicates: {extra:?}");
+    Ok(())
+}

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use dsec_control::{ControlPlane, Principal, SandboxApi};
 use dsec_node_api::fake::shell_request;
 use dsec_wire::v1::{
-    AutoscalePolicy, CreateSandboxRequest, Pool, PoolSpec, PoolUpdate, QueueOptions, ScaleReason,
-    POOL_LABEL, POOL_ORIGIN_LABEL,
+    AutoscalePolicy, CreateSandboxRequest, EventKind, EventQuery, Pool, PoolSpec, PoolUpdate,
+    QueueOptions, ScaleReason, POOL_LABEL, POOL_ORIGIN_LABEL,
 };
 use dsec_wire::ErrorCode;
 
@@ -409,6 +409,17 @@ async fn a_restart_adopts_the_warm_sandboxes() {
 async fn a_claim_on_an_empty_pool_waits_for_the_next_sandbox_or_its_max_wait() {
     let fx = Fixture::new().await;
     let me = tenant_on(&fx.plane, "wait").await;
+    let mut pool_events = fx
+        .plane
+        .events(
+            &me,
+            EventQuery {
+                kind: Some("pool_scaled,pool_exhausted,queue_timed_out".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("events");
     fx.plane
         .create_pool(&me, spec("zero", 0, 1))
         .await
@@ -452,6 +463,29 @@ async fn a_claim_on_an_empty_pool_waits_for_the_next_sandbox_or_its_max_wait() {
     })
     .await;
     assert_eq!(p.queue_length, 0, "the timed-out claim left the queue");
+
+    // The tenant's event stream told it all: the pool grew from zero, claims found it
+    // empty twice (once per spell: the second after a warm one was there again), and
+    // the last claim's wait ran out.
+    let seen = common::events_until(&mut pool_events, |e| e.kind == EventKind::QueueTimedOut).await;
+    let of = |k: EventKind| seen.iter().filter(|e| e.kind == k).collect::<Vec<_>>();
+    assert!(
+        seen.iter()
+            .all(|e| e.pool.as_deref() == Some("zero") && e.tenant.as_deref() == Some("wait")),
+        "{seen:#?}"
+    );
+    let scaled = of(EventKind::PoolScaled);
+    let cause = scaled
+        .first()
+        .and_then(|e| e.cause.clone())
+        .unwrap_or_default();
+    assert!(cause.starts_with("target 0 -> 1: claims wait"), "{seen:#?}");
+    assert_eq!(of(EventKind::PoolExhausted).len(), 2, "{seen:#?}");
+    let timed_out = of(EventKind::QueueTimedOut)[0]
+        .cause
+        .clone()
+        .unwrap_or_default();
+    assert!(timed_out.contains("waited 0.2 s"), "{timed_out}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

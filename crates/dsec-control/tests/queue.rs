@@ -7,7 +7,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dsec_control::{ControlPlane, Principal, SandboxApi};
-use dsec_wire::v1::{AutoscalePolicy, CreateSandboxRequest, PoolSpec, Priority, QueueOptions};
+use dsec_wire::v1::{
+    AutoscalePolicy, CreateSandboxRequest, EventQuery, PoolSpec, Priority, QueueOptions,
+};
 use dsec_wire::ErrorCode;
 
 mod common;
@@ -57,7 +59,17 @@ async fn high_goes_before_low_and_a_wait_that_runs_out_is_capacity() {
         .await
         .expect_err("full");
     assert_eq!(e.code, ErrorCode::Capacity);
-    // With a short wait: `capacity` when it runs out.
+    // With a short wait: `capacity` when it runs out, and an event says so.
+    let mut timeouts = plane
+        .events(
+            op(),
+            EventQuery {
+                kind: Some("queue_timed_out".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("events");
     let t = Instant::now();
     let e = plane
         .create_sandbox(op(), queued(Priority::Medium, 0.3))
@@ -65,6 +77,13 @@ async fn high_goes_before_low_and_a_wait_that_runs_out_is_capacity() {
         .expect_err("full");
     assert_eq!(e.code, ErrorCode::Capacity, "{e:?}");
     assert!(e.message.contains("max_wait_s"), "{e:?}");
+    let seen = common::events_until(&mut timeouts, |_| true).await;
+    let cause = seen[0].cause.clone().unwrap_or_default();
+    assert!(
+        cause.contains("waited 0.3 s for capacity at priority medium"),
+        "{seen:?}"
+    );
+    assert_eq!(seen[0].tenant.as_deref(), Some("default"));
     assert!(
         t.elapsed() >= Duration::from_millis(300),
         "{:?}",

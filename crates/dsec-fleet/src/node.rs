@@ -294,6 +294,10 @@ pub(crate) struct NodeRecord {
     pub(crate) registration: NodeRegistration,
     /// The lease the record is bound to (so any replica can check a heartbeat's lease).
     pub(crate) lease: i64,
+    /// The node is shutting down: it deregistered, and the record goes with its lease
+    /// a moment later (watchers tell a node that left from one that was lost).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) leaving: bool,
 }
 
 /// The record stored under `node-admin/<name>`: operator state that outlives

@@ -147,6 +147,7 @@ impl Registry {
                     let rec = NodeRecord {
                         registration: reg.clone(),
                         lease: lease.0,
+                        leaving: false,
                     };
                     match self.put_node(&rec, Expect::Rev(e.rev)).await {
                         Ok(()) => return Ok(self.ticket(lease)),
@@ -160,6 +161,7 @@ impl Registry {
                     let rec = NodeRecord {
                         registration: reg.clone(),
                         lease: lease.0,
+                        leaving: false,
                     };
                     match self.put_node(&rec, Expect::Absent).await {
                         Ok(()) => return Ok(self.ticket(lease)),
@@ -254,8 +256,9 @@ impl Registry {
         Ok(())
     }
 
-    /// Ends a node's registration (it is shutting down): its record goes at once.
-    /// Nothing happens unless the node is registered with this boot id and lease.
+    /// Ends a node's registration (it is shutting down): its record goes at once, marked
+    /// `leaving` first so watchers know it left rather than was lost. Nothing happens
+    /// unless the node is registered with this boot id and lease.
     pub async fn deregister(
         &self,
         name: &str,
@@ -265,8 +268,14 @@ impl Registry {
         check_name(name)?;
         check_boot_id(boot_id)?;
         if let Some(e) = self.store.get(NODES_NS, name).await? {
-            let rec = decode_node(&e)?;
+            let mut rec = decode_node(&e)?;
             if rec.lease == lease && rec.registration.boot_id == boot_id {
+                rec.leaving = true;
+                // Best effort: a lost race (a last heartbeat) only makes the end look
+                // like a loss.
+                if let Err(err) = self.put_node(&rec, Expect::Rev(e.rev)).await {
+                    tracing::debug!(node = %name, error = %err, "marking a node leaving");
+                }
                 self.store.revoke_lease(LeaseId(lease)).await?;
             }
         }

@@ -34,6 +34,10 @@ pub enum NodeEvent {
         name: String,
         /// The boot id of the registration that ended.
         boot_id: String,
+        /// The lease of the registration that ended.
+        lease: i64,
+        /// It deregistered (shut down) rather than stopped heartbeating.
+        left: bool,
     },
 }
 
@@ -63,6 +67,8 @@ struct Local {
     drained: BTreeSet<String>,
     /// Boot ids of nodes that went, for `NodeEvent::Up::previous_boot_id`.
     gone: HashMap<String, String>,
+    /// Nodes whose record says they are leaving (name -> lease).
+    leaving: HashMap<String, i64>,
 }
 
 fn decode(e: &Entry) -> Option<NodeRecord> {
@@ -87,6 +93,17 @@ impl Local {
     /// Sets node `name` to `rec` (or removes it), with the events that makes.
     fn set_node(&mut self, name: &str, rec: Option<NodeRecord>, events: &mut Vec<NodeEvent>) {
         let old = self.nodes.remove(name);
+        let left = old
+            .as_ref()
+            .is_some_and(|o| self.leaving.get(name) == Some(&o.lease));
+        match &rec {
+            Some(r) if r.leaving => {
+                self.leaving.insert(name.to_string(), r.lease);
+            }
+            _ => {
+                self.leaving.remove(name);
+            }
+        }
         let new = rec.map(|r| {
             let draining = self.drained.contains(name);
             Arc::new(NodeStatus::new(r.registration, r.lease, draining))
@@ -98,6 +115,8 @@ impl Local {
                 events.push(NodeEvent::Down {
                     name: name.to_string(),
                     boot_id: o.registration.boot_id.clone(),
+                    lease: o.lease,
+                    left,
                 });
                 self.gone
                     .insert(name.to_string(), o.registration.boot_id.clone());
@@ -334,6 +353,7 @@ mod tests {
         let rec = NodeRecord {
             registration: r.clone(),
             lease,
+            leaving: false,
         };
         entry(&r.name, serde_json::to_vec(&rec).expect("json"))
     }

@@ -181,10 +181,16 @@ async fn node_lifecycle(
     let _ = beating.await;
     let stopped = Instant::now();
     match next_event(&mut events, gone_within + Duration::from_secs(2)).await {
-        NodeEvent::Down { name, boot_id } => {
+        NodeEvent::Down {
+            name,
+            boot_id,
+            lease,
+            left,
+        } => {
             assert_eq!(
-                (name.as_str(), boot_id.as_str()),
-                ("n1", n1.boot_id.as_str())
+                (name.as_str(), boot_id.as_str(), lease, left),
+                ("n1", n1.boot_id.as_str(), ticket.lease, false),
+                "a node that stopped heartbeating was lost, not left"
             )
         }
         e => panic!("{e:?}"),

@@ -315,6 +315,11 @@ async function sandboxEvents(id) {
   }
 }
 
+// A sandbox limit as shown: 0 (or none) means the node sets none.
+function limit(max) {
+  return max ? String(max) : "no limit";
+}
+
 async function renderNodes() {
   const [health, utilization] = await Promise.all([api("/v1/health"), api("/v1/utilization")]);
   renderUtilization(utilization);
@@ -323,7 +328,7 @@ async function renderNodes() {
     const list = await api("/v1/nodes");
     rows = list.nodes.map((n) => el("tr", {},
       el("td", {}, n.name), el("td", {}, !n.live ? "lost" : n.draining ? "draining" : "ready"),
-      el("td", {}, n.sandboxes + " / " + n.max_sandboxes),
+      el("td", {}, n.sandboxes + " / " + limit(n.max_sandboxes)),
       el("td", {}, (n.cpu_millis_used / 1000).toFixed(1) + " / " + (n.cpu_millis / 1000).toFixed(1)),
       el("td", {}, bytes(n.memory_bytes_used) + " / " + bytes(n.memory_bytes)),
       el("td", {}, n.version || "")));
@@ -334,7 +339,7 @@ async function renderNodes() {
     const c = health.capacity || {};
     rows = [el("tr", {},
       el("td", {}, health.node), el("td", {}, health.status),
-      el("td", {}, health.sandboxes + " / " + (c.max_sandboxes ?? "-")),
+      el("td", {}, health.sandboxes + " / " + limit(c.max_sandboxes)),
       el("td", {}, ((c.cpu_millis_requested || 0) / 1000).toFixed(1) + " / " + ((c.cpu_millis_allocatable || 0) / 1000).toFixed(1)),
       el("td", {}, bytes(c.memory_available_bytes) + " free"),
       el("td", {}, health.version))];
@@ -355,8 +360,11 @@ function renderUtilization(u) {
   const samples = u.samples || [];
   const [w, h] = [720, 160];
   const most = Math.max(1, ...samples.map((s) => s.sandboxes));
+  // The span the samples cover (at least ten of them, at most the hour), so a server
+  // that started a minute ago does not draw a sliver at the right edge.
   const t1 = samples.length ? samples[samples.length - 1].at_ms : Date.now();
-  const t0 = t1 - 3600 * 1000;
+  const first = samples.length ? samples[0].at_ms : t1;
+  const t0 = t1 - Math.min(3600 * 1000, Math.max(t1 - first, 10 * (u.interval_s || 10) * 1000));
   const x = (s) => ((s.at_ms - t0) / (t1 - t0 || 1)) * w;
   const line = (cls, y) => {
     const p = document.createElementNS(NS, "polyline");
@@ -372,7 +380,7 @@ function renderUtilization(u) {
   $("#utilization-legend").textContent = last
     ? "sandboxes (blue, up to " + most + "): " + last.sandboxes + " now, " + last.ready + " ready, " + last.paused +
       " paused; CPU asked for (orange, share of " + (last.cpu_millis_allocatable / 1000).toFixed(1) + " CPUs): " +
-      (last.cpu_millis_requested / 1000).toFixed(1) + "; " + samples.length + " samples every " + u.interval_s + " s"
+      (last.cpu_millis_requested / 1000).toFixed(1) + "; " + samples.length + " samples every " + u.interval_s + " s, over the last " + Math.round((t1 - t0) / 60000) + " min"
     : "No samples yet.";
 }
 
@@ -397,7 +405,8 @@ async function renderPools() {
 function renderEvents() {
   fill($("#events tbody"), state.events.map((ev) => el("tr", {},
     el("td", {}, ev.id), el("td", {}, time(ev.at_ms)), el("td", {}, ev.kind),
-    el("td", { class: "mono" }, ev.sandbox || ev.node || ""), el("td", {}, ev.tenant || ""),
+    el("td", { class: "mono" }, ev.sandbox || (ev.pool ? "pool/" + ev.pool : "") || (ev.node ? "node/" + ev.node : "")),
+    el("td", {}, ev.tenant || ""),
     el("td", {}, ev.cause || ev.command || ""))), "No events since the console opened.");
 }
 

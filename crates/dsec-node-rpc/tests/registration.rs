@@ -164,7 +164,10 @@ async fn a_node_heartbeats_through_any_replica() {
         status.borrow().registrations == 2 && status.borrow().lease.is_some()
     })
     .await;
-    assert!(matches!(events.recv().await, Some(NodeEvent::Down { .. })));
+    assert!(matches!(
+        events.recv().await,
+        Some(NodeEvent::Down { left: false, .. })
+    ));
     match events.recv().await {
         Some(NodeEvent::Up {
             previous_boot_id, ..
@@ -172,12 +175,12 @@ async fn a_node_heartbeats_through_any_replica() {
         e => panic!("{e:?}"),
     }
 
-    // Shutdown deregisters: gone at once, not after a TTL.
+    // Shutdown deregisters: gone at once, not after a TTL, and said to have left.
     let t = Instant::now();
     hb.shutdown().await;
     assert!(matches!(
         tokio::time::timeout(Duration::from_secs(1), events.recv()).await,
-        Ok(Some(NodeEvent::Down { .. }))
+        Ok(Some(NodeEvent::Down { left: true, .. }))
     ));
     assert!(t.elapsed() < cfg().ttl);
 }

@@ -129,10 +129,13 @@ class Event(_Response):
     kind: str
     """``created``, ``ready``, ``paused``, ``resumed``, ``failed``, ``unhealthy``,
     ``recovered``, ``lost``, ``found``, ``expired``, ``deleted``, ``oom_killed``,
-    ``output_truncated``, ``disk_full``, ``node_drained``, ``node_undrained``."""
+    ``output_truncated``, ``disk_full``, ``node_drained``, ``node_undrained``,
+    ``node_joined``, ``node_lost``, ``node_left``, ``pool_scaled``, ``pool_exhausted``,
+    ``queue_timed_out``."""
     sandbox: Optional[str] = None
     tenant: Optional[str] = None
     node: Optional[str] = None
+    pool: Optional[str] = None
     labels: Dict[str, str] = Field(default_factory=dict)
     cause: Optional[str] = None
     command: Optional[str] = None

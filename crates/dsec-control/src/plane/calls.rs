@@ -141,12 +141,9 @@ impl ControlPlane {
                 ),
             ));
         }
-        let log = self.events.clone();
-        tokio::spawn(async move {
-            for e in noted {
-                log.emit(e).await;
-            }
-        });
+        for e in noted {
+            self.emit_later(e);
+        }
     }
 
     /// Writes a `disk_full` event when `result` is a write that ran out of space.
@@ -160,8 +157,7 @@ impl ControlPlane {
         };
         let mut event = events::about(&sb, EventKind::DiskFull);
         event.cause = Some(format!("writing {path}: {}", e.message));
-        let log = self.events.clone();
-        tokio::spawn(async move { log.emit(event).await });
+        self.emit_later(event);
     }
 
     pub(super) fn exec_spec(req: &ExecRequest, stream: bool) -> ApiResult<ExecSpec> {

@@ -25,6 +25,9 @@ use super::{internal, now_ms, store_err};
 
 /// Namespace of events: `<unix ms>-<random>-<n>` -> [`Event`] (without its id).
 pub(super) const NS_EVENTS: &str = "events";
+/// Namespace of the marks of events that every replica sees but one writes (a node's
+/// join or loss): `<kind>/<what>` -> the unix ms it was written; pruned with the events.
+const NS_MARKS: &str = "event-marks";
 /// How often the reaper looks for events past the window, at most (more often for a
 /// window shorter than twice this).
 const PRUNE_EVERY_MS: u64 = 30_000;
@@ -42,6 +45,18 @@ fn revision_of(id: u64) -> Revision {
 }
 
 pub(crate) use crate::api::EventFeed;
+
+impl super::ControlPlane {
+    /// Writes `event` off the caller's path (an event never holds up, or fails, the call
+    /// that caused it); nothing when events are off.
+    pub(super) fn emit_later(&self, event: Event) {
+        if !self.events.enabled() {
+            return;
+        }
+        let log = self.events.clone();
+        tokio::spawn(async move { log.emit(event).await });
+    }
+}
 
 /// Writes and streams the event log.
 #[derive(Debug)]
@@ -109,6 +124,38 @@ impl EventLog {
         };
         if let Err(e) = self.store.txn(txn).await {
             tracing::warn!(kind = %event.kind, sandbox = ?event.sandbox, error = %e, "writing an event failed");
+        }
+    }
+
+    /// Stores an event that every API server replica sees happen (a node's watch
+    /// shows it joined or went), once: the first replica to write `mark` writes the
+    /// event in the same transaction; the others find the mark and write nothing.
+    pub async fn emit_once(&self, mark: &str, event: Event) {
+        let Some(op) = self.op(&event) else { return };
+        let txn = Txn {
+            checks: vec![(
+                NS_MARKS.into(),
+                mark.to_string(),
+                dsec_state::Expect::Absent,
+            )],
+            ops: vec![
+                Op::Put {
+                    ns: NS_MARKS.into(),
+                    key: mark.to_string(),
+                    value: event.at_ms.to_string().into_bytes(),
+                    lease: None,
+                },
+                op,
+            ],
+        };
+        match self.store.txn(txn).await {
+            Ok(_) => {}
+            Err(StateError::Conflict { .. }) => {
+                tracing::debug!(%mark, "another replica wrote the event");
+            }
+            Err(e) => {
+                tracing::warn!(kind = %event.kind, node = ?event.node, error = %e, "writing an event failed")
+            }
         }
     }
 
@@ -181,10 +228,11 @@ impl EventLog {
             return;
         }
         self.pruned_at.store(now, Ordering::Relaxed);
+        let cutoff = now.saturating_sub(self.retention_ms);
+        self.prune_marks(cutoff).await;
         let Ok((entries, _)) = self.store.list(NS_EVENTS).await else {
             return;
         };
-        let cutoff = now.saturating_sub(self.retention_ms);
         let over = entries.len().saturating_sub(self.max_kept);
         // Keys sort oldest first.
         let old: Vec<&Entry> = entries
@@ -193,11 +241,33 @@ impl EventLog {
             .filter(|(i, e)| *i < over || key_ms(&e.key).is_none_or(|ms| ms < cutoff))
             .map(|(_, e)| e)
             .collect();
-        for chunk in old.chunks(dsec_state::MAX_TXN_OPS) {
+        self.delete_all(NS_EVENTS, &old).await;
+    }
+
+    /// Deletes the marks written before `cutoff` (their events are past the window).
+    async fn prune_marks(&self, cutoff: u64) {
+        let Ok((marks, _)) = self.store.list(NS_MARKS).await else {
+            return;
+        };
+        let old: Vec<&Entry> = marks
+            .iter()
+            .filter(|e| {
+                std::str::from_utf8(&e.value)
+                    .ok()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .is_none_or(|ms| ms < cutoff)
+            })
+            .collect();
+        self.delete_all(NS_MARKS, &old).await;
+    }
+
+    /// Deletes `entries` of `ns`, a transaction per [`dsec_state::MAX_TXN_OPS`].
+    async fn delete_all(&self, ns: &str, entries: &[&Entry]) {
+        for chunk in entries.chunks(dsec_state::MAX_TXN_OPS) {
             let ops = chunk
                 .iter()
                 .map(|e| Op::Delete {
-                    ns: NS_EVENTS.into(),
+                    ns: ns.into(),
                     key: e.key.clone(),
                 })
                 .collect();
@@ -209,7 +279,7 @@ impl EventLog {
                 })
                 .await
             {
-                tracing::warn!(error = %e, "pruning events failed; will retry");
+                tracing::warn!(error = %e, %ns, "pruning failed; will retry");
                 return;
             }
         }
@@ -312,6 +382,7 @@ pub(super) fn about(sb: &Sandbox, kind: EventKind) -> Event {
         sandbox: Some(sb.id.clone()),
         tenant: Some(sb.tenant.clone()),
         node: (!sb.node.is_empty()).then(|| sb.node.clone()),
+        pool: None,
         labels: sb.labels.clone(),
         cause: None,
         command: None,
@@ -328,8 +399,106 @@ pub(super) fn about_node(name: &str, kind: EventKind, cause: Option<String>) -> 
         sandbox: None,
         tenant: None,
         node: Some(name.to_string()),
+        pool: None,
         labels: Default::default(),
         cause,
+        command: None,
+        request_id: dsec_node_api::request_id::current().map(|id| id.to_string()),
+    }
+}
+
+/// Writes `node_joined`, `node_lost` and `node_left` as the fleet's watch shows nodes
+/// come and go, until the plane (the watch) ends. Every replica sees each change; the
+/// event's mark (kind, node, lease) makes one of them write it.
+pub(super) async fn follow_membership(
+    log: Arc<EventLog>,
+    mut changes: tokio::sync::mpsc::UnboundedReceiver<dsec_fleet::NodeEvent>,
+) {
+    use dsec_fleet::NodeEvent;
+    while let Some(change) = changes.recv().await {
+        let (name, lease, kind, cause) = match change {
+            NodeEvent::Up {
+                node,
+                previous_boot_id,
+            } => {
+                let r = &node.registration;
+                let what = match previous_boot_id {
+                    Some(b) if b == r.boot_id => {
+                        "registered again after its registration lapsed (same process)".to_string()
+                    }
+                    Some(b) => format!("restarted (boot id was {b})"),
+                    None => "registered".to_string(),
+                };
+                let cause = format!(
+                    "{what}: boot id {}, version {}, {} millicores, {} MiB, at {}",
+                    r.boot_id,
+                    r.version,
+                    r.capacity.cpu_millis,
+                    r.capacity.memory_bytes >> 20,
+                    r.url
+                );
+                (r.name.clone(), node.lease, EventKind::NodeJoined, cause)
+            }
+            NodeEvent::Down {
+                name,
+                boot_id,
+                lease,
+                left: true,
+            } => (
+                name,
+                lease,
+                EventKind::NodeLeft,
+                format!("shut down (boot id {boot_id}): it deregistered"),
+            ),
+            NodeEvent::Down {
+                name,
+                boot_id,
+                lease,
+                left: false,
+            } => (
+                name,
+                lease,
+                EventKind::NodeLost,
+                format!(
+                    "stopped heartbeating (boot id {boot_id}): its registration lapsed; its sandboxes are lost until it is back"
+                ),
+            ),
+        };
+        let mark = format!("{kind}/{name}/{lease:x}");
+        log.emit_once(&mark, about_node(&name, kind, Some(cause)))
+            .await;
+    }
+}
+
+/// An event about tenant `tenant`, no sandbox (yet): a create that never made one.
+pub(super) fn about_tenant(tenant: &str, kind: EventKind) -> Event {
+    Event {
+        id: 0,
+        at_ms: now_ms(),
+        kind,
+        sandbox: None,
+        tenant: Some(tenant.to_string()),
+        node: None,
+        pool: None,
+        labels: Default::default(),
+        cause: None,
+        command: None,
+        request_id: dsec_node_api::request_id::current().map(|id| id.to_string()),
+    }
+}
+
+/// An event about warm pool `name` of `tenant`.
+pub(super) fn about_pool(tenant: &str, name: &str, kind: EventKind, cause: String) -> Event {
+    Event {
+        id: 0,
+        at_ms: now_ms(),
+        kind,
+        sandbox: None,
+        tenant: Some(tenant.to_string()),
+        node: None,
+        pool: Some(name.to_string()),
+        labels: Default::default(),
+        cause: Some(cause),
         command: None,
         request_id: dsec_node_api::request_id::current().map(|id| id.to_string()),
     }

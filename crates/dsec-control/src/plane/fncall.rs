@@ -169,7 +169,7 @@ impl ControlPlane {
         let start = Instant::now();
         let mut last_err = None;
         for _ in 0..ATTEMPTS {
-            let id = acquire(&pool, &name, start, max_wait, req.priority).await?;
+            let id = acquire(self, &pool, &name, start, max_wait, req.priority).await?;
             let waited =
                 (req.priority != Priority::Low).then(|| start.elapsed().as_millis() as u64);
             // The agent ends the command at its timeouts; past them (and a grace) the

@@ -147,6 +147,9 @@ pub(super) struct PoolState {
     published: Option<ReplicaWaits>,
     /// On the owner: each other replica's last published waits, by its key.
     remote: HashMap<String, ReplicaWaits>,
+    /// A claim here found no warm member since the pool last had one
+    /// (`pool_exhausted` is written once per spell).
+    exhausted: bool,
 }
 
 /// A replica's waits on one pool it does not size, published to the store (key
@@ -214,6 +217,7 @@ impl PoolRt {
             }
         }
         st.ready.push_back(id);
+        st.exhausted = false;
     }
 
     /// The pool's call policy, if it serves function calls.
@@ -496,7 +500,7 @@ impl ControlPlane {
                         let mut st = pool.lock();
                         let changed = st.spec != stored.spec;
                         if changed {
-                            st.scaler.reconfigure(
+                            let _ = st.scaler.reconfigure(
                                 stored.spec.min,
                                 stored.spec.max,
                                 stored.spec.autoscale.clone(),
@@ -713,6 +717,7 @@ impl ControlPlane {
                 served_waits: (0, 0),
                 published: None,
                 remote: HashMap::new(),
+                exhausted: false,
             }),
             changed: tokio::sync::Notify::new(),
             task: Default::default(),
@@ -798,11 +803,16 @@ impl ControlPlane {
             )
             .await
             .map_err(store_err)?;
-        {
+        let scaled = {
             let mut st = pool.lock();
-            st.scaler
-                .reconfigure(spec.min, spec.max, spec.autoscale.clone(), now_ms());
+            let scaled =
+                st.scaler
+                    .reconfigure(spec.min, spec.max, spec.autoscale.clone(), now_ms());
             st.spec = spec;
+            scaled.map(|e| scaled_event(tenant, &st.spec, &e))
+        };
+        if let Some(event) = scaled {
+            self.events.emit(event).await;
         }
         pool.changed.notify_one();
         Ok(pool.status())
@@ -882,7 +892,7 @@ impl ControlPlane {
         let start = Instant::now();
         loop {
             let priority = req.queue.unwrap_or_default().priority;
-            let id = acquire(&pool, &name, start, max_wait, priority).await?;
+            let id = acquire(self, &pool, &name, start, max_wait, priority).await?;
             match self.take_member(tenant, &name, &id, &req).await {
                 Ok(sb) => {
                     let waited = start.elapsed().as_millis() as u64;
@@ -1043,6 +1053,7 @@ impl ControlPlane {
 /// Takes a warm member of `pool` off its list, waiting first come, first served until
 /// `max_wait` seconds after `start` (then `capacity`).
 pub(super) async fn acquire(
+    plane: &ControlPlane,
     pool: &PoolRt,
     name: &str,
     start: Instant,
@@ -1050,6 +1061,7 @@ pub(super) async fn acquire(
     priority: Priority,
 ) -> ApiResult<String> {
     let deadline = start + Duration::from_secs_f64(max_wait);
+    let mut exhausted = None;
     let (id, waiting, low) = {
         let mut st = pool.lock();
         if st.deleted {
@@ -1057,6 +1069,7 @@ pub(super) async fn acquire(
         }
         match st.ready.pop_front() {
             Some(id) => {
+                st.exhausted = false;
                 if st.spec.fncall.is_some() {
                     st.busy += 1;
                     st.lent.insert(id.clone());
@@ -1065,6 +1078,15 @@ pub(super) async fn acquire(
                 (Some(id), None, low)
             }
             None => {
+                if !std::mem::replace(&mut st.exhausted, true) {
+                    exhausted = Some(format!(
+                        "a claim found no warm sandbox and waits (up to {max_wait} s); \
+                         {} being made, target {}, max {}",
+                        st.creating,
+                        st.scaler.target(),
+                        st.spec.max
+                    ));
+                }
                 let (tx, rx) = tokio::sync::oneshot::channel();
                 let seq = st.next_waiter;
                 st.next_waiter += 1;
@@ -1084,6 +1106,14 @@ pub(super) async fn acquire(
     if low {
         pool.changed.notify_one();
     }
+    if let Some(cause) = exhausted {
+        plane.emit_later(events::about_pool(
+            &pool.tenant,
+            name,
+            EventKind::PoolExhausted,
+            cause,
+        ));
+    }
     let Some((seq, mut rx)) = waiting else {
         return id.ok_or_else(|| no_pool(name));
     };
@@ -1094,6 +1124,16 @@ pub(super) async fn acquire(
             pool.lock().waiters.retain(|w| w.seq != seq);
             // Handed one between the timeout and the removal.
             rx.try_recv().map_err(|_| {
+                let event = events::about_pool(
+                    &pool.tenant,
+                    name,
+                    EventKind::QueueTimedOut,
+                    format!(
+                        "a claim waited {max_wait} s for a warm sandbox at priority {}",
+                        format!("{priority:?}").to_lowercase()
+                    ),
+                );
+                plane.emit_later(event);
                 ApiError::new(
                     ErrorCode::Capacity,
                     format!(
@@ -1104,6 +1144,30 @@ pub(super) async fn acquire(
             })
         }
     }
+}
+
+/// The `pool_scaled` event of a change of `spec`'s target.
+fn scaled_event(tenant: &str, spec: &PoolSpec, e: &dsec_wire::v1::ScaleEvent) -> Event {
+    use dsec_wire::v1::ScaleReason;
+    let why = match e.reason {
+        ScaleReason::QueueWait => format!(
+            "claims waited more than {} ms on average over {} s",
+            spec.autoscale.target_queue_wait_ms, spec.autoscale.window_s
+        ),
+        ScaleReason::Idle => format!(
+            "more than {:.0}% of it stayed idle for {} s",
+            spec.autoscale.idle_ratio * 100.0,
+            spec.autoscale.idle_window_s
+        ),
+        ScaleReason::FromZero => "claims wait on a pool scaled to zero".to_string(),
+        ScaleReason::Bounds => format!("its bounds changed to [{}, {}]", spec.min, spec.max),
+    };
+    events::about_pool(
+        tenant,
+        &spec.name,
+        EventKind::PoolScaled,
+        format!("target {} -> {}: {why}", e.from, e.to),
+    )
 }
 
 /// A pool's task: observes it, lets the autoscaler set the target, and makes or deletes
@@ -1163,6 +1227,7 @@ async fn run_pool(plane: Weak<ControlPlane>, pool: Arc<PoolRt>) {
             }
             if let Some(e) = st.scaler.observe(now_ms(), inputs) {
                 tracing::info!(pool = %st.spec.name, from = e.from, to = e.to, reason = ?e.reason, "pool scaled");
+                plane.emit_later(scaled_event(&pool.tenant, &st.spec, &e));
             }
             let target = st.scaler.target();
             // With warm sandboxes to spare and nobody waiting, refill one at a time: a

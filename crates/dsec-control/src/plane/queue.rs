@@ -263,6 +263,12 @@ impl ControlPlane {
                 Err(_) => {
                     self.queue.withdraw(opts.priority, tenant, seq);
                     if rx.try_recv().is_err() {
+                        let mut event = events::about_tenant(tenant, EventKind::QueueTimedOut);
+                        event.cause = Some(format!(
+                            "a create waited {max_wait} s for capacity at priority {}; every node stayed full",
+                            format!("{:?}", opts.priority).to_lowercase()
+                        ));
+                        self.emit_later(event);
                         return Err(ApiError::new(
                             ErrorCode::Capacity,
                             format!(

@@ -69,3 +69,26 @@ pub async fn open(node: &Arc<FakeNode>, store: &Arc<RedbStore>) -> Arc<ControlPl
         .await
         .unwrap_or_else(|e| panic!("open the plane: {e:?}"))
 }
+
+/// The events of `feed` until one passes `last` (each within 5 s), that one included.
+pub async fn events_until(
+    feed: &mut dsec_control::EventFeed,
+    last: impl Fn(&dsec_wire::v1::Event) -> bool,
+) -> Vec<dsec_wire::v1::Event> {
+    use futures::StreamExt;
+    let mut got = Vec::new();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(5), feed.next()).await {
+            Ok(Some(Ok(e))) => {
+                let done = last(&e);
+                got.push(e);
+                if done {
+                    return got;
+                }
+            }
+            Ok(Some(Err(e))) => panic!("the feed failed: {e:?}; so far {got:#?}"),
+            Ok(None) => panic!("the feed ended; so far {got:#?}"),
+            Err(_) => panic!("no event within 5 s; so far {got:#?}"),
+        }
+    }
+}

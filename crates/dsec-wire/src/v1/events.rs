@@ -54,11 +54,28 @@ pub enum EventKind {
     NodeDrained,
     /// A drained node was opened again.
     NodeUndrained,
+    /// A node registered: new, restarted, or back after its registration lapsed (the
+    /// cause says which this API server saw).
+    NodeJoined,
+    /// A node stopped heartbeating and its registration lapsed; its sandboxes are
+    /// `lost` until it is back.
+    NodeLost,
+    /// A node shut down (it deregistered).
+    NodeLeft,
+    /// A warm pool's autoscaler changed its target; the cause says from what to what,
+    /// and why.
+    PoolScaled,
+    /// A claim found no warm sandbox in its pool and had to wait (said once until the
+    /// pool has warm sandboxes again).
+    PoolExhausted,
+    /// A create waited in the capacity queue (or a pool's) for its whole `max_wait_s`
+    /// and was refused with `capacity`.
+    QueueTimedOut,
 }
 
 impl EventKind {
     /// Every kind, in declaration order.
-    pub const ALL: [EventKind; 16] = [
+    pub const ALL: [EventKind; 22] = [
         EventKind::Created,
         EventKind::Ready,
         EventKind::Paused,
@@ -75,6 +92,12 @@ impl EventKind {
         EventKind::DiskFull,
         EventKind::NodeDrained,
         EventKind::NodeUndrained,
+        EventKind::NodeJoined,
+        EventKind::NodeLost,
+        EventKind::NodeLeft,
+        EventKind::PoolScaled,
+        EventKind::PoolExhausted,
+        EventKind::QueueTimedOut,
     ];
 
     /// The kind's wire name (`oom_killed`).
@@ -96,12 +119,25 @@ impl EventKind {
             EventKind::DiskFull => "disk_full",
             EventKind::NodeDrained => "node_drained",
             EventKind::NodeUndrained => "node_undrained",
+            EventKind::NodeJoined => "node_joined",
+            EventKind::NodeLost => "node_lost",
+            EventKind::NodeLeft => "node_left",
+            EventKind::PoolScaled => "pool_scaled",
+            EventKind::PoolExhausted => "pool_exhausted",
+            EventKind::QueueTimedOut => "queue_timed_out",
         }
     }
 
     /// Whether the event is about a node (only cluster admins see those).
     pub fn is_node(self) -> bool {
-        matches!(self, EventKind::NodeDrained | EventKind::NodeUndrained)
+        matches!(
+            self,
+            EventKind::NodeDrained
+                | EventKind::NodeUndrained
+                | EventKind::NodeJoined
+                | EventKind::NodeLost
+                | EventKind::NodeLeft
+        )
     }
 }
 
@@ -145,6 +181,9 @@ pub struct Event {
     /// The node it is about, or the sandbox's node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
+    /// The warm pool it is about (`pool_*` events, a claim's `queue_timed_out`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
     /// The sandbox's labels.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub labels: BTreeMap<String, String>,
@@ -289,6 +328,7 @@ mod tests {
             sandbox: Some("sb".into()),
             tenant: Some("t".into()),
             node: None,
+            pool: None,
             labels: BTreeMap::from([("job".into(), "7".into())]),
             cause: None,
             command: None,
