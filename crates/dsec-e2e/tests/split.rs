@@ -788,8 +788,55 @@ async fn a_cluster_places_over_its_nodes_and_outlives_losing_one() -> anyhow::Re
     for node in nodes {
         node.stop()?;
     }
+    // The event log tells the nodes' story: each joined, node 2 was lost and joined
+    // again (restarted), node 1 was drained and opened; both left when stopped.
+    let story = node_events(&client, 8).await?;
+    let of = |name: &str| -> Vec<&str> {
+        story
+            .iter()
+            .filter(|e| e.node.as_deref() == Some(name))
+            .map(|e| e.kind.as_str())
+            .collect()
+    };
+    assert_eq!(
+        of("cluster-n1"),
+        ["node_joined", "node_drained", "node_undrained", "node_left"],
+        "{story:#?}"
+    );
+    assert_eq!(
+        of("cluster-n2"),
+        ["node_joined", "node_lost", "node_joined", "node_left"],
+        "{story:#?}"
+    );
+    let rejoined = story
+        .iter()
+        .filter(|e| e.kind == dsec_wire::v1::EventKind::NodeJoined)
+        .filter_map(|e| e.cause.as_deref())
+        .find(|c| c.starts_with("restarted"));
+    anyhow::ensure!(rejoined.is_some(), "node 2's return says it restarted: {story:#?}");
     drop(etcd);
     Ok(())
+}
+
+/// The node events kept (`no_follow` replays), polled until there are `n` (within 10 s:
+/// a node's departure is seen through the API server's watch).
+async fn node_events(client: &Client, n: usize) -> anyhow::Result<Vec<dsec_wire::v1::Event>> {
+    use futures::StreamExt as _;
+    let query = dsec_wire::v1::EventQuery {
+        after: Some(0),
+        kind: Some("node_joined,node_lost,node_left,node_drained,node_undrained".into()),
+        no_follow: true,
+        ..Default::default()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let events: Vec<_> = client.events(&query).await?.collect().await;
+        let events = events.into_iter().collect::<Result<Vec<_>, _>>()?;
+        if events.len() >= n || std::time::Instant::now() > deadline {
+            return Ok(events);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 fn rand_u128() -> u128 {
