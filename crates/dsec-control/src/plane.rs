@@ -96,6 +96,8 @@ pub struct ControlConfig {
     pub slow_create_ms: u64,
     /// How long events are kept for `GET /v1/events` (s); 0 writes none.
     pub events_retention_s: u64,
+    /// Event streams one tenant may hold open here at once.
+    pub max_event_streams_per_tenant: usize,
 }
 
 /// How sandboxes reach the model gateway (issue #30).
@@ -126,6 +128,7 @@ impl ControlConfig {
             model_gateway: None,
             slow_create_ms: 2000,
             events_retention_s: DEFAULT_EVENTS_RETENTION_S,
+            max_event_streams_per_tenant: dsec_wire::v1::DEFAULT_MAX_EVENT_STREAMS_PER_TENANT,
         }
     }
 }
@@ -690,9 +693,21 @@ impl SandboxApi for ControlPlane {
                 _ => filter.tenant = Some(caller.tenant.clone()),
             }
         }
-        self.events
+        let slot = self
+            .events
+            .stream_slot(&caller.tenant, self.cfg.max_event_streams_per_tenant)?;
+        let feed = self
+            .events
             .stream(filter, query.after, !query.no_follow)
-            .await
+            .await?;
+        // The slot is given back when the stream is dropped (the client went away).
+        Ok(futures::StreamExt::boxed(futures::StreamExt::map(
+            feed,
+            move |e| {
+                let _held = &slot;
+                e
+            },
+        )))
     }
 
     async fn queue_status(&self, caller: &Principal) -> ApiResult<QueueStatus> {

@@ -329,3 +329,30 @@ async fn a_full_disk_is_an_event_once_and_clears_when_freed() -> TestResult {
     assert!(again[0].id > full[0].id);
     Ok(())
 }
+
+#[tokio::test]
+async fn a_tenant_holds_at_most_its_share_of_open_streams() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let node = Arc::new(FakeNode::new("fake-1"));
+    let store = Arc::new(RedbStore::open(&dir.path().join("state.redb"))?);
+    let mut cfg = ControlConfig::with_key("k".into());
+    cfg.max_event_streams_per_tenant = 2;
+    let plane = ControlPlane::open(cfg, node.clone(), store.clone()).await?;
+    let alice = tenant_on(&plane, "alice").await;
+    let bob = tenant_on(&plane, "bob").await;
+    let first = plane.events(&alice, query(None)).await?;
+    let _second = plane.events(&alice, query(None)).await?;
+    let e = plane
+        .events(&alice, query(None))
+        .await
+        .err()
+        .ok_or("a third stream is refused")?;
+    assert_eq!(e.code, ErrorCode::QuotaExceeded, "{}", e.message);
+    assert!(e.message.contains("2 event streams"), "{}", e.message);
+    // Another tenant has its own share.
+    let _bobs = plane.events(&bob, query(None)).await?;
+    // A closed stream frees its place.
+    drop(first);
+    let _third = plane.events(&alice, query(None)).await?;
+    Ok(())
+}

@@ -813,7 +813,10 @@ async fn a_cluster_places_over_its_nodes_and_outlives_losing_one() -> anyhow::Re
         .filter(|e| e.kind == dsec_wire::v1::EventKind::NodeJoined)
         .filter_map(|e| e.cause.as_deref())
         .find(|c| c.starts_with("restarted"));
-    anyhow::ensure!(rejoined.is_some(), "node 2's return says it restarted: {story:#?}");
+    anyhow::ensure!(
+        rejoined.is_some(),
+        "node 2's return says it restarted: {story:#?}"
+    );
     drop(etcd);
     Ok(())
 }

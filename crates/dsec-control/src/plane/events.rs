@@ -68,6 +68,26 @@ pub(crate) struct EventLog {
     max_kept: usize,
     /// When [`EventLog::prune`] last ran (ms since the epoch).
     pruned_at: AtomicU64,
+    /// Streams open now, by tenant.
+    open_streams: Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>>,
+}
+
+/// One open stream of a tenant's; dropping it frees the place.
+pub(super) struct StreamSlot {
+    tenant: String,
+    open: Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>>,
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = open.get_mut(&self.tenant) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                open.remove(&self.tenant);
+            }
+        }
+    }
 }
 
 impl EventLog {
@@ -78,7 +98,27 @@ impl EventLog {
             retention_ms,
             max_kept: MAX_EVENTS_KEPT,
             pruned_at: AtomicU64::new(0),
+            open_streams: Default::default(),
         }
+    }
+
+    /// A place for one more stream of `tenant`'s, if it holds fewer than `max`.
+    pub(super) fn stream_slot(&self, tenant: &str, max: usize) -> Result<StreamSlot, ApiError> {
+        let mut open = self.open_streams.lock().unwrap_or_else(|p| p.into_inner());
+        let n = open.entry(tenant.to_string()).or_default();
+        if *n >= max {
+            return Err(ApiError::new(
+                dsec_wire::ErrorCode::QuotaExceeded,
+                format!(
+                    "tenant {tenant} has {max} event streams open on this server, its most; close one (or filter one stream instead of opening many)"
+                ),
+            ));
+        }
+        *n += 1;
+        Ok(StreamSlot {
+            tenant: tenant.to_string(),
+            open: self.open_streams.clone(),
+        })
     }
 
     /// Whether events are written at all.

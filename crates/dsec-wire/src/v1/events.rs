@@ -16,6 +16,10 @@ pub const DEFAULT_EVENTS_RETENTION_S: u64 = 3600;
 /// Events kept at most, whatever their age (the oldest go first).
 pub const MAX_EVENTS_KEPT: usize = 100_000;
 
+/// Event streams one tenant may hold open on one API server at once by default (each
+/// holds a watch of the store); one more is refused with `quota_exceeded`.
+pub const DEFAULT_MAX_EVENT_STREAMS_PER_TENANT: usize = 64;
+
 /// What happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
