@@ -19,7 +19,7 @@ APT_PACKAGES="erofs-utils e2fsprogs nftables iproute2 mmdebstrap crun runc pytho
 # loopback), skopeo (seeds it), apache2-utils (htpasswd, for its basic auth), openssl (the
 # key pair and token signatures of its bearer-token auth) and faketime (a node whose clock
 # is off).
-TEST_APT_PACKAGES="etcd-server docker-registry skopeo apache2-utils openssl faketime chromium"
+TEST_APT_PACKAGES="etcd-server docker-registry skopeo apache2-utils openssl faketime chromium runsc"
 
 # Installs APT_PACKAGES and any packages named as arguments.
 ensure_packages() {

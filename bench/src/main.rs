@@ -28,6 +28,7 @@ mod files;
 mod fncall;
 mod gateway;
 mod images;
+mod isolation;
 mod lifecycle;
 mod network;
 mod peers;
@@ -56,6 +57,7 @@ struct Args {
     /// sustained, backlog, teardown, cpu, job, idle, idle-cpu, density, files, provision, burst, pools, fncall, autoscale,
     /// rollouts (recording a call's outcome on exec; fork into 16 vs commit + creates),
     /// events (time to interactive with events on and off, on two fresh servers),
+    /// isolation (time to interactive, exec round trip and idle memory per isolation level),
     /// placement (simulated, needs neither root nor a server), control-plane (2 API servers
     /// over etcd and 100 simulated nodes; needs etcd, not root), registry-pull (a
     /// multi-layer pull from a local docker-registry, serial vs parallel layer downloads;
@@ -1460,6 +1462,14 @@ fn main() -> anyhow::Result<()> {
                 "\ntarget: events, and events with traces, cost <= 3% of time to interactive (p50): {:+.1}%, {:+.1}%",
                 (rows[1].pct(50.0) / rows[0].pct(50.0) - 1.0) * 100.0,
                 (rows[2].pct(50.0) / rows[0].pct(50.0) - 1.0) * 100.0
+            );
+        }
+        if want("isolation") {
+            let rows = isolation::costs(&server, n).await?;
+            print_table(
+                "isolation levels: time to interactive, exec round trip, idle memory",
+                &rows,
+                "create + exec true, container",
             );
         }
         if want("autoscale") {

@@ -42,6 +42,29 @@ def test_create_exec_delete(client: dsec.Client) -> None:
     assert rid and rid.startswith("req_") and len(rid) == 20, rid
 
 
+def test_a_gvisor_sandbox_through_the_sdk(client: dsec.Client) -> None:
+    """The SDK drives a gVisor sandbox as any other: commands, a session, files."""
+    levels = {level.isolation: level for level in client.health().isolation}
+    if "gvisor" not in levels:
+        assert not os.environ.get("CI"), f"the test server offers no gvisor: {levels}"
+        pytest.skip("runsc is not installed (apt-get install runsc)")
+    assert levels["gvisor"].platform in ("systrap", "ptrace"), levels
+    with dsec.Sandbox.create(client, isolation="gvisor", env={"LEVEL": "g"}) as sb:
+        assert sb.info.isolation == "gvisor"
+        r = sb.exec("echo $LEVEL; uname -r")
+        assert r.stdout.splitlines()[0] == "g"
+        assert r.stdout.splitlines()[1] != os.uname().release, "gVisor's kernel answers"
+        with sb.session() as s:
+            assert s.run("cd /tmp && export X=1").ok
+            assert s.run("echo $X $(pwd)").output == "1 /tmp\n"
+        sb.write("/tmp/f.bin", b"\x00\x01gvisor")
+        assert sb.read("/tmp/f.bin") == b"\x00\x01gvisor"
+        assert sb.exec(["cat", "/tmp/f.bin"]).stdout.endswith("gvisor")
+    with pytest.raises(dsec.BadRequest) as ei:
+        dsec.Sandbox.create(client, isolation="gvisor", network="open")
+    assert "isolation gvisor" in str(ei.value)
+
+
 def test_exec_stream_events(sandbox: dsec.Sandbox) -> None:
     events = list(sandbox.exec_stream("echo a; echo b >&2; sleep 0.2; echo c; exit 7"))
     assert isinstance(events[0], dsec.StartedEvent) and events[0].pid > 0

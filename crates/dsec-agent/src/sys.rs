@@ -6,7 +6,7 @@
 
 use std::ffi::{CStr, CString};
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
 /// Converts a path component or path to a C string; a NUL byte is an `InvalidInput` error.
 pub fn cstr(bytes: &[u8]) -> io::Result<CString> {
@@ -47,6 +47,9 @@ pub fn openat2(
         0
     };
     how.resolve = resolve;
+    if NO_OPENAT2.load(std::sync::atomic::Ordering::Relaxed) {
+        return openat2_emulated(dir, path, flags, mode, resolve);
+    }
     loop {
         // SAFETY: `path` is a valid C string, `how` a valid open_how of the size we pass;
         // the kernel does not retain either pointer.
@@ -65,10 +68,158 @@ pub fn openat2(
             if matches!(err.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EINTR)) {
                 continue;
             }
+            if err.raw_os_error() == Some(libc::ENOSYS) {
+                NO_OPENAT2.store(true, std::sync::atomic::Ordering::Relaxed);
+                return openat2_emulated(dir, path, flags, mode, resolve);
+            }
             return Err(err);
         }
         return owned(ret as libc::c_int);
     }
+}
+
+/// Set once the kernel answered `openat2` with `ENOSYS` (gVisor before 2023).
+static NO_OPENAT2: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// What `openat2` does with the two resolve sets the agent uses, for kernels without it
+/// (gVisor's before 2023), where the agent's root is the sandbox's own root:
+/// - `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`: each component opened with `O_NOFOLLOW`,
+///   no absolute path and no `..` (`EXDEV`), a symlink anywhere `ELOOP`;
+/// - `RESOLVE_IN_ROOT`: only from a descriptor of `/` itself, where `..` and absolute
+///   symlinks stop at the root anyway; `RESOLVE_NO_MAGICLINKS` becomes a refusal of
+///   anything on procfs (`ELOOP`), where magic links live.
+///
+/// Any other use is `ENOSYS`, as before.
+fn openat2_emulated(
+    dir: BorrowedFd<'_>,
+    path: &CStr,
+    flags: libc::c_int,
+    mode: u32,
+    resolve: u64,
+) -> io::Result<OwnedFd> {
+    let errno = |e| io::Error::from_raw_os_error(e);
+    let bytes = path.to_bytes();
+    if resolve & libc::RESOLVE_NO_SYMLINKS != 0 && resolve & libc::RESOLVE_BENEATH != 0 {
+        if bytes.starts_with(b"/") {
+            return Err(errno(libc::EXDEV));
+        }
+        let parts: Vec<&[u8]> = bytes
+            .split(|b| *b == b'/')
+            .filter(|p| !p.is_empty() && *p != b".")
+            .collect();
+        if parts.iter().any(|p| *p == b"..") {
+            return Err(errno(libc::EXDEV));
+        }
+        let Some((last, dirs)) = parts.split_last() else {
+            return openat(dir, c".", flags, mode);
+        };
+        let mut held: Option<OwnedFd> = None;
+        for part in dirs {
+            let at = held.as_ref().map_or(dir, |f| f.as_fd());
+            let next = openat(
+                at,
+                &cstr(part)?,
+                libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW,
+                0,
+            )
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::ENOTDIR) => errno(libc::ELOOP),
+                _ => e,
+            })?;
+            held = Some(next);
+        }
+        let at = held.as_ref().map_or(dir, |f| f.as_fd());
+        let fd = openat(at, &cstr(last)?, flags | libc::O_NOFOLLOW, mode)?;
+        if fstat(fd.as_fd())?.st_mode & libc::S_IFMT == libc::S_IFLNK {
+            return Err(errno(libc::ELOOP));
+        }
+        return Ok(fd);
+    }
+    if resolve & libc::RESOLVE_IN_ROOT != 0 {
+        let here = fstat(dir)?;
+        let root = fstatat(dir, c"/", false)?;
+        if (here.st_dev, here.st_ino) != (root.st_dev, root.st_ino) {
+            return Err(errno(libc::ENOSYS));
+        }
+        return open_in_root(dir, bytes, flags, mode);
+    }
+    Err(errno(libc::ENOSYS))
+}
+
+/// Symlinks one lookup follows at most (the kernel's limit).
+const MAX_SYMLINKS: usize = 40;
+
+/// Resolves `path` from `root` (a descriptor of `/`) one component at a time, following
+/// symlinks itself: `..` stops at the root, and a symlink on procfs (where the magic
+/// links are) is refused with `ELOOP`. The final component is opened with `flags`
+/// (followed if a symlink, unless `flags` has `O_NOFOLLOW`).
+fn open_in_root(
+    root: BorrowedFd<'_>,
+    path: &[u8],
+    flags: libc::c_int,
+    mode: u32,
+) -> io::Result<OwnedFd> {
+    let errno = |e| io::Error::from_raw_os_error(e);
+    let mut todo: std::collections::VecDeque<Vec<u8>> = path
+        .split(|b| *b == b'/')
+        .filter(|p| !p.is_empty() && *p != b".")
+        .map(<[u8]>::to_vec)
+        .collect();
+    let mut cur: Option<OwnedFd> = None;
+    let mut links = 0;
+    while let Some(part) = todo.pop_front() {
+        let at = cur.as_ref().map_or(root, |f| f.as_fd());
+        let name = cstr(&part)?;
+        let last = todo.is_empty();
+        let probe = openat(at, &name, libc::O_PATH | libc::O_NOFOLLOW, 0);
+        let probe = match probe {
+            Ok(fd) => fd,
+            // The final component may not exist yet (O_CREAT).
+            Err(e) if last && e.raw_os_error() == Some(libc::ENOENT) => {
+                return openat(at, &name, flags | libc::O_NOFOLLOW, mode)
+            }
+            Err(e) => return Err(e),
+        };
+        let is_link = fstat(probe.as_fd())?.st_mode & libc::S_IFMT == libc::S_IFLNK;
+        if is_link && !(last && flags & libc::O_NOFOLLOW != 0) {
+            if on_procfs(probe.as_fd())? {
+                return Err(errno(libc::ELOOP));
+            }
+            links += 1;
+            if links > MAX_SYMLINKS {
+                return Err(errno(libc::ELOOP));
+            }
+            let target = readlinkat(at, &name)?;
+            if target.starts_with(b"/") {
+                cur = None;
+            }
+            for p in target
+                .split(|b| *b == b'/')
+                .filter(|p| !p.is_empty() && *p != b".")
+                .rev()
+            {
+                todo.push_front(p.to_vec());
+            }
+            continue;
+        }
+        if last {
+            return openat(at, &name, flags | libc::O_NOFOLLOW, mode);
+        }
+        // `..` from the root is the root itself (it is the process's root).
+        cur = Some(openat(at, &name, libc::O_PATH | libc::O_DIRECTORY, 0)?);
+    }
+    // The root itself (or a path that resolved back to it).
+    let at = cur.as_ref().map_or(root, |f| f.as_fd());
+    openat(at, c".", flags, mode)
+}
+
+/// Whether `fd` is on a procfs.
+fn on_procfs(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    // SAFETY: statfs is plain old data; zero is a valid initial value.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: valid fd and out pointer.
+    check(unsafe { libc::fstatfs(fd.as_raw_fd(), &mut st) })?;
+    Ok(st.f_type == libc::PROC_SUPER_MAGIC)
 }
 
 /// `openat(2)` relative to `dir`; `O_CLOEXEC` is always added.
@@ -452,4 +603,88 @@ pub fn proc_groups() -> Vec<(i32, char, i32)> {
         out.push((pid, state, pgrp));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(p: &std::path::Path) -> OwnedFd {
+        let c = cstr(p.as_os_str().as_encoded_bytes()).expect("path");
+        // SAFETY: valid C string; the descriptor is wrapped at once.
+        owned(unsafe {
+            libc::open(
+                c.as_ptr(),
+                libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            )
+        })
+        .expect("open dir")
+    }
+
+    fn errno_of(r: io::Result<OwnedFd>) -> Option<i32> {
+        r.err().and_then(|e| e.raw_os_error())
+    }
+
+    /// The emulation used where `openat2` is missing (gVisor) refuses what the kernel's
+    /// resolve flags refuse.
+    #[test]
+    fn the_openat2_emulation_refuses_what_the_resolve_flags_refuse() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        std::fs::create_dir(tmp.path().join("d")).expect("mkdir");
+        std::fs::write(tmp.path().join("d/f"), b"x").expect("write");
+        std::os::unix::fs::symlink("d", tmp.path().join("link")).expect("symlink");
+        std::os::unix::fs::symlink("f", tmp.path().join("d/flink")).expect("symlink");
+        let base = dir(tmp.path());
+        let beneath =
+            libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+        let open = |p: &CStr, flags| openat2_emulated(base.as_fd(), p, flags, 0, beneath);
+        assert!(open(c"d/f", libc::O_RDONLY).is_ok());
+        assert_eq!(errno_of(open(c"link/f", libc::O_RDONLY)), Some(libc::ELOOP));
+        assert_eq!(
+            errno_of(open(c"d/flink", libc::O_RDONLY)),
+            Some(libc::ELOOP)
+        );
+        assert_eq!(errno_of(open(c"d/flink", libc::O_PATH)), Some(libc::ELOOP));
+        assert_eq!(
+            errno_of(open(c"d/../d/f", libc::O_RDONLY)),
+            Some(libc::EXDEV)
+        );
+        assert_eq!(
+            errno_of(open(c"/etc/passwd", libc::O_RDONLY)),
+            Some(libc::EXDEV)
+        );
+        // In-root resolution only from the root itself; procfs is refused there.
+        let in_root = libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS;
+        let r = openat2_emulated(base.as_fd(), c"d/f", libc::O_RDONLY, 0, in_root);
+        assert_eq!(
+            errno_of(r),
+            Some(libc::ENOSYS),
+            "not from a directory below /"
+        );
+        let root = dir(std::path::Path::new("/"));
+        for magic in [
+            c"/proc/self/root",
+            c"/proc/self/root/etc/hostname",
+            c"/proc/1/cwd",
+        ] {
+            let r = openat2_emulated(root.as_fd(), magic, libc::O_PATH, 0, in_root);
+            assert_eq!(errno_of(r), Some(libc::ELOOP), "{magic:?}");
+        }
+        // Symlinks resolve inside the root: `..` stops there.
+        std::os::unix::fs::symlink("/../../etc", tmp.path().join("up")).expect("symlink");
+        let up = tmp.path().join("up/hostname");
+        let up = cstr(up.as_os_str().as_encoded_bytes()).expect("path");
+        let r = openat2_emulated(root.as_fd(), &up, libc::O_RDONLY, 0, in_root);
+        assert!(r.is_ok(), "{r:?}");
+        let r = openat2_emulated(
+            root.as_fd(),
+            c"/tmp/../../../etc/hostname",
+            libc::O_RDONLY,
+            0,
+            in_root,
+        );
+        assert!(r.is_ok(), "{r:?}");
+        let r = openat2_emulated(root.as_fd(), c"/etc/hostname", libc::O_RDONLY, 0, in_root);
+        assert!(r.is_ok(), "{r:?}");
+    }
 }

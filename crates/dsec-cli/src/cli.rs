@@ -516,6 +516,14 @@ pub struct ServeArgs {
     /// if installed; runsc for gVisor).
     #[arg(long)]
     pub oci_runtime: Option<PathBuf>,
+    /// gVisor's runsc for sandboxes created with isolation `gvisor` (default: runsc from
+    /// PATH, if installed).
+    #[arg(long)]
+    pub gvisor_runtime: Option<PathBuf>,
+    /// The gVisor platform: systrap, ptrace or kvm (default: systrap where runsc has it,
+    /// else ptrace).
+    #[arg(long)]
+    pub gvisor_platform: Option<String>,
     /// Network namespaces kept prepared for fast creates.
     #[arg(long, default_value_t = 8)]
     pub net_pool: usize,
@@ -763,9 +771,12 @@ pub struct CreateArgs {
     /// Commands may connect TCP sockets only to this port (repeatable; Landlock).
     #[arg(long = "tcp-connect", value_name = "PORT")]
     pub tcp_connect: Vec<u16>,
-    /// Run under the node's OCI runtime (runc, runsc) instead of dsec's container.
-    #[arg(long)]
+    /// Run under the node's OCI runtime (runc) instead of dsec's container.
+    #[arg(long, conflicts_with = "gvisor")]
     pub oci: bool,
+    /// Run under gVisor (the node's runsc): system calls served by gVisor's kernel.
+    #[arg(long)]
+    pub gvisor: bool,
     /// Lifetime (e.g. 3600, 90m, 1h; server default: 1h).
     #[arg(long, value_parser = parse_duration)]
     pub timeout: Option<Duration>,

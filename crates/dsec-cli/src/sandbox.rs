@@ -171,6 +171,8 @@ pub(crate) async fn create_request(a: CreateArgs) -> anyhow::Result<CreateSandbo
         },
         isolation: if a.oci {
             dsec_wire::v1::Isolation::Oci
+        } else if a.gvisor {
+            dsec_wire::v1::Isolation::Gvisor
         } else {
             dsec_wire::v1::Isolation::Container
         },

@@ -54,6 +54,33 @@ fn close_inherited_fds() {
 }
 
 /// The first executable `name` on PATH.
+/// gVisor for level `gvisor`: `--gvisor-runtime`, else `runsc` from PATH if installed
+/// (none: the level is unavailable), on `--gvisor-platform` or the best it has. A runsc
+/// named on the command line that does not work is an error; one found in PATH is
+/// skipped with a warning.
+fn gvisor_of(args: &ServeArgs) -> anyhow::Result<Option<dsec_node::gvisor::Gvisor>> {
+    let (runsc, named) = match &args.gvisor_runtime {
+        Some(p) => (p.clone(), true),
+        None => match find_in_path("runsc") {
+            Some(p) => (p, false),
+            None => return Ok(None),
+        },
+    };
+    match dsec_node::gvisor::Gvisor::detect(runsc, args.gvisor_platform.as_deref()) {
+        Ok(g) => {
+            tracing::info!(runsc = %g.runsc.display(), platform = %g.platform, "isolation gvisor available");
+            Ok(Some(g))
+        }
+        Err(e) if named || args.gvisor_platform.is_some() => {
+            Err(anyhow::anyhow!("--gvisor-runtime: {e}"))
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "runsc found but not usable: isolation gvisor is unavailable");
+            Ok(None)
+        }
+    }
+}
+
 fn find_in_path(name: &str) -> Option<PathBuf> {
     std::env::var_os("PATH").and_then(|paths| {
         std::env::split_paths(&paths)
@@ -161,6 +188,7 @@ async fn open_node(
             .and_then(|h| h.into_string().ok())
             .unwrap_or_else(|| "local".into()),
     };
+    let gvisor = gvisor_of(args)?;
     let node_cfg = NodeConfig {
         name,
         state_dir: args.state_dir.clone(),
@@ -188,6 +216,7 @@ async fn open_node(
             scope: args.userns_scope.clone(),
         }),
         oci_runtime: args.oci_runtime.clone().or_else(|| find_in_path("runc")),
+        gvisor,
         blob_store: args.blob_store.clone(),
         layer_cache_bytes: (args.layer_cache_mb > 0).then_some(args.layer_cache_mb << 20),
         lazy_chunk_cache_bytes: args.lazy_layers.then_some(args.chunk_cache_mb << 20),
@@ -527,9 +556,12 @@ async fn join_cluster(
         .memory_available_bytes
         .saturating_sub(at_start.memory_reserve_bytes);
     let mut isolation = vec![Isolation::Container];
-    if args.serve.oci_runtime.is_some() || find_in_path("runc").is_some() {
-        isolation.push(Isolation::Oci);
-    }
+    isolation.extend(
+        node.isolation_levels()
+            .into_iter()
+            .map(|l| l.isolation)
+            .filter(|l| *l != Isolation::Container),
+    );
     let network_modes = if args.serve.no_network {
         vec![NetworkMode::None]
     } else {

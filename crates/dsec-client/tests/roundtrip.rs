@@ -72,6 +72,7 @@ impl SandboxApi for Fake {
             unhealthy_sandboxes: 0,
             unhealthy_marks_total: 0,
             capacity: None,
+            isolation: Vec::new(),
         })
     }
     async fn create_sandbox(

@@ -587,16 +587,22 @@ impl SandboxApi for ControlPlane {
 
     async fn health(&self) -> ApiResult<Health> {
         let sandboxes = self.records.count(|_| true) as u64;
-        let (node, cgroup, capacity) = if self.nodes.is_single() {
+        let (node, cgroup, capacity, isolation) = if self.nodes.is_single() {
             let n = self.nodes.any()?;
             (
                 n.name().to_string(),
                 n.cgroup_version().to_string(),
                 Some(n.capacity().await),
+                n.isolation_levels(),
             )
         } else {
             let live = self.nodes.live().len();
-            (format!("cluster of {live} live nodes"), String::new(), None)
+            (
+                format!("cluster of {live} live nodes"),
+                String::new(),
+                None,
+                Vec::new(),
+            )
         };
         Ok(Health {
             unhealthy_sandboxes: self.unhealthy_count(),
@@ -609,6 +615,7 @@ impl SandboxApi for ControlPlane {
             cgroup,
             sandboxes,
             capacity,
+            isolation,
         })
     }
 

@@ -57,7 +57,7 @@ struct Level {
 /// Every isolation level a sandbox can ask for, with the set-ups worth attacking. The
 /// match fails to compile when a level is added, until it is attacked here too.
 fn levels() -> Vec<Level> {
-    let all = [Isolation::Container, Isolation::Oci];
+    let all = [Isolation::Container, Isolation::Oci, Isolation::Gvisor];
     all.iter()
         .flat_map(|level| match level {
             Isolation::Container => vec![
@@ -81,6 +81,12 @@ fn levels() -> Vec<Level> {
                 args: &[],
                 isolation: Isolation::Oci,
             }],
+            // The agent under gVisor's kernel (runsc), root there.
+            Isolation::Gvisor => vec![Level {
+                name: "attacks-gvisor",
+                args: &[],
+                isolation: Isolation::Gvisor,
+            }],
         })
         .collect()
 }
@@ -93,6 +99,19 @@ async fn run_level(name: &str) {
         .into_iter()
         .find(|l| l.name == name)
         .unwrap_or_else(|| panic!("no level {name}"));
+    if level.isolation == Isolation::Gvisor
+        && !std::process::Command::new("runsc")
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "runsc is not installed (apt-get install runsc)"
+        );
+        eprintln!("skipped: runsc is not installed (apt-get install runsc)");
+        return;
+    }
     run_suite(&level).await;
 }
 
@@ -109,6 +128,11 @@ async fn every_attack_is_contained_without_user_namespaces_too() {
 #[tokio::test(flavor = "multi_thread")]
 async fn every_attack_is_contained_at_isolation_oci_too() {
     run_level("attacks-oci").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_attack_is_contained_at_isolation_gvisor_too() {
+    run_level("attacks-gvisor").await;
 }
 
 /// Every level above has its test.

@@ -43,6 +43,7 @@ fn config() -> NodeConfig {
         delete_concurrency: 0,
         userns: None,
         oci_runtime: None,
+        gvisor: None,
         blob_store: None,
         layer_cache_bytes: None,
         lazy_chunk_cache_bytes: None,

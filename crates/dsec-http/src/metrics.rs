@@ -457,6 +457,7 @@ mod tests {
             unhealthy_sandboxes: 1,
             unhealthy_marks_total: 2,
             capacity: None,
+            isolation: Vec::new(),
         };
         let layers = LayerStatsList {
             lazy: vec![LazyLayerStats {
@@ -520,6 +521,7 @@ mod tests {
             unhealthy_sandboxes: 0,
             unhealthy_marks_total: 0,
             capacity: None,
+            isolation: Vec::new(),
         };
         let node = |name: &str, live: bool, pool: &str| ClusterNode {
             name: name.into(),

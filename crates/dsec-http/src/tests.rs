@@ -74,6 +74,7 @@ impl SandboxApi for Stub {
             unhealthy_sandboxes: 0,
             unhealthy_marks_total: 0,
             capacity: None,
+            isolation: Vec::new(),
         })
     }
     async fn create_sandbox(

@@ -170,6 +170,14 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
     fn name(&self) -> &str;
     /// `v1` or `v2`.
     fn cgroup_version(&self) -> &'static str;
+    /// The isolation levels it offers.
+    fn isolation_levels(&self) -> Vec<dsec_wire::v1::IsolationLevel> {
+        vec![dsec_wire::v1::IsolationLevel {
+            isolation: dsec_wire::v1::Isolation::Container,
+            runtime: None,
+            platform: None,
+        }]
+    }
 
     // ---- lifecycle ----
 

@@ -47,6 +47,9 @@ pub struct NodeConfig {
     pub userns: Option<crate::userns::UsernsConfig>,
     /// OCI runtime for sandboxes of isolation level `oci` (`None`: level unavailable).
     pub oci_runtime: Option<PathBuf>,
+    /// gVisor's `runsc` for sandboxes of isolation level `gvisor` (`None`: level
+    /// unavailable), and the platform it runs them on.
+    pub gvisor: Option<crate::gvisor::Gvisor>,
     /// The cluster's shared blob store (a directory path, `s3://...`, `http(s)://...`;
     /// see `dsec-blob`); `None`: the node's image directory is the only store.
     pub blob_store: Option<String>,

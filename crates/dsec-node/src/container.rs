@@ -253,8 +253,13 @@ impl ContainerBackend {
     ) -> Result<(), NodeError> {
         let run = self.cfg.sandbox_run_dir(id);
         if run.join("bundle").exists() {
-            // Isolation level oci: the runtime's container, then its root mount.
-            if let Some(bin) = &self.cfg.oci_runtime {
+            // Isolation levels oci and gvisor: the runtime's container, then its root
+            // mount. (A gVisor sandbox has its socket directory.)
+            if crate::gvisor::socket_dir(&run).exists() {
+                if let Some(g) = &self.cfg.gvisor {
+                    g.delete(&crate::gvisor::state_dir(&self.cfg.run_dir), id);
+                }
+            } else if let Some(bin) = &self.cfg.oci_runtime {
                 crate::oci::delete(bin, &crate::oci::state_dir(&self.cfg.run_dir), id);
             }
             let _ = nix::mount::umount2(&run.join("rootfs"), nix::mount::MntFlags::MNT_DETACH);
@@ -445,7 +450,7 @@ impl ContainerBackend {
         };
         let cgroup = Cgroup::create(&self.cgroups, &self.cgroup_path(id), &limits)?;
         timeline.mark("cgroup");
-        if spec.isolation == Isolation::Oci {
+        if matches!(spec.isolation, Isolation::Oci | Isolation::Gvisor) {
             let rec = self.create_oci(spec, layers, &run, &upper, &work, disk_mb)?;
             timeline.mark("init");
             self.handles()
@@ -697,8 +702,17 @@ impl ContainerBackend {
     }
 }
 
+/// The runtime of a sandbox at level `oci` or `gvisor`.
+#[derive(Debug, Clone, Copy)]
+enum Runtime<'a> {
+    /// An OCI runtime binary (runc).
+    Oci(&'a std::path::PathBuf),
+    /// gVisor.
+    Gvisor(&'a crate::gvisor::Gvisor),
+}
+
 impl ContainerBackend {
-    /// Isolation level `oci`: mount the root on the host, write the bundle, let the
+    /// Isolation levels `oci` and `gvisor`: mount the root on the host, write the bundle, let the
     /// runtime start the agent in the sandbox's cgroup.
     fn create_oci(
         &self,
@@ -710,20 +724,30 @@ impl ContainerBackend {
         disk_mb: Option<u64>,
     ) -> Result<RuntimeRecord, NodeError> {
         let id = &spec.id;
-        let bin = self.cfg.oci_runtime.as_ref().ok_or_else(|| {
-            NodeError::Unsupported(
-                "isolation oci: this node has no OCI runtime (dsec serve --oci-runtime)".into(),
-            )
-        })?;
+        let gvisor = spec.isolation == Isolation::Gvisor;
+        let level = if gvisor { "gvisor" } else { "oci" };
+        let runtime = if gvisor {
+            Runtime::Gvisor(self.cfg.gvisor.as_ref().ok_or_else(|| {
+                NodeError::Unsupported(
+                    "isolation gvisor: this node has no runsc (apt-get install runsc, or dsec serve --gvisor-runtime)".into(),
+                )
+            })?)
+        } else {
+            Runtime::Oci(self.cfg.oci_runtime.as_ref().ok_or_else(|| {
+                NodeError::Unsupported(
+                    "isolation oci: this node has no OCI runtime (dsec serve --oci-runtime)".into(),
+                )
+            })?)
+        };
         if spec.network.mode != NetworkMode::None
             || spec.model_link
             || !spec.writable_paths.is_empty()
             || spec.tcp_bind.is_some()
             || spec.tcp_connect.is_some()
         {
-            return Err(NodeError::Unsupported(
-                "isolation oci: network modes and file rules need isolation container".into(),
-            ));
+            return Err(NodeError::Unsupported(format!(
+                "isolation {level}: network modes, model access and file or TCP rules need isolation container"
+            )));
         }
         // The node's own view of the disk (a detached one through its fd).
         let (upper, work) = match self.disks_held().get(id) {
@@ -756,20 +780,52 @@ impl ContainerBackend {
         .map_err(|e| create_err(id, format!("mount root: {e}")))?;
         let bundle = run.join("bundle");
         fs::create_dir_all(&bundle).map_err(NodeError::io("mkdir", &bundle))?;
-        let config =
-            crate::oci::bundle_config(spec, &rootfs, &self.cfg.agent_bin, &self.cgroup_path(id));
+        let socket_dir = crate::gvisor::socket_dir(run);
+        let listen = match runtime {
+            Runtime::Oci(_) => crate::oci::AgentListen::Fd,
+            Runtime::Gvisor(_) => {
+                fs::create_dir_all(&socket_dir).map_err(NodeError::io("mkdir", &socket_dir))?;
+                crate::oci::AgentListen::HostDir(&socket_dir)
+            }
+        };
+        let config = crate::oci::bundle_config(
+            spec,
+            &rootfs,
+            &self.cfg.agent_bin,
+            &self.cgroup_path(id),
+            listen,
+        );
         let path = bundle.join("config.json");
         fs::write(&path, config.to_string()).map_err(NodeError::io("write", &path))?;
-        let socket = self.cfg.agent_socket(id);
-        let listener = UnixListener::bind(&socket).map_err(NodeError::io("bind", &socket))?;
-        let state = crate::oci::state_dir(&self.cfg.run_dir);
-        let pid = crate::oci::start(bin, &state, &bundle, id, &listener)
-            .map_err(|e| create_err(id, e))?;
-        drop(listener);
+        let (pid, socket) = match runtime {
+            Runtime::Oci(bin) => {
+                let socket = self.cfg.agent_socket(id);
+                let listener =
+                    UnixListener::bind(&socket).map_err(NodeError::io("bind", &socket))?;
+                let state = crate::oci::state_dir(&self.cfg.run_dir);
+                let pid = crate::oci::start(bin, &state, &bundle, id, &listener)
+                    .map_err(|e| create_err(id, e))?;
+                (pid, socket)
+            }
+            Runtime::Gvisor(g) => {
+                let socket = socket_dir.join("agent.sock");
+                let state = crate::gvisor::state_dir(&self.cfg.run_dir);
+                let pid = g
+                    .start(&state, &bundle, id, &socket)
+                    .map_err(|e| create_err(id, e))?;
+                (pid, socket)
+            }
+        };
         let start_time =
             pid_start_time(pid).ok_or_else(|| create_err(id, "sandbox died right after start"))?;
-        protect_agent(id, pid, true);
-        Ok(self.record(spec, layers, (pid, start_time), disk_mb))
+        // runc's init is our agent; runsc's pid is its Sentry, which serves the agent's
+        // system calls (gVisor keeps the Sentry out of the OOM killer's way itself).
+        if !gvisor {
+            protect_agent(id, pid, true);
+        }
+        let mut rec = self.record(spec, layers, (pid, start_time), disk_mb);
+        rec.agent_socket = socket;
+        Ok(rec)
     }
 
     /// The runtime record of a sandbox just started (no network; the caller adds it).

@@ -26,6 +26,7 @@ pub mod config;
 pub mod container;
 pub mod error;
 pub mod events;
+pub mod gvisor;
 mod lifetimes;
 pub mod local;
 pub mod mntns;

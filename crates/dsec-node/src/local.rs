@@ -491,6 +491,30 @@ impl NodeApi for LocalNode {
         }
     }
 
+    fn isolation_levels(&self) -> Vec<dsec_wire::v1::IsolationLevel> {
+        use dsec_wire::v1::{Isolation, IsolationLevel};
+        let mut levels = vec![IsolationLevel {
+            isolation: Isolation::Container,
+            runtime: None,
+            platform: None,
+        }];
+        if let Some(bin) = &self.cfg.oci_runtime {
+            levels.push(IsolationLevel {
+                isolation: Isolation::Oci,
+                runtime: Some(bin.display().to_string()),
+                platform: None,
+            });
+        }
+        if let Some(g) = &self.cfg.gvisor {
+            levels.push(IsolationLevel {
+                isolation: Isolation::Gvisor,
+                runtime: Some(g.runsc.display().to_string()),
+                platform: Some(g.platform.clone()),
+            });
+        }
+        levels
+    }
+
     async fn create(&self, spec: NodeCreateSpec) -> NodeResult<NodeSandbox> {
         // The lifetime counts from when the node got the create.
         let received = now_ms();

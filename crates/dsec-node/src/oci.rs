@@ -26,25 +26,40 @@ const AGENT_IN: &str = "/.dsec/dsec-agent";
 /// The agent's listening socket in the container (the first preserved descriptor).
 const LISTEN_FD: RawFd = 3;
 
+/// How the agent in a bundle gets its listening socket.
+#[derive(Debug, Clone, Copy)]
+pub enum AgentListen<'a> {
+    /// Inherited as fd 3 (`runc run --preserve-fds 1`): no path inside.
+    Fd,
+    /// Bound by the agent at [`GVISOR_SOCKET_IN`], in the host directory given here,
+    /// mounted at [`GVISOR_SOCKET_DIR_IN`] (runsc passes no descriptors; its gofer makes
+    /// the socket a host one, `--host-uds=create`).
+    HostDir(&'a Path),
+}
+
+/// Where a gVisor sandbox's agent binds its socket (inside).
+pub const GVISOR_SOCKET_DIR_IN: &str = "/.dsec/run";
+/// The socket's path inside.
+pub const GVISOR_SOCKET_IN: &str = "/.dsec/run/agent.sock";
+
 /// The bundle's `config.json` for a sandbox.
 pub fn bundle_config(
     spec: &NodeCreateSpec,
     rootfs: &Path,
     agent_bin: &Path,
     cgroup_path: &str,
+    listen: AgentListen<'_>,
 ) -> serde_json::Value {
     let caps: Vec<String> = dsec_container::harden::KEPT_CAPS
         .iter()
         .map(|c| c.to_string())
         .collect();
-    let mut args = vec![
-        AGENT_IN.to_string(),
-        "serve".into(),
-        "--listen-fd".into(),
-        LISTEN_FD.to_string(),
-        "--cwd".into(),
-        spec.workdir.clone(),
-    ];
+    let mut args = vec![AGENT_IN.to_string(), "serve".into()];
+    match listen {
+        AgentListen::Fd => args.extend(["--listen-fd".into(), LISTEN_FD.to_string()]),
+        AgentListen::HostDir(_) => args.extend(["--socket".into(), GVISOR_SOCKET_IN.into()]),
+    }
+    args.extend(["--cwd".into(), spec.workdir.clone()]);
     if let Some(user) = &spec.user {
         args.push("--user".into());
         args.push(user.clone());
@@ -59,6 +74,36 @@ pub fn bundle_config(
         tracing::error!(error = %e, "no seccomp policy for the OCI bundle");
         serde_json::Value::Null
     });
+    let mut mounts = json!([
+        {"destination": "/proc", "type": "proc", "source": "proc"},
+        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+         "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+        {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+         "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+         "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+        {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+         "options": ["nosuid", "noexec", "nodev", "ro"]},
+        {"destination": AGENT_IN, "type": "bind", "source": agent_bin,
+         "options": ["bind", "ro", "nosuid", "nodev"]},
+    ]);
+    let mut namespaces = json!([
+        {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
+        {"type": "network"},
+    ]);
+    match listen {
+        AgentListen::Fd => {
+            if let Some(ns) = namespaces.as_array_mut() {
+                ns.push(json!({"type": "cgroup"}));
+            }
+        }
+        AgentListen::HostDir(dir) => {
+            if let Some(m) = mounts.as_array_mut() {
+                m.push(json!({"destination": GVISOR_SOCKET_DIR_IN, "type": "bind",
+                    "source": dir, "options": ["bind", "rw", "nosuid", "nodev", "noexec"]}));
+            }
+        }
+    }
     json!({
         "ociVersion": "1.0.2",
         "root": {"path": rootfs, "readonly": false},
@@ -74,24 +119,9 @@ pub fn bundle_config(
                 "bounding": caps, "effective": caps, "permitted": caps,
             },
         },
-        "mounts": [
-            {"destination": "/proc", "type": "proc", "source": "proc"},
-            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
-             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
-            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
-             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
-            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
-             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
-            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
-             "options": ["nosuid", "noexec", "nodev", "ro"]},
-            {"destination": AGENT_IN, "type": "bind", "source": agent_bin,
-             "options": ["bind", "ro", "nosuid", "nodev"]},
-        ],
+        "mounts": mounts,
         "linux": {
-            "namespaces": [
-                {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
-                {"type": "network"}, {"type": "cgroup"},
-            ],
+            "namespaces": namespaces,
             "cgroupsPath": format!("/{cgroup_path}"),
             "resources": {
                 "memory": {"limit": spec.memory_bytes, "swap": spec.memory_bytes},
@@ -213,6 +243,7 @@ mod tests {
             Path::new("/s/rootfs"),
             Path::new("/bin/agent"),
             "dsec/sb-x",
+            AgentListen::Fd,
         );
         let args: Vec<&str> = c["process"]["args"]
             .as_array()

@@ -221,6 +221,24 @@ pub enum Isolation {
     /// The node's installed OCI runtime (runc, runsc, ...) runs the sandbox, with the same
     /// agent inside.
     Oci,
+    /// gVisor (`runsc`): the sandbox's system calls are served by gVisor's own kernel in
+    /// user space, not the host's; the same agent inside. Network mode `none` only, no
+    /// file or TCP rules, no user namespace.
+    Gvisor,
+}
+
+/// An isolation level a node offers, as `GET /v1/health` reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+pub struct IsolationLevel {
+    /// The level.
+    pub isolation: Isolation,
+    /// The runtime binary that runs it (`oci`, `gvisor`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<String>,
+    /// How it intercepts system calls (`gvisor`: `systrap`, `ptrace` or `kvm`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub platform: Option<String>,
 }
 
 /// How a sandbox's processes compete for CPU.
@@ -1601,6 +1619,9 @@ pub struct Health {
     /// What the node admits and holds now, for placement.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capacity: Option<NodeCapacity>,
+    /// The isolation levels the node offers (a single node's server).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub isolation: Vec<IsolationLevel>,
 }
 
 /// A node's capacity and load.

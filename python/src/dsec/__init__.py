@@ -54,6 +54,7 @@ from .models import (
     FileInfo,
     Health,
     Image,
+    IsolationLevel,
     JobResult,
     JobSandboxOutcome,
     ModelAccess,
@@ -143,4 +144,5 @@ __all__ = [
     "FileInfo",
     "Image",
     "Health",
+    "IsolationLevel",
 ]

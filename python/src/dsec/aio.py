@@ -179,6 +179,7 @@ class AsyncSandbox:
         max_wait: Optional[float] = None,
         model_access: Any = None,
         timings: bool = False,
+        isolation: Optional[str] = None,
     ) -> "AsyncSandbox":
         """Creates a sandbox; arguments as for :meth:`dsec.Sandbox.create`."""
         client = client or AsyncClient()
@@ -186,7 +187,7 @@ class AsyncSandbox:
             image=image, layers=layers, resources=resources, timeout=timeout, idle_timeout=None,
             labels=labels, job=job, env=env, workdir=workdir, qos=qos, auto_resume=auto_resume,
             network=network, user=user, pool=pool, max_wait=max_wait, model_access=model_access,
-            timings=timings,
+            timings=timings, isolation=isolation,
         )
         return cls(client, await client.create_sandbox(body))
 

@@ -177,6 +177,8 @@ class SandboxInfo(_Response):
     ``lost`` (its node stopped heartbeating; it comes back if the node returns with it)."""
     image: str
     qos: str = "latency_sensitive"
+    isolation: str = "container"
+    """``container``, ``oci`` or ``gvisor``."""
     auto_resume: bool = False
     layers: List[str] = Field(default_factory=list)
     image_digest: str = ""
@@ -443,6 +445,15 @@ class Image(_Response):
     config: Dict[str, Any] = Field(default_factory=dict)
 
 
+class IsolationLevel(_Response):
+    """An isolation level the node offers (wire type ``IsolationLevel``)."""
+
+    isolation: str
+    runtime: Optional[str] = None
+    platform: Optional[str] = None
+    """gVisor's platform: ``systrap``, ``ptrace`` or ``kvm``."""
+
+
 class Health(_Response):
     """Answer of ``GET /v1/health``."""
 
@@ -451,3 +462,4 @@ class Health(_Response):
     node: str = ""
     cgroup: str = ""
     sandboxes: int = 0
+    isolation: List[IsolationLevel] = Field(default_factory=list)

@@ -71,6 +71,7 @@ def create_body(
     max_wait: Optional[float] = None,
     model_access: Any = None,
     timings: bool = False,
+    isolation: Optional[str] = None,
 ) -> Dict[str, Any]:
     """The ``POST /v1/sandboxes`` body for :meth:`Sandbox.create` (and its async twin)."""
     body: Dict[str, Any] = {"auto_resume": auto_resume}
@@ -117,6 +118,8 @@ def create_body(
         body["model_access"] = model_access_body(model_access)
     if timings:
         body["timings"] = True
+    if isolation is not None:
+        body["isolation"] = isolation
     return body
 
 
@@ -234,6 +237,7 @@ class Sandbox:
         max_wait: Optional[float] = None,
         model_access: Union[ModelAccess, Mapping[str, Any], Sequence[str], None] = None,
         timings: bool = False,
+        isolation: Optional[str] = None,
     ) -> "Sandbox":
         """Creates a sandbox and returns when it is ready.
 
@@ -275,6 +279,9 @@ class Sandbox:
             timings: Fill ``info.timings`` (:class:`CreateTimings`) with where the
                 create's time went, phase by phase (the record keeps them either way:
                 :meth:`refresh` shows them).
+            isolation: ``"container"`` (default: dsec's own), ``"gvisor"`` (gVisor's
+                user-space kernel serves the sandbox's system calls) or ``"oci"`` (the
+                node's OCI runtime); :meth:`dsec.Client.health` lists what the node offers.
 
         Connection errors and ``capacity`` answers are retried with exponential backoff
         (``Client.create_retries`` times, default 5); other errors are raised at once.
@@ -285,7 +292,7 @@ class Sandbox:
             idle_timeout=idle_timeout, labels=labels, job=job, env=env, workdir=workdir,
             qos=qos, auto_resume=auto_resume, network=network, writable=writable,
             tcp_bind=tcp_bind, tcp_connect=tcp_connect, user=user, pool=pool, max_wait=max_wait,
-            model_access=model_access, timings=timings,
+            model_access=model_access, timings=timings, isolation=isolation,
         )
         return cls(client, client.create_sandbox(body))
 
