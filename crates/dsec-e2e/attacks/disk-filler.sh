@@ -1,7 +1,7 @@
 # Disk filler: write until the disk is full; the sandbox's own disk fills, not the host's.
 dd if=/dev/zero of=/fill bs=1M count=4096 2>/tmp/dd.err
 rc=$?
-size=$(stat -c %s /fill)
+size=$(wc -c < /fill)
 if grep -q "No space left" /tmp/dd.err && [ "$size" -lt $((600 << 20)) ]; then
   echo "contained: ENOSPC after $((size >> 20)) MiB (disk 512 MiB)"
 else

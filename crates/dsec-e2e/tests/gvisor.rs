@@ -89,6 +89,18 @@ async fn a_gvisor_sandbox_keeps_the_agent_contract_survives_a_restart_and_leaves
     assert_ne!(lines[3], host_release.trim(), "gVisor's kernel: {r:?}");
     assert_eq!(lines[4], "hi");
 
+    // PID 1 (the agent) cannot be signalled from inside: gVisor's kernel would deliver
+    // a SIGKILL that Linux ignores for a namespace's init.
+    let r = c
+        .exec(
+            &sb.id,
+            sh("kill -9 1; echo rc=$?; kill -STOP 1; echo rc=$?"),
+        )
+        .await
+        .expect("exec");
+    assert_eq!(r.stdout, "rc=1\nrc=1\n", "{r:?}");
+    assert!(r.stderr.contains("Operation not permitted"), "{r:?}");
+
     // Files.
     c.write_file(&sb.id, "/work/in.txt", None, b"data".to_vec())
         .await

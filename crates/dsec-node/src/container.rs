@@ -288,6 +288,9 @@ impl ContainerBackend {
             Err(dsec_cgroups::CgroupError::NotFound(_)) => {}
             Err(e) => return Err(e.into()),
         }
+        if run.join("bundle").exists() {
+            remove_runtime_cgroups(&self.cgroup_path(id));
+        }
         Ok(())
     }
 
@@ -442,7 +445,12 @@ impl ContainerBackend {
         let limits = Limits {
             cpu_millis: Some(spec.cpu_millis),
             memory_bytes: Some(spec.memory_bytes),
-            pids_max: Some(spec.pids_max),
+            // Under gVisor the limit inside is RLIMIT_NPROC; the host's must leave the
+            // Sentry room to work (see `gvisor::host_pids_max`).
+            pids_max: Some(match spec.isolation {
+                Isolation::Gvisor => crate::gvisor::host_pids_max(spec.pids_max),
+                _ => spec.pids_max,
+            }),
             cpu_weight: Some(match spec.qos {
                 Qos::LatencySensitive => WEIGHT_LATENCY_SENSITIVE,
                 Qos::BestEffort => WEIGHT_BEST_EFFORT,
@@ -699,6 +707,23 @@ impl ContainerBackend {
             }
         }
         Ok(())
+    }
+}
+
+/// Removes what an OCI runtime made of cgroup `path` in hierarchies the node does not
+/// manage (runsc makes it in every v1 hierarchy, blkio, cpuset, devices, name=systemd,
+/// and does not always remove them). Empty by now: its processes are gone.
+fn remove_runtime_cgroups(path: &str) {
+    let Ok(roots) = fs::read_dir("/sys/fs/cgroup") else {
+        return;
+    };
+    for root in roots.flatten() {
+        let dir = root.path().join(path);
+        if dir.is_dir() {
+            if let Err(e) = fs::remove_dir(&dir) {
+                tracing::debug!(dir = %dir.display(), error = %e, "removing a runtime's cgroup");
+            }
+        }
     }
 }
 

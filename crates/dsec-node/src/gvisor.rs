@@ -26,6 +26,23 @@ use std::time::{Duration, Instant};
 /// How long a sandbox's agent may take to bind its socket after `runsc run` returned.
 const SOCKET_WAIT: Duration = Duration::from_secs(30);
 
+/// Host tasks (threads and stub processes) a gVisor sandbox may hold per task inside:
+/// on the ptrace platform one process inside costs about ten on the host (measured: 64
+/// processes inside, 673 host tasks).
+const HOST_TASKS_PER_TASK: u64 = 12;
+/// Host tasks of the Sentry and gofer themselves (about 33 at rest).
+const HOST_TASKS_BASE: u64 = 256;
+
+/// The host pids limit of a gVisor sandbox whose processes inside are limited to
+/// `pids_max` (by `RLIMIT_NPROC`, which gVisor's kernel enforces): with room for the
+/// Sentry, which dies when it cannot make a thread, so the host limit must never be
+/// what stops a fork inside.
+pub fn host_pids_max(pids_max: u64) -> u64 {
+    pids_max
+        .saturating_mul(HOST_TASKS_PER_TASK)
+        .saturating_add(HOST_TASKS_BASE)
+}
+
 /// The `runsc` a node runs gVisor sandboxes with, and its platform.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Gvisor {
@@ -76,7 +93,7 @@ impl Gvisor {
     }
 
     /// Starts the bundle at `bundle` as container `id`; returns the sandbox's pid once
-    /// its agent's socket at `socket` exists.
+    /// its agent listens on `socket`.
     pub fn start(
         &self,
         state: &Path,
@@ -121,8 +138,10 @@ impl Gvisor {
             .and_then(|p| i32::try_from(p).ok())
             .filter(|p| *p > 0)
             .ok_or_else(|| "runsc reported no pid".to_string())?;
+        // The socket file appears at the agent's bind, before its listen: wait until a
+        // connection is taken (the agent reads its end as a client that left).
         let deadline = Instant::now() + SOCKET_WAIT;
-        while !socket.exists() {
+        while std::os::unix::net::UnixStream::connect(socket).is_err() {
             if Instant::now() > deadline {
                 let msg = std::fs::read_to_string(&log_path).unwrap_or_default();
                 return Err(format!(

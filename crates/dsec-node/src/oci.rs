@@ -70,10 +70,21 @@ pub fn bundle_config(
     }
     let period: u64 = 100_000;
     // The policy is static data with a translation test; failing here is a build bug.
-    let seccomp = dsec_container::harden::oci_seccomp().unwrap_or_else(|e| {
-        tracing::error!(error = %e, "no seccomp policy for the OCI bundle");
-        serde_json::Value::Null
-    });
+    let seccomp = match listen {
+        AgentListen::Fd => dsec_container::harden::oci_seccomp().unwrap_or_else(|e| {
+            tracing::error!(error = %e, "no seccomp policy for the OCI bundle");
+            serde_json::Value::Null
+        }),
+        // gVisor: its kernel, not the host's, serves these calls, and its 2022 filter
+        // inside answers every refusal with EPERM (no `errnoRet`), which would turn our
+        // ENOSYS refusals (clone3, new calls) into failures instead of fallbacks. Only
+        // the guard of PID 1.
+        AgentListen::HostDir(_) => json!({
+            "defaultAction": "SCMP_ACT_ALLOW",
+            "architectures": ["SCMP_ARCH_X86_64"],
+            "syscalls": gvisor_init_guard(),
+        }),
+    };
     let mut mounts = json!([
         {"destination": "/proc", "type": "proc", "source": "proc"},
         {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
@@ -104,6 +115,15 @@ pub fn bundle_config(
             }
         }
     }
+    // Under gVisor the pids limit is enforced inside (RLIMIT_NPROC: commands hold no
+    // CAP_SYS_RESOURCE to raise it); the host's leaves its Sentry room.
+    let (pids_max, rlimits) = match listen {
+        AgentListen::Fd => (spec.pids_max, json!([])),
+        AgentListen::HostDir(_) => (
+            crate::gvisor::host_pids_max(spec.pids_max),
+            json!([{"type": "RLIMIT_NPROC", "soft": spec.pids_max, "hard": spec.pids_max}]),
+        ),
+    };
     json!({
         "ociVersion": "1.0.2",
         "root": {"path": rootfs, "readonly": false},
@@ -111,6 +131,7 @@ pub fn bundle_config(
         "process": {
             "terminal": false,
             "user": {"uid": 0, "gid": 0},
+            "rlimits": rlimits,
             "args": args,
             "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
             "cwd": "/",
@@ -125,7 +146,7 @@ pub fn bundle_config(
             "cgroupsPath": format!("/{cgroup_path}"),
             "resources": {
                 "memory": {"limit": spec.memory_bytes, "swap": spec.memory_bytes},
-                "pids": {"limit": spec.pids_max},
+                "pids": {"limit": pids_max},
                 "cpu": {"quota": spec.cpu_millis * period / 1000, "period": period},
             },
             "seccomp": seccomp,
@@ -133,6 +154,29 @@ pub fn bundle_config(
             "readonlyPaths": dsec_container::rootfs::READONLY_PATHS,
         },
     })
+}
+
+/// Seccomp rules of a gVisor sandbox that keep its PID 1 (the agent) alive: gVisor's
+/// 2022 kernel delivers `SIGKILL` to PID 1 from inside its own pid namespace, which
+/// Linux ignores, and the sandbox ends with its init. So no signal may be sent to PID 1
+/// by number (`kill`, `tkill`, `tgkill`, `rt_sigqueueinfo`, `rt_tgsigqueueinfo`), nor a
+/// pidfd opened on it: `EPERM`.
+fn gvisor_init_guard() -> Vec<serde_json::Value> {
+    let pid_one = json!([{"index": 0, "value": 1, "op": "SCMP_CMP_EQ"}]);
+    [
+        "kill",
+        "tkill",
+        "tgkill",
+        "rt_sigqueueinfo",
+        "rt_tgsigqueueinfo",
+        "pidfd_open",
+    ]
+    .iter()
+    .map(|name| {
+        json!({"names": [name], "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM,
+                   "args": pid_one})
+    })
+    .collect()
 }
 
 /// The runtime command with its state under the node's run directory.
@@ -273,5 +317,52 @@ mod tests {
             .iter()
             .any(|p| p == "/proc/kcore"));
         assert_eq!(c["process"]["noNewPrivileges"], true);
+
+        // gVisor: the agent binds its socket in a mounted host directory, processes are
+        // limited inside (RLIMIT_NPROC) with host room for the Sentry, and PID 1 cannot
+        // be signalled.
+        let dir = Path::new("/run/s/agent-dir");
+        let g = bundle_config(
+            &spec,
+            Path::new("/s/rootfs"),
+            Path::new("/bin/agent"),
+            "dsec/sb-x",
+            AgentListen::HostDir(dir),
+        );
+        let args: Vec<&str> = g["process"]["args"]
+            .as_array()
+            .expect("args")
+            .iter()
+            .filter_map(|a| a.as_str())
+            .collect();
+        assert_eq!(args[..4], [AGENT_IN, "serve", "--socket", GVISOR_SOCKET_IN]);
+        let mounts = g["mounts"].as_array().expect("mounts");
+        assert!(
+            mounts
+                .iter()
+                .any(|m| m["destination"] == GVISOR_SOCKET_DIR_IN
+                    && m["source"] == "/run/s/agent-dir")
+        );
+        assert_eq!(g["process"]["rlimits"][0]["type"], "RLIMIT_NPROC");
+        assert_eq!(g["process"]["rlimits"][0]["hard"], 128);
+        assert_eq!(
+            g["linux"]["resources"]["pids"]["limit"],
+            crate::gvisor::host_pids_max(128)
+        );
+        let guarded: Vec<&str> = g["linux"]["seccomp"]["syscalls"]
+            .as_array()
+            .expect("rules")
+            .iter()
+            .filter_map(|r| r["names"][0].as_str())
+            .collect();
+        assert!(
+            guarded.contains(&"kill") && guarded.contains(&"tgkill"),
+            "{guarded:?}"
+        );
+        assert!(!g["linux"]["namespaces"]
+            .as_array()
+            .expect("namespaces")
+            .iter()
+            .any(|n| n["type"] == "cgroup"));
     }
 }
