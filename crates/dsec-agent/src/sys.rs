@@ -37,6 +37,9 @@ pub fn openat2(
     mode: u32,
     resolve: u64,
 ) -> io::Result<OwnedFd> {
+    if NO_OPENAT2.load(std::sync::atomic::Ordering::Relaxed) {
+        return openat2_emulated(dir, path, flags, mode, resolve);
+    }
     let mut how: libc::open_how =
         // SAFETY: open_how is a plain C struct of integers; all-zero is a valid value.
         unsafe { std::mem::zeroed() };
@@ -47,9 +50,6 @@ pub fn openat2(
         0
     };
     how.resolve = resolve;
-    if NO_OPENAT2.load(std::sync::atomic::Ordering::Relaxed) {
-        return openat2_emulated(dir, path, flags, mode, resolve);
-    }
     loop {
         // SAFETY: `path` is a valid C string, `how` a valid open_how of the size we pass;
         // the kernel does not retain either pointer.

@@ -8,8 +8,8 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{op, tenant_on};
-use dsec_control::{ControlConfig, ControlPlane, EventFeed, SandboxApi};
+use common::{op, take, tenant_on};
+use dsec_control::{ControlConfig, ControlPlane, SandboxApi};
 use dsec_node_api::fake::FakeNode;
 use dsec_state::{RedbStore, StateStore};
 use dsec_wire::v1::{CreateSandboxRequest, Event, EventKind, EventQuery};
@@ -29,20 +29,6 @@ async fn plane_with(
     ControlPlane::open(cfg, node.clone(), store.clone())
         .await
         .unwrap_or_else(|e| panic!("open the plane: {e:?}"))
-}
-
-/// The next `n` events of `feed`, each within 5 s.
-async fn take(feed: &mut EventFeed, n: usize) -> Vec<Event> {
-    let mut got = Vec::new();
-    while got.len() < n {
-        match tokio::time::timeout(Duration::from_secs(5), feed.next()).await {
-            Ok(Some(Ok(e))) => got.push(e),
-            Ok(Some(Err(e))) => panic!("the feed failed: {e:?}; so far {got:#?}"),
-            Ok(None) => panic!("the feed ended; so far {got:#?}"),
-            Err(_) => panic!("no event within 5 s; so far {got:#?}"),
-        }
-    }
-    got
 }
 
 fn kinds(events: &[Event]) -> Vec<EventKind> {

@@ -498,21 +498,6 @@ async fn sandboxes_created_and_deleted_at_once_do_not_fill_the_node() -> TestRes
     Ok(())
 }
 
-/// The next `n` events of `feed`, each within 5 s.
-async fn take_events(feed: &mut dsec_control::EventFeed, n: usize) -> Vec<dsec_wire::v1::Event> {
-    use futures::StreamExt;
-    let mut got = Vec::new();
-    while got.len() < n {
-        match tokio::time::timeout(Duration::from_secs(5), feed.next()).await {
-            Ok(Some(Ok(e))) => got.push(e),
-            Ok(Some(Err(e))) => panic!("the feed failed: {e:?}; so far {got:#?}"),
-            Ok(None) => panic!("the feed ended; so far {got:#?}"),
-            Err(_) => panic!("no event within 5 s; so far {got:#?}"),
-        }
-    }
-    got
-}
-
 /// Two API server replicas watch the same nodes come and go: each change is one event
 /// (written by whichever replica got there first), a node that shut down `left`, one
 /// whose registration lapsed `lost`, one that registered `joined` with what it is; and
@@ -536,8 +521,8 @@ async fn nodes_joining_leaving_and_lost_are_events_once_across_replicas() -> Tes
         .revoke_lease(dsec_state::LeaseId(lease))
         .await?;
 
-    let seen_a = take_events(&mut on_a, 3).await;
-    let seen_b = take_events(&mut on_b, 3).await;
+    let seen_a = common::take(&mut on_a, 3).await;
+    let seen_b = common::take(&mut on_b, 3).await;
     assert_eq!(seen_a, seen_b, "both replicas stream the same events");
     let kinds: Vec<EventKind> = seen_a.iter().map(|e| e.kind).collect();
     assert_eq!(
@@ -564,7 +549,7 @@ async fn nodes_joining_leaving_and_lost_are_events_once_across_replicas() -> Tes
     assert!(nothing.is_err(), "alice sees no node events: {nothing:?}");
 
     // Once each: a replay of everything kept holds no second copy.
-    let kept = take_events(
+    let kept = common::take(
         &mut a
             .events(
                 op(),

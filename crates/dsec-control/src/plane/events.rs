@@ -413,37 +413,40 @@ fn key_ms(key: &str) -> Option<u64> {
     key.split_once('-')?.0.parse().ok()
 }
 
-/// An event about `sb` at `now`, naming the request in scope.
-pub(super) fn about(sb: &Sandbox, kind: EventKind) -> Event {
-    Event {
-        id: 0,
-        at_ms: now_ms(),
-        kind,
-        sandbox: Some(sb.id.clone()),
-        tenant: Some(sb.tenant.clone()),
-        node: (!sb.node.is_empty()).then(|| sb.node.clone()),
-        pool: None,
-        labels: sb.labels.clone(),
-        cause: None,
-        command: None,
-        request_id: dsec_node_api::request_id::current().map(|id| id.to_string()),
-    }
-}
-
-/// An event about node `name`.
-pub(super) fn about_node(name: &str, kind: EventKind, cause: Option<String>) -> Event {
+/// An event of `kind` at now, naming the request in scope, about nothing yet.
+fn event(kind: EventKind) -> Event {
     Event {
         id: 0,
         at_ms: now_ms(),
         kind,
         sandbox: None,
         tenant: None,
-        node: Some(name.to_string()),
+        node: None,
         pool: None,
         labels: Default::default(),
-        cause,
+        cause: None,
         command: None,
         request_id: dsec_node_api::request_id::current().map(|id| id.to_string()),
+    }
+}
+
+/// An event about `sb` at now, naming the request in scope.
+pub(super) fn about(sb: &Sandbox, kind: EventKind) -> Event {
+    Event {
+        sandbox: Some(sb.id.clone()),
+        tenant: Some(sb.tenant.clone()),
+        node: (!sb.node.is_empty()).then(|| sb.node.clone()),
+        labels: sb.labels.clone(),
+        ..event(kind)
+    }
+}
+
+/// An event about node `name`.
+pub(super) fn about_node(name: &str, kind: EventKind, cause: Option<String>) -> Event {
+    Event {
+        node: Some(name.to_string()),
+        cause,
+        ..event(kind)
     }
 }
 
@@ -513,34 +516,17 @@ pub(super) async fn follow_membership(
 /// An event about tenant `tenant`, no sandbox (yet): a create that never made one.
 pub(super) fn about_tenant(tenant: &str, kind: EventKind) -> Event {
     Event {
-        id: 0,
-        at_ms: now_ms(),
-        kind,
-        sandbox: None,
         tenant: Some(tenant.to_string()),
-        node: None,
-        pool: None,
-        labels: Default::default(),
-        cause: None,
-        command: None,
-        request_id: dsec_node_api::request_id::current().map(|id| id.to_string()),
+        ..event(kind)
     }
 }
 
 /// An event about warm pool `name` of `tenant`.
 pub(super) fn about_pool(tenant: &str, name: &str, kind: EventKind, cause: String) -> Event {
     Event {
-        id: 0,
-        at_ms: now_ms(),
-        kind,
-        sandbox: None,
-        tenant: Some(tenant.to_string()),
-        node: None,
         pool: Some(name.to_string()),
-        labels: Default::default(),
         cause: Some(cause),
-        command: None,
-        request_id: dsec_node_api::request_id::current().map(|id| id.to_string()),
+        ..about_tenant(tenant, kind)
     }
 }
 

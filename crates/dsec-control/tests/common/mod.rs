@@ -70,25 +70,42 @@ pub async fn open(node: &Arc<FakeNode>, store: &Arc<RedbStore>) -> Arc<ControlPl
         .unwrap_or_else(|e| panic!("open the plane: {e:?}"))
 }
 
+/// The next event of `feed`, within 5 s (a panic names the events `so_far`).
+pub async fn next_event(
+    feed: &mut dsec_control::EventFeed,
+    so_far: &[dsec_wire::v1::Event],
+) -> dsec_wire::v1::Event {
+    use futures::StreamExt;
+    match tokio::time::timeout(Duration::from_secs(5), feed.next()).await {
+        Ok(Some(Ok(e))) => e,
+        Ok(Some(Err(e))) => panic!("the feed failed: {e:?}; so far {so_far:#?}"),
+        Ok(None) => panic!("the feed ended; so far {so_far:#?}"),
+        Err(_) => panic!("no event within 5 s; so far {so_far:#?}"),
+    }
+}
+
+/// The next `n` events of `feed`, each within 5 s.
+pub async fn take(feed: &mut dsec_control::EventFeed, n: usize) -> Vec<dsec_wire::v1::Event> {
+    let mut got = Vec::new();
+    while got.len() < n {
+        let e = next_event(feed, &got).await;
+        got.push(e);
+    }
+    got
+}
+
 /// The events of `feed` until one passes `last` (each within 5 s), that one included.
 pub async fn events_until(
     feed: &mut dsec_control::EventFeed,
     last: impl Fn(&dsec_wire::v1::Event) -> bool,
 ) -> Vec<dsec_wire::v1::Event> {
-    use futures::StreamExt;
     let mut got = Vec::new();
     loop {
-        match tokio::time::timeout(Duration::from_secs(5), feed.next()).await {
-            Ok(Some(Ok(e))) => {
-                let done = last(&e);
-                got.push(e);
-                if done {
-                    return got;
-                }
-            }
-            Ok(Some(Err(e))) => panic!("the feed failed: {e:?}; so far {got:#?}"),
-            Ok(None) => panic!("the feed ended; so far {got:#?}"),
-            Err(_) => panic!("no event within 5 s; so far {got:#?}"),
+        let e = next_event(feed, &got).await;
+        let done = last(&e);
+        got.push(e);
+        if done {
+            return got;
         }
     }
 }
