@@ -1,7 +1,8 @@
 # Shared setup for scripts/quickstart and scripts/test. Sourced, not run.
 # Installs what dsec needs on a fresh Debian 12 machine, idempotently.
 
-log() { printf '\033[1m[dsec]\033[0m %s\n' "$*" >&2; }
+# Each line says how long the script has run, so a slow phase of a long job shows in its log.
+log() { printf '\033[1m[dsec %ss]\033[0m %s\n' "$SECONDS" "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
 repo_root() { cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd; }
@@ -19,7 +20,7 @@ APT_PACKAGES="erofs-utils e2fsprogs nftables iproute2 mmdebstrap crun runc pytho
 # loopback), skopeo (seeds it), apache2-utils (htpasswd, for its basic auth), openssl (the
 # key pair and token signatures of its bearer-token auth) and faketime (a node whose clock
 # is off).
-TEST_APT_PACKAGES="etcd-server docker-registry skopeo apache2-utils openssl faketime chromium runsc"
+TEST_APT_PACKAGES="etcd-server docker-registry skopeo apache2-utils openssl faketime chromium runsc qemu-system-x86 linux-image-cloud-amd64 cpio"
 
 # Installs APT_PACKAGES and any packages named as arguments.
 ensure_packages() {
@@ -87,6 +88,15 @@ ensure_cpp_tar() {
   mkdir -p "$(dirname "$CPP_TAR")"
   PACKAGES="bash,coreutils,python3,git,ca-certificates,procps,g++,gcc,libc6-dev" \
     "$(repo_root)/scripts/build-base-image.sh" "$CPP_TAR"
+}
+
+# A Debian image with systemd for isolation `vm` (a full machine boots its own init):
+# the VM test boots it, and `dsec image import` makes it a user's VM image.
+VM_TAR="${DSEC_VM_TAR:-/var/cache/dsec/vm-bookworm.tar}"
+ensure_vm_tar() {
+  mkdir -p "$(dirname "$VM_TAR")"
+  PACKAGES="bash,coreutils,systemd-sysv,udev,procps" \
+    "$(repo_root)/scripts/build-base-image.sh" "$VM_TAR"
 }
 
 # Builds the in-sandbox agent as a static binary (glibc, no extra toolchain), and not

@@ -57,7 +57,7 @@ struct Args {
     /// sustained, backlog, teardown, cpu, job, idle, idle-cpu, density, files, provision, burst, pools, fncall, autoscale,
     /// rollouts (recording a call's outcome on exec; fork into 16 vs commit + creates),
     /// events (time to interactive with events on and off, on two fresh servers),
-    /// isolation (time to interactive, exec round trip and idle memory per isolation level),
+    /// isolation (time to interactive, exec round trip and idle memory per isolation level, pause and resume, and host memory per idle microVM with free page reporting and without),
     /// placement (simulated, needs neither root nor a server), control-plane (2 API servers
     /// over etcd and 100 simulated nodes; needs etcd, not root), registry-pull (a
     /// multi-layer pull from a local docker-registry, serial vs parallel layer downloads;
@@ -1471,6 +1471,7 @@ fn main() -> anyhow::Result<()> {
                 &rows,
                 "create + exec true, container",
             );
+            isolation::microvm_density(&server, if args.quick { 2 } else { 8 }).await?;
         }
         if want("autoscale") {
             let dir = dsec_e2e::target_dir().join("dsec-bench");

@@ -65,6 +65,42 @@ def test_a_gvisor_sandbox_through_the_sdk(client: dsec.Client) -> None:
     assert "isolation gvisor" in str(ei.value)
 
 
+def test_a_microvm_through_the_sdk(client: dsec.Client) -> None:
+    """The SDK drives a microVM as any other: commands, a session, files."""
+    levels = {level.isolation: level for level in client.health().isolation}
+    if "microvm" not in levels:
+        assert not os.environ.get("CI"), f"the test server offers no microvm: {levels}"
+        pytest.skip("QEMU or a guest kernel is missing")
+    assert levels["microvm"].platform in ("tcg", "kvm"), levels
+    with dsec.Sandbox.create(client, isolation="microvm", env={"LEVEL": "m"}) as sb:
+        assert sb.info.isolation == "microvm"
+        r = sb.exec("echo $LEVEL; uname -r")
+        assert r.stdout.splitlines()[0] == "m"
+        assert r.stdout.splitlines()[1] != os.uname().release, "the guest's kernel answers"
+        with sb.session() as s:
+            assert s.run("cd /tmp && export X=1").ok
+            assert s.run("echo $X $(pwd)").output == "1 /tmp\n"
+        sb.write("/tmp/f.bin", b"\x00\x01microvm")
+        assert sb.read("/tmp/f.bin") == b"\x00\x01microvm"
+    with pytest.raises(dsec.BadRequest) as ei:
+        dsec.Sandbox.create(client, isolation="microvm", writable=["/tmp"])
+    assert "isolation microvm" in str(ei.value)
+
+
+def test_screen_and_keyboard_are_a_vms_only(client: dsec.Client, sandbox: dsec.Sandbox) -> None:
+    """A container has no screen or keyboard: the SDK's calls get the server's reason
+    (the VM itself is driven in the Rust suite's tests/vm.rs)."""
+    assert "vm" in {level.isolation for level in client.health().isolation} or not os.environ.get("CI")
+    with pytest.raises(dsec.BadRequest) as ei:
+        sandbox.screenshot()
+    assert "no screen" in str(ei.value)
+    with pytest.raises(dsec.BadRequest) as ei:
+        sandbox.type("hello", keys=["ctrl+c"])
+    assert "no screen" in str(ei.value)
+    with pytest.raises(ValueError):
+        sandbox.type()
+
+
 def test_exec_stream_events(sandbox: dsec.Sandbox) -> None:
     events = list(sandbox.exec_stream("echo a; echo b >&2; sleep 0.2; echo c; exit 7"))
     assert isinstance(events[0], dsec.StartedEvent) and events[0].pid > 0

@@ -31,6 +31,7 @@ pub mod spawn;
 pub mod sys;
 pub mod tar;
 pub mod users;
+pub mod vm_channel;
 
 pub use error::AgentError;
 

@@ -8,6 +8,9 @@
 //!   process, then it serves with `is_init = true`.
 //!
 //! - `zygote`: a warm agent the node keeps running and forks inits from (`zygote.rs`).
+//!
+//! - `vm-init`: PID 1 of a microVM guest, or a full VM's initramfs (`vm.rs`).
+//! - `vm-service`: the agent as a full VM's system service (`vm.rs`).
 
 use std::collections::BTreeMap;
 use std::os::unix::net::UnixListener;
@@ -15,6 +18,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 mod init;
+mod memguard;
+mod vm;
 use dsec_container::signals;
 mod zygote;
 
@@ -37,6 +42,10 @@ enum Cmd {
     Init,
     /// Fork sandbox inits on the node's request (started by the node; see `zygote.rs`).
     Zygote,
+    /// Run as a microVM guest's PID 1 (the kernel starts it from the initramfs; see `vm.rs`).
+    VmInit,
+    /// Serve as a full VM's system service (its unit is installed by `vm-init`).
+    VmService,
 }
 
 /// Options of `serve` (shared with a future `init`).
@@ -157,6 +166,18 @@ fn main() -> ExitCode {
         eprintln!("dsec-agent: PR_SET_DUMPABLE: {e}");
         return ExitCode::FAILURE;
     }
+    // A guest kernel passes init the command line's words it does not know, before
+    // ours: as a guest's PID 1, `vm-init` anywhere is the mode.
+    if std::process::id() == 1 && std::env::args().skip(1).any(|a| a == "vm-init") {
+        tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .with_max_level(tracing::Level::INFO)
+            .init();
+        return match vm::vm_init() {
+            Ok(()) => ExitCode::FAILURE,
+            Err(e) => vm::fail(&e),
+        };
+    }
     let cli = Cli::parse();
     // `init` is on every sandbox's start path: a fixed level, no EnvFilter to parse.
     let fmt = tracing_subscriber::fmt().with_writer(std::io::stderr);
@@ -170,6 +191,11 @@ fn main() -> ExitCode {
         Cmd::Serve(args) => serve(args),
         Cmd::Init => init::init(),
         Cmd::Zygote => zygote::zygote(),
+        Cmd::VmInit => match vm::vm_init() {
+            Ok(()) => Err("the agent ended".into()),
+            Err(e) => vm::fail(&e),
+        },
+        Cmd::VmService => vm::vm_service(),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

@@ -524,6 +524,25 @@ pub struct ServeArgs {
     /// else ptrace).
     #[arg(long)]
     pub gvisor_platform: Option<String>,
+    /// QEMU for sandboxes created with isolation `microvm` (default:
+    /// qemu-system-x86_64 from PATH, if installed).
+    #[arg(long)]
+    pub microvm_qemu: Option<PathBuf>,
+    /// The microVMs' guest kernel, `vmlinuz-<release>` with its modules in
+    /// /lib/modules/<release> (default: the newest in /boot, a -cloud- one first).
+    #[arg(long)]
+    pub microvm_kernel: Option<PathBuf>,
+    /// How microVMs run: tcg (QEMU's translator, anywhere) or kvm (a /dev/kvm that runs
+    /// stock guests). Default tcg: KVM is used only when asked for.
+    #[arg(long, value_parser = ["tcg", "kvm"])]
+    pub microvm_accel: Option<String>,
+    /// How long a microVM's or VM's guest may take to boot to its agent.
+    #[arg(long, default_value = "90s", value_parser = humantime::parse_duration)]
+    pub microvm_boot_timeout: std::time::Duration,
+    /// Give microVM guests no free page reporting: the memory a guest frees stays with
+    /// its QEMU (for comparison; by default it goes back to the host).
+    #[arg(long)]
+    pub microvm_no_free_page_reporting: bool,
     /// Network namespaces kept prepared for fast creates.
     #[arg(long, default_value_t = 8)]
     pub net_pool: usize,
@@ -706,6 +725,27 @@ pub enum SandboxCommand {
         #[arg(long = "allow", value_name = "DEST")]
         allow: Vec<String>,
     },
+    /// Save a full VM's screen as PNG (isolation vm).
+    Screen {
+        /// Sandbox id.
+        id: String,
+        /// Where to write it (`-`: standard output).
+        #[arg(short, long, default_value = "screen.png")]
+        output: PathBuf,
+    },
+    /// Type into a full VM's keyboard (isolation vm): text, then key chords, in the
+    /// order given.
+    Type {
+        /// Sandbox id.
+        id: String,
+        /// Text to type (US layout; `\n` in the shell's quoting is Enter).
+        #[arg(long)]
+        text: Option<String>,
+        /// A key or a chord, keys joined by `+` (`ret`, `ctrl+c`, `ctrl+alt+f2`;
+        /// repeatable, after the text).
+        #[arg(long = "keys", value_name = "CHORD")]
+        keys: Vec<String>,
+    },
     /// Freeze sandboxes and give their memory back (processes and state survive).
     Pause {
         /// Sandbox ids.
@@ -772,11 +812,19 @@ pub struct CreateArgs {
     #[arg(long = "tcp-connect", value_name = "PORT")]
     pub tcp_connect: Vec<u16>,
     /// Run under the node's OCI runtime (runc) instead of dsec's container.
-    #[arg(long, conflicts_with = "gvisor")]
+    #[arg(long, conflicts_with_all = ["gvisor", "microvm", "vm"])]
     pub oci: bool,
     /// Run under gVisor (the node's runsc): system calls served by gVisor's kernel.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["microvm", "vm"])]
     pub gvisor: bool,
+    /// Run in a QEMU microVM with a kernel of its own (networks none, allowlist or open;
+    /// no file or TCP rules yet).
+    #[arg(long, conflicts_with = "vm")]
+    pub microvm: bool,
+    /// Run in a full virtual machine (QEMU q35 with a screen and a keyboard) that boots
+    /// the image's own init (systemd); the agent runs as its service (network none).
+    #[arg(long)]
+    pub vm: bool,
     /// Lifetime (e.g. 3600, 90m, 1h; server default: 1h).
     #[arg(long, value_parser = parse_duration)]
     pub timeout: Option<Duration>,

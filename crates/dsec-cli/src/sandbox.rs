@@ -74,6 +74,31 @@ pub async fn run(client: &Client, cmd: SandboxCommand, json: bool) -> anyhow::Re
                 );
             }
         }
+        SandboxCommand::Screen { id, output } => {
+            let png = client.screenshot(&id).await?;
+            if output.as_os_str() == "-" {
+                std::io::Write::write_all(&mut std::io::stdout(), &png)?;
+            } else {
+                std::fs::write(&output, &png)
+                    .with_context(|| format!("writing {}", output.display()))?;
+                eprintln!("{} ({} bytes)", output.display(), png.len());
+            }
+        }
+        SandboxCommand::Type { id, text, keys } => {
+            let mut events = Vec::new();
+            if let Some(text) = text {
+                events.push(dsec_wire::v1::InputEvent::Text { text });
+            }
+            for chord in keys {
+                events.push(dsec_wire::v1::InputEvent::Keys {
+                    keys: chord.split('+').map(str::to_string).collect(),
+                });
+            }
+            if events.is_empty() {
+                anyhow::bail!("nothing to type: give --text or --keys");
+            }
+            client.send_input(&id, events).await?;
+        }
         SandboxCommand::Pause { ids } => {
             for id in ids {
                 let r = client.pause_sandbox(&id).await?;
@@ -173,6 +198,10 @@ pub(crate) async fn create_request(a: CreateArgs) -> anyhow::Result<CreateSandbo
             dsec_wire::v1::Isolation::Oci
         } else if a.gvisor {
             dsec_wire::v1::Isolation::Gvisor
+        } else if a.microvm {
+            dsec_wire::v1::Isolation::Microvm
+        } else if a.vm {
+            dsec_wire::v1::Isolation::Vm
         } else {
             dsec_wire::v1::Isolation::Container
         },

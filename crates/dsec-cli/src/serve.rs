@@ -81,6 +81,44 @@ fn gvisor_of(args: &ServeArgs) -> anyhow::Result<Option<dsec_node::gvisor::Gviso
     }
 }
 
+/// MicroVMs for level `microvm`: QEMU (`--microvm-qemu` or from PATH) and a guest kernel
+/// (`--microvm-kernel` or the newest in /boot). Missing pieces make the level unavailable
+/// with a warning, unless an option named them: then it is an error.
+fn microvm_of(args: &ServeArgs) -> anyhow::Result<Option<dsec_node::microvm::MicroVmConfig>> {
+    use dsec_vmm::qemu::{Accel, Vmm};
+    let named = args.microvm_qemu.is_some()
+        || args.microvm_kernel.is_some()
+        || args.microvm_accel.is_some();
+    let accel = match args.microvm_accel.as_deref() {
+        Some("kvm") => Some(Accel::Kvm),
+        Some(_) => Some(Accel::Tcg),
+        None => None,
+    };
+    let found = Vmm::detect(args.microvm_qemu.clone(), accel).and_then(|mut vmm| {
+        vmm.free_page_reporting = !args.microvm_no_free_page_reporting;
+        let kernel = match &args.microvm_kernel {
+            Some(k) => dsec_vmm::guest::GuestKernel::at(k)?,
+            None => dsec_vmm::guest::GuestKernel::find()?,
+        };
+        Ok((vmm, kernel))
+    });
+    match found {
+        Ok((vmm, kernel)) => {
+            tracing::info!(qemu = %vmm.qemu.display(), accel = vmm.accel.name(), kernel = %kernel.release, "isolation microvm available");
+            Ok(Some(dsec_node::microvm::MicroVmConfig {
+                vmm,
+                kernel,
+                boot_timeout: args.microvm_boot_timeout,
+            }))
+        }
+        Err(e) if named => Err(anyhow::anyhow!("--microvm-*: {e}")),
+        Err(e) => {
+            tracing::info!(reason = %e, "isolation microvm is unavailable");
+            Ok(None)
+        }
+    }
+}
+
 fn find_in_path(name: &str) -> Option<PathBuf> {
     std::env::var_os("PATH").and_then(|paths| {
         std::env::split_paths(&paths)
@@ -189,6 +227,7 @@ async fn open_node(
             .unwrap_or_else(|| "local".into()),
     };
     let gvisor = gvisor_of(args)?;
+    let microvm = microvm_of(args)?;
     let node_cfg = NodeConfig {
         name,
         state_dir: args.state_dir.clone(),
@@ -217,6 +256,7 @@ async fn open_node(
         }),
         oci_runtime: args.oci_runtime.clone().or_else(|| find_in_path("runc")),
         gvisor,
+        microvm,
         blob_store: args.blob_store.clone(),
         layer_cache_bytes: (args.layer_cache_mb > 0).then_some(args.layer_cache_mb << 20),
         lazy_chunk_cache_bytes: args.lazy_layers.then_some(args.chunk_cache_mb << 20),

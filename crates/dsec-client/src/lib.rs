@@ -45,11 +45,11 @@ use dsec_wire::error::ErrorBody;
 use dsec_wire::v1::{
     BuildRequest, BuildResult, ClusterNode, ClusterNodeList, CommitRequest, CreateSandboxRequest,
     CreateSessionRequest, ExecRequest, ExecResult, FileInfo, FileList, GcRequest, GcResult, Health,
-    Image, ImageList, ImportEvent, ImportImageRequest, JobResult, MkdirRequest, NetworkPolicy,
-    PauseResult, Pool, PoolList, PoolSpec, PoolUpdate, ProcessInfo, ProcessList, PtySize,
-    RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList, SessionResult,
-    SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest, StdinRequest,
-    WriteResult, API_KEY_HEADER,
+    Image, ImageList, ImportEvent, ImportImageRequest, InputEvent, InputRequest, JobResult,
+    MkdirRequest, NetworkPolicy, PauseResult, Pool, PoolList, PoolSpec, PoolUpdate, ProcessInfo,
+    ProcessList, PtySize, RenameRequest, Sandbox, SandboxList, SessionInfo, SessionList,
+    SessionResult, SessionRunRequest, SetTimeoutRequest, SignalRequest, StartProcessRequest,
+    StdinRequest, WriteResult, API_KEY_HEADER,
 };
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
@@ -246,6 +246,22 @@ impl Client {
                 .json(policy),
         )
         .await
+    }
+
+    /// `GET /v1/sandboxes/{id}/screen`: a full VM's screen, as PNG.
+    pub async fn screenshot(&self, id: &str) -> Result<Vec<u8>, ClientError> {
+        let resp = Self::send(self.get(&["sandboxes", id, "screen"])).await?;
+        Ok(resp.bytes().await?.to_vec())
+    }
+
+    /// `POST /v1/sandboxes/{id}/input`: types `events` into a full VM's keyboard.
+    pub async fn send_input(&self, id: &str, events: Vec<InputEvent>) -> Result<(), ClientError> {
+        Self::send(
+            self.request(Method::POST, &["sandboxes", id, "input"])
+                .json(&InputRequest { events }),
+        )
+        .await
+        .map(drop)
     }
 
     /// `POST /v1/sandboxes/{id}/pause`: freezes it and reclaims its memory.

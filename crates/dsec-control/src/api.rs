@@ -192,6 +192,19 @@ pub trait SandboxApi: Send + Sync + 'static {
         id: &str,
         policy: NetworkPolicy,
     ) -> ApiResult<Sandbox>;
+    /// `GET /v1/sandboxes/{id}/screen`: a full VM's screen, as PNG.
+    async fn screenshot(&self, _caller: &Principal, id: &str) -> ApiResult<bytes::Bytes> {
+        Err(dsec_node_api::no_screen(id))
+    }
+    /// `POST /v1/sandboxes/{id}/input`: types into a full VM's keyboard, in order.
+    async fn send_input(
+        &self,
+        _caller: &Principal,
+        id: &str,
+        _req: dsec_wire::v1::InputRequest,
+    ) -> ApiResult<()> {
+        Err(dsec_node_api::no_screen(id))
+    }
     /// `POST /v1/sandboxes/{id}/pause`: freeze and reclaim memory. Idempotent.
     async fn pause_sandbox(&self, caller: &Principal, id: &str) -> ApiResult<PauseResult>;
     /// `POST /v1/sandboxes/{id}/resume`. Idempotent.

@@ -886,6 +886,28 @@ impl SandboxApi for ControlPlane {
             .await
     }
 
+    async fn screenshot(&self, caller: &Principal, id: &str) -> ApiResult<Bytes> {
+        self.owned(caller, id).await?;
+        self.guarded(id, Some(Limit::call()), async {
+            self.usable(id).await?.screenshot(id).await
+        })
+        .await
+    }
+
+    async fn send_input(
+        &self,
+        caller: &Principal,
+        id: &str,
+        req: dsec_wire::v1::InputRequest,
+    ) -> ApiResult<()> {
+        self.owned(caller, id).await?;
+        // Typing is paced (a few ms a key): no call limit on a long text.
+        self.guarded(id, None, async {
+            self.usable(id).await?.send_input(id, req.events).await
+        })
+        .await
+    }
+
     async fn set_timeout(
         &self,
         caller: &Principal,

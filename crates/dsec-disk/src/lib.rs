@@ -563,6 +563,17 @@ impl Disks {
         self.shared.make(size_mb, dest, self.shared.mode)
     }
 
+    /// Writes a formatted, unmounted disk image of `size_mb` to `dest` (which must not
+    /// exist), for a guest to mount (a microVM's writable disk): a sparse copy of the
+    /// size's template, the same file system as every sandbox's disk.
+    pub fn image(&self, size_mb: u64, dest: &Path) -> Result<(), DiskError> {
+        if size_mb < MIN_DISK_MB {
+            return Err(DiskError::TooSmall(size_mb));
+        }
+        let template = self.shared.template(size_mb)?;
+        clone_sparse(&template, dest)
+    }
+
     /// Gets a handle back on a disk this process lost (after a restart) while a sandbox
     /// still uses it: mounts the ext4 of the loop device that backs `dir/disk.img` once
     /// more, detached (the same file system, a second mount of it), or takes the attached

@@ -35,6 +35,27 @@ pub fn require_root() -> bool {
     dsec_testkit::unavailable("e2e", missing).is_none()
 }
 
+/// Whether microVM tests can run here: QEMU and a guest kernel in /boot. Under `CI=true`
+/// a missing one panics.
+pub fn have_microvm() -> bool {
+    let qemu = std::process::Command::new("qemu-system-x86_64")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    let kernel = std::fs::read_dir("/boot")
+        .map(|d| {
+            d.flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with("vmlinuz-"))
+        })
+        .unwrap_or(false);
+    let missing = (!(qemu && kernel)).then(|| {
+        "QEMU or a guest kernel is missing (apt-get install qemu-system-x86 \
+         linux-image-cloud-amd64)"
+            .to_string()
+    });
+    dsec_testkit::unavailable("microvm", missing).is_none()
+}
+
 fn which(bin: &str) -> bool {
     std::env::var_os("PATH")
         .map(|p| std::env::split_paths(&p).any(|d| d.join(bin).is_file()))

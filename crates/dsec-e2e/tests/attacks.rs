@@ -31,6 +31,23 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
+/// The end of a microVM sandbox's guest console (its kernel's and its agent's messages),
+/// for a failure's message; empty for other levels.
+fn guest_console(run_dir: &Path, sandbox: &str) -> String {
+    let path = run_dir
+        .join("sandboxes")
+        .join(sandbox)
+        .join("vm/console.log");
+    match std::fs::read(&path) {
+        Ok(bytes) => {
+            let text =
+                String::from_utf8_lossy(&bytes[bytes.len().saturating_sub(4000)..]).into_owned();
+            format!("\nguest console ({}):\n{text}", path.display())
+        }
+        Err(_) => String::new(),
+    }
+}
+
 /// What one attack program did.
 #[derive(Debug)]
 struct Outcome {
@@ -66,7 +83,12 @@ struct Level {
 /// Every isolation level a sandbox can ask for, with the set-ups worth attacking. The
 /// match fails to compile when a level is added, until it is attacked here too.
 fn levels() -> Vec<Level> {
-    let all = [Isolation::Container, Isolation::Oci, Isolation::Gvisor];
+    let all = [
+        Isolation::Container,
+        Isolation::Oci,
+        Isolation::Gvisor,
+        Isolation::Microvm,
+    ];
     all.iter()
         .flat_map(|level| match level {
             Isolation::Container => vec![
@@ -117,6 +139,21 @@ fn levels() -> Vec<Level> {
                     ("ptrace-agent.py", "escaped: PID 1's descriptors followed"),
                 ],
             }],
+            // The agent as a QEMU guest's init (TCG here), root in the guest with a
+            // container's privileges; its memory-pressure guard ends a guest filled to
+            // its size before the guest thrashes (see `dsec-agent`'s `memguard`).
+            Isolation::Microvm => vec![Level {
+                name: "attacks-microvm",
+                args: &[],
+                isolation: Isolation::Microvm,
+                may_end_sandbox: &[],
+                known_exposures: &[],
+            }],
+            // A full VM runs the image's own system with its commands as that system's
+            // root: the in-guest containment these programs probe is by design not
+            // there, and the machine is the boundary. Its host-side checks (host and
+            // neighbour untouched) are to come with an attack level of its own.
+            Isolation::Vm => vec![],
         })
         .collect()
 }
@@ -142,6 +179,9 @@ async fn run_level(name: &str) {
         eprintln!("skipped: runsc is not installed (apt-get install runsc)");
         return;
     }
+    if level.isolation == Isolation::Microvm && !dsec_e2e::have_microvm() {
+        return;
+    }
     run_suite(&level).await;
 }
 
@@ -163,6 +203,11 @@ async fn every_attack_is_contained_at_isolation_oci_too() {
 #[tokio::test(flavor = "multi_thread")]
 async fn every_attack_is_contained_at_isolation_gvisor_too() {
     run_level("attacks-gvisor").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_attack_is_contained_at_isolation_microvm_too() {
+    run_level("attacks-microvm").await;
 }
 
 /// Every level above has its test.
@@ -370,11 +415,12 @@ async fn run_suite(level: &Level) {
         );
         assert!(
             lines.iter().any(|l| l.starts_with("contained:")),
-            "{} reported nothing (exit {:?}): stdout tail {:?} stderr {:?}",
+            "{} reported nothing (exit {:?}): stdout tail {:?} stderr {:?}{}",
             o.name,
             o.exit,
             &o.stdout[o.stdout.len().saturating_sub(300)..],
-            o.stderr
+            o.stderr,
+            guest_console(&s.run_dir, &o.sandbox)
         );
         assert!(o.usable_after, "{}: sandbox unusable afterwards", o.name);
         if o.name == "yes-flood.sh" {

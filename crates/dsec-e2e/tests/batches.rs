@@ -35,6 +35,12 @@ os.rename('/out/victim.new', '/out/victim')
 fcntl.fcntl(fd, F_SETLEASE, F_UNLCK)
 "#;
 
+/// What an `ok-` task runs: copies its input and writes its index.
+const TASK_COMMAND: &str = "mkdir -p /out && cat /in/data > /out/copy && echo $N > /out/n";
+
+/// How long ok-000 sleeps before its work: longer than the batch takes to reach the kill.
+const HELD_S: u32 = 40;
+
 fn sh(cmd: &str) -> Option<Command> {
     Some(Command::Shell(cmd.to_string()))
 }
@@ -65,6 +71,12 @@ async fn two_hundred_tasks_survive_kill_9_and_end_verified_or_failed_with_a_snap
         };
         t.inputs
             .insert("/in/data".into(), InputRef::Text(format!("data of {i}\n")));
+        if i == 0 {
+            // Held in flight until the kill: some task must be mid-attempt when the
+            // server dies, whatever the machine's speed (fast tasks may all sit in
+            // collection at that instant, which resumes without a retry).
+            t.command = sh(&format!("sleep {HELD_S}; {TASK_COMMAND}"));
+        }
         tasks.push(t);
     }
     for i in 0..8 {
@@ -102,7 +114,7 @@ async fn two_hundred_tasks_survive_kill_9_and_end_verified_or_failed_with_a_snap
     let spec = BatchSpec {
         name: Some("e2e".into()),
         defaults: TaskDefaults {
-            command: sh("mkdir -p /out && cat /in/data > /out/copy && echo $N > /out/n"),
+            command: sh(TASK_COMMAND),
             outputs: vec!["/out/copy".into(), "/out/n".into()],
             timeout_s: Some(60),
             ..Default::default()
@@ -118,10 +130,19 @@ async fn two_hundred_tasks_survive_kill_9_and_end_verified_or_failed_with_a_snap
     // flight), then start it again on the same state.
     wait_until(Duration::from_secs(240), || async {
         let b = c.get_batch(&batch.id).await.ok()?;
-        (b.counts[&TaskState::Finalized] >= 40).then_some(())
+        if b.counts[&TaskState::Finalized] < 24 {
+            return None;
+        }
+        let tasks = c.all_batch_tasks(&batch.id).await.ok()?;
+        let held = tasks.iter().find(|t| t.id == "ok-000")?;
+        assert!(
+            !held.state.is_terminal(),
+            "ok-000 ended before the kill (it sleeps {HELD_S} s): {held:?}"
+        );
+        (held.state == TaskState::Running).then_some(())
     })
     .await
-    .expect("40 tasks never finalized");
+    .expect("24 tasks never finalized beside a running ok-000");
     s.kill();
     s.spawn()
         .await
@@ -205,6 +226,11 @@ async fn two_hundred_tasks_survive_kill_9_and_end_verified_or_failed_with_a_snap
     assert!(
         retried_after_restart > 0,
         "no task in flight at the kill was retried"
+    );
+    let held = statuses.iter().find(|t| t.id == "ok-000").expect("ok-000");
+    assert_eq!(
+        held.attempt, 2,
+        "running at the kill, so retried once: {held:?}"
     );
 
     // Nothing of the batch runs on.

@@ -3,7 +3,8 @@
 //! "package mirrors", `pypi.org` and `registry.npmjs.org`. Checks the allowlist example
 //! "PyPI allowed, npm blocked" through DNS names, DNS tunnelling, direct connections to
 //! blocked addresses, the node itself and other sandboxes, replacing rules on a running
-//! sandbox, mode `open`, a restart of the node, and that nothing is left behind.
+//! sandbox, mode `open`, a restart of the node, and that nothing is left behind; and the
+//! same policies for a microVM, whose link is a tap.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -13,7 +14,7 @@ use std::process::Command;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use dsec_e2e::{require_root, sh, Server};
+use dsec_e2e::{host, require_root, sh, Server};
 use dsec_wire::v1::*;
 use dsec_wire::ErrorCode;
 use hickory_proto::op::{Message, MessageType, ResponseCode};
@@ -521,4 +522,149 @@ async fn open_reaches_out_but_not_other_sandboxes_and_none_has_no_link() {
     let _ = Command::new("nft")
         .args(["delete", "table", "inet", "dsec_e2e_2"])
         .status();
+}
+
+/// A microVM's network is a tap on the host under the same rules as a container's veth:
+/// its allowlist, a policy change, a pause (the tap outlives QEMU), a node restart, a
+/// delete, and a QEMU killed from outside that leaves no tap once deleted.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_microvm_gets_the_same_policy_through_a_tap() {
+    if !require_root() || !dsec_e2e::have_microvm() {
+        return;
+    }
+    internet();
+    let mut s = node("network-microvm", 3).await;
+    let c = s.client();
+    let vm = c
+        .create_sandbox(CreateSandboxRequest {
+            isolation: Isolation::Microvm,
+            network: allowlist(&["pypi.org"]),
+            ..Default::default()
+        })
+        .await
+        .expect("create a networked microVM");
+    let ip = vm.ip.clone().expect("the microVM's address");
+    let taps: Vec<String> = links("dse3x")
+        .into_iter()
+        .filter(|l| std::path::Path::new(&format!("/sys/class/net/{l}/tun_flags")).exists())
+        .collect();
+    assert_eq!(taps.len(), 1, "one tap: {taps:?}");
+    let tap = taps[0].clone();
+    let neighbour = c
+        .create_sandbox(CreateSandboxRequest {
+            network: allowlist(&[]),
+            ..Default::default()
+        })
+        .await
+        .expect("create neighbour");
+    let n_ip = neighbour.ip.clone().expect("neighbour ip");
+
+    let r = c
+        .exec(&vm.id, sh("cat /proc/net/dev /proc/net/fib_trie"))
+        .await
+        .expect("exec");
+    assert!(
+        r.stdout.contains("eth0:") && r.stdout.contains(&ip),
+        "the guest's NIC has the sandbox's address {ip}: {}",
+        r.stdout
+    );
+    let r = probe(
+        &s,
+        &vm.id,
+        &[
+            "resolve:pypi.org".into(),
+            "fetch:pypi.org".into(),
+            "resolve:registry.npmjs.org".into(),
+            format!("connect:{NPM}:80"),
+            format!("connect:{n_ip}:22"),
+            "connect:169.254.169.254:80".into(),
+        ],
+    )
+    .await;
+    expect(&r, "resolve:pypi.org", &PYPI.to_string());
+    expect(&r, "fetch:pypi.org", "pypi");
+    expect(&r, "resolve:registry.npmjs.org", "gaierror");
+    expect(&r, &format!("connect:{NPM}:80"), "ConnectionRefusedError");
+    expect(&r, &format!("connect:{n_ip}:22"), "ConnectionRefusedError");
+    expect(&r, "connect:169.254.169.254:80", "ConnectionRefusedError");
+
+    // The policy changes on the running machine.
+    c.set_network(
+        &vm.id,
+        &NetworkPolicy {
+            mode: NetworkMode::Open,
+            allow: vec![],
+        },
+    )
+    .await
+    .expect("open");
+    let r = probe(&s, &vm.id, &[format!("fetch:{NPM}")]).await;
+    expect(&r, &format!("fetch:{NPM}"), "npm");
+
+    // Paused, the machine is a file and QEMU is gone; its tap and slot stay for the
+    // resume, which finds the network as it was.
+    c.pause_sandbox(&vm.id).await.expect("pause");
+    assert!(host::processes(&vm.id).is_empty(), "QEMU ended at pause");
+    assert!(links("dse3x").contains(&tap), "the tap outlives QEMU");
+    c.resume_sandbox(&vm.id).await.expect("resume");
+    let r = probe(&s, &vm.id, &["fetch:pypi.org".into()]).await;
+    expect(&r, "fetch:pypi.org", "pypi");
+
+    // A node killed and started again adopts the machine with its tap and policy.
+    s.kill();
+    s.spawn().await.expect("restart");
+    let c = s.client();
+    assert!(links("dse3x").contains(&tap), "the tap survives the node");
+    let r = probe(
+        &s,
+        &vm.id,
+        &["fetch:pypi.org".into(), format!("fetch:{NPM}")],
+    )
+    .await;
+    expect(&r, "fetch:pypi.org", "pypi");
+    expect(&r, &format!("fetch:{NPM}"), "npm");
+
+    c.delete_sandbox(&vm.id).await.expect("delete");
+    assert!(
+        !links("dse3x").contains(&tap),
+        "the tap goes with its sandbox"
+    );
+    let table = table_exists("dsec_e2e_3");
+    assert!(
+        !table.contains(&format!("\"{tap}\"")),
+        "the slot left the table:\n{table}"
+    );
+
+    // A QEMU killed from outside: the sandbox fails, and its delete leaves no tap.
+    let vm = c
+        .create_sandbox(CreateSandboxRequest {
+            isolation: Isolation::Microvm,
+            network: allowlist(&[]),
+            ..Default::default()
+        })
+        .await
+        .expect("create a second microVM");
+    let before: Vec<String> = links("dse3x");
+    for pid in host::processes(&vm.id) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    dsec_e2e::wait_until(Duration::from_secs(30), || async {
+        let got = c.get_sandbox(&vm.id).await.ok()?;
+        (got.state == SandboxState::Failed).then_some(())
+    })
+    .await
+    .expect("the sandbox fails");
+    c.delete_sandbox(&vm.id)
+        .await
+        .expect("delete the failed one");
+    let after = links("dse3x");
+    assert!(
+        after.len() < before.len(),
+        "its tap is gone: before {before:?}, after {after:?}"
+    );
+    s.delete_all().await;
+    drop(s);
 }

@@ -44,6 +44,7 @@ fn config() -> NodeConfig {
         userns: None,
         oci_runtime: None,
         gvisor: None,
+        microvm: None,
         blob_store: None,
         layer_cache_bytes: None,
         lazy_chunk_cache_bytes: None,

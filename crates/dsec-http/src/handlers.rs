@@ -416,6 +416,26 @@ pub async fn set_network(
     Ok(json(api.set_network(&id, policy).await?))
 }
 
+/// `GET /v1/sandboxes/{id}/screen`: a full VM's screen, as PNG.
+pub async fn screenshot(api: Api, Path(id): Path<String>) -> HttpResult<Response> {
+    let png = api.screenshot(&id).await?;
+    Ok((
+        [(header::CONTENT_TYPE, HeaderValue::from_static("image/png"))],
+        png,
+    )
+        .into_response())
+}
+
+/// `POST /v1/sandboxes/{id}/input`: keyboard input to a full VM.
+pub async fn send_input(
+    api: Api,
+    Path(id): Path<String>,
+    Json(req): Json<dsec_wire::v1::InputRequest>,
+) -> HttpResult<Response> {
+    api.send_input(&id, req).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
 /// `POST /v1/sandboxes/{id}/pause`.
 pub async fn pause_sandbox(api: Api, Path(id): Path<String>) -> HttpResult<Response> {
     Ok(json(api.pause_sandbox(&id).await?))

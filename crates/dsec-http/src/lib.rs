@@ -123,6 +123,8 @@ pub fn router_with(api: Arc<dyn SandboxApi>, opts: HttpOptions) -> Router {
         )
         .route("/sandboxes/{id}/timeout", post(h::set_timeout))
         .route("/sandboxes/{id}/network", put(h::set_network))
+        .route("/sandboxes/{id}/screen", get(h::screenshot))
+        .route("/sandboxes/{id}/input", post(h::send_input))
         .route("/sandboxes/{id}/pause", post(h::pause_sandbox))
         .route("/sandboxes/{id}/resume", post(h::resume_sandbox))
         .route("/sandboxes/{id}/commit", post(h::commit_sandbox))

@@ -104,6 +104,7 @@ fn tag_of(path: &str) -> &'static str {
         "sessions" => "sessions",
         "processes" => "processes",
         "files" => "files",
+        "screen" | "input" => "screen",
         _ => "sandboxes",
     };
     match segs.as_slice() {
@@ -222,6 +223,8 @@ fn operations() -> Vec<Operation> {
         op("delete", "/v1/sandboxes/{id}", "deleteSandbox", "Delete a sandbox (with Idempotency-Key, a retry of a delete that is done succeeds)").idempotent(),
         op("post", "/v1/sandboxes/{id}/timeout", "setTimeout", "Change a sandbox's time to live").body::<SetTimeoutRequest>().ok::<Sandbox>(),
         op("put", "/v1/sandboxes/{id}/network", "setNetwork", "Replace a sandbox's network policy").body::<NetworkPolicy>().ok::<Sandbox>(),
+        op("get", "/v1/sandboxes/{id}/screen", "screenshot", "A full VM's screen (isolation vm)").answer(Answer::Bytes("image/png", "The screen as PNG.")),
+        op("post", "/v1/sandboxes/{id}/input", "sendInput", "Type into a full VM's keyboard (isolation vm): text and key chords, in order").body::<InputRequest>(),
         op("post", "/v1/sandboxes/{id}/pause", "pauseSandbox", "Pause a sandbox (freeze, then reclaim its memory)").ok::<PauseResult>(),
         op("post", "/v1/sandboxes/{id}/resume", "resumeSandbox", "Resume a paused sandbox").ok::<Sandbox>(),
         op("post", "/v1/sandboxes/{id}/commit", "commitSandbox", "Save a sandbox's filesystem as an image").body::<CommitRequest>().created::<Image>(),
@@ -549,6 +552,10 @@ const TAGS: &[(&str, &str)] = &[
         "Shell sessions that keep their state between commands.",
     ),
     ("processes", "Background processes and PTYs."),
+    (
+        "screen",
+        "A full VM's screen (screenshots) and keyboard (typed input).",
+    ),
     (
         "files",
         "Read, write, list and move files; tars in and out.",

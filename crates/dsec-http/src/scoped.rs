@@ -115,6 +115,16 @@ impl Scoped {
         self.api.set_network(&self.caller, id, policy).await
     }
 
+    /// [`SandboxApi::screenshot`] as this caller.
+    pub async fn screenshot(&self, id: &str) -> ApiResult<bytes::Bytes> {
+        self.api.screenshot(&self.caller, id).await
+    }
+
+    /// [`SandboxApi::send_input`] as this caller.
+    pub async fn send_input(&self, id: &str, req: dsec_wire::v1::InputRequest) -> ApiResult<()> {
+        self.api.send_input(&self.caller, id, req).await
+    }
+
     /// [`SandboxApi::pause_sandbox`] as this caller.
     pub async fn pause_sandbox(&self, id: &str) -> ApiResult<PauseResult> {
         self.api.pause_sandbox(&self.caller, id).await

@@ -116,6 +116,17 @@ impl SandboxApi for Stub {
     ) -> ApiResult<Sandbox> {
         stub_err("set_network")
     }
+    async fn screenshot(&self, _caller: &Principal, _: &str) -> ApiResult<bytes::Bytes> {
+        stub_err("screenshot")
+    }
+    async fn send_input(
+        &self,
+        _caller: &Principal,
+        _: &str,
+        _: dsec_wire::v1::InputRequest,
+    ) -> ApiResult<()> {
+        stub_err("send_input")
+    }
     async fn pause_sandbox(&self, _caller: &Principal, _: &str) -> ApiResult<PauseResult> {
         stub_err("pause_sandbox")
     }

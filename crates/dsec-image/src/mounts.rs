@@ -138,6 +138,18 @@ impl ImageStore {
         }
     }
 
+    /// The EROFS file of layer `digest` that its mount reads: the local blob, or the
+    /// on-demand file of a lazily served layer. Valid while a reference is held.
+    pub fn layer_file(&self, digest: &str) -> Result<PathBuf> {
+        let hex = parse_digest(digest)?;
+        let blob = self.blob_path(&hex);
+        if blob.exists() {
+            return Ok(blob);
+        }
+        self.lazy_file(&hex)?
+            .ok_or_else(|| ImageError::NotFound(format!("layer file of sha256:{hex}")))
+    }
+
     /// Drop a reference taken by [`ImageStore::acquire`]. The last one leaves the layer
     /// mounted but idle: the next sandbox of this image then finds its files in the layer's
     /// page cache instead of reading and decompressing them again (a fresh mount is a new

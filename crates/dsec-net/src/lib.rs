@@ -211,6 +211,9 @@ pub struct NetRecord {
     /// Its link is in `model_links` (it may call the model gateway).
     #[serde(default)]
     pub model_link: bool,
+    /// Its link is a persistent tap device (a microVM's NIC), not a veth.
+    #[serde(default)]
+    pub tap: bool,
 }
 
 /// A slot handed to a new sandbox.
@@ -226,6 +229,28 @@ pub struct Lease {
     pub netns: OwnedFd,
     /// It may call the model gateway (for [`NetRecord::model_link`]).
     pub model_link: bool,
+}
+
+/// A sandbox's `/etc/resolv.conf`: the node's filtering resolver at the slot's host
+/// end, `gateway`.
+pub fn resolv_conf(gateway: Ipv4Addr) -> String {
+    format!("nameserver {gateway}\noptions timeout:2 attempts:2\n")
+}
+
+/// A slot whose link is a tap device on the host, for a microVM: the guest's NIC is
+/// the tap's other end, and the guest configures [`TapLease::ip`] on it itself.
+#[derive(Debug, Clone)]
+pub struct TapLease {
+    /// Slot number.
+    pub slot: u32,
+    /// The tap's name on the host (the slot's link name).
+    pub ifname: String,
+    /// The guest's address.
+    pub ip: Ipv4Addr,
+    /// Prefix length of the slot's network.
+    pub prefix_len: u8,
+    /// Its gateway and resolver (the tap's host address).
+    pub gateway: Ipv4Addr,
 }
 
 /// What the resolver knows of a sandbox, by its address.
@@ -296,6 +321,8 @@ struct Live {
     slot: u32,
     policy: NetworkPolicy,
     model_link: bool,
+    /// Its link is a tap (a microVM's), deleted on release.
+    tap: bool,
 }
 
 #[derive(Debug, Default)]
@@ -371,6 +398,7 @@ impl Network {
                     slot: rec.slot,
                     policy: rec.policy.clone(),
                     model_link: rec.model_link,
+                    tap: rec.tap,
                 },
             );
             rules_of.push((id.clone(), rec.slot, rec.policy.mode, rules));
@@ -584,6 +612,66 @@ impl Network {
                 }
             }
         };
+        self.admit(id, slot, policy, rules, opts, false)?;
+        let addrs = slot_addrs(self.cfg.subnet, slot);
+        Ok(Lease {
+            slot,
+            ip: addrs.sandbox,
+            gateway: addrs.host,
+            netns,
+            model_link: opts.model_link,
+        })
+    }
+
+    /// Gives microVM `id` a slot whose link is a persistent tap device on the host
+    /// (mode `allowlist` or `open`), under the same nftables chain and resolver as a
+    /// veth slot: the tap's host end is the guest's gateway and resolver. The tap
+    /// outlives its VMM (a paused microVM) and goes on [`Self::release`].
+    pub fn acquire_tap(&self, id: &str, policy: &NetworkPolicy) -> Result<TapLease, NetError> {
+        let rules = parse_policy(policy)?;
+        if policy.mode == NetworkMode::None {
+            return Err(NetError::Invalid("mode none needs no slot".into()));
+        }
+        let slot = self.take_slot()?;
+        let ifname = self.link_name(slot);
+        let addrs = slot_addrs(self.cfg.subnet, slot);
+        let made = dsec_netconf::create_persistent_tap(&ifname)
+            .and_then(|()| dsec_netconf::set_addr(&ifname, addrs.host, 30))
+            .and_then(|()| dsec_netconf::set_up(&ifname))
+            .map_err(|source| NetError::Os {
+                op: format!("make tap device {ifname}"),
+                source,
+            })
+            .and_then(|()| nft::apply(&self.tables.add_slot(slot)));
+        if let Err(e) = made {
+            let _ = netns::remove_link(&ifname);
+            self.give_back(slot);
+            return Err(e);
+        }
+        if let Err(e) = self.admit(id, slot, policy, rules, SlotOptions::default(), true) {
+            let _ = netns::remove_link(&ifname);
+            return Err(e);
+        }
+        Ok(TapLease {
+            slot,
+            ifname,
+            ip: addrs.sandbox,
+            prefix_len: 30,
+            gateway: addrs.host,
+        })
+    }
+
+    /// Writes a prepared slot's policy and makes it sandbox `id`'s; on error the slot is
+    /// discarded.
+    fn admit(
+        &self,
+        id: &str,
+        slot: u32,
+        policy: &NetworkPolicy,
+        rules: Vec<AllowRule>,
+        opts: SlotOptions,
+        tap: bool,
+    ) -> Result<(), NetError> {
         let mut script = self.tables.set_policy(slot, policy.mode, &rules);
         if opts.model_link {
             script.push_str(&self.tables.link_model(slot));
@@ -608,15 +696,10 @@ impl Network {
                 slot,
                 policy: policy.clone(),
                 model_link: opts.model_link,
+                tap,
             },
         );
-        Ok(Lease {
-            slot,
-            ip: addrs.sandbox,
-            gateway: addrs.host,
-            netns,
-            model_link: opts.model_link,
-        })
+        Ok(())
     }
 
     /// Replaces the policy of a live sandbox. The mode can change between `allowlist`
@@ -653,6 +736,7 @@ impl Network {
             slot: l.slot,
             policy: l.policy.clone(),
             model_link: l.model_link,
+            tap: l.tap,
         })
     }
 
@@ -674,9 +758,19 @@ impl Network {
     /// Takes sandbox `id`'s slot away: link, chain and sets, and its `model_links`
     /// membership. Unknown ids are fine.
     pub fn release(&self, id: &str) -> Result<(), NetError> {
-        let Some(Live { slot, .. }) = self.slots().by_id.remove(id) else {
+        let Some(Live { slot, tap, .. }) = self.slots().by_id.remove(id) else {
             return Ok(());
         };
+        if tap {
+            // A persistent tap has no namespace to go with: it is deleted here, before
+            // its slot can be taken again.
+            let link = self.link_name(slot);
+            if let Err(e) = netns::remove_link(&link) {
+                if std::path::Path::new("/sys/class/net").join(&link).exists() {
+                    tracing::warn!(%link, error = %e, "deleting a microVM's tap");
+                }
+            }
+        }
         let ip = slot_addrs(self.cfg.subnet, slot).sandbox;
         self.registry.map().remove(&ip);
         self.registry

@@ -210,6 +210,15 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
     ) -> NodeResult<(Image, Option<String>)>;
     /// Replaces a networked sandbox's policy.
     async fn set_network(&self, id: &str, policy: NetworkPolicy) -> NodeResult<()>;
+    /// A full VM's screen (isolation `vm`), as PNG.
+    async fn screenshot(&self, id: &str) -> NodeResult<Bytes> {
+        Err(no_screen(id))
+    }
+    /// Types `events` into a full VM's keyboard (isolation `vm`), in order.
+    async fn send_input(&self, id: &str, events: Vec<dsec_wire::v1::InputEvent>) -> NodeResult<()> {
+        let _ = events;
+        Err(no_screen(id))
+    }
     /// Capacity and load, for placement.
     async fn capacity(&self) -> NodeCapacity;
 
@@ -367,6 +376,14 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
         name: &str,
         config: Option<ImageConfig>,
     ) -> NodeResult<Image>;
+}
+
+/// What a node answers for the screen or keyboard of a sandbox that has none.
+pub fn no_screen(id: &str) -> ApiError {
+    ApiError::new(
+        dsec_wire::ErrorCode::BadRequest,
+        format!("sandbox {id} has no screen: only isolation vm has one"),
+    )
 }
 
 /// What a node that keeps no call records answers to a call with a request id.

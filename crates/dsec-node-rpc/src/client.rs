@@ -302,6 +302,19 @@ impl NodeApi for RemoteNode {
             .await
     }
 
+    async fn screenshot(&self, id: &str) -> NodeResult<Bytes> {
+        let resp = self.send(self.sandbox(Method::GET, id, "/screen")).await?;
+        resp.bytes()
+            .await
+            .map_err(|e| unreachable(&self.base, format!("screenshot: {e}")))
+    }
+
+    async fn send_input(&self, id: &str, events: Vec<dsec_wire::v1::InputEvent>) -> NodeResult<()> {
+        let req = dsec_wire::v1::InputRequest { events };
+        self.empty(self.sandbox(Method::POST, id, "/input").json(&req))
+            .await
+    }
+
     async fn set_lifetime(&self, id: &str, lifetime: dsec_node_api::Lifetime) -> NodeResult<()> {
         self.empty(self.sandbox(Method::PUT, id, "/lifetime").json(&lifetime))
             .await

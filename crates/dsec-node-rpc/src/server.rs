@@ -70,6 +70,8 @@ pub fn router(node: Arc<dyn NodeApi>, token: String) -> Router {
         .route("/sandboxes/{id}/ping", post(ping))
         .route("/sandboxes/{id}/commit", post(commit))
         .route("/sandboxes/{id}/network", put(set_network))
+        .route("/sandboxes/{id}/screen", get(screenshot))
+        .route("/sandboxes/{id}/input", post(send_input))
         .route("/sandboxes/{id}/lifetime", put(set_lifetime))
         .route("/sandboxes/{id}/call", post(call))
         .route("/sandboxes/{id}/exec", post(exec))
@@ -268,6 +270,26 @@ async fn set_network(
     Json(policy): Json<NetworkPolicy>,
 ) -> RpcResult<StatusCode> {
     rpc.node.set_network(&id, policy).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn screenshot(
+    State(rpc): State<Arc<Rpc>>,
+    Path(id): Path<String>,
+) -> RpcResult<impl IntoResponse> {
+    let png = rpc.node.screenshot(&id).await?;
+    Ok((
+        [(header::CONTENT_TYPE, HeaderValue::from_static("image/png"))],
+        png,
+    ))
+}
+
+async fn send_input(
+    State(rpc): State<Arc<Rpc>>,
+    Path(id): Path<String>,
+    Json(req): Json<dsec_wire::v1::InputRequest>,
+) -> RpcResult<StatusCode> {
+    rpc.node.send_input(&id, req.events).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

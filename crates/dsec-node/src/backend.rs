@@ -61,6 +61,8 @@ pub struct Layers {
     pub digest: String,
     /// `(layer digest, mount point)`, bottom first.
     pub layers: Vec<(String, std::path::PathBuf)>,
+    /// Each layer's EROFS file, bottom first (what a microVM attaches as a disk).
+    pub files: Vec<std::path::PathBuf>,
 }
 
 /// One kind of sandbox.
@@ -81,8 +83,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// Stops every process of a sandbox and reclaims its memory; returns memory use
     /// (bytes) before and after the reclaim.
     fn pause(&self, id: &str) -> Result<(u64, u64), NodeError>;
-    /// Lets a paused sandbox run again.
-    fn resume(&self, id: &str) -> Result<(), NodeError>;
+    /// Lets a paused sandbox run again. Returns its new record when resuming changed it
+    /// (a microVM restored from its snapshot runs in a new process).
+    fn resume(&self, id: &str) -> Result<Option<RuntimeRecord>, NodeError>;
     /// Runs `f` with the host path of the sandbox's writable (overlayfs upper) directory,
     /// the sandbox's processes stopped meanwhile (a running sandbox runs on afterwards; a
     /// paused one stays paused). Stopped, not paused: its memory is not reclaimed, as the
@@ -110,6 +113,17 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
         -> Result<(), NodeError>;
     /// The address of a networked sandbox.
     fn address(&self, rec: &RuntimeRecord) -> Option<std::net::Ipv4Addr>;
+    /// A full VM's screen, as PNG.
+    fn screenshot(&self, id: &str) -> Result<Vec<u8>, NodeError> {
+        Err(NodeError::Unsupported(format!(
+            "sandbox {id} has no screen: only isolation vm has one"
+        )))
+    }
+    /// Types `events` into a full VM's keyboard.
+    fn send_input(&self, id: &str, events: &[dsec_wire::v1::InputEvent]) -> Result<(), NodeError> {
+        let _ = events;
+        self.screenshot(id).map(drop)
+    }
     /// Free space on the sandbox's writable disk, in MiB, where it has one of its own.
     fn disk_free_mb(&self, _id: &str) -> Option<u64> {
         None

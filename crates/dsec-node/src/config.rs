@@ -50,6 +50,9 @@ pub struct NodeConfig {
     /// gVisor's `runsc` for sandboxes of isolation level `gvisor` (`None`: level
     /// unavailable), and the platform it runs them on.
     pub gvisor: Option<crate::gvisor::Gvisor>,
+    /// QEMU and the guest kernel for sandboxes of isolation level `microvm` (`None`:
+    /// level unavailable).
+    pub microvm: Option<crate::microvm::MicroVmConfig>,
     /// The cluster's shared blob store (a directory path, `s3://...`, `http(s)://...`;
     /// see `dsec-blob`); `None`: the node's image directory is the only store.
     pub blob_store: Option<String>,

@@ -73,6 +73,8 @@ pub struct ContainerBackend {
     /// The mount namespace user-namespaced inits start from (see `mntns`); without it
     /// they start from the host's.
     skeleton: Option<crate::mntns::Skeleton>,
+    /// Isolation level `microvm`, when the node has QEMU and a guest kernel.
+    microvms: Option<crate::microvm::MicroVms>,
 }
 
 /// The node's user namespace state.
@@ -152,7 +154,16 @@ impl ContainerBackend {
             ),
             None => crate::nspool::NetnsPool::start(cfg.netns_pool, None),
         };
+        let microvms = match &cfg.microvm {
+            Some(m) => Some(crate::microvm::MicroVms::new(
+                m.clone(),
+                cfg.agent_bin.clone(),
+                cfg.state_dir.join("vm"),
+            )?),
+            None => None,
+        };
         Ok(Self {
+            microvms,
             zygote,
             nspool,
             lent: Default::default(),
@@ -304,6 +315,9 @@ impl ContainerBackend {
         layers: &Layers,
         timeline: &mut Timeline,
     ) -> Result<RuntimeRecord, NodeError> {
+        if spec.isolation.is_machine() {
+            return self.create_microvm(spec, layers, timeline);
+        }
         let started = Instant::now();
         let id = &spec.id;
         let dir = self.cfg.sandbox_dir(id);
@@ -493,9 +507,7 @@ impl ContainerBackend {
             writable_paths: spec.writable_paths.clone(),
             tcp_bind: spec.tcp_bind.clone(),
             tcp_connect: spec.tcp_connect.clone(),
-            resolv_conf: lease
-                .as_ref()
-                .map(|l| format!("nameserver {}\noptions timeout:2 attempts:2\n", l.gateway)),
+            resolv_conf: lease.as_ref().map(|l| dsec_net::resolv_conf(l.gateway)),
             sched_idle: spec.qos == Qos::BestEffort,
             core_sched: crate::admission::core_scheduling_available(),
             rootfs: match skeleton {
@@ -538,6 +550,7 @@ impl ContainerBackend {
             slot: l.slot,
             policy: spec.network.clone(),
             model_link: l.model_link,
+            tap: false,
         });
         tracing::debug!(%id, prepare_us = (prepared - started).as_micros() as u64,
             init_us = prepared.elapsed().as_micros() as u64, pooled_netns, "sandbox started");
@@ -679,6 +692,114 @@ impl ContainerBackend {
             read_status(status_r, self.cfg.create_timeout).map_err(|e| create_err(id, e))
         });
         Ok((child, report))
+    }
+
+    /// The microVM level and the record of `id`, if `id` is a microVM.
+    fn microvm_of(&self, id: &str) -> Option<(&crate::microvm::MicroVms, RuntimeRecord)> {
+        let vms = self.microvms.as_ref()?;
+        let rec = self.read_record(id)?;
+        rec.isolation.is_machine().then_some((vms, rec))
+    }
+
+    /// The VM directory of full VM `id`, whose QEMU runs (not saved by a pause).
+    fn screen_of(&self, id: &str) -> Result<PathBuf, NodeError> {
+        let rec = self
+            .read_record(id)
+            .ok_or_else(|| NodeError::NotFound(id.to_string()))?;
+        if rec.isolation != Isolation::Vm {
+            return Err(NodeError::Unsupported(format!(
+                "sandbox {id} has no screen: only isolation vm has one"
+            )));
+        }
+        if crate::microvm::MicroVms::is_saved(&self.cfg.sandbox_dir(id)) {
+            return Err(NodeError::Unsupported(format!(
+                "sandbox {id} is paused: resume it first"
+            )));
+        }
+        Ok(self.cfg.sandbox_run_dir(id).join("vm"))
+    }
+
+    /// Isolation levels `microvm` and `vm` (see `microvm.rs`): QEMU in the sandbox's cgroup.
+    fn create_microvm(
+        &self,
+        spec: &NodeCreateSpec,
+        layers: &Layers,
+        timeline: &mut Timeline,
+    ) -> Result<RuntimeRecord, NodeError> {
+        let vms = self.microvms.as_ref().ok_or_else(|| {
+            NodeError::Unsupported(format!(
+                "isolation {}: this node has no virtual machines (apt-get install \
+                     qemu-system-x86 linux-image-cloud-amd64; see dsec serve --help)",
+                if spec.isolation == Isolation::Vm {
+                    "vm"
+                } else {
+                    "microvm"
+                }
+            ))
+        })?;
+        crate::microvm::MicroVms::check(spec)?;
+        let id = &spec.id;
+        let (dir, run) = (self.cfg.sandbox_dir(id), self.cfg.sandbox_run_dir(id));
+        let mut builder = fs::DirBuilder::new();
+        builder.recursive(true).mode(0o700);
+        builder.create(&run).map_err(NodeError::io("mkdir", &run))?;
+        builder.create(&dir).map_err(NodeError::io("mkdir", &dir))?;
+        let limits = Limits {
+            cpu_millis: Some(spec.cpu_millis),
+            memory_bytes: Some(
+                spec.memory_bytes
+                    .max(crate::microvm::min_guest_mib(spec.isolation) << 20)
+                    .saturating_add(crate::microvm::VMM_OVERHEAD_BYTES),
+            ),
+            pids_max: Some(crate::microvm::VMM_PIDS_MAX),
+            cpu_weight: Some(match spec.qos {
+                Qos::LatencySensitive => WEIGHT_LATENCY_SENSITIVE,
+                Qos::BestEffort => WEIGHT_BEST_EFFORT,
+            }),
+        };
+        let cgroup = Cgroup::create(&self.cgroups, &self.cgroup_path(id), &limits)?;
+        let procs = cgroup.procs_paths();
+        self.handles()
+            .insert(id.clone(), std::sync::Arc::new(cgroup));
+        timeline.mark("cgroup");
+        let home = crate::microvm::Home {
+            run: &run,
+            state: &dir,
+            procs: &procs,
+        };
+        // A networked microVM's link is a tap on the host under the same rules as a
+        // container's veth; the guest configures its own address.
+        let lease = match spec.network.mode {
+            NetworkMode::None => None,
+            _ => Some(self.network(&[])?.acquire_tap(id, &spec.network)?),
+        };
+        timeline.mark("network");
+        let started = vms.start(
+            spec,
+            &layers.files,
+            &home,
+            self.disks.as_ref(),
+            lease.as_ref(),
+            timeline,
+        )?;
+        let pid_start_time = pid_start_time(started.pid)
+            .ok_or_else(|| create_err(id, "QEMU died right after its guest started"))?;
+        let rec = RuntimeRecord {
+            id: id.clone(),
+            image_digest: layers.digest.clone(),
+            pid: started.pid,
+            pid_start_time,
+            cgroup: self.cgroup_path(id),
+            agent_socket: started.socket,
+            disk_mb: Some(started.disk_mb),
+            cpu_millis: spec.cpu_millis,
+            layers: layers.layers.iter().map(|(d, _)| d.clone()).collect(),
+            net: lease.and_then(|_| self.network_if_started().and_then(|n| n.record(id))),
+            isolation: spec.isolation,
+            userns: None,
+        };
+        write_record(&run, &rec)?;
+        Ok(rec)
     }
 
     fn remove_dirs(&self, id: &str) -> Result<(), NodeError> {
@@ -1071,6 +1192,9 @@ impl Backend for ContainerBackend {
     }
 
     fn destroy(&self, id: &str) -> Result<(), NodeError> {
+        if let Some(vms) = &self.microvms {
+            vms.close_channel(id);
+        }
         let cached = self.handles().remove(id);
         let lent = self.lent_map().remove(id);
         if let (Some(u), None) = (&self.userns, &lent) {
@@ -1091,6 +1215,10 @@ impl Backend for ContainerBackend {
                     }
                 }
             }
+        }
+        if let Some(vms) = &self.microvms {
+            vms.reap(id);
+            vms.forget(id);
         }
         emptied?;
         if let Some(net) = self.network_if_started() {
@@ -1125,8 +1253,30 @@ impl Backend for ContainerBackend {
         let mut alive = Vec::new();
         for id in ids {
             match self.read_record(&id) {
-                Some(rec) if self.is_alive(&rec) && rec.agent_socket.exists() => {
+                Some(rec)
+                    if self.is_alive(&rec)
+                        && (rec.agent_socket.exists()
+                            || (rec.isolation.is_machine()
+                                && crate::microvm::MicroVms::is_saved(
+                                    &self.cfg.sandbox_dir(&id),
+                                ))) =>
+                {
                     tracing::info!(%id, pid = rec.pid, "re-adopting live sandbox");
+                    if rec.isolation.is_machine() {
+                        match &self.microvms {
+                            // One paused to its snapshot has no QEMU to talk to.
+                            Some(_)
+                                if crate::microvm::MicroVms::is_saved(
+                                    &self.cfg.sandbox_dir(&id),
+                                ) => {}
+                            Some(vms) => vms.adopt(&id, &self.cfg.sandbox_run_dir(&id))?,
+                            None => {
+                                tracing::warn!(%id, "a live microVM, but this node runs none now: deleting it");
+                                self.destroy(&id)?;
+                                continue;
+                            }
+                        }
+                    }
                     alive.push(rec);
                 }
                 _ => {
@@ -1161,6 +1311,17 @@ impl Backend for ContainerBackend {
     }
 
     fn is_alive(&self, rec: &RuntimeRecord) -> bool {
+        if rec.isolation.is_machine()
+            && (crate::microvm::MicroVms::is_saved(&self.cfg.sandbox_dir(&rec.id))
+                || self
+                    .microvms
+                    .as_ref()
+                    .is_some_and(|v| v.still_running(&rec.id)))
+        {
+            // Paused to its snapshot (no process), or a QEMU this node started and that
+            // runs: a restore's new QEMU is alive before the record names it.
+            return true;
+        }
         pid_start_time(rec.pid) == Some(rec.pid_start_time) && !is_zombie(rec.pid)
     }
 
@@ -1190,6 +1351,23 @@ impl Backend for ContainerBackend {
     }
 
     fn pause(&self, id: &str) -> Result<(u64, u64), NodeError> {
+        if let Some((vms, _)) = self.microvm_of(id) {
+            // Saved to disk and ended: nothing of it stays in memory.
+            let cg = self.cgroup(id)?;
+            let before = cg.memory_usage()?;
+            let (run, state) = (self.cfg.sandbox_run_dir(id), self.cfg.sandbox_dir(id));
+            let procs = cg.procs_paths();
+            let home = crate::microvm::Home {
+                run: &run,
+                state: &state,
+                procs: &procs,
+            };
+            let size = vms.save(id, &home)?;
+            let _ = cg.reclaim();
+            let after = cg.memory_usage()?;
+            tracing::info!(%id, before, after, snapshot_bytes = size, "microVM saved and ended");
+            return Ok((before, after));
+        }
         let cg = self.cgroup(id)?;
         cg.freeze()?;
         let before = cg.memory_usage()?;
@@ -1199,8 +1377,29 @@ impl Backend for ContainerBackend {
         Ok((before, after))
     }
 
-    fn resume(&self, id: &str) -> Result<(), NodeError> {
-        Ok(self.cgroup(id)?.thaw()?)
+    fn resume(&self, id: &str) -> Result<Option<RuntimeRecord>, NodeError> {
+        if let Some((vms, mut rec)) = self.microvm_of(id) {
+            let (run, state) = (self.cfg.sandbox_run_dir(id), self.cfg.sandbox_dir(id));
+            if !crate::microvm::MicroVms::is_saved(&state) {
+                // Paused before snapshots, or never paused: a thaw is all it needs.
+                self.cgroup(id)?.thaw()?;
+                return Ok(None);
+            }
+            let procs = self.cgroup(id)?.procs_paths();
+            let home = crate::microvm::Home {
+                run: &run,
+                state: &state,
+                procs: &procs,
+            };
+            let pid = vms.restore(id, &home)?;
+            rec.pid = pid;
+            rec.pid_start_time = pid_start_time(pid)
+                .ok_or_else(|| create_err(id, "QEMU died right after its restore"))?;
+            write_record(&run, &rec)?;
+            return Ok(Some(rec));
+        }
+        self.cgroup(id)?.thaw()?;
+        Ok(None)
     }
 
     fn with_upper(
@@ -1219,6 +1418,15 @@ impl Backend for ContainerBackend {
                 }
             }
         }
+        if self
+            .read_record(id)
+            .is_some_and(|r| r.isolation.is_machine())
+        {
+            return Err(NodeError::Unsupported(format!(
+                "sandbox {id} is a microVM: its files are on its own disk, inside the guest; \
+                 commit and job suspend do not support microVMs yet"
+            )));
+        }
         let upper = self.upper_dir(id)?;
         let cg = self.cgroup(id)?;
         let froze_here = !cg.is_frozen()?;
@@ -1234,7 +1442,14 @@ impl Backend for ContainerBackend {
     }
 
     fn oom_kill_count(&self, id: &str) -> Result<u64, NodeError> {
-        Ok(self.cgroup(id)?.oom_kill_count()?)
+        let host = self.cgroup(id)?.oom_kill_count()?;
+        // A microVM's own kernel kills inside the guest, out of the host cgroup's sight.
+        let guest = self
+            .microvms
+            .as_ref()
+            .and_then(|v| v.guest_oom_kills(id, &self.cfg.sandbox_run_dir(id)))
+            .unwrap_or(0);
+        Ok(host + guest)
     }
 
     fn disk_free_mb(&self, id: &str) -> Option<u64> {
@@ -1256,6 +1471,16 @@ impl Backend for ContainerBackend {
             .ok_or_else(|| NodeError::NotFound(id.to_string()))?;
         rec.net = net.record(id);
         write_record(&self.cfg.sandbox_run_dir(id), &rec)
+    }
+
+    fn screenshot(&self, id: &str) -> Result<Vec<u8>, NodeError> {
+        let dir = self.screen_of(id)?;
+        Ok(dsec_vmm::screen::screenshot(&dir)?)
+    }
+
+    fn send_input(&self, id: &str, events: &[dsec_wire::v1::InputEvent]) -> Result<(), NodeError> {
+        let dir = self.screen_of(id)?;
+        Ok(dsec_vmm::screen::send_input(&dir, events)?)
     }
 
     fn address(&self, rec: &RuntimeRecord) -> Option<std::net::Ipv4Addr> {

@@ -42,6 +42,9 @@ pub enum NodeError {
         /// Connect error.
         source: std::io::Error,
     },
+    /// A virtual machine's QEMU failed a request (or the request was bad input).
+    #[error(transparent)]
+    Machine(#[from] dsec_vmm::VmmError),
     /// Local I/O failed.
     #[error("{op} {path}: {source}")]
     Io {
@@ -82,6 +85,8 @@ impl NodeError {
             ) => ErrorCode::BadRequest,
             NodeError::Net(dsec_net::NetError::Exhausted) => ErrorCode::Capacity,
             NodeError::Net(_) => ErrorCode::Failed,
+            NodeError::Machine(dsec_vmm::VmmError::Input(_)) => ErrorCode::BadRequest,
+            NodeError::Machine(_) => ErrorCode::Failed,
             NodeError::Cgroup(_) | NodeError::Io { .. } => ErrorCode::Internal,
         };
         ApiError::new(code, self.to_string())

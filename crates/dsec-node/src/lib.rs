@@ -29,6 +29,7 @@ pub mod events;
 pub mod gvisor;
 mod lifetimes;
 pub mod local;
+pub mod microvm;
 pub mod mntns;
 pub mod nspool;
 pub mod oci;

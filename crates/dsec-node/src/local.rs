@@ -461,9 +461,22 @@ fn mount_layers(
         dsec_image::image_digest(&stack)
     };
     let mut mounted = Vec::with_capacity(stack.len());
+    let mut files = Vec::with_capacity(stack.len());
     for d in stack {
-        match images.acquire(&d) {
-            Ok(mnt) => mounted.push((d, mnt)),
+        let acquired = images
+            .acquire(&d)
+            .and_then(|mnt| match images.layer_file(&d) {
+                Ok(file) => Ok((mnt, file)),
+                Err(e) => {
+                    let _ = images.release(&d);
+                    Err(e)
+                }
+            });
+        match acquired {
+            Ok((mnt, file)) => {
+                mounted.push((d, mnt));
+                files.push(file);
+            }
             Err(e) => {
                 for (d, _) in &mounted {
                     let _ = images.release(d);
@@ -475,6 +488,7 @@ fn mount_layers(
     Ok(Layers {
         digest,
         layers: mounted,
+        files,
     })
 }
 
@@ -511,6 +525,16 @@ impl NodeApi for LocalNode {
                 runtime: Some(g.runsc.display().to_string()),
                 platform: Some(g.platform.clone()),
             });
+        }
+        if let Some(m) = &self.cfg.microvm {
+            // The same QEMU runs both kinds of machine.
+            for isolation in [Isolation::Microvm, Isolation::Vm] {
+                levels.push(IsolationLevel {
+                    isolation,
+                    runtime: Some(m.vmm.qemu.display().to_string()),
+                    platform: Some(m.vmm.accel.name().to_string()),
+                });
+            }
         }
         levels
     }
@@ -664,10 +688,17 @@ impl NodeApi for LocalNode {
         self.known(id)?;
         let backend = self.backend.clone();
         let id2 = id.to_string();
-        tokio::task::spawn_blocking(move || backend.resume(&id2))
+        let changed = tokio::task::spawn_blocking(move || backend.resume(&id2))
             .await
             .map_err(join_err)?
             .map_err(ApiError::from)?;
+        if let Some(rec) = changed {
+            // A connection kept from before is to a process that is gone.
+            if let Some(slot) = self.idle_lock().get_mut(id) {
+                slot.take();
+            }
+            self.lock().insert(id.to_string(), rec);
+        }
         self.lifetimes.set_paused(id, false);
         Ok(())
     }
@@ -720,6 +751,29 @@ impl NodeApi for LocalNode {
         let backend = self.backend.clone();
         let id = id.to_string();
         tokio::task::spawn_blocking(move || backend.set_network(&id, &policy))
+            .await
+            .map_err(join_err)?
+            .map_err(ApiError::from)
+    }
+
+    async fn screenshot(&self, id: &str) -> NodeResult<Bytes> {
+        let _active = self.lifetimes.activity(id)?;
+        self.known(id)?;
+        let backend = self.backend.clone();
+        let id = id.to_string();
+        tokio::task::spawn_blocking(move || backend.screenshot(&id))
+            .await
+            .map_err(join_err)?
+            .map(Bytes::from)
+            .map_err(ApiError::from)
+    }
+
+    async fn send_input(&self, id: &str, events: Vec<dsec_wire::v1::InputEvent>) -> NodeResult<()> {
+        let _active = self.lifetimes.activity(id)?;
+        self.known(id)?;
+        let backend = self.backend.clone();
+        let id = id.to_string();
+        tokio::task::spawn_blocking(move || backend.send_input(&id, &events))
             .await
             .map_err(join_err)?
             .map_err(ApiError::from)

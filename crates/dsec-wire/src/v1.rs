@@ -225,6 +225,21 @@ pub enum Isolation {
     /// user space, not the host's; the same agent inside. Network mode `none` only, no
     /// file or TCP rules, no user namespace.
     Gvisor,
+    /// A QEMU `microvm`: the sandbox has a guest kernel of its own, its layers attached
+    /// read-only as virtio disks, a writable disk, and the same agent as the guest's init.
+    /// Networks through a tap under the same rules; no file or TCP rules, no model access.
+    Microvm,
+    /// A full machine (QEMU `q35`, a VGA screen and a keyboard) that boots the image's
+    /// own init (systemd): the image's layers and a writable disk as its root, the agent
+    /// a service of that system, root in the guest. Network mode `none` only for now.
+    Vm,
+}
+
+impl Isolation {
+    /// Whether the sandbox is a virtual machine (its own kernel, run by QEMU).
+    pub fn is_machine(self) -> bool {
+        matches!(self, Isolation::Microvm | Isolation::Vm)
+    }
 }
 
 /// An isolation level a node offers, as `GET /v1/health` reports it.
@@ -401,7 +416,8 @@ pub struct PhaseTiming {
     /// The phase: on the server `validate`, `placement`, `images`, `store`,
     /// `node_call` (the node round trip beyond the node's own phases), `files`,
     /// `commit`; on the node `admit`, `layers`, `disk`, `namespaces`, `rootfs`,
-    /// `network`, `cgroup`, `init`, `agent`.
+    /// `network`, `cgroup`, `init`, `agent` (a microVM: `cgroup`, `disk`, `vmm`, `boot`,
+    /// `agent`).
     pub phase: String,
     /// Milliseconds from the create's start to this phase's.
     pub start_ms: f64,
@@ -1311,6 +1327,39 @@ pub struct StdinRequest {
     /// Close stdin afterwards.
     #[serde(default)]
     pub close: bool,
+}
+
+/// `POST /v1/sandboxes/{id}/input`: keyboard input to a full VM (isolation `vm`), sent in
+/// order, as a person at its keyboard would type it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct InputRequest {
+    /// The events, in order.
+    pub events: Vec<InputEvent>,
+}
+
+/// One input event for a full VM's keyboard.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum InputEvent {
+    /// Types text key by key on a US keyboard layout (shift for capitals and symbols;
+    /// `\n` is Enter, `\t` Tab). Printable ASCII only.
+    Text {
+        /// What to type.
+        text: String,
+    },
+    /// Presses keys together and releases them in reverse order: one key (`"ret"`) or a
+    /// chord (`["ctrl", "alt", "f2"]`). Names are QEMU's key codes: letters, digits,
+    /// `f1`..`f12`, `ret`, `esc`, `tab`, `spc`, `backspace`, `delete`, `up`, `down`,
+    /// `left`, `right`, `home`, `end`, `pgup`, `pgdn`, `ctrl`, `alt`, `shift`, `meta_l`
+    /// and the rest of QEMU's list; `enter`, `escape`, `space`, `control` and `super`
+    /// are accepted too.
+    Keys {
+        /// The keys, pressed in this order.
+        keys: Vec<String>,
+    },
 }
 
 /// `GET /v1/sandboxes/{id}/files/list`.

@@ -178,7 +178,7 @@ class SandboxInfo(_Response):
     image: str
     qos: str = "latency_sensitive"
     isolation: str = "container"
-    """``container``, ``oci`` or ``gvisor``."""
+    """``container``, ``oci``, ``gvisor``, ``microvm`` or ``vm``."""
     auto_resume: bool = False
     layers: List[str] = Field(default_factory=list)
     image_digest: str = ""

@@ -280,8 +280,10 @@ class Sandbox:
                 create's time went, phase by phase (the record keeps them either way:
                 :meth:`refresh` shows them).
             isolation: ``"container"`` (default: dsec's own), ``"gvisor"`` (gVisor's
-                user-space kernel serves the sandbox's system calls) or ``"oci"`` (the
-                node's OCI runtime); :meth:`dsec.Client.health` lists what the node offers.
+                user-space kernel serves the sandbox's system calls), ``"microvm"`` (a
+                QEMU microVM with a kernel of its own), ``"vm"`` (a full machine booting
+                the image's own systemd) or ``"oci"`` (the node's OCI runtime);
+                :meth:`dsec.Client.health` lists what the node offers.
 
         Connection errors and ``capacity`` answers are retried with exponential backoff
         (``Client.create_retries`` times, default 5); other errors are raised at once.
@@ -343,6 +345,23 @@ class Sandbox:
             self.client._json("PUT", f"{self._base}/network", json_body=network_body(network))
         )
         return self.info
+
+    def screenshot(self) -> bytes:
+        """A full VM's screen (isolation ``"vm"``), as PNG bytes."""
+        return self.client.request("GET", f"{self._base}/screen").content
+
+    def type(self, text: Optional[str] = None, *, keys: Sequence[str] = ()) -> None:
+        """Types into a full VM's keyboard (isolation ``"vm"``): ``text`` key by key (US
+        layout, ``\\n`` is Enter), then each chord of ``keys`` (``"ret"``, ``"ctrl+c"``,
+        ``"ctrl+alt+f2"``; QEMU's key names)."""
+        events: List[Dict[str, Any]] = []
+        if text:
+            events.append({"type": "text", "text": text})
+        for chord in keys:
+            events.append({"type": "keys", "keys": chord.split("+")})
+        if not events:
+            raise ValueError("nothing to type: give text or keys")
+        self.client.request("POST", f"{self._base}/input", json_body={"events": events}, timeout=None)
 
     def commit(self, name: str) -> Image:
         """Saves the sandbox's files as a new image ``name``."""
