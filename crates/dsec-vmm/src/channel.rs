@@ -13,7 +13,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dsec_wire::vm::{HELLO, MAX_HANDSHAKE_LINE, READY};
 use futures::future::poll_fn;
@@ -27,6 +27,8 @@ use tokio_util::sync::CancellationToken;
 const RECONNECT: Duration = Duration::from_millis(50);
 /// How long a connection waits for the guest's answer before it is made anew.
 const HANDSHAKE_RETRY: Duration = Duration::from_secs(2);
+/// How long a node connection made while no session is up waits for one.
+const WAIT_FOR_SESSION: Duration = Duration::from_secs(5);
 
 /// Whether the guest answered the current session's handshake.
 #[derive(Debug, Default)]
@@ -120,11 +122,15 @@ impl Drop for Channel {
     }
 }
 
+/// Node connections waiting for a session, each with when it came.
+type Waiting = Vec<(Instant, UnixStream)>;
+
 async fn run(port: PathBuf, listener: UnixListener, ready: Arc<Ready>) {
+    let mut waiting = Waiting::new();
     loop {
         match UnixStream::connect(&port).await {
             Ok(stream) => {
-                if let Err(e) = session(stream, &listener, &ready).await {
+                if let Err(e) = session(stream, &listener, &ready, &mut waiting).await {
                     tracing::debug!(port = %port.display(), error = %e, "agent channel session ended");
                 }
                 ready.set(false);
@@ -133,7 +139,23 @@ async fn run(port: PathBuf, listener: UnixListener, ready: Arc<Ready>) {
                 tracing::trace!(port = %port.display(), error = %e, "agent channel: port not there yet");
             }
         }
-        tokio::time::sleep(RECONNECT).await;
+        // Between sessions the node's connections wait for the next one, but not for
+        // long: a VM that is gone (QEMU killed) must answer with an error, not leave a
+        // request hanging in the listener's backlog.
+        let pause = tokio::time::sleep(RECONNECT);
+        tokio::pin!(pause);
+        loop {
+            tokio::select! {
+                _ = &mut pause => break,
+                accepted = listener.accept() => {
+                    if let Ok((local, _)) = accepted {
+                        waiting.push((Instant::now(), local));
+                    }
+                }
+            }
+        }
+        // Those that waited too long are closed: the node reads the end of its stream.
+        waiting.retain(|(since, _)| since.elapsed() < WAIT_FOR_SESSION);
     }
 }
 
@@ -162,9 +184,14 @@ async fn handshake(stream: &mut UnixStream) -> io::Result<()> {
     }
 }
 
-/// Carries one session: relays every connection accepted on `listener` over its own
-/// yamux stream until the session ends.
-async fn session(mut stream: UnixStream, listener: &UnixListener, ready: &Ready) -> io::Result<()> {
+/// Carries one session: relays the connections `waiting` for it, then every one
+/// accepted on `listener`, each over its own yamux stream, until the session ends.
+async fn session(
+    mut stream: UnixStream,
+    listener: &UnixListener,
+    ready: &Ready,
+    waiting: &mut Waiting,
+) -> io::Result<()> {
     // A guest that does not answer in time gets a fresh connection: one restored from a
     // snapshot may still be in the session before, reading the hello as its frames; a
     // disconnect ends that session, and the next hello finds it waiting.
@@ -179,27 +206,34 @@ async fn session(mut stream: UnixStream, listener: &UnixListener, ready: &Ready)
     );
     let (open_tx, mut open_rx) = mpsc::channel::<oneshot::Sender<yamux::Stream>>(64);
     let mut pending: Option<oneshot::Sender<yamux::Stream>> = None;
+    for (_, local) in waiting.drain(..) {
+        relay(local, open_tx.clone());
+    }
     loop {
         tokio::select! {
             accepted = listener.accept() => {
                 let (local, _) = accepted?;
-                let open_tx = open_tx.clone();
-                tokio::spawn(async move {
-                    let (tx, rx) = oneshot::channel();
-                    if open_tx.send(tx).await.is_err() {
-                        return;
-                    }
-                    let Ok(remote) = rx.await else { return };
-                    let mut remote = remote.compat();
-                    let mut local = local;
-                    let _ = tokio::io::copy_bidirectional(&mut local, &mut remote).await;
-                });
+                relay(local, open_tx.clone());
             }
             ended = poll_fn(|cx| drive(&mut conn, &mut open_rx, &mut pending, cx)) => {
                 return ended;
             }
         }
     }
+}
+
+/// Relays node connection `local` over a stream of the session that `open_tx` asks.
+fn relay(local: UnixStream, open_tx: mpsc::Sender<oneshot::Sender<yamux::Stream>>) {
+    tokio::spawn(async move {
+        let (tx, rx) = oneshot::channel();
+        if open_tx.send(tx).await.is_err() {
+            return;
+        }
+        let Ok(remote) = rx.await else { return };
+        let mut remote = remote.compat();
+        let mut local = local;
+        let _ = tokio::io::copy_bidirectional(&mut local, &mut remote).await;
+    });
 }
 
 /// Opens the streams asked for and keeps the connection's I/O going; ready when the
@@ -312,5 +346,35 @@ mod tests {
         }
         drop(ch);
         assert!(!listen.exists());
+    }
+
+    /// A VM that is gone (nothing at its port): a node connection ends within
+    /// `WAIT_FOR_SESSION` instead of waiting in the listener's backlog for good.
+    #[test]
+    fn a_connection_to_a_gone_vm_ends_instead_of_hanging() {
+        use std::io::{Read, Write};
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("test step");
+        let dir = tempfile::tempdir().expect("test step");
+        let listen = dir.path().join("listen.sock");
+        let ch = Channel::start(rt.handle(), dir.path().join("port.sock"), listen.clone())
+            .expect("test step");
+        let t = Instant::now();
+        let mut c = std::os::unix::net::UnixStream::connect(&listen).expect("test step");
+        c.set_read_timeout(Some(WAIT_FOR_SESSION * 3))
+            .expect("test step");
+        c.write_all(b"a request").expect("test step");
+        let mut buf = [0u8; 16];
+        // Closed with the request unread: an end or a reset, both an error to the node.
+        match c.read(&mut buf) {
+            Ok(0) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+            other => panic!("an end, not {other:?}"),
+        }
+        assert!(t.elapsed() < WAIT_FOR_SESSION * 2, "{:?}", t.elapsed());
+        drop(ch);
     }
 }
