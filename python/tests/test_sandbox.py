@@ -97,8 +97,14 @@ def test_screen_and_keyboard_are_a_vms_only(client: dsec.Client, sandbox: dsec.S
     with pytest.raises(dsec.BadRequest) as ei:
         sandbox.type("hello", keys=["ctrl+c"])
     assert "no screen" in str(ei.value)
+    with pytest.raises(dsec.BadRequest) as ei:
+        sandbox.click(10, 20, button="right", count=2)
+    assert "no screen" in str(ei.value)
     with pytest.raises(ValueError):
         sandbox.type()
+    # A malformed event is the server's to refuse, with its reason.
+    with pytest.raises(dsec.BadRequest):
+        sandbox.send_input([{"type": "click", "button": "thumb"}])
 
 
 def test_exec_stream_events(sandbox: dsec.Sandbox) -> None:

@@ -55,6 +55,10 @@ pub fn vm_init() -> Result<(), Error> {
     let spec: GuestSpec =
         serde_json::from_slice(&std::fs::read(SPEC_PATH).map_err(|e| format!("{SPEC_PATH}: {e}"))?)
             .map_err(|e| format!("{SPEC_PATH}: {e}"))?;
+    if spec.system_init.is_some() {
+        // A full machine: its pointer too.
+        load_modules(Path::new(dsec_wire::vm::FULL_MACHINE_MODULES_ORDER))?;
+    }
     let port = wait_for(|| find_port(AGENT_PORT), "the agent's virtio-serial port")?;
     // Lower layers, bottom first, each on its own disk.
     let mut lowers = Vec::with_capacity(spec.layers);
@@ -333,6 +337,12 @@ fn hand_over(spec: &GuestSpec, root: &Path, init: &str) -> Result<(), Error> {
         .map_err(|e| format!("move the root: {e}"))?;
     nix::unistd::chroot(".").map_err(|e| format!("chroot: {e}"))?;
     std::env::set_current_dir("/")?;
+    // The network is up before the system starts: it has no network manager of ours to
+    // run, and its services may reach out at once.
+    loopback_up();
+    if let Some(net) = &spec.net {
+        configure_network(net)?;
+    }
     eprintln!("dsec-agent: handing the machine to {init}");
     let path = std::ffi::CString::new(init)?;
     let err = nix::unistd::execv(&path, &[&path]).unwrap_err();

@@ -746,6 +746,29 @@ pub enum SandboxCommand {
         #[arg(long = "keys", value_name = "CHORD")]
         keys: Vec<String>,
     },
+    /// Click a full VM's pointer at pixel (X, Y) of its screen (isolation vm).
+    Click {
+        /// Sandbox id.
+        id: String,
+        /// Column, from the left (a screenshot's pixels).
+        x: u32,
+        /// Row, from the top.
+        y: u32,
+        /// The button.
+        #[arg(long, value_enum, default_value = "left")]
+        button: ClickButton,
+        /// Clicks in a row (2: a double click).
+        #[arg(long, default_value_t = 1)]
+        count: u8,
+    },
+    /// Turn a full VM's mouse wheel (isolation vm): positive scrolls down.
+    Scroll {
+        /// Sandbox id.
+        id: String,
+        /// Notches.
+        #[arg(allow_hyphen_values = true)]
+        dy: i32,
+    },
     /// Freeze sandboxes and give their memory back (processes and state survive).
     Pause {
         /// Sandbox ids.
@@ -1494,5 +1517,26 @@ mod tests {
     fn clap_definition_is_consistent() {
         use clap::CommandFactory;
         Cli::command().debug_assert();
+    }
+}
+
+/// A mouse button, as `dsec sandbox click --button` names it.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum ClickButton {
+    /// The primary button.
+    Left,
+    /// The secondary button.
+    Right,
+    /// The wheel button.
+    Middle,
+}
+
+impl From<ClickButton> for dsec_wire::v1::MouseButton {
+    fn from(b: ClickButton) -> Self {
+        match b {
+            ClickButton::Left => Self::Left,
+            ClickButton::Right => Self::Right,
+            ClickButton::Middle => Self::Middle,
+        }
     }
 }

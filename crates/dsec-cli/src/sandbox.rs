@@ -99,6 +99,26 @@ pub async fn run(client: &Client, cmd: SandboxCommand, json: bool) -> anyhow::Re
             }
             client.send_input(&id, events).await?;
         }
+        SandboxCommand::Click {
+            id,
+            x,
+            y,
+            button,
+            count,
+        } => {
+            let click = dsec_wire::v1::InputEvent::Click {
+                button: button.into(),
+                x: Some(x),
+                y: Some(y),
+                count: Some(count),
+            };
+            client.send_input(&id, vec![click]).await?;
+        }
+        SandboxCommand::Scroll { id, dy } => {
+            client
+                .send_input(&id, vec![dsec_wire::v1::InputEvent::Scroll { dy }])
+                .await?;
+        }
         SandboxCommand::Pause { ids } => {
             for id in ids {
                 let r = client.pause_sandbox(&id).await?;

@@ -56,6 +56,24 @@ pub fn have_microvm() -> bool {
     dsec_testkit::unavailable("microvm", missing).is_none()
 }
 
+/// The Debian image with systemd that isolation `vm` tests boot (`scripts/test` builds
+/// it: `ensure_vm_tar`), or `None` (said, and a panic under `CI=true`) when it is missing.
+pub fn vm_tar() -> Option<std::path::PathBuf> {
+    let tar = std::env::var_os("DSEC_VM_TAR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from("/var/cache/dsec/vm-bookworm.tar"));
+    if tar.exists() {
+        return Some(tar);
+    }
+    let why = format!(
+        "no VM image at {} (scripts/test builds it: ensure_vm_tar)",
+        tar.display()
+    );
+    assert!(std::env::var_os("CI").is_none(), "{why}");
+    eprintln!("skipped: {why}");
+    None
+}
+
 fn which(bin: &str) -> bool {
     std::env::var_os("PATH")
         .map(|p| std::env::split_paths(&p).any(|d| d.join(bin).is_file()))

@@ -258,6 +258,14 @@ fn links(prefix: &str) -> Vec<String> {
         .collect()
 }
 
+/// The links named `prefix...` that are taps (a microVM's or a VM's NIC host end).
+fn taps(prefix: &str) -> Vec<String> {
+    links(prefix)
+        .into_iter()
+        .filter(|l| std::path::Path::new(&format!("/sys/class/net/{l}/tun_flags")).exists())
+        .collect()
+}
+
 fn table_exists(table: &str) -> String {
     let out = Command::new("nft")
         .args(["list", "table", "inet", table])
@@ -524,6 +532,71 @@ async fn open_reaches_out_but_not_other_sandboxes_and_none_has_no_link() {
         .status();
 }
 
+/// A full machine (isolation `vm`) gets the microVM's tap and rules: the image's own
+/// system resolves and connects through the node's allowlist (its tools are bash's, no
+/// Python), and the tap goes with the sandbox.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_vm_gets_the_same_policy_through_a_tap() {
+    if !require_root() || !dsec_e2e::have_microvm() {
+        return;
+    }
+    let Some(tar) = dsec_e2e::vm_tar() else {
+        return;
+    };
+    let s = node("network-vm", 4).await;
+    let c = s.client();
+    let file = tokio::fs::File::open(&tar).await.expect("VM image tar");
+    c.upload_image("debian-vm", false, file)
+        .await
+        .expect("import the VM image");
+    let vm = c
+        .create_sandbox(CreateSandboxRequest {
+            image: Some("debian-vm".into()),
+            isolation: Isolation::Vm,
+            network: allowlist(&["pypi.org"]),
+            ..Default::default()
+        })
+        .await
+        .expect("create a networked vm");
+    let ip = vm.ip.clone().expect("the vm's address");
+    let taps = taps("dse4x");
+    assert_eq!(taps.len(), 1, "one tap: {taps:?}");
+    // bash's /dev/tcp: an HTTP GET, or the connect's error.
+    let fetch = |host: &str| {
+        format!(
+            "timeout 10 bash -c 'exec 3<>/dev/tcp/{host}/80 && printf \"GET / HTTP/1.0\\r\\n\\r\\n\" >&3 && tail -n 1 <&3' 2>&1; echo"
+        )
+    };
+    let script = format!(
+        "ip=$(cat /proc/net/fib_trie | grep -c ' {ip}$'); echo addr $ip; \
+         getent hosts pypi.org | cut -d' ' -f1; getent hosts registry.npmjs.org || echo npm unresolved; \
+         {}; {}",
+        fetch("pypi.org"),
+        fetch(&NPM.to_string())
+    );
+    let r = c.exec(&vm.id, sh(&script)).await.expect("exec");
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert!(
+        lines.len() >= 5 && lines[0] != "addr 0",
+        "the NIC has {ip}: {r:?}"
+    );
+    assert_eq!(lines[1], PYPI.to_string(), "{r:?}");
+    assert_eq!(lines[2], "npm unresolved", "{r:?}");
+    assert_eq!(lines[3], "pypi", "the allowed site answers: {r:?}");
+    assert!(
+        lines[4].contains("Connection refused"),
+        "the rest is refused: {r:?}"
+    );
+    c.delete_sandbox(&vm.id).await.expect("delete");
+    assert!(
+        !links("dse4x").contains(&taps[0]),
+        "the tap goes with its sandbox"
+    );
+    let _ = Command::new("nft")
+        .args(["delete", "table", "inet", "dsec_e2e_4"])
+        .status();
+}
+
 /// A microVM's network is a tap on the host under the same rules as a container's veth:
 /// its allowlist, a policy change, a pause (the tap outlives QEMU), a node restart, a
 /// delete, and a QEMU killed from outside that leaves no tap once deleted.
@@ -544,10 +617,7 @@ async fn a_microvm_gets_the_same_policy_through_a_tap() {
         .await
         .expect("create a networked microVM");
     let ip = vm.ip.clone().expect("the microVM's address");
-    let taps: Vec<String> = links("dse3x")
-        .into_iter()
-        .filter(|l| std::path::Path::new(&format!("/sys/class/net/{l}/tun_flags")).exists())
-        .collect();
+    let taps = taps("dse3x");
     assert_eq!(taps.len(), 1, "one tap: {taps:?}");
     let tap = taps[0].clone();
     let neighbour = c

@@ -1,6 +1,7 @@
 //! Isolation level `vm`: a full machine (QEMU `q35`, TCG here) that boots the image's own
 //! systemd from the image's layers and a writable disk, with the agent as that system's
-//! service; its screen (PNG screenshots) and keyboard (typed input) through the API.
+//! service; its screen (PNG screenshots), keyboard (typed input) and pointer (a tablet)
+//! through the API.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -8,23 +9,6 @@ use std::time::{Duration, Instant};
 use dsec_e2e::{require_root, sh, wait_until, Server};
 use dsec_wire::v1::*;
 use dsec_wire::ErrorCode;
-
-/// The Debian image with systemd the test boots (`scripts/test` builds it).
-fn vm_tar() -> Option<PathBuf> {
-    let tar = std::env::var_os("DSEC_VM_TAR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/var/cache/dsec/vm-bookworm.tar"));
-    if tar.exists() {
-        return Some(tar);
-    }
-    let why = format!(
-        "no VM image at {} (scripts/test builds it: ensure_vm_tar)",
-        tar.display()
-    );
-    assert!(std::env::var_os("CI").is_none(), "{why}");
-    eprintln!("skipped: {why}");
-    None
-}
 
 /// Host processes whose command line is QEMU's and names `needle`.
 fn qemu_processes(needle: &str) -> usize {
@@ -76,6 +60,35 @@ impl Screen {
     }
 }
 
+/// Linux input event types and codes (linux/input-event-codes.h).
+const EV_KEY: u16 = 1;
+const EV_ABS: u16 = 3;
+const BTN_LEFT: u16 = 0x110;
+
+/// The input events (type, code, value) the guest's tablet reader has caught so far:
+/// `struct input_event`, 24 bytes each on x86-64.
+async fn tablet_events(c: &dsec_client::Client, id: &str) -> Vec<(u16, u16, i32)> {
+    let Ok(r) = c
+        .exec(id, sh("od -An -v -tx1 /tmp/tablet | tr -d ' \\n'"))
+        .await
+    else {
+        return Vec::new();
+    };
+    let bytes: Vec<u8> = (0..r.stdout.len() / 2)
+        .filter_map(|i| u8::from_str_radix(&r.stdout[2 * i..2 * i + 2], 16).ok())
+        .collect();
+    bytes
+        .chunks_exact(24)
+        .map(|e| {
+            (
+                u16::from_le_bytes([e[16], e[17]]),
+                u16::from_le_bytes([e[18], e[19]]),
+                i32::from_le_bytes([e[20], e[21], e[22], e[23]]),
+            )
+        })
+        .collect()
+}
+
 /// The text of the VM's first virtual terminal (80x25 characters, row by row).
 async fn terminal_text(c: &dsec_client::Client, id: &str) -> Option<String> {
     let r = c.exec(id, sh("cat /dev/vcs1")).await.ok()?;
@@ -87,7 +100,7 @@ async fn a_vm_boots_its_images_system_runs_commands_and_shows_what_is_typed() {
     if !require_root() || !dsec_e2e::have_microvm() {
         return;
     }
-    let Some(tar) = vm_tar() else {
+    let Some(tar) = dsec_e2e::vm_tar() else {
         return;
     };
     let s = Server::start_with(
@@ -118,17 +131,19 @@ async fn a_vm_boots_its_images_system_runs_commands_and_shows_what_is_typed() {
         .create_sandbox(CreateSandboxRequest {
             image: Some("debian-vm".into()),
             isolation: Isolation::Vm,
-            network: NetworkPolicy {
-                mode: NetworkMode::Open,
+            filesystem: FilesystemPolicy {
+                writable: vec!["/tmp".into()],
                 ..Default::default()
             },
             ..Default::default()
         })
         .await
-        .expect_err("no network for a vm yet");
+        .expect_err("no file policy for a vm yet");
     assert_eq!(refused.code(), Some(ErrorCode::BadRequest), "{refused}");
     assert!(
-        refused.to_string().contains("isolation vm: a network"),
+        refused
+            .to_string()
+            .contains("isolation vm: filesystem.writable"),
         "{refused}"
     );
 
@@ -253,6 +268,70 @@ async fn a_vm_boots_its_images_system_runs_commands_and_shows_what_is_typed() {
         .expect_err("not on a US keyboard");
     assert_eq!(err.code(), Some(ErrorCode::BadRequest), "{err}");
     assert!(err.to_string().contains("cannot type"), "{err}");
+
+    // The pointer: a move and a click on screen pixels reach the guest's tablet as the
+    // absolute position a system maps back to those pixels, then the button's press and
+    // release. Read from the tablet's event device inside the guest, an event per
+    // write (dd, unbuffered).
+    c.start_process(
+        &sb.id,
+        dsec_e2e::background(Command::Shell(
+            "ev=$(grep -A6 'Virtio Tablet' /proc/bus/input/devices | grep -o 'event[0-9]*' | head -1); \
+             exec 3< /dev/input/$ev && touch /tmp/tablet.open && exec dd bs=24 status=none <&3 > /tmp/tablet"
+                .into(),
+        )),
+    )
+    .await
+    .expect("a reader of the tablet");
+    wait_until(Duration::from_secs(30), || async {
+        let r = c.exec(&sb.id, sh("test -e /tmp/tablet.open")).await.ok()?;
+        (r.exit.exit_code == Some(0)).then_some(())
+    })
+    .await
+    .expect("the tablet's event device is open in the guest");
+    let (x, y) = (100u64, 50u64);
+    c.send_input(
+        &sb.id,
+        vec![InputEvent::Click {
+            button: MouseButton::Left,
+            x: Some(x as u32),
+            y: Some(y as u32),
+            count: None,
+        }],
+    )
+    .await
+    .expect("click");
+    // What a system reading the tablet sees (ABS range 0..=0x7fff), pixel for pixel.
+    let pixel = |abs: i32, size: usize| abs as u64 * (size as u64 - 1) / 0x7fff;
+    let seen = wait_until(Duration::from_secs(30), || async {
+        let events = tablet_events(&c, &sb.id).await;
+        let abs = |code| events.iter().rev().find(|e| e.0 == EV_ABS && e.1 == code);
+        let buttons: Vec<i32> = events
+            .iter()
+            .filter(|e| e.0 == EV_KEY && e.1 == BTN_LEFT)
+            .map(|e| e.2)
+            .collect();
+        let (ax, ay) = (abs(0)?.2, abs(1)?.2);
+        (buttons == [1, 0]).then_some((pixel(ax, before.width), pixel(ay, before.height)))
+    })
+    .await;
+    let Some(seen) = seen else {
+        let events = tablet_events(&c, &sb.id).await;
+        panic!("no move and click on the tablet; it saw {events:?}");
+    };
+    assert_eq!(seen, (x, y), "the click's position, back in screen pixels");
+    let err = c
+        .send_input(
+            &sb.id,
+            vec![InputEvent::Move {
+                x: before.width as u32,
+                y: 0,
+            }],
+        )
+        .await
+        .expect_err("off the screen");
+    assert_eq!(err.code(), Some(ErrorCode::BadRequest), "{err}");
+    assert!(err.to_string().contains("off the 720x400 screen"), "{err}");
 
     // Paused (its state saved, QEMU gone) and resumed, the system and its screen are
     // where they were.

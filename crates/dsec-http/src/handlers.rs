@@ -426,7 +426,7 @@ pub async fn screenshot(api: Api, Path(id): Path<String>) -> HttpResult<Response
         .into_response())
 }
 
-/// `POST /v1/sandboxes/{id}/input`: keyboard input to a full VM.
+/// `POST /v1/sandboxes/{id}/input`: keyboard and pointer input to a full VM.
 pub async fn send_input(
     api: Api,
     Path(id): Path<String>,

@@ -224,7 +224,7 @@ fn operations() -> Vec<Operation> {
         op("post", "/v1/sandboxes/{id}/timeout", "setTimeout", "Change a sandbox's time to live").body::<SetTimeoutRequest>().ok::<Sandbox>(),
         op("put", "/v1/sandboxes/{id}/network", "setNetwork", "Replace a sandbox's network policy").body::<NetworkPolicy>().ok::<Sandbox>(),
         op("get", "/v1/sandboxes/{id}/screen", "screenshot", "A full VM's screen (isolation vm)").answer(Answer::Bytes("image/png", "The screen as PNG.")),
-        op("post", "/v1/sandboxes/{id}/input", "sendInput", "Type into a full VM's keyboard (isolation vm): text and key chords, in order").body::<InputRequest>(),
+        op("post", "/v1/sandboxes/{id}/input", "sendInput", "Type and point on a full VM (isolation vm): text, key chords, pointer moves, clicks and scrolls, in order").body::<InputRequest>(),
         op("post", "/v1/sandboxes/{id}/pause", "pauseSandbox", "Pause a sandbox (freeze, then reclaim its memory)").ok::<PauseResult>(),
         op("post", "/v1/sandboxes/{id}/resume", "resumeSandbox", "Resume a paused sandbox").ok::<Sandbox>(),
         op("post", "/v1/sandboxes/{id}/commit", "commitSandbox", "Save a sandbox's filesystem as an image").body::<CommitRequest>().created::<Image>(),

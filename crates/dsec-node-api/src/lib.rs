@@ -214,7 +214,7 @@ pub trait NodeApi: Send + Sync + std::fmt::Debug + 'static {
     async fn screenshot(&self, id: &str) -> NodeResult<Bytes> {
         Err(no_screen(id))
     }
-    /// Types `events` into a full VM's keyboard (isolation `vm`), in order.
+    /// Sends `events` to a full VM's keyboard and pointer (isolation `vm`), in order.
     async fn send_input(&self, id: &str, events: Vec<dsec_wire::v1::InputEvent>) -> NodeResult<()> {
         let _ = events;
         Err(no_screen(id))

@@ -26,14 +26,14 @@ use dsec_node_api::{NodeCreateSpec, Timeline};
 use dsec_vmm::channel::Channel;
 use dsec_vmm::guest::{GuestAssets, GuestKernel};
 use dsec_vmm::qemu::{Machine, MachineFiles, MachineKind, Vmm};
-use dsec_wire::v1::{Isolation, NetworkMode};
+use dsec_wire::v1::Isolation;
 use dsec_wire::vm::GuestSpec;
 
 use crate::NodeError;
 
 /// Host memory a microVM's QEMU may use beyond its guest's memory: the translation
-/// cache under TCG (up to about 40 MiB measured), QEMU's heap and its mapping of the
-/// kernel.
+/// cache under TCG (bounded: `MachineKind::tcg_cache_mib`, at most 128 MiB), a full
+/// machine's video memory (16 MiB), QEMU's heap and its mapping of the kernel.
 pub const VMM_OVERHEAD_BYTES: u64 = 256 << 20;
 /// Smallest guest: the kernel and the agent need about 60 MiB.
 pub const MIN_GUEST_MIB: u64 = 128;
@@ -167,9 +167,6 @@ impl MicroVms {
                 "isolation {level}: {what} is not supported yet"
             )))
         };
-        if spec.isolation == Isolation::Vm && spec.network.mode != NetworkMode::None {
-            return refuse("a network");
-        }
         if spec.model_link {
             return refuse("model access");
         }

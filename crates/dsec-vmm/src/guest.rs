@@ -31,6 +31,10 @@ pub const GUEST_MODULES: &[&str] = &[
     "overlay",
 ];
 
+/// Modules a full machine loads as well: its tablet (absolute pointer) and the event
+/// devices a system reads it through.
+pub const FULL_MACHINE_MODULES: &[&str] = &["virtio_input", "evdev"];
+
 /// Where the guest finds the module list in its initramfs (one path per line, in order).
 pub const MODULES_ORDER: &str = "/modules.order";
 
@@ -180,10 +184,15 @@ impl GuestAssets {
             )));
         }
         let modules = kernel.module_order(GUEST_MODULES)?;
+        let full_modules = kernel.module_order(FULL_MACHINE_MODULES)?;
         let mut h = sha2::Sha256::new();
         h.update(kernel.release.as_bytes());
         h.update(&agent_bytes);
         for m in &modules {
+            h.update(m.as_bytes());
+        }
+        h.update(b"full:");
+        for m in &full_modules {
             h.update(m.as_bytes());
         }
         let key = hex::encode(&h.finalize()[..8]);
@@ -192,7 +201,7 @@ impl GuestAssets {
             std::fs::create_dir_all(dir)
                 .map_err(|e| VmmError::Setup(format!("{}: {e}", dir.display())))?;
             let tmp = dir.join(format!(".initrd-{key}.{}", std::process::id()));
-            let built = build_initrd(&kernel, &modules, &agent_bytes, &tmp)
+            let built = build_initrd(&kernel, [&modules, &full_modules], &agent_bytes, &tmp)
                 .and_then(|()| std::fs::rename(&tmp, &initrd).map_err(VmmError::from));
             if let Err(e) = built {
                 let _ = std::fs::remove_file(&tmp);
@@ -350,9 +359,11 @@ fn is_static_elf(elf: &[u8]) -> bool {
     })
 }
 
+/// Writes the initramfs: the agent as `/init`, and the modules of `lists` (every
+/// machine's, then a full machine's) with a load-order file for each.
 fn build_initrd(
     kernel: &GuestKernel,
-    modules: &[String],
+    lists: [&[String]; 2],
     agent: &[u8],
     out: &Path,
 ) -> Result<(), VmmError> {
@@ -368,16 +379,24 @@ fn build_initrd(
     c.char_dev("dev/console", 0o600, 5, 1)?;
     let agent = strip(agent);
     c.file("init", 0o755, &agent)?;
-    let mut order = String::new();
-    for m in modules {
-        let src = kernel.modules.join(m);
-        let data =
-            std::fs::read(&src).map_err(|e| VmmError::Setup(format!("{}: {e}", src.display())))?;
-        let name = format!("lib/modules/{}.ko", module_name(m));
-        c.file(&name, 0o644, &data)?;
-        order.push_str(&format!("/{name}\n"));
+    let mut written = HashSet::new();
+    for (modules, order_path) in lists
+        .into_iter()
+        .zip([MODULES_ORDER, dsec_wire::vm::FULL_MACHINE_MODULES_ORDER])
+    {
+        let mut order = String::new();
+        for m in modules {
+            let name = format!("lib/modules/{}.ko", module_name(m));
+            if written.insert(name.clone()) {
+                let src = kernel.modules.join(m);
+                let data = std::fs::read(&src)
+                    .map_err(|e| VmmError::Setup(format!("{}: {e}", src.display())))?;
+                c.file(&name, 0o644, &data)?;
+            }
+            order.push_str(&format!("/{name}\n"));
+        }
+        c.file(order_path, 0o644, order.as_bytes())?;
     }
-    c.file(MODULES_ORDER, 0o644, order.as_bytes())?;
     let gz = c.finish()?;
     let mut w = gz.finish()?;
     w.flush()?;

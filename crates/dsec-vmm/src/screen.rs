@@ -1,16 +1,19 @@
-//! A full machine's screen and keyboard: screenshots (QMP `screendump`, as PNG) and
-//! typed input (QMP `input-send-event` on the machine's PS/2 keyboard).
+//! A full machine's screen, keyboard and pointer: screenshots (QMP `screendump`, as PNG),
+//! typed input (QMP `input-send-event` on the machine's PS/2 keyboard) and pointer input
+//! (the same command on its virtio tablet, which takes absolute positions).
 //!
 //! The keyboard buffers a few bytes only (QEMU's PS/2 queue holds 16, about five key
 //! strokes), and QEMU drops what does not fit; a key stroke is therefore sent on its own
 //! and the next follows [`KEY_PACE`] later, about a fast typist's speed, which a guest
-//! drains even when its virtual CPU waits its turn on a busy host.
+//! drains even when its virtual CPU waits its turn on a busy host. Pointer steps are
+//! paced the same way, well inside any double-click interval.
 
+use std::io::Read;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use dsec_wire::v1::InputEvent;
+use dsec_wire::v1::{InputEvent, MouseButton};
 use serde_json::{json, Value};
 
 use crate::qemu::MachineFiles;
@@ -23,59 +26,159 @@ pub const MAX_TEXT_CHARS: usize = 4096;
 pub const MAX_CHORD_KEYS: usize = 8;
 /// Most events one request may carry.
 pub const MAX_EVENTS: usize = 256;
+/// Most steps (key strokes, moves, button changes) one request may take: about a
+/// minute at [`KEY_PACE`].
+pub const MAX_STEPS: usize = 4096;
+/// Most wheel notches one `scroll` event may turn, either way.
+pub const MAX_SCROLL: u32 = 100;
+/// Most clicks in a row one `click` event may make.
+pub const MAX_CLICKS: u8 = 3;
 /// Time between key strokes.
 pub const KEY_PACE: Duration = Duration::from_millis(15);
 /// How long a QMP command may take.
 const QMP_TIMEOUT: Duration = Duration::from_secs(10);
+/// The largest absolute pointer position QEMU's input layer takes, on either axis.
+const ABS_MAX: u64 = 0x7fff;
 /// Screenshots taken by this process: each gets a file of its own.
 static SCREENSHOTS: AtomicU64 = AtomicU64::new(0);
 
 /// The screen of the machine in VM directory `dir`, as PNG.
 pub fn screenshot(dir: &Path) -> Result<Vec<u8>, VmmError> {
-    let files = MachineFiles::in_dir(dir);
-    // QEMU writes the file; read and removed at once. Concurrent screenshots of one
-    // machine each have their own.
-    let n = SCREENSHOTS.fetch_add(1, Ordering::Relaxed);
-    let out = dir.join(format!("screen-{}-{n}.png", std::process::id()));
-    let mut qmp = Qmp::connect(&files.qmp, QMP_TIMEOUT)?;
-    qmp.execute(
-        "screendump",
-        Some(json!({ "filename": out.display().to_string(), "format": "png" })),
-    )?;
-    let png = std::fs::read(&out);
-    let _ = std::fs::remove_file(&out);
-    Ok(png?)
+    let out = dump(dir, "png", |f| {
+        let mut png = Vec::new();
+        f.read_to_end(&mut png)?;
+        Ok(png)
+    })?;
+    Ok(out)
 }
 
-/// Types `events` into the machine in VM directory `dir`, in order. QEMU's monitor
-/// serves one client at a time, so each stroke has a session of its own: a screenshot
-/// (or a pause) waits for one stroke, not for the whole text.
-pub fn send_input(dir: &Path, events: &[InputEvent]) -> Result<(), VmmError> {
-    let strokes = strokes(events)?;
+/// The screen's size in pixels, (width, height): the header of an uncompressed dump.
+pub fn screen_size(dir: &Path) -> Result<(u32, u32), VmmError> {
+    let header = dump(dir, "ppm", |f| {
+        let mut head = Vec::new();
+        f.take(64).read_to_end(&mut head)?;
+        Ok(head)
+    })?;
+    parse_ppm_size(&header)
+        .ok_or_else(|| VmmError::Setup("QEMU's screen dump has no PPM header".into()))
+}
+
+/// Has QEMU dump the screen to a file of its own (concurrent dumps of one machine never
+/// share one), reads it with `read` and removes it.
+fn dump<T>(
+    dir: &Path,
+    format: &str,
+    read: impl FnOnce(&mut std::fs::File) -> std::io::Result<T>,
+) -> Result<T, VmmError> {
     let files = MachineFiles::in_dir(dir);
-    for (i, stroke) in strokes.iter().enumerate() {
+    let n = SCREENSHOTS.fetch_add(1, Ordering::Relaxed);
+    let out = dir.join(format!("screen-{}-{n}.{format}", std::process::id()));
+    let mut qmp = Qmp::connect(&files.qmp, QMP_TIMEOUT)?;
+    let done = qmp.execute(
+        "screendump",
+        Some(json!({ "filename": out.display().to_string(), "format": format })),
+    );
+    let read = done.map(|_| std::fs::File::open(&out).and_then(|mut f| read(&mut f)));
+    let _ = std::fs::remove_file(&out);
+    Ok(read??)
+}
+
+/// Width and height from a binary PPM header (`P6 <w> <h> <max>`).
+fn parse_ppm_size(head: &[u8]) -> Option<(u32, u32)> {
+    let text = String::from_utf8_lossy(head);
+    let mut fields = text.split_ascii_whitespace();
+    if fields.next()? != "P6" {
+        return None;
+    }
+    Some((fields.next()?.parse().ok()?, fields.next()?.parse().ok()?))
+}
+
+/// Sends `events` to the machine in VM directory `dir`, in order. QEMU's monitor serves
+/// one client at a time, so each step has a session of its own: a screenshot (or a
+/// pause) waits for one step, not for the whole text.
+pub fn send_input(dir: &Path, events: &[InputEvent]) -> Result<(), VmmError> {
+    let steps = steps(events)?;
+    // Pixels become the tablet's absolute positions against the screen's size now.
+    let size = if steps.iter().any(|s| matches!(s, Step::MoveTo { .. })) {
+        Some(screen_size(dir)?)
+    } else {
+        None
+    };
+    let files = MachineFiles::in_dir(dir);
+    let mut sent = Vec::with_capacity(steps.len());
+    for step in &steps {
+        sent.push(qmp_events(step, size)?);
+    }
+    for (i, events) in sent.into_iter().enumerate() {
         if i > 0 {
             std::thread::sleep(KEY_PACE);
         }
         let mut qmp = Qmp::connect(&files.qmp, QMP_TIMEOUT)?;
-        let events: Vec<Value> = stroke
-            .iter()
-            .map(|(key, down)| {
-                json!({ "type": "key", "data": { "down": down, "key": { "type": "qcode", "data": key } } })
-            })
-            .collect();
         qmp.execute("input-send-event", Some(json!({ "events": events })))?;
     }
     Ok(())
 }
 
-/// One key stroke: keys pressed (`true`) and released, in order, sent together.
-pub type Stroke = Vec<(&'static str, bool)>;
+/// One step of input, sent to the machine in one QMP command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Keys pressed (`true`) and released, in order: one stroke or chord.
+    Keys(Vec<(&'static str, bool)>),
+    /// The pointer moves to pixel (`x`, `y`).
+    MoveTo {
+        /// Column.
+        x: u32,
+        /// Row.
+        y: u32,
+    },
+    /// A button (QEMU's name: `left`, `wheel-down`, ...) goes down or up.
+    Button {
+        /// QEMU's name of the button.
+        button: &'static str,
+        /// Pressed or released.
+        down: bool,
+    },
+}
 
-/// The key strokes that type `events`, checked: at most [`MAX_EVENTS`] events, known
+/// QEMU's input events for `step`; a move is checked against the screen's `size`.
+fn qmp_events(step: &Step, size: Option<(u32, u32)>) -> Result<Vec<Value>, VmmError> {
+    Ok(match step {
+        Step::Keys(keys) => keys
+            .iter()
+            .map(|(key, down)| {
+                json!({ "type": "key", "data": { "down": down, "key": { "type": "qcode", "data": key } } })
+            })
+            .collect(),
+        Step::Button { button, down } => {
+            vec![json!({ "type": "btn", "data": { "down": down, "button": button } })]
+        }
+        Step::MoveTo { x, y } => {
+            let (w, h) = size.ok_or_else(|| VmmError::Setup("no screen size".into()))?;
+            if *x >= w || *y >= h {
+                return Err(VmmError::Input(format!(
+                    "({x}, {y}) is off the {w}x{h} screen"
+                )));
+            }
+            vec![
+                json!({ "type": "abs", "data": { "axis": "x", "value": abs_position(*x, w) } }),
+                json!({ "type": "abs", "data": { "axis": "y", "value": abs_position(*y, h) } }),
+            ]
+        }
+    })
+}
+
+/// The tablet's absolute position of pixel `p` on an axis `size` pixels long: the
+/// smallest that a guest scaling back (`abs * (size - 1) / ABS_MAX`, rounded down) reads
+/// as `p` again.
+fn abs_position(p: u32, size: u32) -> u64 {
+    let span = u64::from(size.max(2) - 1);
+    (u64::from(p) * ABS_MAX).div_ceil(span).min(ABS_MAX)
+}
+
+/// The steps that carry out `events`, checked: at most [`MAX_EVENTS`] events, known
 /// keys, printable ASCII text of at most [`MAX_TEXT_CHARS`], chords of at most
-/// [`MAX_CHORD_KEYS`] keys.
-pub fn strokes(events: &[InputEvent]) -> Result<Vec<Stroke>, VmmError> {
+/// [`MAX_CHORD_KEYS`] keys, clicks and scrolls within their bounds.
+pub fn steps(events: &[InputEvent]) -> Result<Vec<Step>, VmmError> {
     let bad = |m: String| Err(VmmError::Input(m));
     if events.is_empty() {
         return bad("no input events".into());
@@ -99,11 +202,11 @@ pub fn strokes(events: &[InputEvent]) -> Result<Vec<Stroke>, VmmError> {
                             "cannot type {c:?}: text is printable ASCII, \\n and \\t"
                         ));
                     };
-                    out.push(if shift {
+                    out.push(Step::Keys(if shift {
                         vec![("shift", true), (key, true), (key, false), ("shift", false)]
                     } else {
                         vec![(key, true), (key, false)]
-                    });
+                    }));
                 }
             }
             InputEvent::Keys { keys } => {
@@ -120,13 +223,72 @@ pub fn strokes(events: &[InputEvent]) -> Result<Vec<Stroke>, VmmError> {
                         })
                     })
                     .collect::<Result<Vec<_>, _>>()?;
-                let mut stroke: Stroke = codes.iter().map(|k| (*k, true)).collect();
+                let mut stroke: Vec<_> = codes.iter().map(|k| (*k, true)).collect();
                 stroke.extend(codes.iter().rev().map(|k| (*k, false)));
-                out.push(stroke);
+                out.push(Step::Keys(stroke));
             }
+            InputEvent::Move { x, y } => out.push(Step::MoveTo { x: *x, y: *y }),
+            InputEvent::Click {
+                button,
+                x,
+                y,
+                count,
+            } => {
+                match (x, y) {
+                    (Some(x), Some(y)) => out.push(Step::MoveTo { x: *x, y: *y }),
+                    (None, None) => {}
+                    _ => return bad("a click gives both x and y, or neither".into()),
+                }
+                let count = count.unwrap_or(1);
+                if !(1..=MAX_CLICKS).contains(&count) {
+                    return bad(format!("a click counts 1 to {MAX_CLICKS}"));
+                }
+                for _ in 0..count {
+                    for down in [true, false] {
+                        out.push(Step::Button {
+                            button: button_name(*button),
+                            down,
+                        });
+                    }
+                }
+            }
+            InputEvent::Button { button, down } => out.push(Step::Button {
+                button: button_name(*button),
+                down: *down,
+            }),
+            InputEvent::Scroll { dy } => {
+                if *dy == 0 || dy.unsigned_abs() > MAX_SCROLL {
+                    return bad(format!(
+                        "a scroll turns 1 to {MAX_SCROLL} notches either way"
+                    ));
+                }
+                let wheel = if *dy > 0 { "wheel-down" } else { "wheel-up" };
+                for _ in 0..dy.unsigned_abs() {
+                    for down in [true, false] {
+                        out.push(Step::Button {
+                            button: wheel,
+                            down,
+                        });
+                    }
+                }
+            }
+        }
+        if out.len() > MAX_STEPS {
+            return bad(format!(
+                "input of more than {MAX_STEPS} key strokes and pointer steps"
+            ));
         }
     }
     Ok(out)
+}
+
+/// QEMU's name of a mouse button.
+fn button_name(b: MouseButton) -> &'static str {
+    match b {
+        MouseButton::Left => "left",
+        MouseButton::Right => "right",
+        MouseButton::Middle => "middle",
+    }
 }
 
 /// QEMU's key code for a key name, aliases resolved.
@@ -318,17 +480,24 @@ mod tests {
         InputEvent::Text { text: t.into() }
     }
 
+    fn keys(step: &Step) -> &[(&'static str, bool)] {
+        match step {
+            Step::Keys(k) => k,
+            other => panic!("not keys: {other:?}"),
+        }
+    }
+
     #[test]
     fn text_is_typed_key_by_key_with_shift_where_needed() {
-        let s = strokes(&[text("aB!\n")]).expect("strokes");
+        let s = steps(&[text("aB!\n")]).expect("steps");
         assert_eq!(s.len(), 4);
-        assert_eq!(s[0], vec![("a", true), ("a", false)]);
+        assert_eq!(keys(&s[0]), [("a", true), ("a", false)]);
         assert_eq!(
-            s[1],
-            vec![("shift", true), ("b", true), ("b", false), ("shift", false)]
+            keys(&s[1]),
+            [("shift", true), ("b", true), ("b", false), ("shift", false)]
         );
-        assert_eq!(s[2][1], ("1", true));
-        assert_eq!(s[3], vec![("ret", true), ("ret", false)]);
+        assert_eq!(keys(&s[2])[1], ("1", true));
+        assert_eq!(keys(&s[3]), [("ret", true), ("ret", false)]);
         // Every printable ASCII character has its key.
         for c in (0x20u8..0x7f).map(char::from) {
             assert!(char_key(c).is_some(), "{c:?}");
@@ -337,27 +506,105 @@ mod tests {
 
     #[test]
     fn a_chord_is_pressed_in_order_and_released_in_reverse() {
-        let s = strokes(&[InputEvent::Keys {
+        let s = steps(&[InputEvent::Keys {
             keys: vec!["Control".into(), "alt".into(), "F2".into()],
         }])
-        .expect("strokes");
+        .expect("steps");
         assert_eq!(
             s,
-            vec![vec![
+            vec![Step::Keys(vec![
                 ("ctrl", true),
                 ("alt", true),
                 ("f2", true),
                 ("f2", false),
                 ("alt", false),
                 ("ctrl", false)
-            ]]
+            ])]
         );
+    }
+
+    #[test]
+    fn a_click_moves_first_and_a_scroll_turns_the_wheel() {
+        let s = steps(&[
+            InputEvent::Click {
+                button: MouseButton::Right,
+                x: Some(10),
+                y: Some(20),
+                count: Some(2),
+            },
+            InputEvent::Scroll { dy: -2 },
+        ])
+        .expect("steps");
+        let right = |down| Step::Button {
+            button: "right",
+            down,
+        };
+        let up = |down| Step::Button {
+            button: "wheel-up",
+            down,
+        };
+        assert_eq!(
+            s,
+            vec![
+                Step::MoveTo { x: 10, y: 20 },
+                right(true),
+                right(false),
+                right(true),
+                right(false),
+                up(true),
+                up(false),
+                up(true),
+                up(false)
+            ]
+        );
+        // A click where the pointer is, left by default (as the wire reads it).
+        let e: InputEvent = serde_json::from_str(r#"{"type":"click"}"#).expect("json");
+        assert_eq!(
+            steps(&[e]).expect("steps"),
+            vec![
+                Step::Button {
+                    button: "left",
+                    down: true
+                },
+                Step::Button {
+                    button: "left",
+                    down: false
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn pixels_become_absolute_positions_a_guest_reads_back_exactly() {
+        for size in [400u32, 720, 768, 1024, 1080, 4096] {
+            for p in [0, 1, size / 3, size / 2, size - 2, size - 1] {
+                let abs = abs_position(p, size);
+                assert!(abs <= ABS_MAX);
+                assert_eq!(
+                    abs * u64::from(size - 1) / ABS_MAX,
+                    u64::from(p),
+                    "{p} of {size}"
+                );
+            }
+        }
+        assert_eq!(abs_position(0, 720), 0);
+        assert_eq!(abs_position(719, 720), ABS_MAX);
+        let off = qmp_events(&Step::MoveTo { x: 720, y: 0 }, Some((720, 400)));
+        assert!(off
+            .expect_err("off screen")
+            .to_string()
+            .contains("off the 720x400 screen"));
+        assert_eq!(
+            parse_ppm_size(b"P6\n720 400\n255\n\x00\xff"),
+            Some((720, 400))
+        );
+        assert_eq!(parse_ppm_size(b"P5\n720 400\n255\n"), None);
     }
 
     #[test]
     fn bad_input_is_refused_with_its_reason() {
         let refused = |events: &[InputEvent], what: &str| {
-            let e = strokes(events).expect_err("refused").to_string();
+            let e = steps(events).expect_err("refused").to_string();
             assert!(e.contains(what), "{e}");
         };
         refused(&[], "no input events");
@@ -372,5 +619,18 @@ mod tests {
             "unknown key \"rm -rf\"",
         );
         refused(&vec![text("a"); MAX_EVENTS + 1], "input events");
+        // Each event within its bounds, but a request that would type for minutes.
+        refused(&vec![text(&"a".repeat(MAX_TEXT_CHARS)); 2], "key strokes");
+        refused(&[InputEvent::Scroll { dy: 0 }], "notches");
+        refused(&[InputEvent::Scroll { dy: i32::MIN }], "notches");
+        let click = |x, y, count| InputEvent::Click {
+            button: MouseButton::Left,
+            x,
+            y,
+            count,
+        };
+        refused(&[click(Some(1), None, None)], "both x and y");
+        refused(&[click(None, None, Some(0))], "counts 1 to 3");
+        refused(&[click(None, None, Some(9))], "counts 1 to 3");
     }
 }

@@ -1329,8 +1329,8 @@ pub struct StdinRequest {
     pub close: bool,
 }
 
-/// `POST /v1/sandboxes/{id}/input`: keyboard input to a full VM (isolation `vm`), sent in
-/// order, as a person at its keyboard would type it.
+/// `POST /v1/sandboxes/{id}/input`: keyboard and pointer input to a full VM (isolation
+/// `vm`), sent in order, as a person at its keyboard and mouse would.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
@@ -1339,7 +1339,7 @@ pub struct InputRequest {
     pub events: Vec<InputEvent>,
 }
 
-/// One input event for a full VM's keyboard.
+/// One input event for a full VM's keyboard or pointer (a tablet: absolute positions).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
@@ -1360,6 +1360,54 @@ pub enum InputEvent {
         /// The keys, pressed in this order.
         keys: Vec<String>,
     },
+    /// Moves the pointer to pixel (`x`, `y`) of the screen: a screenshot's coordinates,
+    /// origin top left.
+    Move {
+        /// Column, from 0.
+        x: u32,
+        /// Row, from 0.
+        y: u32,
+    },
+    /// Clicks a mouse button (`count` 2 is a double click), at (`x`, `y`) when given:
+    /// the pointer moves there first.
+    Click {
+        /// The button; left when absent.
+        #[serde(default)]
+        button: MouseButton,
+        /// Column to click at.
+        x: Option<u32>,
+        /// Row to click at.
+        y: Option<u32>,
+        /// Clicks in a row, 1 to 3; 1 when absent.
+        count: Option<u8>,
+    },
+    /// Presses (`down: true`) or releases a mouse button where the pointer is: a drag is
+    /// a press, moves and a release.
+    Button {
+        /// The button.
+        button: MouseButton,
+        /// Pressed or released.
+        down: bool,
+    },
+    /// Turns the mouse wheel by `dy` notches: positive scrolls down, negative up.
+    Scroll {
+        /// Notches, at most 100 either way.
+        dy: i32,
+    },
+}
+
+/// A mouse button.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum MouseButton {
+    /// The primary button.
+    #[default]
+    Left,
+    /// The secondary button.
+    Right,
+    /// The wheel button.
+    Middle,
 }
 
 /// `GET /v1/sandboxes/{id}/files/list`.

@@ -16,6 +16,9 @@ use serde::{Deserialize, Serialize};
 pub const AGENT_PORT: &str = "dsec.agent";
 /// Where the sandbox's spec is in the guest's initramfs.
 pub const SPEC_PATH: &str = "/dsec/spec.json";
+/// Where the guest finds the modules only a full machine loads (its pointer's), one path
+/// per line in load order, in its initramfs.
+pub const FULL_MACHINE_MODULES_ORDER: &str = "/modules.full";
 /// First word of the host's handshake line (`HELLO <nonce>\n`).
 pub const HELLO: &str = "dsec-hello";
 /// First word of the guest's answer (`READY <nonce>\n`).

@@ -361,7 +361,27 @@ class Sandbox:
             events.append({"type": "keys", "keys": chord.split("+")})
         if not events:
             raise ValueError("nothing to type: give text or keys")
-        self.client.request("POST", f"{self._base}/input", json_body={"events": events}, timeout=None)
+        self.send_input(events)
+
+    def click(self, x: int, y: int, *, button: str = "left", count: int = 1) -> None:
+        """Clicks a full VM's pointer at pixel (``x``, ``y``) of its screen (a screenshot's
+        coordinates): ``button`` is ``"left"``, ``"right"`` or ``"middle"``, ``count`` 2 a
+        double click."""
+        self.send_input([{"type": "click", "x": x, "y": y, "button": button, "count": count}])
+
+    def move(self, x: int, y: int) -> None:
+        """Moves a full VM's pointer to pixel (``x``, ``y``)."""
+        self.send_input([{"type": "move", "x": x, "y": y}])
+
+    def scroll(self, dy: int) -> None:
+        """Turns a full VM's mouse wheel by ``dy`` notches (positive scrolls down)."""
+        self.send_input([{"type": "scroll", "dy": dy}])
+
+    def send_input(self, events: Sequence[Dict[str, Any]]) -> None:
+        """Sends raw input events to a full VM, in order: ``text``, ``keys``, ``move``,
+        ``click``, ``button`` (press or release, for drags) and ``scroll`` (see the API's
+        ``InputEvent``)."""
+        self.client.request("POST", f"{self._base}/input", json_body={"events": list(events)}, timeout=None)
 
     def commit(self, name: str) -> Image:
         """Saves the sandbox's files as a new image ``name``."""
