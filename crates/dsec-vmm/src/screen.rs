@@ -44,12 +44,11 @@ static SCREENSHOTS: AtomicU64 = AtomicU64::new(0);
 
 /// The screen of the machine in VM directory `dir`, as PNG.
 pub fn screenshot(dir: &Path) -> Result<Vec<u8>, VmmError> {
-    let out = dump(dir, "png", |f| {
+    dump(dir, "png", |f| {
         let mut png = Vec::new();
         f.read_to_end(&mut png)?;
         Ok(png)
-    })?;
-    Ok(out)
+    })
 }
 
 /// The screen's size in pixels, (width, height): the header of an uncompressed dump.
